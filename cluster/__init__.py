@@ -1,0 +1,15 @@
+"""Assembly of Strata: configuration, the offline ``LLM`` API and the command line."""
+
+from cluster.llm import LLM
+from replicas.config import KVOffloadConfig, PrefixCacheConfig, SchedulerConfig
+from replicas.outputs import RequestOutput
+from replicas.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM",
+    "KVOffloadConfig",
+    "PrefixCacheConfig",
+    "RequestOutput",
+    "SamplingParams",
+    "SchedulerConfig",
+]

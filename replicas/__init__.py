@@ -1,0 +1,1 @@
+"""One data-parallel replica of a model: its engine, scheduler, KV cache tiers and model."""

@@ -1,0 +1,68 @@
+"""Chained, collision-resistant block hashes: the one thing replicas and the router must agree on.
+
+A block's hash covers its parent's hash, its token ids and the request's cache salt::
+
+    h[0] = blake2b(salt_tag | tokens[0:B])
+    h[i] = blake2b(h[i-1]   | tokens[i*B:(i+1)*B])
+
+so two requests share ``h[i]`` only if they share the first ``(i+1) * B`` tokens *and* the salt.
+The salt enters only the first block; the chain carries it to every later one. Only full blocks
+are hashed. Python's ``hash()`` is never used: a collision would hand one tenant's KV to another.
+"""
+
+from array import array
+from hashlib import blake2b
+
+BlockHash = bytes
+"""A 16-byte digest identifying a block of tokens and everything before it."""
+
+DIGEST_SIZE = 16
+_ROOT_TAG = b"strata-block-v1"
+
+
+def _salt_tag(salt: str | None) -> bytes:
+    if salt is None:
+        return _ROOT_TAG
+    # Length-prefixed so that no salt is a prefix-extension of another.
+    encoded = salt.encode("utf-8")
+    return _ROOT_TAG + len(encoded).to_bytes(4, "little") + encoded
+
+
+def hash_block(
+    parent: BlockHash | None, token_ids: "list[int] | tuple[int, ...]", salt: str | None = None
+) -> BlockHash:
+    """Hash of one full block given its parent's hash (``None`` for the first block)."""
+    prefix = parent if parent is not None else _salt_tag(salt)
+    packed = array("q", token_ids)
+    if packed.itemsize != 8:  # pragma: no cover - every supported platform has 8-byte 'q'
+        raise RuntimeError("array('q') must be 8 bytes wide")
+    return blake2b(prefix + packed.tobytes(), digest_size=DIGEST_SIZE).digest()
+
+
+def block_hashes(
+    token_ids: "list[int] | tuple[int, ...]", block_size: int, salt: str | None = None
+) -> list[BlockHash]:
+    """Hashes of every full block of ``token_ids``, in order (a trailing partial block is not
+    hashed)."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    return extend_block_hashes([], token_ids, block_size, salt)
+
+
+def extend_block_hashes(
+    hashes: list[BlockHash],
+    token_ids: "list[int] | tuple[int, ...]",
+    block_size: int,
+    salt: str | None = None,
+) -> list[BlockHash]:
+    """Append to ``hashes`` the hashes of the full blocks of ``token_ids`` not yet hashed.
+
+    ``hashes`` must hold the hashes of the first ``len(hashes)`` blocks of ``token_ids``. Mutates
+    and returns ``hashes``.
+    """
+    num_full = len(token_ids) // block_size
+    parent = hashes[-1] if hashes else None
+    for i in range(len(hashes), num_full):
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], salt)
+        hashes.append(parent)
+    return hashes

@@ -1,0 +1,107 @@
+"""One request as the engine sees it: its tokens, its block hashes, its progress.
+
+Token regions of a running request::
+
+    |<------------------- num_tokens ------------------------>|
+    |<---- prompt_token_ids ---->|<--- output_token_ids ----->|
+    |<-- num_computed_tokens -->|                             |
+    |<- cached ->|                 KV exists for the computed tokens; the rest is computed next
+    |<- block_hashes: one per full block of all tokens ->|
+
+``num_cached_tokens`` is fixed at the first admission: the prompt tokens found in the prefix
+cache. After a preemption ``num_computed_tokens`` drops to zero and the request is recomputed
+(with whatever the cache still holds); its outputs are kept.
+"""
+
+import enum
+import time
+
+from replicas.hashing import BlockHash, extend_block_hashes
+from replicas.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        block_size: int,
+        *,
+        cache_salt: str | None = None,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.cache_salt = cache_salt
+        self.block_size = block_size
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.block_hashes: list[BlockHash] = []
+        extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt)
+
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.num_cached_tokens: int | None = None
+        self.num_npu_cached_tokens = 0
+        self.num_host_cached_tokens = 0
+
+        self.output_text = ""
+        self.num_emitted_tokens = 0  # outputs already reported (streaming cursor)
+        self.num_emitted_chars = 0
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.is_finished else None
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,126 @@
+"""Continuous batching: which requests run in the next engine step, and how many tokens each.
+
+Each step has a token budget (``max_num_batched_tokens``). Running requests come first, in
+admission order: a decode costs one token, a prompt still being prefilled costs the rest of its
+prompt or whatever budget is left (chunked prefill). Waiting requests are admitted after them,
+oldest first, each starting after its cached prefix.
+
+When the NPU tier cannot give a running request its next block, the most recently admitted
+running request is preempted: its blocks are released (its cached prefix usually survives) and
+it goes back to the front of the queue, to be recomputed later with its outputs kept.
+
+The scheduler never touches tensors or blocks; the KV cache manager owns both decisions about
+blocks and the plan of copies between tiers.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from replicas.config import SchedulerConfig
+from replicas.kv_cache_manager import KVCacheManager, TransferPlan
+from replicas.request import Request, RequestStatus
+
+
+class ScheduledRequest(NamedTuple):
+    request: Request
+    num_new_tokens: int  # computed this step, after request.num_computed_tokens
+    block_ids: list[int]  # the request's NPU blocks, in token order
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's work: each scheduled request with its new tokens and blocks, in batch order."""
+
+    scheduled: list[ScheduledRequest]
+    transfer: TransferPlan
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.transfer
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv_cache.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(self._scheduled(request, num_new))
+                budget -= num_new
+                index += 1
+                continue
+            break  # the request preempted itself: nothing after it can run either
+
+        # Admitting new requests in a step that had to preempt would only thrash.
+        while self.waiting and budget > 0 and not preempted:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            match = self.kv_cache.match_prefix(request)
+            num_computed = match.num_blocks * self.kv_cache.block_size
+            num_new = request.num_tokens - num_computed
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv_cache.allocate_slots(request, num_new, match):
+                break
+            self.kv_cache.record_admission(request, match)
+            self.waiting.popleft()
+            request.num_computed_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+        return SchedulerOutput(scheduled, self.kv_cache.take_transfer_plan(), preempted)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request (stopped, length or aborted) and release its blocks."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif not request.is_finished:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv_cache.free(request)
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        return ScheduledRequest(request, num_new, self.kv_cache.block_ids(request.request_id))
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)

@@ -1,0 +1,1 @@
+"""Routing of requests to data-parallel replicas by cached prefix and load."""
