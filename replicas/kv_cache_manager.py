@@ -6,9 +6,9 @@ which moves the bytes. The simulator drives this very class with no tensors at a
 
 Residency is derived from the two pools' hash maps, never kept in parallel flags::
 
-    NPU only       npu.lookup(h) and not host.lookup(h)    reusable now; lost on NPU eviction
-    host only      host.lookup(h) and not npu.lookup(h)    reload into a new NPU block first
-    NPU and host   both                                    reusable now; survives NPU eviction
+    NPU only       h in the NPU map, not the host map    reusable now; lost on NPU eviction
+    host only      h in the host map, not the NPU map    reload into a new NPU block first
+    NPU and host   h in both maps                        reusable now; survives NPU eviction
 
 Host retention policies (DESIGN section 4):
   * write-through promotion: a *hit* is a new request matching an NPU-resident block (the write
@@ -191,7 +191,7 @@ class KVCacheManager:
         block = self.npu.blocks[npu_id]
         block.num_hits += 1
         threshold = self.write_through_threshold
-        if threshold and block.num_hits >= threshold and not self.host.lookup(block.block_hash):
+        if threshold and block.num_hits >= threshold and not self._on_host(block.block_hash):
             if self._store(npu_id, block.block_hash):
                 self.stats.write_through_promotions += 1
 
@@ -200,10 +200,13 @@ class KVCacheManager:
         for npu_id, block_hash in evicted:
             self.stats.npu_evictions += 1
             self._emit("removed", "npu", block_hash)
-            if self.write_back and not self.host.lookup(block_hash):
+            if self.write_back and not self._on_host(block_hash):
                 if self._store(npu_id, block_hash):
                     self.stats.write_backs += 1
         return block_ids
+
+    def _on_host(self, block_hash: BlockHash) -> bool:
+        return self.host is not None and self.host.lookup(block_hash) is not None
 
     def _store(self, npu_id: int, block_hash: BlockHash) -> bool:
         """Plan a copy of an NPU block to a new host block; False if every host block is locked."""
@@ -230,7 +233,7 @@ class KVCacheManager:
             block_hash = request.block_hashes[i]
             if self.npu.cache(blocks[i], block_hash):
                 self._emit("stored", "npu", block_hash)
-                if self.write_through_threshold == 0 and not self.host.lookup(block_hash):
+                if self.write_through_threshold == 0 and not self._on_host(block_hash):
                     if self._store(blocks[i], block_hash):
                         self.stats.write_through_promotions += 1
         self._num_cached_blocks[request.request_id] = max(start, num_full)
