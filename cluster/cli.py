@@ -124,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
 def _one_line(error: Exception) -> str:
     if isinstance(error, ValidationError):
         first = error.errors()[0]
-        return str(first.get("ctx", {}).get("error") or first["msg"]).removeprefix("Value error, ")
+        message = str(first["msg"]).removeprefix("Value error, ")
+        where = ".".join(str(part) for part in first["loc"])
+        return f"{where}: {message}" if where else message
     return str(error)
 
 

@@ -9,6 +9,7 @@ import torch
 
 from replicas.config import EngineConfig, KVOffloadConfig
 from replicas.kv_cache_manager import CacheStats, KVCacheManager
+from replicas.host_memory import check_host_capacity
 from replicas.kv_transfer import KVTransfer, TransferStats
 from replicas.model import LoadedModel, load_model
 from replicas.model_runner import ModelRunner
@@ -65,6 +66,8 @@ class Engine:
         sched = config.scheduler_config
         offload = sched.kv_offload_config
         num_host_blocks = host_blocks_for(offload, self.num_npu_blocks, block_bytes)
+        if num_host_blocks:
+            check_host_capacity(num_host_blocks * block_bytes)  # before any bookkeeping is built
         self.kv_cache = KVCacheManager(
             self.num_npu_blocks,
             self.block_size,
@@ -142,6 +145,7 @@ class Engine:
             self._check_progress()
             return []
         logits, sampled = self.runner.execute(scheduler_output.scheduled)
+        logits = logits[:, : self.tokenizer.vocab_size]  # never sample padding rows
         requests = [scheduler_output.scheduled[i].request for i in sampled]
         token_ids = self.sampler.sample(logits, requests)
         return self._update(scheduler_output, requests, token_ids)

@@ -4,7 +4,7 @@
 #   * a machine with an NVIDIA driver (nvidia-smi) gets PyPI's default (CUDA) torch;
 #   * any other machine gets torch==2.13.0, which pip takes from a local CPU wheel where one is
 #     provided; set STRATA_TORCH_INDEX_URL (e.g. PyTorch's CPU wheel index) to choose the source.
-# Strata's own requirement (torch>=2.4) is then already satisfied and pip leaves torch alone.
+# Strata's own requirement (torch>=2.5) is then already satisfied and pip leaves torch alone.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${STRATA_VENV:-$ROOT/.venv}"
@@ -18,7 +18,7 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
         echo "strata: NVIDIA GPU found, installing torch with CUDA" >&2
-        "${PIP[@]}" "torch>=2.4"
+        "${PIP[@]}" "torch>=2.5"
     elif [ -n "${STRATA_TORCH_INDEX_URL:-}" ]; then
         "${PIP[@]}" --index-url "$STRATA_TORCH_INDEX_URL" "torch==2.13.0"
     else

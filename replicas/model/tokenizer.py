@@ -1,0 +1,144 @@
+"""Tokenizers: a byte-level one for the built-in models and a wrapper of Hugging Face's."""
+
+import json
+from abc import ABC, abstractmethod
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+
+class Tokenizer(ABC):
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, starting with BOS when the model uses one."""
+
+    @abstractmethod
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids``, special tokens left out."""
+
+    @property
+    @abstractmethod
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int: ...
+
+    @abstractmethod
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        """The prompt text for a chat, ending where the assistant's reply begins."""
+
+
+class ByteTokenizer(Tokenizer):
+    """Ids 0-255 are the UTF-8 bytes of the text; 256 is BOS and 257 is EOS."""
+
+    BOS = 256
+    EOS = 257
+
+    def encode(self, text: str) -> list[int]:
+        return [self.BOS, *text.encode("utf-8")]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return (self.EOS,)
+
+    @property
+    def vocab_size(self) -> int:
+        return 258
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        turns = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+        return turns + "<|assistant|>\n"
+
+
+def _token_content(token: Any) -> str | None:
+    """tokenizer_config.json writes special tokens as strings or as AddedToken dicts."""
+    if isinstance(token, dict):
+        return token.get("content")
+    return token
+
+
+class HFTokenizer(Tokenizer):
+    """A ``tokenizer.json`` with the settings of ``tokenizer_config.json`` beside it.
+
+    BOS is added by the tokenizer's post-processor when it has one, or prepended when
+    ``add_bos_token`` is set; a text that already starts with the BOS token (as rendered chat
+    templates often do) does not get a second one.
+    """
+
+    def __init__(self, directory: str | Path, eos_token_ids: tuple[int, ...] = ()) -> None:
+        from tokenizers import Tokenizer as RustTokenizer
+
+        directory = Path(directory)
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"no tokenizer.json in {directory}")
+        self._tokenizer = RustTokenizer.from_file(str(path))
+        config_path = directory / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.bos_token = _token_content(config.get("bos_token"))
+        self.eos_token = _token_content(config.get("eos_token"))
+        self.bos_token_id = self._id_of(self.bos_token)
+        self._add_bos = bool(config.get("add_bos_token", False)) and self.bos_token_id is not None
+        eos_id = self._id_of(self.eos_token)
+        eos = tuple(eos_token_ids) + (() if eos_id is None else (eos_id,))
+        self._eos_token_ids = tuple(dict.fromkeys(eos))
+        self.chat_template = _pick_chat_template(config.get("chat_template"), directory)
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self._tokenizer.token_to_id(token)
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._tokenizer.encode(text, add_special_tokens=True).ids
+        bos = self.bos_token_id
+        if self._add_bos and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
+        if bos is not None and ids[:2] == [bos, bos]:
+            ids = ids[1:]
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template; send a plain completion instead")
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = lambda value, indent=None: json.dumps(
+            value, indent=indent, ensure_ascii=False
+        )
+        return env.from_string(self.chat_template).render(
+            messages=messages,
+            add_generation_prompt=True,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+
+def _pick_chat_template(template: Any, directory: Path) -> str | None:
+    """The default template from tokenizer_config.json, or chat_template.jinja beside it."""
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default")
+    if template is None and (directory / "chat_template.jinja").is_file():
+        template = (directory / "chat_template.jinja").read_text()
+    return template

@@ -1,0 +1,110 @@
+"""Every invalid configuration fails at start-up with one sentence naming the option."""
+
+import warnings
+
+import pytest
+from pydantic import ValidationError
+
+from cluster import LLM, KVOffloadConfig, PrefixCacheConfig, SchedulerConfig
+from cluster.cli import main
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "option"),
+    [
+        (
+            {"enabled": True, "host_memory_bytes": 2**20, "host_memory_ratio": 1.0},
+            "mutually exclusive",
+        ),
+        ({"enabled": True, "host_memory_ratio": -1.0}, "host_memory_ratio"),
+        ({"enabled": True, "host_memory_bytes": -5}, "host_memory_bytes"),
+        (
+            {"enabled": True, "host_memory_ratio": 1.0, "write_through_threshold": -1},
+            "write_through_threshold",
+        ),
+        ({"enabled": True}, "needs a positive host_memory_bytes or host_memory_ratio"),
+    ],
+)
+def test_offload_config_errors_name_the_option(kwargs, option):
+    with pytest.raises(ValidationError, match=option):
+        KVOffloadConfig(**kwargs)
+
+
+def test_capacity_without_enabled_warns_and_stays_off():
+    with pytest.warns(UserWarning, match="enabled=True"):
+        config = KVOffloadConfig(host_memory_ratio=2.0)
+    assert not config.is_active
+
+
+def test_defaults_are_silent():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config = KVOffloadConfig()
+    assert not config.is_active and config.write_through_threshold == 2
+
+
+def test_host_tier_needs_prefix_caching():
+    with pytest.raises(ValidationError, match="needs prefix caching"):
+        SchedulerConfig(
+            prefix_cache_config=PrefixCacheConfig(enabled=False),
+            kv_offload_config=KVOffloadConfig(enabled=True, host_memory_ratio=1.0),
+        )
+
+
+def test_byte_budget_below_one_block_is_a_startup_error():
+    offload = KVOffloadConfig(enabled=True, host_memory_bytes=1000)
+    with pytest.raises(ValueError, match=r"host-memory-gb.*less than one KV block"):
+        LLM("tiny", scheduler_config=SchedulerConfig(kv_offload_config=offload))
+
+
+def test_ratio_giving_no_block_is_a_startup_error():
+    offload = KVOffloadConfig(enabled=True, host_memory_ratio=0.1)
+    with pytest.raises(ValueError, match="host-memory-ratio"):
+        LLM("tiny", num_npu_blocks=4, scheduler_config=SchedulerConfig(kv_offload_config=offload))
+
+
+def test_host_budget_beyond_machine_memory_is_a_startup_error():
+    offload = KVOffloadConfig(enabled=True, host_memory_bytes=2**50)
+    with pytest.raises(MemoryError, match="GiB of host memory but only"):
+        LLM("tiny", scheduler_config=SchedulerConfig(kv_offload_config=offload))
+
+
+def test_host_capacity_from_ratio_and_bytes():
+    ratio = KVOffloadConfig(enabled=True, host_memory_ratio=2.5)
+    llm = LLM("tiny", num_npu_blocks=10, scheduler_config=SchedulerConfig(kv_offload_config=ratio))
+    assert llm.stats().num_host_blocks == 25
+    block_bytes = llm.engine.runner.block_bytes
+    budget = KVOffloadConfig(enabled=True, host_memory_bytes=7 * block_bytes + 5)
+    llm = LLM("tiny", num_npu_blocks=10, scheduler_config=SchedulerConfig(kv_offload_config=budget))
+    assert llm.stats().num_host_blocks == 7
+    assert llm.engine.transfer.host_bytes == 7 * block_bytes
+
+
+@pytest.mark.parametrize(
+    ("argv", "option"),
+    [
+        (
+            [
+                "--experimental-kv-offload-host-memory-gb",
+                "1",
+                "--experimental-kv-offload-host-memory-ratio",
+                "1",
+            ],
+            "mutually exclusive",
+        ),
+        (["--experimental-kv-offload-host-memory-ratio", "-1"], "host_memory_ratio"),
+        (
+            ["--experimental-kv-offload-write-through-threshold", "-1"],
+            "--experimental-kv-offload-write-through-threshold",
+        ),
+        (
+            ["--no-enable-prefix-caching", "--experimental-kv-offload-host-memory-ratio", "1"],
+            "no-enable-prefix-caching",
+        ),
+        (["--block-size", "0"], "block_size"),
+    ],
+)
+def test_cli_errors_exit_non_zero_with_one_sentence(argv, option, capsys):
+    assert main(["generate", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert option in err and err.startswith("strata: error:") and "\n" not in err

@@ -1,0 +1,213 @@
+"""The replica engine end to end on the built-in model, against cache-off references."""
+
+import random
+
+import pytest
+
+from cluster import LLM, PrefixCacheConfig, SamplingParams, SchedulerConfig
+
+BS = 16
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def shared_prefix_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    base = [rng.randrange(256) for _ in range(160)]
+    return [
+        base[: rng.randrange(20, 160)] + [rng.randrange(256) for _ in range(rng.randrange(1, 30))]
+        for _ in range(n)
+    ]
+
+
+def no_cache() -> SchedulerConfig:
+    return SchedulerConfig(prefix_cache_config=PrefixCacheConfig(enabled=False))
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def assert_clean(llm: LLM) -> None:
+    llm.check_integrity()
+    stats = llm.stats()
+    assert stats.num_running == stats.num_waiting == 0
+    assert llm.engine.kv_cache.npu.num_used == 0
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return shared_prefix_prompts(16)
+
+
+@pytest.fixture(scope="module")
+def reference(prompts) -> list[list[int]]:
+    llm = LLM("tiny", scheduler_config=no_cache())
+    return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+def test_prefix_cache_on_matches_cache_off(prompts, reference):
+    llm = LLM("tiny")
+    outputs = [llm.generate(p, GREEDY) for p in prompts]
+    assert [o.token_ids for o in outputs] == reference
+    # Expected reuse: the longest full-block match against any earlier request's tokens
+    # (prompt and output), always leaving the last prompt token to compute.
+    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
+        best = max(
+            (common_prefix_len(prompt, prompts[j] + reference[j]) for j in range(i)), default=0
+        )
+        expected = min(best // BS, (len(prompt) - 1) // BS) * BS
+        assert output.num_cached_tokens == expected, i
+        assert output.num_npu_cached_tokens == expected and output.num_host_cached_tokens == 0
+    assert sum(o.num_cached_tokens for o in outputs) > 0
+    stats = llm.stats().cache
+    assert stats.queries == sum(len(p) for p in prompts)
+    assert stats.hits == sum(o.num_cached_tokens for o in outputs)
+    assert_clean(llm)
+
+
+def test_preemption_under_a_tiny_pool_keeps_outputs(prompts, reference):
+    llm = LLM(
+        "tiny", num_npu_blocks=24, scheduler_config=SchedulerConfig(max_num_batched_tokens=64)
+    )
+    outputs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == reference
+    assert llm.stats().num_preemptions > 0
+    assert_clean(llm)
+
+
+def test_chunked_prefill_matches_one_shot(prompts, reference):
+    llm = LLM("tiny", scheduler_config=SchedulerConfig(max_num_batched_tokens=7, max_num_seqs=3))
+    outputs = llm.generate(prompts[:4], GREEDY)
+    assert [o.token_ids for o in outputs] == reference[:4]
+    assert_clean(llm)
+
+
+def test_eviction_order_on_a_tiny_pool():
+    llm = LLM("tiny", num_npu_blocks=8, max_model_len=64)
+    one = SamplingParams(max_tokens=1)
+    a = [7] * 49  # 4 blocks, the first 3 full and cached
+    llm.generate(a, one)
+    b = [9] * 49
+    llm.generate(b, one)  # takes the 4 empty blocks
+    c = [11] * 33  # 3 blocks: the empty one, then a's deepest (a was released before b)
+    llm.generate(c, one)
+    assert llm.engine.kv_cache.npu.num_cached == 2 + 3 + 2  # a keeps 2, b 3, c cached 2
+    assert llm.generate([*b, 1], one).num_cached_tokens == 48
+    assert llm.generate([*a, 1], one).num_cached_tokens == 32
+    assert_clean(llm)
+
+
+def test_cache_salt_isolates_prefixes():
+    llm = LLM("tiny")
+    prompt = list(range(100))
+    llm.generate(prompt, GREEDY, cache_salt="tenant-a")
+    assert llm.generate(prompt, GREEDY, cache_salt="tenant-b").num_cached_tokens == 0
+    assert llm.generate(prompt, GREEDY, cache_salt="tenant-a").num_cached_tokens == 96
+
+
+def test_single_and_batched_prompts_and_text():
+    llm = LLM("tiny")
+    one = llm.generate("hello strata", GREEDY)
+    many = llm.generate(["hello strata", [1, 2, 3]], GREEDY)
+    assert isinstance(many, list) and len(many) == 2
+    assert many[0].token_ids == one.token_ids
+    assert one.prompt == "hello strata" and one.prompt_token_ids[0] == 256  # BOS
+    assert one.finish_reason == "length" and len(one.token_ids) == 12
+    assert one.ttft_s is not None and one.ttft_s >= 0
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(["a", "b"], [GREEDY])
+
+
+def test_streamed_pieces_add_up_to_the_text():
+    llm = LLM("tiny")
+    llm.engine.add_request("s", "stream me", SamplingParams(max_tokens=20, ignore_eos=True))
+    pieces, tokens, final = [], [], None
+    while llm.engine.has_unfinished_requests():
+        for output in llm.engine.step():
+            pieces.append(output.new_text)
+            tokens.extend(output.new_token_ids)
+            final = output
+    assert "".join(pieces) == final.text
+    assert tokens == final.token_ids
+
+
+def test_abort_frees_every_block():
+    llm = LLM("tiny")
+    llm.engine.add_request("x", list(range(200)), SamplingParams(max_tokens=50))
+    llm.engine.step()
+    assert llm.engine.kv_cache.npu.num_used > 0
+    output = llm.engine.abort_request("x")
+    assert output.finished and output.finish_reason == "abort"
+    assert_clean(llm)
+    assert llm.engine.abort_request("x") is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "prompt", "message"),
+    [
+        ({"max_model_len": 64}, list(range(64)), "max_model_len"),
+        ({}, [], "empty"),
+        ({}, [1, 999], "vocabulary"),
+    ],
+)
+def test_bad_prompts_are_rejected(kwargs, prompt, message):
+    llm = LLM("tiny", **kwargs)
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompt, GREEDY)
+    assert_clean(llm)
+
+
+def test_max_model_len_larger_than_the_pool_is_a_startup_error():
+    with pytest.raises(ValueError, match="max_model_len=256 exceeds the NPU KV pool"):
+        LLM("tiny", num_npu_blocks=4, max_model_len=256)
+
+
+def test_default_max_model_len_fits_the_pool():
+    llm = LLM("tiny", num_npu_blocks=4)
+    assert llm.engine.max_model_len == 64
+    output = llm.generate(list(range(60)), SamplingParams(max_tokens=50, ignore_eos=True))
+    assert output.finish_reason == "length" and len(output.token_ids) == 4
+
+
+def test_max_tokens_and_stop_conditions():
+    llm = LLM("tiny")
+    prompt = "stop conditions"
+    full = llm.generate(prompt, SamplingParams(max_tokens=16, ignore_eos=True))
+    # stop token id: ends right after that token
+    token = full.token_ids[5]
+    first = full.token_ids.index(token)
+    stopped = llm.generate(prompt, SamplingParams(max_tokens=16, stop_token_ids=[token]))
+    assert stopped.token_ids == full.token_ids[: first + 1] and stopped.finish_reason == "stop"
+    # stop string: text ends before it
+    stop = next(ch for ch in full.text[3:] if ch.isprintable() and ch != "\ufffd")
+    cut = full.text.index(stop)
+    by_string = llm.generate(prompt, SamplingParams(max_tokens=16, stop=[stop], ignore_eos=True))
+    assert by_string.text == full.text[:cut] and by_string.finish_reason == "stop"
+
+
+def test_eos_ends_generation_unless_ignored():
+    llm = LLM("tiny")
+    prompt = "eos"
+    first = llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True)).token_ids[0]
+    llm.engine._eos_token_ids = frozenset({first})
+    assert llm.generate(prompt, SamplingParams(max_tokens=8)).token_ids == [first]
+    ignored = llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert len(ignored.token_ids) == 8
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch():
+    llm = LLM("tiny")
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=7)
+    alone = llm.generate("sample", params)
+    batched = llm.generate(["other", "sample", "more"], [GREEDY, params, GREEDY])[1]
+    assert alone.token_ids == batched.token_ids
+    other_seed = SamplingParams(max_tokens=16, temperature=1.0, seed=8)
+    assert llm.generate("sample", other_seed).token_ids != alone.token_ids
+    top1 = SamplingParams(max_tokens=16, temperature=1.0, top_k=1, ignore_eos=True, seed=3)
+    greedy = SamplingParams(max_tokens=16, ignore_eos=True)
+    assert llm.generate("sample", top1).token_ids == llm.generate("sample", greedy).token_ids

@@ -1,0 +1,31 @@
+import pytest
+
+from cluster import SamplingParams
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.1}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"seed": "x"}, "seed"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": [1]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ],
+)
+def test_invalid_values_raise_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_defaults_and_normalisation():
+    params = SamplingParams(stop="END")
+    assert params.stop == ["END"]
+    assert params.is_greedy and params.max_tokens == 16
+    assert not SamplingParams(temperature=0.5).is_greedy
