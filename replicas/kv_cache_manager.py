@@ -23,11 +23,12 @@ a load lands before attention reads it. Host blocks are locked (ref count) while
 involving them is in flight, so host eviction never takes them.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from replicas.block_pool import BlockPool
 from replicas.hashing import BlockHash
+from replicas.kv_events import KVEvent
 from replicas.request import Request
 
 
@@ -72,14 +73,6 @@ class CacheStats:
     write_backs: int = 0
     blocks_loaded: int = 0
     blocks_stored: int = 0
-    # Blocks stored/removed per tier since the last drain, for routers' prefix indexes.
-    events: list["KVEvent"] = field(default_factory=list)
-
-
-class KVEvent(NamedTuple):
-    kind: str  # "stored" | "removed"
-    tier: str  # "npu" | "host"
-    block_hash: BlockHash
 
 
 class KVCacheManager:
@@ -101,6 +94,7 @@ class KVCacheManager:
         self.write_through_threshold = write_through_threshold if self.host else None
         self.write_back = write_back and self.host is not None
         self.record_events = record_events
+        self._events: list[KVEvent] = []  # since the last drain, for routers' prefix indexes
         self.stats = CacheStats()
         self._req_blocks: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}
@@ -287,12 +281,12 @@ class KVCacheManager:
                     self._emit("removed", pool.name, block_hash)
 
     def drain_events(self) -> list[KVEvent]:
-        events, self.stats.events = self.stats.events, []
+        events, self._events = self._events, []
         return events
 
     def _emit(self, kind: str, tier: str, block_hash: BlockHash) -> None:
         if self.record_events:
-            self.stats.events.append(KVEvent(kind, tier, block_hash))
+            self._events.append(KVEvent(kind, tier, block_hash))
 
     def check_integrity(self) -> None:
         self.npu.check_integrity()
