@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from replicas.config import EngineConfig, KVOffloadConfig
-from replicas.kv_cache_manager import CacheStats, KVCacheManager
 from replicas.host_memory import check_host_capacity
+from replicas.kv_cache_manager import CacheStats, KVCacheManager
 from replicas.kv_transfer import KVTransfer, TransferStats
 from replicas.model import LoadedModel, load_model
 from replicas.model_runner import ModelRunner
