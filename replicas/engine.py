@@ -108,8 +108,7 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = sampling_params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate_prompt(token_ids)
+        token_ids = self.validate_prompt(prompt)
         request = Request(
             request_id,
             token_ids,
@@ -249,7 +248,9 @@ class Engine:
             )
         return self.config.max_model_len
 
-    def _validate_prompt(self, token_ids: list[int]) -> None:
+    def validate_prompt(self, prompt: str | list[int]) -> list[int]:
+        """The prompt's token ids; ``ValueError`` if the engine can never serve it."""
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
         if len(token_ids) >= self.max_model_len:
@@ -269,6 +270,7 @@ class Engine:
                 f"the prompt has {len(token_ids)} tokens, more than max_num_batched_tokens="
                 f"{sched.max_num_batched_tokens}, and chunked prefill is disabled"
             )
+        return token_ids
 
     def _check_progress(self) -> None:
         if self.scheduler.running or not self.scheduler.waiting:

@@ -27,6 +27,7 @@ class RequestOutput:
     first_token_time: float | None
     finish_time: float | None
     prompt: str | None = None
+    replica_index: int | None = None  # set by the replica actor that served it
 
     @property
     def ttft_s(self) -> float | None:

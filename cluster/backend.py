@@ -1,0 +1,114 @@
+"""What the HTTP API needs from a deployment, and the in-process deployment of one replica.
+
+``RayBackend`` (``cluster.deploy``) serves through the router and replica actors;
+``LocalBackend`` runs one engine in this process, for tests and for a single replica without
+Ray. The HTTP app sees only the ``Backend`` protocol.
+"""
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from replicas.async_engine import AsyncEngine
+from replicas.engine import Engine, EngineStats
+from replicas.model import Tokenizer
+from replicas.outputs import RequestOutput
+from replicas.sampling_params import SamplingParams
+
+
+class NoLiveReplicaError(RuntimeError):
+    """No replica can take requests now (HTTP 503)."""
+
+
+class OverloadedError(RuntimeError):
+    """The queue of waiting requests is full (HTTP 429)."""
+
+
+class ReplicaFailedError(RuntimeError):
+    """The replica serving a request died or failed while it ran (HTTP 503)."""
+
+
+@dataclass(slots=True)
+class ReplicaStats:
+    replica_index: int
+    is_alive: bool
+    engine: EngineStats | None  # None when the replica did not answer
+
+
+@dataclass(slots=True)
+class ClusterStats:
+    replicas: list[ReplicaStats]
+    router: Any = None  # router.RouterStats when a router is deployed
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class Backend(Protocol):
+    model_name: str
+    tokenizer: Tokenizer
+    max_model_len: int
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream outputs (cumulative text and tokens, plus this step's delta) until finished.
+
+        Raises before the first output: ``ValueError`` for a prompt the model can never serve,
+        ``NoLiveReplicaError`` or ``OverloadedError``. Raises ``ReplicaFailedError`` mid-stream
+        if the serving replica dies. Closing the iterator early aborts the request."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def num_live_replicas(self) -> int: ...
+
+    async def stats(self) -> ClusterStats: ...
+
+
+class LocalBackend:
+    """One engine in this process (no Ray, no router)."""
+
+    def __init__(
+        self, engine: Engine, model_name: str | None = None, max_waiting_requests: int | None = None
+    ) -> None:
+        self.engine = engine
+        self.async_engine = AsyncEngine(engine)
+        self.model_name = model_name or engine.loaded.name
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.max_waiting_requests = max_waiting_requests
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        limit = self.max_waiting_requests
+        if limit is not None and len(self.engine.scheduler.waiting) >= limit:
+            raise OverloadedError(f"{limit} requests are already waiting; retry later")
+        stream = self.async_engine.generate(
+            request_id, prompt_token_ids, sampling_params, cache_salt
+        )
+        try:
+            async for output in stream:
+                output.replica_index = 0
+                yield output
+        finally:
+            await stream.aclose()
+
+    async def abort(self, request_id: str) -> None:
+        await self.async_engine.abort(request_id)
+
+    async def num_live_replicas(self) -> int:
+        return 1
+
+    async def stats(self) -> ClusterStats:
+        return ClusterStats([ReplicaStats(0, True, self.engine.stats())])
+
+    async def shutdown(self) -> None:
+        await self.async_engine.shutdown()

@@ -1,0 +1,148 @@
+"""An asyncio front for one engine: many concurrent streams, one stepping loop.
+
+The engine is not thread-safe, and its step is CPU-bound, so the loop runs each step in a
+worker thread and touches the engine from the event loop only between steps::
+
+    event loop:  [apply adds/aborts] --> await step in thread --> [dispatch outputs] --> ...
+    callers:     generate() enqueues an add and awaits its queue; abort() enqueues an abort
+
+A consumer that stops iterating (a disconnected client, a cancelled task) aborts its request,
+so every block it held is freed at the next gap between steps.
+"""
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import NamedTuple
+
+from replicas.engine import Engine
+from replicas.outputs import RequestOutput
+from replicas.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class _Add(NamedTuple):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    cache_salt: str | None
+    queue: asyncio.Queue
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; every request in flight fails with this error."""
+
+
+StepHook = Callable[[list[RequestOutput]], None]
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, on_step: StepHook | None = None) -> None:
+        self.engine = engine
+        self._on_step = on_step
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._adds: list[_Add] = []
+        self._aborts: list[str] = []
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._queues)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        sampling_params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs until it finishes. Validation errors (``ValueError``)
+        are raised before anything is yielded."""
+        if self._error is not None:
+            raise EngineDeadError(f"engine loop failed: {self._error}")
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids = self.engine.validate_prompt(prompt)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._adds.append(_Add(request_id, token_ids, sampling_params, cache_salt, queue))
+        self._ensure_loop()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._aborts.append(request_id)
+                self._wake.set()
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with an ``abort`` output."""
+        self._aborts.append(request_id)
+        self._wake.set()
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+        self._wake.set()
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                self._apply_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.clear()
+                    if not self._adds and not self._aborts:
+                        await self._wake.wait()
+                    continue
+                outputs = await asyncio.to_thread(self.engine.step)
+                self._dispatch(outputs)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # every stream must learn of it
+            logger.exception("engine loop failed")
+            self._error = error
+            dead = EngineDeadError(f"engine loop failed: {error}")
+            for queue in self._queues.values():
+                queue.put_nowait(dead)
+
+    def _apply_commands(self) -> None:
+        adds, self._adds = self._adds, []
+        for add in adds:
+            try:
+                self.engine.add_request(
+                    add.request_id,
+                    add.prompt_token_ids,
+                    add.sampling_params,
+                    cache_salt=add.cache_salt,
+                )
+            except ValueError as error:
+                add.queue.put_nowait(error)
+        aborts, self._aborts = self._aborts, []
+        outputs = [out for rid in aborts if (out := self.engine.abort_request(rid)) is not None]
+        self._dispatch(outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            queue = self._queues.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+        if self._on_step is not None and outputs:
+            self._on_step(outputs)
+
+    async def shutdown(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
