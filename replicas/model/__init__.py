@@ -3,7 +3,7 @@
 from replicas.model.batch import ForwardBatch
 from replicas.model.builtin import BUILTIN_MODELS
 from replicas.model.config import KVCacheSpec, ModelArgs
-from replicas.model.loader import LoadedModel, load_model
+from replicas.model.loader import LoadedModel, load_model, load_model_info
 from replicas.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from replicas.model.transformer import Transformer
 
@@ -18,4 +18,5 @@ __all__ = [
     "Tokenizer",
     "Transformer",
     "load_model",
+    "load_model_info",
 ]

@@ -27,24 +27,33 @@ def load_model(
 
     The model comes back in eval mode with gradients off.
     """
+    args, tokenizer = load_model_info(model)
     if model in BUILTIN_MODEL_ARGS:
         net = build_builtin_model(model, seed).to(device=device, dtype=dtype)
-        tokenizer: Tokenizer = ByteTokenizer()
-    elif Path(model).is_dir():
-        net, tokenizer = _load_hf(Path(model), model, device, dtype)
     else:
-        raise ValueError(
-            f"unknown model '{model}': not a built-in model ({', '.join(BUILTIN_MODELS)}) "
-            "and not a local directory"
-        )
+        with torch.device("meta"):
+            net = Transformer(args)
+        net = net.to(dtype=dtype).to_empty(device=device)
+        net.tie_weights()
+        load_safetensors(net, Path(model))
     net.eval()
     net.requires_grad_(False)
     return LoadedModel(name=net.args.name, args=net.args, model=net, tokenizer=tokenizer)
 
 
-def _load_hf(
-    directory: Path, name: str, device: torch.device, dtype: torch.dtype
-) -> tuple[Transformer, Tokenizer]:
+def load_model_info(model: str) -> tuple[ModelArgs, Tokenizer]:
+    """The model's architecture and tokenizer, without loading any weights."""
+    if model in BUILTIN_MODEL_ARGS:
+        return BUILTIN_MODEL_ARGS[model](), ByteTokenizer()
+    if Path(model).is_dir():
+        return _read_hf_config(Path(model), model)
+    raise ValueError(
+        f"unknown model '{model}': not a built-in model ({', '.join(BUILTIN_MODELS)}) "
+        "and not a local directory"
+    )
+
+
+def _read_hf_config(directory: Path, name: str) -> tuple[ModelArgs, Tokenizer]:
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise ValueError(f"no config.json in {directory}")
@@ -54,14 +63,7 @@ def _load_hf(
         eos = json.loads(generation_path.read_text()).get("eos_token_id")
         extra = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         args.eos_token_ids = tuple(dict.fromkeys(args.eos_token_ids + extra))
-    tokenizer = HFTokenizer(directory, eos_token_ids=args.eos_token_ids)
-
-    with torch.device("meta"):
-        net = Transformer(args)
-    net = net.to(dtype=dtype).to_empty(device=device)
-    net.tie_weights()
-    load_safetensors(net, directory)
-    return net, tokenizer
+    return args, HFTokenizer(directory, eos_token_ids=args.eos_token_ids)
 
 
 # Our parameter names -> Hugging Face's, for the parts inside and outside decoder layers.
