@@ -1,10 +1,18 @@
-"""The ``strata`` command line."""
+"""The ``strata`` command line: ``serve`` (HTTP API on Ray) and ``generate`` (offline).
+
+Flags override the YAML config (``--config``); only flags given on the command line override.
+Every invalid combination exits with status 2 and one sentence, before anything starts.
+"""
 
 import argparse
 import sys
 import time
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
+
+if TYPE_CHECKING:
+    from cluster.config import ClusterConfig
 
 DEFAULT_PROMPTS = [
     "You are Strata's demo assistant. Answer briefly and precisely. Question: what is a KV cache?",
@@ -13,72 +21,130 @@ DEFAULT_PROMPTS = [
 ]
 
 
-def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "model",
-        nargs="?",
-        default="tiny",
-        help="built-in model name (tiny, tiny-hybrid) or a local HF directory",
+def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags shared by ``serve``, ``generate`` and ``python -m cluster.job``."""
+    a = parser.add_argument
+    a("model", nargs="?", default=None, help="built-in model (tiny, tiny-hybrid) or HF directory")
+    a("--config", default=None, help="YAML ClusterConfig (see configs/)")
+    a("--data-parallel-size", "-dp", type=int, dest="data_parallel_size")
+    a("--seed", type=int)
+    a("--device")
+    a("--dtype")
+    a("--block-size", type=int)
+    a("--num-npu-blocks", type=int)
+    a("--max-model-len", type=int)
+    a("--max-num-seqs", type=int)
+    a("--max-num-batched-tokens", type=int)
+    a("--no-enable-prefix-caching", action="store_true", default=None)
+    a("--experimental-kv-offload-host-memory-gb", type=float, dest="host_gb")
+    a("--experimental-kv-offload-host-memory-ratio", type=float, dest="host_ratio")
+    a("--experimental-kv-offload-write-through-threshold", type=int, dest="wt_threshold")
+    a("--experimental-kv-offload-write-back", action="store_true", default=None, dest="write_back")
+    a("--data-parallel-routing-policy", choices=["scoring", "round-robin"], dest="policy")
+    a(
+        "--data-parallel-scoring-profile",
+        dest="profile",
+        choices=["balanced", "locality", "load", "custom"],
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-npu-blocks", type=int, default=None)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--no-enable-prefix-caching", action="store_true")
-    parser.add_argument("--experimental-kv-offload-host-memory-gb", type=float, default=0.0)
-    parser.add_argument("--experimental-kv-offload-host-memory-ratio", type=float, default=0.0)
-    parser.add_argument("--experimental-kv-offload-write-through-threshold", type=int, default=2)
-    parser.add_argument("--experimental-kv-offload-write-back", action="store_true")
-    parser.add_argument("--device", default="auto")
+    a("--host")
+    a("--port", type=int)
+    a("--api-key")
+    a("--address", help="join this Ray cluster instead of starting an embedded one")
+    a("--num-cpus", type=float, help="CPUs of the embedded Ray")
 
 
-def _scheduler_config(args: argparse.Namespace):
-    from replicas.config import KVOffloadConfig, PrefixCacheConfig, SchedulerConfig
+def build_config(args: argparse.Namespace) -> "ClusterConfig":
+    """The YAML file, overridden by the flags given; raises ValueError/ValidationError."""
+    from cluster.config import ClusterConfig
 
-    host_bytes = int(args.experimental_kv_offload_host_memory_gb * 2**30)
-    ratio = args.experimental_kv_offload_host_memory_ratio
-    if args.experimental_kv_offload_host_memory_gb < 0:
-        raise ValueError("--experimental-kv-offload-host-memory-gb must be non-negative")
-    threshold = args.experimental_kv_offload_write_through_threshold
-    if threshold < 0:
+    data: dict[str, Any] = {}
+    if args.config:
+        data = ClusterConfig.from_yaml(args.config).model_dump(exclude_unset=True)
+
+    def put(path: str, value: object) -> None:
+        if value is None:
+            return
+        node = data
+        *parents, leaf = path.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+
+    put("data_parallel_size", args.data_parallel_size)
+    for field in (
+        "model",
+        "seed",
+        "device",
+        "dtype",
+        "block_size",
+        "num_npu_blocks",
+        "max_model_len",
+    ):
+        put(f"model.{field}", getattr(args, field))
+    put("scheduler.max_num_seqs", args.max_num_seqs)
+    put("scheduler.max_num_batched_tokens", args.max_num_batched_tokens)
+    if args.no_enable_prefix_caching:
+        put("scheduler.prefix_cache_config.enabled", False)
+    _put_offload(args, data)
+    put("routing.policy", args.policy)
+    put("routing.scoring_profile", args.profile)
+    put("server.host", args.host)
+    put("server.port", args.port)
+    put("server.api_key", args.api_key)
+    put("ray.address", args.address)
+    put("ray.num_cpus", args.num_cpus)
+    return ClusterConfig.model_validate(data)
+
+
+def _put_offload(args: argparse.Namespace, data: dict[str, Any]) -> None:
+    if args.host_gb is not None and args.host_gb < 0:
+        raise ValueError(
+            f"--experimental-kv-offload-host-memory-gb must be non-negative, got {args.host_gb}"
+        )
+    if args.wt_threshold is not None and args.wt_threshold < 0:
         raise ValueError(
             "--experimental-kv-offload-write-through-threshold must be >= 0 "
-            f"(0 disables promotion), got {threshold}"
+            f"(0 disables promotion), got {args.wt_threshold}"
         )
-    offload = KVOffloadConfig(
-        enabled=host_bytes > 0 or ratio != 0,
-        host_memory_bytes=host_bytes or None,
-        host_memory_ratio=ratio,
-        write_through_threshold=threshold or None,
-        write_back=args.experimental_kv_offload_write_back,
-    )
-    return SchedulerConfig(
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        prefix_cache_config=PrefixCacheConfig(enabled=not args.no_enable_prefix_caching),
-        kv_offload_config=offload,
-    )
+    offload = data.setdefault("scheduler", {}).setdefault("kv_offload_config", {})
+    if args.host_gb and args.host_ratio:
+        raise ValueError(
+            "--experimental-kv-offload-host-memory-gb and "
+            "--experimental-kv-offload-host-memory-ratio are mutually exclusive"
+        )
+    if args.host_gb is not None:
+        offload.update(
+            enabled=args.host_gb > 0,
+            host_memory_bytes=int(args.host_gb * 2**30) or None,
+            host_memory_ratio=0.0,
+        )
+    if args.host_ratio is not None:
+        offload.update(
+            enabled=args.host_ratio != 0, host_memory_ratio=args.host_ratio, host_memory_bytes=None
+        )
+    if args.wt_threshold is not None:
+        offload["write_through_threshold"] = args.wt_threshold or None
+    if args.write_back:
+        offload["write_back"] = True
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from cluster.server import serve
+
+    serve(build_config(args))
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
     from cluster.llm import LLM
     from replicas.sampling_params import SamplingParams
 
+    config = build_config(args)
     prompts = args.prompt or DEFAULT_PROMPTS
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed
     )
-    with LLM(
-        args.model,
-        seed=args.seed,
-        block_size=args.block_size,
-        num_npu_blocks=args.num_npu_blocks,
-        max_model_len=args.max_model_len,
-        scheduler_config=_scheduler_config(args),
-        device=args.device,
-    ) as llm:
+    with LLM.from_config(config) as llm:
         start = time.perf_counter()
         outputs = llm.generate(prompts, params)
         elapsed = time.perf_counter() - start
@@ -91,19 +157,18 @@ def _generate(args: argparse.Namespace) -> int:
                 f"    output ({len(output.token_ids)} tokens, {output.finish_reason}): "
                 f"{output.text!r}"
             )
-        cache = llm.stats().cache
-        print(
-            f"{len(outputs)} requests in {elapsed:.2f} s; prefix cache hits "
-            f"{cache.hits}/{cache.queries} prompt tokens"
-        )
+        print(f"{len(outputs)} requests in {elapsed:.2f} s")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata", description="Strata LLM serving")
     commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API on Ray")
+    add_cluster_flags(serve)
+    serve.set_defaults(func=_serve)
     generate = commands.add_parser("generate", help="generate completions offline")
-    _add_engine_flags(generate)
+    add_cluster_flags(generate)
     generate.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     generate.add_argument("--max-tokens", type=int, default=32)
     generate.add_argument("--temperature", type=float, default=0.0)
@@ -117,11 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, ValidationError) as error:
-        print(f"strata: error: {_one_line(error)}", file=sys.stderr)
+        print(f"strata: error: {one_line(error)}", file=sys.stderr)
         return 2
 
 
-def _one_line(error: Exception) -> str:
+def one_line(error: Exception) -> str:
+    """One sentence naming the offending option."""
     if isinstance(error, ValidationError):
         first = error.errors()[0]
         message = str(first["msg"]).removeprefix("Value error, ")

@@ -1,9 +1,17 @@
-"""The offline Python API: ``with LLM("tiny") as llm: llm.generate(prompts)``."""
+"""The offline Python API: ``with LLM("tiny") as llm: llm.generate(prompts)``.
 
+With ``data_parallel_size=1`` the engine runs in this process. With more, ``LLM`` deploys the
+replicas and the router on Ray (embedded local Ray unless one is running) and sends every
+prompt through the router, exactly as the HTTP server does.
+"""
+
+import asyncio
 import itertools
+import threading
 from collections.abc import Sequence
 
-from replicas.config import EngineConfig, SchedulerConfig
+from cluster.config import ClusterConfig, ModelConfig
+from replicas.config import SchedulerConfig
 from replicas.engine import Engine, EngineStats
 from replicas.outputs import RequestOutput
 from replicas.sampling_params import SamplingParams
@@ -12,11 +20,7 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """Generate completions in-process.
-
-    ``data_parallel_size`` greater than 1 needs the Ray deployment of replicas and router, which
-    this build does not include yet; it is rejected rather than silently run on one replica.
-    """
+    """Generate completions offline; see the module docstring."""
 
     def __init__(
         self,
@@ -30,26 +34,42 @@ class LLM:
         data_parallel_size: int = 1,
         **engine_options: object,
     ) -> None:
-        if data_parallel_size != 1:
-            raise ValueError(
-                f"data_parallel_size={data_parallel_size} is not supported by the in-process "
-                "LLM yet; use data_parallel_size=1"
-            )
-        config = EngineConfig(
-            model=model,
-            seed=seed,
-            block_size=block_size,
-            num_npu_blocks=num_npu_blocks,
-            max_model_len=max_model_len,
-            scheduler_config=scheduler_config or SchedulerConfig(),
-            **engine_options,
+        config = ClusterConfig(
+            data_parallel_size=data_parallel_size,
+            model=ModelConfig(
+                model=model,
+                seed=seed,
+                block_size=block_size,
+                num_npu_blocks=num_npu_blocks,
+                max_model_len=max_model_len,
+                **engine_options,
+            ),
+            scheduler=scheduler_config or SchedulerConfig(),
         )
-        self.engine = Engine(config)
-        self._ids = itertools.count()
+        self._setup(config)
 
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+    @classmethod
+    def from_config(cls, config: ClusterConfig) -> "LLM":
+        llm = cls.__new__(cls)
+        llm._setup(config)
+        return llm
+
+    def _setup(self, config: ClusterConfig) -> None:
+        self.config = config
+        self._ids = itertools.count()
+        self.engine: Engine | None = None
+        self.backend = None
+        if config.data_parallel_size == 1:
+            self.engine = Engine(config.engine_config())
+            self.tokenizer = self.engine.tokenizer
+        else:
+            from cluster.deploy import RayBackend
+
+            self.backend = RayBackend(config, name=f"strata-llm-{id(self):x}")
+            self.tokenizer = self.backend.tokenizer
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+            self._thread.start()
 
     def generate(
         self,
@@ -74,6 +94,20 @@ class LLM:
                     "SamplingParams or one per prompt"
                 )
         request_ids = [f"llm-{next(self._ids)}" for _ in batch]
+        if self.engine is not None:
+            outputs = self._run_local(request_ids, batch, params, cache_salt)
+        else:
+            coroutine = self._run_remote(request_ids, batch, params, cache_salt)
+            outputs = asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+        return outputs[0] if single else outputs
+
+    def _run_local(
+        self,
+        request_ids: list[str],
+        batch: list[Prompt],
+        params: list[SamplingParams],
+        cache_salt: str | None,
+    ) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         try:
             for request_id, prompt, p in zip(request_ids, batch, params):
@@ -86,20 +120,49 @@ class LLM:
             for request_id in request_ids:
                 if request_id not in finished:
                     self.engine.abort_request(request_id)
-        outputs = [finished[request_id] for request_id in request_ids]
-        return outputs[0] if single else outputs
+        return [finished[request_id] for request_id in request_ids]
+
+    async def _run_remote(
+        self,
+        request_ids: list[str],
+        batch: list[Prompt],
+        params: list[SamplingParams],
+        cache_salt: str | None,
+    ) -> list[RequestOutput]:
+        async def one(request_id: str, prompt: Prompt, p: SamplingParams) -> RequestOutput:
+            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            final = None
+            async for output in self.backend.generate(request_id, list(token_ids), p, cache_salt):
+                final = output
+            final.prompt = prompt if isinstance(prompt, str) else None
+            return final
+
+        return list(await asyncio.gather(*map(one, request_ids, batch, params)))
 
     def stats(self) -> EngineStats:
+        if self.engine is None:
+            raise ValueError(
+                "stats() reports one in-process engine; with data_parallel_size > "
+                "1 use the backend's stats"
+            )
         return self.engine.stats()
 
     def reset_prefix_cache(self, tier: str = "all") -> None:
         self.engine.reset_prefix_cache(tier)
 
     def check_integrity(self) -> None:
-        self.engine.check_integrity()
+        if self.engine is not None:
+            self.engine.check_integrity()
+        else:
+            self.backend.check_integrity()
 
     def shutdown(self) -> None:
-        self.engine = None  # type: ignore[assignment]
+        if self.backend is not None:
+            self.backend.shutdown()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self.backend = None
+        self.engine = None
 
     def __enter__(self) -> "LLM":
         return self

@@ -48,6 +48,7 @@ class AsyncEngine:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._error: BaseException | None = None
+        self.is_stepping = False
 
     @property
     def num_requests(self) -> int:
@@ -106,7 +107,11 @@ class AsyncEngine:
                     if not self._adds and not self._aborts:
                         await self._wake.wait()
                     continue
-                outputs = await asyncio.to_thread(self.engine.step)
+                self.is_stepping = True
+                try:
+                    outputs = await asyncio.to_thread(self.engine.step)
+                finally:
+                    self.is_stepping = False
                 self._dispatch(outputs)
         except asyncio.CancelledError:
             raise

@@ -1,0 +1,119 @@
+"""The whole deployment's configuration: what ``configs/*.yaml`` holds and flags override.
+
+Scaling is changing ``data_parallel_size``. Each package owns its part (``replicas.config``,
+``router.config``); this module composes them and adds the model, server and Ray sections.
+"""
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from cluster.capacity import kv_block_bytes, plan_replica_offload
+from replicas.config import EngineConfig, SchedulerConfig
+from replicas.model import load_model_info
+from router.config import RoutingConfig
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    model: str = Field("tiny", description="Built-in model name or local Hugging Face directory.")
+    served_model_name: str | None = Field(None, description="Name in the API; default: model.")
+    seed: int = Field(0, description="Seed of built-in weights and unseeded sampling.")
+    dtype: str = Field("float32", description="float32, bfloat16 or float16.")
+    device: str = Field("auto", description="auto (cuda if available), cpu or cuda.")
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
+    num_npu_blocks: int | None = Field(None, ge=1, description="NPU KV blocks per replica.")
+    npu_kv_memory_bytes: int = Field(
+        256 * 2**20, ge=1, description="NPU KV memory per replica when num_npu_blocks is unset."
+    )
+    max_model_len: int | None = Field(None, ge=2, description="Most tokens of one request.")
+
+
+class ServerConfig(_Section):
+    host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 picks a free one).")
+    api_key: str | None = Field(
+        None,
+        description="Bearer key required on every endpoint "
+        "but /health (and /metrics when metrics_public).",
+    )
+    metrics_public: bool = Field(True, description="Serve /metrics without the API key.")
+    max_request_body_bytes: int = Field(1 * 2**20, ge=1024, description="Largest request body.")
+    max_tokens_limit: int | None = Field(None, ge=1, description="Cap on a request's max_tokens.")
+    max_waiting_requests: int = Field(
+        256, ge=1, description="Requests queued per replica before new ones get HTTP 429."
+    )
+
+
+class RayConfig(_Section):
+    address: str | None = Field(
+        None, description="Existing cluster to join; None starts an embedded local Ray."
+    )
+    num_cpus: float | None = Field(None, gt=0, description="CPUs of the embedded local Ray.")
+    namespace: str = Field("strata", description="Ray namespace of Strata's actors.")
+    cpus_per_replica: float = Field(0.5, ge=0, description="CPUs reserved per replica actor.")
+    gpus_per_replica: float = Field(0.0, ge=0, description="GPUs reserved per replica actor.")
+    resources_per_replica: dict[str, float] = Field(
+        default_factory=dict, description="Custom resources per replica, e.g. {'NPU': 1}."
+    )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="How replicas are placed over nodes."
+    )
+    replica_max_restarts: int = Field(
+        -1, ge=-1, description="Ray restarts of a crashed replica (-1: unlimited)."
+    )
+
+
+class ClusterConfig(_Section):
+    data_parallel_size: int = Field(1, ge=1, description="Number of replicas.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+    @model_validator(mode="after")
+    def _sync_routing(self) -> "ClusterConfig":
+        enabled = self.scheduler.prefix_cache_config.enabled
+        if self.routing.enable_prefix_caching != enabled:
+            self.routing = self.routing.model_copy(update={"enable_prefix_caching": enabled})
+        return self
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "ClusterConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"--config {path}: no such file")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"--config {path}: expected a mapping at the top level")
+        return cls.model_validate(data)
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model.served_model_name or self.model.model
+
+    def engine_config(self) -> EngineConfig:
+        """One replica's engine config, with its share of the host budget. Reads the model's
+        config (not its weights) and raises ``ValueError`` if the share holds no block."""
+        args, _ = load_model_info(self.model.model)
+        block_bytes = kv_block_bytes(args, self.model.block_size, self.model.dtype)
+        offload = plan_replica_offload(
+            self.scheduler.kv_offload_config, self.data_parallel_size, block_bytes
+        )
+        return EngineConfig(
+            model=self.model.model,
+            seed=self.model.seed,
+            block_size=self.model.block_size,
+            num_npu_blocks=self.model.num_npu_blocks,
+            npu_kv_memory_bytes=self.model.npu_kv_memory_bytes,
+            max_model_len=self.model.max_model_len,
+            device=self.model.device,
+            dtype=self.model.dtype,
+            scheduler_config=self.scheduler.model_copy(update={"kv_offload_config": offload}),
+        )

@@ -1,0 +1,232 @@
+"""Deployment on Ray: replica actors in a placement group, one router actor, and the backend
+the HTTP API and the offline ``LLM`` use to reach them.
+
+    HTTP app ──route()──▶ RouterActor            (not on the token path)
+        │                     ▲ report(events, generated, finished), fire-and-forget
+        └──generate()──▶ ReplicaActor i ─────────┘   streams outputs back to the app
+
+A health monitor pings every replica; a replica that fails to answer is dropped from routing,
+and one that answers with a new incarnation id (Ray restarted it) rejoins with an empty cache.
+"""
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator
+
+import ray
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.backend import (
+    ClusterStats,
+    NoLiveReplicaError,
+    OverloadedError,
+    ReplicaFailedError,
+    ReplicaStats,
+)
+from cluster.config import ClusterConfig, RayConfig
+from replicas.actor import ReplicaActor, ReplicaOverloadedError
+from replicas.hashing import block_hashes
+from replicas.model import load_model_info
+from replicas.outputs import RequestOutput
+from replicas.sampling_params import SamplingParams
+from router.actor import RouterActor
+from router.router import NoLiveReplicaError as RouterNoLiveReplicaError
+
+logger = logging.getLogger(__name__)
+
+_ACTOR_LOST = (RayActorError, ActorUnavailableError)
+HEALTH_INTERVAL_S = 1.0
+HEALTH_TIMEOUT_S = 10.0
+
+
+def init_ray(config: RayConfig) -> None:
+    """Join ``config.address``, or start an embedded local Ray sized for this machine."""
+    if ray.is_initialized():
+        return
+    if config.address:
+        ray.init(address=config.address, namespace=config.namespace, log_to_driver=True)
+    else:
+        ray.init(
+            num_cpus=config.num_cpus or os.cpu_count(),
+            namespace=config.namespace,
+            include_dashboard=False,
+            log_to_driver=True,
+        )
+
+
+class RayBackend:
+    """Deploys ``config`` on Ray; implements ``cluster.backend.Backend``."""
+
+    def __init__(self, config: ClusterConfig, name: str = "strata") -> None:
+        self.config = config
+        self.name = name
+        engine_config = config.engine_config()  # raises on an impossible host budget
+        init_ray(config.ray)
+        ray_config = config.ray
+        size = config.data_parallel_size
+        bundle = {"CPU": ray_config.cpus_per_replica, **ray_config.resources_per_replica}
+        if ray_config.gpus_per_replica:
+            bundle["GPU"] = ray_config.gpus_per_replica
+        self.placement_group = placement_group(
+            [dict(bundle)] * size, strategy=ray_config.placement_strategy
+        )
+        try:
+            ray.get(self.placement_group.ready(), timeout=120)
+        except GetTimeoutError as error:
+            remove_placement_group(self.placement_group)
+            raise RuntimeError(
+                f"cannot place {size} replicas needing {bundle} each on this Ray cluster "
+                f"({ray.cluster_resources()}); lower data_parallel_size or ray.cpus_per_replica"
+            ) from error
+        self.router = (
+            ray.remote(RouterActor)
+            .options(
+                name=f"{name}-router",
+                num_cpus=0,
+                max_restarts=-1,
+                max_task_retries=-1,
+            )
+            .remote(size, engine_config.block_size, config.routing)
+        )
+        replica_cls = ray.remote(ReplicaActor)
+        self.replicas = [
+            replica_cls.options(
+                name=f"{name}-replica-{i}",
+                num_cpus=ray_config.cpus_per_replica,
+                num_gpus=ray_config.gpus_per_replica,
+                resources=ray_config.resources_per_replica,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, i),
+                max_restarts=ray_config.replica_max_restarts,
+                max_task_retries=0,
+            ).remote(i, engine_config, self.router, config.server.max_waiting_requests)
+            for i in range(size)
+        ]
+        infos = ray.get([replica.info.remote() for replica in self.replicas])
+        self.incarnations: list[str | None] = ray.get([r.ready.remote() for r in self.replicas])
+        self.alive = [True] * size
+        self.max_model_len = int(infos[0]["max_model_len"])
+        self.block_size = engine_config.block_size
+        self.model_name = config.served_model_name
+        _, self.tokenizer = load_model_info(config.model.model)
+        self._monitor: asyncio.Task | None = None
+        logger.info("deployed %d replicas of %s: %s", size, config.model.model, infos)
+
+    # ---- serving -----------------------------------------------------------------------------
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        self._ensure_monitor()
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is "
+                f"{self.max_model_len}: it must be shorter, leaving room for one output token"
+            )
+        hashes = block_hashes(prompt_token_ids, self.block_size, cache_salt)
+        try:
+            decision = await self.router.route.remote(request_id, len(prompt_token_ids), hashes)
+        except RayTaskError as error:
+            if isinstance(error.cause, RouterNoLiveReplicaError):
+                raise NoLiveReplicaError(str(error.cause)) from None
+            raise
+        index = decision.replica_index
+        stream = (
+            self.replicas[index]
+            .generate.options(num_returns="streaming")
+            .remote(request_id, prompt_token_ids, sampling_params, cache_salt)
+        )
+        finished = False
+        try:
+            async for ref in stream:
+                output = await ref
+                finished = output.finished
+                yield output
+        except RayTaskError as error:
+            raise _unwrap(error, index) from None
+        except _ACTOR_LOST as error:
+            self._lost(index)
+            raise ReplicaFailedError(
+                f"replica {index} failed while serving the request: {type(error).__name__}"
+            ) from None
+        finally:
+            if not finished:
+                self.replicas[index].abort.remote(request_id)
+            self.router.release.remote(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        for replica in self.replicas:
+            replica.abort.remote(request_id)
+
+    async def num_live_replicas(self) -> int:
+        self._ensure_monitor()
+        return sum(self.alive)
+
+    async def stats(self) -> ClusterStats:
+        async def one(i: int) -> ReplicaStats:
+            try:
+                engine = await asyncio.wait_for(self.replicas[i].stats.remote(), HEALTH_TIMEOUT_S)
+                return ReplicaStats(i, self.alive[i], engine)
+            except (*_ACTOR_LOST, asyncio.TimeoutError):
+                return ReplicaStats(i, False, None)
+
+        replicas = await asyncio.gather(*(one(i) for i in range(len(self.replicas))))
+        router = await self.router.stats.remote()
+        return ClusterStats(list(replicas), router)
+
+    # ---- health ------------------------------------------------------------------------------
+    def _ensure_monitor(self) -> None:
+        if self._monitor is None or self._monitor.done():
+            self._monitor = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.gather(*(self._check(i) for i in range(len(self.replicas))))
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+
+    async def _check(self, index: int) -> None:
+        try:
+            incarnation = await asyncio.wait_for(
+                self.replicas[index].ready.remote(), HEALTH_TIMEOUT_S
+            )
+        except (*_ACTOR_LOST, asyncio.TimeoutError):
+            self._lost(index)
+            return
+        if not self.alive[index] or incarnation != self.incarnations[index]:
+            logger.warning(
+                "replica %d is back (incarnation %s); it rejoins routing", index, incarnation
+            )
+            self.incarnations[index] = incarnation
+            self.alive[index] = True
+            await self.router.mark_alive.remote(index)
+
+    def _lost(self, index: int) -> None:
+        if self.alive[index]:
+            logger.warning("replica %d is unreachable; removing it from routing", index)
+            self.alive[index] = False
+            self.router.mark_dead.remote(index)
+
+    # ---- admin -------------------------------------------------------------------------------
+    def check_integrity(self) -> list[dict[str, int]]:
+        return ray.get([replica.check_integrity.remote() for replica in self.replicas])
+
+    def shutdown(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+        for actor in [*self.replicas, self.router]:
+            ray.kill(actor, no_restart=True)
+        remove_placement_group(self.placement_group)
+
+
+def _unwrap(error: RayTaskError, index: int) -> Exception:
+    cause = error.cause
+    if isinstance(cause, ReplicaOverloadedError):
+        return OverloadedError(str(cause))
+    if isinstance(cause, ValueError):
+        return ValueError(str(cause))
+    return ReplicaFailedError(f"replica {index} failed: {cause!r}")

@@ -1,0 +1,54 @@
+"""``strata serve``: deploy on Ray and serve the OpenAI-compatible HTTP API until stopped."""
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+import uvicorn
+
+from cluster.config import ClusterConfig
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from cluster.deploy import RayBackend
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(config: ClusterConfig) -> tuple["FastAPI", "RayBackend"]:
+    """The HTTP app over a fresh Ray deployment of ``config``."""
+    from cluster.api.app import create_app
+    from cluster.deploy import RayBackend
+
+    backend = RayBackend(config)
+    server = config.server
+    app = create_app(
+        backend,
+        api_key=server.api_key,
+        max_request_body_bytes=server.max_request_body_bytes,
+        max_tokens_limit=server.max_tokens_limit,
+        metrics_public=server.metrics_public,
+    )
+    return app, backend
+
+
+def serve(config: ClusterConfig) -> None:
+    """Serve until interrupted (Ctrl-C or SIGTERM), then shut every actor down."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    app, backend = build_app(config)
+    server = config.server
+    uvicorn_server = uvicorn.Server(
+        uvicorn.Config(
+            app, host=server.host, port=server.port, log_level="info", timeout_graceful_shutdown=5
+        )
+    )
+    print(
+        f"strata: serving {config.served_model_name} with {config.data_parallel_size} "
+        f"replica(s) on http://{server.host}:{server.port}/v1",
+        flush=True,
+    )
+    try:
+        asyncio.run(uvicorn_server.serve())
+    finally:
+        backend.shutdown()

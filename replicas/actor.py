@@ -1,0 +1,131 @@
+"""``ReplicaActor``: one data-parallel replica as a Ray actor, a thin wrapper of its engine.
+
+It streams each request's outputs to the caller, and after every engine step reports to the
+router (fire-and-forget, in order): the step's KV events with this replica's sequence numbers,
+the tokens each request generated, and the requests that ended. A restarted actor starts with
+an empty cache and sequence 0; the router resynchronises from ``snapshot()`` on any gap.
+"""
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from replicas.async_engine import AsyncEngine
+from replicas.config import EngineConfig
+from replicas.engine import Engine, EngineStats
+from replicas.kv_events import KVEventBatch, KVSnapshot
+from replicas.outputs import RequestOutput
+from replicas.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class ReplicaOverloadedError(RuntimeError):
+    """The replica's waiting queue is full."""
+
+
+class ReplicaActor:
+    def __init__(
+        self,
+        replica_index: int,
+        engine_config: EngineConfig,
+        router: Any = None,
+        max_waiting_requests: int | None = None,
+    ) -> None:
+        self.replica_index = replica_index
+        self.engine = Engine(engine_config)
+        self.engine.kv_cache.record_events = True
+        self.async_engine = AsyncEngine(self.engine, on_step=self._report)
+        self.router = router
+        self.max_waiting_requests = max_waiting_requests
+        self._next_seq = 0
+        self.incarnation = uuid.uuid4().hex  # tells a restarted actor from the one before
+
+    # ---- serving -----------------------------------------------------------------------------
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Streaming generator (call with ``num_returns="streaming"``)."""
+        limit = self.max_waiting_requests
+        if limit is not None and len(self.engine.scheduler.waiting) >= limit:
+            raise ReplicaOverloadedError(
+                f"replica {self.replica_index} has {limit} requests waiting; retry later"
+            )
+        stream = self.async_engine.generate(
+            request_id, prompt_token_ids, sampling_params, cache_salt
+        )
+        try:
+            async for output in stream:
+                output.replica_index = self.replica_index
+                yield output
+        finally:
+            await stream.aclose()
+
+    async def abort(self, request_id: str) -> None:
+        await self.async_engine.abort(request_id)
+
+    # ---- router support ----------------------------------------------------------------------
+    def _report(self, outputs: list[RequestOutput]) -> None:
+        events = tuple(self.engine.kv_cache.drain_events())
+        batch = KVEventBatch(self.replica_index, self._next_seq, events)
+        self._next_seq = batch.next_seq
+        generated = {o.request_id: len(o.new_token_ids) for o in outputs if o.new_token_ids}
+        finished = [o.request_id for o in outputs if o.finished]
+        if self.router is not None and (events or generated or finished):
+            self.router.report.remote(batch, generated, finished)
+
+    async def snapshot(self) -> KVSnapshot:
+        """Every cached hash per tier, consistent with the events published so far."""
+        await self._between_steps()
+        self._report([])  # publish what is pending so the snapshot follows it
+        manager = self.engine.kv_cache
+        host = tuple(manager.host.cached_hashes()) if manager.host else ()
+        return KVSnapshot(
+            self.replica_index, self._next_seq, tuple(manager.npu.cached_hashes()), host
+        )
+
+    # ---- introspection -----------------------------------------------------------------------
+    async def info(self) -> dict[str, int | str]:
+        return {
+            "replica_index": self.replica_index,
+            "max_model_len": self.engine.max_model_len,
+            "block_size": self.engine.block_size,
+            "num_npu_blocks": self.engine.num_npu_blocks,
+            "model": self.engine.loaded.name,
+            "device": str(self.engine.device),
+        }
+
+    async def ready(self) -> str:
+        """This actor's incarnation id: it changes when Ray restarts the replica."""
+        return self.incarnation
+
+    async def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    async def check_integrity(self) -> dict[str, int]:
+        """Run every pool's integrity check between steps; report blocks in use."""
+        await self._between_steps()
+        self.engine.check_integrity()
+        manager = self.engine.kv_cache
+        return {
+            "npu_blocks_used": manager.npu.num_used,
+            "host_blocks_used": manager.host.num_used if manager.host else 0,
+            "num_unfinished": self.engine.scheduler.num_unfinished,
+        }
+
+    async def reset_prefix_cache(self, tier: str = "all") -> None:
+        await self._between_steps()
+        self.engine.reset_prefix_cache(tier)
+        self._report([])
+
+    async def _between_steps(self) -> None:
+        """Wait until no engine step runs in the worker thread (the engine is not thread-safe;
+        the event loop itself never steps)."""
+        while self.async_engine.is_stepping:
+            await asyncio.sleep(0.002)

@@ -1,0 +1,89 @@
+"""``RouterActor``: the ``Router`` as a Ray actor, plus resynchronisation from replica snapshots.
+
+Replicas report to it fire-and-forget after each engine step; the HTTP front asks it for a
+replica per request. It is not on the token path. On an event gap it asks the replica for a
+snapshot; after a restart of the router itself, it rebuilds every replica's index the same way.
+"""
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+import ray
+
+from replicas.hashing import BlockHash
+from replicas.kv_events import KVEventBatch
+from router.config import RoutingConfig
+from router.policies import RouteDecision
+from router.router import Router
+from router.stats import RouterStats
+
+logger = logging.getLogger(__name__)
+
+
+class RouterActor:
+    def __init__(
+        self,
+        num_replicas: int,
+        block_size: int,
+        config: RoutingConfig,
+        replica_name_prefix: str | None = None,
+    ) -> None:
+        self.router = Router(num_replicas, block_size, config)
+        self.replica_name_prefix = replica_name_prefix
+        self._resyncing: set[int] = set()
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            # Ray restarted the router: its index is empty, so rebuild it from snapshots.
+            for index in range(num_replicas):
+                self.router.request_resync(index)
+                self._schedule_resync(index)
+
+    async def route(
+        self, request_id: str, num_prompt_tokens: int, block_hashes: Sequence[BlockHash]
+    ) -> RouteDecision:
+        return self.router.route(request_id, num_prompt_tokens, block_hashes)
+
+    async def report(
+        self, batch: KVEventBatch, generated: dict[str, int], finished: Sequence[str]
+    ) -> None:
+        """One engine step of one replica: its KV events, generated tokens, ended requests."""
+        if not self.router.on_events(batch):
+            self._schedule_resync(batch.replica_index)
+        for request_id, num_tokens in generated.items():
+            self.router.add_generated(request_id, num_tokens)
+        for request_id in finished:
+            self.router.release(request_id)
+
+    async def release(self, request_id: str) -> None:
+        self.router.release(request_id)
+
+    async def mark_dead(self, replica_index: int) -> None:
+        self.router.mark_dead(replica_index)
+
+    async def mark_alive(self, replica_index: int) -> None:
+        """A (restarted) replica is back: it rejoins with the index from its snapshot."""
+        self.router.mark_alive(replica_index)
+        self.router.request_resync(replica_index)
+        self._schedule_resync(replica_index)
+
+    async def live_replicas(self) -> list[int]:
+        return self.router.live_replicas()
+
+    async def stats(self) -> RouterStats:
+        return self.router.stats()
+
+    def _schedule_resync(self, replica_index: int) -> None:
+        if replica_index in self._resyncing or self.replica_name_prefix is None:
+            return
+        self._resyncing.add(replica_index)
+        asyncio.get_event_loop().create_task(self._resync(replica_index))
+
+    async def _resync(self, replica_index: int) -> None:
+        try:
+            replica = ray.get_actor(f"{self.replica_name_prefix}-replica-{replica_index}")
+            snapshot = await replica.snapshot.remote()
+            self.router.resync(snapshot)
+        except Exception as error:  # the replica may be dead or restarting; routing goes on
+            logger.warning("resync of replica %d failed: %s", replica_index, error)
+        finally:
+            self._resyncing.discard(replica_index)
