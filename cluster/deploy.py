@@ -181,8 +181,9 @@ class RayBackend:
 
     # ---- health ------------------------------------------------------------------------------
     def _ensure_monitor(self) -> None:
-        if self._monitor is None or self._monitor.done():
-            self._monitor = asyncio.get_running_loop().create_task(self._watch())
+        loop = asyncio.get_running_loop()
+        if self._monitor is None or self._monitor.done() or self._monitor.get_loop() is not loop:
+            self._monitor = loop.create_task(self._watch())
 
     async def _watch(self) -> None:
         while True:

@@ -1,0 +1,130 @@
+"""The OpenAI-compatible HTTP app over any ``Backend`` (DESIGN sections 3, 7 and 10).
+
+    POST /v1/completions        POST /v1/chat/completions       (JSON, or SSE with stream=true)
+    GET  /v1/models             GET  /v1/models/{model}
+    GET  /health                200 while a replica is alive, else 503 (never needs the key)
+    GET  /metrics               Prometheus text (needs the key unless metrics_public)
+
+Request path: APIKeyGuard (401) -> BodySizeLimit (413) -> route: parse the JSON body (400) ->
+``Serving`` checks and generates. Every error is OpenAI-shaped (``cluster.api.errors``).
+"""
+
+import json
+import logging
+import time
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+from starlette.responses import Response
+
+from cluster.api.errors import APIError, describe_validation_error, install_error_handlers
+from cluster.api.middleware import APIKeyGuard, BodySizeLimit
+from cluster.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from cluster.api.serving import Serving
+from cluster.backend import Backend
+from cluster.metrics import CONTENT_TYPE, StrataMetrics
+
+logger = logging.getLogger(__name__)
+
+B = TypeVar("B", bound=BaseModel)
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 2**20
+
+
+async def read_body(request: Request, model: type[B]) -> B:
+    """The body as ``model``; a 400 saying what is wrong otherwise."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as error:  # JSONDecodeError and bad UTF-8 are ValueErrors
+        raise APIError.bad_request(f"the request body is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise APIError.bad_request(
+            f"the request body must be a JSON object, got {type(data).__name__}"
+        )
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise describe_validation_error(error) from None
+
+
+def create_app(
+    backend: Backend,
+    *,
+    api_key: str | None = None,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    max_tokens_limit: int | None = None,
+    metrics_public: bool = True,
+) -> FastAPI:
+    """The HTTP app serving ``backend``. The caller owns the backend (and shuts it down).
+
+    ``max_tokens_limit`` caps max_tokens (default: the backend's ``max_model_len``); with
+    ``api_key`` set, every path except /health (and /metrics when ``metrics_public``) needs
+    ``Authorization: Bearer <api_key>``."""
+    if max_request_body_bytes < 1:
+        raise ValueError(f"max_request_body_bytes must be positive, got {max_request_body_bytes}")
+    if max_tokens_limit is not None and max_tokens_limit < 1:
+        raise ValueError(f"max_tokens_limit must be positive, got {max_tokens_limit}")
+    metrics = StrataMetrics()
+    serving = Serving(backend, metrics, max_tokens_limit or backend.max_model_len)
+    created = int(time.time())
+    app = FastAPI(title="Strata", summary="OpenAI-compatible API of a Strata deployment")
+    app.state.backend = backend
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
+    if api_key is not None:
+        public_paths = {"/health", "/metrics"} if metrics_public else {"/health"}
+        app.add_middleware(APIKeyGuard, api_key=api_key, public_paths=public_paths)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await read_body(request, CompletionRequest)
+        return await serving.respond(request, serving.completion(body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await read_body(request, ChatCompletionRequest)
+        return await serving.respond(request, serving.chat(body))
+
+    def model_card() -> ModelCard:
+        return ModelCard(
+            id=backend.model_name, created=created, max_model_len=backend.max_model_len
+        )
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> ModelCard:
+        serving.check_model(model)
+        return model_card()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        try:
+            num_live = await backend.num_live_replicas()
+        except Exception:
+            logger.exception("health check: the backend did not answer")
+            num_live = 0
+        if num_live < 1:
+            error = APIError(
+                503, "no replica is alive", type="server_error", code="no_live_replica"
+            )
+            body = {"status": "unavailable", "live_replicas": 0, **error.body()}
+            return JSONResponse(body, status_code=503)
+        return JSONResponse({"status": "ok", "live_replicas": num_live})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        try:
+            stats = await backend.stats()
+        except Exception:
+            logger.warning("metrics: the backend's stats are unavailable", exc_info=True)
+            stats = None
+        return Response(metrics.render(stats), media_type=CONTENT_TYPE)
+
+    return app

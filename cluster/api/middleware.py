@@ -1,0 +1,85 @@
+"""Checks that run before any route: the API key (401), then the body size (413).
+
+Both are plain ASGI middleware, so they never buffer a streaming response and answer in the
+OpenAI error shape without reaching the app.
+"""
+
+import secrets
+from collections.abc import Collection
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from cluster.api.errors import APIError
+
+
+class APIKeyGuard:
+    """Requires ``Authorization: Bearer <api_key>`` on every path but ``public_paths``."""
+
+    def __init__(self, app: ASGIApp, api_key: str, public_paths: Collection[str]) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+        self.public_paths = frozenset(public_paths)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.public_paths:
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization")
+        if given is not None and secrets.compare_digest(given, self._expected):
+            await self.app(scope, receive, send)
+            return
+        message = (
+            "Missing API key: send it as 'Authorization: Bearer <key>'"
+            if given is None
+            else "Incorrect API key provided"
+        )
+        error = APIError(
+            401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+        )
+        await error.response()(scope, receive, send)
+
+
+class BodySizeLimit:
+    """Reads the whole request body (at most ``max_bytes``) before the app runs, answering 413
+    when it is larger; the app then reads it from memory."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(scope, receive, send)
+            return
+        messages: list[Message] = []
+        num_bytes = 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break  # a disconnect: the app will see it
+            num_bytes += len(message.get("body", b""))
+            if num_bytes > self.max_bytes:
+                await self._too_large(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> Message:
+            if messages:
+                return messages.pop(0)
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = APIError(
+            413,
+            f"the request body is larger than this server accepts ({self.max_bytes} bytes)",
+            code="request_too_large",
+        )
+        await error.response()(scope, receive, send)

@@ -1,0 +1,213 @@
+"""Prometheus metrics of a deployment: prefix ``strata_``, label ``replica`` (DESIGN section 8).
+
+Two sources, one exposition:
+
+* replica counters and gauges come from ``Backend.stats()`` at scrape time: the ``/metrics``
+  handler awaits a ``ClusterStats`` snapshot and ``render`` turns it into metric families (the
+  engines already count everything; nothing is double-counted here);
+* request latencies are observed by the HTTP app as outputs stream through it (``track``), on
+  the app's clock, so they include routing and queueing as a client sees them.
+
+Each app owns its ``CollectorRegistry``; nothing lives in module globals. Router metrics will
+come from ``ClusterStats.router`` through ``router_metric_families``.
+"""
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from cluster.backend import ClusterStats, ReplicaStats
+from replicas.engine import EngineStats
+from replicas.outputs import RequestOutput
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+# (name without _total, help, value) of per-replica counters with no label but ``replica``.
+_COUNTERS: list[tuple[str, str, Callable[[EngineStats], float]]] = [
+    ("strata_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+     lambda s: s.cache.queries),
+    ("strata_prefix_cache_hits", "Prompt tokens served from the prefix cache (any tier).",
+     lambda s: s.cache.hits),
+    ("strata_kv_write_through_promotions", "NPU blocks copied to host after repeated hits.",
+     lambda s: s.cache.write_through_promotions),
+    ("strata_kv_write_backs", "NPU-only blocks copied to host when NPU pressure evicted them.",
+     lambda s: s.cache.write_backs),
+    ("strata_kv_blocks_loaded", "Blocks reloaded from host into NPU memory.",
+     lambda s: s.cache.blocks_loaded),
+    ("strata_kv_blocks_stored", "Blocks offloaded from NPU into host memory.",
+     lambda s: s.cache.blocks_stored),
+    ("strata_kv_bytes_loaded", "Bytes reloaded from host into NPU memory.",
+     lambda s: s.transfer.bytes_loaded if s.transfer else 0),
+    ("strata_kv_bytes_stored", "Bytes offloaded from NPU into host memory.",
+     lambda s: s.transfer.bytes_stored if s.transfer else 0),
+    ("strata_kv_transfer_seconds", "Time spent issuing and completing host <-> NPU copies.",
+     lambda s: s.transfer.seconds if s.transfer else 0.0),
+    ("strata_num_preemptions", "Requests preempted for lack of NPU blocks.",
+     lambda s: s.num_preemptions),
+]  # fmt: skip
+
+_GAUGES: list[tuple[str, str, Callable[[EngineStats], float]]] = [
+    ("strata_num_requests_running", "Requests scheduled on the replica.", lambda s: s.num_running),
+    ("strata_num_requests_waiting", "Requests queued on the replica.", lambda s: s.num_waiting),
+]
+
+
+def _replica_families(replicas: list[ReplicaStats]) -> list[Metric]:
+    up = GaugeMetricFamily("strata_replica_up", "1 while the replica answers.", labels=["replica"])
+    counters = [CounterMetricFamily(n, h, labels=["replica"]) for n, h, _ in _COUNTERS]
+    gauges = [GaugeMetricFamily(n, h, labels=["replica"]) for n, h, _ in _GAUGES]
+    hits_by_tier = CounterMetricFamily(
+        "strata_prefix_cache_hits_by_tier",
+        "Prompt tokens served from the prefix cache, by the tier they came from.",
+        labels=["replica", "tier"],
+    )
+    evictions = CounterMetricFamily(
+        "strata_kv_evictions", "Cached blocks evicted, by tier.", labels=["replica", "tier"]
+    )
+    used = GaugeMetricFamily(
+        "strata_kv_blocks_used",
+        "KV blocks holding data (in use or cached), by tier and cache type.",
+        labels=["replica", "tier", "cache_type"],
+    )
+    capacity = GaugeMetricFamily(
+        "strata_kv_blocks_capacity",
+        "KV blocks of the pool, by tier and cache type.",
+        labels=["replica", "tier", "cache_type"],
+    )
+    for replica in replicas:
+        label = str(replica.replica_index)
+        stats = replica.engine
+        up.add_metric([label], 1.0 if replica.is_alive and stats is not None else 0.0)
+        if stats is None:
+            continue
+        for family, (_, _, value) in zip(counters, _COUNTERS):
+            family.add_metric([label], value(stats))
+        for family, (_, _, value) in zip(gauges, _GAUGES):
+            family.add_metric([label], value(stats))
+        hits_by_tier.add_metric([label, "npu"], stats.cache.npu_hits)
+        hits_by_tier.add_metric([label, "host"], stats.cache.host_hits)
+        evictions.add_metric([label, "npu"], stats.cache.npu_evictions)
+        evictions.add_metric([label, "host"], stats.cache.host_evictions)
+        # One cache type until the engine reports hybrid pools separately.
+        used.add_metric([label, "npu", "full"], stats.num_npu_blocks_used)
+        used.add_metric([label, "host", "full"], stats.num_host_blocks_used)
+        capacity.add_metric([label, "npu", "full"], stats.num_npu_blocks)
+        capacity.add_metric([label, "host", "full"], stats.num_host_blocks)
+    return [up, *counters, hits_by_tier, evictions, used, capacity, *gauges]
+
+
+def router_metric_families(router_stats: Any) -> list[Metric]:
+    """Routing decisions and matched fractions per replica, from ``ClusterStats.router``.
+
+    The extension point for the router; empty while no router is deployed (``None``)."""
+    return []
+
+
+def cluster_metric_families(stats: ClusterStats | None) -> list[Metric]:
+    """Every metric family of a stats snapshot; empty when the backend did not answer."""
+    if stats is None:
+        return []
+    return _replica_families(stats.replicas) + router_metric_families(stats.router)
+
+
+class _Scrape:
+    """The app's registry plus one snapshot's families, as one collector."""
+
+    def __init__(self, registry: CollectorRegistry, families: list[Metric]) -> None:
+        self.registry = registry
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.registry.collect()
+        yield from self.families
+
+
+class RequestMetrics:
+    """Latencies of one request, observed as its outputs pass through the app."""
+
+    def __init__(self, metrics: "StrataMetrics") -> None:
+        self._metrics = metrics
+        self._start_s = time.monotonic()
+        self._last_token_s: float | None = None
+        self._replica = "none"  # until an output says which replica serves it
+        self._is_done = False
+
+    def observe(self, output: RequestOutput) -> None:
+        if output.replica_index is not None:
+            self._replica = str(output.replica_index)
+        num_new = len(output.new_token_ids)
+        if num_new == 0:
+            return
+        now = time.monotonic()
+        if self._last_token_s is None:
+            self._metrics.time_to_first_token.labels(self._replica).observe(now - self._start_s)
+            num_new -= 1  # the rest of this output's tokens came with the first one
+        else:
+            gap = (now - self._last_token_s) / num_new
+            for _ in range(num_new):
+                self._metrics.inter_token_latency.labels(self._replica).observe(gap)
+        self._last_token_s = now
+
+    def finish(self, finish_reason: str | None) -> None:
+        """Count the request once, as finished for ``finish_reason`` ("abort" when the client
+        left, "error" when it failed)."""
+        if self._is_done:
+            return
+        self._is_done = True
+        elapsed = time.monotonic() - self._start_s
+        self._metrics.e2e_request_latency.labels(self._replica).observe(elapsed)
+        self._metrics.requests.labels(self._replica, finish_reason or "error").inc()
+
+
+class StrataMetrics:
+    """The metrics of one app: its own histograms and counters, plus replica stats on scrape."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.time_to_first_token = Histogram(
+            "strata_time_to_first_token_seconds",
+            "Time from a request's arrival at the API to its first token.",
+            ["replica"],
+            buckets=_TTFT_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            "strata_inter_token_latency_seconds",
+            "Time between consecutive output tokens of a request.",
+            ["replica"],
+            buckets=_ITL_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.e2e_request_latency = Histogram(
+            "strata_e2e_request_latency_seconds",
+            "Time from a request's arrival at the API to its end.",
+            ["replica"],
+            buckets=_E2E_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.requests = Counter(
+            "strata_requests",
+            "Requests that ended, by replica and finish reason (stop, length, abort, error).",
+            ["replica", "finish_reason"],
+            registry=self.registry,
+        )
+
+    def track(self) -> RequestMetrics:
+        return RequestMetrics(self)
+
+    def render(self, stats: ClusterStats | None) -> bytes:
+        """The Prometheus text exposition of this app's metrics and of ``stats``."""
+        return generate_latest(_Scrape(self.registry, cluster_metric_families(stats)))

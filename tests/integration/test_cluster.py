@@ -1,0 +1,128 @@
+"""The Ray deployment: routing by locality and load, scaling by config, replica faults."""
+
+import asyncio
+import time
+
+import pytest
+
+from cluster.backend import ReplicaFailedError
+from cluster.config import ClusterConfig
+from cluster.deploy import RayBackend
+from replicas.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+def make_config(dp: int = 2, profile: str = "balanced", **model) -> ClusterConfig:
+    return ClusterConfig.model_validate(
+        {
+            "data_parallel_size": dp,
+            "model": {"model": "tiny", "num_npu_blocks": 256, **model},
+            "routing": {"scoring_profile": profile},
+            "ray": {"cpus_per_replica": 0.5},
+        }
+    )
+
+
+async def run_one(
+    backend: RayBackend, request_id: str, tokens: list[int], params: SamplingParams = PARAMS
+):
+    final = None
+    async for output in backend.generate(request_id, tokens, params):
+        final = output
+    return final
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+@pytest.fixture
+def deploy(ray_session):
+    backends = []
+
+    def _deploy(config: ClusterConfig, name: str) -> RayBackend:
+        backend = RayBackend(config, name=name)
+        backends.append(backend)
+        return backend
+
+    yield _deploy
+    for backend in backends:
+        backend.shutdown()
+
+
+def test_locality_keeps_a_shared_prefix_on_one_replica_and_load_spreads(deploy):
+    prefix = list(range(1, 161))  # 10 full blocks
+    local = deploy(make_config(profile="locality"), "t-locality")
+    replicas = []
+    for i in range(6):
+        out = run(run_one(local, f"loc-{i}", [*prefix, 200 + i]))
+        replicas.append(out.replica_index)
+        if i:
+            assert out.num_cached_tokens == 160
+        time.sleep(0.2)  # let the replica's KV events reach the router
+    assert len(set(replicas)) == 1, replicas
+
+    spread = deploy(make_config(profile="load"), "t-load")
+
+    async def concurrent():
+        return await asyncio.gather(
+            *(
+                run_one(
+                    spread,
+                    f"load-{i}",
+                    [*prefix, 200 + i],
+                    SamplingParams(max_tokens=24, ignore_eos=True),
+                )
+                for i in range(6)
+            )
+        )
+
+    outputs = run(concurrent())
+    assert {o.replica_index for o in outputs} == {0, 1}
+    for backend in (local, spread):
+        for report in backend.check_integrity():
+            assert report == {"npu_blocks_used": 0, "host_blocks_used": 0, "num_unfinished": 0}
+
+
+@pytest.mark.parametrize("dp", [2, 3])
+def test_data_parallel_size_sets_the_number_of_replica_actors(deploy, ray_session, dp):
+    backend = deploy(make_config(dp=dp), f"t-dp{dp}")
+    names = ray_session.util.list_named_actors()
+    replicas = {n for n in names if n.startswith(f"t-dp{dp}-replica-")}
+    assert replicas == {f"t-dp{dp}-replica-{i}" for i in range(dp)}
+    assert run(backend.num_live_replicas()) == dp
+    outputs = [run(run_one(backend, f"dp-{i}", [5, 6, 7, i])) for i in range(dp)]
+    assert all(o.finish_reason == "length" for o in outputs)
+
+
+def test_killing_a_replica_fails_only_its_requests_and_it_rejoins(deploy, ray_session):
+    backend = deploy(make_config(profile="load"), "t-kill")
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+
+    async def scenario():
+        streams = [
+            asyncio.ensure_future(run_one(backend, f"k-{i}", [9, 9, i], long)) for i in range(4)
+        ]
+        await asyncio.sleep(1.0)
+        ray_session.kill(backend.replicas[0], no_restart=False)
+        results = await asyncio.gather(*streams, return_exceptions=True)
+        return results
+
+    results = run(scenario())
+    failed = [r for r in results if isinstance(r, Exception)]
+    served = [r for r in results if not isinstance(r, Exception)]
+    assert failed and all(isinstance(r, ReplicaFailedError) for r in failed)
+    assert served and all(r.replica_index == 1 and len(r.token_ids) == 400 for r in served)
+
+    async def after():
+        assert await backend.num_live_replicas() >= 1  # /health stays 200
+        outputs = [await run_one(backend, f"after-{i}", [1, 2, 3, i]) for i in range(3)]
+        deadline = time.monotonic() + 60
+        while await backend.num_live_replicas() < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        return outputs, await backend.num_live_replicas()
+
+    outputs, live = run(after())
+    assert all(o.finish_reason == "length" for o in outputs)
+    assert live == 2  # Ray restarted the replica and it rejoined routing
