@@ -7,6 +7,7 @@ snapshot; after a restart of the router itself, it rebuilds every replica's inde
 
 import asyncio
 import logging
+import warnings
 from collections.abc import Sequence
 
 import ray
@@ -32,7 +33,10 @@ class RouterActor:
         self.router = Router(num_replicas, block_size, config)
         self.replica_name_prefix = replica_name_prefix
         self._resyncing: set[int] = set()
-        if ray.get_runtime_context().was_current_actor_reconstructed:
+        with warnings.catch_warnings():  # Ray's own property uses a deprecated accessor
+            warnings.simplefilter("ignore", DeprecationWarning)
+            restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        if restarted:
             # Ray restarted the router: its index is empty, so rebuild it from snapshots.
             for index in range(num_replicas):
                 self.router.request_resync(index)
@@ -47,7 +51,7 @@ class RouterActor:
         self, batch: KVEventBatch, generated: dict[str, int], finished: Sequence[str]
     ) -> None:
         """One engine step of one replica: its KV events, generated tokens, ended requests."""
-        if not self.router.on_events(batch):
+        if not self.router.on_events(batch) and batch.replica_index in self.router.needs_resync():
             self._schedule_resync(batch.replica_index)
         for request_id, num_tokens in generated.items():
             self.router.add_generated(request_id, num_tokens)

@@ -1,0 +1,109 @@
+"""Configuration of routing: which policy picks a replica and how scoring weighs cache and load.
+
+Validated at start-up, before anything runs; each rule names the CLI option it checks, so a bad
+configuration fails with one sentence that says what to change. ``cluster.config.ClusterConfig``
+composes this model and passes ``enable_prefix_caching`` from the replicas' prefix-cache switch.
+"""
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SCORING_PROFILES: dict[str, tuple[float, float]] = {
+    "balanced": (0.55, 0.45),
+    "locality": (0.90, 0.10),
+    "load": (0.10, 0.90),
+}
+"""Named ``(prefix_weight, load_weight)`` pairs of ``--data-parallel-scoring-profile``."""
+
+DEFAULT_SCORING_PROFILE = "balanced"
+
+
+class RoutingConfig(BaseModel):
+    """How the router picks a data-parallel replica for each request (DESIGN section 6).
+
+    Invariants after validation: ``round-robin`` only with the default profile; explicit weights
+    only with the ``custom`` profile, where both are set, finite, non-negative and not both zero;
+    ``0 <= host_hit_weight <= 1``. ``weights`` is the pair scoring actually uses.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    policy: Literal["scoring", "round-robin"] = Field(
+        "scoring",
+        description="--data-parallel-routing-policy: score replicas by cached prefix and load, "
+        "or cycle over live replicas.",
+    )
+    scoring_profile: Literal["balanced", "locality", "load", "custom"] = Field(
+        DEFAULT_SCORING_PROFILE,
+        description="--data-parallel-scoring-profile: prefix/load weights balanced 0.55/0.45, "
+        "locality 0.90/0.10, load 0.10/0.90, or custom (set both weights).",
+    )
+    prefix_weight: float | None = Field(
+        None,
+        description="--data-parallel-prefix-weight: weight of the prefix score; custom profile "
+        "only.",
+    )
+    load_weight: float | None = Field(
+        None,
+        description="--data-parallel-load-weight: weight of the load score; custom profile only.",
+    )
+    host_hit_weight: float = Field(
+        0.5,
+        description="--data-parallel-host-hit-weight: what a host-only matched block counts for "
+        "in the prefix score, as a fraction of an NPU-matched block (0 to 1).",
+    )
+    enable_prefix_caching: bool = Field(
+        True,
+        description="Whether replicas cache prefixes (--no-enable-prefix-caching turns it off); "
+        "when off, scoring uses the load profile whatever the profile says.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "RoutingConfig":
+        if self.policy == "round-robin" and self.scoring_profile != DEFAULT_SCORING_PROFILE:
+            raise ValueError(
+                f"--data-parallel-scoring-profile {self.scoring_profile} cannot be used with "
+                "--data-parallel-routing-policy round-robin; drop the profile or use scoring"
+            )
+        has_weights = self.prefix_weight is not None or self.load_weight is not None
+        if self.scoring_profile != "custom" and has_weights:
+            raise ValueError(
+                "--data-parallel-prefix-weight and --data-parallel-load-weight need "
+                "--data-parallel-scoring-profile custom"
+            )
+        if self.scoring_profile == "custom":
+            _check_custom_weights(self.prefix_weight, self.load_weight)
+        if not (0.0 <= self.host_hit_weight <= 1.0):
+            raise ValueError(
+                f"--data-parallel-host-hit-weight must be between 0 and 1, "
+                f"got {self.host_hit_weight}"
+            )
+        return self
+
+    @property
+    def weights(self) -> tuple[float, float]:
+        """``(prefix_weight, load_weight)`` in effect: the ``load`` profile when prefix caching
+        is off, the explicit weights for ``custom``, else the named profile's pair."""
+        if not self.enable_prefix_caching:
+            return SCORING_PROFILES["load"]
+        if self.scoring_profile == "custom":
+            assert self.prefix_weight is not None and self.load_weight is not None
+            return (self.prefix_weight, self.load_weight)
+        return SCORING_PROFILES[self.scoring_profile]
+
+
+def _check_custom_weights(prefix_weight: float | None, load_weight: float | None) -> None:
+    for option, value in (
+        ("--data-parallel-prefix-weight", prefix_weight),
+        ("--data-parallel-load-weight", load_weight),
+    ):
+        if value is None:
+            raise ValueError(f"--data-parallel-scoring-profile custom needs {option}")
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{option} must be a non-negative number, got {value}")
+    if prefix_weight == 0 and load_weight == 0:
+        raise ValueError(
+            "--data-parallel-prefix-weight and --data-parallel-load-weight cannot both be zero"
+        )

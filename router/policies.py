@@ -1,0 +1,180 @@
+"""Routing policies: given what each live replica caches and carries, pick one.
+
+A policy only reads: the router computes the prefix matches and owns the loads, and charges the
+chosen replica afterwards. Policies are classes chosen by ``RoutingConfig.policy``
+(``make_policy``), so no method checks which policy is on.
+"""
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import ClassVar, NamedTuple
+
+from router.config import RoutingConfig
+from router.prefix_index import PrefixMatch
+
+
+class RouteDecision(NamedTuple):
+    """Where one request goes, and why (scores of the chosen replica)."""
+
+    replica_index: int
+    prefix_score: float
+    load_score: float
+    score: float
+    num_matched_tokens: int
+    """Prompt tokens cached on the chosen replica in any tier (unweighted), at most the prompt."""
+    num_npu_matched_tokens: int
+    num_host_matched_tokens: int
+
+
+class RoutingPolicy(ABC):
+    """Picks a replica among the live ones; shared scoring helpers live here.
+
+    ``prefix_score`` of a replica whose cached prefix is ``npu`` NPU blocks then ``host`` host-only
+    blocks (in any interleaving), for a prompt of ``P`` tokens::
+
+        prefix_score = min(1, (npu + host_hit_weight * host) * block_size / P)   (0 when P = 0)
+
+    ``load_score`` of live replica i, with ``load`` the active context tokens per replica::
+
+        scale      = max(load[j] for live j) + P
+        load_score = 1 - load[i] / scale                                      (1 when scale = 0)
+
+    so the least loaded replica scores highest, the score lies in (0, 1] for P > 0, and load is
+    measured against the heaviest live replica as it would be after taking this request: a load
+    difference that is small next to the request itself moves the score little.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, block_size: int, host_hit_weight: float) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.host_hit_weight = host_hit_weight
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, config: RoutingConfig, block_size: int) -> "RoutingPolicy": ...
+
+    @abstractmethod
+    def choose(
+        self,
+        live: Sequence[int],
+        matches: Sequence[PrefixMatch],
+        load_tokens: Sequence[int],
+        num_prompt_tokens: int,
+    ) -> RouteDecision:
+        """Pick one of ``live`` (non-empty, ascending replica indices). ``matches`` and
+        ``load_tokens`` are indexed by replica index. Does not charge anything."""
+
+    def prefix_score(self, match: PrefixMatch, num_prompt_tokens: int) -> float:
+        if num_prompt_tokens <= 0:
+            return 0.0
+        weighted_blocks = match.num_npu_blocks + self.host_hit_weight * match.num_host_blocks
+        return min(1.0, weighted_blocks * self.block_size / num_prompt_tokens)
+
+    @staticmethod
+    def load_score(load: int, max_live_load: int, num_prompt_tokens: int) -> float:
+        scale = max_live_load + num_prompt_tokens
+        return 1.0 - load / scale if scale > 0 else 1.0
+
+    def _decision(
+        self,
+        replica: int,
+        match: PrefixMatch,
+        prefix_score: float,
+        load_score: float,
+        score: float,
+        num_prompt_tokens: int,
+    ) -> RouteDecision:
+        num_npu = min(match.num_npu_blocks * self.block_size, num_prompt_tokens)
+        num_matched = min(match.num_blocks * self.block_size, num_prompt_tokens)
+        return RouteDecision(
+            replica, prefix_score, load_score, score, num_matched, num_npu, num_matched - num_npu
+        )
+
+
+class ScoringPolicy(RoutingPolicy):
+    """Highest ``prefix_weight * prefix_score + load_weight * load_score`` wins; an exact tie goes
+    to the lowest-index live replica."""
+
+    name = "scoring"
+
+    def __init__(
+        self, block_size: int, host_hit_weight: float, prefix_weight: float, load_weight: float
+    ) -> None:
+        super().__init__(block_size, host_hit_weight)
+        self.prefix_weight = prefix_weight
+        self.load_weight = load_weight
+
+    @classmethod
+    def from_config(cls, config: RoutingConfig, block_size: int) -> "ScoringPolicy":
+        prefix_weight, load_weight = config.weights
+        return cls(block_size, config.host_hit_weight, prefix_weight, load_weight)
+
+    def choose(
+        self,
+        live: Sequence[int],
+        matches: Sequence[PrefixMatch],
+        load_tokens: Sequence[int],
+        num_prompt_tokens: int,
+    ) -> RouteDecision:
+        max_live_load = max(load_tokens[replica] for replica in live)
+        best: tuple[float, int, float, float] | None = None
+        for replica in live:  # ascending, and only a strictly higher score replaces the best
+            prefix_score = self.prefix_score(matches[replica], num_prompt_tokens)
+            load_score = self.load_score(load_tokens[replica], max_live_load, num_prompt_tokens)
+            score = self.prefix_weight * prefix_score + self.load_weight * load_score
+            if best is None or score > best[0]:
+                best = (score, replica, prefix_score, load_score)
+        assert best is not None, "choose needs at least one live replica"
+        score, replica, prefix_score, load_score = best
+        return self._decision(
+            replica, matches[replica], prefix_score, load_score, score, num_prompt_tokens
+        )
+
+
+class RoundRobinPolicy(RoutingPolicy):
+    """Cycles over the live replicas in index order, skipping dead ones: the next live replica
+    after the one chosen last (wrapping). Does not score: ``score`` is 0.0, while
+    ``prefix_score`` and ``load_score`` are the chosen replica's, for metrics."""
+
+    name = "round-robin"
+
+    def __init__(self, block_size: int, host_hit_weight: float) -> None:
+        super().__init__(block_size, host_hit_weight)
+        self._next_replica = 0
+
+    @classmethod
+    def from_config(cls, config: RoutingConfig, block_size: int) -> "RoundRobinPolicy":
+        return cls(block_size, config.host_hit_weight)
+
+    def choose(
+        self,
+        live: Sequence[int],
+        matches: Sequence[PrefixMatch],
+        load_tokens: Sequence[int],
+        num_prompt_tokens: int,
+    ) -> RouteDecision:
+        replica = next((r for r in live if r >= self._next_replica), live[0])
+        self._next_replica = replica + 1
+        max_live_load = max(load_tokens[r] for r in live)
+        return self._decision(
+            replica,
+            matches[replica],
+            self.prefix_score(matches[replica], num_prompt_tokens),
+            self.load_score(load_tokens[replica], max_live_load, num_prompt_tokens),
+            0.0,
+            num_prompt_tokens,
+        )
+
+
+POLICIES: dict[str, type[RoutingPolicy]] = {
+    policy.name: policy for policy in (ScoringPolicy, RoundRobinPolicy)
+}
+"""Policy classes by ``--data-parallel-routing-policy`` name."""
+
+
+def make_policy(config: RoutingConfig, block_size: int) -> RoutingPolicy:
+    """The policy ``config.policy`` names, configured from ``config``."""
+    return POLICIES[config.policy].from_config(config, block_size)

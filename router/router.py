@@ -1,0 +1,201 @@
+"""The router: picks a data-parallel replica for each request and keeps its view of the replicas
+(cached prefixes, load, liveness) up to date. Plain class; ``router.actor`` wraps it for Ray."""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from replicas.hashing import BlockHash
+from replicas.kv_events import KVEventBatch, KVSnapshot
+from router.config import RoutingConfig
+from router.load import LoadTracker
+from router.policies import RouteDecision, make_policy
+from router.prefix_index import PrefixIndex
+from router.stats import ReplicaRoutingStats, RouterStats, RoutingCounters
+
+
+class NoLiveReplicaError(RuntimeError):
+    """Raised by ``Router.route`` when every replica is marked dead."""
+
+
+@dataclass(slots=True)
+class _ReplicaSync:
+    """Liveness and event position of one replica."""
+
+    is_live: bool = True
+    next_seq: int = 0
+    """Sequence number of the next event the index expects from the replica."""
+    needs_resync: bool = False
+
+
+class Router:
+    """Routes requests (score → choose → charge) and follows each replica's KV events.
+
+    Event stream of one replica, against the index's position ``next_seq``::
+
+        events applied: 0 .. next_seq-1 | expected: next_seq ...
+        batch wholly before next_seq            -> stale: ignored, returns True
+        batch starting at or before next_seq    -> its unseen tail is applied, returns True
+        batch starting after next_seq (a gap)   -> replica needs resync: returns False, and every
+                                                   batch is ignored until resync(snapshot), after
+                                                   which events continue from snapshot.next_seq
+
+    A replica awaiting resync is still routed to, on its last known (possibly stale) index. A dead
+    replica is neither routed to nor indexed; its index and load are dropped at once, and its
+    requests' later completion or abort releases nothing. Not thread-safe: the actor serialises
+    calls.
+    """
+
+    def __init__(self, num_replicas: int, block_size: int, config: RoutingConfig) -> None:
+        if num_replicas <= 0:
+            raise ValueError(f"num_replicas must be positive, got {num_replicas}")
+        self.num_replicas = num_replicas
+        self.block_size = block_size
+        self.config = config
+        self._policy = make_policy(config, block_size)
+        self._index = PrefixIndex(num_replicas)
+        self._load = LoadTracker(num_replicas)
+        self._sync = [_ReplicaSync() for _ in range(num_replicas)]
+        self._counters = [RoutingCounters() for _ in range(num_replicas)]
+        self._live: list[int] = list(range(num_replicas))  # ascending; rebuilt on liveness change
+
+    def route(
+        self, request_id: str, num_prompt_tokens: int, block_hashes: Sequence[BlockHash]
+    ) -> RouteDecision:
+        """Pick a live replica for a new request and charge its prompt tokens there (mutates).
+
+        ``block_hashes`` are the prompt's full-block hashes. Raises NoLiveReplicaError when no
+        replica is live, ValueError when ``request_id`` is already routed and not released.
+        """
+        if not self._live:
+            raise NoLiveReplicaError(f"no live replica among {self.num_replicas} to route to")
+        loads = self._load.load_tokens
+        matches = self._index.match(block_hashes, self._live)  # score
+        decision = self._policy.choose(self._live, matches, loads, num_prompt_tokens)  # choose
+        self._load.charge(request_id, decision.replica_index, num_prompt_tokens)  # charge
+        self._counters[decision.replica_index].record_route(
+            decision.num_matched_tokens, decision.num_npu_matched_tokens, num_prompt_tokens
+        )
+        return decision
+
+    def add_generated(self, request_id: str, num_tokens: int) -> None:
+        """Charge newly generated tokens to the request's replica; no-op once released."""
+        self._load.add_generated(request_id, num_tokens)
+
+    def release(self, request_id: str) -> None:
+        """Release the request's load at completion or abort; idempotent."""
+        self._load.release(request_id)
+
+    def on_events(self, batch: KVEventBatch) -> bool:
+        """Apply a replica's KV event batch in order (mutates; see the class docstring).
+
+        Returns True when the index is in step with the batch (applied, or stale and ignored),
+        False when it was not applied: a gap (the replica now needs resync), a resync already
+        pending, or a dead replica.
+        """
+        sync = self._replica_sync(batch.replica_index)
+        if not sync.is_live or sync.needs_resync:
+            return False
+        if batch.first_seq > sync.next_seq:
+            sync.needs_resync = True
+            self._counters[batch.replica_index].num_event_gaps += 1
+            return False
+        if batch.next_seq <= sync.next_seq:
+            return True
+        num_seen = sync.next_seq - batch.first_seq
+        if num_seen:
+            batch = batch._replace(first_seq=sync.next_seq, events=batch.events[num_seen:])
+        self._index.apply(batch)
+        sync.next_seq = batch.next_seq
+        return True
+
+    def needs_resync(self) -> list[int]:
+        """Live replicas whose index missed events and awaits a snapshot, ascending."""
+        return [i for i, sync in enumerate(self._sync) if sync.is_live and sync.needs_resync]
+
+    def request_resync(self, replica: int) -> None:
+        """Mark a live replica's index as untrusted (mutates): its events are ignored until
+        ``resync(snapshot)``, e.g. after the router itself restarted with an empty index."""
+        sync = self._replica_sync(replica)
+        if sync.is_live:
+            sync.needs_resync = True
+
+    def resync(self, snapshot: KVSnapshot) -> bool:
+        """Replace the replica's index by ``snapshot`` and expect events from its ``next_seq``
+        (mutates). Ignored (returns False) for a dead replica, and for a replica in step whose
+        index is already past the snapshot."""
+        replica = snapshot.replica_index
+        sync = self._replica_sync(replica)
+        if not sync.is_live or (not sync.needs_resync and snapshot.next_seq < sync.next_seq):
+            return False
+        self._index.load_snapshot(snapshot)
+        sync.next_seq = snapshot.next_seq
+        sync.needs_resync = False
+        self._counters[replica].num_resyncs += 1
+        return True
+
+    def mark_dead(self, replica: int) -> None:
+        """Stop routing to ``replica`` and drop its index and load (mutates; idempotent)."""
+        sync = self._replica_sync(replica)
+        sync.is_live = False
+        sync.needs_resync = False
+        self._index.clear_replica(replica)
+        self._load.clear_replica(replica)
+        self._live = [i for i, s in enumerate(self._sync) if s.is_live]
+
+    def mark_alive(self, replica: int, next_seq: int = 0) -> None:
+        """(Re)join ``replica`` as a fresh process (mutates): empty index and no load, expecting
+        events from ``next_seq``. On a live replica this resets it the same way (a restart)."""
+        sync = self._replica_sync(replica)
+        self._index.clear_replica(replica)
+        self._load.clear_replica(replica)
+        sync.is_live = True
+        sync.next_seq = next_seq
+        sync.needs_resync = False
+        self._live = [i for i, s in enumerate(self._sync) if s.is_live]
+
+    def live_replicas(self) -> list[int]:
+        """Indices of the replicas routed to, ascending."""
+        return list(self._live)
+
+    def stats(self) -> RouterStats:
+        """A consistent copy of every replica's counters, load and index size."""
+        replicas = []
+        for i, (sync, counters) in enumerate(zip(self._sync, self._counters)):
+            buckets = counters.cumulative_bucket_counts()
+            replicas.append(
+                ReplicaRoutingStats(
+                    replica_index=i,
+                    is_live=sync.is_live,
+                    needs_resync=sync.needs_resync,
+                    num_requests_routed=counters.num_requests_routed,
+                    num_matched_tokens=counters.num_matched_tokens,
+                    num_npu_matched_tokens=counters.num_npu_matched_tokens,
+                    num_host_matched_tokens=counters.num_host_matched_tokens,
+                    matched_fraction_sum=counters.matched_fraction_sum,
+                    matched_fraction_count=buckets[-1],
+                    matched_fraction_bucket_counts=buckets,
+                    load_tokens=self._load.load_tokens[i],
+                    num_indexed_npu_blocks=self._index.num_npu_blocks(i),
+                    num_indexed_host_blocks=self._index.num_host_blocks(i),
+                    num_event_gaps=counters.num_event_gaps,
+                    num_resyncs=counters.num_resyncs,
+                )
+            )
+        return RouterStats(replicas=tuple(replicas), num_indexed_hashes=len(self._index))
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless the index, the loads and the live list agree."""
+        self._index.check_integrity()
+        self._load.check_integrity()
+        assert self._live == [i for i, s in enumerate(self._sync) if s.is_live], "live list stale"
+        for i, sync in enumerate(self._sync):
+            if not sync.is_live:
+                assert not self._index.num_npu_blocks(i) and not self._index.num_host_blocks(i), (
+                    f"dead replica {i} still indexed"
+                )
+                assert self._load.load_tokens[i] == 0, f"dead replica {i} still carries load"
+
+    def _replica_sync(self, replica: int) -> _ReplicaSync:
+        if not 0 <= replica < self.num_replicas:
+            raise ValueError(f"replica index {replica} out of range 0..{self.num_replicas - 1}")
+        return self._sync[replica]

@@ -1,0 +1,81 @@
+"""Per-replica routing counters, read by the metrics exporter (DESIGN section 8)."""
+
+from bisect import bisect_left
+from dataclasses import dataclass, field
+
+MATCHED_FRACTION_BUCKETS: tuple[float, ...] = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+"""Upper bounds (``le``) of the matched-fraction histogram buckets."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaRoutingStats:
+    """One replica as the router sees it, at one instant.
+
+    ``matched_fraction_bucket_counts[k]`` counts decisions whose matched fraction (matched prompt
+    tokens in any tier / prompt tokens) is at most ``MATCHED_FRACTION_BUCKETS[k]``: cumulative,
+    as a Prometheus histogram wants it, so the last bucket equals ``matched_fraction_count``.
+    """
+
+    replica_index: int
+    is_live: bool
+    needs_resync: bool
+    num_requests_routed: int
+    num_matched_tokens: int
+    num_npu_matched_tokens: int
+    num_host_matched_tokens: int
+    matched_fraction_sum: float
+    matched_fraction_count: int
+    matched_fraction_bucket_counts: tuple[int, ...]
+    load_tokens: int
+    num_indexed_npu_blocks: int
+    num_indexed_host_blocks: int
+    num_event_gaps: int
+    num_resyncs: int
+
+
+@dataclass(frozen=True, slots=True)
+class RouterStats:
+    """Every replica's routing counters, indexed by replica index."""
+
+    replicas: tuple[ReplicaRoutingStats, ...]
+    num_indexed_hashes: int
+    """Distinct block hashes held by at least one replica."""
+
+
+@dataclass(slots=True)
+class RoutingCounters:
+    """Monotonic counters of one replica, owned and updated by ``Router``.
+
+    They survive death and rejoin (counters never go down); only the index and load are cleared.
+    """
+
+    num_requests_routed: int = 0
+    num_matched_tokens: int = 0
+    num_npu_matched_tokens: int = 0
+    num_host_matched_tokens: int = 0
+    matched_fraction_sum: float = 0.0
+    num_event_gaps: int = 0
+    num_resyncs: int = 0
+    bucket_counts: list[int] = field(default_factory=lambda: [0] * len(MATCHED_FRACTION_BUCKETS))
+    """Decisions per matched-fraction bucket, not cumulative: ``bucket_counts[k]`` counts
+    fractions in ``(MATCHED_FRACTION_BUCKETS[k - 1], MATCHED_FRACTION_BUCKETS[k]]``."""
+
+    def record_route(
+        self, num_matched_tokens: int, num_npu_tokens: int, num_prompt_tokens: int
+    ) -> None:
+        """Count one decision for this replica (mutates)."""
+        fraction = num_matched_tokens / num_prompt_tokens if num_prompt_tokens > 0 else 0.0
+        self.num_requests_routed += 1
+        self.num_matched_tokens += num_matched_tokens
+        self.num_npu_matched_tokens += num_npu_tokens
+        self.num_host_matched_tokens += num_matched_tokens - num_npu_tokens
+        self.matched_fraction_sum += fraction
+        self.bucket_counts[bisect_left(MATCHED_FRACTION_BUCKETS, fraction)] += 1
+
+    def cumulative_bucket_counts(self) -> tuple[int, ...]:
+        total = 0
+        cumulative = []
+        for count in self.bucket_counts:
+            total += count
+            cumulative.append(total)
+        return tuple(cumulative)

@@ -1,0 +1,126 @@
+"""``ray job submit`` of a batch job onto a Ray head started with token authentication."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def ray_head(tmp_path):
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
+    gcs, dashboard = free_port(), free_port()
+    head = subprocess.Popen(
+        [
+            str(BIN / "ray"),
+            "start",
+            "--head",
+            "--block",
+            f"--port={gcs}",
+            "--num-cpus=2",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dashboard}",
+            "--disable-usage-stats",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    address = f"http://127.0.0.1:{dashboard}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        probe = subprocess.run(
+            [str(BIN / "ray"), "job", "list", "--address", address],
+            env=env,
+            capture_output=True,
+            timeout=60,
+        )
+        if probe.returncode == 0:
+            break
+        time.sleep(2)
+    else:
+        os.killpg(head.pid, signal.SIGTERM)
+        pytest.fail("the Ray head's jobs API did not come up within 120 s")
+    yield address, env
+    os.killpg(head.pid, signal.SIGTERM)
+    try:
+        head.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(head.pid, signal.SIGKILL)
+
+
+def test_batch_job_through_ray_job_submit(ray_head, tmp_path):
+    address, env = ray_head
+    prompts = tmp_path / "prompts.jsonl"
+    shared = "You are a helpful assistant for Strata users. " * 4
+    lines = [
+        {"id": f"p{i}", "prompt": shared + f"Question {i}?", "max_tokens": 6} for i in range(6)
+    ]
+    prompts.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    results = tmp_path / "results.jsonl"
+    submit = subprocess.run(
+        [
+            str(BIN / "ray"),
+            "job",
+            "submit",
+            "--address",
+            address,
+            "--working-dir",
+            str(ROOT),
+            "--",
+            "python",
+            "-m",
+            "cluster.job",
+            "--config",
+            "configs/default.yaml",
+            "--input",
+            str(prompts),
+            "--output",
+            str(results),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
+    assert "succeeded" in submit.stdout
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [f"p{i}" for i in range(6)]
+    assert all(len(r["token_ids"]) == 6 and r["finish_reason"] == "length" for r in rows)
+    assert {r["replica_index"] for r in rows} <= {0, 1}
+    assert sum(r["num_cached_tokens"] for r in rows) > 0  # the shared prefix was reused
+
+
+def test_job_submit_without_a_token_is_refused(ray_head):
+    address, env = ray_head
+    bare = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH")}
+    bare["RAY_AUTH_MODE"] = "token"
+    bare["HOME"] = "/nonexistent-strata-home"  # no saved token to fall back on
+    bare.pop("RAY_AUTH_TOKEN", None)
+    refused = subprocess.run(
+        [str(BIN / "ray"), "job", "list", "--address", address],
+        env=bare,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode != 0
+    print("REFUSED:", refused.stdout[-500:], refused.stderr[-800:])

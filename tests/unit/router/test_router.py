@@ -1,0 +1,207 @@
+import pytest
+
+from replicas.kv_events import KVEvent, KVEventBatch, KVSnapshot
+from router.config import RoutingConfig
+from router.router import NoLiveReplicaError, Router
+from router.stats import MATCHED_FRACTION_BUCKETS
+
+BLOCK = 16
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def stored(*indices: int, tier: str = "npu") -> tuple[KVEvent, ...]:
+    return tuple(KVEvent("stored", tier, h(i)) for i in indices)
+
+
+def removed(*indices: int, tier: str = "npu") -> tuple[KVEvent, ...]:
+    return tuple(KVEvent("removed", tier, h(i)) for i in indices)
+
+
+def prompt(*indices: int) -> list[bytes]:
+    return [h(i) for i in indices]
+
+
+def make_router(num_replicas: int = 3, **config) -> Router:
+    return Router(num_replicas, BLOCK, RoutingConfig(**config))
+
+
+def test_route_prefers_the_cached_prefix_and_charges_the_prompt():
+    router = make_router()
+    assert router.on_events(KVEventBatch(2, 0, stored(1, 2, 3)))
+    decision = router.route("a", 64, prompt(1, 2, 3, 4))
+    assert decision.replica_index == 2
+    assert (decision.num_matched_tokens, decision.num_npu_matched_tokens) == (48, 48)
+    assert decision.prefix_score == 0.75 and decision.load_score == 1.0
+    assert decision.score == pytest.approx(0.55 * 0.75 + 0.45)
+    assert router.stats().replicas[2].load_tokens == 64
+    router.check_integrity()
+
+
+def test_load_spreads_cold_requests_and_is_released_idempotently():
+    router = make_router(2)
+    assert router.route("a", 100, []).replica_index == 0  # tie: lowest index
+    assert router.route("b", 100, []).replica_index == 1  # replica 0 now carries load
+    router.add_generated("a", 50)
+    assert router.route("c", 10, []).replica_index == 1  # 150 on 0 vs 100 on 1
+    assert [r.load_tokens for r in router.stats().replicas] == [150, 110]
+    router.release("a")
+    router.release("a")  # completion and abort may both arrive
+    router.add_generated("a", 5)
+    assert [r.load_tokens for r in router.stats().replicas] == [0, 110]
+    assert router.route("d", 10, []).replica_index == 0
+    router.check_integrity()
+
+
+def test_a_request_id_cannot_be_routed_twice_while_active():
+    router = make_router()
+    router.route("a", 16, [])
+    with pytest.raises(ValueError, match="already routed"):
+        router.route("a", 16, [])
+
+
+def test_event_gap_needs_resync_and_events_wait_for_the_snapshot():
+    router = make_router(2)
+    assert router.on_events(KVEventBatch(1, 0, stored(1)))
+    assert not router.on_events(KVEventBatch(1, 2, stored(2)))  # event 1 was lost
+    assert router.needs_resync() == [1]
+    assert not router.on_events(KVEventBatch(1, 1, stored(3)))  # ignored until resync
+    assert router.route("a", 32, prompt(1, 3)).num_matched_tokens == 16  # stale index still used
+    assert router.resync(KVSnapshot(1, 5, npu_hashes=(h(1), h(2)), host_hashes=(h(3),)))
+    assert router.needs_resync() == []
+    assert router.route("b", 48, prompt(1, 2, 3)).num_host_matched_tokens == 16
+    assert router.on_events(KVEventBatch(1, 4, removed(1)))  # already covered by the snapshot
+    assert router.route("c", 16, prompt(1)).num_matched_tokens == 16
+    assert router.on_events(KVEventBatch(1, 5, removed(1)))  # continues from next_seq
+    assert router.route("d", 16, prompt(1)).num_matched_tokens == 0
+    stats = router.stats().replicas[1]
+    assert (stats.num_event_gaps, stats.num_resyncs, stats.needs_resync) == (1, 1, False)
+    router.check_integrity()
+
+
+def test_requested_resync_ignores_events_until_the_snapshot():
+    router = make_router(2)
+    router.request_resync(0)
+    router.mark_dead(1)
+    router.request_resync(1)  # a dead replica has nothing to resync
+    assert router.needs_resync() == [0]
+    assert not router.on_events(KVEventBatch(0, 0, stored(1)))
+    assert router.resync(KVSnapshot(0, 3, npu_hashes=(h(2),), host_hashes=()))
+    assert router.on_events(KVEventBatch(0, 3, stored(1)))
+    assert router.route("a", 32, prompt(2, 1)).num_matched_tokens == 32
+    assert not router.resync(KVSnapshot(1, 0, npu_hashes=(h(2),), host_hashes=()))
+    router.check_integrity()
+
+
+def test_stale_batches_are_ignored_and_overlapping_ones_apply_their_tail():
+    router = make_router(1)
+    assert router.on_events(KVEventBatch(0, 0, stored(1, 2)))
+    assert router.on_events(KVEventBatch(0, 0, removed(1, 2)))  # entirely seen: ignored
+    assert router.route("a", 32, prompt(1, 2)).num_matched_tokens == 32
+    assert router.on_events(KVEventBatch(0, 1, stored(2) + stored(3)))  # seq 1 seen, 2 new
+    assert router.route("b", 48, prompt(1, 2, 3)).num_matched_tokens == 48
+    assert router.on_events(KVEventBatch(0, 3, ()))
+    assert router.needs_resync() == []
+
+
+def test_an_in_step_replica_ignores_an_older_snapshot():
+    router = make_router(1)
+    router.on_events(KVEventBatch(0, 0, stored(1, 2, 3)))
+    assert not router.resync(KVSnapshot(0, 1, npu_hashes=(h(1),), host_hashes=()))
+    assert router.stats().replicas[0].num_indexed_npu_blocks == 3
+
+
+def test_dead_replica_is_dropped_with_its_index_and_load():
+    router = make_router(2)
+    router.on_events(KVEventBatch(0, 0, stored(1, 2)))
+    assert router.route("a", 32, prompt(1, 2)).replica_index == 0
+    router.mark_dead(0)
+    assert router.live_replicas() == [1]
+    stats = router.stats()
+    assert not stats.replicas[0].is_live
+    assert stats.replicas[0].load_tokens == 0 and stats.replicas[0].num_indexed_npu_blocks == 0
+    assert stats.num_indexed_hashes == 0
+    assert not router.on_events(KVEventBatch(0, 2, stored(3)))  # a dead replica is not indexed
+    assert router.needs_resync() == []
+    assert router.route("b", 32, prompt(1, 2)).replica_index == 1
+    router.release("a")  # its request died with it: nothing to release
+    assert [r.load_tokens for r in router.stats().replicas] == [0, 32]
+    router.check_integrity()
+
+
+def test_no_live_replica_is_a_clear_error():
+    router = make_router(2)
+    router.mark_dead(0)
+    router.mark_dead(1)
+    with pytest.raises(NoLiveReplicaError, match="no live replica"):
+        router.route("a", 16, [])
+
+
+def test_a_rejoining_replica_starts_empty_and_expects_the_given_seq():
+    router = make_router(2)
+    router.on_events(KVEventBatch(1, 0, stored(1)))
+    router.mark_dead(1)
+    router.mark_alive(1)
+    assert router.live_replicas() == [0, 1]
+    assert router.route("a", 16, prompt(1)).num_matched_tokens == 0
+    assert router.on_events(KVEventBatch(1, 0, stored(1)))  # a fresh process counts from 0
+    assert router.route("b", 16, prompt(1)).replica_index == 1
+    router.mark_alive(0, next_seq=7)
+    assert router.on_events(KVEventBatch(0, 0, stored(2)))  # before seq 7: stale, ignored
+    assert router.route("c0", 16, prompt(2)).num_matched_tokens == 0
+    assert router.on_events(KVEventBatch(0, 7, stored(2)))
+    assert router.route("c", 16, prompt(2)).num_matched_tokens == 16
+    router.check_integrity()
+
+
+def test_with_prefix_caching_off_routing_follows_load():
+    router = make_router(2, scoring_profile="locality", enable_prefix_caching=False)
+    router.on_events(KVEventBatch(0, 0, stored(1, 2, 3, 4)))
+    router.route("a", 1000, [])
+    # Locality would keep the cached replica 0; the load profile sends it to idle replica 1.
+    assert router.route("b", 64, prompt(1, 2, 3, 4)).replica_index == 1
+
+
+def test_round_robin_router_skips_dead_replicas():
+    router = make_router(3, policy="round-robin")
+    router.on_events(KVEventBatch(2, 0, stored(1)))
+    picks = [router.route(f"r{i}", 16, prompt(1)).replica_index for i in range(4)]
+    assert picks == [0, 1, 2, 0]
+    router.mark_dead(1)
+    assert [router.route(f"s{i}", 16, []).replica_index for i in range(3)] == [2, 0, 2]
+
+
+def test_stats_count_decisions_and_matched_fraction_buckets():
+    router = make_router(2)
+    router.on_events(KVEventBatch(0, 0, stored(1, 2, 3, 4)))
+    router.on_events(KVEventBatch(0, 4, stored(5, 6, tier="host")))
+    router.route("full", 64, prompt(1, 2, 3, 4))  # fraction 1.0
+    router.route("half", 64, prompt(1, 2, 9, 9))  # 0.5
+    router.route("host", 64, prompt(1, 2, 3, 4, 5, 6, 9)[:4])  # 1.0 again
+    router.release("full")
+    router.release("half")
+    router.release("host")
+    router.route("cold", 0, [])  # an empty prompt counts as fraction 0
+    stats = router.stats()
+    zero, one = stats.replicas
+    assert zero.num_requests_routed == 4 and one.num_requests_routed == 0
+    assert zero.matched_fraction_count == 4 and zero.matched_fraction_sum == 2.5
+    assert len(zero.matched_fraction_bucket_counts) == len(MATCHED_FRACTION_BUCKETS)
+    assert zero.matched_fraction_bucket_counts == (1, 1, 1, 2, 2, 2, 4)  # cumulative (le)
+    assert zero.num_matched_tokens == 160 and zero.num_npu_matched_tokens == 160
+    assert zero.num_indexed_npu_blocks == 4 and zero.num_indexed_host_blocks == 2
+    assert stats.num_indexed_hashes == 6
+    assert one.matched_fraction_bucket_counts == (0,) * 7 and one.is_live
+
+
+def test_host_matches_are_counted_per_tier_in_stats():
+    router = make_router(1)
+    router.on_events(KVEventBatch(0, 0, stored(1) + stored(2, tier="host")))
+    decision = router.route("a", 40, prompt(1, 2))
+    assert (decision.num_npu_matched_tokens, decision.num_host_matched_tokens) == (16, 16)
+    assert decision.prefix_score == pytest.approx((1 + 0.5) * 16 / 40)
+    stats = router.stats().replicas[0]
+    assert (stats.num_npu_matched_tokens, stats.num_host_matched_tokens) == (16, 16)
+    assert stats.matched_fraction_bucket_counts == (0, 0, 0, 0, 0, 1, 1)  # 0.8

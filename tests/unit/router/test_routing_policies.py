@@ -1,0 +1,109 @@
+import pytest
+
+from router.config import RoutingConfig
+from router.policies import RoundRobinPolicy, RouteDecision, ScoringPolicy, make_policy
+from router.prefix_index import PrefixMatch
+
+BLOCK = 16
+NONE = PrefixMatch(0, 0)
+
+
+def scoring(profile: str = "balanced", **kwargs) -> ScoringPolicy:
+    policy = make_policy(RoutingConfig(scoring_profile=profile, **kwargs), BLOCK)
+    assert isinstance(policy, ScoringPolicy)
+    return policy
+
+
+def test_exact_scores_of_a_hand_built_state():
+    # 64-token prompt (4 blocks); loads 100 / 0 / 300, so scale = 300 + 64 = 364.
+    matches = [PrefixMatch(2, 0), PrefixMatch(0, 4), PrefixMatch(4, 0)]
+    loads = [100, 0, 300]
+    policy = scoring()
+    assert policy.prefix_score(matches[0], 64) == 0.5
+    assert policy.prefix_score(matches[1], 64) == 0.5  # 4 host blocks at weight 0.5
+    assert policy.prefix_score(matches[2], 64) == 1.0
+    assert policy.load_score(100, 300, 64) == pytest.approx(1 - 100 / 364)
+    assert policy.load_score(300, 300, 64) == pytest.approx(1 - 300 / 364)
+    decision = policy.choose([0, 1, 2], matches, loads, 64)
+    # scores: 0.55*0.5 + 0.45*(264/364) = 0.601, 0.55*0.5 + 0.45*1 = 0.725, 0.55 + 0.45*(64/364)
+    assert decision == RouteDecision(1, 0.5, 1.0, pytest.approx(0.725), 64, 0, 64)
+
+
+def test_load_score_is_one_for_all_when_nothing_is_loaded_and_prompt_is_empty():
+    assert ScoringPolicy.load_score(0, 0, 0) == 1.0
+    assert ScoringPolicy.load_score(0, 0, 10) == 1.0
+    assert scoring().prefix_score(PrefixMatch(3, 0), 0) == 0.0
+
+
+def test_prefix_score_and_matched_tokens_are_capped_at_the_prompt():
+    policy = scoring()
+    decision = policy.choose([0], [PrefixMatch(4, 0)], [0], 60)
+    assert decision.prefix_score == 1.0
+    assert decision.num_matched_tokens == decision.num_npu_matched_tokens == 60
+    mixed = policy.choose([0], [PrefixMatch(3, 1)], [0], 60)
+    assert mixed.prefix_score == pytest.approx((3 + 0.5) * 16 / 60)
+    assert (mixed.num_matched_tokens, mixed.num_npu_matched_tokens) == (60, 48)
+    assert mixed.num_host_matched_tokens == 12
+
+
+@pytest.mark.parametrize(
+    ("profile", "kwargs", "winner"),
+    [
+        ("balanced", {}, 0),  # 0.55 + 0.45*(64/1064) = 0.577 > 0.45
+        ("locality", {}, 0),
+        ("load", {}, 1),  # 0.1 + 0.9*0.06 = 0.154 < 0.9
+        ("custom", {"prefix_weight": 1.0, "load_weight": 0.0}, 0),
+        ("custom", {"prefix_weight": 0.0, "load_weight": 1.0}, 1),
+        ("balanced", {"enable_prefix_caching": False}, 1),
+    ],
+)
+def test_profiles_trade_a_cached_prefix_against_load(profile, kwargs, winner):
+    # Replica 0 caches the whole prompt but carries 1000 tokens; replica 1 is idle and cold.
+    matches = [PrefixMatch(4, 0), NONE]
+    decision = scoring(profile, **kwargs).choose([0, 1], matches, [1000, 0], 64)
+    assert decision.replica_index == winner
+
+
+def test_custom_weights_give_exact_scores():
+    policy = scoring("custom", prefix_weight=2.0, load_weight=0.5)
+    decision = policy.choose([0], [PrefixMatch(1, 0)], [0], 64)
+    assert decision.score == 2.0 * 0.25 + 0.5 * 1.0
+
+
+def test_exact_ties_go_to_the_lowest_index_live_replica():
+    policy = scoring()
+    assert policy.choose([0, 1, 2], [NONE] * 3, [0, 0, 0], 64).replica_index == 0
+    assert policy.choose([1, 2], [NONE] * 3, [0, 0, 0], 64).replica_index == 1
+    matches = [NONE, PrefixMatch(1, 0), PrefixMatch(3, 0), PrefixMatch(3, 0)]
+    assert policy.choose([0, 1, 2, 3], matches, [0, 0, 10, 10], 64).replica_index == 2
+
+
+def test_a_host_only_match_counts_less_than_an_npu_match():
+    matches = [PrefixMatch(0, 4), PrefixMatch(4, 0)]
+    assert scoring().choose([0, 1], matches, [0, 0], 64).replica_index == 1
+    # At full host weight the two tie, and the tie goes to the lower index.
+    tied = scoring(host_hit_weight=1.0).choose([0, 1], matches, [0, 0], 64)
+    assert tied.replica_index == 0 and tied.prefix_score == 1.0
+    assert scoring(host_hit_weight=0.0).prefix_score(matches[0], 64) == 0.0
+
+
+def test_round_robin_cycles_over_live_replicas_in_index_order():
+    policy = make_policy(RoutingConfig(policy="round-robin"), BLOCK)
+    assert isinstance(policy, RoundRobinPolicy)
+    matches, loads = [NONE] * 3, [0, 0, 0]
+    assert [policy.choose([0, 1, 2], matches, loads, 16).replica_index for _ in range(4)] == [
+        0,
+        1,
+        2,
+        0,
+    ]
+    # Replica 1 is dead: skipped; then replica 2 dies right after being chosen.
+    assert [policy.choose([0, 2], matches, loads, 16).replica_index for _ in range(3)] == [2, 0, 2]
+    assert policy.choose([0, 1], matches, loads, 16).replica_index == 0
+    assert policy.choose([0, 1], matches, loads, 16).replica_index == 1
+
+
+def test_round_robin_does_not_score_but_reports_the_chosen_replicas_scores():
+    policy = make_policy(RoutingConfig(policy="round-robin"), BLOCK)
+    decision = policy.choose([0, 1], [PrefixMatch(1, 1), NONE], [32, 0], 64)
+    assert decision == RouteDecision(0, 0.375, 1 - 32 / 96, 0.0, 32, 16, 16)
