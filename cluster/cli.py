@@ -46,6 +46,9 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
         dest="profile",
         choices=["balanced", "locality", "load", "custom"],
     )
+    a("--data-parallel-prefix-weight", type=float, dest="prefix_weight")
+    a("--data-parallel-load-weight", type=float, dest="load_weight")
+    a("--data-parallel-host-hit-weight", type=float, dest="host_hit_weight")
     a("--host")
     a("--port", type=int)
     a("--api-key")
@@ -88,6 +91,9 @@ def build_config(args: argparse.Namespace) -> "ClusterConfig":
     _put_offload(args, data)
     put("routing.policy", args.policy)
     put("routing.scoring_profile", args.profile)
+    put("routing.prefix_weight", args.prefix_weight)
+    put("routing.load_weight", args.load_weight)
+    put("routing.host_hit_weight", args.host_hit_weight)
     put("server.host", args.host)
     put("server.port", args.port)
     put("server.api_key", args.api_key)
