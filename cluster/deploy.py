@@ -64,6 +64,9 @@ class RayBackend:
         self.config = config
         self.name = name
         engine_config = config.engine_config()  # raises on an impossible host budget
+        # One torch thread per reserved CPU: replicas sharing a node must not oversubscribe it.
+        threads = max(1, int(config.ray.cpus_per_replica))
+        engine_config = engine_config.model_copy(update={"num_threads": threads})
         init_ray(config.ray)
         ray_config = config.ray
         size = config.data_parallel_size

@@ -66,7 +66,7 @@ _GAUGES: list[tuple[str, str, Callable[[EngineStats], float]]] = [
 
 
 def _replica_families(replicas: list[ReplicaStats]) -> list[Metric]:
-    up = GaugeMetricFamily("strata_replica_up", "1 while the replica answers.", labels=["replica"])
+    up = GaugeMetricFamily("strata_replica_up", "1 while the replica is alive.", labels=["replica"])
     counters = [CounterMetricFamily(n, h, labels=["replica"]) for n, h, _ in _COUNTERS]
     gauges = [GaugeMetricFamily(n, h, labels=["replica"]) for n, h, _ in _GAUGES]
     hits_by_tier = CounterMetricFamily(
@@ -90,7 +90,7 @@ def _replica_families(replicas: list[ReplicaStats]) -> list[Metric]:
     for replica in replicas:
         label = str(replica.replica_index)
         stats = replica.engine
-        up.add_metric([label], 1.0 if replica.is_alive and stats is not None else 0.0)
+        up.add_metric([label], 1.0 if replica.is_alive else 0.0)
         if stats is None:
             continue
         for family, (_, _, value) in zip(counters, _COUNTERS):

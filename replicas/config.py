@@ -123,6 +123,9 @@ class EngineConfig(_Config):
     )
     device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda'.")
     dtype: str = Field("float32", description="Weights and KV dtype: float32, bfloat16, float16.")
+    num_threads: int | None = Field(
+        None, ge=1, description="torch CPU threads of this engine's process; None keeps torch's."
+    )
     scheduler_config: SchedulerConfig = Field(default_factory=SchedulerConfig)
 
     @model_validator(mode="after")

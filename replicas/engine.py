@@ -9,7 +9,7 @@ import torch
 
 from replicas.config import EngineConfig, KVOffloadConfig
 from replicas.host_memory import check_host_capacity
-from replicas.kv_cache_manager import CacheStats, KVCacheManager
+from replicas.kv_cache_manager import CacheStats, KVCacheManager, TransferPlan
 from replicas.kv_transfer import KVTransfer, TransferStats
 from replicas.model import LoadedModel, load_model
 from replicas.model_runner import ModelRunner
@@ -45,6 +45,8 @@ class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         dtype = _DTYPES[config.dtype]
         self.loaded = loaded or load_model(config.model, self.device, dtype, seed=config.seed)
         self.tokenizer = self.loaded.tokenizer
@@ -139,7 +141,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the requests that produced a token or finished."""
         scheduler_output = self.scheduler.schedule()
-        self._transfer(scheduler_output)
+        self._transfer(scheduler_output.transfer)
         if not scheduler_output.scheduled:
             self._check_progress()
             return []
@@ -147,14 +149,16 @@ class Engine:
         logits = logits[:, : self.tokenizer.vocab_size]  # never sample padding rows
         requests = [scheduler_output.scheduled[i].request for i in sampled]
         token_ids = self.sampler.sample(logits, requests)
-        return self._update(scheduler_output, requests, token_ids)
+        outputs = self._update(scheduler_output, requests, token_ids)
+        self._transfer(self.kv_cache.take_transfer_plan())  # stores of blocks written just now
+        return outputs
 
-    def _transfer(self, scheduler_output: SchedulerOutput) -> None:
+    def _transfer(self, plan: TransferPlan, wait: bool = False) -> None:
         if self.transfer is None:
             return
-        self.transfer.submit(scheduler_output.transfer)
-        for plan in self.transfer.poll():
-            self.kv_cache.complete_transfer(plan)
+        self.transfer.submit(plan)
+        for landed in self.transfer.poll(wait=wait):
+            self.kv_cache.complete_transfer(landed)
 
     def _update(
         self, scheduler_output: SchedulerOutput, sampled: list[Request], token_ids: list[int]
@@ -299,9 +303,7 @@ class Engine:
 
     def reset_prefix_cache(self, tier: str = "all") -> None:
         """Forget cached blocks nobody uses, in ``tier`` ("all", "npu", "host")."""
-        if self.transfer is not None:
-            for plan in self.transfer.poll(wait=True):
-                self.kv_cache.complete_transfer(plan)
+        self._transfer(self.kv_cache.take_transfer_plan(), wait=True)
         self.kv_cache.reset_prefix_cache(tier)
 
     def check_integrity(self) -> None:

@@ -1,13 +1,16 @@
 """Copies KV blocks between the NPU tier and the host tier, as the cache manager planned them.
 
-One step's plan becomes, per cache group and direction, one gather and one scatter over whole
-blocks (the KV tensors are block-major, so a block is one contiguous run of every layer's K and
-V)::
+The KV tensors are block-major, so a block is one contiguous run of every layer's K and V. One
+step's plan becomes, per cache group and direction, one batched copy:
 
-    store  npu[npu_ids] --gather--> staging --scatter--> host[host_ids]
-    load   host[host_ids] --gather--> staging --scatter--> npu[npu_ids]
+  * on CPU, one fused ``_foreach_copy_`` of every block straight from source to destination
+    (a gather into a staging tensor and a scatter out of it would move every byte twice);
+  * on CUDA, one gather into a staging tensor on the device side and one copy across the bus::
 
-On CPU both run synchronously. On CUDA they run on a side stream with pinned host memory:
+        store  npu[npu_ids] --gather--> staging --D2H--> pinned --scatter--> host[host_ids]
+        load   host[host_ids] --gather--> pinned --H2D--> staging --scatter--> npu[npu_ids]
+
+On CPU the copies run synchronously. On CUDA they run on a side stream with pinned host memory:
 
   * the side stream first waits for the compute stream, so a store reads KV the last forward
     pass finished writing;
@@ -64,6 +67,10 @@ class KVTransfer:
         self.block_bytes = sum(
             cache[0].numel() * cache.element_size() for cache in npu_caches.values()
         )
+        # Per-block views, built once: a CPU transfer copies every block straight from its
+        # source to its destination in one fused call (no staging pass, no fresh memory).
+        self._npu_blocks = {g: t.unbind(0) for g, t in npu_caches.items()}
+        self._host_blocks = {g: t.unbind(0) for g, t in self.host_caches.items()}
         self.stats = TransferStats()
         self._pending: list[_Pending] = []
         self._stream = torch.cuda.Stream(self.device) if self.is_cuda else None
@@ -105,14 +112,12 @@ class KVTransfer:
 
     # ---- CPU -----------------------------------------------------------------------------
     def _run_cpu(self, plan: TransferPlan) -> None:
-        for group, npu in self.npu_caches.items():
-            host = self.host_caches[group]
+        for group, npu in self._npu_blocks.items():
+            host = self._host_blocks[group]
             if plan.stores:
-                npu_ids, host_ids = _index_pair(plan.stores, torch.device("cpu"))
-                host.index_copy_(0, host_ids, npu.index_select(0, npu_ids))
+                _copy_blocks([host[h] for _, h in plan.stores], [npu[n] for n, _ in plan.stores])
             if plan.loads:
-                host_ids, npu_ids = _index_pair(plan.loads, torch.device("cpu"))
-                npu.index_copy_(0, npu_ids, host.index_select(0, host_ids))
+                _copy_blocks([npu[n] for _, n in plan.loads], [host[h] for h, _ in plan.loads])
 
     # ---- CUDA ----------------------------------------------------------------------------
     def _submit_cuda(self, plan: TransferPlan) -> None:
@@ -159,6 +164,11 @@ class KVTransfer:
         for group, staging in pending.store_staging.items():
             self.host_caches[group].index_copy_(0, host_ids, staging)
         pending.store_staging.clear()
+
+
+def _copy_blocks(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Copy each source block into its destination block in one fused call."""
+    torch._foreach_copy_(destinations, sources)
 
 
 def _index_pair(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, ...]:

@@ -1,0 +1,70 @@
+"""``python -m benchmarks run SCENARIO [--output DIR] [--quick]``."""
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks import churn, prefix_ttft, reload_vs_recompute, transfer
+
+SCENARIOS = {module.NAME: module for module in (prefix_ttft, reload_vs_recompute, churn, transfer)}
+DEFAULT_OUTPUT = Path(__file__).resolve().parent / "out"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks", description="Strata benchmarks (see benchmarks/README.md)."
+    )
+    actions = parser.add_subparsers(dest="action", required=True)
+    actions.add_parser("list", help="list the scenarios")
+    run = actions.add_parser("run", help="run a scenario and write its report")
+    run.add_argument("scenario", choices=[*SCENARIOS, "all"])
+    run.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help="report folder (default benchmarks/out/SCENARIO; with 'all', DIR/SCENARIO)",
+    )
+    run.add_argument(
+        "--quick", action="store_true", help="small sizes for a smoke test (< 60 s each)"
+    )
+    run.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's choice, usually one per core)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    if args.action == "list":
+        for name, module in SCENARIOS.items():
+            print(f"{name:22} {module.__doc__.splitlines()[0].split(': ', 1)[1]}")
+        return 0
+    previous_threads = torch.get_num_threads()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        _run(args, shlex.join(["python", "-m", "benchmarks", *argv]))
+    finally:
+        torch.set_num_threads(previous_threads)
+    return 0
+
+
+def _run(args: argparse.Namespace, command: str) -> None:
+    names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    for name in names:
+        if args.output is None:
+            output_dir = DEFAULT_OUTPUT / name
+        else:
+            output_dir = args.output / name if args.scenario == "all" else args.output
+        start = time.perf_counter()
+        print(f"== {name}{' (quick)' * args.quick}, {torch.get_num_threads()} torch threads")
+        SCENARIOS[name].run(output_dir, quick=args.quick, command=command)
+        print(f"== {name} took {time.perf_counter() - start:.1f} s")

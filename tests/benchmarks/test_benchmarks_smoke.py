@@ -1,0 +1,87 @@
+"""Smoke test of the benchmark scenarios: each runs with --quick and writes a well-formed report.
+
+No timing is asserted: only that the files exist and results.json holds finite positive numbers
+where a scenario promises them.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks.cli import SCENARIOS, main
+
+# Paths into results.json ("*" = every element of a list) that must be finite and positive.
+EXPECTED = {
+    "prefix-ttft": [
+        "median_ttft_s.cold",
+        "median_ttft_s.cached",
+        "ratios.cached_over_cold",
+        "ratios.speedup",
+    ],
+    "reload-vs-recompute": [
+        "sizes.*.prefix_len",
+        "sizes.*.median_ttft_s.cold",
+        "sizes.*.median_ttft_s.npu",
+        "sizes.*.median_ttft_s.host",
+        "sizes.*.median_load_s",
+        "sizes.*.ratios.host_over_cold",
+        "sizes.*.ratios.host_over_npu",
+    ],
+    "churn": [
+        "unbounded_hit_rate",
+        "compulsory_miss_fraction",
+        "configs.off.mean_ttft_s",
+        "configs.npu-only.mean_ttft_s",
+        "configs.npu-only.p99_ttft_s",
+        "configs.npu-only.hit_rate",
+        "configs.host.mean_ttft_s",
+        "configs.host.hit_rate",
+        "configs.host+write-back.p99_ttft_s",
+        "configs.host+write-back.host_hit_rate",
+        "ratios.host_over_npu_only_mean",
+        "ratios.host+write-back_over_npu_only_p99",
+    ],
+    "transfer": [
+        "block_bytes",
+        "batches.*.gib_per_s.contiguous",
+        "batches.*.gib_per_s.store",
+        "batches.*.gib_per_s.load",
+        "batches.*.ratios.store_over_contiguous",
+        "batches.*.ratios.load_over_contiguous",
+    ],
+}
+
+
+def _values(document: object, path: list[str]) -> list[object]:
+    if not path:
+        return [document]
+    key, rest = path[0], path[1:]
+    if key == "*":
+        assert isinstance(document, list) and document, f"expected a non-empty list at {key}"
+        return [v for item in document for v in _values(item, rest)]
+    assert isinstance(document, dict) and key in document, f"missing key {key!r}"
+    return _values(document[key], rest)
+
+
+def test_every_scenario_is_covered() -> None:
+    assert set(EXPECTED) == set(SCENARIOS)
+
+
+@pytest.mark.parametrize("scenario", list(EXPECTED))
+def test_quick_run_writes_report(scenario: str, tmp_path: Path) -> None:
+    # One torch thread: a 2-core machine shared with other work makes parallel ops stall.
+    assert main(["run", scenario, "--quick", "--threads", "1", "--output", str(tmp_path)]) == 0
+
+    report = (tmp_path / "report.md").read_text()
+    assert "python -m benchmarks run" in report and "cpu_count" in report
+    assert list(tmp_path.glob("*.png"))
+    document = json.loads((tmp_path / "results.json").read_text())
+    assert document["scenario"] == scenario
+    assert document["quick"] is True
+    assert document["machine"]["cpu_count"] >= 1
+    for path in EXPECTED[scenario]:
+        for value in _values(document, path.split(".")):
+            assert isinstance(value, int | float) and not isinstance(value, bool), (path, value)
+            assert math.isfinite(value) and value > 0, (path, value)

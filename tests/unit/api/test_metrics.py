@@ -1,0 +1,96 @@
+"""Prometheus metrics: replica stats rendered at scrape time, request latencies from the app."""
+
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.api import create_app
+from cluster.backend import ClusterStats, ReplicaStats
+from cluster.metrics import StrataMetrics, router_metric_families
+from replicas.engine import EngineStats
+from replicas.kv_cache_manager import CacheStats
+from replicas.kv_transfer import TransferStats
+from tests.unit.api.conftest import ScriptedBackend
+
+
+def samples(text: str) -> dict[tuple[str, frozenset], float]:
+    """Every sample of an exposition, keyed by name and labels."""
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def engine_stats(scale: int) -> EngineStats:
+    cache = CacheStats(
+        queries=100 * scale, hits=48 * scale, npu_hits=32 * scale, host_hits=16 * scale,
+        npu_evictions=5 * scale, host_evictions=2 * scale, write_through_promotions=3 * scale,
+        write_backs=4 * scale, blocks_loaded=1 * scale, blocks_stored=7 * scale,
+    )  # fmt: skip
+    transfer = TransferStats(
+        blocks_loaded=scale, blocks_stored=7 * scale, bytes_loaded=1024 * scale,
+        bytes_stored=7168 * scale, seconds=0.5 * scale,
+    )  # fmt: skip
+    return EngineStats(
+        cache=cache, transfer=transfer, num_running=2 * scale, num_waiting=scale,
+        num_preemptions=scale, num_npu_blocks=128, num_npu_blocks_used=10 * scale,
+        num_host_blocks=64, num_host_blocks_used=9 * scale,
+    )  # fmt: skip
+
+
+def test_replica_stats_are_exported_per_replica():
+    stats = ClusterStats(
+        [ReplicaStats(0, True, engine_stats(1)), ReplicaStats(1, True, engine_stats(2)),
+         ReplicaStats(2, False, None)]
+    )  # fmt: skip
+    got = samples(StrataMetrics().render(stats).decode())
+
+    def value(name: str, **labels: str) -> float:
+        return got[(name, frozenset(labels.items()))]
+
+    for replica, scale in (("0", 1), ("1", 2)):
+        assert value("strata_replica_up", replica=replica) == 1
+        assert value("strata_prefix_cache_queries_total", replica=replica) == 100 * scale
+        assert value("strata_prefix_cache_hits_total", replica=replica) == 48 * scale
+        hits = "strata_prefix_cache_hits_by_tier_total"
+        assert value(hits, replica=replica, tier="npu") == 32 * scale
+        assert value(hits, replica=replica, tier="host") == 16 * scale
+        assert value("strata_kv_evictions_total", replica=replica, tier="npu") == 5 * scale
+        assert value("strata_kv_evictions_total", replica=replica, tier="host") == 2 * scale
+        assert value("strata_kv_write_through_promotions_total", replica=replica) == 3 * scale
+        assert value("strata_kv_write_backs_total", replica=replica) == 4 * scale
+        assert value("strata_kv_blocks_loaded_total", replica=replica) == scale
+        assert value("strata_kv_blocks_stored_total", replica=replica) == 7 * scale
+        assert value("strata_kv_bytes_loaded_total", replica=replica) == 1024 * scale
+        assert value("strata_kv_bytes_stored_total", replica=replica) == 7168 * scale
+        assert value("strata_kv_transfer_seconds_total", replica=replica) == 0.5 * scale
+        assert value("strata_num_preemptions_total", replica=replica) == scale
+        assert value("strata_num_requests_running", replica=replica) == 2 * scale
+        assert value("strata_num_requests_waiting", replica=replica) == scale
+        full = {"replica": replica, "cache_type": "full"}
+        assert value("strata_kv_blocks_used", tier="npu", **full) == 10 * scale
+        assert value("strata_kv_blocks_used", tier="host", **full) == 9 * scale
+        assert value("strata_kv_blocks_capacity", tier="npu", **full) == 128
+        assert value("strata_kv_blocks_capacity", tier="host", **full) == 64
+    assert value("strata_replica_up", replica="2") == 0
+    assert ("strata_prefix_cache_queries_total", frozenset({("replica", "2")})) not in got
+
+
+def test_router_extension_point_is_empty_without_a_router():
+    assert router_metric_families(None) == []
+
+
+def test_app_observes_request_latencies():
+    backend = ScriptedBackend()  # two outputs of one token each, from replica 3
+    with TestClient(create_app(backend)) as client:
+        assert client.post("/v1/completions", json={"prompt": "hi"}).status_code == 200
+        body = {"prompt": "hi", "stream": True}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        got = samples(client.get("/metrics").text)
+    replica = frozenset({("replica", "3")})
+    assert got[("strata_time_to_first_token_seconds_count", replica)] == 2
+    assert got[("strata_inter_token_latency_seconds_count", replica)] == 2
+    assert got[("strata_e2e_request_latency_seconds_count", replica)] == 2
+    finished = frozenset({("replica", "3"), ("finish_reason", "length")})
+    assert got[("strata_requests_total", finished)] == 2
+    assert got[("strata_replica_up", replica)] == 1
