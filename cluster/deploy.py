@@ -107,7 +107,8 @@ class RayBackend:
             ).remote(i, engine_config, self.router, config.server.max_waiting_requests)
             for i in range(size)
         ]
-        infos = ray.get([replica.info.remote() for replica in self.replicas])
+        self.replica_infos = ray.get([replica.info.remote() for replica in self.replicas])
+        infos = self.replica_infos
         self.incarnations: list[str | None] = ray.get([r.ready.remote() for r in self.replicas])
         self.alive = [True] * size
         self.max_model_len = int(infos[0]["max_model_len"])

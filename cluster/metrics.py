@@ -14,7 +14,6 @@ come from ``ClusterStats.router`` through ``router_metric_families``.
 
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -23,11 +22,17 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from cluster.backend import ClusterStats, ReplicaStats
 from replicas.engine import EngineStats
 from replicas.outputs import RequestOutput
+from router.stats import MATCHED_FRACTION_BUCKETS, RouterStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -79,7 +84,13 @@ def _replica_families(replicas: list[ReplicaStats]) -> list[Metric]:
     )
     used = GaugeMetricFamily(
         "strata_kv_blocks_used",
-        "KV blocks holding data (in use or cached), by tier and cache type.",
+        "KV blocks held by requests or transfers (neither free nor evictable), by tier and "
+        "cache type.",
+        labels=["replica", "tier", "cache_type"],
+    )
+    cached = GaugeMetricFamily(
+        "strata_kv_blocks_cached",
+        "KV blocks holding a reusable cached prefix (in use or evictable), by tier and cache type.",
         labels=["replica", "tier", "cache_type"],
     )
     capacity = GaugeMetricFamily(
@@ -104,16 +115,68 @@ def _replica_families(replicas: list[ReplicaStats]) -> list[Metric]:
         # One cache type until the engine reports hybrid pools separately.
         used.add_metric([label, "npu", "full"], stats.num_npu_blocks_used)
         used.add_metric([label, "host", "full"], stats.num_host_blocks_used)
+        cached.add_metric([label, "npu", "full"], stats.num_npu_blocks_cached)
+        cached.add_metric([label, "host", "full"], stats.num_host_blocks_cached)
         capacity.add_metric([label, "npu", "full"], stats.num_npu_blocks)
         capacity.add_metric([label, "host", "full"], stats.num_host_blocks)
-    return [up, *counters, hits_by_tier, evictions, used, capacity, *gauges]
+    return [up, *counters, hits_by_tier, evictions, used, cached, capacity, *gauges]
 
 
-def router_metric_families(router_stats: Any) -> list[Metric]:
-    """Routing decisions and matched fractions per replica, from ``ClusterStats.router``.
-
-    The extension point for the router; empty while no router is deployed (``None``)."""
-    return []
+def router_metric_families(router_stats: RouterStats | None) -> list[Metric]:
+    """Routing decisions, matched fractions, load and index size per replica, from
+    ``ClusterStats.router``; empty while no router is deployed (``None``)."""
+    if router_stats is None:
+        return []
+    routed = CounterMetricFamily(
+        "strata_router_requests", "Requests the router sent to the replica.", labels=["replica"]
+    )
+    matched = CounterMetricFamily(
+        "strata_router_matched_tokens",
+        "Prompt tokens the router's index matched on the chosen replica, by tier.",
+        labels=["replica", "tier"],
+    )
+    fraction = HistogramMetricFamily(
+        "strata_router_matched_fraction",
+        "Matched prompt tokens / prompt tokens of each routing decision.",
+        labels=["replica"],
+    )
+    load = GaugeMetricFamily(
+        "strata_router_load_tokens",
+        "Active context tokens charged to the replica.",
+        labels=["replica"],
+    )
+    live = GaugeMetricFamily("strata_router_replica_live", "1 while routed to.", labels=["replica"])
+    indexed = GaugeMetricFamily(
+        "strata_router_indexed_blocks",
+        "Blocks of the replica in the router's prefix index.",
+        labels=["replica", "tier"],
+    )
+    gaps = CounterMetricFamily(
+        "strata_router_event_gaps", "KV event sequence gaps seen.", labels=["replica"]
+    )
+    resyncs = CounterMetricFamily(
+        "strata_router_resyncs", "Index rebuilds from a snapshot.", labels=["replica"]
+    )
+    for replica in router_stats.replicas:
+        label = str(replica.replica_index)
+        routed.add_metric([label], replica.num_requests_routed)
+        matched.add_metric([label, "npu"], replica.num_npu_matched_tokens)
+        matched.add_metric([label, "host"], replica.num_host_matched_tokens)
+        buckets = [
+            (str(bound), count)
+            for bound, count in zip(
+                MATCHED_FRACTION_BUCKETS, replica.matched_fraction_bucket_counts
+            )
+        ]
+        buckets.append(("+Inf", replica.matched_fraction_count))
+        fraction.add_metric([label], buckets, replica.matched_fraction_sum)
+        load.add_metric([label], replica.load_tokens)
+        live.add_metric([label], 1.0 if replica.is_live else 0.0)
+        indexed.add_metric([label, "npu"], replica.num_indexed_npu_blocks)
+        indexed.add_metric([label, "host"], replica.num_indexed_host_blocks)
+        gaps.add_metric([label], replica.num_event_gaps)
+        resyncs.add_metric([label], replica.num_resyncs)
+    return [routed, matched, fraction, load, live, indexed, gaps, resyncs]
 
 
 def cluster_metric_families(stats: ClusterStats | None) -> list[Metric]:

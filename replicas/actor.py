@@ -12,6 +12,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import ray
+
 from replicas.async_engine import AsyncEngine
 from replicas.config import EngineConfig
 from replicas.engine import Engine, EngineStats
@@ -99,6 +101,7 @@ class ReplicaActor:
             "num_npu_blocks": self.engine.num_npu_blocks,
             "model": self.engine.loaded.name,
             "device": str(self.engine.device),
+            "node_id": ray.get_runtime_context().get_node_id(),
         }
 
     async def ready(self) -> str:

@@ -37,6 +37,8 @@ class EngineStats:
     num_npu_blocks_used: int
     num_host_blocks: int
     num_host_blocks_used: int
+    num_npu_blocks_cached: int = 0  # holding a reusable prefix (in use or evictable)
+    num_host_blocks_cached: int = 0
 
 
 class Engine:
@@ -299,6 +301,8 @@ class Engine:
             num_npu_blocks_used=self.kv_cache.npu.num_used,
             num_host_blocks=host.num_blocks if host else 0,
             num_host_blocks_used=host.num_used if host else 0,
+            num_npu_blocks_cached=self.kv_cache.npu.num_cached,
+            num_host_blocks_cached=host.num_cached if host else 0,
         )
 
     def reset_prefix_cache(self, tier: str = "all") -> None:

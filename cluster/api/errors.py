@@ -83,7 +83,8 @@ def describe_validation_error(error: ValidationError | RequestValidationError) -
     loc = [str(part) for part in first["loc"] if part != "body"]
     field = loc[0] if loc else None
     if first["type"] == "extra_forbidden":
-        return APIError.bad_request(f"Unrecognized request argument supplied: {field}", field)
+        name = ".".join(loc)
+        return APIError.bad_request(f"Unrecognized request argument supplied: {name}", field)
     if first["type"] == "value_error":
         return APIError.bad_request(str(first["ctx"]["error"]), field)
     where = ".".join(loc) or "the request body"

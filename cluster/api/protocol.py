@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    ValidationInfo,
     field_validator,
     model_serializer,
 )
@@ -92,7 +93,7 @@ class GenerationRequest(_Body):
         check_fields=False,
     )
     @classmethod
-    def _check_neutral(cls, value: Any, info: Any) -> Any:
+    def _check_neutral(cls, value: Any, info: ValidationInfo) -> Any:
         if value is not None and value not in _NEUTRAL[info.field_name]:
             raise ValueError(
                 f"{info.field_name}={value!r} is not supported by this server; omit it"
@@ -101,7 +102,9 @@ class GenerationRequest(_Body):
 
     @field_validator("stream_options")
     @classmethod
-    def _check_stream_options(cls, value: StreamOptions | None, info: Any) -> Any:
+    def _check_stream_options(
+        cls, value: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
         if value is not None and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed when stream is true")
         return value

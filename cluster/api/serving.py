@@ -10,7 +10,7 @@ is there. Later failures end the stream with an error event.
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, fields
 
 from fastapi import Request
@@ -48,6 +48,7 @@ class Generation:
     stream: bool
     include_usage: bool
     renderer: Renderer
+    prompt_param: str  # the body field holding the prompt: "prompt" or "messages"
 
 
 class Serving:
@@ -103,12 +104,13 @@ class Serving:
         """``requested`` is the client's max_tokens (None: not given); without it, generate up
         to ``default`` tokens (None: as many as fit), shortened to fit the context."""
         max_model_len = self.backend.max_model_len
+        prompt_param = "messages" if isinstance(renderer, ChatRenderer) else "prompt"
         num_prompt = len(token_ids)
         if num_prompt >= max_model_len:
             raise APIError.bad_request(
                 f"the prompt has {num_prompt} tokens but this model's maximum context length is "
                 f"{max_model_len}: it must be shorter, leaving room for one output token",
-                "messages" if isinstance(renderer, ChatRenderer) else "prompt",
+                prompt_param,
             )
         room = max_model_len - num_prompt
         if requested is None:
@@ -147,7 +149,13 @@ class Serving:
                 max_tokens_param,
             )
         return Generation(
-            token_ids, params, body.cache_salt, body.stream, body.include_usage, renderer
+            token_ids,
+            params,
+            body.cache_salt,
+            body.stream,
+            body.include_usage,
+            renderer,
+            prompt_param,
         )
 
     # ---- generation: Generation -> answer ----------------------------------------------------
@@ -168,7 +176,7 @@ class Serving:
             tracker.finish("abort")
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except ValueError as error:  # the backend's verdict on the prompt: nothing ran
-            raise APIError.bad_request(str(error), "prompt") from None
+            raise APIError.bad_request(str(error), generation.prompt_param) from None
         except Exception as error:
             if not isinstance(error, (OverloadedError, NoLiveReplicaError)):  # those never ran
                 tracker.finish("error")
@@ -208,7 +216,7 @@ class Serving:
         first: RequestOutput,
         outputs: AsyncIterator[RequestOutput],
         tracker: RequestMetrics,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         renderer = generation.renderer
         finish_reason = "abort"  # unless the stream reaches its end
         try:

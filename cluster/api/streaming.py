@@ -11,7 +11,6 @@ Closing the events generator closes the backend's output iterator, which aborts 
 """
 
 import asyncio
-import contextlib
 import json
 from collections.abc import AsyncGenerator, Awaitable
 from typing import TypeVar
@@ -53,13 +52,13 @@ async def until_disconnected(receive: Receive, awaitable: Awaitable[T]) -> T:
     try:
         await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watcher.cancel()
-        if not work.done():
-            work.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await work
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
+        pending = [task for task in (work, watcher) if not task.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)  # let the work unwind: its request is aborted by then
+        if watcher.done() and not watcher.cancelled():
+            watcher.exception()  # a receive() that failed counts as a disconnect
     if work.cancelled():
         raise ClientDisconnected()
     return work.result()

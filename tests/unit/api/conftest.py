@@ -39,6 +39,7 @@ def client(engine: Engine) -> Iterator[TestClient]:
     in it), so the client is entered once."""
     with TestClient(create_app(LocalBackend(engine), max_tokens_limit=64)) as test_client:
         yield test_client
+    assert_engine_clean(engine)  # nothing leaked over all the tests that used it
 
 
 class NoTemplateTokenizer(ByteTokenizer):

@@ -1,0 +1,45 @@
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.metrics import router_metric_families
+from replicas.kv_events import KVEvent, KVEventBatch
+from router import Router, RoutingConfig
+
+
+def scrape(router: Router) -> dict[str, list]:
+    class Collector:
+        def collect(self):
+            return router_metric_families(router.stats())
+
+    registry = CollectorRegistry()
+    registry.register(Collector())
+    text = generate_latest(registry).decode()
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+def test_router_metrics_per_replica():
+    router = Router(2, 16, RoutingConfig(scoring_profile="locality"))
+    hashes = [bytes([i]) * 16 for i in range(4)]
+    router.on_events(KVEventBatch(1, 0, tuple(KVEvent("stored", "npu", h) for h in hashes[:2])))
+    router.route("a", 64, hashes)  # replica 1 holds 2 of the 4 blocks
+    families = scrape(router)
+    routed = {s.labels["replica"]: s.value for s in families["strata_router_requests"]}
+    assert routed == {"0": 0.0, "1": 1.0}
+    matched = {
+        (s.labels["replica"], s.labels["tier"]): s.value
+        for s in families["strata_router_matched_tokens"]
+    }
+    assert matched[("1", "npu")] == 32.0 and matched[("1", "host")] == 0.0
+    buckets = {
+        s.labels["le"]: s.value
+        for s in families["strata_router_matched_fraction"]
+        if s.name.endswith("_bucket") and s.labels["replica"] == "1"
+    }
+    assert buckets["0.25"] == 0.0 and buckets["0.5"] == 1.0 and buckets["+Inf"] == 1.0
+    load = {s.labels["replica"]: s.value for s in families["strata_router_load_tokens"]}
+    assert load == {"0": 0.0, "1": 64.0}
+    indexed = {
+        (s.labels["replica"], s.labels["tier"]): s.value
+        for s in families["strata_router_indexed_blocks"]
+    }
+    assert indexed[("1", "npu")] == 2.0 and indexed[("0", "npu")] == 0.0
