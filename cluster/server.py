@@ -50,5 +50,8 @@ def serve(config: ClusterConfig) -> None:
     )
     try:
         asyncio.run(uvicorn_server.serve())
+    except KeyboardInterrupt:
+        pass  # uvicorn already shut down gracefully; re-raised by asyncio.run on SIGINT
     finally:
         backend.shutdown()
+        print("strata: stopped", flush=True)

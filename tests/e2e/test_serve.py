@@ -1,0 +1,152 @@
+"""`strata serve` as users run it: one process on an embedded Ray, used with the openai client."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+openai = pytest.importorskip("openai")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "cluster.cli",
+                "serve",
+                "--config",
+                "configs/default.yaml",
+                "--port",
+                str(port),
+                "--num-cpus",
+                "2",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"strata serve exited early:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
+                if response.status == 200:
+                    break
+        except OSError:
+            time.sleep(1)
+    else:
+        os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail(f"strata serve did not become healthy:\n{log.read_text()[-3000:]}")
+    yield base
+    process.send_signal(signal.SIGINT)
+    try:
+        code = process.wait(timeout=60)
+        assert code == 0, f"exit {code}:\n{log.read_text()[-3000:]}"
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_completions_and_chat_streaming_and_not(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    completion = client.completions.create(
+        model="tiny",
+        prompt="Hello, Strata",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert completion.usage.completion_tokens == 8
+    pieces = [
+        chunk.choices[0].text
+        for chunk in client.completions.create(
+            model="tiny",
+            prompt="Hello, Strata",
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        if chunk.choices
+    ]
+    assert "".join(pieces) == completion.choices[0].text
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 6
+    streamed = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == chat.choices[0].message.content
+
+
+def test_repeated_prompt_reports_cached_tokens_and_metrics_per_replica(client, server):
+    prompt = "A long shared system prompt for every tenant of Strata. " * 6
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    time.sleep(0.5)  # the replica's KV events reach the router
+    second = client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens == second.usage.prompt_tokens
+    assert cached == (second.usage.prompt_tokens - 1) // 16 * 16 > 0
+
+    with urllib.request.urlopen(f"{server}/metrics", timeout=30) as response:
+        families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+    queries = {
+        s.labels["replica"]: s.value for s in families["strata_prefix_cache_queries"].samples
+    }
+    assert set(queries) == {"0", "1"}
+    hits = sum(s.value for s in families["strata_prefix_cache_hits"].samples)
+    assert hits >= cached
+    routed = {s.labels["replica"]: s.value for s in families["strata_router_requests"].samples}
+    assert sum(routed.values()) >= 6
+
+
+def test_bad_request_gets_an_openai_error_and_the_server_keeps_serving(client):
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="tiny", prompt="x", max_tokens=1, temperature=-1)
+    assert "temperature" in str(bad.value)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+    ok = client.completions.create(model="tiny", prompt="still serving", max_tokens=2)
+    assert ok.usage.completion_tokens >= 1
