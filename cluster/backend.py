@@ -89,7 +89,7 @@ class LocalBackend:
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         limit = self.max_waiting_requests
-        if limit is not None and len(self.engine.scheduler.waiting) >= limit:
+        if limit is not None and self.async_engine.num_waiting >= limit:
             raise OverloadedError(f"{limit} requests are already waiting; retry later")
         stream = self.async_engine.generate(
             request_id, prompt_token_ids, sampling_params, cache_salt

@@ -26,10 +26,13 @@ from cluster.backend import (
     ReplicaFailedError,
     ReplicaStats,
 )
+from cluster.capacity import host_bytes_total, kv_block_bytes
 from cluster.config import ClusterConfig, RayConfig
 from replicas.actor import ReplicaActor, ReplicaOverloadedError
-from replicas.hashing import block_hashes
-from replicas.model import load_model_info
+from replicas.config import EngineConfig
+from replicas.hashing import BlockHash, block_hashes
+from replicas.host_memory import check_host_capacity
+from replicas.model import ModelArgs, load_model_info
 from replicas.outputs import RequestOutput
 from replicas.sampling_params import SamplingParams
 from router.actor import RouterActor
@@ -67,6 +70,9 @@ class RayBackend:
         # One torch thread per reserved CPU: replicas sharing a node must not oversubscribe it.
         threads = max(1, int(config.ray.cpus_per_replica))
         engine_config = engine_config.model_copy(update={"num_threads": threads})
+        args, self.tokenizer = load_model_info(config.model.model)
+        if _is_embedded(config.ray):  # every replica's host tier will be on this machine
+            _check_host_memory(config, engine_config, args)
         init_ray(config.ray)
         ray_config = config.ray
         size = config.data_parallel_size
@@ -92,7 +98,7 @@ class RayBackend:
                 max_restarts=-1,
                 max_task_retries=-1,
             )
-            .remote(size, engine_config.block_size, config.routing)
+            .remote(size, engine_config.block_size, config.routing, replica_name_prefix=name)
         )
         replica_cls = ray.remote(ReplicaActor)
         self.replicas = [
@@ -107,14 +113,18 @@ class RayBackend:
             ).remote(i, engine_config, self.router, config.server.max_waiting_requests)
             for i in range(size)
         ]
-        self.replica_infos = ray.get([replica.info.remote() for replica in self.replicas])
+        try:
+            self.replica_infos = ray.get([replica.info.remote() for replica in self.replicas])
+        except RayActorError as error:
+            self._monitor = None
+            self.shutdown()
+            raise ReplicaStartError(f"a replica could not start: {_last_line(error)}") from None
         infos = self.replica_infos
         self.incarnations: list[str | None] = ray.get([r.ready.remote() for r in self.replicas])
         self.alive = [True] * size
         self.max_model_len = int(infos[0]["max_model_len"])
         self.block_size = engine_config.block_size
         self.model_name = config.served_model_name
-        _, self.tokenizer = load_model_info(config.model.model)
         self._monitor: asyncio.Task | None = None
         logger.info("deployed %d replicas of %s: %s", size, config.model.model, infos)
 
@@ -133,35 +143,52 @@ class RayBackend:
                 f"{self.max_model_len}: it must be shorter, leaving room for one output token"
             )
         hashes = block_hashes(prompt_token_ids, self.block_size, cache_salt)
+        # A replica lost before the request's first output never ran it (its engine died with
+        # it), so the request is routed again, away from that replica; once outputs have
+        # reached the client, a loss fails the request.
+        for attempt in range(len(self.replicas)):
+            index = await self._route(request_id, len(prompt_token_ids), hashes)
+            stream = (
+                self.replicas[index]
+                .generate.options(num_returns="streaming")
+                .remote(request_id, prompt_token_ids, sampling_params, cache_salt)
+            )
+            started = finished = lost = False
+            try:
+                async for ref in stream:
+                    output = await ref
+                    started, finished = True, output.finished
+                    yield output
+                return
+            except RayTaskError as error:
+                raise _unwrap(error, index) from None
+            except _ACTOR_LOST as error:
+                lost = True
+                self._lost(index)
+                if started or attempt == len(self.replicas) - 1:
+                    raise ReplicaFailedError(
+                        f"replica {index} failed while serving the request: {type(error).__name__}"
+                    ) from None
+                logger.warning(
+                    "replica %d was lost before request %s started; routing it again",
+                    index,
+                    request_id,
+                )
+            finally:
+                if not (finished or lost):
+                    self.replicas[index].abort.remote(request_id)
+                self.router.release.remote(request_id)  # before a new route() of the same id
+
+    async def _route(self, request_id: str, num_prompt_tokens: int, hashes: list[BlockHash]) -> int:
+        """The replica the router picks. Calls to a router that Ray is restarting wait for it
+        (``max_task_retries=-1``) rather than fail."""
         try:
-            decision = await self.router.route.remote(request_id, len(prompt_token_ids), hashes)
+            decision = await self.router.route.remote(request_id, num_prompt_tokens, hashes)
         except RayTaskError as error:
             if isinstance(error.cause, RouterNoLiveReplicaError):
                 raise NoLiveReplicaError(str(error.cause)) from None
             raise
-        index = decision.replica_index
-        stream = (
-            self.replicas[index]
-            .generate.options(num_returns="streaming")
-            .remote(request_id, prompt_token_ids, sampling_params, cache_salt)
-        )
-        finished = False
-        try:
-            async for ref in stream:
-                output = await ref
-                finished = output.finished
-                yield output
-        except RayTaskError as error:
-            raise _unwrap(error, index) from None
-        except _ACTOR_LOST as error:
-            self._lost(index)
-            raise ReplicaFailedError(
-                f"replica {index} failed while serving the request: {type(error).__name__}"
-            ) from None
-        finally:
-            if not finished:
-                self.replicas[index].abort.remote(request_id)
-            self.router.release.remote(request_id)
+        return decision.replica_index
 
     async def abort(self, request_id: str) -> None:
         for replica in self.replicas:
@@ -214,7 +241,8 @@ class RayBackend:
         if self.alive[index]:
             logger.warning("replica %d is unreachable; removing it from routing", index)
             self.alive[index] = False
-            self.router.mark_dead.remote(index)
+        # Told every time (idempotent): a router that Ray restarted believes every replica live.
+        self.router.mark_dead.remote(index)
 
     # ---- admin -------------------------------------------------------------------------------
     def check_integrity(self) -> list[dict[str, int]]:
@@ -226,6 +254,35 @@ class RayBackend:
         for actor in [*self.replicas, self.router]:
             ray.kill(actor, no_restart=True)
         remove_placement_group(self.placement_group)
+
+
+class ReplicaStartError(RuntimeError):
+    """A replica actor failed in its constructor; the deployment was torn down."""
+
+
+def _is_embedded(config: RayConfig) -> bool:
+    """Whether ``init_ray`` will start a Ray instance on this machine (no cluster to join)."""
+    return not (config.address or ray.is_initialized() or os.environ.get("RAY_ADDRESS"))
+
+
+def _check_host_memory(config: ClusterConfig, engine_config: EngineConfig, args: ModelArgs) -> None:
+    """Fail before Ray starts if the host tiers of all replicas cannot fit in this machine's
+    available memory (each replica checks its own share again when it allocates it)."""
+    block_bytes = kv_block_bytes(args, engine_config.block_size, engine_config.dtype)
+    num_npu_blocks = engine_config.num_npu_blocks or engine_config.npu_kv_memory_bytes // max(
+        1, block_bytes
+    )
+    total = host_bytes_total(
+        config.scheduler.kv_offload_config, config.data_parallel_size, num_npu_blocks, block_bytes
+    )
+    if total:
+        check_host_capacity(total, f"host KV tier of {config.data_parallel_size} replica(s)")
+
+
+def _last_line(error: Exception) -> str:
+    """The last line of a remote traceback: the exception that ended it."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
 
 
 def _unwrap(error: RayTaskError, index: int) -> Exception:

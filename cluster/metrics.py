@@ -112,13 +112,13 @@ def _replica_families(replicas: list[ReplicaStats]) -> list[Metric]:
         hits_by_tier.add_metric([label, "host"], stats.cache.host_hits)
         evictions.add_metric([label, "npu"], stats.cache.npu_evictions)
         evictions.add_metric([label, "host"], stats.cache.host_evictions)
-        # One cache type until the engine reports hybrid pools separately.
-        used.add_metric([label, "npu", "full"], stats.num_npu_blocks_used)
-        used.add_metric([label, "host", "full"], stats.num_host_blocks_used)
-        cached.add_metric([label, "npu", "full"], stats.num_npu_blocks_cached)
-        cached.add_metric([label, "host", "full"], stats.num_host_blocks_cached)
-        capacity.add_metric([label, "npu", "full"], stats.num_npu_blocks)
-        capacity.add_metric([label, "host", "full"], stats.num_host_blocks)
+        for cache_type, pool in stats.cache_types.items():
+            used.add_metric([label, "npu", cache_type], pool.npu_used)
+            used.add_metric([label, "host", cache_type], pool.host_used)
+            cached.add_metric([label, "npu", cache_type], pool.npu_cached)
+            cached.add_metric([label, "host", cache_type], pool.host_cached)
+            capacity.add_metric([label, "npu", cache_type], pool.npu_blocks)
+            capacity.add_metric([label, "host", cache_type], pool.host_blocks)
     return [up, *counters, hits_by_tier, evictions, used, cached, capacity, *gauges]
 
 

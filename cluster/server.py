@@ -2,6 +2,7 @@
 
 import asyncio
 import logging
+import sys
 from typing import TYPE_CHECKING
 
 import uvicorn
@@ -16,12 +17,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def build_app(config: ClusterConfig) -> tuple["FastAPI", "RayBackend"]:
-    """The HTTP app over a fresh Ray deployment of ``config``."""
+def build_app(config: ClusterConfig, name: str = "strata") -> tuple["FastAPI", "RayBackend"]:
+    """The HTTP app over a fresh Ray deployment of ``config`` (actors named ``name-*``)."""
     from cluster.api.app import create_app
     from cluster.deploy import RayBackend
 
-    backend = RayBackend(config)
+    backend = RayBackend(config, name=name)
     server = config.server
     app = create_app(
         backend,
@@ -36,7 +37,13 @@ def build_app(config: ClusterConfig) -> tuple["FastAPI", "RayBackend"]:
 def serve(config: ClusterConfig) -> None:
     """Serve until interrupted (Ctrl-C or SIGTERM), then shut every actor down."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    app, backend = build_app(config)
+    from cluster.deploy import ReplicaStartError
+
+    try:
+        app, backend = build_app(config)
+    except (MemoryError, ReplicaStartError) as error:  # one sentence, not a traceback
+        print(f"strata: error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2 if isinstance(error, MemoryError) else 1) from None
     server = config.server
     uvicorn_server = uvicorn.Server(
         uvicorn.Config(

@@ -8,6 +8,7 @@ an empty cache and sequence 0; the router resynchronises from ``snapshot()`` on 
 
 import asyncio
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -55,7 +56,7 @@ class ReplicaActor:
     ) -> AsyncIterator[RequestOutput]:
         """Streaming generator (call with ``num_returns="streaming"``)."""
         limit = self.max_waiting_requests
-        if limit is not None and len(self.engine.scheduler.waiting) >= limit:
+        if limit is not None and self.async_engine.num_waiting >= limit:
             raise ReplicaOverloadedError(
                 f"replica {self.replica_index} has {limit} requests waiting; retry later"
             )
@@ -102,6 +103,7 @@ class ReplicaActor:
             "model": self.engine.loaded.name,
             "device": str(self.engine.device),
             "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
         }
 
     async def ready(self) -> str:

@@ -54,6 +54,12 @@ class AsyncEngine:
     def num_requests(self) -> int:
         return len(self._queues)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests not running yet: adds queued for the next gap plus the scheduler's queue
+        (a burst arriving during one step is all in the former)."""
+        return len(self._adds) + len(self.engine.scheduler.waiting)
+
     async def generate(
         self,
         request_id: str,

@@ -1,15 +1,16 @@
 """One replica's engine: requests in, tokens out, one step at a time. No Ray here."""
 
 import logging
-import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from replicas.config import EngineConfig, KVOffloadConfig
+from replicas.config import EngineConfig
 from replicas.host_memory import check_host_capacity
-from replicas.kv_cache_manager import CacheStats, KVCacheManager, TransferPlan
+from replicas.kv_cache_manager import KVCacheManager
+from replicas.kv_cache_types import CacheGroupSpec, CacheStats, TransferPlan
+from replicas.kv_capacity import plan_cache
 from replicas.kv_transfer import KVTransfer, TransferStats
 from replicas.model import LoadedModel, load_model
 from replicas.model_runner import ModelRunner
@@ -22,6 +23,18 @@ from replicas.scheduler import Scheduler, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class PoolUsage:
+    """Blocks of one cache type: capacity, in use (held), cached (holding a reusable prefix)."""
+
+    npu_blocks: int
+    npu_used: int
+    npu_cached: int
+    host_blocks: int
+    host_used: int
+    host_cached: int
 
 
 @dataclass(slots=True)
@@ -39,6 +52,7 @@ class EngineStats:
     num_host_blocks_used: int
     num_npu_blocks_cached: int = 0  # holding a reusable prefix (in use or evictable)
     num_host_blocks_cached: int = 0
+    cache_types: dict[str, PoolUsage] = field(default_factory=dict)
 
 
 class Engine:
@@ -53,48 +67,46 @@ class Engine:
         self.loaded = loaded or load_model(config.model, self.device, dtype, seed=config.seed)
         self.tokenizer = self.loaded.tokenizer
         self.block_size = config.block_size
-        block_bytes = sum(
-            spec.block_bytes(self.block_size)
-            for spec in self.loaded.model.kv_cache_specs(dtype).values()
-        )
-        self.num_npu_blocks = config.num_npu_blocks or config.npu_kv_memory_bytes // block_bytes
-        if self.num_npu_blocks < 1:
-            raise ValueError(
-                f"npu_kv_memory_bytes={config.npu_kv_memory_bytes} is smaller than one KV block "
-                f"({block_bytes} bytes)"
-            )
+        specs = self.loaded.model.kv_cache_specs(dtype)
+        plan = plan_cache(specs, config, self.loaded.args.max_position_embeddings)
+        self.num_npu_blocks = plan.num_npu_blocks[next(iter(specs))]
         self.max_model_len = self._resolve_max_model_len()
+        if plan.num_host_blocks:  # fail before any bookkeeping is built
+            check_host_capacity(
+                sum(n * plan.block_bytes[g] for g, n in plan.num_host_blocks.items())
+            )
         self.runner = ModelRunner(
-            self.loaded, self.num_npu_blocks, self.block_size, self.device, dtype
+            self.loaded, plan.num_npu_blocks, self.block_size, self.device, dtype
         )
         sched = config.scheduler_config
         offload = sched.kv_offload_config
-        num_host_blocks = host_blocks_for(offload, self.num_npu_blocks, block_bytes)
-        if num_host_blocks:
-            check_host_capacity(num_host_blocks * block_bytes)  # before any bookkeeping is built
         self.kv_cache = KVCacheManager(
-            self.num_npu_blocks,
-            self.block_size,
+            block_size=self.block_size,
+            groups=[
+                CacheGroupSpec(
+                    g, plan.num_npu_blocks[g], plan.num_host_blocks.get(g, 0), spec.sliding_window
+                )
+                for g, spec in specs.items()
+            ],
             enable_prefix_caching=sched.prefix_cache_config.enabled,
-            num_host_blocks=num_host_blocks,
             write_through_threshold=offload.write_through_threshold,
             write_back=offload.write_back,
         )
         self.transfer = (
-            KVTransfer(self.runner.kv_caches, num_host_blocks) if num_host_blocks else None
+            KVTransfer(self.runner.kv_caches, plan.num_host_blocks)
+            if plan.num_host_blocks
+            else None
         )
         self.scheduler = Scheduler(sched, self.kv_cache)
         self.sampler = Sampler(config.seed, self.device)
         self._requests: dict[str, Request] = {}
         self._eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         logger.info(
-            "engine: model %s on %s, %d NPU blocks and %d host blocks of %d tokens (%d bytes each)",
+            "engine: model %s on %s, block size %d, max_model_len %d",
             self.loaded.name,
             self.device,
-            self.num_npu_blocks,
-            num_host_blocks,
             self.block_size,
-            block_bytes,
+            self.max_model_len,
         )
 
     # ---- requests ----------------------------------------------------------------------------
@@ -165,7 +177,7 @@ class Engine:
     def _update(
         self, scheduler_output: SchedulerOutput, sampled: list[Request], token_ids: list[int]
     ) -> list[RequestOutput]:
-        for request, num_new, _ in scheduler_output.scheduled:
+        for request, num_new, *_ in scheduler_output.scheduled:
             request.num_computed_tokens += num_new
             self.kv_cache.cache_blocks(request)
         now = time.monotonic()
@@ -284,8 +296,8 @@ class Engine:
         request = self.scheduler.waiting[0]
         raise RuntimeError(
             f"request {request.request_id} cannot be scheduled with nothing running: it needs "
-            f"{self.kv_cache.num_blocks_needed(request, request.num_tokens)} NPU blocks, "
-            f"{self.kv_cache.npu.num_free} are free"
+            f"{self.kv_cache.num_blocks_needed(request, request.num_tokens)} NPU blocks per cache "
+            f"type, {[g.npu.num_free for g in self.kv_cache.groups]} are free"
         )
 
     # ---- introspection -----------------------------------------------------------------------
@@ -303,6 +315,17 @@ class Engine:
             num_host_blocks_used=host.num_used if host else 0,
             num_npu_blocks_cached=self.kv_cache.npu.num_cached,
             num_host_blocks_cached=host.num_cached if host else 0,
+            cache_types={
+                g.name: PoolUsage(
+                    g.npu.num_blocks,
+                    g.npu.num_used,
+                    g.npu.num_cached,
+                    g.host.num_blocks if g.host else 0,
+                    g.host.num_used if g.host else 0,
+                    g.host.num_cached if g.host else 0,
+                )
+                for g in self.kv_cache.groups
+            },
         )
 
     def reset_prefix_cache(self, tier: str = "all") -> None:
@@ -320,25 +343,3 @@ def resolve_device(device: str) -> torch.device:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} but CUDA is not available on this machine")
     return torch.device(device)
-
-
-def host_blocks_for(offload: KVOffloadConfig, num_npu_blocks: int, block_bytes: int) -> int:
-    """Host blocks of one replica: ``floor(ratio x NPU blocks)`` or its byte share in whole
-    blocks (DESIGN section 5). 0 when the host tier is off."""
-    if not offload.is_active:
-        return 0
-    if offload.host_memory_ratio > 0:
-        num_blocks = math.floor(offload.host_memory_ratio * num_npu_blocks)
-        if num_blocks < 1:
-            raise ValueError(
-                f"--experimental-kv-offload-host-memory-ratio={offload.host_memory_ratio} gives "
-                f"floor({offload.host_memory_ratio} x {num_npu_blocks} NPU blocks) = 0 host blocks"
-            )
-        return num_blocks
-    num_blocks = offload.host_memory_bytes // block_bytes
-    if num_blocks < 1:
-        raise ValueError(
-            f"--experimental-kv-offload-host-memory-gb (host_memory_bytes) gives each replica "
-            f"{offload.host_memory_bytes} bytes, less than one KV block ({block_bytes} bytes)"
-        )
-    return num_blocks

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from replicas.host_memory import allocate_host_tensor
-from replicas.kv_cache_manager import TransferPlan
+from replicas.kv_cache_types import BlockCopy, TransferPlan
 
 logger = logging.getLogger(__name__)
 
@@ -54,19 +54,21 @@ class _Pending:
 class KVTransfer:
     """Owns the host KV tensors of one replica; the only component that copies between tiers."""
 
-    def __init__(self, npu_caches: dict[str, torch.Tensor], num_host_blocks: int) -> None:
+    def __init__(
+        self, npu_caches: dict[str, torch.Tensor], num_host_blocks: dict[str, int]
+    ) -> None:
         self.npu_caches = npu_caches
         self.device = next(iter(npu_caches.values())).device
         self.is_cuda = self.device.type == "cuda"
         self.host_caches = {
             group: allocate_host_tensor(
-                (num_host_blocks, *cache.shape[1:]), cache.dtype, pin=self.is_cuda
+                (num_host_blocks[group], *cache.shape[1:]), cache.dtype, pin=self.is_cuda
             )
             for group, cache in npu_caches.items()
         }
-        self.block_bytes = sum(
-            cache[0].numel() * cache.element_size() for cache in npu_caches.values()
-        )
+        self.block_bytes = {
+            group: cache[0].numel() * cache.element_size() for group, cache in npu_caches.items()
+        }
         # Per-block views, built once: a CPU transfer copies every block straight from its
         # source to its destination in one fused call (no staging pass, no fresh memory).
         self._npu_blocks = {g: t.unbind(0) for g, t in npu_caches.items()}
@@ -92,8 +94,8 @@ class KVTransfer:
         self.stats.seconds += time.perf_counter() - start
         self.stats.blocks_stored += len(plan.stores)
         self.stats.blocks_loaded += len(plan.loads)
-        self.stats.bytes_stored += len(plan.stores) * self.block_bytes
-        self.stats.bytes_loaded += len(plan.loads) * self.block_bytes
+        self.stats.bytes_stored += sum(self.block_bytes[c.group] for c in plan.stores)
+        self.stats.bytes_loaded += sum(self.block_bytes[c.group] for c in plan.loads)
 
     def poll(self, wait: bool = False) -> list[TransferPlan]:
         """Plans whose copies have all landed (all of them if ``wait``)."""
@@ -114,10 +116,12 @@ class KVTransfer:
     def _run_cpu(self, plan: TransferPlan) -> None:
         for group, npu in self._npu_blocks.items():
             host = self._host_blocks[group]
-            if plan.stores:
-                _copy_blocks([host[h] for _, h in plan.stores], [npu[n] for n, _ in plan.stores])
-            if plan.loads:
-                _copy_blocks([npu[n] for _, n in plan.loads], [host[h] for h, _ in plan.loads])
+            stores = _of_group(plan.stores, group)
+            if stores:
+                _copy_blocks([host[c.dst] for c in stores], [npu[c.src] for c in stores])
+            loads = _of_group(plan.loads, group)
+            if loads:
+                _copy_blocks([npu[c.dst] for c in loads], [host[c.src] for c in loads])
 
     # ---- CUDA ----------------------------------------------------------------------------
     def _submit_cuda(self, plan: TransferPlan) -> None:
@@ -125,18 +129,18 @@ class KVTransfer:
         compute = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(compute)
         with torch.cuda.stream(self._stream):
-            if plan.stores:
-                npu_ids, _ = _index_pair(plan.stores, self.device)
-                for group, npu in self.npu_caches.items():
-                    gathered = npu.index_select(0, npu_ids)
+            for group, npu in self.npu_caches.items():
+                stores = _of_group(plan.stores, group)
+                if stores:
+                    gathered = npu.index_select(0, _ids(stores, "src", self.device))
                     staging = torch.empty(gathered.shape, dtype=npu.dtype, pin_memory=True)
                     staging.copy_(gathered, non_blocking=True)
                     pending.store_staging[group] = staging
             self._pending.append(pending)
             if plan.loads:
-                load_host_ids = {host_id for host_id, _ in plan.loads}
+                loading = {(c.group, c.src) for c in plan.loads}
                 if any(
-                    load_host_ids.intersection(h for _, h in p.plan.stores)
+                    loading.intersection((c.group, c.dst) for c in p.plan.stores)
                     for p in self._pending
                     if p.store_staging
                 ):
@@ -144,24 +148,26 @@ class KVTransfer:
                     self._stream.synchronize()
                     for earlier in self._pending:
                         self._scatter_stores(earlier)
-                host_ids, npu_ids = _index_pair(plan.loads, self.device)
-                for group, npu in self.npu_caches.items():
-                    host = self.host_caches[group]
-                    staging = torch.empty(
-                        (len(plan.loads), *host.shape[1:]), dtype=host.dtype, pin_memory=True
-                    )
-                    torch.index_select(host, 0, host_ids.cpu(), out=staging)
-                    npu.index_copy_(0, npu_ids, staging.to(self.device, non_blocking=True))
-                    pending.keep_alive.append(staging)
+            for group, npu in self.npu_caches.items():
+                loads = _of_group(plan.loads, group)
+                if not loads:
+                    continue
+                host = self.host_caches[group]
+                staging = torch.empty(
+                    (len(loads), *host.shape[1:]), dtype=host.dtype, pin_memory=True
+                )
+                torch.index_select(host, 0, _ids(loads, "src", torch.device("cpu")), out=staging)
+                npu.index_copy_(
+                    0, _ids(loads, "dst", self.device), staging.to(self.device, non_blocking=True)
+                )
+                pending.keep_alive.append(staging)
             pending.event.record(self._stream)
         compute.wait_event(pending.event)
 
     def _scatter_stores(self, pending: _Pending) -> None:
         """Copy a landed store's staging buffers into the host pool (CPU work)."""
-        if not pending.store_staging:
-            return
-        _, host_ids = _index_pair(pending.plan.stores, torch.device("cpu"))
         for group, staging in pending.store_staging.items():
+            host_ids = _ids(_of_group(pending.plan.stores, group), "dst", torch.device("cpu"))
             self.host_caches[group].index_copy_(0, host_ids, staging)
         pending.store_staging.clear()
 
@@ -171,6 +177,9 @@ def _copy_blocks(destinations: list[torch.Tensor], sources: list[torch.Tensor]) 
     torch._foreach_copy_(destinations, sources)
 
 
-def _index_pair(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, ...]:
-    index = torch.tensor(pairs, dtype=torch.long).T.contiguous()
-    return index[0].to(device), index[1].to(device)
+def _of_group(copies: list[BlockCopy], group: str) -> list[BlockCopy]:
+    return [c for c in copies if c.group == group]
+
+
+def _ids(copies: list[BlockCopy], field: str, device: torch.device) -> torch.Tensor:
+    return torch.tensor([getattr(c, field) for c in copies], dtype=torch.long, device=device)

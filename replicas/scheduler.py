@@ -18,14 +18,16 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from replicas.config import SchedulerConfig
-from replicas.kv_cache_manager import KVCacheManager, TransferPlan
+from replicas.kv_cache_manager import KVCacheManager
+from replicas.kv_cache_types import TransferPlan
 from replicas.request import Request, RequestStatus
 
 
 class ScheduledRequest(NamedTuple):
     request: Request
     num_new_tokens: int  # computed this step, after request.num_computed_tokens
-    block_ids: list[int]  # the request's NPU blocks, in token order
+    block_ids: list[int]  # the request's NPU blocks of the primary group, in token order
+    block_tables: dict[str, list[int | None]]  # per cache group (None: released sliding block)
 
 
 @dataclass(slots=True)
@@ -115,7 +117,13 @@ class Scheduler:
         self.kv_cache.free(request)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        return ScheduledRequest(request, num_new, self.kv_cache.block_ids(request.request_id))
+        request_id = request.request_id
+        return ScheduledRequest(
+            request,
+            num_new,
+            self.kv_cache.block_ids(request_id),
+            self.kv_cache.block_tables(request_id),
+        )
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)

@@ -95,7 +95,7 @@ def test_immediate_promotion_stores_at_first_write():
     request = run(manager, PROMPT, finish=False)
     plan = land(manager)
     blocks = manager.block_ids(request.request_id)
-    assert [npu for npu, _ in plan.stores] == blocks[:3]
+    assert [c.src for c in plan.stores] == blocks[:3]
     assert manager.host.num_cached == 3
 
 
@@ -135,7 +135,7 @@ def test_host_hit_reloads_and_reports_host_tokens():
     request = run(manager, a + [3], finish=False)
     plan = land(manager)
     assert request.num_host_cached_tokens == 8 and request.num_npu_cached_tokens == 0
-    assert [npu for _, npu in plan.loads] == manager.block_ids(request.request_id)[:2]
+    assert [c.dst for c in plan.loads] == manager.block_ids(request.request_id)[:2]
     assert manager.stats.host_hits == 8
     # Reloaded blocks are NPU-resident again, and keep their host copy.
     assert manager.npu.lookup(request.block_hashes[0]) is not None

@@ -3,27 +3,38 @@ import random
 import torch
 
 from cluster import LLM, KVOffloadConfig, SamplingParams, SchedulerConfig
-from replicas.kv_cache_manager import TransferPlan
+from replicas.kv_cache_types import BlockCopy, TransferPlan
 from replicas.kv_transfer import KVTransfer
 
 
-def test_batched_copies_move_exactly_the_planned_blocks():
-    npu = {"full": torch.randn(6, 2, 2, 4, 1, 3), "sliding": torch.randn(6, 1, 2, 4, 1, 3)}
-    transfer = KVTransfer(npu, num_host_blocks=5)
+def test_batched_copies_move_exactly_the_planned_blocks_per_group():
+    npu = {"full": torch.randn(6, 2, 2, 4, 1, 3), "sliding": torch.randn(4, 1, 2, 4, 1, 3)}
+    transfer = KVTransfer(npu, {"full": 5, "sliding": 2})
     before = {g: t.clone() for g, t in npu.items()}
-    transfer.submit(TransferPlan(stores=[(4, 0), (1, 3)], loads=[]))
-    for group in npu:
-        assert torch.equal(transfer.host_caches[group][0], before[group][4])
-        assert torch.equal(transfer.host_caches[group][3], before[group][1])
-        assert not transfer.host_caches[group][1].any()  # untouched host blocks stay zero
-    transfer.submit(TransferPlan(stores=[], loads=[(3, 0), (0, 5)]))
-    for group in npu:
-        assert torch.equal(npu[group][0], before[group][1])
-        assert torch.equal(npu[group][5], before[group][4])
-        assert torch.equal(npu[group][2], before[group][2])
-    assert transfer.stats.blocks_stored == 2 and transfer.stats.blocks_loaded == 2
-    block_bytes = sum(t[0].numel() * 4 for t in npu.values())
-    assert transfer.stats.bytes_loaded == 2 * block_bytes
+    transfer.submit(
+        TransferPlan(
+            stores=[BlockCopy(4, 0, "full"), BlockCopy(1, 3, "full"), BlockCopy(2, 1, "sliding")],
+            loads=[],
+        )
+    )
+    host = transfer.host_caches
+    assert torch.equal(host["full"][0], before["full"][4])
+    assert torch.equal(host["full"][3], before["full"][1])
+    assert torch.equal(host["sliding"][1], before["sliding"][2])
+    assert not host["full"][1].any() and not host["sliding"][0].any()  # untouched stay zero
+    transfer.submit(
+        TransferPlan(
+            stores=[],
+            loads=[BlockCopy(3, 0, "full"), BlockCopy(0, 5, "full"), BlockCopy(1, 3, "sliding")],
+        )
+    )
+    assert torch.equal(npu["full"][0], before["full"][1])
+    assert torch.equal(npu["full"][5], before["full"][4])
+    assert torch.equal(npu["full"][2], before["full"][2])
+    assert torch.equal(npu["sliding"][3], before["sliding"][2])
+    assert transfer.stats.blocks_stored == 3 and transfer.stats.blocks_loaded == 3
+    full_bytes, sliding_bytes = (t[0].numel() * 4 for t in npu.values())
+    assert transfer.stats.bytes_loaded == 2 * full_bytes + sliding_bytes
     assert len(transfer.poll()) == 2
 
 

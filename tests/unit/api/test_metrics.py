@@ -6,7 +6,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster.api import create_app
 from cluster.backend import ClusterStats, ReplicaStats
 from cluster.metrics import StrataMetrics, router_metric_families
-from replicas.engine import EngineStats
+from replicas.engine import EngineStats, PoolUsage
 from replicas.kv_cache_manager import CacheStats
 from replicas.kv_transfer import TransferStats
 from tests.unit.api.conftest import ScriptedBackend
@@ -35,6 +35,10 @@ def engine_stats(scale: int) -> EngineStats:
         cache=cache, transfer=transfer, num_running=2 * scale, num_waiting=scale,
         num_preemptions=scale, num_npu_blocks=128, num_npu_blocks_used=10 * scale,
         num_host_blocks=64, num_host_blocks_used=9 * scale,
+        cache_types={
+            "full": PoolUsage(128, 10 * scale, 20 * scale, 64, 9 * scale, 30 * scale),
+            "sliding": PoolUsage(32, 3 * scale, 4 * scale, 16, scale, 2 * scale),
+        },
     )  # fmt: skip
 
 
@@ -72,6 +76,10 @@ def test_replica_stats_are_exported_per_replica():
         assert value("strata_kv_blocks_used", tier="host", **full) == 9 * scale
         assert value("strata_kv_blocks_capacity", tier="npu", **full) == 128
         assert value("strata_kv_blocks_capacity", tier="host", **full) == 64
+        assert value("strata_kv_blocks_cached", tier="host", **full) == 30 * scale
+        sliding = {"replica": replica, "cache_type": "sliding"}
+        assert value("strata_kv_blocks_used", tier="npu", **sliding) == 3 * scale
+        assert value("strata_kv_blocks_capacity", tier="host", **sliding) == 16
     assert value("strata_replica_up", replica="2") == 0
     assert ("strata_prefix_cache_queries_total", frozenset({("replica", "2")})) not in got
 
