@@ -5,8 +5,8 @@ host; load: host -> NPU) over pools laid out as the ``tiny`` model's KV cache. T
 one contiguous ``dst.copy_(src)`` of the same number of blocks between the same two pools, at
 random offsets. For comparison, the two halves of a staging design are timed alone: a gather
 (``index_select`` into a new tensor, and into a preallocated one) and a scatter (``index_copy_``
-into the destination pool); ``KVTransfer`` itself copies block to block in one fused call. Variants take turns within each
-repetition (the order rotates); medians are reported.
+into the destination pool); ``KVTransfer`` itself copies block to block in one fused call.
+Variants take turns within each repetition (the order rotates); medians are reported.
 """
 
 import random
