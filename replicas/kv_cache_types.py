@@ -105,6 +105,7 @@ class CacheStats:
     write_backs: int = 0
     blocks_loaded: int = 0
     blocks_stored: int = 0
+    blocks_freed_out_of_window: int = 0
     by_cache_type: dict[str, CacheTypeStats] = field(default_factory=dict)
 
     def count(self, group: str, counter: str, n: int = 1) -> None:
