@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from replicas.async_engine import AsyncEngine
+from replicas.async_engine import AsyncEngine, EngineDeadError
 from replicas.engine import Engine, EngineStats
 from replicas.model import Tokenizer
 from replicas.outputs import RequestOutput
@@ -98,6 +98,8 @@ class LocalBackend:
             async for output in stream:
                 output.replica_index = 0
                 yield output
+        except EngineDeadError as error:
+            raise ReplicaFailedError(str(error)) from None
         finally:
             await stream.aclose()
 
@@ -105,7 +107,7 @@ class LocalBackend:
         await self.async_engine.abort(request_id)
 
     async def num_live_replicas(self) -> int:
-        return 1
+        return 0 if self.async_engine.is_dead else 1
 
     async def stats(self) -> ClusterStats:
         return ClusterStats([ReplicaStats(0, True, self.engine.stats())])

@@ -70,6 +70,17 @@ _GAUGES: list[tuple[str, str, Callable[[EngineStats], float]]] = [
 ]
 
 
+_PER_TYPE_EVENTS = [
+    ("npu_eviction", "npu_evictions"),
+    ("host_eviction", "host_evictions"),
+    ("write_through_promotion", "write_through_promotions"),
+    ("write_back", "write_backs"),
+    ("loaded", "blocks_loaded"),
+    ("stored", "blocks_stored"),
+    ("released_out_of_window", "blocks_freed_out_of_window"),
+]
+
+
 def _replica_families(replicas: list[ReplicaStats]) -> list[Metric]:
     up = GaugeMetricFamily("strata_replica_up", "1 while the replica is alive.", labels=["replica"])
     counters = [CounterMetricFamily(n, h, labels=["replica"]) for n, h, _ in _COUNTERS]
@@ -98,6 +109,12 @@ def _replica_families(replicas: list[ReplicaStats]) -> list[Metric]:
         "KV blocks of the pool, by tier and cache type.",
         labels=["replica", "tier", "cache_type"],
     )
+    per_type = CounterMetricFamily(
+        "strata_kv_cache_type_blocks",
+        "Block events per cache type: npu_eviction, host_eviction, write_through_promotion, "
+        "write_back, loaded, stored, released_out_of_window.",
+        labels=["replica", "cache_type", "event"],
+    )
     for replica in replicas:
         label = str(replica.replica_index)
         stats = replica.engine
@@ -112,6 +129,9 @@ def _replica_families(replicas: list[ReplicaStats]) -> list[Metric]:
         hits_by_tier.add_metric([label, "host"], stats.cache.host_hits)
         evictions.add_metric([label, "npu"], stats.cache.npu_evictions)
         evictions.add_metric([label, "host"], stats.cache.host_evictions)
+        for cache_type, counts in stats.cache.by_cache_type.items():
+            for event, value in _PER_TYPE_EVENTS:
+                per_type.add_metric([label, cache_type, event], getattr(counts, value))
         for cache_type, pool in stats.cache_types.items():
             used.add_metric([label, "npu", cache_type], pool.npu_used)
             used.add_metric([label, "host", cache_type], pool.host_used)
@@ -119,7 +139,7 @@ def _replica_families(replicas: list[ReplicaStats]) -> list[Metric]:
             cached.add_metric([label, "host", cache_type], pool.host_cached)
             capacity.add_metric([label, "npu", cache_type], pool.npu_blocks)
             capacity.add_metric([label, "host", cache_type], pool.host_blocks)
-    return [up, *counters, hits_by_tier, evictions, used, cached, capacity, *gauges]
+    return [up, *counters, hits_by_tier, evictions, per_type, used, cached, capacity, *gauges]
 
 
 def router_metric_families(router_stats: RouterStats | None) -> list[Metric]:

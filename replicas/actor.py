@@ -25,6 +25,10 @@ from replicas.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+EXIT_DELAY_S = 0.5
+"""How long a replica whose engine failed keeps its process, so that errors reach callers."""
+
+
 class ReplicaOverloadedError(RuntimeError):
     """The replica's waiting queue is full."""
 
@@ -40,7 +44,9 @@ class ReplicaActor:
         self.replica_index = replica_index
         self.engine = Engine(engine_config)
         self.engine.kv_cache.record_events = True
-        self.async_engine = AsyncEngine(self.engine, on_step=self._report)
+        self.async_engine = AsyncEngine(
+            self.engine, on_step=self._report, on_error=self._exit_for_restart
+        )
         self.router = router
         self.max_waiting_requests = max_waiting_requests
         self._next_seq = 0
@@ -72,6 +78,17 @@ class ReplicaActor:
 
     async def abort(self, request_id: str) -> None:
         await self.async_engine.abort(request_id)
+
+    def _exit_for_restart(self, error: BaseException) -> None:
+        """The engine loop failed, so this replica can serve nothing more: leave its requests a
+        moment to receive their errors, then end the process so that Ray restarts the replica
+        with a fresh engine (a crash fails only the requests it held)."""
+        logger.error(
+            "replica %d: engine loop failed (%r); exiting so that Ray restarts it",
+            self.replica_index,
+            error,
+        )
+        asyncio.get_running_loop().call_later(EXIT_DELAY_S, os._exit, 1)
 
     # ---- router support ----------------------------------------------------------------------
     def _report(self, outputs: list[RequestOutput]) -> None:

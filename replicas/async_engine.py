@@ -36,12 +36,19 @@ class EngineDeadError(RuntimeError):
 
 
 StepHook = Callable[[list[RequestOutput]], None]
+ErrorHook = Callable[[BaseException], None]
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, on_step: StepHook | None = None) -> None:
+    """``on_step`` sees every step's outputs; ``on_error`` learns that the loop failed (after
+    every stream was told), e.g. to replace the process."""
+
+    def __init__(
+        self, engine: Engine, on_step: StepHook | None = None, on_error: ErrorHook | None = None
+    ) -> None:
         self.engine = engine
         self._on_step = on_step
+        self._on_error = on_error
         self._queues: dict[str, asyncio.Queue] = {}
         self._adds: list[_Add] = []
         self._aborts: list[str] = []
@@ -127,6 +134,13 @@ class AsyncEngine:
             dead = EngineDeadError(f"engine loop failed: {error}")
             for queue in self._queues.values():
                 queue.put_nowait(dead)
+            if self._on_error is not None:
+                self._on_error(error)
+
+    @property
+    def is_dead(self) -> bool:
+        """Whether the loop failed: every request from now on fails with EngineDeadError."""
+        return self._error is not None
 
     def _apply_commands(self) -> None:
         adds, self._adds = self._adds, []

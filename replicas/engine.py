@@ -242,6 +242,7 @@ class Engine:
             num_cached_tokens=request.num_cached_tokens or 0,
             num_npu_cached_tokens=request.num_npu_cached_tokens,
             num_host_cached_tokens=request.num_host_cached_tokens,
+            cached_tokens_by_cache_type=dict(request.cached_tokens_by_cache_type),
             arrival_time=request.arrival_time,
             first_token_time=request.first_token_time,
             finish_time=request.finish_time,

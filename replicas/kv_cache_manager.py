@@ -325,6 +325,13 @@ class KVCacheManager:
         request.num_npu_cached_tokens = match.num_npu_blocks * self.block_size
         request.num_host_cached_tokens = match.num_host_blocks * self.block_size
         request.num_cached_tokens = request.num_npu_cached_tokens + request.num_host_cached_tokens
+        for name, part in match.groups.items():
+            num_npu = sum(1 for b in part.npu_block_ids if b is not None)
+            num_host = len(part.npu_block_ids) - num_npu
+            request.cached_tokens_by_cache_type[name] = (
+                num_npu * self.block_size,
+                num_host * self.block_size,
+            )
         self.stats.queries += request.num_prompt_tokens
         self.stats.hits += request.num_cached_tokens
         self.stats.npu_hits += request.num_npu_cached_tokens

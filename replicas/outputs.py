@@ -28,6 +28,8 @@ class RequestOutput:
     finish_time: float | None
     prompt: str | None = None
     replica_index: int | None = None  # set by the replica actor that served it
+    # cache type -> (NPU, host) tokens of cached KV reused; a sliding type holds only the window
+    cached_tokens_by_cache_type: dict[str, tuple[int, int]] | None = None
 
     @property
     def ttft_s(self) -> float | None:

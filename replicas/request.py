@@ -68,6 +68,8 @@ class Request:
         self.num_cached_tokens: int | None = None
         self.num_npu_cached_tokens = 0
         self.num_host_cached_tokens = 0
+        # cache type -> (NPU, host) tokens of cached KV adopted at admission
+        self.cached_tokens_by_cache_type: dict[str, tuple[int, int]] = {}
 
         self.output_text = ""
         self.num_emitted_tokens = 0  # outputs already reported (streaming cursor)

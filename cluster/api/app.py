@@ -44,6 +44,12 @@ async def read_body(request: Request, model: type[B]) -> B:
         raise APIError.bad_request(
             f"the request body must be a JSON object, got {type(data).__name__}"
         )
+    try:  # JSON may escape a lone UTF-16 surrogate ("\ud800"), which no text can hold
+        json.dumps(data, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise APIError.bad_request(
+            "the request body holds an unpaired UTF-16 surrogate escape, which is not valid text"
+        ) from None
     try:
         return model.model_validate(data)
     except ValidationError as error:

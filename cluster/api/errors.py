@@ -6,11 +6,12 @@ Client mistakes are 4xx with a message that says what to change; the server keep
 any of them. Only unexpected server faults are 500, with a generic message (the cause is logged).
 """
 
+import json
 import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -50,8 +51,12 @@ class APIError(Exception):
         error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
         return {"error": error}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+    def response(self) -> Response:
+        # ASCII-escaped, so that no text echoed from a request can make the answer unencodable.
+        content = json.dumps(self.body(), ensure_ascii=True).encode()
+        return Response(
+            content, self.status_code, headers=self.headers, media_type="application/json"
+        )
 
 
 def from_backend_error(error: Exception) -> APIError | None:
@@ -94,10 +99,10 @@ def describe_validation_error(error: ValidationError | RequestValidationError) -
 def install_error_handlers(app: FastAPI) -> None:
     """Turn every exception that reaches FastAPI into an OpenAI-shaped answer."""
 
-    async def on_api_error(request: Request, error: APIError) -> JSONResponse:
+    async def on_api_error(request: Request, error: APIError) -> Response:
         return error.response()
 
-    async def on_http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+    async def on_http_error(request: Request, error: StarletteHTTPException) -> Response:
         codes = {404: "not_found", 405: "method_not_allowed"}
         message = str(error.detail)
         if error.status_code == 404:
@@ -112,15 +117,15 @@ def install_error_handlers(app: FastAPI) -> None:
         )
         return api_error.response()
 
-    async def on_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+    async def on_validation_error(request: Request, error: RequestValidationError) -> Response:
         return describe_validation_error(error).response()
 
-    async def on_backend_error(request: Request, error: Exception) -> JSONResponse:
+    async def on_backend_error(request: Request, error: Exception) -> Response:
         api_error = from_backend_error(error)
         assert api_error is not None
         return api_error.response()
 
-    async def on_unexpected(request: Request, error: Exception) -> JSONResponse:
+    async def on_unexpected(request: Request, error: Exception) -> Response:
         logger.error("unexpected error on %s %s", request.method, request.url.path, exc_info=error)
         return internal_error().response()
 

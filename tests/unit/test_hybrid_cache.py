@@ -181,7 +181,12 @@ def test_tiny_hybrid_outputs_match_cold_runs_through_eviction_and_reload():
     llm.reset_prefix_cache("npu")
     reloaded = [llm.generate(p, params) for p in prompts]
     assert [o.token_ids for o in reloaded] == reference
-    assert reloaded[0].num_host_cached_tokens == reloaded[0].num_cached_tokens > 0
+    first = reloaded[0]
+    assert first.num_host_cached_tokens == first.num_cached_tokens > 0
+    full_npu, full_host = first.cached_tokens_by_cache_type["full"]
+    sliding_npu, sliding_host = first.cached_tokens_by_cache_type["sliding"]
+    assert (full_npu, full_host) == (0, first.num_cached_tokens)
+    assert 0 < sliding_npu + sliding_host <= 64 + 16  # only the window
     per_type = llm.stats().cache.by_cache_type
     assert per_type["full"].blocks_loaded > 0 and per_type["sliding"].blocks_loaded > 0
     llm.check_integrity()

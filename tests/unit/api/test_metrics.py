@@ -7,7 +7,7 @@ from cluster.api import create_app
 from cluster.backend import ClusterStats, ReplicaStats
 from cluster.metrics import StrataMetrics, router_metric_families
 from replicas.engine import EngineStats, PoolUsage
-from replicas.kv_cache_manager import CacheStats
+from replicas.kv_cache_types import CacheStats, CacheTypeStats
 from replicas.kv_transfer import TransferStats
 from tests.unit.api.conftest import ScriptedBackend
 
@@ -26,6 +26,8 @@ def engine_stats(scale: int) -> EngineStats:
         queries=100 * scale, hits=48 * scale, npu_hits=32 * scale, host_hits=16 * scale,
         npu_evictions=5 * scale, host_evictions=2 * scale, write_through_promotions=3 * scale,
         write_backs=4 * scale, blocks_loaded=1 * scale, blocks_stored=7 * scale,
+        by_cache_type={"sliding": CacheTypeStats(blocks_loaded=3 * scale,
+                                                 blocks_freed_out_of_window=5 * scale)},
     )  # fmt: skip
     transfer = TransferStats(
         blocks_loaded=scale, blocks_stored=7 * scale, bytes_loaded=1024 * scale,
@@ -80,6 +82,11 @@ def test_replica_stats_are_exported_per_replica():
         sliding = {"replica": replica, "cache_type": "sliding"}
         assert value("strata_kv_blocks_used", tier="npu", **sliding) == 3 * scale
         assert value("strata_kv_blocks_capacity", tier="host", **sliding) == 16
+        assert value("strata_kv_cache_type_blocks", event="loaded", **sliding) == 3 * scale
+        assert (
+            value("strata_kv_cache_type_blocks", event="released_out_of_window", **sliding)
+            == 5 * scale
+        )
     assert value("strata_replica_up", replica="2") == 0
     assert ("strata_prefix_cache_queries_total", frozenset({("replica", "2")})) not in got
 

@@ -177,13 +177,14 @@ def test_stats_count_decisions_and_matched_fraction_buckets():
     router = make_router(2)
     router.on_events(KVEventBatch(0, 0, stored(1, 2, 3, 4)))
     router.on_events(KVEventBatch(0, 4, stored(5, 6, tier="host")))
+    # First, while no replica has been sent anything: the exact tie goes to replica 0.
+    router.route("cold", 0, [])  # an empty prompt counts as fraction 0
     router.route("full", 64, prompt(1, 2, 3, 4))  # fraction 1.0
     router.route("half", 64, prompt(1, 2, 9, 9))  # 0.5
     router.route("host", 64, prompt(1, 2, 3, 4, 5, 6, 9)[:4])  # 1.0 again
     router.release("full")
     router.release("half")
     router.release("host")
-    router.route("cold", 0, [])  # an empty prompt counts as fraction 0
     stats = router.stats()
     zero, one = stats.replicas
     assert zero.num_requests_routed == 4 and one.num_requests_routed == 0
