@@ -82,9 +82,9 @@ def test_replica_stats_are_exported_per_replica():
         sliding = {"replica": replica, "cache_type": "sliding"}
         assert value("strata_kv_blocks_used", tier="npu", **sliding) == 3 * scale
         assert value("strata_kv_blocks_capacity", tier="host", **sliding) == 16
-        assert value("strata_kv_cache_type_blocks", event="loaded", **sliding) == 3 * scale
+        assert value("strata_kv_cache_type_blocks_total", event="loaded", **sliding) == 3 * scale
         assert (
-            value("strata_kv_cache_type_blocks", event="released_out_of_window", **sliding)
+            value("strata_kv_cache_type_blocks_total", event="released_out_of_window", **sliding)
             == 5 * scale
         )
     assert value("strata_replica_up", replica="2") == 0
