@@ -57,11 +57,9 @@ def build_llm(
 
 
 def settle(llm: LLM) -> None:
-    """Run one idle engine step so that copies planned in the last step land now.
-
-    The engine submits a step's planned stores at the *next* step; after a lone request they
-    wait for the next request (which would pay for them in its TTFT), and until they land
-    ``reset_prefix_cache`` cannot forget their (locked) host blocks.
+    """Run one idle engine step, which lands any copy still in flight (on CUDA a store completes
+    asynchronously; on CPU every copy has landed when its step returns), so that no measured
+    request pays for an earlier one's copies.
     """
     if not llm.engine.has_unfinished_requests():
         llm.engine.step()
