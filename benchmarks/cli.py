@@ -9,8 +9,23 @@ from pathlib import Path
 import torch
 
 from benchmarks import churn, prefix_ttft, reload_vs_recompute, transfer
+from benchmarks.sim import acceptance, router_micro, sim_vs_real, sweeps_scenario
+from benchmarks.sim import calibrate as sim_calibrate
+from benchmarks.sim import cli as sim_cli
 
-SCENARIOS = {module.NAME: module for module in (prefix_ttft, reload_vs_recompute, churn, transfer)}
+SCENARIOS = {
+    module.NAME: module
+    for module in (
+        prefix_ttft,
+        reload_vs_recompute,
+        churn,
+        transfer,
+        router_micro,
+        sim_vs_real,
+        acceptance,
+        sweeps_scenario,
+    )
+}
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "out"
 
 
@@ -37,12 +52,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="torch intra-op threads (default: torch's choice, usually one per core)",
     )
+    simulate = actions.add_parser(
+        "simulate", help="replay a trace through simulated replicas and routers (sim/)"
+    )
+    sim_cli.add_arguments(simulate)
+    calibrate = actions.add_parser(
+        "calibrate", help="fit a simulator hardware profile to the real engine (sim/)"
+    )
+    sim_calibrate.add_arguments(calibrate)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    if args.action == "simulate":
+        sim_cli.run(args, shlex.join(["python", "-m", "benchmarks", *argv]))
+        return 0
+    if args.action == "calibrate":
+        sim_calibrate.run(args)
+        return 0
     if args.action == "list":
         for name, module in SCENARIOS.items():
             print(f"{name:22} {module.__doc__.splitlines()[0].split(': ', 1)[1]}")

@@ -51,6 +51,20 @@ EXPECTED = {
         "batches.*.ratios.store_over_contiguous",
         "batches.*.ratios.load_over_contiguous",
     ],
+    "router-micro": ["points.*.p50_s", "points.*.p99_s", "target_p50_s"],
+    "sim-vs-real": [
+        "dp1.real.queries",
+        "dp1.sim.queries",
+        "dp2.real.median_ttft_s",
+        "dp2.sim.median_ttft_s",
+    ],
+    "sim-acceptance": [
+        "records.*.ttft_p50_s",
+        "records.*.load_imbalance",
+        "records.*.throughput_rps",
+        "verdicts.*.strata",
+    ],
+    "sim-sweeps": ["records.*.ttft_p50_s", "records.*.throughput_rps"],
 }
 
 

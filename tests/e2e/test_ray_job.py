@@ -75,31 +75,30 @@ def test_batch_job_through_ray_job_submit(ray_head, tmp_path):
     ]
     prompts.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     results = tmp_path / "results.jsonl"
-    submit = subprocess.run(
-        [
-            str(BIN / "ray"),
-            "job",
-            "submit",
-            "--address",
-            address,
-            "--working-dir",
-            str(ROOT),
-            "--",
-            "python",
-            "-m",
-            "cluster.job",
-            "--config",
-            "configs/default.yaml",
-            "--input",
-            str(prompts),
-            "--output",
-            str(results),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    command = [
+        str(BIN / "ray"),
+        "job",
+        "submit",
+        "--address",
+        address,
+        "--working-dir",
+        str(ROOT),
+        "--",
+        "python",
+        "-m",
+        "cluster.job",
+        "--config",
+        "configs/default.yaml",
+        "--input",
+        str(prompts),
+        "--output",
+        str(results),
+    ]
+    for _ in range(12):  # the head's job agent may still be starting: it says so, then serves
+        submit = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        if "No available agent to submit job" not in submit.stderr:
+            break
+        time.sleep(5)
     assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
     assert "succeeded" in submit.stdout
     rows = [json.loads(line) for line in results.read_text().splitlines()]

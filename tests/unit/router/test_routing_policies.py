@@ -78,6 +78,27 @@ def test_exact_ties_go_to_the_lowest_index_live_replica():
     assert policy.choose([0, 1, 2, 3], matches, [0, 0, 10, 10], 64).replica_index == 2
 
 
+def test_later_exact_ties_go_to_the_replica_sent_the_fewest_uncached_tokens():
+    policy = scoring()
+    idle = [0, 0, 0]
+    # Cold prompts on idle replicas: each tie goes to the replica whose cache took the fewest
+    # new tokens so far, so new conversations spread instead of piling onto replica 0.
+    assert [policy.choose([0, 1, 2], [NONE] * 3, idle, 64).replica_index for _ in range(4)] == [
+        0,
+        1,
+        2,
+        0,
+    ]
+    # Churn (uncached tokens sent) is now 128 / 64 / 64. Only uncached tokens count: a full hit
+    # on replica 1 adds nothing, and the next cold tie still finds 1 and 2 level (1 wins).
+    assert policy.choose([0, 1, 2], [NONE, PrefixMatch(4, 0), NONE], idle, 64).replica_index == 1
+    assert policy.choose([0, 1, 2], [NONE] * 3, idle, 32).replica_index == 1  # 128 / 96 / 64
+    assert policy.choose([0, 2], [NONE] * 3, idle, 64).replica_index == 2  # 128 / - / 128
+    # Replica 1 (re)joins the live set level with the least-churned live replica (128): a tie
+    # of all three, to the lowest index.
+    assert policy.choose([0, 1, 2], [NONE] * 3, idle, 64).replica_index == 0
+
+
 def test_a_host_only_match_counts_less_than_an_npu_match():
     matches = [PrefixMatch(0, 4), PrefixMatch(4, 0)]
     assert scoring().choose([0, 1], matches, [0, 0], 64).replica_index == 1

@@ -1,0 +1,199 @@
+"""``python -m benchmarks simulate``: replay a trace through simulated replicas and routers.
+
+Writes ``report.md``, ``results.json`` (one record per run) and PNG plots to ``--output``.
+"""
+
+import argparse
+from pathlib import Path
+
+from benchmarks.report import Report
+from benchmarks.sim import report as sim_report
+from benchmarks.sim.cost_model import HardwareProfile
+from benchmarks.sim.peers import PEERS
+from benchmarks.sim.runs import execute, parse_sweep, plan_runs
+from benchmarks.sim.simulator import STRATA, SimConfig
+from benchmarks.sim.trace import (
+    TRACE_TOKENS_PER_HASH_ID,
+    TraceRecord,
+    expand,
+    load_trace,
+    trace_summary,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"
+POLICIES = [STRATA, *PEERS]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSON lines trace")
+    add("--output", type=Path, required=True, help="report folder")
+    add("--data-parallel-size", "-dp", type=int, default=8, help="replicas (default 8)")
+    add(
+        "--policy",
+        nargs="+",
+        default=["all"],
+        choices=[*POLICIES, "all"],
+        metavar="NAME",
+        help=f"routing policies: {', '.join(POLICIES)} or all (default all)",
+    )
+    add(
+        "--profile",
+        nargs="+",
+        default=["balanced"],
+        choices=["balanced", "locality", "load"],
+        help="Strata's scoring profile(s) (default balanced)",
+    )
+    add(
+        "--hardware",
+        default="h200-llama8b",
+        help="hardware profile: a name in benchmarks/sim/profiles or a JSON path",
+    )
+    add(
+        "--num-npu-blocks",
+        type=int,
+        default=None,
+        help="NPU blocks per replica (default: what the profile's KV memory holds)",
+    )
+    host = parser.add_mutually_exclusive_group()
+    host.add_argument(
+        "--host-memory-gb",
+        type=float,
+        default=0.0,
+        help="process-wide host KV budget in GiB, split among replicas",
+    )
+    host.add_argument(
+        "--host-memory-ratio",
+        type=float,
+        default=0.0,
+        help="host blocks per NPU block, per replica",
+    )
+    add("--write-through-threshold", type=int, default=2, help="0 disables (default 2)")
+    add("--write-back", action="store_true", help="store evicted NPU-only blocks to host")
+    add("--block-size", type=int, default=16)
+    add(
+        "--tokens-per-hash-id",
+        type=int,
+        default=16,
+        help="tokens per trace hash id, a multiple of the block size (default 16)",
+    )
+    add(
+        "--token-scale",
+        type=float,
+        default=None,
+        help="trace tokens per simulated token for the cost model (default 512 / T)",
+    )
+    add("--max-requests", type=int, default=None, help="replay only the first K requests")
+    add(
+        "--arrival-speedup",
+        type=float,
+        default=1.0,
+        help="divide the trace's timestamps by this (default 1: as recorded)",
+    )
+    add("--event-delay-ms", type=float, default=1.0, help="replica -> router report delay")
+    add("--max-num-seqs", type=int, default=64)
+    add("--max-num-batched-tokens", type=int, default=2048, help="per step, simulated tokens")
+    add(
+        "--replicates",
+        type=int,
+        default=1,
+        help="runs per point; replicate k > 0 jitters arrivals and reseeds peers' ties",
+    )
+    add(
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="KIND[=V1,V2,...]",
+        help="dp=, host-gb=, host-ratio=, threshold=, write-back, npu-blocks=, speedup=, "
+        "profile (repeatable; one parameter at a time)",
+    )
+    add("--jobs", type=int, default=1, help="worker processes (default 1)")
+    add("--quiet", action="store_true", help="no progress bars")
+
+
+def base_config(args: argparse.Namespace) -> SimConfig:
+    if args.tokens_per_hash_id % args.block_size:
+        raise SystemExit(
+            f"--tokens-per-hash-id {args.tokens_per_hash_id} must be a multiple of "
+            f"--block-size {args.block_size}"
+        )
+    if args.write_through_threshold < 0:
+        raise SystemExit("--write-through-threshold must be >= 0 (0 disables promotion)")
+    token_scale = args.token_scale or TRACE_TOKENS_PER_HASH_ID / args.tokens_per_hash_id
+    return SimConfig(
+        data_parallel_size=args.data_parallel_size,
+        block_size=args.block_size,
+        tokens_per_hash_id=args.tokens_per_hash_id,
+        num_npu_blocks=args.num_npu_blocks,
+        host_memory_gb=args.host_memory_gb,
+        host_memory_ratio=args.host_memory_ratio,
+        write_through_threshold=args.write_through_threshold or None,
+        write_back=args.write_back,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        event_delay_s=args.event_delay_ms / 1000,
+        token_scale=token_scale,
+        arrival_speedup=args.arrival_speedup,
+    )
+
+
+def run(args: argparse.Namespace, command: str) -> dict[str, object]:
+    """Plan, run and report every simulation the arguments ask for."""
+    try:
+        sweeps = [parse_sweep(spec) for spec in args.sweep]
+        profile = HardwareProfile.load(args.hardware)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    base = base_config(args)
+    policies = POLICIES if "all" in args.policy else list(dict.fromkeys(args.policy))
+    records = load_trace(args.trace, args.max_requests)
+    requests = expand(records, args.tokens_per_hash_id)
+    runs = plan_runs(base, policies, args.profile, sweeps, max(1, args.replicates))
+    print(f"{len(requests)} requests from {args.trace}, {len(runs)} runs", flush=True)
+    results = execute(runs, requests, profile, jobs=args.jobs, progress=not args.quiet)
+    report = build_report(command, args, records, profile, results)
+    return report.write(args.output)
+
+
+def build_report(
+    command: str,
+    args: argparse.Namespace,
+    records: list[TraceRecord],
+    profile: HardwareProfile,
+    results: list[dict[str, object]],
+) -> Report:
+    summary = trace_summary(records)
+    first = results[0]
+    report = Report(
+        "simulate",
+        f"Trace-driven simulation: {args.trace.name}",
+        command,
+        False,
+        (
+            f"{summary['num_requests']} requests over {summary['duration_s']:.0f} s replayed "
+            f"through simulated replicas (real scheduler, KV cache manager and router code; "
+            f"hardware profile `{profile.name}`). One hash id = {args.tokens_per_hash_id} "
+            f"tokens; each simulated token stands for {first['token_scale']:g} trace tokens in "
+            f"the cost model. An unbounded prefix cache would serve "
+            f"{summary['unbounded_prefix_hit_rate']:.3f} of the blocks. Load imbalance = max / "
+            "mean over replicas of each replica's time-averaged outstanding tokens; "
+            "'@ arrivals' = mean over arrivals of the instantaneous max / mean "
+            "(see benchmarks/sim/metrics.py)."
+        ),
+    )
+    report.add_table("Runs", sim_report.RUN_HEADERS, sim_report.run_rows(results))
+    summary_rows = None
+    if any(r["seed"] for r in results):
+        summary_rows = sim_report.add_replicate_table(report, results)
+    sim_report.add_sources(report, results)
+    sim_report.ttft_cdf_figure(report, results)
+    sim_report.sweep_figures(report, results)
+    report.results = {
+        "trace": {"path": str(args.trace), **summary},
+        "hardware_profile": profile.name,
+        "records": results,
+        "replicate_summary": summary_rows,
+        "policy_sources": sim_report.POLICY_SOURCES,
+    }
+    return report

@@ -1,0 +1,82 @@
+"""Figures of one simulated run: hit rates, TTFT percentiles, load imbalance, throughput.
+
+Load of a replica = outstanding tokens: prompt tokens of the requests routed to it and not yet
+finished, plus the tokens they have generated (the quantity Strata's router charges). Two
+imbalance figures, both max over replicas divided by the mean over replicas:
+
+* ``load_imbalance``: of each replica's *time-averaged* load over the run (from the first
+  arrival to the last completion): does a policy systematically load some replicas more?
+* ``load_imbalance_at_arrivals``: of the instantaneous loads, sampled just before each arrival
+  is routed (samples with no load anywhere skipped), averaged. This one also counts transient
+  skew, and is large for every policy when few requests are in flight (one request on one of
+  eight idle replicas is an imbalance of 8).
+"""
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class LoadMeter:
+    """Outstanding tokens per replica over simulated time (piecewise constant)."""
+
+    def __init__(self, num_replicas: int) -> None:
+        self.load = [0] * num_replicas
+        self._area = [0.0] * num_replicas
+        self._since = [0.0] * num_replicas
+        self._start: float | None = None
+        self._end = 0.0
+        self._ratios: list[float] = []
+
+    def add(self, replica: int, num_tokens: int, now: float) -> None:
+        if self._start is None:
+            self._start = now
+            self._since = [now] * len(self.load)
+        self._area[replica] += self.load[replica] * (now - self._since[replica])
+        self._since[replica] = now
+        self.load[replica] += num_tokens
+        self._end = max(self._end, now)
+
+    def sample(self) -> None:
+        """Record the instantaneous imbalance (call before routing an arrival)."""
+        total = sum(self.load)
+        if total > 0:
+            self._ratios.append(max(self.load) * len(self.load) / total)
+
+    def time_averaged(self) -> list[float]:
+        if self._start is None or self._end <= self._start:
+            return [0.0] * len(self.load)
+        for replica in range(len(self.load)):
+            self.add(replica, 0, self._end)
+        return [area / (self._end - self._start) for area in self._area]
+
+    def imbalance(self) -> float:
+        averages = self.time_averaged()
+        mean = sum(averages) / len(averages)
+        return max(averages) / mean if mean > 0 else 1.0
+
+    def imbalance_at_arrivals(self) -> float:
+        return float(np.mean(self._ratios)) if self._ratios else 1.0
+
+
+def ttft_figures(ttfts_s: Sequence[float]) -> dict[str, object]:
+    if not ttfts_s:
+        return {"ttft_p50_s": 0.0, "ttft_p99_s": 0.0, "ttft_mean_s": 0.0, "ttft_quantiles_s": []}
+    values = np.asarray(ttfts_s, dtype=float)
+    return {
+        "ttft_p50_s": float(np.percentile(values, 50)),
+        "ttft_p99_s": float(np.percentile(values, 99)),
+        "ttft_mean_s": float(values.mean()),
+        "ttft_quantiles_s": [float(q) for q in np.percentile(values, np.arange(101))],
+    }
+
+
+def hit_rates(queries: int, hits: int, npu_hits: int, host_hits: int) -> dict[str, float]:
+    """Token hit rates over all replicas (hits / prompt tokens queried at admission)."""
+    if queries == 0:
+        return {"hit_rate": 0.0, "npu_hit_rate": 0.0, "host_hit_rate": 0.0}
+    return {
+        "hit_rate": hits / queries,
+        "npu_hit_rate": npu_hits / queries,
+        "host_hit_rate": host_hits / queries,
+    }

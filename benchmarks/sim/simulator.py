@@ -1,0 +1,264 @@
+"""Discrete-event replay of a trace through N simulated replicas and one routing agent.
+
+Events, in time order (ties in the order they were scheduled)::
+
+    arrival(i)      build the Request (its block hashes come from replicas.hashing), sample
+                    the load imbalance, route it, queue it on the replica; start a step there
+                    if the replica is idle
+    step_end(r)     SimulatedEngine.end_step: tokens, completions, KV events; the report
+                    reaches the agent event_delay_s later; the replica starts its next step
+    deliver(report) agent.on_report (KV events to the index, generated tokens, releases)
+
+In ``sequential`` mode (the real-engine comparison) request i+1 arrives when request i has
+finished and its report has been delivered, whatever the trace's timestamps. Otherwise arrival
+times are the trace's, divided by ``arrival_speedup``; a replicate with ``seed`` > 0 adds a
+uniform jitter of up to ``JITTER_S`` to each arrival and seeds the peers' random tie-breaks, so
+that replicates show how much a figure owes to one particular interleaving.
+
+Requests the cluster could never serve are skipped (``num_skipped``): longer than the model's
+context (``max_model_len`` of the hardware profile, in trace tokens) or than one replica's NPU
+tier.
+"""
+
+import heapq
+import itertools
+import random
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tqdm import tqdm
+
+from benchmarks.sim.agents import ClusterView, RoutingAgent, StrataAgent
+from benchmarks.sim.cost_model import CostModel
+from benchmarks.sim.engine import SimulatedEngine, StepReport
+from benchmarks.sim.metrics import LoadMeter, hit_rates, ttft_figures
+from benchmarks.sim.peers import PEERS
+from benchmarks.sim.trace import TraceRequest
+from replicas.config import SchedulerConfig
+from replicas.kv_cache_manager import KVCacheManager
+from replicas.request import Request
+from replicas.sampling_params import SamplingParams
+from router.config import RoutingConfig
+
+STRATA = "strata"
+ARRIVAL, STEP_END, DELIVER = 0, 1, 2
+JITTER_S = 0.01
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """One simulated cluster. Block counts are per replica; the host budget is process-wide."""
+
+    policy: str = STRATA
+    scoring_profile: str = "balanced"
+    data_parallel_size: int = 8
+    block_size: int = 16
+    tokens_per_hash_id: int = 16
+    num_npu_blocks: int | None = None  # None: what the hardware profile's KV memory holds
+    host_memory_gb: float = 0.0
+    host_memory_ratio: float = 0.0
+    write_through_threshold: int | None = 2
+    write_back: bool = False
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    event_delay_s: float = 0.001
+    token_scale: float = 32.0  # trace tokens per simulated token (512 / tokens_per_hash_id)
+    arrival_speedup: float = 1.0
+    seed: int = 0
+    sequential: bool = False
+
+    def num_host_blocks(self, num_npu_blocks: int, block_bytes: float) -> int:
+        """Host blocks per replica (DESIGN section 5): the GiB budget split equally among
+        replicas in whole blocks, or floor(ratio x NPU blocks)."""
+        if self.host_memory_gb > 0 and self.host_memory_ratio > 0:
+            raise ValueError("--host-memory-gb and --host-memory-ratio are mutually exclusive")
+        if self.host_memory_ratio > 0:
+            return int(self.host_memory_ratio * num_npu_blocks)
+        if self.host_memory_gb <= 0:
+            return 0
+        per_replica = self.host_memory_gb * 2**30 / self.data_parallel_size
+        num_blocks = int(per_replica // block_bytes)
+        if num_blocks < 1:
+            raise ValueError(
+                f"--host-memory-gb {self.host_memory_gb} leaves each of "
+                f"{self.data_parallel_size} replicas less than one {block_bytes:.0f}-byte block"
+            )
+        return num_blocks
+
+
+def make_agent(config: SimConfig, view: ClusterView) -> RoutingAgent:
+    if config.policy == STRATA:
+        routing = RoutingConfig(scoring_profile=config.scoring_profile)
+        return StrataAgent(view, config.block_size, config.token_scale, routing)
+    if config.policy not in PEERS:
+        raise ValueError(f"unknown policy {config.policy!r}; one of {[STRATA, *PEERS]}")
+    return PEERS[config.policy](view, config.block_size, config.token_scale, config.seed)
+
+
+class Simulator:
+    def __init__(
+        self, config: SimConfig, cost_model: CostModel, requests: list[TraceRequest]
+    ) -> None:
+        self.config = config
+        self.cost_model = cost_model
+        self.num_npu_blocks = config.num_npu_blocks or cost_model.num_npu_blocks()
+        if self.num_npu_blocks < 1:
+            raise ValueError(f"{cost_model.profile.name} holds no NPU block of this size")
+        self.num_host_blocks = config.num_host_blocks(self.num_npu_blocks, cost_model.block_bytes)
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+        self.engines = [
+            SimulatedEngine(r, self._kv_cache(), scheduler_config, cost_model)
+            for r in range(config.data_parallel_size)
+        ]
+        self.agent = make_agent(config, ClusterView(self.engines))
+        self.requests = self._servable(requests)
+        self.num_skipped = len(requests) - len(self.requests)
+        self.meter = LoadMeter(config.data_parallel_size)
+        self._events: list[tuple[float, int, int, Any]] = []
+        self._seq = itertools.count()
+        self._finished: list[Request] = []
+        self._step_ids = [0] * config.data_parallel_size
+
+    def _servable(self, requests: list[TraceRequest]) -> list[TraceRequest]:
+        npu_tokens = self.num_npu_blocks * self.config.block_size
+        model_tokens = self.cost_model.profile.max_model_len / self.config.token_scale
+        limit = min(npu_tokens, model_tokens)
+        return [t for t in requests if len(t.prompt_token_ids) + t.max_tokens <= limit]
+
+    def _arrival_times(self) -> list[float]:
+        speedup = self.config.arrival_speedup
+        times = [t.arrival_s / speedup for t in self.requests]
+        if self.config.seed:
+            rng = random.Random(self.config.seed)
+            times = [t + rng.random() * JITTER_S for t in times]
+        return times
+
+    def _kv_cache(self) -> KVCacheManager:
+        return KVCacheManager(
+            self.num_npu_blocks,
+            self.config.block_size,
+            num_host_blocks=self.num_host_blocks,
+            write_through_threshold=self.config.write_through_threshold,
+            write_back=self.config.write_back,
+            record_events=True,
+        )
+
+    def _push(self, when: float, kind: int, payload: Any) -> None:
+        heapq.heappush(self._events, (when, next(self._seq), kind, payload))
+
+    def run(self, progress: bool = False) -> dict[str, object]:
+        """Replay every request; returns the run's record (see ``metrics``)."""
+        wall_start = time.perf_counter()
+        if self.config.sequential:
+            if self.requests:
+                self._push(0.0, ARRIVAL, 0)
+        else:
+            for i, arrival_s in enumerate(self._arrival_times()):
+                self._push(arrival_s, ARRIVAL, i)
+        bar = tqdm(total=len(self.requests), disable=not progress, desc=self.label, leave=False)
+        while self._events:
+            now, _, kind, payload = heapq.heappop(self._events)
+            if kind == ARRIVAL:
+                self._arrive(payload, now)
+                bar.update()
+            elif kind == STEP_END:
+                self._end_step(payload, now)
+            else:
+                self.agent.on_report(payload, now)
+        bar.close()
+        for engine in self.engines:
+            engine.kv_cache.check_integrity()
+        return self._record(time.perf_counter() - wall_start)
+
+    @property
+    def label(self) -> str:
+        c = self.config
+        name = f"{c.policy}-{c.scoring_profile}" if c.policy == STRATA else c.policy
+        return f"{name} dp={c.data_parallel_size}"
+
+    def _arrive(self, index: int, now: float) -> None:
+        trace = self.requests[index]
+        params = SamplingParams(max_tokens=trace.max_tokens, ignore_eos=True)
+        request = Request(
+            trace.request_id,
+            trace.prompt_token_ids,
+            params,
+            self.config.block_size,
+            arrival_time=now,
+        )
+        self.meter.sample()
+        replica = self.agent.route(request, now)
+        self.meter.add(replica, request.num_prompt_tokens, now)
+        engine = self.engines[replica]
+        engine.add_request(request)
+        if not engine.is_busy:
+            self._begin_step(replica, now)
+        else:
+            end = engine.interrupt(now)
+            if end is not None:
+                self._step_ids[replica] += 1  # the step's old end event is now stale
+                self._push(end, STEP_END, (replica, self._step_ids[replica]))
+
+    def _begin_step(self, replica: int, now: float) -> None:
+        end = self.engines[replica].begin_step(now)
+        if end is not None:
+            self._step_ids[replica] += 1
+            self._push(end, STEP_END, (replica, self._step_ids[replica]))
+
+    def _end_step(self, step: tuple[int, int], now: float) -> None:
+        replica, step_id = step
+        if step_id != self._step_ids[replica]:
+            return  # an interrupted step's original end
+        report: StepReport = self.engines[replica].end_step(now)
+        if report.generated:
+            self.meter.add(replica, len(report.generated), now)
+        for request in report.finished:
+            self.meter.add(replica, -request.num_tokens, now)
+            self._finished.append(request)
+        delivery = now + self.config.event_delay_s
+        self._push(delivery, DELIVER, report)
+        self._begin_step(replica, now)
+        if self.config.sequential and report.finished:
+            next_index = len(self._finished)
+            if next_index < len(self.requests):
+                self._push(delivery, ARRIVAL, next_index)
+
+    def _record(self, wall_s: float) -> dict[str, object]:
+        stats = [e.kv_cache.stats for e in self.engines]
+        finished = self._finished
+        ttfts = [r.first_token_time - r.arrival_time for r in finished]
+        first = min((r.arrival_time for r in finished), default=0.0)
+        last = max((r.finish_time for r in finished), default=0.0)
+        makespan = last - first
+        return {
+            **asdict(self.config),
+            "num_npu_blocks": self.num_npu_blocks,
+            "hardware": self.cost_model.profile.name,
+            "num_host_blocks": self.num_host_blocks,
+            "block_bytes": self.cost_model.block_bytes,
+            "num_requests": len(self.requests),
+            "num_finished": len(finished),
+            "num_skipped": self.num_skipped,
+            **hit_rates(*(sum(getattr(s, f) for s in stats) for f in _HIT_FIELDS)),
+            **ttft_figures(ttfts),
+            "load_imbalance": self.meter.imbalance(),
+            "load_imbalance_at_arrivals": self.meter.imbalance_at_arrivals(),
+            "mean_load_tokens": sum(self.meter.time_averaged()) / len(self.engines),
+            "throughput_rps": len(finished) / makespan if makespan > 0 else 0.0,
+            "makespan_s": makespan,
+            "utilization": [e.busy_s / makespan if makespan > 0 else 0.0 for e in self.engines],
+            "num_preemptions": sum(e.scheduler.num_preemptions for e in self.engines),
+            "blocks_loaded": sum(s.blocks_loaded for s in stats),
+            "blocks_stored": sum(s.blocks_stored for s in stats),
+            "cache_hits_tokens": sum(s.hits for s in stats),
+            "cache_queries_tokens": sum(s.queries for s in stats),
+            "agent": {"source": self.agent.source, **self.agent.summary()},
+            "sim_wall_s": wall_s,
+        }
+
+
+_HIT_FIELDS = ("queries", "hits", "npu_hits", "host_hits")
