@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import churn, prefix_ttft, reload_vs_recompute, transfer
+from benchmarks import churn, http_load, prefix_ttft, reload_vs_recompute, routing, transfer
 from benchmarks.sim import acceptance, router_micro, sim_vs_real, sweeps_scenario
 from benchmarks.sim import calibrate as sim_calibrate
 from benchmarks.sim import cli as sim_cli
@@ -20,6 +20,8 @@ SCENARIOS = {
         reload_vs_recompute,
         churn,
         transfer,
+        routing,
+        http_load,
         router_micro,
         sim_vs_real,
         acceptance,

@@ -51,6 +51,13 @@ EXPECTED = {
         "batches.*.ratios.store_over_contiguous",
         "batches.*.ratios.load_over_contiguous",
     ],
+    "routing": [
+        "policies.round-robin.hit_rate",
+        "policies.locality.ttft_p50_s",
+        "policies.balanced.throughput_rps",
+        "policies.load.request_imbalance",
+    ],
+    "http-load": ["served", "requests_per_s", "tokens_per_s", "ttft.p50", "e2e.p99"],
     "router-micro": ["points.*.p50_s", "points.*.p99_s", "target_p50_s"],
     "sim-vs-real": [
         "dp1.real.queries",
