@@ -11,6 +11,12 @@ ray = pytest.importorskip("ray")
 def ray_session():
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, namespace="strata-tests", log_to_driver=False)
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            namespace="strata-tests",
+            log_to_driver=False,
+        )
     yield ray
     ray.shutdown()
