@@ -3,6 +3,7 @@
 import torch
 
 from replicas.request import Request
+from replicas.sampling_params import MIN_TOP_P
 
 
 class Sampler:
@@ -29,7 +30,7 @@ class Sampler:
                 kth = torch.topk(scores, params.top_k).values[-1]
                 scores = scores.masked_fill(scores < kth, float("-inf"))
             if params.top_p < 1.0:
-                scores = _top_p_filter(scores, params.top_p)
+                scores = _top_p_filter(scores, max(params.top_p, MIN_TOP_P))
             probs = torch.softmax(scores, dim=-1)
             generator = self._generator(request)
             tokens[row] = int(torch.multinomial(probs, 1, generator=generator).item())

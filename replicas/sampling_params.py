@@ -1,6 +1,10 @@
 """How to pick each next token, and when to stop."""
 
+import math
 from dataclasses import dataclass, field
+
+GREEDY_BELOW_TEMPERATURE = 1e-5
+MIN_TOP_P = 1e-6  # smaller values keep only the likeliest token anyway; they underflow float32
 
 
 @dataclass(slots=True)
@@ -26,8 +30,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature != self.temperature:
-            raise ValueError(f"temperature must be a number, got {self.temperature!r}")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number, got {self.temperature!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
@@ -40,6 +44,8 @@ class SamplingParams:
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
         ):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None:
@@ -53,4 +59,6 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below 1e-5 are greedy: the limit of sampling as the temperature falls,
+        and dividing logits by them would overflow float32."""
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
