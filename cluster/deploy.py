@@ -28,7 +28,7 @@ from cluster.backend import (
 )
 from cluster.capacity import host_bytes_total, kv_block_bytes
 from cluster.config import ClusterConfig, RayConfig
-from replicas.actor import ReplicaActor, ReplicaOverloadedError
+from replicas.actor import ReplicaActor, ReplicaOverloadedError, ReplicaUnavailableError
 from replicas.config import EngineConfig
 from replicas.hashing import BlockHash, block_hashes
 from replicas.host_memory import check_host_capacity
@@ -46,13 +46,15 @@ HEALTH_TIMEOUT_S = 10.0
 
 
 def init_ray(config: RayConfig) -> None:
-    """Join ``config.address``, or start an embedded local Ray sized for this machine."""
+    """Join ``config.address``, or start an embedded local Ray sized for this machine: always a
+    new instance (``address="local"``), never a head that happens to run here already."""
     if ray.is_initialized():
         return
     if config.address:
         ray.init(address=config.address, namespace=config.namespace, log_to_driver=True)
     else:
         ray.init(
+            address="local",
             num_cpus=config.num_cpus or os.cpu_count(),
             namespace=config.namespace,
             include_dashboard=False,
@@ -122,6 +124,7 @@ class RayBackend:
         infos = self.replica_infos
         self.incarnations: list[str | None] = ray.get([r.ready.remote() for r in self.replicas])
         self.alive = [True] * size
+        self.num_rerouted = 0  # requests routed again because their replica was lost first
         self.max_model_len = int(infos[0]["max_model_len"])
         self.block_size = engine_config.block_size
         self.model_name = config.served_model_name
@@ -143,11 +146,19 @@ class RayBackend:
                 f"{self.max_model_len}: it must be shorter, leaving room for one output token"
             )
         hashes = block_hashes(prompt_token_ids, self.block_size, cache_salt)
-        # A replica lost before the request's first output never ran it (its engine died with
-        # it), so the request is routed again, away from that replica; once outputs have
-        # reached the client, a loss fails the request.
-        for attempt in range(len(self.replicas)):
+        # A replica lost before the request's first output, or turning it away because its
+        # engine failed, never ran it: the request is routed again, away from that replica.
+        # Once outputs have reached the client, a loss fails the request.
+        num_attempts = 2 * len(self.replicas)
+        for attempt in range(num_attempts):
+            is_last = attempt == num_attempts - 1
             index = await self._route(request_id, len(prompt_token_ids), hashes)
+            if not (self.alive[index] or is_last):
+                # The router has not heard of the loss yet (one that Ray restarted believes every
+                # replica live): tell it again and route again, before any call to the replica.
+                self._lost(index)
+                self.router.release.remote(request_id)
+                continue
             stream = (
                 self.replicas[index]
                 .generate.options(num_returns="streaming")
@@ -160,15 +171,17 @@ class RayBackend:
                     started, finished = True, output.finished
                     yield output
                 return
-            except RayTaskError as error:
-                raise _unwrap(error, index) from None
-            except _ACTOR_LOST as error:
+            except (RayTaskError, *_ACTOR_LOST) as error:
+                unavailable = isinstance(getattr(error, "cause", None), ReplicaUnavailableError)
+                if isinstance(error, RayTaskError) and not unavailable:
+                    raise _unwrap(error, index) from None
                 lost = True
                 self._lost(index)
-                if started or attempt == len(self.replicas) - 1:
+                if started or is_last:
                     raise ReplicaFailedError(
                         f"replica {index} failed while serving the request: {type(error).__name__}"
                     ) from None
+                self.num_rerouted += 1
                 logger.warning(
                     "replica %d was lost before request %s started; routing it again",
                     index,
@@ -226,7 +239,7 @@ class RayBackend:
             incarnation = await asyncio.wait_for(
                 self.replicas[index].ready.remote(), HEALTH_TIMEOUT_S
             )
-        except (*_ACTOR_LOST, asyncio.TimeoutError):
+        except (*_ACTOR_LOST, RayTaskError, asyncio.TimeoutError):  # a failed engine raises
             self._lost(index)
             return
         if not self.alive[index] or incarnation != self.incarnations[index]:
@@ -262,7 +275,7 @@ class ReplicaStartError(RuntimeError):
 
 def _is_embedded(config: RayConfig) -> bool:
     """Whether ``init_ray`` will start a Ray instance on this machine (no cluster to join)."""
-    return not (config.address or ray.is_initialized() or os.environ.get("RAY_ADDRESS"))
+    return not (config.address or ray.is_initialized())
 
 
 def _check_host_memory(config: ClusterConfig, engine_config: EngineConfig, args: ModelArgs) -> None:

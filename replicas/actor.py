@@ -25,12 +25,18 @@ from replicas.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-EXIT_DELAY_S = 0.5
-"""How long a replica whose engine failed keeps its process, so that errors reach callers."""
+EXIT_DELAY_S = 2.0
+"""How long a replica whose engine failed keeps its process, so that the errors of its requests
+reach their callers; meanwhile it turns new requests away as unavailable."""
 
 
 class ReplicaOverloadedError(RuntimeError):
     """The replica's waiting queue is full."""
+
+
+class ReplicaUnavailableError(RuntimeError):
+    """The replica's engine failed and the replica is about to restart: the request never ran
+    here, so it may go to another replica."""
 
 
 class ReplicaActor:
@@ -61,6 +67,7 @@ class ReplicaActor:
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streaming generator (call with ``num_returns="streaming"``)."""
+        self._check_engine()
         limit = self.max_waiting_requests
         if limit is not None and self.async_engine.num_waiting >= limit:
             raise ReplicaOverloadedError(
@@ -89,6 +96,12 @@ class ReplicaActor:
             error,
         )
         asyncio.get_running_loop().call_later(EXIT_DELAY_S, os._exit, 1)
+
+    def _check_engine(self) -> None:
+        if self.async_engine.is_dead:
+            raise ReplicaUnavailableError(
+                f"replica {self.replica_index}'s engine failed; the replica is restarting"
+            )
 
     # ---- router support ----------------------------------------------------------------------
     def _report(self, outputs: list[RequestOutput]) -> None:
@@ -124,7 +137,9 @@ class ReplicaActor:
         }
 
     async def ready(self) -> str:
-        """This actor's incarnation id: it changes when Ray restarts the replica."""
+        """This actor's incarnation id: it changes when Ray restarts the replica. Raises
+        ``ReplicaUnavailableError`` while a failed replica waits to exit."""
+        self._check_engine()
         return self.incarnation
 
     async def stats(self) -> EngineStats:

@@ -59,9 +59,9 @@ class BodySizeLimit:
         num_bytes = 0
         while True:
             message = await receive()
-            messages.append(message)
             if message["type"] != "http.request":
-                break  # a disconnect: the app will see it
+                return  # the client left before sending its whole body: nobody to answer
+            messages.append(message)
             num_bytes += len(message.get("body", b""))
             if num_bytes > self.max_bytes:
                 await self._too_large(scope, receive, send)

@@ -1,0 +1,242 @@
+"""Replica and router faults under HTTP load, on two Ray replicas behind uvicorn on 127.0.0.1.
+
+kill a replica   -> only requests that had started on it fail, each with a clear error
+                    (503 replica_failed, or an SSE error event then [DONE]); requests that
+                    had not started are routed again; the router drops the replica, and the
+                    health monitor re-adds it once Ray has restarted it
+engine failure   -> the replica's process exits, Ray restarts it, the other one serves on
+kill the router  -> route() calls wait for Ray to restart it (max_task_retries=-1), nothing
+                    fails, and the restarted router rebuilds its prefix index from replica
+                    snapshots, so locality routing works again
+"""
+
+import asyncio
+import time
+
+import httpx
+import pytest
+import ray
+
+from cluster.backend import ReplicaFailedError
+from cluster.config import ClusterConfig
+from replicas.sampling_params import SamplingParams
+from tests.reliability.conftest import serve_on_ray, wait_for, wait_until_clean
+from tests.reliability.traffic import run_clients
+
+FAULT_CLIENTS = 16
+LOAD_S = 20.0
+RESTART_TIMEOUT_S = 120.0
+
+
+def fault_config() -> ClusterConfig:
+    return ClusterConfig.model_validate(
+        {
+            "data_parallel_size": 2,
+            "model": {"model": "tiny", "num_npu_blocks": 256},
+            # Few running at once, so that some requests wait on each replica when it dies.
+            "scheduler": {"max_num_seqs": 4},
+            "routing": {"scoring_profile": "load"},
+            "ray": {"cpus_per_replica": 0.5},
+        }
+    )
+
+
+def figures(name: str, **values: object) -> None:
+    print(f"\nFIGURES {name} {values}", flush=True)
+
+
+@pytest.fixture(scope="module")
+def served(ray_session):
+    with serve_on_ray(fault_config(), "rel-faults") as running:
+        yield running
+
+
+def wait_for_both_live(backend, url: str) -> None:
+    def both_live() -> bool:
+        router_live = ray.get(backend.router.live_replicas.remote(), timeout=60)
+        health = httpx.get(f"{url}/health", timeout=30).json()
+        return all(backend.alive) and router_live == [0, 1] and health["live_replicas"] == 2
+
+    wait_for(both_live, "both replicas to be live again", RESTART_TIMEOUT_S, interval_s=0.5)
+
+
+async def wait_unreachable(replica, incarnation: str) -> None:
+    """Until the killed process no longer answers (bounded): ``ray.kill`` returns before the
+    actor is gone, and requests sent meanwhile may still start there."""
+    for _ in range(600):
+        try:
+            if await asyncio.wait_for(replica.ready.remote(), 1.0) != incarnation:
+                return
+        except Exception:  # lost, restarting, or no answer within a second
+            return
+        await asyncio.sleep(0.05)
+
+
+def test_killing_a_replica_fails_only_requests_started_there(served, ray_session):
+    server, backend = served
+    old_incarnation = backend.incarnations[0]
+    rerouted_before = backend.num_rerouted
+    router_views: set[tuple[int, ...]] = set()
+
+    async def scenario():
+        load = asyncio.ensure_future(
+            run_clients(server.url, FAULT_CLIENTS, LOAD_S, seed=11, max_tokens=(16, 64))
+        )
+        await asyncio.sleep(LOAD_S / 4)
+        on_replica_0 = await backend.replicas[0].stats.remote()
+        snapshot_at = time.monotonic()
+        ray_session.kill(backend.replicas[0], no_restart=False)
+        await wait_unreachable(backend.replicas[0], old_incarnation)
+        killed_at = time.monotonic()
+        for _ in range(10_000):  # bounded: the load ends after LOAD_S (each request is bounded)
+            if load.done():
+                break
+            router_views.add(tuple(await backend.router.live_replicas.remote()))
+            await asyncio.sleep(0.1)
+        return await load, on_replica_0, snapshot_at, killed_at
+
+    tally, on_replica_0, snapshot_at, killed_at = asyncio.run(scenario())
+    wait_for_both_live(backend, server.url)
+    reports = wait_until_clean(backend)
+
+    failed = [(sent, o.message) for sent, _, o in tally.timeline if o.kind == "failed"]
+    after_kill = [o for sent, _, o in tally.timeline if sent > killed_at]
+    sent_between = sum(1 for sent, _, _ in tally.timeline if snapshot_at <= sent <= killed_at)
+    in_flight_0 = on_replica_0.num_running + on_replica_0.num_waiting
+    figures(
+        "replica_kill",
+        requests=tally.total,
+        served=tally.kinds["served"],
+        lost=len(failed),
+        lost_by_code=dict(tally.codes),
+        in_flight_on_killed_replica=in_flight_0,
+        running_on_killed_replica=on_replica_0.num_running,
+        sent_after_kill=len(after_kill),
+        rerouted=backend.num_rerouted - rerouted_before,
+        router_views=sorted(router_views),
+        replicas=reports,
+    )
+    assert tally.kinds["error"] == 0, tally.summary() + "\n" + "\n".join(tally.errors)
+    assert on_replica_0.num_running > 0  # the kill hit requests in flight
+    assert failed, tally.summary()
+    assert len(failed) <= in_flight_0 + sent_between, tally.summary()
+    assert all(message.startswith("replica 0 ") for _, message in failed), failed  # only its
+    assert all(sent < killed_at for sent, _ in failed)  # ... requests, already there
+    assert after_kill and all(o.kind == "served" for o in after_kill), tally.summary()
+    assert set(tally.codes) <= {"503:replica_failed", "200:replica_failed(stream)"}
+    assert (1,) in router_views  # the router dropped replica 0 ...
+    assert backend.incarnations[0] != old_incarnation  # ... and re-added its restarted self
+
+
+def test_an_engine_failure_restarts_only_that_replica(served):
+    """A request the engine cannot sample (a temperature that overflows float32 logits; the
+    HTTP API makes it greedy, the Python API passes it on) kills that replica's engine loop:
+    its requests fail, new ones go to the other replica, the replica exits, Ray restarts it, and
+    requests on the other replica finish."""
+    server, backend = served
+    wait_for_both_live(backend, server.url)
+    incarnations = list(backend.incarnations)
+    rerouted_before = backend.num_rerouted
+    normal = SamplingParams(max_tokens=64, ignore_eos=True)
+    poison = SamplingParams(max_tokens=4, temperature=1e-300)
+
+    async def collect(request_id: str, tokens: list[int], params: SamplingParams):
+        final = None
+        async for output in backend.generate(request_id, tokens, params):
+            final = output
+        return final
+
+    async def scenario():
+        others = [
+            asyncio.ensure_future(collect(f"bystander-{i}", [7, 8, 9, i], normal)) for i in range(4)
+        ]
+        await asyncio.sleep(0.5)
+        with pytest.raises(ReplicaFailedError, match="engine loop failed"):
+            await collect("poison", [5, 6, 7], poison)
+        # While the failed replica waits to exit it turns requests away, and they go elsewhere.
+        newcomers = await asyncio.gather(
+            *(collect(f"newcomer-{i}", [4, 4, i], SamplingParams(max_tokens=4)) for i in range(4))
+        )
+        return await asyncio.gather(*others, return_exceptions=True), newcomers
+
+    results, newcomers = asyncio.run(scenario())
+    assert all(n.finish_reason == "length" for n in newcomers)
+    wait_for(
+        lambda: backend.incarnations != incarnations and all(backend.alive),
+        "the failed replica to restart and rejoin",
+        RESTART_TIMEOUT_S,
+        interval_s=0.5,
+    )
+    restarted = [i for i in range(2) if backend.incarnations[i] != incarnations[i]]
+    served = [r for r in results if not isinstance(r, BaseException)]
+    figures(
+        "engine_failure",
+        restarted=restarted,
+        bystanders_served=len(served),
+        newcomers_served=len(newcomers),
+        rerouted=backend.num_rerouted - rerouted_before,
+    )
+    assert len(restarted) == 1
+    for result in results:
+        if isinstance(result, BaseException):
+            assert isinstance(result, ReplicaFailedError), repr(result)
+        else:
+            assert result.replica_index != restarted[0] and len(result.token_ids) == 64
+    assert served
+    wait_until_clean(backend)
+
+
+def test_router_restart_keeps_serving_and_rebuilds_locality(served, ray_session):
+    server, backend = served
+    wait_for_both_live(backend, server.url)
+    wait_until_clean(backend)
+    prefix = "A prefix that only replica 1 has cached, for the router restart test. " * 4
+
+    # Warm replica 1 directly (not through the router): the router learns of the prefix only
+    # from replica 1's KV events, and an idle "load" router would otherwise pick replica 0.
+    warm = (
+        backend.replicas[1]
+        .generate.options(num_returns="streaming")
+        .remote("warm-1", backend.tokenizer.encode(prefix + "warm"), SamplingParams(max_tokens=1))
+    )
+    for ref in warm:
+        ray.get(ref, timeout=60)
+
+    def indexed_on_1() -> int:
+        return ray.get(backend.router.stats.remote(), timeout=60).replicas[1].num_indexed_npu_blocks
+
+    wait_for(indexed_on_1, "the router to index replica 1's prefix")
+
+    def cached_tokens(question: str) -> int:
+        body = {"prompt": prefix + question, "max_tokens": 2, "ignore_eos": True}
+        answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    before = cached_tokens("first?")
+
+    async def scenario():
+        load = asyncio.ensure_future(run_clients(server.url, 8, 12.0, seed=21))
+        await asyncio.sleep(3)
+        ray_session.kill(backend.router, no_restart=False)
+        return await load
+
+    tally = asyncio.run(scenario())
+
+    def resynced() -> bool:
+        stats = ray.get(backend.router.stats.remote(), timeout=60)
+        return all(r.is_live and not r.needs_resync and r.num_resyncs >= 1 for r in stats.replicas)
+
+    wait_for(resynced, "the restarted router to rebuild its index from both replicas")
+    wait_until_clean(backend)
+    after = cached_tokens("second?")
+    figures(
+        "router_restart",
+        requests=tally.total,
+        served=tally.kinds["served"],
+        errors=tally.kinds["error"],
+        cached_tokens_before=before,
+        cached_tokens_after=after,
+    )
+    assert tally.kinds["served"] == tally.total > 0, tally.summary() + "\n".join(tally.errors)
+    assert before > 0 and after == before  # routed to replica 1, where the prefix lives
