@@ -94,7 +94,7 @@ def test_batch_job_through_ray_job_submit(ray_head, tmp_path):
         "--output",
         str(results),
     ]
-    for _ in range(12):  # the head's job agent may still be starting: it says so, then serves
+    for _ in range(36):  # the head's job agent may still be starting: it says so, then serves
         submit = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
         if "No available agent to submit job" not in submit.stderr:
             break
