@@ -9,10 +9,6 @@ and for completions ``echo`` (false) and ``best_of`` (1). Any other value is a 4
 Extensions beyond OpenAI: ``top_k``, ``stop_token_ids``, ``ignore_eos`` and ``cache_salt``
 (a per-tenant salt of the prefix-cache block hashes: requests reuse cached KV only from requests
 with the same salt).
-
-Numbers are checked for what the engine can compute: temperature and top_p are finite, a seed
-fits a torch generator, a positive temperature below ``GREEDY_BELOW_TEMPERATURE`` is greedy, and
-a positive top_p below ``MIN_TOP_P`` keeps only the likeliest token.
 """
 
 from typing import Any, Literal
@@ -26,15 +22,6 @@ from pydantic import (
     field_validator,
     model_serializer,
 )
-
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what a torch generator accepts
-GREEDY_BELOW_TEMPERATURE = 1e-5
-"""A smaller positive temperature samples greedily: dividing float32 logits by it would overflow
-to inf (and NaN probabilities), and the limit of sampling as the temperature falls is greedy."""
-MIN_TOP_P = 1e-6
-"""A smaller positive top_p is raised to it: in float32 it would round to 0 and filter out every
-token, while any top_p below the likeliest token's probability (at least 1 / vocabulary size)
-keeps that token alone."""
 
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0, 0.0),
@@ -62,16 +49,10 @@ class GenerationRequest(_Body):
 
     model: str | None = Field(None, description="The served model's name; omitted means it.")
     max_tokens: int | None = Field(None, description="Most tokens to generate.")
-    temperature: float = Field(
-        1.0,
-        allow_inf_nan=False,
-        description="Sampling temperature; 0 (or below GREEDY_BELOW_TEMPERATURE) is greedy.",
-    )
-    top_p: float = Field(1.0, allow_inf_nan=False, description="Nucleus sampling mass in (0, 1].")
+    temperature: float = Field(1.0, description="Sampling temperature; 0 is greedy.")
+    top_p: float = Field(1.0, description="Nucleus sampling mass in (0, 1].")
     top_k: int = Field(0, description="Extension: sample among the k likeliest (0 or -1: off).")
-    seed: int | None = Field(
-        None, ge=SEED_MIN, le=SEED_MAX, description="Makes a sampled request reproducible."
-    )
+    seed: int | None = Field(None, description="Makes a sampled request reproducible.")
     stop: str | list[str] | None = Field(None, description="Strings that end the output.")
     stop_token_ids: list[int] | None = Field(None, description="Extension: ending token ids.")
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS.")

@@ -18,13 +18,7 @@ from jinja2.exceptions import TemplateError
 from starlette.responses import Response
 
 from cluster.api.errors import APIError, from_backend_error, internal_error
-from cluster.api.protocol import (
-    GREEDY_BELOW_TEMPERATURE,
-    MIN_TOP_P,
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerationRequest,
-)
+from cluster.api.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from cluster.api.renderers import ChatRenderer, CompletionRenderer, Renderer, usage_of
 from cluster.api.streaming import (
     DONE,
@@ -123,16 +117,11 @@ class Serving:
             max_tokens = min(room, self.max_tokens_limit, default or room)
         else:
             max_tokens = requested
-        temperature, top_p = body.temperature, body.top_p
-        if 0 < temperature < GREEDY_BELOW_TEMPERATURE:
-            temperature = 0.0
-        if 0 < top_p < MIN_TOP_P:
-            top_p = MIN_TOP_P
         try:
             params = SamplingParams(
                 max_tokens=max_tokens,
-                temperature=temperature,
-                top_p=top_p,
+                temperature=body.temperature,
+                top_p=body.top_p,
                 top_k=body.top_k,
                 seed=body.seed,
                 stop=body.stop,
