@@ -55,9 +55,14 @@ def run(output_dir: Path, *, quick: bool, command: str) -> dict[str, object]:
     tenants = rng.choices(range(settings.num_tenants), weights, k=settings.num_requests)
     prompts = [prefixes[t] + random_tokens(rng, settings.question_len) for t in tenants]
 
-    if not ray.is_initialized():
+    started_ray = not ray.is_initialized()
+    if started_ray:
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    results = {name: _run_policy(name, routing, settings, prompts) for name, routing in POLICIES}
+    try:
+        results = {name: _run_policy(name, r, settings, prompts) for name, r in POLICIES}
+    finally:
+        if started_ray:
+            ray.shutdown()
 
     report = Report(
         NAME,
