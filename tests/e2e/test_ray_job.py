@@ -13,6 +13,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+AGENT_PORTS = (
+    "dashboard-agent-listen-port",
+    "dashboard-agent-grpc-port",
+    "runtime-env-agent-port",
+    "metrics-export-port",
+    "node-manager-port",
+    "object-manager-port",
+)
 
 
 def free_port() -> int:
@@ -37,6 +45,9 @@ def ray_head(tmp_path):
             "--dashboard-host=127.0.0.1",
             f"--dashboard-port={dashboard}",
             "--disable-usage-stats",
+            # Ports of its own: another Ray on this machine (the test session's) holds the
+            # defaults, and a job agent that cannot bind its port never comes up.
+            *(f"--{name}={free_port()}" for name in AGENT_PORTS),
         ],
         env=env,
         stdout=subprocess.DEVNULL,
