@@ -137,11 +137,17 @@ class ScoringPolicy(RoutingPolicy):
     ) -> RouteDecision:
         self._level_joined(live)
         max_live_load = max(load_tokens[replica] for replica in live)
+        # prefix_score and load_score (see RoutingPolicy) written out: this loop is the policy's
+        # share of every routing decision.
+        tokens_per_block = self.block_size / num_prompt_tokens if num_prompt_tokens > 0 else 0.0
+        host_hit_weight = self.host_hit_weight
+        load_scale = max_live_load + num_prompt_tokens
         best_score = -math.inf
         tied: list[tuple[int, float, float]] = []  # (replica, prefix_score, load_score)
         for replica in live:
-            prefix_score = self.prefix_score(matches[replica], num_prompt_tokens)
-            load_score = self.load_score(load_tokens[replica], max_live_load, num_prompt_tokens)
+            num_npu, num_host = matches[replica]
+            prefix_score = min(1.0, (num_npu + host_hit_weight * num_host) * tokens_per_block)
+            load_score = 1.0 - load_tokens[replica] / load_scale if load_scale > 0 else 1.0
             score = self.prefix_weight * prefix_score + self.load_weight * load_score
             if score > best_score:
                 best_score, tied = score, [(replica, prefix_score, load_score)]

@@ -8,8 +8,9 @@ from replicas.hashing import BlockHash
 from replicas.kv_events import KVEventBatch, KVSnapshot
 from router.config import RoutingConfig
 from router.load import LoadTracker
+from router.pending import PendingPrompts
 from router.policies import RouteDecision, make_policy
-from router.prefix_index import PrefixIndex
+from router.prefix_index import PrefixIndex, PrefixMatch
 from router.stats import ReplicaRoutingStats, RouterStats, RoutingCounters
 
 
@@ -39,6 +40,9 @@ class Router:
                                                    batch is ignored until resync(snapshot), after
                                                    which events continue from snapshot.next_seq
 
+    A prompt routed to a replica counts as NPU-cached there until the replica reports the
+    request's first token (``router.pending``: its blocks' events are not out yet).
+
     A replica awaiting resync is still routed to, on its last known (possibly stale) index. A dead
     replica is neither routed to nor indexed; its index and load are dropped at once, and its
     requests' later completion or abort releases nothing. Not thread-safe: the actor serialises
@@ -53,6 +57,7 @@ class Router:
         self.config = config
         self._policy = make_policy(config, block_size)
         self._index = PrefixIndex(num_replicas)
+        self._pending = PendingPrompts()
         self._load = LoadTracker(num_replicas)
         self._sync = [_ReplicaSync() for _ in range(num_replicas)]
         self._counters = [RoutingCounters() for _ in range(num_replicas)]
@@ -69,21 +74,36 @@ class Router:
         if not self._live:
             raise NoLiveReplicaError(f"no live replica among {self.num_replicas} to route to")
         loads = self._load.load_tokens
-        matches = self._index.match(block_hashes, self._live)  # score
+        matches = self._matches(block_hashes)  # score
         decision = self._policy.choose(self._live, matches, loads, num_prompt_tokens)  # choose
         self._load.charge(request_id, decision.replica_index, num_prompt_tokens)  # charge
+        if self.config.enable_prefix_caching:
+            self._pending.add(request_id, decision.replica_index, block_hashes)
         self._counters[decision.replica_index].record_route(
             decision.num_matched_tokens, decision.num_npu_matched_tokens, num_prompt_tokens
         )
         return decision
 
+    def _matches(self, block_hashes: Sequence[BlockHash]) -> list[PrefixMatch]:
+        """Each live replica's cached prefix: the longer of its indexed run and the run it
+        shares with a prompt routed there and not yet computed (counted as NPU blocks)."""
+        matches = self._index.match(block_hashes, self._live)
+        for replica, num_blocks in self._pending.runs(block_hashes).items():
+            if num_blocks > matches[replica].num_blocks:
+                matches[replica] = PrefixMatch(num_blocks, 0)
+        return matches
+
     def add_generated(self, request_id: str, num_tokens: int) -> None:
-        """Charge newly generated tokens to the request's replica; no-op once released."""
+        """Charge newly generated tokens to the request's replica; no-op once released. Its
+        prompt is no longer pending: the report carrying its first token carried its prompt
+        blocks' KV events too."""
         self._load.add_generated(request_id, num_tokens)
+        self._pending.remove(request_id)
 
     def release(self, request_id: str) -> None:
-        """Release the request's load at completion or abort; idempotent."""
+        """Release the request's load (and pending prompt) at completion or abort; idempotent."""
         self._load.release(request_id)
+        self._pending.remove(request_id)
 
     def on_events(self, batch: KVEventBatch) -> bool:
         """Apply a replica's KV event batch in order (mutates; see the class docstring).
@@ -139,6 +159,7 @@ class Router:
         sync.is_live = False
         sync.needs_resync = False
         self._index.clear_replica(replica)
+        self._pending.clear_replica(replica)
         self._load.clear_replica(replica)
         self._live = [i for i, s in enumerate(self._sync) if s.is_live]
 
@@ -147,6 +168,7 @@ class Router:
         events from ``next_seq``. On a live replica this resets it the same way (a restart)."""
         sync = self._replica_sync(replica)
         self._index.clear_replica(replica)
+        self._pending.clear_replica(replica)
         self._load.clear_replica(replica)
         sync.is_live = True
         sync.next_seq = next_seq
@@ -186,7 +208,9 @@ class Router:
     def check_integrity(self) -> None:
         """Raise AssertionError unless the index, the loads and the live list agree."""
         self._index.check_integrity()
+        self._pending.check_integrity()
         self._load.check_integrity()
+        assert len(self._pending) <= len(self._load), "a pending prompt outlived its charge"
         assert self._live == [i for i, s in enumerate(self._sync) if s.is_live], "live list stale"
         for i, sync in enumerate(self._sync):
             if not sync.is_live:

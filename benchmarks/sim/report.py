@@ -10,7 +10,7 @@ from benchmarks.sim.simulator import STRATA
 
 Record = dict[str, object]
 
-METRICS = ("hit_rate", "ttft_p50_s", "ttft_p99_s", "load_imbalance")
+METRICS = ("hit_rate", "best_replica_match", "ttft_p50_s", "ttft_p99_s", "load_imbalance")
 POLICY_SOURCES = {
     STRATA: "Strata's router (router/): virtual prefix index fed by KV events, "
     "final = prefix_weight x prefix_score + load_weight x load_score (DESIGN section 6)",
@@ -41,6 +41,7 @@ def run_rows(records: Sequence[Record]) -> list[list[object]]:
             r["hit_rate"],
             r["npu_hit_rate"],
             r["host_hit_rate"],
+            r["best_replica_match"],
             r["ttft_p50_s"],
             r["ttft_p99_s"],
             r["load_imbalance"],
@@ -62,6 +63,7 @@ RUN_HEADERS = [
     "hit rate",
     "NPU hit",
     "host hit",
+    "chosen / best cached",
     "TTFT p50 (s)",
     "TTFT p99 (s)",
     "load imbalance",

@@ -15,6 +15,10 @@ times are the trace's, divided by ``arrival_speedup``; a replicate with ``seed``
 uniform jitter of up to ``JITTER_S`` to each arrival and seeds the peers' random tie-breaks, so
 that replicates show how much a figure owes to one particular interleaving.
 
+``best_replica_match`` judges the routing decisions alone: the prompt blocks cached (either tier)
+on the chosen replica at arrival, over those on the replica caching the most of each prompt,
+summed over requests (1.0: every request went where most of its prompt was cached).
+
 Requests the cluster could never serve are skipped (``num_skipped``): longer than the model's
 context (``max_model_len`` of the hardware profile, in trace tokens) or than one replica's NPU
 tier.
@@ -122,6 +126,8 @@ class Simulator:
         self._seq = itertools.count()
         self._finished: list[Request] = []
         self._step_ids = [0] * config.data_parallel_size
+        self._num_cached_on_chosen = 0  # blocks cached (any tier) on the chosen replica, at arrival
+        self._num_cached_on_best = 0  # ... on the replica caching the most of the prompt
 
     def _servable(self, requests: list[TraceRequest]) -> list[TraceRequest]:
         npu_tokens = self.num_npu_blocks * self.config.block_size
@@ -191,7 +197,10 @@ class Simulator:
             arrival_time=now,
         )
         self.meter.sample()
+        cached = [e.kv_cache.match_prefix(request).num_blocks for e in self.engines]
         replica = self.agent.route(request, now)
+        self._num_cached_on_chosen += cached[replica]
+        self._num_cached_on_best += max(cached)
         self.meter.add(replica, request.num_prompt_tokens, now)
         engine = self.engines[replica]
         engine.add_request(request)
@@ -245,6 +254,11 @@ class Simulator:
             "num_skipped": self.num_skipped,
             **hit_rates(*(sum(getattr(s, f) for s in stats) for f in _HIT_FIELDS)),
             **ttft_figures(ttfts),
+            "best_replica_match": (
+                self._num_cached_on_chosen / self._num_cached_on_best
+                if self._num_cached_on_best
+                else 1.0
+            ),
             "load_imbalance": self.meter.imbalance(),
             "load_imbalance_at_arrivals": self.meter.imbalance_at_arrivals(),
             "mean_load_tokens": sum(self.meter.time_averaged()) / len(self.engines),

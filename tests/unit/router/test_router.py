@@ -75,6 +75,8 @@ def test_event_gap_needs_resync_and_events_wait_for_the_snapshot():
     assert router.on_events(KVEventBatch(1, 4, removed(1)))  # already covered by the snapshot
     assert router.route("c", 16, prompt(1)).num_matched_tokens == 16
     assert router.on_events(KVEventBatch(1, 5, removed(1)))  # continues from next_seq
+    for request_id in "abc":  # their prompts were pending on replica 1 until now
+        router.release(request_id)
     assert router.route("d", 16, prompt(1)).num_matched_tokens == 0
     stats = router.stats().replicas[1]
     assert (stats.num_event_gaps, stats.num_resyncs, stats.needs_resync) == (1, 1, False)
