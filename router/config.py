@@ -19,6 +19,13 @@ SCORING_PROFILES: dict[str, tuple[float, float]] = {
 
 DEFAULT_SCORING_PROFILE = "balanced"
 
+DEFAULT_HOST_HIT_WEIGHT = 0.9
+"""A host-only matched block saves about 0.9 of what an NPU-matched one saves: reloading a block
+costs about 7% of recomputing it on an H200 (``benchmarks/sim/profiles/h200-llama8b.json``) and
+1-3% on the CPU engine (``python -m benchmarks run reload-vs-recompute``). With 0.5 the load term
+moved sessions away from their reloadable prefix (write-back, 2 TiB host: hit rate 0.639 vs 0.643
+with 0.9; ``benchmarks/README.md``)."""
+
 
 class RoutingConfig(BaseModel):
     """How the router picks a data-parallel replica for each request (DESIGN section 6).
@@ -50,7 +57,7 @@ class RoutingConfig(BaseModel):
         description="--data-parallel-load-weight: weight of the load score; custom profile only.",
     )
     host_hit_weight: float = Field(
-        0.5,
+        DEFAULT_HOST_HIT_WEIGHT,
         description="--data-parallel-host-hit-weight: what a host-only matched block counts for "
         "in the prefix score, as a fraction of an NPU-matched block (0 to 1).",
     )

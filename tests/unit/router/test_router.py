@@ -204,7 +204,7 @@ def test_host_matches_are_counted_per_tier_in_stats():
     router.on_events(KVEventBatch(0, 0, stored(1) + stored(2, tier="host")))
     decision = router.route("a", 40, prompt(1, 2))
     assert (decision.num_npu_matched_tokens, decision.num_host_matched_tokens) == (16, 16)
-    assert decision.prefix_score == pytest.approx((1 + 0.5) * 16 / 40)
+    assert decision.prefix_score == pytest.approx((1 + 0.9) * 16 / 40)
     stats = router.stats().replicas[0]
     assert (stats.num_npu_matched_tokens, stats.num_host_matched_tokens) == (16, 16)
     assert stats.matched_fraction_bucket_counts == (0, 0, 0, 0, 0, 1, 1)  # 0.8

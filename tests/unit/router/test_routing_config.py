@@ -4,12 +4,12 @@ from pydantic import ValidationError
 from router.config import SCORING_PROFILES, RoutingConfig
 
 
-def test_defaults_are_scoring_balanced_with_half_weight_host_hits():
+def test_defaults_are_scoring_balanced_with_host_hits_at_nine_tenths():
     config = RoutingConfig()
     assert config.policy == "scoring"
     assert config.scoring_profile == "balanced"
     assert config.weights == (0.55, 0.45)
-    assert config.host_hit_weight == 0.5
+    assert config.host_hit_weight == 0.9
     assert config.enable_prefix_caching
 
 

@@ -18,7 +18,7 @@ def test_exact_scores_of_a_hand_built_state():
     # 64-token prompt (4 blocks); loads 100 / 0 / 300, so scale = 300 + 64 = 364.
     matches = [PrefixMatch(2, 0), PrefixMatch(0, 4), PrefixMatch(4, 0)]
     loads = [100, 0, 300]
-    policy = scoring()
+    policy = scoring(host_hit_weight=0.5)
     assert policy.prefix_score(matches[0], 64) == 0.5
     assert policy.prefix_score(matches[1], 64) == 0.5  # 4 host blocks at weight 0.5
     assert policy.prefix_score(matches[2], 64) == 1.0
@@ -36,7 +36,7 @@ def test_load_score_is_one_for_all_when_nothing_is_loaded_and_prompt_is_empty():
 
 
 def test_prefix_score_and_matched_tokens_are_capped_at_the_prompt():
-    policy = scoring()
+    policy = scoring(host_hit_weight=0.5)
     decision = policy.choose([0], [PrefixMatch(4, 0)], [0], 60)
     assert decision.prefix_score == 1.0
     assert decision.num_matched_tokens == decision.num_npu_matched_tokens == 60
@@ -127,4 +127,4 @@ def test_round_robin_cycles_over_live_replicas_in_index_order():
 def test_round_robin_does_not_score_but_reports_the_chosen_replicas_scores():
     policy = make_policy(RoutingConfig(policy="round-robin"), BLOCK)
     decision = policy.choose([0, 1], [PrefixMatch(1, 1), NONE], [32, 0], 64)
-    assert decision == RouteDecision(0, 0.375, 1 - 32 / 96, 0.0, 32, 16, 16)
+    assert decision == RouteDecision(0, (1 + 0.9) * 16 / 64, 1 - 32 / 96, 0.0, 32, 16, 16)
