@@ -13,16 +13,23 @@ Timeline of one request on the router::
       └── add(request)                   └── remove(request) (release removes it too)
 
 Block hashes chain, so a prompt shares blocks with a pending prompt only if both start with the
-same block, and then exactly a leading run. Pending prompts are grouped by their first block
-hash; the run a prompt shares with each pending prompt of its group is found by bisecting on
-list-slice equality (C-level comparisons, no Python code per block), so looking up a prompt that
-shares no first block with any pending prompt costs one dict look-up.
+same block, and then exactly a leading run, whose length one comparison per probe can bisect
+(equal hashes at block k mean equal prefixes up to k). Pending prompts are grouped by their first
+block hash: a prompt sharing no first block with a pending prompt costs one dict look-up;
+otherwise each of the group's newest prompts costs one comparison, plus a bisection when it
+shares more than the best run found so far on its replica.
 """
 
 from collections.abc import Sequence
+from itertools import islice
 from typing import NamedTuple
 
 from replicas.hashing import BlockHash
+
+MAX_COMPARED = 64
+"""Pending prompts compared per look-up, newest first: when a hot prefix has thousands of requests
+in flight, a decision still costs at most this many comparisons (older ones have mostly been
+computed in part, and their blocks' events are in the index)."""
 
 
 class _Pending(NamedTuple):
@@ -74,19 +81,20 @@ class PendingPrompts:
 
     def runs(self, block_hashes: Sequence[BlockHash]) -> dict[int, int]:
         """For each replica with a pending prompt sharing leading blocks with ``block_hashes``,
-        the longest such shared run, in blocks (read-only)."""
+        the longest such shared run, in blocks, among the ``MAX_COMPARED`` newest pending
+        prompts that share its first block (read-only)."""
         if not block_hashes:
             return {}
         group = self._groups.get(block_hashes[0])
         if not group:
             return {}
-        if not isinstance(block_hashes, list):  # slices must be lists to compare equal
-            block_hashes = list(block_hashes)
         runs: dict[int, int] = {}
-        for pending in group.values():
-            run = _common_run(block_hashes, pending.block_hashes)
-            if run > runs.get(pending.replica, 0):
-                runs[pending.replica] = run
+        for pending in islice(reversed(group.values()), MAX_COMPARED):
+            best = runs.get(pending.replica, 0)
+            other = pending.block_hashes
+            limit = min(len(block_hashes), len(other))
+            if best < limit and block_hashes[best] == other[best]:  # shares more than best
+                runs[pending.replica] = _common_run(block_hashes, other, best + 1, limit)
         return runs
 
     def check_integrity(self) -> None:
@@ -101,15 +109,14 @@ class PendingPrompts:
         assert seen == len(self._first_hash), "pending requests and groups disagree"
 
 
-def _common_run(a: list[BlockHash], b: list[BlockHash]) -> int:
-    """Length of the longest common leading run of ``a`` and ``b``."""
-    low, high = 0, min(len(a), len(b))  # a[:low] == b[:low]; a[:high + 1] != b[:high + 1]
-    if a[:high] == b[:high]:
-        return high
-    while high - low > 1:
-        middle = (low + high) // 2
-        if a[low:middle] == b[low:middle]:
+def _common_run(a: Sequence[BlockHash], b: Sequence[BlockHash], low: int, high: int) -> int:
+    """Length of the common leading run of two chains known to share ``low`` blocks and to share
+    at most ``high``. Chained hashes make one comparison per probe enough: ``a[k] == b[k]``
+    means the whole prefix up to block k is equal."""
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[middle - 1] == b[middle - 1]:
             low = middle
         else:
-            high = middle
+            high = middle - 1
     return low

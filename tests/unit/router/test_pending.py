@@ -5,7 +5,7 @@ import pytest
 from replicas.hashing import block_hashes
 from replicas.kv_events import KVEvent, KVEventBatch
 from router.config import RoutingConfig
-from router.pending import PendingPrompts
+from router.pending import MAX_COMPARED, PendingPrompts
 from router.router import Router
 
 BLOCK = 16
@@ -65,7 +65,8 @@ def test_runs_agree_with_a_brute_force_walk_on_random_prompts():
             prompts[f"r{step}"] = (replica, hashes)
         query = chain(*(rng.randrange(2) for _ in range(rng.randrange(0, 14))))
         expected: dict[int, int] = {}
-        for replica, hashes in prompts.values():
+        group = [p for p in prompts.values() if query and p[1][0] == query[0]]
+        for replica, hashes in group[-MAX_COMPARED:]:  # the newest, as compared
             run = 0
             while run < min(len(query), len(hashes)) and query[run] == hashes[run]:
                 run += 1
@@ -123,3 +124,14 @@ def test_nothing_is_pending_with_prefix_caching_off():
     second = router.route("b", 32, prompt)
     assert second.replica_index == 1 and second.num_matched_tokens == 0
     router.check_integrity()
+
+
+def test_only_the_newest_pending_prompts_of_a_hot_prefix_are_compared():
+    pending = PendingPrompts()
+    pending.add("old", 3, chain(1, 2, 3, 4))
+    for i in range(MAX_COMPARED):
+        pending.add(f"new{i}", i % 2, chain(1, 2, 9))
+    assert pending.runs(chain(1, 2, 3, 4)) == {0: 2, 1: 2}  # "old" is past the newest 64
+    pending.remove("new0")
+    assert pending.runs(chain(1, 2, 3, 4)) == {0: 2, 1: 2, 3: 4}
+    pending.check_integrity()
