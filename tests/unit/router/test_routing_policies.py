@@ -15,17 +15,17 @@ def scoring(profile: str = "balanced", **kwargs) -> ScoringPolicy:
 
 
 def test_exact_scores_of_a_hand_built_state():
-    # 64-token prompt (4 blocks); loads 100 / 0 / 300, so scale = 300 + 64 = 364.
+    # 64-token prompt (4 blocks); loads 100 / 0 / 300, so scale = 400 + 64 = 464.
     matches = [PrefixMatch(2, 0), PrefixMatch(0, 4), PrefixMatch(4, 0)]
     loads = [100, 0, 300]
     policy = scoring(host_hit_weight=0.5)
     assert policy.prefix_score(matches[0], 64) == 0.5
     assert policy.prefix_score(matches[1], 64) == 0.5  # 4 host blocks at weight 0.5
     assert policy.prefix_score(matches[2], 64) == 1.0
-    assert policy.load_score(100, 300, 64) == pytest.approx(1 - 100 / 364)
-    assert policy.load_score(300, 300, 64) == pytest.approx(1 - 300 / 364)
+    assert policy.load_score(100, 400, 64) == pytest.approx(1 - 100 / 464)
+    assert policy.load_score(300, 400, 64) == pytest.approx(1 - 300 / 464)
     decision = policy.choose([0, 1, 2], matches, loads, 64)
-    # scores: 0.55*0.5 + 0.45*(264/364) = 0.601, 0.55*0.5 + 0.45*1 = 0.725, 0.55 + 0.45*(64/364)
+    # scores: 0.55*0.5 + 0.45*(364/464) = 0.628, 0.55*0.5 + 0.45*1 = 0.725, 0.55 + 0.45*(164/464)
     assert decision == RouteDecision(1, 0.5, 1.0, pytest.approx(0.725), 64, 0, 64)
 
 
@@ -128,3 +128,15 @@ def test_round_robin_does_not_score_but_reports_the_chosen_replicas_scores():
     policy = make_policy(RoutingConfig(policy="round-robin"), BLOCK)
     decision = policy.choose([0, 1], [PrefixMatch(1, 1), NONE], [32, 0], 64)
     assert decision == RouteDecision(0, (1 + 0.9) * 16 / 64, 1 - 32 / 96, 0.0, 32, 16, 16)
+
+
+def test_load_counts_as_a_share_of_the_cluster_load():
+    # A quarter of a 128-token prompt cached on replica 0, which carries the most load.
+    matches = [PrefixMatch(2, 0), NONE, NONE, NONE]
+    policy = scoring()
+    busy = policy.choose([0, 1, 2, 3], matches, [1000, 500, 500, 500], 128)
+    # 0.55 * 0.25 + 0.45 * (1 - 1000/2628) = 0.416 > 0.45 * (1 - 500/2628) = 0.364
+    assert busy.replica_index == 0 and busy.score == pytest.approx(0.4162, abs=1e-4)
+    lopsided = policy.choose([0, 1, 2, 3], matches, [1000, 0, 0, 0], 128)
+    # 0.55 * 0.25 + 0.45 * (1 - 1000/1128) = 0.189 < 0.45 for an idle replica
+    assert lopsided.replica_index == 1 and lopsided.score == pytest.approx(0.45)
