@@ -141,17 +141,11 @@ class ScoringPolicy(RoutingPolicy):
     ) -> RouteDecision:
         self._level_joined(live)
         total_live_load = sum(load_tokens[replica] for replica in live)
-        # prefix_score and load_score (see RoutingPolicy) written out: this loop is the policy's
-        # share of every routing decision.
-        tokens_per_block = self.block_size / num_prompt_tokens if num_prompt_tokens > 0 else 0.0
-        host_hit_weight = self.host_hit_weight
-        load_scale = total_live_load + num_prompt_tokens
         best_score = -math.inf
         tied: list[tuple[int, float, float]] = []  # (replica, prefix_score, load_score)
         for replica in live:
-            num_npu, num_host = matches[replica]
-            prefix_score = min(1.0, (num_npu + host_hit_weight * num_host) * tokens_per_block)
-            load_score = 1.0 - load_tokens[replica] / load_scale if load_scale > 0 else 1.0
+            prefix_score = self.prefix_score(matches[replica], num_prompt_tokens)
+            load_score = self.load_score(load_tokens[replica], total_live_load, num_prompt_tokens)
             score = self.prefix_weight * prefix_score + self.load_weight * load_score
             if score > best_score:
                 best_score, tied = score, [(replica, prefix_score, load_score)]
