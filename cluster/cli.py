@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
+from replicas.model.resolve import DEFAULT_MODEL
+
 if TYPE_CHECKING:
     from cluster.config import ClusterConfig
 
@@ -24,8 +26,16 @@ DEFAULT_PROMPTS = [
 def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     """The flags shared by ``serve``, ``generate`` and ``python -m cluster.job``."""
     a = parser.add_argument
-    a("model", nargs="?", default=None, help="built-in model (tiny, tiny-hybrid) or HF directory")
+    a(
+        "model",
+        nargs="?",
+        default=None,
+        help="built-in name (smollm2-135m, tiny, tiny-hybrid), Hugging Face directory, .gguf "
+        f"file or hub id (org/name); default: the config's model, else {DEFAULT_MODEL}",
+    )
     a("--config", default=None, help="YAML ClusterConfig (see configs/)")
+    a("--revision", help="hub branch, tag or commit of a hub id (default: its main branch)")
+    a("--served-model-name", help="model name in the API (default: the model as given)")
     a("--data-parallel-size", "-dp", type=int, dest="data_parallel_size")
     a("--seed", type=int)
     a("--device")
@@ -74,8 +84,12 @@ def build_config(args: argparse.Namespace) -> "ClusterConfig":
         node[leaf] = value
 
     put("data_parallel_size", args.data_parallel_size)
+    if args.model is None and "model" not in data.get("model", {}):
+        args.model = DEFAULT_MODEL
     for field in (
         "model",
+        "revision",
+        "served_model_name",
         "seed",
         "device",
         "dtype",

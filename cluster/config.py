@@ -21,7 +21,14 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    model: str = Field("tiny", description="Built-in model name or local Hugging Face directory.")
+    model: str = Field(
+        "tiny",
+        description="Built-in name (tiny, tiny-hybrid, smollm2-135m), local Hugging Face "
+        "directory, .gguf file or Hugging Face hub id (org/name).",
+    )
+    revision: str | None = Field(
+        None, description="Hub branch, tag or commit of a hub id; None: the default branch."
+    )
     served_model_name: str | None = Field(None, description="Name in the API; default: model.")
     seed: int = Field(0, description="Seed of built-in weights and unseeded sampling.")
     dtype: str = Field("float32", description="float32, bfloat16 or float16.")
@@ -101,13 +108,14 @@ class ClusterConfig(_Section):
     def engine_config(self) -> EngineConfig:
         """One replica's engine config, with its share of the host budget. Reads the model's
         config (not its weights) and raises ``ValueError`` if the share holds no block."""
-        args, _ = load_model_info(self.model.model)
+        args, _ = load_model_info(self.model.model, self.model.revision)
         block_bytes = kv_block_bytes(args, self.model.block_size, self.model.dtype)
         offload = plan_replica_offload(
             self.scheduler.kv_offload_config, self.data_parallel_size, block_bytes
         )
         return EngineConfig(
             model=self.model.model,
+            revision=self.model.revision,
             seed=self.model.seed,
             block_size=self.model.block_size,
             num_npu_blocks=self.model.num_npu_blocks,

@@ -72,7 +72,7 @@ class RayBackend:
         # One torch thread per reserved CPU: replicas sharing a node must not oversubscribe it.
         threads = max(1, int(config.ray.cpus_per_replica))
         engine_config = engine_config.model_copy(update={"num_threads": threads})
-        args, self.tokenizer = load_model_info(config.model.model)
+        args, self.tokenizer = load_model_info(config.model.model, config.model.revision)
         if _is_embedded(config.ray):  # every replica's host tier will be on this machine
             _check_host_memory(config, engine_config, args)
         init_ray(config.ray)

@@ -109,7 +109,11 @@ class SchedulerConfig(_Config):
 class EngineConfig(_Config):
     """Everything one replica's engine needs: model, KV memory and scheduling."""
 
-    model: str = Field("tiny", description="Built-in model name or local Hugging Face directory.")
+    model: str = Field(
+        "tiny",
+        description="Built-in name, local Hugging Face directory, .gguf file or hub id.",
+    )
+    revision: str | None = Field(None, description="Hub branch, tag or commit of a hub id.")
     seed: int = Field(0, description="Seed of built-in weights and of unseeded sampling.")
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
     num_npu_blocks: int | None = Field(

@@ -64,7 +64,9 @@ class Engine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         dtype = _DTYPES[config.dtype]
-        self.loaded = loaded or load_model(config.model, self.device, dtype, seed=config.seed)
+        self.loaded = loaded or load_model(
+            config.model, self.device, dtype, seed=config.seed, revision=config.revision
+        )
         self.tokenizer = self.loaded.tokenizer
         self.block_size = config.block_size
         specs = self.loaded.model.kv_cache_specs(dtype)

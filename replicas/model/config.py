@@ -6,6 +6,12 @@ from typing import Any
 import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# A config.json without "architectures" is read by its "model_type".
+ARCHITECTURE_OF_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 LAYER_TYPES = ("full", "sliding")
 
@@ -70,7 +76,13 @@ class ModelArgs:
         ``rope_parameters`` layout of transformers 5.
         """
         architectures = d.get("architectures") or []
-        arch = architectures[0] if architectures else d.get("model_type", "<none>")
+        model_type = d.get("model_type")
+        arch = architectures[0] if architectures else ARCHITECTURE_OF_MODEL_TYPE.get(model_type)
+        if arch is None:
+            raise ValueError(
+                f"config.json names no architectures and an unsupported model_type "
+                f"'{model_type}'; Strata supports: " + ", ".join(ARCHITECTURE_OF_MODEL_TYPE)
+            )
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture '{arch}'; Strata supports: "

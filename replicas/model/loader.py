@@ -7,8 +7,9 @@ from typing import NamedTuple
 
 import torch
 
-from replicas.model.builtin import BUILTIN_MODEL_ARGS, BUILTIN_MODELS, build_builtin_model
+from replicas.model.builtin import BUILTIN_MODEL_ARGS, build_builtin_model
 from replicas.model.config import ModelArgs
+from replicas.model.resolve import resolve_model
 from replicas.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from replicas.model.transformer import Transformer
 
@@ -21,12 +22,18 @@ class LoadedModel(NamedTuple):
 
 
 def load_model(
-    model: str, device: torch.device, dtype: torch.dtype = torch.float32, seed: int = 0
+    model: str,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    revision: str | None = None,
 ) -> LoadedModel:
-    """A built-in model by name (seeded random weights) or a Hugging Face directory by path.
+    """A built-in model by name (seeded random weights), a packaged model, a local Hugging
+    Face directory or a hub id (see ``resolve_model``).
 
     The model comes back in eval mode with gradients off.
     """
+    model = resolve_model(model, revision)
     args, tokenizer = load_model_info(model)
     if model in BUILTIN_MODEL_ARGS:
         net = build_builtin_model(model, seed).to(device=device, dtype=dtype)
@@ -41,16 +48,15 @@ def load_model(
     return LoadedModel(name=net.args.name, args=net.args, model=net, tokenizer=tokenizer)
 
 
-def load_model_info(model: str) -> tuple[ModelArgs, Tokenizer]:
+def load_model_info(model: str, revision: str | None = None) -> tuple[ModelArgs, Tokenizer]:
     """The model's architecture and tokenizer, without loading any weights."""
+    name = model
+    model = resolve_model(model, revision)
     if model in BUILTIN_MODEL_ARGS:
         return BUILTIN_MODEL_ARGS[model](), ByteTokenizer()
     if Path(model).is_dir():
-        return _read_hf_config(Path(model), model)
-    raise ValueError(
-        f"unknown model '{model}': not a built-in model ({', '.join(BUILTIN_MODELS)}) "
-        "and not a local directory"
-    )
+        return _read_hf_config(Path(model), name)
+    raise ValueError(f"model '{name}' ({model}) is neither a directory nor a .gguf file")
 
 
 def _read_hf_config(directory: Path, name: str) -> tuple[ModelArgs, Tokenizer]:

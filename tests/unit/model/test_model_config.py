@@ -116,3 +116,21 @@ def test_kv_cache_specs_split_layers_by_group():
 def test_sliding_layers_need_a_window():
     with pytest.raises(ValueError, match="sliding_window"):
         ModelArgs(16, 32, 64, 1, 4, 2, 8, layer_types=("sliding",))
+
+
+@pytest.mark.parametrize(
+    ("model_type", "expected"),
+    [("llama", (False, False)), ("qwen2", (True, False)), ("qwen3", (False, True))],
+)
+def test_config_without_architectures_falls_back_on_model_type(model_type, expected):
+    d = llama_dict(model_type=model_type)
+    del d["architectures"]
+    args = ModelArgs.from_hf_config(d)
+    assert (args.attention_bias, args.qk_norm) == expected
+
+
+def test_config_without_architectures_or_known_model_type_is_named():
+    d = llama_dict(model_type="gpt2")
+    del d["architectures"]
+    with pytest.raises(ValueError, match="no architectures and an unsupported model_type 'gpt2'"):
+        ModelArgs.from_hf_config(d)
