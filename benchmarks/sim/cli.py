@@ -20,14 +20,18 @@ from benchmarks.sim.trace import (
     trace_summary,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"
+DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "traces" / "synthetic_trace.jsonl"
 POLICIES = [STRATA, *PEERS]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSON lines trace")
+    add(
+        "--trace",
+        type=Path,
+        default=DEFAULT_TRACE,
+        help="Mooncake-format JSON lines trace (default benchmarks/traces/synthetic_trace.jsonl)",
+    )
     add("--output", type=Path, required=True, help="report folder")
     add("--data-parallel-size", "-dp", type=int, default=8, help="replicas (default 8)")
     add(
