@@ -1,4 +1,5 @@
-"""Loads a built-in model or a local Hugging Face directory (config.json, safetensors)."""
+"""Loads a built-in model, a local Hugging Face directory (config.json, safetensors) or a GGUF
+file (see ``replicas.model.gguf``)."""
 
 import json
 import re
@@ -9,6 +10,13 @@ import torch
 
 from replicas.model.builtin import BUILTIN_MODEL_ARGS, build_builtin_model
 from replicas.model.config import ModelArgs
+from replicas.model.gguf import (
+    gguf_model_info,
+    is_gguf_file,
+    load_gguf_weights,
+    open_gguf,
+    read_gguf_info,
+)
 from replicas.model.resolve import resolve_model
 from replicas.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from replicas.model.transformer import Transformer
@@ -33,16 +41,20 @@ def load_model(
 
     The model comes back in eval mode with gradients off.
     """
+    name = model
     model = resolve_model(model, revision)
-    args, tokenizer = load_model_info(model)
-    if model in BUILTIN_MODEL_ARGS:
-        net = build_builtin_model(model, seed).to(device=device, dtype=dtype)
+    if is_gguf_file(model):
+        reader = open_gguf(model)
+        args, tokenizer = gguf_model_info(reader, name)
+        net = _empty_model(args, device, dtype)
+        load_gguf_weights(net, reader, model)
     else:
-        with torch.device("meta"):
-            net = Transformer(args)
-        net = net.to(dtype=dtype).to_empty(device=device)
-        net.tie_weights()
-        load_safetensors(net, Path(model))
+        args, tokenizer = load_model_info(model)
+        if model in BUILTIN_MODEL_ARGS:
+            net = build_builtin_model(model, seed).to(device=device, dtype=dtype)
+        else:
+            net = _empty_model(args, device, dtype)
+            load_safetensors(net, Path(model))
     net.eval()
     net.requires_grad_(False)
     return LoadedModel(name=net.args.name, args=net.args, model=net, tokenizer=tokenizer)
@@ -56,7 +68,18 @@ def load_model_info(model: str, revision: str | None = None) -> tuple[ModelArgs,
         return BUILTIN_MODEL_ARGS[model](), ByteTokenizer()
     if Path(model).is_dir():
         return _read_hf_config(Path(model), name)
+    if is_gguf_file(model):
+        return read_gguf_info(model, name)
     raise ValueError(f"model '{name}' ({model}) is neither a directory nor a .gguf file")
+
+
+def _empty_model(args: ModelArgs, device: torch.device, dtype: torch.dtype) -> Transformer:
+    """A Transformer of ``args`` with uninitialised ``dtype`` weights on ``device``."""
+    with torch.device("meta"):
+        net = Transformer(args)
+    net = net.to(dtype=dtype).to_empty(device=device)
+    net.tie_weights()
+    return net
 
 
 def _read_hf_config(directory: Path, name: str) -> tuple[ModelArgs, Tokenizer]:

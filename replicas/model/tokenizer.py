@@ -62,9 +62,11 @@ def _token_content(token: Any) -> str | None:
 
 
 class HFTokenizer(Tokenizer):
-    """A ``tokenizer.json`` with the settings of ``tokenizer_config.json`` beside it.
+    """A Hugging Face ``tokenizers.Tokenizer`` with the settings that surround it.
 
-    BOS is added by the tokenizer's post-processor when it has one, or prepended when
+    Built from a directory (``tokenizer.json`` and the ``tokenizer_config.json`` beside it) or,
+    with ``from_tokenizer``, from a tokenizer object and explicit settings (as the GGUF loader
+    does). BOS is added by the tokenizer's post-processor when it has one, or prepended when
     ``add_bos_token`` is set; a text that already starts with the BOS token (as rendered chat
     templates often do) does not get a second one.
     """
@@ -76,17 +78,65 @@ class HFTokenizer(Tokenizer):
         path = directory / "tokenizer.json"
         if not path.is_file():
             raise ValueError(f"no tokenizer.json in {directory}")
-        self._tokenizer = RustTokenizer.from_file(str(path))
         config_path = directory / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        self.bos_token = _token_content(config.get("bos_token"))
-        self.eos_token = _token_content(config.get("eos_token"))
-        self.bos_token_id = self._id_of(self.bos_token)
-        self._add_bos = bool(config.get("add_bos_token", False)) and self.bos_token_id is not None
-        eos_id = self._id_of(self.eos_token)
+        self._setup(
+            RustTokenizer.from_file(str(path)),
+            bos_token=_token_content(config.get("bos_token")),
+            eos_token=_token_content(config.get("eos_token")),
+            add_bos_token=bool(config.get("add_bos_token", False)),
+            eos_token_ids=eos_token_ids,
+            chat_template=_pick_chat_template(config.get("chat_template"), directory),
+        )
+
+    @classmethod
+    def from_tokenizer(
+        cls,
+        tokenizer: Any,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        add_bos_token: bool = False,
+        eos_token_ids: tuple[int, ...] = (),
+        chat_template: str | None = None,
+    ) -> "HFTokenizer":
+        """Wraps a ``tokenizers.Tokenizer``; ``bos_token`` and ``eos_token`` are token texts,
+        ``eos_token_ids`` more ids that end generation besides ``eos_token``'s."""
+        self = cls.__new__(cls)
+        self._setup(
+            tokenizer,
+            bos_token=bos_token,
+            eos_token=eos_token,
+            add_bos_token=add_bos_token,
+            eos_token_ids=eos_token_ids,
+            chat_template=chat_template,
+        )
+        return self
+
+    def _setup(
+        self,
+        tokenizer: Any,
+        *,
+        bos_token: str | None,
+        eos_token: str | None,
+        add_bos_token: bool,
+        eos_token_ids: tuple[int, ...],
+        chat_template: str | None,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.bos_token_id = self._id_of(bos_token)
+        self._add_bos = add_bos_token and self.bos_token_id is not None
+        eos_id = self._id_of(eos_token)
         eos = tuple(eos_token_ids) + (() if eos_id is None else (eos_id,))
         self._eos_token_ids = tuple(dict.fromkeys(eos))
-        self.chat_template = _pick_chat_template(config.get("chat_template"), directory)
+        self.chat_template = chat_template
+
+    @property
+    def backend(self) -> Any:
+        """The wrapped ``tokenizers.Tokenizer``."""
+        return self._tokenizer
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._tokenizer.token_to_id(token)
