@@ -1,4 +1,4 @@
-"""The offline Python API: ``with LLM("tiny") as llm: llm.generate(prompts)``.
+"""The offline Python API: ``with LLM("smollm2-135m") as llm: llm.generate(prompts)``.
 
 With ``data_parallel_size=1`` the engine runs in this process. With more, ``LLM`` deploys the
 replicas and the router on Ray (embedded local Ray unless one is running) and sends every
@@ -13,10 +13,13 @@ from collections.abc import Sequence
 from cluster.config import ClusterConfig, ModelConfig
 from replicas.config import SchedulerConfig
 from replicas.engine import Engine, EngineStats
+from replicas.model.resolve import DEFAULT_MODEL
 from replicas.outputs import RequestOutput
 from replicas.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+Message = dict[str, str]
+Conversation = Sequence[Message]
 
 
 class LLM:
@@ -24,7 +27,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str = "tiny",
+        model: str = DEFAULT_MODEL,
         *,
         seed: int = 0,
         block_size: int = 16,
@@ -138,6 +141,33 @@ class LLM:
             return final
 
         return list(await asyncio.gather(*map(one, request_ids, batch, params)))
+
+    def chat(
+        self,
+        conversations: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> RequestOutput | list[RequestOutput]:
+        """Answer chats. One conversation (a list of OpenAI-style message dicts, ``{"role":
+        ..., "content": ...}``) gives one ``RequestOutput``; a list of conversations gives a
+        list, in order. Each is rendered with the model's chat template, ending where the
+        assistant's reply begins, then generated like a prompt of ``generate``."""
+        single = not conversations or isinstance(conversations[0], dict)
+        batch = [conversations] if single else list(conversations)
+        prompts = [self._render_chat(conversation) for conversation in batch]
+        outputs = self.generate(prompts, sampling_params, cache_salt=cache_salt)
+        return outputs[0] if single else outputs
+
+    def _render_chat(self, conversation: Conversation) -> str:
+        if not conversation:
+            raise ValueError("a conversation needs at least one message")
+        for message in conversation:
+            if not isinstance(message, dict) or not {"role", "content"} <= message.keys():
+                raise ValueError(
+                    f"a chat message is a dict with 'role' and 'content', got {message!r}"
+                )
+        return self.tokenizer.apply_chat_template([dict(m) for m in conversation])
 
     def stats(self) -> EngineStats:
         if self.engine is None:
