@@ -49,7 +49,7 @@ def load_model(
         net = _empty_model(args, device, dtype)
         load_gguf_weights(net, reader, model)
     else:
-        args, tokenizer = load_model_info(model)
+        args, tokenizer = _model_info(model, name)
         if model in BUILTIN_MODEL_ARGS:
             net = build_builtin_model(model, seed).to(device=device, dtype=dtype)
         else:
@@ -62,8 +62,11 @@ def load_model(
 
 def load_model_info(model: str, revision: str | None = None) -> tuple[ModelArgs, Tokenizer]:
     """The model's architecture and tokenizer, without loading any weights."""
-    name = model
-    model = resolve_model(model, revision)
+    return _model_info(resolve_model(model, revision), model)
+
+
+def _model_info(model: str, name: str) -> tuple[ModelArgs, Tokenizer]:
+    """The info of resolved ``model`` (see ``resolve_model``), named ``name``."""
     if model in BUILTIN_MODEL_ARGS:
         return BUILTIN_MODEL_ARGS[model](), ByteTokenizer()
     if Path(model).is_dir():
