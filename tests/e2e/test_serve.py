@@ -15,6 +15,11 @@ from prometheus_client.parser import text_string_to_metric_families
 openai = pytest.importorskip("openai")
 
 ROOT = Path(__file__).resolve().parents[2]
+MODEL = "smollm2-135m"  # what configs/default.yaml serves
+SYSTEM = (
+    "You are a helpful assistant for a travel agency. You answer questions about geography, "
+    "capitals, cities and countries in one short sentence, and you never make up facts."
+)
 
 
 def free_port() -> int:
@@ -79,9 +84,9 @@ def client(server):
 
 def test_completions_and_chat_streaming_and_not(client):
     models = client.models.list()
-    assert [m.id for m in models.data] == ["tiny"]
+    assert [m.id for m in models.data] == [MODEL]
     completion = client.completions.create(
-        model="tiny",
+        model=MODEL,
         prompt="Hello, Strata",
         max_tokens=8,
         temperature=0,
@@ -91,7 +96,7 @@ def test_completions_and_chat_streaming_and_not(client):
     pieces = [
         chunk.choices[0].text
         for chunk in client.completions.create(
-            model="tiny",
+            model=MODEL,
             prompt="Hello, Strata",
             max_tokens=8,
             temperature=0,
@@ -102,7 +107,7 @@ def test_completions_and_chat_streaming_and_not(client):
     ]
     assert "".join(pieces) == completion.choices[0].text
     chat = client.chat.completions.create(
-        model="tiny",
+        model=MODEL,
         messages=[{"role": "user", "content": "hi"}],
         max_tokens=6,
         temperature=0,
@@ -110,7 +115,7 @@ def test_completions_and_chat_streaming_and_not(client):
     )
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 6
     streamed = client.chat.completions.create(
-        model="tiny",
+        model=MODEL,
         messages=[{"role": "user", "content": "hi"}],
         max_tokens=6,
         temperature=0,
@@ -123,9 +128,9 @@ def test_completions_and_chat_streaming_and_not(client):
 
 def test_repeated_prompt_reports_cached_tokens_and_metrics_per_replica(client, server):
     prompt = "A long shared system prompt for every tenant of Strata. " * 6
-    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
     time.sleep(0.5)  # the replica's KV events reach the router
-    second = client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert first.usage.prompt_tokens == second.usage.prompt_tokens
     assert cached == (second.usage.prompt_tokens - 1) // 16 * 16 > 0
@@ -142,11 +147,38 @@ def test_repeated_prompt_reports_cached_tokens_and_metrics_per_replica(client, s
     assert sum(routed.values()) >= 6
 
 
+def test_the_real_model_answers_and_a_follow_up_reuses_the_system_prompt(client):
+    question = {"role": "user", "content": "What is the capital of France?"}
+    first = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": SYSTEM}, question],
+        max_tokens=24,
+        temperature=0,
+    )
+    answer = first.choices[0].message.content
+    assert "Paris" in answer, answer
+    time.sleep(0.5)  # the replica's KV events reach the router
+    follow_up = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": SYSTEM},
+            question,
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "And of Italy?"},
+        ],
+        max_tokens=24,
+        temperature=0,
+    )
+    assert "Rome" in follow_up.choices[0].message.content, follow_up.choices[0].message.content
+    cached = follow_up.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens // 16 * 16 - 16 > 0
+
+
 def test_bad_request_gets_an_openai_error_and_the_server_keeps_serving(client):
     with pytest.raises(openai.BadRequestError) as bad:
-        client.completions.create(model="tiny", prompt="x", max_tokens=1, temperature=-1)
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1, temperature=-1)
     assert "temperature" in str(bad.value)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
-    ok = client.completions.create(model="tiny", prompt="still serving", max_tokens=2)
+    ok = client.completions.create(model=MODEL, prompt="still serving", max_tokens=2)
     assert ok.usage.completion_tokens >= 1
