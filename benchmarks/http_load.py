@@ -1,9 +1,9 @@
 """http-load: concurrent streaming clients over loopback against `strata serve`.
 
-Starts ``strata serve --config configs/default.yaml`` (two replicas on an embedded Ray) on a free
-loopback port, then runs ``clients`` concurrent clients for ``duration_s``: each sends streaming
-completions one after another (a few shared system prompts plus a unique question) and reads
-every SSE chunk. Reported: requests served and failed, throughput (requests and tokens per
+Starts ``strata serve tiny --config configs/default.yaml`` (two replicas on an embedded Ray) on a
+free loopback port, then runs ``clients`` concurrent clients for ``duration_s``: each sends
+streaming completions one after another (a few shared system prompts plus a unique question) and
+reads every SSE chunk. Reported: requests served and failed, throughput (requests and tokens per
 second), TTFT (request sent to first chunk with text), inter-chunk latency and end-to-end
 latency percentiles. The server is stopped with SIGINT at the end.
 """
@@ -56,6 +56,7 @@ def run(output_dir: Path, *, quick: bool, command: str) -> dict[str, object]:
                 "-m",
                 "cluster.cli",
                 "serve",
+                "tiny",  # the figures in benchmarks/README.md are on tiny
                 "--config",
                 "configs/default.yaml",
                 "--port",

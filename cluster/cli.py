@@ -64,6 +64,11 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     a("--api-key")
     a("--address", help="join this Ray cluster instead of starting an embedded one")
     a("--num-cpus", type=float, help="CPUs of the embedded Ray")
+    a(
+        "--gpus-per-replica",
+        type=float,
+        help="GPUs reserved per replica (default: 1 when the cluster has one per replica, else 0)",
+    )
 
 
 def build_config(args: argparse.Namespace) -> "ClusterConfig":
@@ -113,6 +118,7 @@ def build_config(args: argparse.Namespace) -> "ClusterConfig":
     put("server.api_key", args.api_key)
     put("ray.address", args.address)
     put("ray.num_cpus", args.num_cpus)
+    put("ray.gpus_per_replica", args.gpus_per_replica)
     return ClusterConfig.model_validate(data)
 
 

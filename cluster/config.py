@@ -64,7 +64,12 @@ class RayConfig(_Section):
     num_cpus: float | None = Field(None, gt=0, description="CPUs of the embedded local Ray.")
     namespace: str = Field("strata", description="Ray namespace of Strata's actors.")
     cpus_per_replica: float = Field(0.5, ge=0, description="CPUs reserved per replica actor.")
-    gpus_per_replica: float = Field(0.0, ge=0, description="GPUs reserved per replica actor.")
+    gpus_per_replica: float | None = Field(
+        None,
+        ge=0,
+        description="GPUs reserved per replica actor; None: one each when the Ray cluster has "
+        "a GPU for every replica and the model's device is auto or cuda, else none.",
+    )
     resources_per_replica: dict[str, float] = Field(
         default_factory=dict, description="Custom resources per replica, e.g. {'NPU': 1}."
     )

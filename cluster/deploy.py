@@ -62,6 +62,17 @@ def init_ray(config: RayConfig) -> None:
         )
 
 
+def _gpus_per_replica(ray_config: RayConfig, device: str, size: int) -> float:
+    """``ray.gpus_per_replica``, or when unset: one GPU per replica if the cluster has one for
+    each and the device allows CUDA, else none."""
+    if ray_config.gpus_per_replica is not None:
+        return ray_config.gpus_per_replica
+    if device == "cpu" or ray.cluster_resources().get("GPU", 0) < size:
+        return 0.0
+    logger.info("the Ray cluster has a GPU for each of %d replicas: one GPU per replica", size)
+    return 1.0
+
+
 class RayBackend:
     """Deploys ``config`` on Ray; implements ``cluster.backend.Backend``."""
 
@@ -79,8 +90,15 @@ class RayBackend:
         ray_config = config.ray
         size = config.data_parallel_size
         bundle = {"CPU": ray_config.cpus_per_replica, **ray_config.resources_per_replica}
-        if ray_config.gpus_per_replica:
-            bundle["GPU"] = ray_config.gpus_per_replica
+        gpus_per_replica = _gpus_per_replica(ray_config, engine_config.device, size)
+        if gpus_per_replica:
+            bundle["GPU"] = gpus_per_replica
+        elif engine_config.device == "auto" and ray.cluster_resources().get("GPU"):
+            logger.warning(
+                "the Ray cluster has GPUs but no replica reserves one (ray.gpus_per_replica): "
+                "replicas run on the CPU (a replica uses a GPU only when its placement bundle "
+                "reserves one)"
+            )
         self.placement_group = placement_group(
             [dict(bundle)] * size, strategy=ray_config.placement_strategy
         )
@@ -107,7 +125,7 @@ class RayBackend:
             replica_cls.options(
                 name=f"{name}-replica-{i}",
                 num_cpus=ray_config.cpus_per_replica,
-                num_gpus=ray_config.gpus_per_replica,
+                num_gpus=gpus_per_replica,
                 resources=ray_config.resources_per_replica,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, i),
                 max_restarts=ray_config.replica_max_restarts,
