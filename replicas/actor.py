@@ -30,6 +30,26 @@ EXIT_DELAY_S = 2.0
 reach their callers; meanwhile it turns new requests away as unavailable."""
 
 
+def placed_device(device: str) -> str:
+    """The device a replica actor runs on. With ``auto`` it follows the actor's placement bundle:
+    CUDA when the bundle reserves a GPU (Ray then makes that GPU the only one visible, so it is
+    ``cuda``), the CPU when it reserves none: Ray leaves every GPU of the node visible to an actor
+    that asked for none, and a replica must not take a GPU that another one reserved. Outside a
+    Ray worker, or with an explicit device, ``device`` is kept."""
+    if not ray.is_initialized():
+        return device
+    has_gpu = bool(ray.get_gpu_ids())
+    if device == "auto":
+        return "cuda" if has_gpu else "cpu"
+    if device.startswith("cuda") and not has_gpu:
+        logger.warning(
+            "device=%s but this replica's placement bundle reserves no GPU: set "
+            "ray.gpus_per_replica so that replicas do not share a GPU unknowingly",
+            device,
+        )
+    return device
+
+
 class ReplicaOverloadedError(RuntimeError):
     """The replica's waiting queue is full."""
 
@@ -48,6 +68,9 @@ class ReplicaActor:
         max_waiting_requests: int | None = None,
     ) -> None:
         self.replica_index = replica_index
+        device = placed_device(engine_config.device)
+        if device != engine_config.device:
+            engine_config = engine_config.model_copy(update={"device": device})
         self.engine = Engine(engine_config)
         self.engine.kv_cache.record_events = True
         self.async_engine = AsyncEngine(

@@ -5,26 +5,38 @@ step's plan becomes, per cache group and direction, one batched copy:
 
   * on CPU, one fused ``_foreach_copy_`` of every block straight from source to destination
     (a gather into a staging tensor and a scatter out of it would move every byte twice);
-  * on CUDA, one gather into a staging tensor on the device side and one copy across the bus::
+  * on CUDA, one gather on the device side and one copy across the bus, through pinned
+    staging blocks that are allocated once, at start-up (``_StagingRing``)::
 
-        store  npu[npu_ids] --gather--> staging --D2H--> pinned --scatter--> host[host_ids]
-        load   host[host_ids] --gather--> pinned --H2D--> staging --scatter--> npu[npu_ids]
+        store  npu[npu_ids] --gather--> device tmp --D2H--> staging --scatter--> host[host_ids]
+        load   host[host_ids] --gather--> staging --H2D--> device tmp --scatter--> npu[npu_ids]
 
-On CPU the copies run synchronously. On CUDA they run on a side stream with pinned host memory:
+No transfer allocates pinned memory: block ids that the device reads travel through the
+staging ring's pinned id slots too. A copy larger than the ring is split into pieces of half
+the ring, so that the host side of one piece overlaps the bus copy of the one before.
+
+On CPU the copies run synchronously. On CUDA they run on a side stream:
 
   * the side stream first waits for the compute stream, so a store reads KV the last forward
     pass finished writing;
   * stores are issued before loads on the same stream, so a block evicted and reused in one
     step is read before it is overwritten;
-  * the compute stream waits for the step's event before its forward pass, so attention never
-    reads a block whose load has not landed;
+  * the compute stream waits for the step's last event before its forward pass, so attention
+    never reads a block whose load has not landed;
   * a store's host scatter runs once its event has completed; until then its host blocks stay
-    locked by the cache manager (``poll`` reports completed plans).
+    locked by the cache manager (``poll`` reports completed plans, in submission order);
+  * a load that reads a host block whose store has not landed yet lands that store first, and
+    staging blocks are reused only after the copy that used them last has landed.
+
+``staged=True`` runs the CUDA algorithm on CPU tensors (unpinned, with copies that land at
+once), so that its bookkeeping is tested on machines without a GPU.
 """
 
+import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
 
 import torch
 
@@ -32,6 +44,9 @@ from replicas.host_memory import allocate_host_tensor
 from replicas.kv_cache_types import BlockCopy, TransferPlan
 
 logger = logging.getLogger(__name__)
+
+STAGING_BYTES = 64 * 2**20
+"""Pinned staging memory per cache group and direction (stores, loads) on CUDA."""
 
 
 @dataclass(slots=True)
@@ -43,23 +58,84 @@ class TransferStats:
     seconds: float = 0.0
 
 
+class _Landed:
+    """Stands in for a CUDA event where copies are done when issued."""
+
+    def record(self, stream: object = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _StagingRing:
+    """Staging blocks of one cache group and direction, allocated once and handed out in
+    submission order; a range is taken again only after the copy that held it has landed."""
+
+    def __init__(
+        self, capacity: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool
+    ) -> None:
+        self.capacity = capacity
+        self.blocks = allocate_host_tensor((capacity, *block_shape), dtype, pin=pin)
+        self.ids = torch.zeros(capacity, dtype=torch.long, pin_memory=pin)
+        self.next = 0  # where the next range starts, unless it must wrap to 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel() * self.blocks.element_size() + self.ids.numel() * 8
+
+    def candidate(self, num_blocks: int) -> int:
+        return self.next if self.next + num_blocks <= self.capacity else 0
+
+
+@dataclass(slots=True)
+class _Piece:
+    """One range of one staging ring, held by an issued copy until it lands."""
+
+    ring: _StagingRing
+    start: int
+    num_blocks: int
+    group: str
+    store_dst: torch.Tensor | None = None  # host block ids of a store, scattered on landing
+
+    def overlaps(self, ring: _StagingRing, start: int, num_blocks: int) -> bool:
+        return (
+            self.ring is ring
+            and start < self.start + self.num_blocks
+            and self.start < start + num_blocks
+        )
+
+
 @dataclass(slots=True)
 class _Pending:
-    plan: TransferPlan
-    event: "torch.cuda.Event | None"
-    store_staging: dict[str, torch.Tensor] = field(default_factory=dict)
-    keep_alive: list[torch.Tensor] = field(default_factory=list)
+    """Copies issued together; ``plan`` is set on the last piece of a plan only."""
+
+    plan: TransferPlan | None
+    event: "torch.cuda.Event | _Landed"
+    piece: _Piece | None = None
+    landed: bool = False
 
 
 class KVTransfer:
     """Owns the host KV tensors of one replica; the only component that copies between tiers."""
 
     def __init__(
-        self, npu_caches: dict[str, torch.Tensor], num_host_blocks: dict[str, int]
+        self,
+        npu_caches: dict[str, torch.Tensor],
+        num_host_blocks: dict[str, int],
+        *,
+        staged: bool | None = None,
+        staging_bytes: int = STAGING_BYTES,
     ) -> None:
         self.npu_caches = npu_caches
         self.device = next(iter(npu_caches.values())).device
         self.is_cuda = self.device.type == "cuda"
+        self.staged = self.is_cuda if staged is None else staged
+        if self.is_cuda and not self.staged:
+            raise ValueError("KV transfers on CUDA always go through the staging ring")
         self.host_caches = {
             group: allocate_host_tensor(
                 (num_host_blocks[group], *cache.shape[1:]), cache.dtype, pin=self.is_cuda
@@ -69,28 +145,64 @@ class KVTransfer:
         self.block_bytes = {
             group: cache[0].numel() * cache.element_size() for group, cache in npu_caches.items()
         }
-        # Per-block views, built once: a CPU transfer copies every block straight from its
-        # source to its destination in one fused call (no staging pass, no fresh memory).
-        self._npu_blocks = {g: t.unbind(0) for g, t in npu_caches.items()}
-        self._host_blocks = {g: t.unbind(0) for g, t in self.host_caches.items()}
         self.stats = TransferStats()
-        self._pending: list[_Pending] = []
+        self._pending: deque[_Pending] = deque()
         self._stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        self._new_event = torch.cuda.Event if self.is_cuda else _Landed
+        if self.staged:
+            self._store_rings, self._load_rings = (
+                {
+                    group: _StagingRing(
+                        max(1, min(len(cache), staging_bytes // self.block_bytes[group])),
+                        tuple(cache.shape[1:]),
+                        cache.dtype,
+                        pin=self.is_cuda,
+                    )
+                    for group, cache in npu_caches.items()
+                }
+                for _ in range(2)
+            )
+            logger.info(
+                "kv transfer: %.1f MiB of %sstaging blocks (%s per direction)",
+                self.staging_bytes / 2**20,
+                "pinned " if self.is_cuda else "",
+                ", ".join(f"{g}: {r.capacity}" for g, r in self._store_rings.items()),
+            )
+        else:
+            # Per-block views, built once: a CPU transfer copies every block straight from its
+            # source to its destination in one fused call (no staging pass, no fresh memory).
+            self._npu_blocks = {g: t.unbind(0) for g, t in npu_caches.items()}
+            self._host_blocks = {g: t.unbind(0) for g, t in self.host_caches.items()}
 
     @property
     def host_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.host_caches.values())
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory of the staging rings (0 without them)."""
+        if not self.staged:
+            return 0
+        rings = [*self._store_rings.values(), *self._load_rings.values()]
+        return sum(ring.nbytes for ring in rings)
+
+    def staging_tensors(self) -> list[torch.Tensor]:
+        """Every staging tensor (blocks and ids), allocated once at start-up."""
+        if not self.staged:
+            return []
+        rings = [*self._store_rings.values(), *self._load_rings.values()]
+        return [t for ring in rings for t in (ring.blocks, ring.ids)]
 
     def submit(self, plan: TransferPlan) -> None:
         """Issue the plan's copies; loads land before the next forward pass on this device."""
         if not plan:
             return
         start = time.perf_counter()
-        if self.is_cuda:
-            self._submit_cuda(plan)
+        if self.staged:
+            self._submit_staged(plan)
         else:
             self._run_cpu(plan)
-            self._pending.append(_Pending(plan, None))
+            self._pending.append(_Pending(plan, _Landed(), landed=True))
         self.stats.seconds += time.perf_counter() - start
         self.stats.blocks_stored += len(plan.stores)
         self.stats.blocks_loaded += len(plan.loads)
@@ -98,18 +210,16 @@ class KVTransfer:
         self.stats.bytes_loaded += sum(self.block_bytes[c.group] for c in plan.loads)
 
     def poll(self, wait: bool = False) -> list[TransferPlan]:
-        """Plans whose copies have all landed (all of them if ``wait``)."""
+        """Plans whose copies have all landed, in submission order (all of them if ``wait``)."""
         done: list[TransferPlan] = []
-        still: list[_Pending] = []
-        for pending in self._pending:
-            if pending.event is not None and not wait and not pending.event.query():
-                still.append(pending)
-                continue
-            if pending.event is not None:
-                pending.event.synchronize()
-                self._scatter_stores(pending)
-            done.append(pending.plan)
-        self._pending = still
+        while self._pending:
+            pending = self._pending[0]
+            if not (wait or pending.landed or pending.event.query()):
+                break  # later copies on the same stream cannot have landed before this one
+            self._land(pending)
+            self._pending.popleft()
+            if pending.plan is not None:
+                done.append(pending.plan)
         return done
 
     # ---- CPU -----------------------------------------------------------------------------
@@ -123,53 +233,120 @@ class KVTransfer:
             if loads:
                 _copy_blocks([npu[c.dst] for c in loads], [host[c.src] for c in loads])
 
-    # ---- CUDA ----------------------------------------------------------------------------
-    def _submit_cuda(self, plan: TransferPlan) -> None:
-        pending = _Pending(plan, torch.cuda.Event())
-        compute = torch.cuda.current_stream(self.device)
-        self._stream.wait_stream(compute)
-        with torch.cuda.stream(self._stream):
-            for group, npu in self.npu_caches.items():
-                stores = _of_group(plan.stores, group)
-                if stores:
-                    gathered = npu.index_select(0, _ids(stores, "src", self.device))
-                    staging = torch.empty(gathered.shape, dtype=npu.dtype, pin_memory=True)
-                    staging.copy_(gathered, non_blocking=True)
-                    pending.store_staging[group] = staging
-            self._pending.append(pending)
-            if plan.loads:
-                loading = {(c.group, c.src) for c in plan.loads}
-                if any(
-                    loading.intersection((c.group, c.dst) for c in p.plan.stores)
-                    for p in self._pending
-                    if p.store_staging
-                ):
-                    # A load reads a host block whose store is still in flight: land it first.
-                    self._stream.synchronize()
-                    for earlier in self._pending:
-                        self._scatter_stores(earlier)
-            for group, npu in self.npu_caches.items():
-                loads = _of_group(plan.loads, group)
-                if not loads:
+    # ---- staged (CUDA) -------------------------------------------------------------------
+    def _submit_staged(self, plan: TransferPlan) -> None:
+        pieces: list[tuple[str, str, list[BlockCopy]]] = []
+        for kind, copies, rings in (
+            ("store", plan.stores, self._store_rings),
+            ("load", plan.loads, self._load_rings),
+        ):
+            for group in self.npu_caches:
+                of_group = _of_group(copies, group)
+                if not of_group:
                     continue
-                host = self.host_caches[group]
-                staging = torch.empty(
-                    (len(loads), *host.shape[1:]), dtype=host.dtype, pin_memory=True
-                )
-                torch.index_select(host, 0, _ids(loads, "src", torch.device("cpu")), out=staging)
-                npu.index_copy_(
-                    0, _ids(loads, "dst", self.device), staging.to(self.device, non_blocking=True)
-                )
-                pending.keep_alive.append(staging)
-            pending.event.record(self._stream)
-        compute.wait_event(pending.event)
+                capacity = rings[group].capacity
+                size = len(of_group) if len(of_group) <= capacity else max(1, capacity // 2)
+                for i in range(0, len(of_group), size):
+                    pieces.append((kind, group, of_group[i : i + size]))
+        compute = torch.cuda.current_stream(self.device) if self.is_cuda else None
+        if self._stream is not None:
+            self._stream.wait_stream(compute)
+        stream_context = (
+            torch.cuda.stream(self._stream)
+            if self._stream is not None
+            else contextlib.nullcontext()
+        )
+        with stream_context:
+            for index, (kind, group, copies) in enumerate(pieces):
+                is_last = index == len(pieces) - 1
+                pending = _Pending(plan if is_last else None, self._new_event())
+                if kind == "store":
+                    pending.piece = self._issue_store(group, copies)
+                else:
+                    pending.piece = self._issue_load(group, copies)
+                pending.event.record(self._stream)
+                self._pending.append(pending)
+        if compute is not None:
+            compute.wait_event(self._pending[-1].event)
 
-    def _scatter_stores(self, pending: _Pending) -> None:
-        """Copy a landed store's staging buffers into the host pool (CPU work)."""
-        for group, staging in pending.store_staging.items():
-            host_ids = _ids(_of_group(pending.plan.stores, group), "dst", torch.device("cpu"))
-            self.host_caches[group].index_copy_(0, host_ids, staging)
-        pending.store_staging.clear()
+    def _issue_store(self, group: str, copies: list[BlockCopy]) -> _Piece:
+        piece = self._reserve(self._store_rings[group], len(copies), group)
+        staging, ids = self._slots(piece)
+        ids.copy_(_ids(copies, "src"))
+        gathered = self.npu_caches[group].index_select(0, ids.to(self.device, non_blocking=True))
+        staging.copy_(gathered, non_blocking=True)
+        piece.store_dst = _ids(copies, "dst")
+        return piece
+
+    def _issue_load(self, group: str, copies: list[BlockCopy]) -> _Piece:
+        sources = _ids(copies, "src")
+        self._land_stores_into(group, sources)
+        piece = self._reserve(self._load_rings[group], len(copies), group)
+        staging, ids = self._slots(piece)
+        torch.index_select(self.host_caches[group], 0, sources, out=staging)
+        ids.copy_(_ids(copies, "dst"))
+        self.npu_caches[group].index_copy_(
+            0,
+            ids.to(self.device, non_blocking=True),
+            staging.to(self.device, non_blocking=True),
+        )
+        return piece
+
+    def _reserve(self, ring: _StagingRing, num_blocks: int, group: str) -> _Piece:
+        """A range of ``ring`` that no copy in flight uses, landing the oldest ones if needed."""
+        start = ring.candidate(num_blocks)
+        while True:
+            holder = next(
+                (
+                    i
+                    for i, p in enumerate(self._pending)
+                    if not p.landed
+                    and p.piece is not None
+                    and p.piece.overlaps(ring, start, num_blocks)
+                ),
+                None,
+            )
+            if holder is None:
+                break
+            self._land_through(holder)
+        ring.next = start + num_blocks
+        return _Piece(ring, start, num_blocks, group)
+
+    def _land_stores_into(self, group: str, host_ids: torch.Tensor) -> None:
+        """Land every store still in flight into one of ``host_ids`` (and all before it): a load
+        gathers from the host pool on the CPU, so it must see the stored bytes."""
+        wanted = set(host_ids.tolist())
+        last = None
+        for i, pending in enumerate(self._pending):
+            piece = pending.piece
+            if pending.landed or piece is None or piece.store_dst is None or piece.group != group:
+                continue
+            if not wanted.isdisjoint(piece.store_dst.tolist()):
+                last = i
+        if last is not None:
+            self._land_through(last)
+
+    def _land_through(self, index: int) -> None:
+        for i, pending in enumerate(self._pending):
+            if i > index:
+                break
+            self._land(pending)
+
+    def _land(self, pending: _Pending) -> None:
+        """Wait for a piece's copies; scatter a store's staging blocks into the host pool."""
+        if pending.landed:
+            return
+        pending.event.synchronize()
+        piece = pending.piece
+        if piece is not None and piece.store_dst is not None:
+            staging, _ = self._slots(piece)
+            self.host_caches[piece.group].index_copy_(0, piece.store_dst, staging)
+        pending.landed = True
+
+    @staticmethod
+    def _slots(piece: _Piece) -> tuple[torch.Tensor, torch.Tensor]:
+        end = piece.start + piece.num_blocks
+        return piece.ring.blocks[piece.start : end], piece.ring.ids[piece.start : end]
 
 
 def _copy_blocks(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
@@ -181,5 +358,6 @@ def _of_group(copies: list[BlockCopy], group: str) -> list[BlockCopy]:
     return [c for c in copies if c.group == group]
 
 
-def _ids(copies: list[BlockCopy], field: str, device: torch.device) -> torch.Tensor:
-    return torch.tensor([getattr(c, field) for c in copies], dtype=torch.long, device=device)
+def _ids(copies: list[BlockCopy], field: str) -> torch.Tensor:
+    """Block ids of ``copies`` as a CPU tensor."""
+    return torch.tensor([getattr(c, field) for c in copies], dtype=torch.long)

@@ -52,3 +52,63 @@ def test_stores_planned_at_first_write_land_before_a_reset():
     llm.reset_prefix_cache("npu")
     assert llm.generate([*prefix, 3], one).num_host_cached_tokens == 320
     llm.check_integrity()
+
+
+class SlowEvent:
+    """A copy that lands only when waited for, as a CUDA copy still on the bus would."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def record(self, stream: object = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def staged_transfer(staging_blocks: int) -> KVTransfer:
+    npu = {"full": torch.randn(8, 2, 4)}
+    transfer = KVTransfer(npu, {"full": 8}, staged=True, staging_bytes=staging_blocks * 32)
+    transfer._new_event = SlowEvent
+    return transfer
+
+
+def test_staged_store_lands_in_order_and_before_a_load_that_reads_it():
+    transfer = staged_transfer(4)
+    npu, host = transfer.npu_caches["full"], transfer.host_caches["full"]
+    before = npu.clone()
+    store = TransferPlan([BlockCopy(4, 0)], [])
+    transfer.submit(store)
+    assert transfer.poll() == [] and not host[0].any()  # not landed: not scattered yet
+    load = TransferPlan([], [BlockCopy(0, 5)])
+    transfer.submit(load)  # reads host block 0, so the store lands first
+    assert torch.equal(host[0], before[4]) and torch.equal(npu[5], before[4])
+    assert transfer.poll() == [store]
+    assert transfer.poll(wait=True) == [load]
+    assert transfer.poll(wait=True) == []
+
+
+def test_a_full_staging_ring_lands_its_oldest_copies_first():
+    transfer = staged_transfer(2)
+    npu, host = transfer.npu_caches["full"], transfer.host_caches["full"]
+    before = npu.clone()
+    plans = [TransferPlan([BlockCopy(i, i)], []) for i in range(3)]
+    for plan in plans:
+        transfer.submit(plan)
+    # The third store took the ring's first slot back: the first store landed to free it.
+    assert torch.equal(host[0], before[0]) and not host[1].any() and not host[2].any()
+    assert transfer.poll() == plans[:1]
+    assert transfer.poll(wait=True) == plans[1:]
+    assert torch.equal(host[:3], before[:3])
+    big = TransferPlan([BlockCopy(i, 7 - i) for i in range(5)], [])  # pieces of half the ring
+    transfer.submit(big)
+    reload = TransferPlan([], [BlockCopy(7 - i, i) for i in range(5)])
+    npu.zero_()
+    transfer.submit(reload)
+    assert transfer.poll(wait=True) == [big, reload]
+    assert torch.equal(npu[:5], before[:5]) and torch.equal(host[3:].flip(0), before[:5])
+    assert transfer.stats.blocks_stored == 8 and transfer.stats.blocks_loaded == 5

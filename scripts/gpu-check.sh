@@ -1,0 +1,293 @@
+#!/usr/bin/env bash
+# Proves Strata's CUDA path on a machine with an NVIDIA GPU, in one command:
+#
+#   bash scripts/gpu-check.sh
+#
+# It runs the tests marked `cuda` (tests/gpu) and the `transfer` and `reload-vs-recompute`
+# benchmarks on the GPU, prints one `gpu-check:` line per figure and exits non-zero if anything
+# failed. On a machine without an NVIDIA GPU it says so and exits 0.
+#
+# Python, in this order of preference:
+#   1. $STRATA_PYTHON, when set;
+#   2. $STRATA_VENV (default .venv) when its torch can use the GPU;
+#   3. the first `python3` on PATH when its torch can use the GPU (e.g. an image with CUDA torch
+#      preinstalled and no network): Strata runs from this checkout (PYTHONPATH), nothing is
+#      downloaded, and Python packages it lacks are installed from wheels in $STRATA_WHEELS
+#      (default .gpu-wheels/) into $STRATA_GPU_SITE (default /tmp/strata-gpu-site);
+#   4. otherwise scripts/bootstrap.sh creates $STRATA_VENV with PyPI's CUDA torch (network).
+#
+# Wheels for a machine without network are fetched beforehand, on any machine with network:
+#
+#   bash scripts/gpu-check.sh --fetch-wheels    # into .gpu-wheels/, for CPython 3.12 x86-64
+#
+# (STRATA_GPU_PYTHON_VERSION chooses another Python version.) Ray's wheel is fetched without
+# its Java jars, which Strata does not use, so that all the wheels stay under 64 MiB.
+#
+# The checks share one time budget, STRATA_GPU_CHECK_BUDGET_S (default 480 s), set-up from
+# local wheels included (a set-up by scripts/bootstrap.sh, which downloads torch, is not);
+# each step also has its own `timeout`. Reports go to benchmarks/out/gpu-check/.
+#
+#   bash scripts/gpu-check.sh --dry-run-on-cpu  # the same steps on the CPU, to test this script
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT" || exit 1
+WHEELS="${STRATA_WHEELS:-$ROOT/.gpu-wheels}"
+SITE="${STRATA_GPU_SITE:-/tmp/strata-gpu-site}"
+OUT_DIR="${STRATA_GPU_CHECK_OUT:-$ROOT/benchmarks/out/gpu-check}"
+BUDGET_S="${STRATA_GPU_CHECK_BUDGET_S:-480}"
+
+# Wheels a CUDA image may lack: "import name=distribution ...", then fallbacks installed only
+# if the group still does not import (an older version in the image).
+PYDANTIC_GROUP="pydantic=pydantic==2.14.4 pydantic_core=pydantic-core==2.50.5 annotated_types=annotated-types==0.8.0 typing_inspection=typing-inspection==0.4.5"
+PYDANTIC_FALLBACK="typing-extensions==4.16.0"
+RAY_GROUP="ray=ray==2.60.0 jsonschema=jsonschema==4.26.0 jsonschema_specifications=jsonschema-specifications==2025.9.1 referencing=referencing==0.37.0 rpds=rpds-py==2026.9.1"
+RAY_FALLBACK="protobuf==7.36.2 packaging==26.4"
+# Needed as they are (present in CUDA images with PyTorch; no wheels are fetched for them).
+OTHER_MODULES="torch numpy yaml jinja2 tokenizers safetensors matplotlib pytest"
+
+say() { echo "gpu-check: $*"; }
+now() { echo "$SECONDS"; }
+
+fetch_wheels() {
+    local python="${PYTHON:-python3}" version="${STRATA_GPU_PYTHON_VERSION:-3.12}" specs=() item
+    for item in $PYDANTIC_GROUP $RAY_GROUP; do
+        specs+=("${item#*=}")  # module=distribution==version
+    done
+    # shellcheck disable=SC2206  # space-separated lists
+    specs+=($PYDANTIC_FALLBACK $RAY_FALLBACK)
+    mkdir -p "$WHEELS"
+    "$python" -m pip download --quiet --disable-pip-version-check --no-deps \
+        --only-binary=:all: --python-version "$version" --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 -d "$WHEELS" "${specs[@]}" || return 1
+    "$python" - "$WHEELS" <<'EOF' || return 1
+import pathlib, sys, zipfile
+for wheel in pathlib.Path(sys.argv[1]).glob("ray-*.whl"):
+    with zipfile.ZipFile(wheel) as source:
+        if not any(n.startswith("ray/jars/") for n in source.namelist()):
+            continue
+        slim = wheel.with_suffix(".slim")
+        with zipfile.ZipFile(slim, "w", zipfile.ZIP_DEFLATED) as target:
+            for info in source.infolist():
+                if info.filename.startswith("ray/jars/"):
+                    continue
+                data = source.read(info)
+                if info.filename.endswith(".dist-info/RECORD"):
+                    lines = data.decode().splitlines(keepends=True)
+                    data = "".join(l for l in lines if not l.startswith("ray/jars/")).encode()
+                target.writestr(info, data)
+    slim.replace(wheel)
+    print(f"gpu-check: {wheel.name} without its Java jars")
+EOF
+    say "wheels in $WHEELS: $(du -sh "$WHEELS" | cut -f1) (bring the folder along with the checkout)"
+}
+
+# Whether `$PY` imports module $1 from a file (a stray folder of that name is no module).
+importable() {
+    "$PY" -c "import sys, $1; sys.exit(0 if getattr($1, '__file__', None) else 1)" >/dev/null 2>&1
+}
+
+# Install the wheels of modules that `$PY` cannot import; print what is still missing (messages
+# go to stderr).
+install_missing() {
+    local group="$1" fallback="$2" missing=() item
+    for item in $group; do
+        importable "${item%%=*}" || missing+=("${item#*=}")
+    done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    if [ ! -d "$WHEELS" ]; then
+        echo "${missing[*]}"
+        return 1
+    fi
+    local pip=("$PY" -m pip install --quiet --disable-pip-version-check --no-index --no-deps
+        --no-compile --upgrade --target "$SITE" --find-links "$WHEELS")
+    say "installing ${missing[*]} from $WHEELS into $SITE" >&2
+    "${pip[@]}" "${missing[@]}" >&2 || true
+    local first="${group%%=*}"
+    if ! importable "$first"; then
+        say "$first does not import yet: installing $fallback too" >&2
+        # shellcheck disable=SC2086  # a space-separated list
+        "${pip[@]}" $fallback >&2 || true
+    fi
+    importable "$first" && return 0
+    echo "${missing[*]}"
+    return 1
+}
+
+has_cuda_torch() {
+    "$1" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1
+}
+
+DEVICE=cuda
+if [ "${1:-}" = "--fetch-wheels" ]; then
+    fetch_wheels
+    exit $?
+elif [ "${1:-}" = "--dry-run-on-cpu" ]; then
+    DEVICE=cpu
+    say "dry run on the CPU: the steps of a GPU check, with device=cpu"
+elif [ -n "${1:-}" ]; then
+    echo "usage: bash scripts/gpu-check.sh [--fetch-wheels | --dry-run-on-cpu]" >&2
+    exit 2
+fi
+
+if [ "$DEVICE" = cuda ]; then
+    if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+        say "no NVIDIA GPU on this machine (nvidia-smi finds none): nothing to check"
+        exit 0
+    fi
+    say "$(nvidia-smi -L | head -n 1)"
+fi
+
+# ---- Python --------------------------------------------------------------------------------
+START=$(now)
+VENV="${STRATA_VENV:-$ROOT/.venv}"
+FROM_CHECKOUT=1
+if [ -n "${STRATA_PYTHON:-}" ]; then
+    PY="$STRATA_PYTHON"
+elif [ -x "$VENV/bin/python" ] && { [ "$DEVICE" = cpu ] || has_cuda_torch "$VENV/bin/python"; }; then
+    PY="$VENV/bin/python"
+    FROM_CHECKOUT=0
+elif command -v python3 >/dev/null 2>&1 && has_cuda_torch python3; then
+    PY="$(command -v python3)"
+else
+    say "no Python with CUDA torch here: setting up $VENV with scripts/bootstrap.sh (downloads)"
+    # shellcheck disable=SC2016  # $1 expands in the inner shell
+    if ! timeout 1200 bash -c 'source "$1"' _ "$ROOT/scripts/bootstrap.sh"; then
+        say "FAILED: scripts/bootstrap.sh did not finish"
+        exit 1
+    fi
+    PY="$VENV/bin/python"
+    FROM_CHECKOUT=0
+    START=$(now)
+fi
+if [ "$DEVICE" = cuda ] && ! has_cuda_torch "$PY"; then
+    say "FAILED: torch in $PY cannot use the GPU: $("$PY" -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda)' 2>&1 | tail -n 1)"
+    say "(a venv made earlier with CPU torch? set STRATA_VENV to a new path or STRATA_PYTHON)"
+    exit 1
+fi
+if [ "$FROM_CHECKOUT" = 1 ]; then
+    mkdir -p "$SITE"
+    export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    FAILED_SETUP=""
+    for group in PYDANTIC RAY; do
+        members="${group}_GROUP"
+        fallback="${group}_FALLBACK"
+        if ! still=$(install_missing "${!members}" "${!fallback}"); then
+            FAILED_SETUP="$FAILED_SETUP $still"
+        fi
+    done
+    for module in $OTHER_MODULES; do
+        importable "$module" || FAILED_SETUP="$FAILED_SETUP $module"
+    done
+    if [ -n "$FAILED_SETUP" ]; then
+        say "FAILED: $PY lacks Python packages:$FAILED_SETUP"
+        say "fetch their wheels where there is network (bash scripts/gpu-check.sh --fetch-wheels)"
+        say "and bring $(basename "$WHEELS")/ along with the checkout"
+        exit 1
+    fi
+fi
+"$PY" - <<'EOF' | sed 's/^/gpu-check: /'
+import platform, torch
+where = f"{torch.cuda.get_device_name(0)}, " if torch.cuda.is_available() else ""
+print(f"python {platform.python_version()}, torch {torch.__version__} ({where}CUDA {torch.version.cuda})")
+EOF
+say "set-up took $(($(now) - START)) s"
+
+# ---- checks --------------------------------------------------------------------------------
+mkdir -p "$OUT_DIR"
+rm -rf "$OUT_DIR/pytest.xml" "$OUT_DIR/transfer" "$OUT_DIR/reload-vs-recompute"
+FAILURES=()
+export PYTHONUNBUFFERED=1
+
+# Seconds a step may take: its own cap, within what is left of the budget.
+limit() {
+    local left=$((BUDGET_S - ($(now) - START)))
+    [ "$left" -lt "$1" ] && echo "$left" || echo "$1"
+}
+
+run_step() {  # name, cap in seconds, command...
+    local name="$1" cap="$2" seconds rc
+    shift 2
+    seconds=$(limit "$cap")
+    if [ "$seconds" -lt 10 ]; then
+        say "FAILED: $name: no time left in the ${BUDGET_S} s budget"
+        FAILURES+=("$name (no time left)")
+        return 1
+    fi
+    local started
+    started=$(now)
+    timeout --kill-after=10 "$seconds" "$@"
+    rc=$?
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+        say "FAILED: $name: timed out after $seconds s"
+        FAILURES+=("$name (timed out)")
+    elif [ "$rc" -ne 0 ]; then
+        say "FAILED: $name (exit status $rc)"
+        FAILURES+=("$name")
+    else
+        say "$name took $(($(now) - started)) s"
+    fi
+    return "$rc"
+}
+
+run_step "pytest -m cuda" 300 "$PY" -m pytest -q -p no:cacheprovider -rs -m cuda tests/gpu \
+    --junitxml="$OUT_DIR/pytest.xml"
+"$PY" - "$OUT_DIR/pytest.xml" "$DEVICE" <<'EOF' || FAILURES+=("pytest -m cuda (no test ran on the GPU)")
+import sys
+import xml.etree.ElementTree as ElementTree
+
+try:
+    root = ElementTree.parse(sys.argv[1]).getroot()
+except (OSError, ElementTree.ParseError) as error:
+    print(f"gpu-check: no pytest report ({error})")
+    sys.exit(0)  # the step's own failure is already counted
+suite = root if root.tag == "testsuite" else root.find("testsuite")
+total, skipped = int(suite.get("tests", 0)), int(suite.get("skipped", 0))
+failed = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+passed = total - skipped - failed
+print(f"gpu-check: tests marked cuda: {passed} passed, {failed} failed, {skipped} skipped")
+for case in suite.iter("testcase"):
+    skip = case.find("skipped")
+    if skip is not None:
+        print(f"gpu-check:   skipped {case.get('name')}: {skip.get('message', '')[:160]}")
+sys.exit(1 if sys.argv[2] == "cuda" and passed == 0 else 0)
+EOF
+
+if run_step "benchmark transfer" 120 "$PY" -m benchmarks run transfer --quick \
+    --device "$DEVICE" --output "$OUT_DIR/transfer"; then
+    "$PY" - "$OUT_DIR/transfer/results.json" <<'EOF' || FAILURES+=("transfer results")
+import json, sys
+
+results = json.load(open(sys.argv[1]))
+device = results["device"]
+for batch in results["batches"]:
+    n, mib, rate = batch["num_blocks"], batch["bytes"] / 2**20, batch["gib_per_s"]
+    head = f"gpu-check: transfer {n} blocks ({mib:.1f} MiB) on {device}:"
+    print(f"{head} npu->host {rate['store']:.2f} GiB/s, host->npu {rate['load']:.2f} GiB/s, "
+          f"contiguous copy {rate['contiguous']:.2f} GiB/s")
+EOF
+fi
+
+if run_step "benchmark reload-vs-recompute" 150 "$PY" -m benchmarks run reload-vs-recompute \
+    --quick --device "$DEVICE" --output "$OUT_DIR/reload-vs-recompute"; then
+    "$PY" - "$OUT_DIR/reload-vs-recompute/results.json" <<'EOF' || FAILURES+=("reload results")
+import json, sys
+
+results = json.load(open(sys.argv[1]))
+for size in results["sizes"]:
+    ttft = {mode: 1e3 * s for mode, s in size["median_ttft_s"].items()}
+    print(f"gpu-check: reload-vs-recompute {size['prefix_len']}-token prefix on "
+          f"{results['device']}: TTFT cold {ttft['cold']:.1f} ms, NPU hit {ttft['npu']:.1f} ms, "
+          f"host reload {ttft['host']:.1f} ms (host/cold {size['ratios']['host_over_cold']:.3f})")
+EOF
+fi
+
+# ---- verdict -------------------------------------------------------------------------------
+TOTAL=$(($(now) - START))
+if [ ${#FAILURES[@]} -gt 0 ]; then
+    say "FAILED after $TOTAL s: $(IFS=';'; echo "${FAILURES[*]}")"
+    say "reports: $OUT_DIR"
+    exit 1
+fi
+say "all checks passed on $DEVICE in $TOTAL s; reports: $OUT_DIR"
