@@ -10,7 +10,7 @@ hit rate an unbounded cache would reach on the same sequence is the ceiling.
 """
 
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from matplotlib.figure import Figure
@@ -18,10 +18,14 @@ from matplotlib.figure import Figure
 from benchmarks.report import Report, new_figure
 from benchmarks.workload import (
     BLOCK_SIZE,
+    DEFAULT_MODEL,
     build_llm,
     cache_counters,
     counters_delta,
+    fit_length,
+    model_context_len,
     percentile,
+    prompt_vocab,
     random_tokens,
     rotated,
     timed_request,
@@ -47,7 +51,7 @@ class Settings:
 QUICK = Settings(num_prefixes=12, prefix_len=256, npu_tier_prefixes=3, num_requests=48)
 
 
-def _engines(settings: Settings) -> dict[str, LLM]:
+def _engines(settings: Settings, model: str) -> dict[str, LLM]:
     num_npu_blocks = settings.npu_tier_prefixes * settings.prefix_len // BLOCK_SIZE
     max_model_len = settings.prefix_len + settings.suffix_len + 8
 
@@ -66,7 +70,9 @@ def _engines(settings: Settings) -> dict[str, LLM]:
         "host+write-back": {"offload": host(write_back=True)},
     }
     return {
-        name: build_llm(num_npu_blocks=num_npu_blocks, max_model_len=max_model_len, **options)
+        name: build_llm(
+            num_npu_blocks=num_npu_blocks, max_model_len=max_model_len, model=model, **options
+        )
         for name, options in variants.items()
     }
 
@@ -99,17 +105,24 @@ def _summary(ttfts: list[float], stats: dict[str, int]) -> dict[str, float]:
     }
 
 
-def run(output_dir: Path, *, quick: bool, command: str) -> dict[str, object]:
+def run(
+    output_dir: Path, *, quick: bool, command: str, model: str = DEFAULT_MODEL
+) -> dict[str, object]:
     settings = QUICK if quick else Settings()
+    limit = model_context_len(model) - settings.suffix_len - 8
+    settings = replace(settings, prefix_len=fit_length(settings.prefix_len, limit))
+    llms = _engines(settings, model)
+    vocab = prompt_vocab(next(iter(llms.values())))
     rng = random.Random(settings.seed)
-    prefixes = [random_tokens(rng, settings.prefix_len) for _ in range(settings.num_prefixes)]
+    prefixes = [
+        random_tokens(rng, settings.prefix_len, vocab) for _ in range(settings.num_prefixes)
+    ]
     sequence = zipf_sequence(settings, rng)
     prompt_len = settings.prefix_len + settings.suffix_len
-    llms = _engines(settings)
     before = {name: cache_counters(llm) for name, llm in llms.items()}
     ttfts: dict[str, list[float]] = {name: [] for name in llms}
     for i, prefix in enumerate(sequence):
-        prompt = prefixes[prefix] + random_tokens(rng, settings.suffix_len)
+        prompt = prefixes[prefix] + random_tokens(rng, settings.suffix_len, vocab)
         for name in rotated(list(llms), i):
             ttfts[name].append(timed_request(llms[name], prompt).ttft_s)
         if (i + 1) % max(1, len(sequence) // 10) == 0:
@@ -134,7 +147,7 @@ def run(output_dir: Path, *, quick: bool, command: str) -> dict[str, object]:
     report = Report(
         NAME,
         f"Churn: {settings.num_prefixes} prefixes of {settings.prefix_len} tokens, "
-        f"Zipf {settings.zipf_s}, working set {ratio:g}x the NPU tier",
+        f"Zipf {settings.zipf_s}, working set {ratio:g}x the NPU tier, model {model}",
         command,
         quick,
         __doc__.split("\n\n", 1)[1].strip(),
@@ -182,6 +195,7 @@ def run(output_dir: Path, *, quick: bool, command: str) -> dict[str, object]:
     )
     report.figures["churn.png"] = _plot(settings, configs, ttfts, unbounded)
     report.results = {
+        "model": model,
         "settings": asdict(settings),
         "unbounded_hit_rate": unbounded,
         "compulsory_miss_fraction": compulsory,

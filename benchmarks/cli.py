@@ -1,6 +1,7 @@
 """``python -m benchmarks run SCENARIO [--output DIR] [--quick]``."""
 
 import argparse
+import inspect
 import shlex
 import sys
 import time
@@ -8,7 +9,15 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import churn, http_load, prefix_ttft, reload_vs_recompute, routing, transfer
+from benchmarks import (
+    churn,
+    decode,
+    http_load,
+    prefix_ttft,
+    reload_vs_recompute,
+    routing,
+    transfer,
+)
 from benchmarks.sim import acceptance, router_micro, sim_vs_real, sweeps_scenario
 from benchmarks.sim import calibrate as sim_calibrate
 from benchmarks.sim import cli as sim_cli
@@ -26,6 +35,7 @@ SCENARIOS = {
         sim_vs_real,
         acceptance,
         sweeps_scenario,
+        decode,
     )
 }
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "out"
@@ -54,6 +64,27 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="torch intra-op threads (default: torch's choice, usually one per core)",
     )
+    run.add_argument(
+        "--model",
+        default=None,
+        help="model of the engine scenarios (prefix-ttft, reload-vs-recompute, churn, decode): "
+        "a built-in or packaged name, a Hugging Face directory or a .gguf file "
+        "(default: tiny; smollm2-135m for decode)",
+    )
+    run.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default=None,
+        help="device of the engine and transfer scenarios (reload-vs-recompute, transfer): "
+        "auto is cuda when available (default: auto for engines, cpu for transfer)",
+    )
+    run.add_argument(
+        "--dtype",
+        nargs="+",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="dtypes the decode scenario measures (default: float32 and bfloat16)",
+    )
     simulate = actions.add_parser(
         "simulate", help="replay a trace through simulated replicas and routers (sim/)"
     )
@@ -67,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.action == "simulate":
         sim_cli.run(args, shlex.join(["python", "-m", "benchmarks", *argv]))
         return 0
@@ -78,24 +110,45 @@ def main(argv: list[str] | None = None) -> int:
         for name, module in SCENARIOS.items():
             print(f"{name:22} {module.__doc__.splitlines()[0].split(': ', 1)[1]}")
         return 0
+    names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    try:
+        options = {name: _scenario_options(args, name) for name in names}
+    except ValueError as error:
+        parser.error(str(error))
     previous_threads = torch.get_num_threads()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:
-        _run(args, shlex.join(["python", "-m", "benchmarks", *argv]))
+        _run(args, options, shlex.join(["python", "-m", "benchmarks", *argv]))
     finally:
         torch.set_num_threads(previous_threads)
     return 0
 
 
-def _run(args: argparse.Namespace, command: str) -> None:
-    names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
-    for name in names:
+def _scenario_options(args: argparse.Namespace, name: str) -> dict[str, object]:
+    """The options given on the command line that scenario ``name``'s ``run`` takes; an option
+    it does not take is an error when that scenario was asked for by name."""
+    given = {"model": args.model, "dtypes": args.dtype, "device": args.device}
+    accepted = inspect.signature(SCENARIOS[name].run).parameters
+    options = {}
+    for key, value in given.items():
+        if value is None:
+            continue
+        if key in accepted:
+            options[key] = value
+        elif args.scenario != "all":
+            flag = "--dtype" if key == "dtypes" else f"--{key}"
+            raise ValueError(f"{flag} does not apply to the {name} scenario")
+    return options
+
+
+def _run(args: argparse.Namespace, options: dict[str, dict[str, object]], command: str) -> None:
+    for name, scenario_options in options.items():
         if args.output is None:
             output_dir = DEFAULT_OUTPUT / name
         else:
             output_dir = args.output / name if args.scenario == "all" else args.output
         start = time.perf_counter()
         print(f"== {name}{' (quick)' * args.quick}, {torch.get_num_threads()} torch threads")
-        SCENARIOS[name].run(output_dir, quick=args.quick, command=command)
+        SCENARIOS[name].run(output_dir, quick=args.quick, command=command, **scenario_options)
         print(f"== {name} took {time.perf_counter() - start:.1f} s")

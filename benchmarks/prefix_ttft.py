@@ -7,14 +7,18 @@ rotates every repetition) and the report gives medians and their ratio.
 """
 
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from benchmarks.report import Report, new_figure
 from benchmarks.workload import (
     BLOCK_SIZE,
+    DEFAULT_MODEL,
     build_llm,
+    fit_length,
     median,
+    model_context_len,
+    prompt_vocab,
     random_tokens,
     rotated,
     timed_request,
@@ -33,14 +37,21 @@ class Settings:
 QUICK = Settings(prompt_len=512, repeats=3)
 
 
-def run(output_dir: Path, *, quick: bool, command: str) -> dict[str, object]:
+def run(
+    output_dir: Path, *, quick: bool, command: str, model: str = DEFAULT_MODEL
+) -> dict[str, object]:
     settings = QUICK if quick else Settings()
+    limit = model_context_len(model) - 8
+    settings = replace(settings, prompt_len=fit_length(settings.prompt_len, limit))
     rng = random.Random(0)
     prefix_len = settings.prompt_len - settings.suffix_len
-    prefix = random_tokens(rng, prefix_len)
     num_blocks = -(-settings.prompt_len // BLOCK_SIZE)
     # Room for the cached prefix plus a running request: nothing is ever evicted.
-    llm = build_llm(num_npu_blocks=2 * num_blocks + 8, max_model_len=settings.prompt_len + 8)
+    llm = build_llm(
+        num_npu_blocks=2 * num_blocks + 8, max_model_len=settings.prompt_len + 8, model=model
+    )
+    vocab = prompt_vocab(llm)
+    prefix = random_tokens(rng, prefix_len, vocab)
 
     samples: dict[str, list[float]] = {"cold": [], "cached": []}
     for rep in range(settings.repeats):
@@ -48,7 +59,7 @@ def run(output_dir: Path, *, quick: bool, command: str) -> dict[str, object]:
         for kind in rotated(["cold", "cached"], rep):
             if kind == "cold":
                 llm.reset_prefix_cache("all")
-            output = timed_request(llm, prefix + random_tokens(rng, settings.suffix_len))
+            output = timed_request(llm, prefix + random_tokens(rng, settings.suffix_len, vocab))
             expected = 0 if kind == "cold" else prefix_len
             if output.num_cached_tokens != expected:
                 raise RuntimeError(
@@ -65,7 +76,8 @@ def run(output_dir: Path, *, quick: bool, command: str) -> dict[str, object]:
     }
     report = Report(
         NAME,
-        f"Prefix cache TTFT: {settings.prompt_len}-token prompt, cold vs cached prefix",
+        f"Prefix cache TTFT: {settings.prompt_len}-token prompt, cold vs cached prefix, "
+        f"model {model}",
         command,
         quick,
         __doc__.split("\n\n", 1)[1].strip(),
@@ -99,6 +111,7 @@ def run(output_dir: Path, *, quick: bool, command: str) -> dict[str, object]:
     axis.legend()
     report.figures["ttft.png"] = figure
     report.results = {
+        "model": model,
         "settings": asdict(settings),
         "median_ttft_s": {"cold": cold, "cached": cached},
         "samples_s": samples,

@@ -10,14 +10,18 @@ no measured request pays for an earlier one's copies.
 """
 
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from benchmarks.report import Report, new_figure
 from benchmarks.workload import (
     BLOCK_SIZE,
+    DEFAULT_MODEL,
     build_llm,
+    fit_length,
     median,
+    model_context_len,
+    prompt_vocab,
     random_tokens,
     rotated,
     settle,
@@ -46,7 +50,8 @@ QUICK = Settings(prefix_lens=(256, 1024), repeats=2)
 def _measure(
     llm: LLM, settings: Settings, prefix_len: int, rng: random.Random
 ) -> dict[str, list[float]]:
-    prefix = random_tokens(rng, prefix_len)
+    vocab = prompt_vocab(llm)
+    prefix = random_tokens(rng, prefix_len, vocab)
     samples: dict[str, list[float]] = {mode: [] for mode in MODES}
     samples["load"] = []
     transfer = llm.engine.transfer
@@ -57,7 +62,7 @@ def _measure(
             elif mode == "host":
                 llm.reset_prefix_cache("npu")
             seconds_before = transfer.stats.seconds
-            output = timed_request(llm, prefix + random_tokens(rng, settings.suffix_len))
+            output = timed_request(llm, prefix + random_tokens(rng, settings.suffix_len, vocab))
             load_s = transfer.stats.seconds - seconds_before
             settle(llm)
             found = {
@@ -75,15 +80,34 @@ def _measure(
     return samples
 
 
-def run(output_dir: Path, *, quick: bool, command: str) -> dict[str, object]:
+def run(
+    output_dir: Path,
+    *,
+    quick: bool,
+    command: str,
+    model: str = DEFAULT_MODEL,
+    device: str | None = None,
+) -> dict[str, object]:
+    """``device``: where the engine runs (default: the engine's ``auto``)."""
     settings = QUICK if quick else Settings()
+    # A prefix longer than the model's context becomes the most whole blocks that fit.
+    limit = model_context_len(model) - settings.suffix_len - 8
+    prefix_lens = tuple(dict.fromkeys(fit_length(n, limit) for n in settings.prefix_lens))
+    settings = replace(settings, prefix_lens=prefix_lens)
     rng = random.Random(0)
     max_len = max(settings.prefix_lens) + settings.suffix_len
     offload = KVOffloadConfig(
         enabled=True, host_memory_ratio=settings.host_memory_ratio, write_through_threshold=0
     )
     num_npu_blocks = -(-max_len // BLOCK_SIZE) + 2 * BLOCK_SIZE
-    llm = build_llm(num_npu_blocks=num_npu_blocks, max_model_len=max_len + 8, offload=offload)
+    options = {} if device is None else {"device": device}
+    llm = build_llm(
+        num_npu_blocks=num_npu_blocks,
+        max_model_len=max_len + 8,
+        offload=offload,
+        model=model,
+        **options,
+    )
 
     sizes, all_samples = [], {}
     for prefix_len in settings.prefix_lens:
@@ -112,7 +136,7 @@ def run(output_dir: Path, *, quick: bool, command: str) -> dict[str, object]:
 
     report = Report(
         NAME,
-        "Reload from host vs recompute: TTFT by prefix length",
+        f"Reload from host vs recompute: TTFT by prefix length, model {model}",
         command,
         quick,
         __doc__.split("\n\n", 1)[1].strip(),
@@ -171,5 +195,11 @@ def run(output_dir: Path, *, quick: bool, command: str) -> dict[str, object]:
     right.set_ylabel("ratio of median TTFT (dashed: target)")
     right.legend()
     report.figures["ttft_by_tier.png"] = figure
-    report.results = {"settings": asdict(settings), "sizes": sizes, "samples_s": all_samples}
+    report.results = {
+        "model": model,
+        "device": str(llm.engine.device),
+        "settings": asdict(settings),
+        "sizes": sizes,
+        "samples_s": all_samples,
+    }
     return report.write(output_dir)

@@ -7,6 +7,8 @@ random offsets. For comparison, the two halves of a staging design are timed alo
 (``index_select`` into a new tensor, and into a preallocated one) and a scatter (``index_copy_``
 into the destination pool); ``KVTransfer`` itself copies block to block in one fused call.
 Variants take turns within each repetition (the order rotates); medians are reported.
+With ``--device cuda`` the NPU pools live on the GPU, every timed copy ends with a device
+synchronize, and ``KVTransfer`` goes through its pinned staging blocks.
 """
 
 import random
@@ -40,10 +42,26 @@ class Settings:
 QUICK = Settings(batch_blocks=(16, 64), num_npu_blocks=256, num_host_blocks=512, repeats=5)
 
 
-def _clock(fn: Callable[[], object]) -> float:
+def _clock(fn: Callable[[], object], device: torch.device) -> float:
+    _synchronize(device)
     start = time.perf_counter()
     fn()
+    _synchronize(device)
     return time.perf_counter() - start
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """``None``: the CPU; ``auto``: CUDA when available; ``cuda`` only where it is."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available on this machine")
+    return torch.device(device or "cpu")
 
 
 def _variants(transfer: KVTransfer, num_blocks: int, rng: random.Random) -> dict[str, Callable]:
@@ -51,8 +69,9 @@ def _variants(transfer: KVTransfer, num_blocks: int, rng: random.Random) -> dict
     npu, host = transfer.npu_caches["full"], transfer.host_caches["full"]
     npu_ids = rng.sample(range(len(npu)), num_blocks)
     host_ids = rng.sample(range(len(host)), num_blocks)
-    npu_index, host_index = torch.tensor(npu_ids), torch.tensor(host_ids)
+    npu_index, host_index = torch.tensor(npu_ids, device=npu.device), torch.tensor(host_ids)
     staging = npu.index_select(0, npu_index)
+    host_staging = staging.cpu()  # what a scatter into the host pool reads
     a = rng.randrange(len(npu) - num_blocks + 1)
     b = rng.randrange(len(host) - num_blocks + 1)
 
@@ -70,17 +89,21 @@ def _variants(transfer: KVTransfer, num_blocks: int, rng: random.Random) -> dict
         ),
         "gather": lambda: npu.index_select(0, npu_index),
         "gather_prealloc": lambda: torch.index_select(npu, 0, npu_index, out=staging),
-        "scatter": lambda: host.index_copy_(0, host_index, staging),
+        "scatter": lambda: host.index_copy_(0, host_index, host_staging),
     }
 
 
-def run(output_dir: Path, *, quick: bool, command: str) -> dict[str, object]:
+def run(
+    output_dir: Path, *, quick: bool, command: str, device: str | None = None
+) -> dict[str, object]:
+    """``device``: where the NPU pools live (default: the CPU)."""
     settings = QUICK if quick else Settings()
+    where = resolve_device(device)
     rng = random.Random(settings.seed)
     torch.manual_seed(settings.seed)
     specs = load_model("tiny", torch.device("cpu")).model.kv_cache_specs(torch.float32)
     npu_caches = {
-        group: torch.randn(spec.shape(settings.num_npu_blocks, BLOCK_SIZE))
+        group: torch.randn(spec.shape(settings.num_npu_blocks, BLOCK_SIZE)).to(where)
         for group, spec in specs.items()
     }
     transfer = KVTransfer(npu_caches, {group: settings.num_host_blocks for group in npu_caches})
@@ -92,7 +115,7 @@ def run(output_dir: Path, *, quick: bool, command: str) -> dict[str, object]:
         for rep in range(-1, settings.repeats):  # repetition -1 warms up, unrecorded
             variants = _variants(transfer, num_blocks, rng)
             for name in rotated(VARIANTS, rep):
-                seconds = _clock(variants[name])
+                seconds = _clock(variants[name], where)
                 if rep >= 0:
                     samples[name].append(seconds)
         seconds = {v: median(samples[v]) for v in VARIANTS}
@@ -113,7 +136,17 @@ def run(output_dir: Path, *, quick: bool, command: str) -> dict[str, object]:
             }
         )
         print(f"{num_blocks} blocks done", flush=True)
-    return _report(settings, batches, block_bytes, command, quick).write(output_dir)
+    report = _report(settings, batches, block_bytes, command, quick)
+    report.results["device"] = str(where)
+    if where.type == "cuda":
+        report.results["gpu"] = torch.cuda.get_device_name(where)
+        report.sections.append(
+            f"Measured on {torch.cuda.get_device_name(where)}: the NPU pools are on the GPU and "
+            "the host pools are pinned. `KVTransfer` gathers on the device and copies through "
+            "pinned staging blocks allocated at start-up (a store then scatters them into the "
+            "host pool once landed; a load gathers into them before the copy up)."
+        )
+    return report.write(output_dir)
 
 
 def _report(

@@ -13,6 +13,7 @@ from typing import TypeVar
 import numpy as np
 
 from cluster import LLM, KVOffloadConfig, PrefixCacheConfig, SamplingParams, SchedulerConfig
+from replicas.model import ByteTokenizer, load_model_info
 from replicas.outputs import RequestOutput
 
 T = TypeVar("T")
@@ -20,11 +21,34 @@ T = TypeVar("T")
 # One output token: the request's latency is its time to first token (prefill).
 FIRST_TOKEN_ONLY = SamplingParams(max_tokens=1, ignore_eos=True)
 BLOCK_SIZE = 16
+DEFAULT_MODEL = "tiny"  # what engine scenarios run unless given --model
+BYTE_IDS = 256
 
 
-def random_tokens(rng: random.Random, num_tokens: int) -> list[int]:
-    """Byte-tokenizer ids (< 256), so prompts are as long as asked."""
-    return [rng.randrange(256) for _ in range(num_tokens)]
+def random_tokens(rng: random.Random, num_tokens: int, vocab_size: int = BYTE_IDS) -> list[int]:
+    """Ids drawn uniformly below ``vocab_size``. The default, byte-tokenizer ids (< 256), makes
+    prompts as long as asked with ``tiny``; for a real model pass ``prompt_vocab(llm)``: any
+    valid id will do for timing."""
+    return [rng.randrange(vocab_size) for _ in range(num_tokens)]
+
+
+def prompt_vocab(llm: LLM) -> int:
+    """How many ids prompts for ``llm`` draw from: the bytes for the byte tokenizer, otherwise
+    every id that both the tokenizer and the model's embedding table know."""
+    if isinstance(llm.tokenizer, ByteTokenizer):
+        return BYTE_IDS
+    return min(llm.tokenizer.vocab_size, llm.engine.loaded.args.vocab_size)
+
+
+def model_context_len(model: str) -> int:
+    """The most positions ``model`` takes (its config only; no weights are loaded)."""
+    args, _ = load_model_info(model)
+    return args.max_position_embeddings
+
+
+def fit_length(num_tokens: int, limit: int) -> int:
+    """``num_tokens``, or the most whole blocks below ``limit`` if it does not fit."""
+    return num_tokens if num_tokens <= limit else limit // BLOCK_SIZE * BLOCK_SIZE
 
 
 def build_llm(
@@ -33,24 +57,29 @@ def build_llm(
     max_model_len: int,
     prefix_caching: bool = True,
     offload: KVOffloadConfig | None = None,
+    model: str = DEFAULT_MODEL,
+    **engine_options: object,
 ) -> LLM:
-    """The built-in ``tiny`` model with an explicit NPU pool, warmed up so that the first
-    measured request pays no one-off costs (lazy initialisation in torch)."""
+    """``model`` (by default the built-in ``tiny``) with an explicit NPU pool, warmed up so that
+    the first measured request pays no one-off costs (lazy initialisation in torch).
+    ``engine_options`` go to ``LLM`` (e.g. ``dtype``)."""
     scheduler_config = SchedulerConfig(
         prefix_cache_config=PrefixCacheConfig(enabled=prefix_caching),
         kv_offload_config=offload or KVOffloadConfig(),
     )
     llm = LLM(
-        "tiny",
+        model,
         seed=0,
         block_size=BLOCK_SIZE,
         num_npu_blocks=num_npu_blocks,
         max_model_len=max_model_len,
         scheduler_config=scheduler_config,
+        **engine_options,
     )
     rng = random.Random(-1)
+    warmup_len = min(4 * BLOCK_SIZE + 3, max_model_len - 1)
     for _ in range(2):
-        llm.generate(random_tokens(rng, 4 * BLOCK_SIZE + 3), FIRST_TOKEN_ONLY)
+        llm.generate(random_tokens(rng, warmup_len), FIRST_TOKEN_ONLY)
     settle(llm)
     llm.reset_prefix_cache("all")
     return llm
