@@ -1,12 +1,11 @@
 """http-load: concurrent streaming clients over loopback against `strata serve`.
 
-Starts ``strata serve tiny --config configs/default.yaml`` (two replicas on an embedded Ray) on a
-free loopback port, then runs ``clients`` concurrent clients for ``duration_s``: each sends
-streaming completions one after another (a few shared system prompts plus a unique question) and
-reads every SSE chunk. Reported: requests served and failed, throughput (requests and tokens per
-second), TTFT (request sent to first chunk with text), inter-chunk latency and end-to-end
-latency percentiles. The server is stopped with SIGINT at the end.
-"""
+Starts ``strata serve tiny --dtype float32 --config configs/default.yaml`` (two replicas on an
+embedded Ray) on a free loopback port, then runs ``clients`` concurrent clients for ``duration_s``:
+each sends streaming completions one after another (a few shared system prompts plus a unique
+question) and reads every SSE chunk. Reported: requests served and failed, throughput (requests and
+tokens per second), TTFT (request sent to first chunk with text), inter-chunk latency and end-to-end
+latency percentiles. The server is stopped with SIGINT at the end."""
 
 import asyncio
 import json
@@ -56,7 +55,9 @@ def run(output_dir: Path, *, quick: bool, command: str) -> dict[str, object]:
                 "-m",
                 "cluster.cli",
                 "serve",
-                "tiny",  # the figures in benchmarks/README.md are on tiny
+                "tiny",  # the figures in benchmarks/README.md are on tiny in float32
+                "--dtype",
+                "float32",
                 "--config",
                 "configs/default.yaml",
                 "--port",
