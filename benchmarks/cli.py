@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         choices=["float32", "bfloat16", "float16"],
         default=None,
-        help="dtypes the decode scenario measures (default: float32 and bfloat16)",
+        help="dtypes the decode scenario measures (default: float32 and bfloat16); one dtype "
+        "for reload-vs-recompute (default: float32)",
     )
     simulate = actions.add_parser(
         "simulate", help="replay a trace through simulated replicas and routers (sim/)"

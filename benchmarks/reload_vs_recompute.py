@@ -10,6 +10,7 @@ no measured request pays for an earlier one's copies.
 """
 
 import random
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -87,8 +88,12 @@ def run(
     command: str,
     model: str = DEFAULT_MODEL,
     device: str | None = None,
+    dtypes: Sequence[str] | None = None,
 ) -> dict[str, object]:
-    """``device``: where the engine runs (default: the engine's ``auto``)."""
+    """``device``: where the engine runs (default: the engine's ``auto``); ``dtypes``: one
+    weights and KV dtype (default: the engine's, float32)."""
+    if dtypes is not None and len(dtypes) != 1:
+        raise ValueError(f"reload-vs-recompute measures one dtype at a time, got {list(dtypes)}")
     settings = QUICK if quick else Settings()
     # A prefix longer than the model's context becomes the most whole blocks that fit.
     limit = model_context_len(model) - settings.suffix_len - 8
@@ -101,6 +106,8 @@ def run(
     )
     num_npu_blocks = -(-max_len // BLOCK_SIZE) + 2 * BLOCK_SIZE
     options = {} if device is None else {"device": device}
+    if dtypes is not None:
+        options["dtype"] = dtypes[0]
     llm = build_llm(
         num_npu_blocks=num_npu_blocks,
         max_model_len=max_len + 8,
@@ -136,7 +143,8 @@ def run(
 
     report = Report(
         NAME,
-        f"Reload from host vs recompute: TTFT by prefix length, model {model}",
+        f"Reload from host vs recompute: TTFT by prefix length, model {model} "
+        f"({llm.config.model.dtype})",
         command,
         quick,
         __doc__.split("\n\n", 1)[1].strip(),
@@ -198,6 +206,7 @@ def run(
     report.results = {
         "model": model,
         "device": str(llm.engine.device),
+        "dtype": llm.config.model.dtype,
         "settings": asdict(settings),
         "sizes": sizes,
         "samples_s": all_samples,
