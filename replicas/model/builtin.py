@@ -15,6 +15,7 @@ from types import MappingProxyType
 import torch
 
 from replicas.model.config import ModelArgs
+from replicas.model.registry import build_model
 from replicas.model.tokenizer import ByteTokenizer
 from replicas.model.transformer import Transformer
 
@@ -81,6 +82,6 @@ def init_random_weights(model: Transformer, seed: int) -> None:
 
 def build_builtin_model(name: str, seed: int) -> Transformer:
     """The built-in model ``name`` with weights drawn from ``seed``, float32 on the CPU."""
-    model = Transformer(BUILTIN_MODEL_ARGS[name]())
+    model = build_model(BUILTIN_MODEL_ARGS[name]())
     init_random_weights(model, seed)
     return model

@@ -1,4 +1,4 @@
-"""Loads Llama, Qwen2 and Qwen3 models from GGUF files (llama.cpp's format).
+"""Loads models of the registered architectures from GGUF files (llama.cpp's format).
 
 A GGUF file holds the hyper-parameters and the tokenizer as metadata under llama.cpp's key
 names, and the weights as (often quantized) tensors. ``read_gguf_info`` turns the metadata into
@@ -10,14 +10,17 @@ Two conventions differ from Hugging Face checkpoints:
 * ggml lists a tensor's dimensions innermost first; the reader's arrays are already in row-major
   order, so ``[in, out]`` in the file is our ``[out, in]`` Linear weight.
 * llama.cpp's converter interleaves the two rotary halves of every head of Llama's q and k
-  projections (its rope rotates adjacent pairs); we rotate halves, so the rows are put back.
-  Qwen2 and Qwen3 files are written in the halves layout and are not touched.
+  projections (its rope rotates adjacent pairs); we rotate halves, so the rows are put back for
+  architectures registered with ``gguf_interleaved_rotary``. Qwen2 and Qwen3 files are written
+  in the halves layout and are not touched.
+
+What an architecture implies beyond the shared keys (Qwen2's biases, Qwen3's q/k norms) is
+applied by its registry entry's ``gguf_args``.
 """
 
 import functools
 import logging
 import math
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,12 +29,13 @@ import numpy as np
 import torch
 
 from replicas.model.config import ModelArgs
+from replicas.model.registry import Architecture, architectures, get_architecture
+from replicas.model.tensor_names import check_tensor_names
 from replicas.model.tokenizer import HFTokenizer
 from replicas.model.transformer import Transformer, rope_inv_freq
 
 logger = logging.getLogger(__name__)
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # Tensor types dequantized at load; the names are ggml's.
 GGUF_TENSOR_TYPES = (
     "F32",
@@ -153,20 +157,29 @@ def read_gguf_info(path: str | Path, name: str = "") -> tuple[ModelArgs, HFToken
 
 def gguf_model_info(reader: Any, name: str) -> tuple[ModelArgs, HFTokenizer]:
     """``ModelArgs`` and tokenizer of an open GGUF file; ``name`` becomes ``ModelArgs.name``."""
-    metadata = _Metadata(reader)
+    metadata = GGUFMetadata(reader)
     args = gguf_model_args(reader, name, metadata)
     return args, gguf_tokenizer(reader, args.eos_token_ids, metadata)
 
 
-def gguf_model_args(reader: Any, name: str, metadata: "_Metadata | None" = None) -> ModelArgs:
-    """Reads the ``{architecture}.*`` and ``tokenizer.ggml.*`` hyper-parameters."""
-    meta = metadata or _Metadata(reader)
-    arch = meta.get("general.architecture", "<none>")
-    if arch not in GGUF_ARCHITECTURES:
+def gguf_architecture(gguf_name: str) -> Architecture:
+    """The registered architecture whose GGUF files say ``general.architecture = gguf_name``;
+    raises ValueError naming it and the supported ones."""
+    by_name = {a.gguf_name: a for a in architectures() if a.gguf_name}
+    if gguf_name not in by_name:
         raise ValueError(
-            f"unsupported GGUF architecture '{arch}'; Strata supports: "
-            + ", ".join(GGUF_ARCHITECTURES)
+            f"unsupported GGUF architecture '{gguf_name}'; Strata supports: "
+            + ", ".join(sorted(by_name))
         )
+    return by_name[gguf_name]
+
+
+def gguf_model_args(reader: Any, name: str, metadata: "GGUFMetadata | None" = None) -> ModelArgs:
+    """Reads the ``{architecture}.*`` and ``tokenizer.ggml.*`` hyper-parameters."""
+    meta = metadata or GGUFMetadata(reader)
+    arch = meta.get("general.architecture", "<none>")
+    architecture = gguf_architecture(arch)
+    names = architecture.gguf_tensor_names
     if meta.get(f"{arch}.expert_count", 0):
         raise ValueError(f"unsupported GGUF model: {arch} with mixture-of-experts layers")
 
@@ -201,7 +214,7 @@ def gguf_model_args(reader: Any, name: str, metadata: "_Metadata | None" = None)
             "(rope_freqs)"
         )
     rope_scaling = None
-    if _find_tensor(reader, "rope_freqs.weight") is not None:
+    if _has_tensor(reader, "rope_freqs.weight"):
         rope_scaling = _llama3_scaling(reader, head_dim, rope_theta, max_positions)
 
     bos = meta.get("tokenizer.ggml.bos_token_id")
@@ -212,7 +225,7 @@ def gguf_model_args(reader: Any, name: str, metadata: "_Metadata | None" = None)
     ]
     # llama.cpp also ends generation on these texts, whatever type the file gives them.
     eos_ids += [i for i, text in enumerate(tokens or ()) if text in _END_OF_GENERATION]
-    return ModelArgs(
+    args = ModelArgs(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=_same_per_layer(key("feed_forward_length"), "feed_forward_length"),
@@ -224,13 +237,14 @@ def gguf_model_args(reader: Any, name: str, metadata: "_Metadata | None" = None)
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=max_positions,
-        tie_word_embeddings=_find_tensor(reader, "output.weight") is None,
-        attention_bias=arch == "qwen2" or _find_tensor(reader, "blk.0.attn_q.bias") is not None,
-        qk_norm=arch == "qwen3",
+        tie_word_embeddings=not _has_tensor(reader, names.tensor_name("output.weight")),
+        attention_bias=_has_tensor(reader, names.tensor_name("layers.0.attention.wq.bias")),
         bos_token_id=bos,
         eos_token_ids=tuple(dict.fromkeys(eos_ids)),
         name=name,
+        architecture=architecture.name,
     )
+    return architecture.gguf_args(args, meta)
 
 
 def _same_per_layer(value: Any, what: str) -> int:
@@ -309,7 +323,7 @@ def _llama3_scaling(
     return scaling
 
 
-class _Metadata:
+class GGUFMetadata:
     """The key-value metadata of a GGUFReader as Python values, decoded when first read."""
 
     def __init__(self, reader: Any) -> None:
@@ -346,7 +360,7 @@ def _field_value(field: Any) -> Any:
 
 
 def gguf_tokenizer(
-    reader: Any, eos_token_ids: tuple[int, ...] = (), metadata: "_Metadata | None" = None
+    reader: Any, eos_token_ids: tuple[int, ...] = (), metadata: "GGUFMetadata | None" = None
 ) -> HFTokenizer:
     """The tokenizer of the ``tokenizer.ggml.*`` metadata, tokenizing as llama.cpp does.
 
@@ -358,7 +372,7 @@ def gguf_tokenizer(
     from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as RustTokenizer
 
-    meta = metadata or _Metadata(reader)
+    meta = metadata or GGUFMetadata(reader)
     model = meta.get("tokenizer.ggml.model", "<none>")
     if model != "gpt2":
         kind = " (SentencePiece)" if model == "llama" else ""
@@ -422,34 +436,9 @@ def _split_merge(merge: str) -> tuple[str, str]:
 
 # ---- weights -----------------------------------------------------------------------------------
 
-_LAYER_TENSORS = {
-    "attention_norm": "attn_norm",
-    "ffn_norm": "ffn_norm",
-    "attention.wq": "attn_q",
-    "attention.wk": "attn_k",
-    "attention.wv": "attn_v",
-    "attention.wo": "attn_output",
-    "attention.q_norm": "attn_q_norm",
-    "attention.k_norm": "attn_k_norm",
-    "feed_forward.w1": "ffn_gate",
-    "feed_forward.w3": "ffn_up",
-    "feed_forward.w2": "ffn_down",
-}
-_TOP_TENSORS = {"tok_embeddings": "token_embd", "norm": "output_norm", "output": "output"}
-_LAYER_PARAM = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)")
-_TOP_PARAM = re.compile(r"(\w+)\.(weight|bias)")
 # Tensors that carry no parameter of ours (rope_freqs becomes ModelArgs.rope_scaling).
 _IGNORED_TENSORS = frozenset(("rope_freqs.weight",))
-_PERMUTED = frozenset(("attn_q", "attn_k"))  # in llama files
-
-
-def gguf_name(name: str) -> str:
-    """The GGUF tensor name of our parameter ``name``."""
-    if m := _LAYER_PARAM.fullmatch(name):
-        return f"blk.{m[1]}.{_LAYER_TENSORS[m[2]]}.{m[3]}"
-    if m := _TOP_PARAM.fullmatch(name):
-        return f"{_TOP_TENSORS[m[1]]}.{m[2]}"
-    raise KeyError(name)
+_ROTARY_PROJECTIONS = (".attention.wq.", ".attention.wk.")  # our q and k, weight and bias
 
 
 def load_gguf_weights(model: Transformer, reader: Any, path: str | Path = "") -> None:
@@ -460,17 +449,11 @@ def load_gguf_weights(model: Transformer, reader: Any, path: str | Path = "") ->
     cannot be dequantized, before copying anything.
     """
     path = path or getattr(reader.data, "filename", "")
-    params = {gguf_name(name): p for name, p in model.named_parameters()}
+    architecture = get_architecture(model.args.architecture)
+    names = architecture.gguf_tensor_names
+    params = {names.tensor_name(name): p for name, p in model.named_parameters()}
     tensors = {t.name: t for t in reader.tensors if t.name not in _IGNORED_TENSORS}
-    missing = sorted(params.keys() - tensors.keys())
-    unexpected = sorted(tensors.keys() - params.keys())
-    if missing or unexpected:
-        problems = []
-        if missing:
-            problems.append("missing tensors: " + ", ".join(missing))
-        if unexpected:
-            problems.append("unexpected tensors: " + ", ".join(unexpected))
-        raise ValueError(f"GGUF file {path} does not fit the model: " + "; ".join(problems))
+    check_tensor_names(params, tensors, f"GGUF file {path}")
     unsupported = sorted(
         f"{key} ({t.tensor_type.name})"
         for key, t in tensors.items()
@@ -490,23 +473,28 @@ def load_gguf_weights(model: Transformer, reader: Any, path: str | Path = "") ->
                 f"tensor {key} in {Path(str(path)).name} has shape {shape}, "
                 f"expected {tuple(params[key].shape)}"
             )
-    permuted, head_dim = _architecture(reader) == "llama", model.args.head_dim
+    head_dim = model.args.head_dim
+    rotary = {
+        names.tensor_name(name)
+        for name, _ in model.named_parameters()
+        if architecture.gguf_interleaved_rotary and any(p in name for p in _ROTARY_PROJECTIONS)
+    }
     with torch.no_grad():
         for key, t in tensors.items():
             param = params[key]
-            unpermute = permuted and key.split(".")[-2] in _PERMUTED
+            unpermute = key in rotary
             for start, values in _dequantized_rows(t, head_dim if unpermute else 1):
                 if unpermute:
                     values = unpermute_rotary(values, head_dim)
                 param[start : start + values.shape[0]].copy_(values)
 
 
-def _architecture(reader: Any) -> str:
-    return _Metadata(reader).get("general.architecture", "")
-
-
 def _find_tensor(reader: Any, name: str) -> Any:
     return next((t for t in reader.tensors if t.name == name), None)
+
+
+def _has_tensor(reader: Any, name: str) -> bool:
+    return _find_tensor(reader, name) is not None
 
 
 def _dequantize(tensor: Any, data: np.ndarray) -> np.ndarray:

@@ -452,7 +452,9 @@ def test_unknown_pre_tokenizer_falls_back_to_gpt2_with_a_warning(tmp_path, caplo
 def test_unsupported_architecture_is_named(tmp_path):
     config = llama_config()
     path = write_gguf(tmp_path / "m.gguf", "mamba", config, {})
-    with pytest.raises(ValueError, match="unsupported GGUF architecture 'mamba'"):
+    with pytest.raises(
+        ValueError, match="GGUF architecture 'mamba'; Strata supports: llama, qwen2, qwen3"
+    ):
         load_model(str(path), CPU)
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from replicas.model import KVCacheSpec, ModelArgs, Transformer
+from replicas.model.hf import hf_model_args
 
 
 def llama_dict(**overrides):
@@ -31,14 +32,14 @@ def llama_dict(**overrides):
 
 
 def test_llama_defaults_and_legacy_rope_layout():
-    args = ModelArgs.from_hf_config(llama_dict(), name="m")
+    args = hf_model_args(llama_dict(), name="m")
     assert (args.head_dim, args.num_kv_heads) == (16, 4)
     assert args.rope_theta == 500000.0
     assert args.rope_type == "llama3" and args.rope_scaling["factor"] == 8.0
     assert args.eos_token_ids == (2, 3) and args.bos_token_id == 1
     assert args.layer_types == ("full", "full") and args.sliding_window is None
     assert not (args.tie_word_embeddings or args.attention_bias or args.qk_norm)
-    assert args.name == "m"
+    assert args.name == "m" and args.architecture == "LlamaForCausalLM"
 
 
 def test_rope_parameters_layout_of_transformers_5():
@@ -50,28 +51,29 @@ def test_rope_parameters_layout_of_transformers_5():
         rope_parameters={"rope_type": "default", "rope_theta": 1234.0},
         eos_token_id=7,
     )
-    args = ModelArgs.from_hf_config(config.to_dict())
+    args = hf_model_args(config.to_dict())
     assert args.rope_theta == 1234.0 and args.rope_scaling is None
     assert args.eos_token_ids == (7,) and args.num_kv_heads == 2
 
 
 def test_qwen_flags():
-    qwen2 = ModelArgs.from_hf_config(llama_dict(architectures=["Qwen2ForCausalLM"]))
-    qwen3 = ModelArgs.from_hf_config(
+    qwen2 = hf_model_args(llama_dict(architectures=["Qwen2ForCausalLM"]))
+    qwen3 = hf_model_args(
         llama_dict(architectures=["Qwen3ForCausalLM"], head_dim=32, tie_word_embeddings=True)
     )
     assert qwen2.attention_bias and not qwen2.qk_norm
     assert qwen3.qk_norm and qwen3.tie_word_embeddings and qwen3.head_dim == 32
+    assert (qwen2.architecture, qwen3.architecture) == ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 def test_qwen_sliding_window_only_when_enabled():
     base = llama_dict(architectures=["Qwen2ForCausalLM"], num_hidden_layers=4, sliding_window=8)
-    off = ModelArgs.from_hf_config({**base, "use_sliding_window": False, "max_window_layers": 1})
+    off = hf_model_args({**base, "use_sliding_window": False, "max_window_layers": 1})
     assert off.layer_types == ("full",) * 4 and off.sliding_window is None
-    on = ModelArgs.from_hf_config({**base, "use_sliding_window": True, "max_window_layers": 1})
+    on = hf_model_args({**base, "use_sliding_window": True, "max_window_layers": 1})
     assert on.layer_types == ("full", "sliding", "sliding", "sliding")
     assert on.sliding_window == 8
-    explicit = ModelArgs.from_hf_config(
+    explicit = hf_model_args(
         {
             **base,
             "use_sliding_window": True,
@@ -82,15 +84,19 @@ def test_qwen_sliding_window_only_when_enabled():
 
 
 def test_unsupported_architecture_is_named():
-    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
-        ModelArgs.from_hf_config(llama_dict(architectures=["GPT2LMHeadModel"]))
+    supported = "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+    with pytest.raises(
+        ValueError,
+        match=f"unsupported architecture 'GPT2LMHeadModel'; Strata supports: {supported}",
+    ):
+        hf_model_args(llama_dict(architectures=["GPT2LMHeadModel"]))
 
 
 def test_unsupported_rope_type_is_named():
     with pytest.raises(ValueError, match="unsupported rope type 'yarn'"):
-        ModelArgs.from_hf_config(llama_dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+        hf_model_args(llama_dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
     with pytest.raises(ValueError, match="unsupported rope type 'linear'"):
-        ModelArgs.from_hf_config(llama_dict(rope_scaling={"type": "linear", "factor": 2.0}))
+        hf_model_args(llama_dict(rope_scaling={"type": "linear", "factor": 2.0}))
 
 
 def test_kv_cache_specs_split_layers_by_group():
@@ -125,12 +131,13 @@ def test_sliding_layers_need_a_window():
 def test_config_without_architectures_falls_back_on_model_type(model_type, expected):
     d = llama_dict(model_type=model_type)
     del d["architectures"]
-    args = ModelArgs.from_hf_config(d)
+    args = hf_model_args(d)
     assert (args.attention_bias, args.qk_norm) == expected
+    assert args.architecture.lower().startswith(model_type)
 
 
 def test_config_without_architectures_or_known_model_type_is_named():
     d = llama_dict(model_type="gpt2")
     del d["architectures"]
     with pytest.raises(ValueError, match="no architectures and an unsupported model_type 'gpt2'"):
-        ModelArgs.from_hf_config(d)
+        hf_model_args(d)
