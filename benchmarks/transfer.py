@@ -103,10 +103,10 @@ def run(
     torch.manual_seed(settings.seed)
     specs = load_model("tiny", torch.device("cpu")).model.kv_cache_specs(torch.float32)
     npu_caches = {
-        group: torch.randn(spec.shape(settings.num_npu_blocks, BLOCK_SIZE)).to(where)
-        for group, spec in specs.items()
+        cache_type: torch.randn(spec.shape(settings.num_npu_blocks, BLOCK_SIZE)).to(where)
+        for cache_type, spec in specs.items()
     }
-    transfer = KVTransfer(npu_caches, {group: settings.num_host_blocks for group in npu_caches})
+    transfer = KVTransfer(npu_caches, dict.fromkeys(npu_caches, settings.num_host_blocks))
     block_bytes = transfer.block_bytes["full"]
 
     batches = []
@@ -179,7 +179,7 @@ def _report(
     )
     report.sections.append(
         "How `KVTransfer` copies on CPU: every block goes straight from its source to its "
-        "destination in one fused `_foreach_copy_` call per cache group and direction. The "
+        "destination in one fused `_foreach_copy_` call per cache type and direction. The "
         "*gather*, *gather_prealloc* and *scatter* columns show what a staging design would "
         "cost instead: a gather into a staging tensor plus a scatter out of it moves every "
         "byte twice (the last column), and a freshly allocated staging tensor also faults on "

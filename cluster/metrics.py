@@ -31,6 +31,8 @@ from prometheus_client.core import (
 
 from cluster.backend import ClusterStats, ReplicaStats
 from replicas.engine import EngineStats
+from replicas.kv_cache_types import CacheTypeStats
+from replicas.kv_events import Tier
 from replicas.outputs import RequestOutput
 from router.stats import MATCHED_FRACTION_BUCKETS, RouterStats
 
@@ -70,14 +72,15 @@ _GAUGES: list[tuple[str, str, Callable[[EngineStats], float]]] = [
 ]
 
 
-_PER_TYPE_EVENTS = [
-    ("npu_eviction", "npu_evictions"),
-    ("host_eviction", "host_evictions"),
-    ("write_through_promotion", "write_through_promotions"),
-    ("write_back", "write_backs"),
-    ("loaded", "blocks_loaded"),
-    ("stored", "blocks_stored"),
-    ("released_out_of_window", "blocks_freed_out_of_window"),
+# (``event`` label, value) of ``strata_kv_cache_type_blocks``.
+_PER_TYPE_EVENTS: list[tuple[str, Callable[[CacheTypeStats], int]]] = [
+    ("npu_eviction", lambda c: c.npu_evictions),
+    ("host_eviction", lambda c: c.host_evictions),
+    ("write_through_promotion", lambda c: c.write_through_promotions),
+    ("write_back", lambda c: c.write_backs),
+    ("loaded", lambda c: c.blocks_loaded),
+    ("stored", lambda c: c.blocks_stored),
+    ("released_out_of_window", lambda c: c.blocks_freed_out_of_window),
 ]
 
 
@@ -125,20 +128,20 @@ def _replica_families(replicas: list[ReplicaStats]) -> list[Metric]:
             family.add_metric([label], value(stats))
         for family, (_, _, value) in zip(gauges, _GAUGES):
             family.add_metric([label], value(stats))
-        hits_by_tier.add_metric([label, "npu"], stats.cache.npu_hits)
-        hits_by_tier.add_metric([label, "host"], stats.cache.host_hits)
-        evictions.add_metric([label, "npu"], stats.cache.npu_evictions)
-        evictions.add_metric([label, "host"], stats.cache.host_evictions)
+        hits_by_tier.add_metric([label, Tier.NPU], stats.cache.npu_hits)
+        hits_by_tier.add_metric([label, Tier.HOST], stats.cache.host_hits)
+        evictions.add_metric([label, Tier.NPU], stats.cache.npu_evictions)
+        evictions.add_metric([label, Tier.HOST], stats.cache.host_evictions)
         for cache_type, counts in stats.cache.by_cache_type.items():
             for event, value in _PER_TYPE_EVENTS:
-                per_type.add_metric([label, cache_type, event], getattr(counts, value))
-        for cache_type, pool in stats.cache_types.items():
-            used.add_metric([label, "npu", cache_type], pool.npu_used)
-            used.add_metric([label, "host", cache_type], pool.host_used)
-            cached.add_metric([label, "npu", cache_type], pool.npu_cached)
-            cached.add_metric([label, "host", cache_type], pool.host_cached)
-            capacity.add_metric([label, "npu", cache_type], pool.npu_blocks)
-            capacity.add_metric([label, "host", cache_type], pool.host_blocks)
+                per_type.add_metric([label, cache_type, event], value(counts))
+        for cache_type, usage in stats.cache_types.items():
+            used.add_metric([label, Tier.NPU, cache_type], usage.num_npu_blocks_used)
+            used.add_metric([label, Tier.HOST, cache_type], usage.num_host_blocks_used)
+            cached.add_metric([label, Tier.NPU, cache_type], usage.num_npu_blocks_cached)
+            cached.add_metric([label, Tier.HOST, cache_type], usage.num_host_blocks_cached)
+            capacity.add_metric([label, Tier.NPU, cache_type], usage.num_npu_blocks)
+            capacity.add_metric([label, Tier.HOST, cache_type], usage.num_host_blocks)
     return [up, *counters, hits_by_tier, evictions, per_type, used, cached, capacity, *gauges]
 
 
@@ -180,8 +183,8 @@ def router_metric_families(router_stats: RouterStats | None) -> list[Metric]:
     for replica in router_stats.replicas:
         label = str(replica.replica_index)
         routed.add_metric([label], replica.num_requests_routed)
-        matched.add_metric([label, "npu"], replica.num_npu_matched_tokens)
-        matched.add_metric([label, "host"], replica.num_host_matched_tokens)
+        matched.add_metric([label, Tier.NPU], replica.num_npu_matched_tokens)
+        matched.add_metric([label, Tier.HOST], replica.num_host_matched_tokens)
         buckets = [
             (str(bound), count)
             for bound, count in zip(
@@ -192,8 +195,8 @@ def router_metric_families(router_stats: RouterStats | None) -> list[Metric]:
         fraction.add_metric([label], buckets, replica.matched_fraction_sum)
         load.add_metric([label], replica.load_tokens)
         live.add_metric([label], 1.0 if replica.is_live else 0.0)
-        indexed.add_metric([label, "npu"], replica.num_indexed_npu_blocks)
-        indexed.add_metric([label, "host"], replica.num_indexed_host_blocks)
+        indexed.add_metric([label, Tier.NPU], replica.num_indexed_npu_blocks)
+        indexed.add_metric([label, Tier.HOST], replica.num_indexed_host_blocks)
         gaps.add_metric([label], replica.num_event_gaps)
         resyncs.add_metric([label], replica.num_resyncs)
     return [routed, matched, fraction, load, live, indexed, gaps, resyncs]

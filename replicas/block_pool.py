@@ -43,7 +43,6 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
-        self.num_evictions = 0
 
     # ---- queries (no mutation) ---------------------------------------------------------------
     @property
@@ -90,7 +89,6 @@ class BlockPool:
             if block.block_hash is not None:
                 evicted.append((block_id, block.block_hash))
                 self._uncache(block)
-                self.num_evictions += 1
             block.ref_count = 1
             block_ids.append(block_id)
         return block_ids, evicted
@@ -126,6 +124,12 @@ class BlockPool:
         block.num_hits = 0
         self._cached[block_hash] = block_id
         return True
+
+    def record_hit(self, block_id: int) -> int:
+        """Count one more new request matching the cached block; returns its hits so far."""
+        block = self.blocks[block_id]
+        block.num_hits += 1
+        return block.num_hits
 
     def evict_all_cached(self) -> list[tuple[int, BlockHash]]:
         """Forget every cached block nobody references (used to reset the prefix cache)."""

@@ -4,8 +4,8 @@ The manager decides; it holds no tensors. Each engine step it hands a ``Transfer
 blocks to load into NPU blocks, NPU blocks to store into host blocks) to the transfer component,
 which moves the bytes. The simulator drives this very class with no tensors at all.
 
-Cache types (groups): a dense model has one, ``full``; a hybrid model adds ``sliding`` for its
-sliding-window layers. Each group has its own NPU and host pools and hash maps over the same
+Cache types: a dense model has one, ``full``; a hybrid model adds ``sliding`` for its
+sliding-window layers. Each cache type has its own NPU and host pools and hash maps over the same
 block hashes. Residency is derived from those maps, never kept in parallel flags::
 
     NPU only       h in the NPU map, not the host map    reusable now; lost on NPU eviction
@@ -21,7 +21,7 @@ for all ``L`` and sliding KV exists (either tier) for the window ending at the m
 
 Sliding blocks that leave a running request's window are released at once (they stay cached).
 
-Host retention policies (DESIGN section 4), per group:
+Host retention policies (DESIGN section 4), per cache type:
   * write-through promotion: a *hit* is a new request matching an NPU-resident block (the write
     that created the block is not one). When a block's hits reach ``write_through_threshold``
     and it has no host copy, it is stored to host. Threshold 0 stores every block when it is
@@ -41,21 +41,25 @@ from replicas.hashing import BlockHash
 from replicas.kv_cache_types import (
     EMPTY_MATCH,
     BlockCopy,
-    CacheGroupSpec,
     CacheStats,
-    GroupMatch,
+    CacheTypeMatch,
+    CacheTypeSpec,
+    CacheTypeUsage,
     PrefixMatch,
     TransferPlan,
 )
-from replicas.kv_events import KVEvent
+from replicas.kv_events import KVEvent, KVEventKind, KVSnapshot, Tier
 from replicas.request import Request
 
 __all__ = ["EMPTY_MATCH", "CacheStats", "KVCacheManager", "PrefixMatch", "TransferPlan"]
 
+ALL_TIERS = "all"
+"""``reset_prefix_cache``'s choice of every tier."""
+
 
 @dataclass(slots=True)
-class _Group:
-    spec: CacheGroupSpec
+class _CacheType:
+    spec: CacheTypeSpec
     npu: BlockPool
     host: BlockPool | None
     blocks: dict[str, list[int | None]] = field(default_factory=dict)  # None: released
@@ -68,27 +72,57 @@ class _Group:
     def on_host(self, block_hash: BlockHash) -> bool:
         return self.host is not None and self.host.lookup(block_hash) is not None
 
+    def pool(self, tier: Tier) -> BlockPool | None:
+        return self.npu if tier == Tier.NPU else self.host
+
+    def usage(self) -> CacheTypeUsage:
+        host = self.host
+        return CacheTypeUsage(
+            self.npu.num_blocks,
+            self.npu.num_used,
+            self.npu.num_cached,
+            host.num_blocks if host else 0,
+            host.num_used if host else 0,
+            host.num_cached if host else 0,
+        )
+
 
 class KVCacheManager:
+    """Owns every cache type's pools and each request's block tables. Not thread-safe: one engine
+    loop mutates it."""
+
+    __slots__ = (
+        "_cache_types",
+        "_events",
+        "_loads",
+        "_record_events",
+        "_stores",
+        "block_size",
+        "enable_prefix_caching",
+        "stats",
+        "write_back",
+        "write_through_threshold",
+    )  # no attribute is set from outside: events are turned on with enable_events()
+
     def __init__(
         self,
         num_npu_blocks: int = 0,
         block_size: int = 16,
         *,
-        groups: list[CacheGroupSpec] | None = None,
+        cache_types: list[CacheTypeSpec] | None = None,
         enable_prefix_caching: bool = True,
         num_host_blocks: int = 0,
         write_through_threshold: int | None = 2,
         write_back: bool = False,
         record_events: bool = False,
     ) -> None:
-        specs = groups or [CacheGroupSpec("full", num_npu_blocks, num_host_blocks)]
+        specs = cache_types or [CacheTypeSpec("full", num_npu_blocks, num_host_blocks)]
         if specs[0].sliding_window is not None:
-            raise ValueError("the first cache group must be global attention")
+            raise ValueError("the first cache type must be global attention")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.groups = [
-            _Group(
+        self._cache_types = [
+            _CacheType(
                 spec,
                 BlockPool(spec.num_npu_blocks, f"npu[{spec.name}]"),
                 BlockPool(spec.num_host_blocks, f"host[{spec.name}]")
@@ -97,12 +131,12 @@ class KVCacheManager:
             )
             for spec in specs
         ]
-        has_host = all(g.host is not None for g in self.groups)
-        if any(g.host is not None for g in self.groups) and not has_host:
-            raise ValueError("every cache group needs host blocks when the host tier is on")
+        has_host = all(c.host is not None for c in self._cache_types)
+        if any(c.host is not None for c in self._cache_types) and not has_host:
+            raise ValueError("every cache type needs host blocks when the host tier is on")
         self.write_through_threshold = write_through_threshold if has_host else None
         self.write_back = write_back and has_host
-        self.record_events = record_events
+        self._record_events = record_events  # see enable_events
         self.stats = CacheStats()
         self._events: list[KVEvent] = []  # since the last drain, for routers' prefix indexes
         self._stores: list[BlockCopy] = []
@@ -110,12 +144,14 @@ class KVCacheManager:
 
     @property
     def npu(self) -> BlockPool:
-        """The primary (global-attention) group's NPU pool."""
-        return self.groups[0].npu
+        """The primary (global-attention) cache type's NPU pool, for tests and introspection;
+        components read ``usage()`` instead."""
+        return self._cache_types[0].npu
 
     @property
     def host(self) -> BlockPool | None:
-        return self.groups[0].host
+        """The primary cache type's host pool (None without a host tier)."""
+        return self._cache_types[0].host
 
     # ---- matching (no mutation) --------------------------------------------------------------
     def match_prefix(self, request: Request) -> PrefixMatch:
@@ -125,30 +161,34 @@ class KVCacheManager:
             return EMPTY_MATCH
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = request.block_hashes[:max_blocks]
-        primary = self.groups[0]
+        primary = self._cache_types[0]
         length = 0
         for block_hash in hashes:
             if primary.npu.lookup(block_hash) is None and not primary.on_host(block_hash):
                 break
             length += 1
-        for group in self.groups[1:]:
-            length = self._safe_length(group, hashes, length)
+        for cache_type in self._cache_types[1:]:
+            length = self._safe_length(cache_type, hashes, length)
         matches = {}
-        for group in self.groups:
-            first = group.spec.window_start(length * self.block_size, self.block_size)
-            npu_ids = [group.npu.lookup(h) for h in hashes[first:length]]
-            host_ids = [group.host.lookup(h) if group.host else None for h in hashes[first:length]]
-            matches[group.name] = GroupMatch(first, npu_ids, host_ids)
+        for cache_type in self._cache_types:
+            first = cache_type.spec.window_start(length * self.block_size, self.block_size)
+            npu_ids = [cache_type.npu.lookup(h) for h in hashes[first:length]]
+            host_ids = [
+                cache_type.host.lookup(h) if cache_type.host else None for h in hashes[first:length]
+            ]
+            matches[cache_type.name] = CacheTypeMatch(first, npu_ids, host_ids)
         num_npu = sum(1 for b in matches[primary.name].npu_block_ids if b is not None)
         return PrefixMatch(length, num_npu, length - num_npu, matches)
 
-    def _safe_length(self, group: _Group, hashes: list[BlockHash], limit: int) -> int:
-        """Longest ``L <= limit`` whose window of ``group`` blocks is cached in either tier."""
-        present = [group.npu.lookup(h) is not None or group.on_host(h) for h in hashes[:limit]]
+    def _safe_length(self, cache_type: _CacheType, hashes: list[BlockHash], limit: int) -> int:
+        """Longest ``L <= limit`` whose window of ``cache_type`` blocks is cached in either tier."""
+        present = [
+            cache_type.npu.lookup(h) is not None or cache_type.on_host(h) for h in hashes[:limit]
+        ]
         last_missing = -1
         best = 0
         for length in range(limit + 1):
-            first = group.spec.window_start(length * self.block_size, self.block_size)
+            first = cache_type.spec.window_start(length * self.block_size, self.block_size)
             if last_missing < first:
                 best = length
             if length < limit and not present[length]:
@@ -158,13 +198,13 @@ class KVCacheManager:
     def num_blocks_needed(
         self, request: Request, num_new_tokens: int, match: PrefixMatch = EMPTY_MATCH
     ) -> dict[str, int]:
-        """Free NPU blocks per group that ``allocate_slots`` would consume (no mutation)."""
+        """Free NPU blocks per cache type that ``allocate_slots`` would consume (no mutation)."""
         num_tokens = request.num_computed_tokens + match.num_blocks * self.block_size
         total = -(-(num_tokens + num_new_tokens) // self.block_size)
         needed = {}
-        for group in self.groups:
-            held = len(group.blocks.get(request.request_id, ()))
-            part = match.groups.get(group.name)
+        for cache_type in self._cache_types:
+            held = len(cache_type.blocks.get(request.request_id, ()))
+            part = match.cache_types.get(cache_type.name)
             adopted = revived = 0
             if part is not None:
                 held = part.first_block  # released placeholders before the window
@@ -172,9 +212,9 @@ class KVCacheManager:
                 revived = sum(
                     1
                     for b in part.npu_block_ids
-                    if b is not None and group.npu.blocks[b].ref_count == 0
+                    if b is not None and cache_type.npu.blocks[b].ref_count == 0
                 )
-            needed[group.name] = total - held - adopted + revived
+            needed[cache_type.name] = total - held - adopted + revived
         return needed
 
     # ---- allocation --------------------------------------------------------------------------
@@ -183,122 +223,123 @@ class KVCacheManager:
     ) -> bool:
         """Give ``request`` blocks for ``num_new_tokens`` tokens after its computed ones and, on
         its first allocation since admission or preemption, after the blocks of ``match``, which
-        it adopts. Returns False, changing nothing, if any group lacks free NPU blocks."""
-        if match.num_blocks and any(request.request_id in g.blocks for g in self.groups):
+        it adopts. Returns False, changing nothing, if any cache type lacks free NPU blocks."""
+        if match.num_blocks and any(request.request_id in c.blocks for c in self._cache_types):
             raise ValueError(
                 f"request {request.request_id} already holds blocks; cannot adopt a prefix match"
             )
         needed = self.num_blocks_needed(request, num_new_tokens, match)
-        if any(needed[g.name] > g.npu.num_free for g in self.groups):
+        if any(needed[c.name] > c.npu.num_free for c in self._cache_types):
             return False
         num_tokens = request.num_computed_tokens + match.num_blocks * self.block_size
         num_total = -(-(num_tokens + num_new_tokens) // self.block_size)
-        for group in self.groups:
-            blocks = group.blocks.setdefault(request.request_id, [])
+        for cache_type in self._cache_types:
+            blocks = cache_type.blocks.setdefault(request.request_id, [])
             if match.num_blocks:
-                self._adopt(group, request, blocks, match.groups[group.name], match.num_blocks)
+                part = match.cache_types[cache_type.name]
+                self._adopt(cache_type, request, blocks, part, match.num_blocks)
             if num_total > len(blocks):
-                blocks.extend(self._allocate_npu(group, num_total - len(blocks)))
+                blocks.extend(self._allocate_npu(cache_type, num_total - len(blocks)))
         return True
 
     def _adopt(
         self,
-        group: _Group,
+        cache_type: _CacheType,
         request: Request,
         blocks: list[int | None],
-        part: GroupMatch,
+        part: CacheTypeMatch,
         num_blocks: int,
     ) -> None:
         # Protect every matched block in both tiers before any allocation can evict one.
         npu_hits = [b for b in part.npu_block_ids if b is not None]
         host_hits = [h for n, h in zip(part.npu_block_ids, part.host_block_ids) if n is None]
-        group.npu.touch(npu_hits)
+        cache_type.npu.touch(npu_hits)
         if host_hits:
-            group.host.touch(host_hits)  # locked until their loads land
+            cache_type.host.touch(host_hits)  # locked until their loads land
         if request.num_cached_tokens is None:  # a new request, not a resumed one
             for npu_id in npu_hits:
-                self._count_hit(group, npu_id)
+                self._count_hit(cache_type, npu_id)
         blocks.extend([None] * part.first_block)
         for offset, npu_id in enumerate(part.npu_block_ids):
             if npu_id is None:
                 block_hash = request.block_hashes[part.first_block + offset]
-                (npu_id,) = self._allocate_npu(group, 1)
-                group.npu.cache(npu_id, block_hash)
-                self._loads.append(BlockCopy(part.host_block_ids[offset], npu_id, group.name))
-                self._emit(group, "stored", "npu", block_hash)
+                (npu_id,) = self._allocate_npu(cache_type, 1)
+                cache_type.npu.cache(npu_id, block_hash)
+                self._loads.append(BlockCopy(part.host_block_ids[offset], npu_id, cache_type.name))
+                self._emit(cache_type, KVEventKind.STORED, Tier.NPU, block_hash)
             blocks.append(npu_id)
-        group.num_cached[request.request_id] = num_blocks
+        cache_type.num_cached[request.request_id] = num_blocks
 
-    def _count_hit(self, group: _Group, npu_id: int) -> None:
-        block = group.npu.blocks[npu_id]
-        block.num_hits += 1
+    def _count_hit(self, cache_type: _CacheType, npu_id: int) -> None:
+        num_hits = cache_type.npu.record_hit(npu_id)
+        block_hash = cache_type.npu.blocks[npu_id].block_hash
         threshold = self.write_through_threshold
-        if threshold and block.num_hits >= threshold and not group.on_host(block.block_hash):
-            if self._store(group, npu_id, block.block_hash):
-                self.stats.count(group.name, "write_through_promotions")
+        if threshold and num_hits >= threshold and not cache_type.on_host(block_hash):
+            if self._store(cache_type, npu_id, block_hash):
+                self.stats.count_write_through_promotion(cache_type.name)
 
-    def _allocate_npu(self, group: _Group, num_blocks: int) -> list[int]:
-        block_ids, evicted = group.npu.allocate(num_blocks)
+    def _allocate_npu(self, cache_type: _CacheType, num_blocks: int) -> list[int]:
+        block_ids, evicted = cache_type.npu.allocate(num_blocks)
         for npu_id, block_hash in evicted:
-            self.stats.count(group.name, "npu_evictions")
-            self._emit(group, "removed", "npu", block_hash)
-            if self.write_back and not group.on_host(block_hash):
-                if self._store(group, npu_id, block_hash):
-                    self.stats.count(group.name, "write_backs")
+            self.stats.count_npu_eviction(cache_type.name)
+            self._emit(cache_type, KVEventKind.REMOVED, Tier.NPU, block_hash)
+            if self.write_back and not cache_type.on_host(block_hash):
+                if self._store(cache_type, npu_id, block_hash):
+                    self.stats.count_write_back(cache_type.name)
         return block_ids
 
-    def _store(self, group: _Group, npu_id: int, block_hash: BlockHash) -> bool:
+    def _store(self, cache_type: _CacheType, npu_id: int, block_hash: BlockHash) -> bool:
         """Plan a copy of an NPU block to a new host block; False if every host block is locked."""
-        if group.host.num_free == 0:
+        if cache_type.host.num_free == 0:
             return False
-        (host_id,), evicted = group.host.allocate(1)  # locked until the store lands
+        (host_id,), evicted = cache_type.host.allocate(1)  # locked until the store lands
         for _, old_hash in evicted:
-            self.stats.count(group.name, "host_evictions")
-            self._emit(group, "removed", "host", old_hash)
-        group.host.cache(host_id, block_hash)
-        self._stores.append(BlockCopy(npu_id, host_id, group.name))
-        self._emit(group, "stored", "host", block_hash)
+            self.stats.count_host_eviction(cache_type.name)
+            self._emit(cache_type, KVEventKind.REMOVED, Tier.HOST, old_hash)
+        cache_type.host.cache(host_id, block_hash)
+        self._stores.append(BlockCopy(npu_id, host_id, cache_type.name))
+        self._emit(cache_type, KVEventKind.STORED, Tier.HOST, block_hash)
         return True
 
     # ---- after a forward pass ----------------------------------------------------------------
     def cache_blocks(self, request: Request) -> None:
-        """Publish the request's newly full, computed blocks in each group's NPU hash map, then
+        """Publish the request's newly full, computed blocks in each cache type's NPU hash map, then
         release sliding blocks that left the window."""
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
-        for group in self.groups:
-            blocks = group.blocks[request.request_id]
-            start = group.num_cached.get(request.request_id, 0)
+        for cache_type in self._cache_types:
+            blocks = cache_type.blocks[request.request_id]
+            start = cache_type.num_cached.get(request.request_id, 0)
             for i in range(start, num_full) if self.enable_prefix_caching else ():
                 if blocks[i] is None:
                     continue
                 block_hash = request.block_hashes[i]
-                if group.npu.cache(blocks[i], block_hash):
-                    self._emit(group, "stored", "npu", block_hash)
+                if cache_type.npu.cache(blocks[i], block_hash):
+                    self._emit(cache_type, KVEventKind.STORED, Tier.NPU, block_hash)
                     immediate = self.write_through_threshold == 0
-                    if immediate and not group.on_host(block_hash):
-                        if self._store(group, blocks[i], block_hash):
-                            self.stats.count(group.name, "write_through_promotions")
-            group.num_cached[request.request_id] = max(start, num_full)
-            if group.spec.sliding_window is not None:
-                self._release_out_of_window(group, request, blocks)
+                    if immediate and not cache_type.on_host(block_hash):
+                        if self._store(cache_type, blocks[i], block_hash):
+                            self.stats.count_write_through_promotion(cache_type.name)
+            cache_type.num_cached[request.request_id] = max(start, num_full)
+            if cache_type.spec.sliding_window is not None:
+                self._release_out_of_window(cache_type, request, blocks)
 
     def _release_out_of_window(
-        self, group: _Group, request: Request, blocks: list[int | None]
+        self, cache_type: _CacheType, request: Request, blocks: list[int | None]
     ) -> None:
-        first_needed = group.spec.window_start(request.num_computed_tokens, self.block_size)
+        first_needed = cache_type.spec.window_start(request.num_computed_tokens, self.block_size)
         stale = [i for i in range(min(first_needed, len(blocks))) if blocks[i] is not None]
         if stale:
-            group.npu.free([blocks[i] for i in reversed(stale)])
+            cache_type.npu.free([blocks[i] for i in reversed(stale)])
             for i in stale:
                 blocks[i] = None
-            self.stats.count(group.name, "blocks_freed_out_of_window", len(stale))
+            self.stats.count_blocks_freed_out_of_window(cache_type.name, len(stale))
 
     def free(self, request: Request) -> None:
-        """Release every block of the request in every group, deepest first."""
-        for group in self.groups:
-            blocks = group.blocks.pop(request.request_id, [])
-            group.num_cached.pop(request.request_id, None)
-            group.npu.free([b for b in reversed(blocks) if b is not None])
+        """Release every block of the request in every cache type, deepest first."""
+        for cache_type in self._cache_types:
+            blocks = cache_type.blocks.pop(request.request_id, [])
+            cache_type.num_cached.pop(request.request_id, None)
+            cache_type.npu.free([b for b in reversed(blocks) if b is not None])
 
     def take_transfer_plan(self) -> TransferPlan:
         """The copies planned since the last call; the caller must run them, then call
@@ -309,13 +350,13 @@ class KVCacheManager:
 
     def complete_transfer(self, plan: TransferPlan) -> None:
         """Unlock the host blocks of a transfer that has landed."""
-        by_name = {g.name: g for g in self.groups}
+        by_name = {c.name: c for c in self._cache_types}
         for copy in plan.stores:
-            self.stats.count(copy.group, "blocks_stored")
-            by_name[copy.group].host.free([copy.dst])
+            self.stats.count_block_stored(copy.cache_type)
+            by_name[copy.cache_type].host.free([copy.dst])
         for copy in plan.loads:
-            self.stats.count(copy.group, "blocks_loaded")
-            by_name[copy.group].host.free([copy.src])
+            self.stats.count_block_loaded(copy.cache_type)
+            by_name[copy.cache_type].host.free([copy.src])
 
     # ---- accounting --------------------------------------------------------------------------
     def record_admission(self, request: Request, match: PrefixMatch) -> None:
@@ -325,7 +366,7 @@ class KVCacheManager:
         request.num_npu_cached_tokens = match.num_npu_blocks * self.block_size
         request.num_host_cached_tokens = match.num_host_blocks * self.block_size
         request.num_cached_tokens = request.num_npu_cached_tokens + request.num_host_cached_tokens
-        for name, part in match.groups.items():
+        for name, part in match.cache_types.items():
             num_npu = sum(1 for b in part.npu_block_ids if b is not None)
             num_host = len(part.npu_block_ids) - num_npu
             request.cached_tokens_by_cache_type[name] = (
@@ -338,45 +379,72 @@ class KVCacheManager:
         self.stats.host_hits += request.num_host_cached_tokens
 
     def block_ids(self, request_id: str) -> list[int]:
-        """The request's blocks in the primary group."""
-        return self.groups[0].blocks.get(request_id, [])
+        """The request's blocks in the primary cache type."""
+        return self._cache_types[0].blocks.get(request_id, [])
 
     def block_tables(self, request_id: str) -> dict[str, list[int | None]]:
-        """The request's blocks per group (None where a sliding block was released)."""
-        return {g.name: g.blocks.get(request_id, []) for g in self.groups}
+        """The request's blocks per cache type (None where a sliding block was released)."""
+        return {c.name: c.blocks.get(request_id, []) for c in self._cache_types}
 
-    def reset_prefix_cache(self, tier: str = "all") -> None:
-        """Forget unreferenced cached blocks of ``tier`` ("all", "npu" or "host")."""
-        if tier not in ("all", "npu", "host"):
+    def reset_prefix_cache(self, tier: Tier | str = ALL_TIERS) -> None:
+        """Forget unreferenced cached blocks of ``tier`` ("all", "npu" or "host"; plain strings
+        or ``Tier`` members) in every cache type, NPU before host."""
+        if tier != ALL_TIERS and tier not in tuple(Tier):
             raise ValueError(f"tier must be 'all', 'npu' or 'host', got {tier!r}")
-        for group in self.groups:
-            pools = {"npu": [group.npu], "host": [group.host], "all": [group.npu, group.host]}
-            for pool, tier_name in zip(pools[tier], ["npu", "host"] if tier == "all" else [tier]):
+        tiers = tuple(Tier) if tier == ALL_TIERS else (Tier(tier),)
+        for cache_type in self._cache_types:
+            for each in tiers:
+                pool = cache_type.pool(each)
                 if pool is not None:
                     for _, block_hash in pool.evict_all_cached():
-                        self._emit(group, "removed", tier_name, block_hash)
+                        self._emit(cache_type, KVEventKind.REMOVED, each, block_hash)
+
+    # ---- views for the replica and its router ------------------------------------------------
+    def usage(self) -> dict[str, CacheTypeUsage]:
+        """Blocks per cache type and tier, the primary cache type first (no mutation)."""
+        return {c.name: c.usage() for c in self._cache_types}
+
+    def num_free_npu_blocks(self) -> dict[str, int]:
+        """NPU blocks each cache type can allocate now (empty or evictable)."""
+        return {c.name: c.npu.num_free for c in self._cache_types}
+
+    def enable_events(self) -> None:
+        """Record KV events from now on, for ``drain_events`` (a replica that reports to a
+        router); off unless the constructor's ``record_events`` turned it on."""
+        self._record_events = True
 
     def drain_events(self) -> list[KVEvent]:
+        """The events recorded since the last call, in order (mutates)."""
         events, self._events = self._events, []
         return events
 
-    def _emit(self, group: _Group, kind: str, tier: str, block_hash: BlockHash) -> None:
+    def snapshot(self, replica_index: int, next_seq: int) -> KVSnapshot:
+        """Every hash the primary cache type holds, per tier, in the message a router resyncs
+        from; ``next_seq`` is the sequence number of the replica's next event, so the caller
+        drains and publishes pending events first (no mutation)."""
+        primary = self._cache_types[0]
+        host = tuple(primary.host.cached_hashes()) if primary.host else ()
+        return KVSnapshot(replica_index, next_seq, tuple(primary.npu.cached_hashes()), host)
+
+    def _emit(
+        self, cache_type: _CacheType, kind: KVEventKind, tier: Tier, block_hash: BlockHash
+    ) -> None:
         # The router indexes global KV, the bound on any reuse; sliding KV is not published.
-        if self.record_events and group is self.groups[0]:
+        if self._record_events and cache_type is self._cache_types[0]:
             self._events.append(KVEvent(kind, tier, block_hash))
 
     def check_integrity(self) -> None:
-        for group in self.groups:
-            group.npu.check_integrity()
-            if group.host is not None:
-                group.host.check_integrity()
+        for cache_type in self._cache_types:
+            cache_type.npu.check_integrity()
+            if cache_type.host is not None:
+                cache_type.host.check_integrity()
             held: dict[int, int] = {}
-            for blocks in group.blocks.values():
+            for blocks in cache_type.blocks.values():
                 for b in blocks:
                     if b is not None:
                         held[b] = held.get(b, 0) + 1
-            for block in group.npu.blocks:
+            for block in cache_type.npu.blocks:
                 assert block.ref_count == held.get(block.block_id, 0), (
-                    f"{group.npu.name} block {block.block_id} ref_count {block.ref_count} but "
+                    f"{cache_type.npu.name} block {block.block_id} ref_count {block.ref_count} but "
                     f"held {held.get(block.block_id, 0)} times"
                 )

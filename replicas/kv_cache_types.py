@@ -1,14 +1,15 @@
-"""Records the KV cache manager hands out: cache groups, prefix matches, transfer plans, stats."""
+"""Records the KV cache manager hands out: cache types, prefix matches, transfer plans, usage and
+stats."""
 
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 
-class CacheGroupSpec(NamedTuple):
+class CacheTypeSpec(NamedTuple):
     """One cache type of a replica: the layers of one attention kind, with their own pools.
 
-    ``sliding_window`` is None for global attention. All groups share the block size and the
-    block hashes; each has its own NPU pool, host pool and hash-to-block maps.
+    ``sliding_window`` is None for global attention. All cache types share the block size and
+    the block hashes; each has its own NPU pool, host pool and hash-to-block maps.
     """
 
     name: str  # "full" | "sliding"
@@ -23,9 +24,9 @@ class CacheGroupSpec(NamedTuple):
         return max(0, num_tokens - self.sliding_window + 1) // block_size
 
 
-class GroupMatch(NamedTuple):
-    """A group's part of a prefix match: entries for blocks ``first_block .. num_blocks - 1``;
-    ``npu_block_ids[i]`` is None when that block is host-only (``host_block_ids[i]``)."""
+class CacheTypeMatch(NamedTuple):
+    """A cache type's part of a prefix match: entries for blocks ``first_block .. num_blocks -
+    1``; ``npu_block_ids[i]`` is None when that block is host-only (``host_block_ids[i]``)."""
 
     first_block: int
     npu_block_ids: list[int | None]
@@ -35,16 +36,16 @@ class GroupMatch(NamedTuple):
 class PrefixMatch(NamedTuple):
     """The longest *safe* cached prefix of a request: ``num_blocks`` leading blocks whose global
     KV exists for all of them and whose sliding-window KV exists for the window ending there.
-    The NPU/host split counts the primary (first, global) group's blocks."""
+    The NPU/host split counts the primary (first, global) cache type's blocks."""
 
     num_blocks: int
     num_npu_blocks: int
     num_host_blocks: int
-    groups: dict[str, GroupMatch]
+    cache_types: dict[str, CacheTypeMatch]
 
     @property
-    def primary(self) -> GroupMatch:
-        return next(iter(self.groups.values()))
+    def primary(self) -> CacheTypeMatch:
+        return next(iter(self.cache_types.values()))
 
     @property
     def npu_block_ids(self) -> list[int | None]:
@@ -59,11 +60,11 @@ EMPTY_MATCH = PrefixMatch(0, 0, 0, {})
 
 
 class BlockCopy(NamedTuple):
-    """One block to copy between tiers within one cache group."""
+    """One block to copy between tiers within one cache type."""
 
     src: int
     dst: int
-    group: str = "full"
+    cache_type: str = "full"
 
 
 class TransferPlan(NamedTuple):
@@ -74,6 +75,19 @@ class TransferPlan(NamedTuple):
 
     def __bool__(self) -> bool:
         return bool(self.stores or self.loads)
+
+
+class CacheTypeUsage(NamedTuple):
+    """Blocks of one cache type per tier: capacity, in use (held by requests or transfers) and
+    cached (holding a reusable prefix, in use or evictable). Host counts are 0 without a host
+    tier."""
+
+    num_npu_blocks: int
+    num_npu_blocks_used: int
+    num_npu_blocks_cached: int
+    num_host_blocks: int
+    num_host_blocks_used: int
+    num_host_blocks_cached: int
 
 
 @dataclass(slots=True)
@@ -93,7 +107,8 @@ class CacheTypeStats:
 class CacheStats:
     """Monotonic counters of one replica's prefix cache. Tokens for queries and hits (the safe
     prefix, split by the tier of its global KV); blocks, summed over cache types, for the rest,
-    with the split per cache type in ``by_cache_type``."""
+    with the split per cache type in ``by_cache_type``. The ``count_*`` methods move a total and
+    its cache type's share together."""
 
     queries: int = 0
     hits: int = 0
@@ -108,7 +123,34 @@ class CacheStats:
     blocks_freed_out_of_window: int = 0
     by_cache_type: dict[str, CacheTypeStats] = field(default_factory=dict)
 
-    def count(self, group: str, counter: str, n: int = 1) -> None:
-        setattr(self, counter, getattr(self, counter) + n)
-        per_type = self.by_cache_type.setdefault(group, CacheTypeStats())
-        setattr(per_type, counter, getattr(per_type, counter) + n)
+    def count_npu_eviction(self, cache_type: str) -> None:
+        self.npu_evictions += 1
+        self._of(cache_type).npu_evictions += 1
+
+    def count_host_eviction(self, cache_type: str) -> None:
+        self.host_evictions += 1
+        self._of(cache_type).host_evictions += 1
+
+    def count_write_through_promotion(self, cache_type: str) -> None:
+        self.write_through_promotions += 1
+        self._of(cache_type).write_through_promotions += 1
+
+    def count_write_back(self, cache_type: str) -> None:
+        self.write_backs += 1
+        self._of(cache_type).write_backs += 1
+
+    def count_block_loaded(self, cache_type: str) -> None:
+        self.blocks_loaded += 1
+        self._of(cache_type).blocks_loaded += 1
+
+    def count_block_stored(self, cache_type: str) -> None:
+        self.blocks_stored += 1
+        self._of(cache_type).blocks_stored += 1
+
+    def count_blocks_freed_out_of_window(self, cache_type: str, num_blocks: int) -> None:
+        self.blocks_freed_out_of_window += num_blocks
+        self._of(cache_type).blocks_freed_out_of_window += num_blocks
+
+    def _of(self, cache_type: str) -> CacheTypeStats:
+        """The cache type's counters, created on its first count."""
+        return self.by_cache_type.setdefault(cache_type, CacheTypeStats())

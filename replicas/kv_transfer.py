@@ -1,7 +1,7 @@
 """Copies KV blocks between the NPU tier and the host tier, as the cache manager planned them.
 
 The KV tensors are block-major, so a block is one contiguous run of every layer's K and V. One
-step's plan becomes, per cache group and direction, one batched copy:
+step's plan becomes, per cache type and direction, one batched copy:
 
   * on CPU, one fused ``_foreach_copy_`` of every block straight from source to destination
     (a gather into a staging tensor and a scatter out of it would move every byte twice);
@@ -46,7 +46,7 @@ from replicas.kv_cache_types import BlockCopy, TransferPlan
 logger = logging.getLogger(__name__)
 
 STAGING_BYTES = 64 * 2**20
-"""Pinned staging memory per cache group and direction (stores, loads) on CUDA."""
+"""Pinned staging memory per cache type and direction (stores, loads) on CUDA."""
 
 
 @dataclass(slots=True)
@@ -72,7 +72,7 @@ class _Landed:
 
 
 class _StagingRing:
-    """Staging blocks of one cache group and direction, allocated once and handed out in
+    """Staging blocks of one cache type and direction, allocated once and handed out in
     submission order; a range is taken again only after the copy that held it has landed."""
 
     def __init__(
@@ -98,7 +98,7 @@ class _Piece:
     ring: _StagingRing
     start: int
     num_blocks: int
-    group: str
+    cache_type: str
     store_dst: torch.Tensor | None = None  # host block ids of a store, scattered on landing
 
     def overlaps(self, ring: _StagingRing, start: int, num_blocks: int) -> bool:
@@ -137,13 +137,14 @@ class KVTransfer:
         if self.is_cuda and not self.staged:
             raise ValueError("KV transfers on CUDA always go through the staging ring")
         self.host_caches = {
-            group: allocate_host_tensor(
-                (num_host_blocks[group], *cache.shape[1:]), cache.dtype, pin=self.is_cuda
+            cache_type: allocate_host_tensor(
+                (num_host_blocks[cache_type], *cache.shape[1:]), cache.dtype, pin=self.is_cuda
             )
-            for group, cache in npu_caches.items()
+            for cache_type, cache in npu_caches.items()
         }
         self.block_bytes = {
-            group: cache[0].numel() * cache.element_size() for group, cache in npu_caches.items()
+            cache_type: cache[0].numel() * cache.element_size()
+            for cache_type, cache in npu_caches.items()
         }
         self.stats = TransferStats()
         self._pending: deque[_Pending] = deque()
@@ -152,13 +153,13 @@ class KVTransfer:
         if self.staged:
             self._store_rings, self._load_rings = (
                 {
-                    group: _StagingRing(
-                        max(1, min(len(cache), staging_bytes // self.block_bytes[group])),
+                    cache_type: _StagingRing(
+                        max(1, min(len(cache), staging_bytes // self.block_bytes[cache_type])),
                         tuple(cache.shape[1:]),
                         cache.dtype,
                         pin=self.is_cuda,
                     )
-                    for group, cache in npu_caches.items()
+                    for cache_type, cache in npu_caches.items()
                 }
                 for _ in range(2)
             )
@@ -166,13 +167,13 @@ class KVTransfer:
                 "kv transfer: %.1f MiB of %sstaging blocks (%s per direction)",
                 self.staging_bytes / 2**20,
                 "pinned " if self.is_cuda else "",
-                ", ".join(f"{g}: {r.capacity}" for g, r in self._store_rings.items()),
+                ", ".join(f"{c}: {r.capacity}" for c, r in self._store_rings.items()),
             )
         else:
             # Per-block views, built once: a CPU transfer copies every block straight from its
             # source to its destination in one fused call (no staging pass, no fresh memory).
-            self._npu_blocks = {g: t.unbind(0) for g, t in npu_caches.items()}
-            self._host_blocks = {g: t.unbind(0) for g, t in self.host_caches.items()}
+            self._npu_blocks = {c: t.unbind(0) for c, t in npu_caches.items()}
+            self._host_blocks = {c: t.unbind(0) for c, t in self.host_caches.items()}
 
     @property
     def host_bytes(self) -> int:
@@ -206,8 +207,8 @@ class KVTransfer:
         self.stats.seconds += time.perf_counter() - start
         self.stats.blocks_stored += len(plan.stores)
         self.stats.blocks_loaded += len(plan.loads)
-        self.stats.bytes_stored += sum(self.block_bytes[c.group] for c in plan.stores)
-        self.stats.bytes_loaded += sum(self.block_bytes[c.group] for c in plan.loads)
+        self.stats.bytes_stored += sum(self.block_bytes[c.cache_type] for c in plan.stores)
+        self.stats.bytes_loaded += sum(self.block_bytes[c.cache_type] for c in plan.loads)
 
     def poll(self, wait: bool = False) -> list[TransferPlan]:
         """Plans whose copies have all landed, in submission order (all of them if ``wait``)."""
@@ -224,12 +225,12 @@ class KVTransfer:
 
     # ---- CPU -----------------------------------------------------------------------------
     def _run_cpu(self, plan: TransferPlan) -> None:
-        for group, npu in self._npu_blocks.items():
-            host = self._host_blocks[group]
-            stores = _of_group(plan.stores, group)
+        for cache_type, npu in self._npu_blocks.items():
+            host = self._host_blocks[cache_type]
+            stores = _of_cache_type(plan.stores, cache_type)
             if stores:
                 _copy_blocks([host[c.dst] for c in stores], [npu[c.src] for c in stores])
-            loads = _of_group(plan.loads, group)
+            loads = _of_cache_type(plan.loads, cache_type)
             if loads:
                 _copy_blocks([npu[c.dst] for c in loads], [host[c.src] for c in loads])
 
@@ -240,14 +241,14 @@ class KVTransfer:
             ("store", plan.stores, self._store_rings),
             ("load", plan.loads, self._load_rings),
         ):
-            for group in self.npu_caches:
-                of_group = _of_group(copies, group)
-                if not of_group:
+            for cache_type in self.npu_caches:
+                selected = _of_cache_type(copies, cache_type)
+                if not selected:
                     continue
-                capacity = rings[group].capacity
-                size = len(of_group) if len(of_group) <= capacity else max(1, capacity // 2)
-                for i in range(0, len(of_group), size):
-                    pieces.append((kind, group, of_group[i : i + size]))
+                capacity = rings[cache_type].capacity
+                size = len(selected) if len(selected) <= capacity else max(1, capacity // 2)
+                for i in range(0, len(selected), size):
+                    pieces.append((kind, cache_type, selected[i : i + size]))
         compute = torch.cuda.current_stream(self.device) if self.is_cuda else None
         if self._stream is not None:
             self._stream.wait_stream(compute)
@@ -257,42 +258,43 @@ class KVTransfer:
             else contextlib.nullcontext()
         )
         with stream_context:
-            for index, (kind, group, copies) in enumerate(pieces):
+            for index, (kind, cache_type, copies) in enumerate(pieces):
                 is_last = index == len(pieces) - 1
                 pending = _Pending(plan if is_last else None, self._new_event())
                 if kind == "store":
-                    pending.piece = self._issue_store(group, copies)
+                    pending.piece = self._issue_store(cache_type, copies)
                 else:
-                    pending.piece = self._issue_load(group, copies)
+                    pending.piece = self._issue_load(cache_type, copies)
                 pending.event.record(self._stream)
                 self._pending.append(pending)
         if compute is not None:
             compute.wait_event(self._pending[-1].event)
 
-    def _issue_store(self, group: str, copies: list[BlockCopy]) -> _Piece:
-        piece = self._reserve(self._store_rings[group], len(copies), group)
+    def _issue_store(self, cache_type: str, copies: list[BlockCopy]) -> _Piece:
+        piece = self._reserve(self._store_rings[cache_type], len(copies), cache_type)
         staging, ids = self._slots(piece)
         ids.copy_(_ids(copies, "src"))
-        gathered = self.npu_caches[group].index_select(0, ids.to(self.device, non_blocking=True))
+        npu = self.npu_caches[cache_type]
+        gathered = npu.index_select(0, ids.to(self.device, non_blocking=True))
         staging.copy_(gathered, non_blocking=True)
         piece.store_dst = _ids(copies, "dst")
         return piece
 
-    def _issue_load(self, group: str, copies: list[BlockCopy]) -> _Piece:
+    def _issue_load(self, cache_type: str, copies: list[BlockCopy]) -> _Piece:
         sources = _ids(copies, "src")
-        self._land_stores_into(group, sources)
-        piece = self._reserve(self._load_rings[group], len(copies), group)
+        self._land_stores_into(cache_type, sources)
+        piece = self._reserve(self._load_rings[cache_type], len(copies), cache_type)
         staging, ids = self._slots(piece)
-        torch.index_select(self.host_caches[group], 0, sources, out=staging)
+        torch.index_select(self.host_caches[cache_type], 0, sources, out=staging)
         ids.copy_(_ids(copies, "dst"))
-        self.npu_caches[group].index_copy_(
+        self.npu_caches[cache_type].index_copy_(
             0,
             ids.to(self.device, non_blocking=True),
             staging.to(self.device, non_blocking=True),
         )
         return piece
 
-    def _reserve(self, ring: _StagingRing, num_blocks: int, group: str) -> _Piece:
+    def _reserve(self, ring: _StagingRing, num_blocks: int, cache_type: str) -> _Piece:
         """A range of ``ring`` that no copy in flight uses, landing the oldest ones if needed."""
         start = ring.candidate(num_blocks)
         while True:
@@ -310,18 +312,18 @@ class KVTransfer:
                 break
             self._land_through(holder)
         ring.next = start + num_blocks
-        return _Piece(ring, start, num_blocks, group)
+        return _Piece(ring, start, num_blocks, cache_type)
 
-    def _land_stores_into(self, group: str, host_ids: torch.Tensor) -> None:
+    def _land_stores_into(self, cache_type: str, host_ids: torch.Tensor) -> None:
         """Land every store still in flight into one of ``host_ids`` (and all before it): a load
         gathers from the host pool on the CPU, so it must see the stored bytes."""
         wanted = set(host_ids.tolist())
         last = None
         for i, pending in enumerate(self._pending):
             piece = pending.piece
-            if pending.landed or piece is None or piece.store_dst is None or piece.group != group:
+            if pending.landed or piece is None or piece.store_dst is None:
                 continue
-            if not wanted.isdisjoint(piece.store_dst.tolist()):
+            if piece.cache_type == cache_type and not wanted.isdisjoint(piece.store_dst.tolist()):
                 last = i
         if last is not None:
             self._land_through(last)
@@ -340,7 +342,7 @@ class KVTransfer:
         piece = pending.piece
         if piece is not None and piece.store_dst is not None:
             staging, _ = self._slots(piece)
-            self.host_caches[piece.group].index_copy_(0, piece.store_dst, staging)
+            self.host_caches[piece.cache_type].index_copy_(0, piece.store_dst, staging)
         pending.landed = True
 
     @staticmethod
@@ -354,8 +356,8 @@ def _copy_blocks(destinations: list[torch.Tensor], sources: list[torch.Tensor]) 
     torch._foreach_copy_(destinations, sources)
 
 
-def _of_group(copies: list[BlockCopy], group: str) -> list[BlockCopy]:
-    return [c for c in copies if c.group == group]
+def _of_cache_type(copies: list[BlockCopy], cache_type: str) -> list[BlockCopy]:
+    return [c for c in copies if c.cache_type == cache_type]
 
 
 def _ids(copies: list[BlockCopy], field: str) -> torch.Tensor:

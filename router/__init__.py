@@ -9,17 +9,17 @@ from router.policies import (
     ScoringPolicy,
     make_policy,
 )
-from router.prefix_index import PrefixIndex, PrefixMatch
+from router.prefix_index import IndexMatch, PrefixIndex
 from router.router import NoLiveReplicaError, Router
 from router.stats import MATCHED_FRACTION_BUCKETS, ReplicaRoutingStats, RouterStats
 
 __all__ = [
     "MATCHED_FRACTION_BUCKETS",
     "SCORING_PROFILES",
+    "IndexMatch",
     "LoadTracker",
     "NoLiveReplicaError",
     "PrefixIndex",
-    "PrefixMatch",
     "ReplicaRoutingStats",
     "RoundRobinPolicy",
     "RouteDecision",

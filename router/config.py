@@ -20,11 +20,10 @@ SCORING_PROFILES: dict[str, tuple[float, float]] = {
 DEFAULT_SCORING_PROFILE = "balanced"
 
 DEFAULT_HOST_HIT_WEIGHT = 0.9
-"""A host-only matched block saves about 0.9 of what an NPU-matched one saves: reloading a block
-costs about 7% of recomputing it on an H200 (``benchmarks/sim/profiles/h200-llama8b.json``) and
-1-3% on the CPU engine (``python -m benchmarks run reload-vs-recompute``). With 0.5 the load term
-moved sessions away from their reloadable prefix (write-back, 2 TiB host: hit rate 0.639 vs 0.643
-with 0.9; ``benchmarks/README.md``)."""
+"""A host-only matched block counts 0.9 of an NPU-matched one: reloading a block costs a small
+fraction of recomputing it, and with 0.5 the load term moved sessions away from their reloadable
+prefix. Figures: ``benchmarks/README.md``, section "Strata's router: pending prompts, host hits
+at 0.9, load as a share", item 2."""
 
 
 class RoutingConfig(BaseModel):

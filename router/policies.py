@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import ClassVar, NamedTuple
 
 from router.config import RoutingConfig
-from router.prefix_index import PrefixMatch
+from router.prefix_index import IndexMatch
 
 
 class RouteDecision(NamedTuple):
@@ -45,8 +45,8 @@ class RoutingPolicy(ABC):
     replica carrying most of the cluster's work scores near 0, and load differences count in
     proportion to the share of the work they are. (Measured against the heaviest replica
     instead, every difference between busy replicas looked large: on a loaded cluster the load
-    term then moved sessions away from their cached prefix, losing 2% of the reachable cache
-    hits on the Mooncake conversation trace; ``benchmarks/README.md``.)
+    term then moved sessions away from their cached prefix. Figures: ``benchmarks/README.md``,
+    section "Strata's router: pending prompts, host hits at 0.9, load as a share", item 3.)
     """
 
     name: ClassVar[str]
@@ -65,14 +65,14 @@ class RoutingPolicy(ABC):
     def choose(
         self,
         live: Sequence[int],
-        matches: Sequence[PrefixMatch],
+        matches: Sequence[IndexMatch],
         load_tokens: Sequence[int],
         num_prompt_tokens: int,
     ) -> RouteDecision:
         """Pick one of ``live`` (non-empty, ascending replica indices). ``matches`` and
         ``load_tokens`` are indexed by replica index. Does not charge anything."""
 
-    def prefix_score(self, match: PrefixMatch, num_prompt_tokens: int) -> float:
+    def prefix_score(self, match: IndexMatch, num_prompt_tokens: int) -> float:
         if num_prompt_tokens <= 0:
             return 0.0
         weighted_blocks = match.num_npu_blocks + self.host_hit_weight * match.num_host_blocks
@@ -86,7 +86,7 @@ class RoutingPolicy(ABC):
     def _decision(
         self,
         replica: int,
-        match: PrefixMatch,
+        match: IndexMatch,
         prefix_score: float,
         load_score: float,
         score: float,
@@ -110,8 +110,8 @@ class ScoringPolicy(RoutingPolicy):
 
     Why not always the lowest index: when several replicas are idle, every new conversation
     would land on replica 0, whose cache then churns fastest and whose later turns pile up
-    there (measured in the trace simulator, ``benchmarks/sim``: 2.3x more requests on replica
-    0 than on replica 7 at dp 8, a lower hit rate and a 1.5x time-averaged load imbalance).
+    there, lowering the hit rate and unbalancing the load (trace simulator, ``benchmarks/sim``;
+    figures: ``benchmarks/README.md``, section "Strata's scoring policy: a changed tie rule").
     Like the round-robin cursor, the churn count is the policy's own state: ``choose`` updates
     it for the replica it returns.
     """
@@ -135,7 +135,7 @@ class ScoringPolicy(RoutingPolicy):
     def choose(
         self,
         live: Sequence[int],
-        matches: Sequence[PrefixMatch],
+        matches: Sequence[IndexMatch],
         load_tokens: Sequence[int],
         num_prompt_tokens: int,
     ) -> RouteDecision:
@@ -190,7 +190,7 @@ class RoundRobinPolicy(RoutingPolicy):
     def choose(
         self,
         live: Sequence[int],
-        matches: Sequence[PrefixMatch],
+        matches: Sequence[IndexMatch],
         load_tokens: Sequence[int],
         num_prompt_tokens: int,
     ) -> RouteDecision:

@@ -12,7 +12,7 @@ from itertools import repeat, takewhile
 from typing import NamedTuple
 
 from replicas.hashing import BlockHash
-from replicas.kv_events import KVEventBatch, KVSnapshot
+from replicas.kv_events import KVEventBatch, KVEventKind, KVSnapshot, Tier
 
 _LANE_BITS = 8
 """Replicas per lane: ``match`` scans one byte per block and lane with C-level bytes methods."""
@@ -20,7 +20,7 @@ _BIT_TABLES = tuple(bytes((x >> bit) & 1 for x in range(256)) for bit in range(_
 """``_BIT_TABLES[b]`` translates a lane byte to 1 if bit b is set, else 0."""
 
 
-class PrefixMatch(NamedTuple):
+class IndexMatch(NamedTuple):
     """The cached prefix of one prompt on one replica, in blocks per tier.
 
     A block held in both tiers counts as NPU (it is reusable without a reload).
@@ -81,26 +81,28 @@ class PrefixIndex:
         self._check_replica(replica)
         bit = 1 << replica
         holders, width, field = self._holders, self._field_bits, self._field_mask
+        npu_tier, host_tier = Tier.NPU, Tier.HOST  # locals: enum attributes are slow to read
+        stored, removed = KVEventKind.STORED, KVEventKind.REMOVED
         for kind, tier, block_hash in batch.events:
             entry = holders.get(block_hash, 0)
             npu, host = entry & ~(entry >> width) & field, entry >> (2 * width)  # _decode inline
-            if tier == "npu":
+            if tier == npu_tier:
                 held, counts = npu, self._num_npu
-            elif tier == "host":
+            elif tier == host_tier:
                 held, counts = host, self._num_host
             else:
                 raise ValueError(f"unknown KV event tier {tier!r}")
-            if kind == "stored":
+            if kind == stored:
                 if held & bit:
                     continue
                 counts[replica] += 1
-            elif kind == "removed":
+            elif kind == removed:
                 if not held & bit:
                     continue
                 counts[replica] -= 1
             else:
                 raise ValueError(f"unknown KV event kind {kind!r}")
-            if tier == "npu":
+            if tier == npu_tier:
                 npu ^= bit
             else:
                 host ^= bit
@@ -138,12 +140,10 @@ class PrefixIndex:
         self._num_npu[replica] = 0
         self._num_host[replica] = 0
 
-    def match(
-        self, block_hashes: Sequence[BlockHash], replicas: Iterable[int]
-    ) -> list[PrefixMatch]:
+    def match(self, block_hashes: Sequence[BlockHash], replicas: Iterable[int]) -> list[IndexMatch]:
         """Cached prefix of a prompt on each replica (read-only).
 
-        Returns one ``PrefixMatch`` per replica index (``num_replicas`` of them); replicas not in
+        Returns one ``IndexMatch`` per replica index (``num_replicas`` of them); replicas not in
         ``replicas`` get ``(0, 0)``. A replica's match is the longest leading run of
         ``block_hashes`` it holds in any tier, counted per tier.
 
@@ -159,7 +159,7 @@ class PrefixIndex:
         entries = list(takewhile(bool, map(self._holders.get, block_hashes, repeat(0))))
         raw, stride = self._entry_bytes(entries)
         num_lanes = self._num_lanes
-        matches = [PrefixMatch(0, 0)] * self.num_replicas
+        matches = [IndexMatch(0, 0)] * self.num_replicas
         for lane in range(num_lanes):
             still = (candidates >> (lane * _LANE_BITS)) & 0xFF
             if not still:
@@ -176,7 +176,7 @@ class PrefixIndex:
                 if pos:  # replicas dropping out at block 0 keep their (0, 0)
                     for bit in _bits(still & ~held):
                         num_host = host_only_bytes[:pos].translate(_BIT_TABLES[bit]).count(1)
-                        matches[lane * _LANE_BITS + bit] = PrefixMatch(pos - num_host, num_host)
+                        matches[lane * _LANE_BITS + bit] = IndexMatch(pos - num_host, num_host)
                 still &= held
         return matches
 

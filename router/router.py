@@ -10,12 +10,13 @@ from router.config import RoutingConfig
 from router.load import LoadTracker
 from router.pending import PendingPrompts
 from router.policies import RouteDecision, make_policy
-from router.prefix_index import PrefixIndex, PrefixMatch
+from router.prefix_index import IndexMatch, PrefixIndex
 from router.stats import ReplicaRoutingStats, RouterStats, RoutingCounters
 
 
 class NoLiveReplicaError(RuntimeError):
-    """Raised by ``Router.route`` when every replica is marked dead."""
+    """No replica is live: raised by ``Router.route`` when every replica is marked dead, and by
+    the cluster backends (HTTP 503)."""
 
 
 @dataclass(slots=True)
@@ -84,13 +85,13 @@ class Router:
         )
         return decision
 
-    def _matches(self, block_hashes: Sequence[BlockHash]) -> list[PrefixMatch]:
+    def _matches(self, block_hashes: Sequence[BlockHash]) -> list[IndexMatch]:
         """Each live replica's cached prefix: the longer of its indexed run and the run it
         shares with a prompt routed there and not yet computed (counted as NPU blocks)."""
         matches = self._index.match(block_hashes, self._live)
         for replica, num_blocks in self._pending.runs(block_hashes).items():
             if num_blocks > matches[replica].num_blocks:
-                matches[replica] = PrefixMatch(num_blocks, 0)
+                matches[replica] = IndexMatch(num_blocks, 0)
         return matches
 
     def add_generated(self, request_id: str, num_tokens: int) -> None:

@@ -13,7 +13,7 @@ from replicas.kv_cache_types import BlockCopy, TransferPlan
 from replicas.kv_transfer import KVTransfer
 from tests.gpu.devices import CUDA_ONLY, DEVICES, HAS_CUDA, synchronize
 
-GROUPS = {"full": (64, 96), "sliding": (32, 48)}  # NPU blocks, host blocks
+CACHE_TYPES = {"full": (64, 96), "sliding": (32, 48)}  # NPU blocks, host blocks
 FULL_BLOCK_BYTES = 2 * 2 * 16 * 2 * 8 * 4
 
 
@@ -23,15 +23,16 @@ def make_transfer(device: str, **kwargs) -> KVTransfer:
         "full": torch.randn(64, 2, 2, 16, 2, 8, generator=generator).to(device),
         "sliding": torch.randn(32, 1, 2, 16, 2, 8, generator=generator).to(device),
     }
-    return KVTransfer(npu, {g: host for g, (_, host) in GROUPS.items()}, staged=True, **kwargs)
+    num_host_blocks = {name: host for name, (_, host) in CACHE_TYPES.items()}
+    return KVTransfer(npu, num_host_blocks, staged=True, **kwargs)
 
 
-def random_stores(rng: random.Random, per_group: int) -> list[BlockCopy]:
+def random_stores(rng: random.Random, per_cache_type: int) -> list[BlockCopy]:
     copies = []
-    for group, (num_npu, num_host) in GROUPS.items():
-        sources = rng.sample(range(num_npu), per_group)
-        destinations = rng.sample(range(num_host), per_group)
-        copies += [BlockCopy(s, d, group) for s, d in zip(sources, destinations)]
+    for cache_type, (num_npu, num_host) in CACHE_TYPES.items():
+        sources = rng.sample(range(num_npu), per_cache_type)
+        destinations = rng.sample(range(num_host), per_cache_type)
+        copies += [BlockCopy(s, d, cache_type) for s, d in zip(sources, destinations)]
     return copies
 
 
@@ -41,23 +42,23 @@ def test_stores_then_loads_of_the_same_blocks_are_byte_equal_and_ordered(device,
     options = {} if staging_blocks is None else {"staging_bytes": staging_blocks * FULL_BLOCK_BYTES}
     transfer = make_transfer(device, **options)
     npu = transfer.npu_caches
-    before = {g: t.clone() for g, t in npu.items()}
+    before = {name: t.clone() for name, t in npu.items()}
     stores = random_stores(random.Random(1), 12)
     transfer.submit(TransferPlan(stores, []))
     # The compute stream overwrites the stored blocks at once: it must wait for the store's reads.
     for copy in stores:
-        npu[copy.group][copy.src].fill_(-1.0)
+        npu[copy.cache_type][copy.src].fill_(-1.0)
     # Loads of the host blocks just stored, before anything was polled: they see the stored bytes.
-    transfer.submit(TransferPlan([], [BlockCopy(c.dst, c.src, c.group) for c in stores]))
-    seen = {g: t.clone() for g, t in npu.items()}  # on the compute stream, no synchronize
+    transfer.submit(TransferPlan([], [BlockCopy(c.dst, c.src, c.cache_type) for c in stores]))
+    seen = {name: t.clone() for name, t in npu.items()}  # on the compute stream, no synchronize
     landed = transfer.poll(wait=True)
     synchronize(device)
     assert [len(p.stores) + len(p.loads) for p in landed] == [24, 24]
-    for group in GROUPS:
-        assert torch.equal(seen[group], before[group]), group
-        for copy in (c for c in stores if c.group == group):
-            host_block = transfer.host_caches[group][copy.dst]
-            assert torch.equal(host_block, before[group][copy.src].cpu()), copy
+    for cache_type in CACHE_TYPES:
+        assert torch.equal(seen[cache_type], before[cache_type]), cache_type
+        for copy in (c for c in stores if c.cache_type == cache_type):
+            host_block = transfer.host_caches[cache_type][copy.dst]
+            assert torch.equal(host_block, before[cache_type][copy.src].cpu()), copy
     assert transfer.stats.blocks_stored == transfer.stats.blocks_loaded == 24
     assert transfer.poll(wait=True) == []
 
@@ -66,30 +67,33 @@ def test_stores_then_loads_of_the_same_blocks_are_byte_equal_and_ordered(device,
 def test_many_plans_in_flight_reuse_the_ring_and_land_in_order(device):
     transfer = make_transfer(device, staging_bytes=8 * FULL_BLOCK_BYTES)  # 8 "full" blocks
     npu, host = transfer.npu_caches, transfer.host_caches
-    before = {g: t.clone() for g, t in npu.items()}
+    before = {name: t.clone() for name, t in npu.items()}
     rng = random.Random(2)
     stores = []
-    for i in range(8):  # 6 + 6 blocks each, to host blocks 0..47 of each group
-        sources = {g: rng.sample(range(GROUPS[g][0]), 6) for g in GROUPS}
+    for i in range(8):  # 6 + 6 blocks each, to host blocks 0..47 of each cache type
+        sources = {t: rng.sample(range(CACHE_TYPES[t][0]), 6) for t in CACHE_TYPES}
         plan = TransferPlan(
-            [BlockCopy(s, 6 * i + k, g) for g in GROUPS for k, s in enumerate(sources[g])], []
+            [BlockCopy(s, 6 * i + k, t) for t in CACHE_TYPES for k, s in enumerate(sources[t])], []
         )
         transfer.submit(plan)
         stores.append(plan)
-    for g in GROUPS:
-        npu[g].zero_()
+    for t in CACHE_TYPES:
+        npu[t].zero_()
     loads = [
-        TransferPlan([], [BlockCopy(c.dst, c.src, c.group) for c in plan.stores]) for plan in stores
+        TransferPlan([], [BlockCopy(c.dst, c.src, c.cache_type) for c in plan.stores])
+        for plan in stores
     ]
     for plan in loads:
         transfer.submit(plan)
-    seen = {g: t.clone() for g, t in npu.items()}
+    seen = {name: t.clone() for name, t in npu.items()}
     assert transfer.poll(wait=True) == [*stores, *loads]
     synchronize(device)
     for plan in stores:
         for copy in plan.stores:
-            assert torch.equal(host[copy.group][copy.dst], before[copy.group][copy.src].cpu())
-            assert torch.equal(seen[copy.group][copy.src], before[copy.group][copy.src])
+            assert torch.equal(
+                host[copy.cache_type][copy.dst], before[copy.cache_type][copy.src].cpu()
+            )
+            assert torch.equal(seen[copy.cache_type][copy.src], before[copy.cache_type][copy.src])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -152,7 +156,10 @@ def test_transfers_allocate_no_pinned_memory(device, monkeypatch):
     def traffic(num_plans: int) -> None:
         for _ in range(num_plans):
             stores = random_stores(rng, rng.randrange(1, 20))
-            loads = [BlockCopy(c.dst, rng.randrange(GROUPS[c.group][0]), c.group) for c in stores]
+            loads = [
+                BlockCopy(c.dst, rng.randrange(CACHE_TYPES[c.cache_type][0]), c.cache_type)
+                for c in stores
+            ]
             transfer.submit(TransferPlan(stores, []))
             transfer.poll()
             transfer.submit(TransferPlan([], loads))

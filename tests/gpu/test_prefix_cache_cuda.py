@@ -29,14 +29,14 @@ def assert_host_copies_match(llm: LLM) -> None:
     sliding window's safe prefix) is computed again in another batch shape, which changes the
     last bits (the transfer tests check that copies are byte-exact)."""
     manager, transfer = llm.engine.kv_cache, llm.engine.transfer
-    for group in manager.groups:
-        for block_hash in group.host.cached_hashes():
-            host_id = group.host.lookup(block_hash)
-            npu_id = group.npu.lookup(block_hash)
-            if npu_id is None or group.host.blocks[host_id].ref_count:
+    for cache_type in manager._cache_types:
+        for block_hash in cache_type.host.cached_hashes():
+            host_id = cache_type.host.lookup(block_hash)
+            npu_id = cache_type.npu.lookup(block_hash)
+            if npu_id is None or cache_type.host.blocks[host_id].ref_count:
                 continue  # host only, or a transfer still in flight
-            npu_block = transfer.npu_caches[group.name][npu_id].cpu()
-            host_block = transfer.host_caches[group.name][host_id]
+            npu_block = transfer.npu_caches[cache_type.name][npu_id].cpu()
+            host_block = transfer.host_caches[cache_type.name][host_id]
             assert torch.allclose(npu_block, host_block, rtol=1e-3, atol=1e-3), block_hash
 
 

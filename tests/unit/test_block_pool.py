@@ -90,6 +90,20 @@ def test_evict_all_cached_keeps_referenced_blocks():
     pool.check_integrity()
 
 
+def test_record_hit_counts_until_the_block_leaves_the_cache():
+    pool = BlockPool(2)
+    (block,), _ = pool.allocate(1)
+    pool.cache(block, h(1))
+    assert [pool.record_hit(block) for _ in range(3)] == [1, 2, 3]
+    pool.free([block])
+    pool.evict_all_cached()
+    (again,), _ = pool.allocate(1)  # the emptied block is queued first
+    assert again == block
+    pool.cache(block, h(2))
+    assert pool.record_hit(block) == 1
+    pool.check_integrity()
+
+
 def test_integrity_detects_corruption():
     pool = BlockPool(2)
     pool.allocate(1)

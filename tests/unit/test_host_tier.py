@@ -25,8 +25,8 @@ def assert_host_copies_match(engine: Engine) -> None:
         npu_id = manager.npu.lookup(block_hash)
         if npu_id is None or manager.host.blocks[host_id].ref_count:
             continue  # host only, or a transfer still in flight
-        for group, npu in transfer.npu_caches.items():
-            assert torch.equal(npu[npu_id], transfer.host_caches[group][host_id]), block_hash
+        for cache_type, npu in transfer.npu_caches.items():
+            assert torch.equal(npu[npu_id], transfer.host_caches[cache_type][host_id]), block_hash
 
 
 def test_promoted_prefix_reloads_from_host_with_identical_output():

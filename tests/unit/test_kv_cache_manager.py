@@ -5,6 +5,8 @@ import itertools
 import pytest
 
 from replicas.kv_cache_manager import KVCacheManager
+from replicas.kv_cache_types import CacheTypeUsage
+from replicas.kv_events import KVEventKind, KVSnapshot, Tier
 from replicas.request import Request
 from replicas.sampling_params import SamplingParams
 
@@ -203,3 +205,28 @@ def test_reset_prefix_cache_per_tier():
     assert manager.npu.num_cached == 0 and manager.host.num_cached == 0
     with pytest.raises(ValueError, match="tier"):
         manager.reset_prefix_cache("disk")
+
+
+def test_events_snapshot_and_usage_follow_the_pools():
+    manager = KVCacheManager(8, BS, num_host_blocks=4, write_through_threshold=0)
+    first = run(manager, PROMPT)
+    land(manager)
+    assert manager.drain_events() == []  # recording is off until enabled
+    manager.enable_events()
+    manager.reset_prefix_cache(Tier.NPU)
+    hashes = first.block_hashes[:3]
+    # Deepest first, as the request released them; plain strings compare equal to the enums.
+    assert manager.drain_events() == [("removed", "npu", h) for h in reversed(hashes)]
+    assert manager.snapshot(2, 5) == KVSnapshot(2, 5, (), tuple(hashes))
+    assert manager.usage() == {"full": CacheTypeUsage(8, 0, 0, 4, 0, 3)}
+    request = run(manager, PROMPT, finish=False)  # reloads all 3 blocks from host
+    assert [(e.kind, e.tier) for e in manager.drain_events()] == [
+        (KVEventKind.STORED, Tier.NPU)
+    ] * 3
+    assert manager.usage()["full"] == CacheTypeUsage(8, 4, 3, 4, 3, 3)  # loads lock host blocks
+    assert manager.num_free_npu_blocks() == {"full": 4}
+    land(manager)
+    assert manager.usage()["full"].num_host_blocks_used == 0
+    assert manager.stats.blocks_loaded == manager.stats.by_cache_type["full"].blocks_loaded == 3
+    manager.free(request)
+    assert manager.snapshot(0, 9) == KVSnapshot(0, 9, tuple(hashes), tuple(hashes))

@@ -7,10 +7,10 @@ from replicas.kv_cache_types import BlockCopy, TransferPlan
 from replicas.kv_transfer import KVTransfer
 
 
-def test_batched_copies_move_exactly_the_planned_blocks_per_group():
+def test_batched_copies_move_exactly_the_planned_blocks_per_cache_type():
     npu = {"full": torch.randn(6, 2, 2, 4, 1, 3), "sliding": torch.randn(4, 1, 2, 4, 1, 3)}
     transfer = KVTransfer(npu, {"full": 5, "sliding": 2})
-    before = {g: t.clone() for g, t in npu.items()}
+    before = {c: t.clone() for c, t in npu.items()}
     transfer.submit(
         TransferPlan(
             stores=[BlockCopy(4, 0, "full"), BlockCopy(1, 3, "full"), BlockCopy(2, 1, "sliding")],

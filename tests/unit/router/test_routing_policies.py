@@ -2,10 +2,10 @@ import pytest
 
 from router.config import RoutingConfig
 from router.policies import RoundRobinPolicy, RouteDecision, ScoringPolicy, make_policy
-from router.prefix_index import PrefixMatch
+from router.prefix_index import IndexMatch
 
 BLOCK = 16
-NONE = PrefixMatch(0, 0)
+NONE = IndexMatch(0, 0)
 
 
 def scoring(profile: str = "balanced", **kwargs) -> ScoringPolicy:
@@ -16,7 +16,7 @@ def scoring(profile: str = "balanced", **kwargs) -> ScoringPolicy:
 
 def test_exact_scores_of_a_hand_built_state():
     # 64-token prompt (4 blocks); loads 100 / 0 / 300, so scale = 400 + 64 = 464.
-    matches = [PrefixMatch(2, 0), PrefixMatch(0, 4), PrefixMatch(4, 0)]
+    matches = [IndexMatch(2, 0), IndexMatch(0, 4), IndexMatch(4, 0)]
     loads = [100, 0, 300]
     policy = scoring(host_hit_weight=0.5)
     assert policy.prefix_score(matches[0], 64) == 0.5
@@ -32,15 +32,15 @@ def test_exact_scores_of_a_hand_built_state():
 def test_load_score_is_one_for_all_when_nothing_is_loaded_and_prompt_is_empty():
     assert ScoringPolicy.load_score(0, 0, 0) == 1.0
     assert ScoringPolicy.load_score(0, 0, 10) == 1.0
-    assert scoring().prefix_score(PrefixMatch(3, 0), 0) == 0.0
+    assert scoring().prefix_score(IndexMatch(3, 0), 0) == 0.0
 
 
 def test_prefix_score_and_matched_tokens_are_capped_at_the_prompt():
     policy = scoring(host_hit_weight=0.5)
-    decision = policy.choose([0], [PrefixMatch(4, 0)], [0], 60)
+    decision = policy.choose([0], [IndexMatch(4, 0)], [0], 60)
     assert decision.prefix_score == 1.0
     assert decision.num_matched_tokens == decision.num_npu_matched_tokens == 60
-    mixed = policy.choose([0], [PrefixMatch(3, 1)], [0], 60)
+    mixed = policy.choose([0], [IndexMatch(3, 1)], [0], 60)
     assert mixed.prefix_score == pytest.approx((3 + 0.5) * 16 / 60)
     assert (mixed.num_matched_tokens, mixed.num_npu_matched_tokens) == (60, 48)
     assert mixed.num_host_matched_tokens == 12
@@ -59,14 +59,14 @@ def test_prefix_score_and_matched_tokens_are_capped_at_the_prompt():
 )
 def test_profiles_trade_a_cached_prefix_against_load(profile, kwargs, winner):
     # Replica 0 caches the whole prompt but carries 1000 tokens; replica 1 is idle and cold.
-    matches = [PrefixMatch(4, 0), NONE]
+    matches = [IndexMatch(4, 0), NONE]
     decision = scoring(profile, **kwargs).choose([0, 1], matches, [1000, 0], 64)
     assert decision.replica_index == winner
 
 
 def test_custom_weights_give_exact_scores():
     policy = scoring("custom", prefix_weight=2.0, load_weight=0.5)
-    decision = policy.choose([0], [PrefixMatch(1, 0)], [0], 64)
+    decision = policy.choose([0], [IndexMatch(1, 0)], [0], 64)
     assert decision.score == 2.0 * 0.25 + 0.5 * 1.0
 
 
@@ -74,7 +74,7 @@ def test_exact_ties_go_to_the_lowest_index_live_replica():
     policy = scoring()
     assert policy.choose([0, 1, 2], [NONE] * 3, [0, 0, 0], 64).replica_index == 0
     assert policy.choose([1, 2], [NONE] * 3, [0, 0, 0], 64).replica_index == 1
-    matches = [NONE, PrefixMatch(1, 0), PrefixMatch(3, 0), PrefixMatch(3, 0)]
+    matches = [NONE, IndexMatch(1, 0), IndexMatch(3, 0), IndexMatch(3, 0)]
     assert policy.choose([0, 1, 2, 3], matches, [0, 0, 10, 10], 64).replica_index == 2
 
 
@@ -91,7 +91,7 @@ def test_later_exact_ties_go_to_the_replica_sent_the_fewest_uncached_tokens():
     ]
     # Churn (uncached tokens sent) is now 128 / 64 / 64. Only uncached tokens count: a full hit
     # on replica 1 adds nothing, and the next cold tie still finds 1 and 2 level (1 wins).
-    assert policy.choose([0, 1, 2], [NONE, PrefixMatch(4, 0), NONE], idle, 64).replica_index == 1
+    assert policy.choose([0, 1, 2], [NONE, IndexMatch(4, 0), NONE], idle, 64).replica_index == 1
     assert policy.choose([0, 1, 2], [NONE] * 3, idle, 32).replica_index == 1  # 128 / 96 / 64
     assert policy.choose([0, 2], [NONE] * 3, idle, 64).replica_index == 2  # 128 / - / 128
     # Replica 1 (re)joins the live set level with the least-churned live replica (128): a tie
@@ -100,7 +100,7 @@ def test_later_exact_ties_go_to_the_replica_sent_the_fewest_uncached_tokens():
 
 
 def test_a_host_only_match_counts_less_than_an_npu_match():
-    matches = [PrefixMatch(0, 4), PrefixMatch(4, 0)]
+    matches = [IndexMatch(0, 4), IndexMatch(4, 0)]
     assert scoring().choose([0, 1], matches, [0, 0], 64).replica_index == 1
     # At full host weight the two tie, and the tie goes to the lower index.
     tied = scoring(host_hit_weight=1.0).choose([0, 1], matches, [0, 0], 64)
@@ -126,13 +126,13 @@ def test_round_robin_cycles_over_live_replicas_in_index_order():
 
 def test_round_robin_does_not_score_but_reports_the_chosen_replicas_scores():
     policy = make_policy(RoutingConfig(policy="round-robin"), BLOCK)
-    decision = policy.choose([0, 1], [PrefixMatch(1, 1), NONE], [32, 0], 64)
+    decision = policy.choose([0, 1], [IndexMatch(1, 1), NONE], [32, 0], 64)
     assert decision == RouteDecision(0, (1 + 0.9) * 16 / 64, 1 - 32 / 96, 0.0, 32, 16, 16)
 
 
 def test_load_counts_as_a_share_of_the_cluster_load():
     # A quarter of a 128-token prompt cached on replica 0, which carries the most load.
-    matches = [PrefixMatch(2, 0), NONE, NONE, NONE]
+    matches = [IndexMatch(2, 0), NONE, NONE, NONE]
     policy = scoring()
     busy = policy.choose([0, 1, 2, 3], matches, [1000, 500, 500, 500], 128)
     # 0.55 * 0.25 + 0.45 * (1 - 1000/2628) = 0.416 > 0.45 * (1 - 500/2628) = 0.364
