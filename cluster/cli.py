@@ -5,16 +5,29 @@ Every invalid combination exits with status 2 and one sentence, before anything 
 """
 
 import argparse
+import logging
+import math
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+import warnings
+from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
+from cluster.config import ClusterConfig, ModelConfig, RayConfig, ServerConfig
+from replicas.config import (
+    HOST_GB_OPTION,
+    HOST_RATIO_OPTION,
+    WRITE_BACK_OPTION,
+    WRITE_THROUGH_OPTION,
+    KVOffloadConfig,
+    PrefixCacheConfig,
+    SchedulerConfig,
+)
 from replicas.model.resolve import DEFAULT_MODEL
+from router.config import RoutingConfig
 
-if TYPE_CHECKING:
-    from cluster.config import ClusterConfig
+logger = logging.getLogger(__name__)
 
 DEFAULT_PROMPTS = [
     "You are Strata's demo assistant. Answer briefly and precisely. Question: what is a KV cache?",
@@ -22,59 +35,205 @@ DEFAULT_PROMPTS = [
     "You are Strata's demo assistant. Answer briefly and precisely. Question: what is a block?",
 ]
 
+FLAG_GROUPS = ("deployment", "model", "cache", "scheduler", "host tier", "routing", "server", "Ray")
+"""The argument groups of ``serve`` and ``generate`` (``generate`` adds ``generation``)."""
+
+
+def field_help(
+    model: type[BaseModel], name: str, text: str | None = None, default: str | None = None
+) -> str:
+    """Help of a flag that sets ``model``'s field ``name``: ``text`` (else the field's
+    description, less a leading ``--flag:``) and ``default`` (else the field's), so help
+    follows the config."""
+    field = model.model_fields[name]
+    description = text or field.description or ""
+    if description.startswith("--"):
+        description = description.split(": ", 1)[-1]
+        description = description[:1].upper() + description[1:]
+    if default is None:
+        default = str(field.get_default(call_default_factory=True))
+    return f"{description} Default: {default}.".replace("%", "%%")
+
+
+def gib(text: str) -> int:
+    """A GiB amount on the command line, in bytes."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(text)
+    return int(value * 2**30)
+
 
 def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags shared by ``serve``, ``generate`` and ``python -m cluster.job``."""
-    a = parser.add_argument
+    """The flags shared by ``serve``, ``generate`` and ``python -m cluster.job``, in groups."""
+    group = {title: parser.add_argument_group(title) for title in FLAG_GROUPS}
+
+    a = group["deployment"].add_argument
+    a(
+        "--config",
+        metavar="FILE",
+        help="YAML ClusterConfig (see configs/); its values replace the defaults below and "
+        "flags given override them. Default: none.",
+    )
+    a(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        metavar="N",
+        help=field_help(ClusterConfig, "data_parallel_size"),
+    )
+
+    a = group["model"].add_argument
     a(
         "model",
         nargs="?",
         default=None,
-        help="built-in name (smollm2-135m, tiny, tiny-hybrid), Hugging Face directory, .gguf "
-        f"file or hub id (org/name); default: the config's model, else {DEFAULT_MODEL}",
+        help=field_help(ModelConfig, "model", default=f"the config's model, else {DEFAULT_MODEL}"),
     )
-    a("--config", default=None, help="YAML ClusterConfig (see configs/)")
-    a("--revision", help="hub branch, tag or commit of a hub id (default: its main branch)")
-    a("--served-model-name", help="model name in the API (default: the model as given)")
-    a("--data-parallel-size", "-dp", type=int, dest="data_parallel_size")
-    a("--seed", type=int)
-    a("--device")
-    a("--dtype")
-    a("--block-size", type=int)
-    a("--num-npu-blocks", type=int)
-    a("--max-model-len", type=int)
-    a("--max-num-seqs", type=int)
-    a("--max-num-batched-tokens", type=int)
-    a("--no-enable-prefix-caching", action="store_true", default=None)
-    a("--experimental-kv-offload-host-memory-gb", type=float, dest="host_gb")
-    a("--experimental-kv-offload-host-memory-ratio", type=float, dest="host_ratio")
-    a("--experimental-kv-offload-write-through-threshold", type=int, dest="wt_threshold")
-    a("--experimental-kv-offload-write-back", action="store_true", default=None, dest="write_back")
-    a("--data-parallel-routing-policy", choices=["scoring", "round-robin"], dest="policy")
+    a("--revision", help=field_help(ModelConfig, "revision"))
+    a("--served-model-name", metavar="NAME", help=field_help(ModelConfig, "served_model_name"))
+    a("--seed", type=int, help=field_help(ModelConfig, "seed"))
+    a("--device", help=field_help(ModelConfig, "device"))
+    a("--dtype", help=field_help(ModelConfig, "dtype"))
+    a("--max-model-len", type=int, metavar="TOKENS", help=field_help(ModelConfig, "max_model_len"))
+
+    a = group["cache"].add_argument
+    a("--block-size", type=int, metavar="TOKENS", help=field_help(ModelConfig, "block_size"))
+    a("--num-npu-blocks", type=int, metavar="N", help=field_help(ModelConfig, "num_npu_blocks"))
+    a(
+        "--no-enable-prefix-caching",
+        action="store_true",
+        default=None,
+        help=field_help(
+            PrefixCacheConfig,
+            "enabled",
+            "Turn prefix caching off: never reuse cached KV of matching prompt prefixes.",
+            default="prefix caching on",
+        ),
+    )
+
+    a = group["scheduler"].add_argument
+    a("--max-num-seqs", type=int, metavar="N", help=field_help(SchedulerConfig, "max_num_seqs"))
+    a(
+        "--max-num-batched-tokens",
+        type=int,
+        metavar="TOKENS",
+        help=field_help(SchedulerConfig, "max_num_batched_tokens"),
+    )
+
+    a = group["host tier"].add_argument
+    a(
+        HOST_GB_OPTION,
+        type=gib,
+        dest="host_memory_bytes",
+        metavar="GIB",
+        help=field_help(
+            KVOffloadConfig,
+            "host_memory_bytes",
+            "Host KV budget in GiB (positive) for the whole deployment, divided equally among "
+            "the replicas; turns the host tier on. Exclusive with the ratio.",
+            default="none",
+        ),
+    )
+    a(
+        HOST_RATIO_OPTION,
+        type=float,
+        dest="host_memory_ratio",
+        metavar="R",
+        help=field_help(
+            KVOffloadConfig,
+            "host_memory_ratio",
+            "Host blocks per NPU block, per replica and cache type (floor); a positive value "
+            "turns the host tier on, 0 leaves it off. Exclusive with the GiB budget.",
+        ),
+    )
+    a(
+        WRITE_THROUGH_OPTION,
+        type=int,
+        dest="write_through_threshold",
+        metavar="HITS",
+        help=field_help(
+            KVOffloadConfig,
+            "write_through_threshold",
+            "Copy an NPU block to host when its hit count reaches this; 0 disables "
+            "write-through. Needs a host capacity.",
+        ),
+    )
+    a(
+        WRITE_BACK_OPTION,
+        action="store_true",
+        default=None,
+        dest="write_back",
+        help=field_help(
+            KVOffloadConfig,
+            "write_back",
+            "Copy NPU-only cached blocks to host when NPU pressure evicts them. Needs a host "
+            "capacity.",
+        ),
+    )
+
+    a = group["routing"].add_argument
+    a(
+        "--data-parallel-routing-policy",
+        choices=["scoring", "round-robin"],
+        dest="policy",
+        help=field_help(RoutingConfig, "policy"),
+    )
     a(
         "--data-parallel-scoring-profile",
         dest="profile",
         choices=["balanced", "locality", "load", "custom"],
+        help=field_help(RoutingConfig, "scoring_profile"),
     )
-    a("--data-parallel-prefix-weight", type=float, dest="prefix_weight")
-    a("--data-parallel-load-weight", type=float, dest="load_weight")
-    a("--data-parallel-host-hit-weight", type=float, dest="host_hit_weight")
-    a("--host")
-    a("--port", type=int)
-    a("--api-key")
-    a("--address", help="join this Ray cluster instead of starting an embedded one")
-    a("--num-cpus", type=float, help="CPUs of the embedded Ray")
+    a(
+        "--data-parallel-prefix-weight",
+        type=float,
+        dest="prefix_weight",
+        metavar="W",
+        help=field_help(RoutingConfig, "prefix_weight"),
+    )
+    a(
+        "--data-parallel-load-weight",
+        type=float,
+        dest="load_weight",
+        metavar="W",
+        help=field_help(RoutingConfig, "load_weight"),
+    )
+    a(
+        "--data-parallel-host-hit-weight",
+        type=float,
+        dest="host_hit_weight",
+        metavar="W",
+        help=field_help(RoutingConfig, "host_hit_weight"),
+    )
+
+    a = group["server"].add_argument
+    a("--host", help=field_help(ServerConfig, "host"))
+    a("--port", type=int, help=field_help(ServerConfig, "port"))
+    a("--api-key", metavar="KEY", help=field_help(ServerConfig, "api_key"))
+
+    a = group["Ray"].add_argument
+    a("--address", help=field_help(RayConfig, "address"))
+    a("--num-cpus", type=float, metavar="CPUS", help=field_help(RayConfig, "num_cpus"))
     a(
         "--gpus-per-replica",
         type=float,
-        help="GPUs reserved per replica (default: 1 when the cluster has one per replica, else 0)",
+        metavar="GPUS",
+        help=field_help(RayConfig, "gpus_per_replica"),
     )
 
 
-def build_config(args: argparse.Namespace) -> "ClusterConfig":
-    """The YAML file, overridden by the flags given; raises ValueError/ValidationError."""
-    from cluster.config import ClusterConfig
+def build_config(args: argparse.Namespace) -> ClusterConfig:
+    """The YAML file, overridden by the flags given; raises ValueError/ValidationError. The
+    config's warnings (options that cannot take effect) are logged once each."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = _build_config(args)
+    for message in dict.fromkeys(str(w.message) for w in caught):
+        logger.warning("%s", message)
+    return config
 
+
+def _build_config(args: argparse.Namespace) -> ClusterConfig:
     data: dict[str, Any] = {}
     if args.config:
         data = ClusterConfig.from_yaml(args.config).model_dump(exclude_unset=True)
@@ -123,33 +282,18 @@ def build_config(args: argparse.Namespace) -> "ClusterConfig":
 
 
 def _put_offload(args: argparse.Namespace, data: dict[str, Any]) -> None:
-    if args.host_gb is not None and args.host_gb < 0:
-        raise ValueError(
-            f"--experimental-kv-offload-host-memory-gb must be non-negative, got {args.host_gb}"
-        )
-    if args.wt_threshold is not None and args.wt_threshold < 0:
-        raise ValueError(
-            "--experimental-kv-offload-write-through-threshold must be >= 0 "
-            f"(0 disables promotion), got {args.wt_threshold}"
-        )
+    """A capacity flag replaces the file's capacity and turns the host tier on (a ratio of 0
+    leaves it off); ``KVOffloadConfig`` checks every value."""
     offload = data.setdefault("scheduler", {}).setdefault("kv_offload_config", {})
-    if args.host_gb and args.host_ratio:
-        raise ValueError(
-            "--experimental-kv-offload-host-memory-gb and "
-            "--experimental-kv-offload-host-memory-ratio are mutually exclusive"
-        )
-    if args.host_gb is not None:
+    num_bytes, ratio = args.host_memory_bytes, args.host_memory_ratio
+    if num_bytes is not None or ratio is not None:
         offload.update(
-            enabled=args.host_gb > 0,
-            host_memory_bytes=int(args.host_gb * 2**30) or None,
-            host_memory_ratio=0.0,
+            enabled=num_bytes is not None or ratio != 0,
+            host_memory_bytes=num_bytes,
+            host_memory_ratio=ratio or 0.0,
         )
-    if args.host_ratio is not None:
-        offload.update(
-            enabled=args.host_ratio != 0, host_memory_ratio=args.host_ratio, host_memory_bytes=None
-        )
-    if args.wt_threshold is not None:
-        offload["write_through_threshold"] = args.wt_threshold or None
+    if args.write_through_threshold is not None:
+        offload["write_through_threshold"] = args.write_through_threshold or None
     if args.write_back:
         offload["write_back"] = True
 
@@ -190,15 +334,53 @@ def _generate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata", description="Strata LLM serving")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API on Ray")
+    epilog = (
+        "Defaults are Strata's own; a --config file's values replace them and flags override "
+        "both. Every invalid combination exits with status 2 and one sentence."
+    )
+    serve = commands.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible HTTP API on Ray",
+        description="Serve the OpenAI-compatible HTTP API from replicas deployed on Ray.",
+        epilog=epilog,
+    )
     add_cluster_flags(serve)
     serve.set_defaults(func=_serve)
-    generate = commands.add_parser("generate", help="generate completions offline")
+    generate = commands.add_parser(
+        "generate",
+        help="generate completions offline",
+        description="Generate completions offline and print them.",
+        epilog=epilog,
+    )
     add_cluster_flags(generate)
-    generate.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    generate.add_argument("--max-tokens", type=int, default=32)
-    generate.add_argument("--temperature", type=float, default=0.0)
-    generate.add_argument("--sampling-seed", type=int, default=None)
+    a = generate.add_argument_group("generation").add_argument
+    a(
+        "--prompt",
+        action="append",
+        metavar="TEXT",
+        help="A prompt; repeat for more. Default: three demo prompts.",
+    )
+    a(
+        "--max-tokens",
+        type=int,
+        default=32,
+        metavar="N",
+        help="Most output tokens per prompt. Default: %(default)s.",
+    )
+    a(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="Sampling temperature; 0 is greedy. Default: %(default)s.",
+    )
+    a(
+        "--sampling-seed",
+        type=int,
+        default=None,
+        metavar="SEED",
+        help="Seed of every prompt's sampling; None: the --seed of the engine drives it "
+        "Default: %(default)s.",
+    )
     generate.set_defaults(func=_generate)
     return parser
 

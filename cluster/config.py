@@ -10,8 +10,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cluster.capacity import kv_block_bytes, plan_replica_offload
-from replicas.config import EngineConfig, SchedulerConfig
+from replicas.config import EngineConfig, ReplicaModelConfig, SchedulerConfig
+from replicas.kv_capacity import kv_cache_specs, plan_replica_offload
 from replicas.model import load_model_info
 from router.config import RoutingConfig
 
@@ -20,25 +20,11 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class ModelConfig(_Section):
-    model: str = Field(
-        "tiny",
-        description="Built-in name (tiny, tiny-hybrid, smollm2-135m), local Hugging Face "
-        "directory, .gguf file or Hugging Face hub id (org/name).",
-    )
-    revision: str | None = Field(
-        None, description="Hub branch, tag or commit of a hub id; None: the default branch."
-    )
-    served_model_name: str | None = Field(None, description="Name in the API; default: model.")
-    seed: int = Field(0, description="Seed of built-in weights and unseeded sampling.")
-    dtype: str = Field("float32", description="float32, bfloat16 or float16.")
-    device: str = Field("auto", description="auto (cuda if available), cpu or cuda.")
-    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
-    num_npu_blocks: int | None = Field(None, ge=1, description="NPU KV blocks per replica.")
-    npu_kv_memory_bytes: int = Field(
-        256 * 2**20, ge=1, description="NPU KV memory per replica when num_npu_blocks is unset."
-    )
-    max_model_len: int | None = Field(None, ge=2, description="Most tokens of one request.")
+class ModelConfig(ReplicaModelConfig):
+    """The replicas' model and KV memory (``replicas.config.ReplicaModelConfig``) and its name
+    in the API."""
+
+    served_model_name: str | None = Field(None, description="Name in the API; None: the model.")
 
 
 class ServerConfig(_Section):
@@ -61,7 +47,9 @@ class RayConfig(_Section):
     address: str | None = Field(
         None, description="Existing cluster to join; None starts an embedded local Ray."
     )
-    num_cpus: float | None = Field(None, gt=0, description="CPUs of the embedded local Ray.")
+    num_cpus: float | None = Field(
+        None, gt=0, description="CPUs of the embedded local Ray; None: every CPU of this machine."
+    )
     namespace: str = Field("strata", description="Ray namespace of Strata's actors.")
     cpus_per_replica: float = Field(0.5, ge=0, description="CPUs reserved per replica actor.")
     gpus_per_replica: float | None = Field(
@@ -114,19 +102,12 @@ class ClusterConfig(_Section):
         """One replica's engine config, with its share of the host budget. Reads the model's
         config (not its weights) and raises ``ValueError`` if the share holds no block."""
         args, _ = load_model_info(self.model.model, self.model.revision)
-        block_bytes = kv_block_bytes(args, self.model.block_size, self.model.dtype)
+        specs = kv_cache_specs(args, self.model.dtype)
+        block_bytes = sum(s.block_bytes(self.model.block_size) for s in specs.values())
         offload = plan_replica_offload(
             self.scheduler.kv_offload_config, self.data_parallel_size, block_bytes
         )
         return EngineConfig(
-            model=self.model.model,
-            revision=self.model.revision,
-            seed=self.model.seed,
-            block_size=self.model.block_size,
-            num_npu_blocks=self.model.num_npu_blocks,
-            npu_kv_memory_bytes=self.model.npu_kv_memory_bytes,
-            max_model_len=self.model.max_model_len,
-            device=self.model.device,
-            dtype=self.model.dtype,
+            **{name: getattr(self.model, name) for name in ReplicaModelConfig.model_fields},
             scheduler_config=self.scheduler.model_copy(update={"kv_offload_config": offload}),
         )

@@ -5,8 +5,47 @@ what to change. ``cluster.config.ClusterConfig`` composes these models.
 """
 
 import warnings
+from collections.abc import Iterable
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+"""The weights and KV dtypes a replica runs, by config name; bytes per element are
+``TORCH_DTYPES[name].itemsize``."""
+
+HOST_GB_OPTION = "--experimental-kv-offload-host-memory-gb"
+HOST_RATIO_OPTION = "--experimental-kv-offload-host-memory-ratio"
+WRITE_THROUGH_OPTION = "--experimental-kv-offload-write-through-threshold"
+WRITE_BACK_OPTION = "--experimental-kv-offload-write-back"
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a config dtype name; ``ValueError`` naming the choices otherwise."""
+    dtype = TORCH_DTYPES.get(name)
+    if dtype is None:
+        raise ValueError(f"dtype must be {_one_of(TORCH_DTYPES)}, got {name!r}")
+    return dtype
+
+
+def _one_of(names: Iterable[str]) -> str:
+    """``"a, b or c"``."""
+    *head, last = names
+    return f"{', '.join(head)} or {last}" if head else last
+
+
+def check_one_host_capacity(
+    has_bytes: bool, has_ratio: bool, bytes_option: str, ratio_option: str
+) -> None:
+    """The host tier is sized by a byte budget or by a ratio, never by both."""
+    if has_bytes and has_ratio:
+        raise ValueError(
+            f"{bytes_option} and {ratio_option} are mutually exclusive; set only one of them"
+        )
 
 
 class _Config(BaseModel):
@@ -21,15 +60,22 @@ class PrefixCacheConfig(_Config):
 
 class KVOffloadConfig(_Config):
     """The host-memory (L2) tier of the prefix cache. Off unless ``enabled=True`` and one capacity
-    option is positive; see DESIGN section 5 for the exact capacity rules."""
+    is given: a positive byte budget, or a positive ratio (a ratio of 0 means no ratio); see
+    DESIGN section 5 for the exact capacity rules.
+
+    Capacity or write options that cannot take effect warn (``UserWarning``) and leave the tier
+    off: a capacity without ``enabled=True``, write-back or a write-through threshold without a
+    capacity."""
 
     enabled: bool = Field(False, description="Turn the host tier on (must be explicit).")
     host_memory_bytes: int | None = Field(
         None,
-        description="Process-wide host KV budget in bytes, divided equally among DP replicas.",
+        description="Process-wide host KV budget in bytes, divided equally among DP replicas; "
+        "positive when set.",
     )
     host_memory_ratio: float = Field(
-        0.0, description="Host blocks per NPU block, per replica and cache type (floor)."
+        0.0,
+        description="Host blocks per NPU block, per replica and cache type (floor); 0: no ratio.",
     )
     write_through_threshold: int | None = Field(
         2,
@@ -42,28 +88,30 @@ class KVOffloadConfig(_Config):
 
     @model_validator(mode="after")
     def _check(self) -> "KVOffloadConfig":
-        if self.host_memory_bytes is not None and self.host_memory_bytes < 0:
+        num_bytes = self.host_memory_bytes
+        if num_bytes is not None and num_bytes <= 0:
             raise ValueError(
-                f"kv_offload_config.host_memory_bytes must be non-negative, "
-                f"got {self.host_memory_bytes}"
+                f"kv_offload_config.host_memory_bytes ({HOST_GB_OPTION}) must be positive, got "
+                f"{num_bytes} bytes ({num_bytes / 2**30:g} GiB); leave it unset for no byte budget"
             )
         if self.host_memory_ratio < 0:
             raise ValueError(
-                f"kv_offload_config.host_memory_ratio must be non-negative, "
-                f"got {self.host_memory_ratio}"
+                f"kv_offload_config.host_memory_ratio ({HOST_RATIO_OPTION}) must be non-negative "
+                f"(0: no ratio), got {self.host_memory_ratio}"
             )
         if self.write_through_threshold is not None and self.write_through_threshold < 0:
             raise ValueError(
-                "kv_offload_config.write_through_threshold must be >= 0 or None, "
-                f"got {self.write_through_threshold}"
+                f"kv_offload_config.write_through_threshold ({WRITE_THROUGH_OPTION}) must be "
+                f">= 0 or None, got {self.write_through_threshold}"
             )
-        has_bytes = bool(self.host_memory_bytes)
+        has_bytes = num_bytes is not None
         has_ratio = self.host_memory_ratio > 0
-        if has_bytes and has_ratio:
-            raise ValueError(
-                "kv_offload_config.host_memory_bytes and kv_offload_config.host_memory_ratio are "
-                "mutually exclusive; set only one of them"
-            )
+        check_one_host_capacity(
+            has_bytes,
+            has_ratio,
+            f"kv_offload_config.host_memory_bytes ({HOST_GB_OPTION})",
+            f"kv_offload_config.host_memory_ratio ({HOST_RATIO_OPTION})",
+        )
         if self.enabled and not (has_bytes or has_ratio):
             raise ValueError(
                 "kv_offload_config.enabled=True needs a positive host_memory_bytes or "
@@ -76,11 +124,26 @@ class KVOffloadConfig(_Config):
                 UserWarning,
                 stacklevel=2,
             )
+        ignored = []
+        if self.write_back:
+            ignored.append(f"write_back ({WRITE_BACK_OPTION})")
+        if self.write_through_threshold is not None and (
+            "write_through_threshold" in self.model_fields_set
+        ):
+            ignored.append(f"write_through_threshold ({WRITE_THROUGH_OPTION})")
+        if ignored and not (has_bytes or has_ratio):
+            warnings.warn(
+                f"kv_offload_config sets {' and '.join(ignored)} but no host capacity "
+                f"({HOST_GB_OPTION} or {HOST_RATIO_OPTION}): the host KV tier stays off and "
+                f"{'they have' if len(ignored) > 1 else 'it has'} no effect",
+                UserWarning,
+                stacklevel=2,
+            )
         return self
 
     @property
     def is_active(self) -> bool:
-        return self.enabled and (bool(self.host_memory_bytes) or self.host_memory_ratio > 0)
+        return self.enabled and (self.host_memory_bytes is not None or self.host_memory_ratio > 0)
 
 
 class SchedulerConfig(_Config):
@@ -106,36 +169,54 @@ class SchedulerConfig(_Config):
         return self
 
 
-class EngineConfig(_Config):
-    """Everything one replica's engine needs: model, KV memory and scheduling."""
+class ReplicaModelConfig(_Config):
+    """The model a replica runs, where, and its NPU KV memory; the deployment's ``model``
+    section (``cluster.config.ModelConfig``) and ``EngineConfig`` share these fields."""
 
     model: str = Field(
         "tiny",
-        description="Built-in name, local Hugging Face directory, .gguf file or hub id.",
+        description="Built-in name (tiny, tiny-hybrid, smollm2-135m), local Hugging Face "
+        "directory, .gguf file or Hugging Face hub id (org/name).",
     )
-    revision: str | None = Field(None, description="Hub branch, tag or commit of a hub id.")
+    revision: str | None = Field(
+        None, description="Hub branch, tag or commit of a hub id; None: the default branch."
+    )
     seed: int = Field(0, description="Seed of built-in weights and of unseeded sampling.")
+    dtype: str = Field("float32", description=f"Weights and KV dtype: {_one_of(TORCH_DTYPES)}.")
+    device: str = Field(
+        "auto", description="auto (cuda if available, else cpu), cpu, cuda or cuda:N."
+    )
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
     num_npu_blocks: int | None = Field(
-        None, ge=1, description="KV blocks in the NPU tier; derived from npu_kv_memory_bytes."
+        None,
+        ge=1,
+        description="KV blocks in the NPU tier per replica (of the global cache type); "
+        "None: what npu_kv_memory_bytes holds.",
     )
     npu_kv_memory_bytes: int = Field(
-        256 * 2**20, ge=1, description="NPU KV memory used when num_npu_blocks is not given."
+        256 * 2**20,
+        ge=1,
+        description="NPU KV memory per replica in bytes, used when num_npu_blocks is None.",
     )
     max_model_len: int | None = Field(
-        None, ge=2, description="Most tokens (prompt plus output) of one request."
+        None,
+        ge=2,
+        description="Most tokens (prompt plus output) of one request; None: the model's "
+        "maximum positions, capped by what the NPU tier holds.",
     )
-    device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda'.")
-    dtype: str = Field("float32", description="Weights and KV dtype: float32, bfloat16, float16.")
+
+    @model_validator(mode="after")
+    def _check_model(self) -> "ReplicaModelConfig":
+        torch_dtype(self.dtype)
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        return self
+
+
+class EngineConfig(ReplicaModelConfig):
+    """Everything one replica's engine needs: model, KV memory and scheduling."""
+
     num_threads: int | None = Field(
         None, ge=1, description="torch CPU threads of this engine's process; None keeps torch's."
     )
     scheduler_config: SchedulerConfig = Field(default_factory=SchedulerConfig)
-
-    @model_validator(mode="after")
-    def _check(self) -> "EngineConfig":
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        return self

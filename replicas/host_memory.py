@@ -1,8 +1,9 @@
 """Host memory for the host KV tier: checked, allocated and faulted in at start-up.
 
-A gather from never-written memory pays a page fault per page and runs over ten times slower
-than from resident memory, so every page of a host pool is written once here, before any
-transfer. A pool that cannot fit fails now, with a clear error, rather than later under load.
+A gather from never-written memory pays a page fault per page and runs several times slower
+than from resident memory (benchmarks/README.md, ``transfer``), so every page of a host pool is
+written once here, before any transfer. A pool that cannot fit fails now, with a clear error,
+rather than later under load.
 """
 
 import logging

@@ -6,15 +6,30 @@ chunk in a sliding group. Each sliding pool can always hold one request's window
 request never waits for sliding blocks that cannot exist.
 
 The host tier is sized per cache type either by ratio (``floor(R x NPU blocks)``) or by the
-replica's byte share, split in proportion to each type's NPU KV memory, in whole blocks.
+replica's byte share, split in proportion to each type's NPU KV memory, in whole blocks. A byte
+budget is process-wide: each of the ``data_parallel_size`` replicas gets an equal share, which
+must hold at least one block of every cache type.
+
+The engine (``plan_cache``), the deployment (``plan_replica_offload``, ``deployment_host_bytes``)
+and the simulator (``host_blocks_per_replica``) all size the host tier here.
 """
 
 import logging
 import math
 from typing import NamedTuple
 
-from replicas.config import EngineConfig, KVOffloadConfig
-from replicas.model import KVCacheSpec
+import torch
+
+from replicas.config import (
+    HOST_GB_OPTION,
+    HOST_RATIO_OPTION,
+    EngineConfig,
+    KVOffloadConfig,
+    check_one_host_capacity,
+    torch_dtype,
+)
+from replicas.model import KVCacheSpec, ModelArgs
+from replicas.model.registry import build_model
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +38,19 @@ class CachePlan(NamedTuple):
     num_npu_blocks: dict[str, int]
     num_host_blocks: dict[str, int]  # empty when the host tier is off
     block_bytes: dict[str, int]
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of every host pool of the replica (0 when the host tier is off)."""
+        return sum(n * self.block_bytes[g] for g, n in self.num_host_blocks.items())
+
+
+def kv_cache_specs(args: ModelArgs, dtype: str) -> dict[str, KVCacheSpec]:
+    """The model's KV cache specs without its weights: ``kv_cache_specs`` of the model built on
+    the meta device, which allocates no memory."""
+    with torch.device("meta"):
+        model = build_model(args)
+    return model.kv_cache_specs(torch_dtype(dtype))
 
 
 def _blocks_per_request(spec: KVCacheSpec, num_tokens: int, chunk: int, block_size: int) -> int:
@@ -66,15 +94,82 @@ def plan_npu_blocks(
     return plan
 
 
+def replica_host_bytes(host_memory_bytes: int, data_parallel_size: int, block_bytes: int) -> int:
+    """One replica's equal share of a process-wide host budget, in bytes (rounded down).
+
+    ``block_bytes`` is one block of every cache type; raises ``ValueError`` when the share is
+    smaller.
+    """
+    share = host_memory_bytes // data_parallel_size
+    if share < block_bytes:
+        raise _share_error(HOST_GB_OPTION, share, data_parallel_size, block_bytes)
+    return share
+
+
+def plan_replica_offload(
+    offload: KVOffloadConfig, data_parallel_size: int, block_bytes: int
+) -> KVOffloadConfig:
+    """The host-tier config of one replica: its equal share of a byte budget (a ratio is per
+    replica already and passes through). Raises ``ValueError`` when the share holds no block."""
+    if not offload.is_active or offload.host_memory_bytes is None:
+        return offload
+    share = replica_host_bytes(offload.host_memory_bytes, data_parallel_size, block_bytes)
+    return offload.model_copy(update={"host_memory_bytes": share})
+
+
+def host_blocks_per_replica(
+    num_npu_blocks: int,
+    block_bytes: float,
+    data_parallel_size: int,
+    *,
+    host_memory_gib: float = 0.0,
+    host_memory_ratio: float = 0.0,
+    gib_option: str = HOST_GB_OPTION,
+    ratio_option: str = HOST_RATIO_OPTION,
+) -> int:
+    """Host blocks of one cache type for one replica: ``floor(ratio x NPU blocks)``, or the
+    replica's equal share of a process-wide GiB budget in whole blocks; 0 when neither is
+    positive. Raises ``ValueError`` when both are positive or the share holds no block.
+
+    The rules of ``plan_host_blocks`` and ``replica_host_bytes`` for one cache type, in floats:
+    the simulator's blocks stand for scaled trace tokens, so their bytes need not be whole.
+    """
+    check_one_host_capacity(host_memory_gib > 0, host_memory_ratio > 0, gib_option, ratio_option)
+    if host_memory_ratio > 0:
+        return _ratio_blocks(host_memory_ratio, num_npu_blocks)
+    if host_memory_gib <= 0:
+        return 0
+    share = host_memory_gib * 2**30 / data_parallel_size
+    num_blocks = int(share // block_bytes)
+    if num_blocks < 1:
+        raise _share_error(gib_option, share, data_parallel_size, block_bytes)
+    return num_blocks
+
+
+def _share_error(
+    option: str, share: float, data_parallel_size: int, block_bytes: float
+) -> ValueError:
+    minimum_gib = block_bytes * data_parallel_size / 2**30
+    return ValueError(
+        f"{option} gives each of the {data_parallel_size} replicas {share:.0f} bytes, less than "
+        f"one KV block ({block_bytes:.0f} bytes); raise it to at least {minimum_gib:.6f} GiB"
+    )
+
+
+def _ratio_blocks(ratio: float, num_npu_blocks: int) -> int:
+    return math.floor(ratio * num_npu_blocks)
+
+
 def plan_host_blocks(
     offload: KVOffloadConfig, num_npu_blocks: dict[str, int], block_bytes: dict[str, int]
 ) -> dict[str, int]:
-    """Host blocks per cache type for one replica; empty when the host tier is off."""
+    """Host blocks per cache type for one replica (``offload`` holds the replica's share of a
+    byte budget, see ``plan_replica_offload``); empty when the host tier is off."""
     if not offload.is_active:
         return {}
     if offload.host_memory_ratio > 0:
-        plan = {g: math.floor(offload.host_memory_ratio * n) for g, n in num_npu_blocks.items()}
-        option = f"--experimental-kv-offload-host-memory-ratio={offload.host_memory_ratio}"
+        plan = {g: _ratio_blocks(offload.host_memory_ratio, n) for g, n in num_npu_blocks.items()}
+        option = f"{HOST_RATIO_OPTION}={offload.host_memory_ratio}"
     else:
         npu_bytes = {g: n * block_bytes[g] for g, n in num_npu_blocks.items()}
         total = sum(npu_bytes.values())
@@ -82,7 +177,7 @@ def plan_host_blocks(
             g: offload.host_memory_bytes * npu_bytes[g] // total // block_bytes[g]
             for g in num_npu_blocks
         }
-        option = "--experimental-kv-offload-host-memory-gb (host_memory_bytes)"
+        option = f"{HOST_GB_OPTION} (host_memory_bytes)"
     empty = [g for g, n in plan.items() if n < 1]
     if empty:
         raise ValueError(
@@ -106,3 +201,14 @@ def plan_cache(
         ),
     )
     return CachePlan(npu, host, block_bytes)
+
+
+def deployment_host_bytes(args: ModelArgs, config: EngineConfig, data_parallel_size: int) -> int:
+    """Host KV bytes the whole deployment will allocate: ``data_parallel_size`` replicas of
+    ``config`` (one replica's config, holding its share of a byte budget), planned as the
+    engine plans them, from the model's config alone (no weights)."""
+    if not config.scheduler_config.kv_offload_config.is_active:
+        return 0
+    specs = kv_cache_specs(args, config.dtype)
+    plan = plan_cache(specs, config, args.max_position_embeddings)
+    return data_parallel_size * plan.host_bytes

@@ -30,6 +30,7 @@ from cluster.api.streaming import (
 from cluster.backend import Backend, NoLiveReplicaError, OverloadedError, ReplicaFailedError
 from cluster.metrics import RequestMetrics, StrataMetrics
 from replicas.outputs import RequestOutput
+from replicas.prompt import check_prompt_length
 from replicas.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -106,12 +107,10 @@ class Serving:
         max_model_len = self.backend.max_model_len
         prompt_param = "messages" if isinstance(renderer, ChatRenderer) else "prompt"
         num_prompt = len(token_ids)
-        if num_prompt >= max_model_len:
-            raise APIError.bad_request(
-                f"the prompt has {num_prompt} tokens but this model's maximum context length is "
-                f"{max_model_len}: it must be shorter, leaving room for one output token",
-                prompt_param,
-            )
+        try:
+            check_prompt_length(num_prompt, max_model_len)
+        except ValueError as error:
+            raise APIError.bad_request(str(error), prompt_param) from None
         room = max_model_len - num_prompt
         if requested is None:
             max_tokens = min(room, self.max_tokens_limit, default or room)

@@ -1,15 +1,16 @@
 """ClusterConfig from YAML and flags, capacity planning across replicas, CLI start-up errors."""
 
+import warnings
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
-from cluster.capacity import host_bytes_total, kv_block_bytes, plan_replica_offload
 from cluster.cli import build_config, build_parser, main
 from cluster.config import ClusterConfig
 from replicas.config import KVOffloadConfig
 from replicas.engine import Engine
+from replicas.kv_capacity import deployment_host_bytes, kv_cache_specs, plan_replica_offload
 from replicas.model import load_model_info
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -20,28 +21,80 @@ def parse(*argv: str) -> ClusterConfig:
     return build_config(build_parser().parse_args(["serve", *argv]))
 
 
+def deployment(dp: int, offload: dict, model: str = "tiny", **model_fields) -> ClusterConfig:
+    return ClusterConfig.model_validate(
+        {
+            "data_parallel_size": dp,
+            "model": {"model": model, **model_fields},
+            "scheduler": {"kv_offload_config": {"enabled": True, **offload}},
+        }
+    )
+
+
+def host_bytes(config: ClusterConfig) -> int:
+    args, _ = load_model_info(config.model.model)
+    return deployment_host_bytes(args, config.engine_config(), config.data_parallel_size)
+
+
 def test_block_bytes_of_the_builtin_model():
     args, _ = load_model_info("tiny")
-    assert kv_block_bytes(args, 16, "float32") == TINY_BLOCK
-    assert kv_block_bytes(args, 16, "bfloat16") == TINY_BLOCK // 2
+    assert [s.block_bytes(16) for s in kv_cache_specs(args, "float32").values()] == [TINY_BLOCK]
+    assert [s.block_bytes(16) for s in kv_cache_specs(args, "bfloat16").values()] == [
+        TINY_BLOCK // 2
+    ]
 
 
 @pytest.mark.parametrize(
     ("dp", "budget_blocks", "expected"), [(1, 10, 10), (2, 10, 5), (3, 10, 3), (4, 10, 2)]
 )
 def test_byte_budget_is_divided_equally_in_whole_blocks(dp, budget_blocks, expected):
-    offload = KVOffloadConfig(enabled=True, host_memory_bytes=budget_blocks * TINY_BLOCK + 7)
+    budget = budget_blocks * TINY_BLOCK + 7
+    offload = KVOffloadConfig(enabled=True, host_memory_bytes=budget)
     share = plan_replica_offload(offload, dp, TINY_BLOCK)
     assert share.host_memory_bytes // TINY_BLOCK == expected
-    assert host_bytes_total(offload, dp, 100, TINY_BLOCK) == expected * dp * TINY_BLOCK
-    assert host_bytes_total(offload, dp, 100, TINY_BLOCK) <= offload.host_memory_bytes
+    config = deployment(dp, {"host_memory_bytes": budget}, num_npu_blocks=100)
+    assert host_bytes(config) == expected * dp * TINY_BLOCK <= budget
 
 
 def test_ratio_is_per_replica_and_grows_with_dp():
     offload = KVOffloadConfig(enabled=True, host_memory_ratio=1.5)
     assert plan_replica_offload(offload, 4, TINY_BLOCK) == offload
-    assert host_bytes_total(offload, 1, 101, TINY_BLOCK) == 151 * TINY_BLOCK
-    assert host_bytes_total(offload, 4, 101, TINY_BLOCK) == 4 * 151 * TINY_BLOCK
+    assert host_bytes(deployment(1, {"host_memory_ratio": 1.5}, num_npu_blocks=101)) == (
+        151 * TINY_BLOCK
+    )
+    assert host_bytes(deployment(4, {"host_memory_ratio": 1.5}, num_npu_blocks=101)) == (
+        4 * 151 * TINY_BLOCK
+    )
+
+
+def test_deployment_host_bytes_count_every_cache_type_of_a_hybrid_model():
+    # tiny-hybrid: 32768-byte global and 65536-byte sliding blocks; 100 global NPU blocks give
+    # 21 sliding ones (tests/unit/test_hybrid_cache.py), so a ratio of 2 gives 200 + 42.
+    config = deployment(
+        2,
+        {"host_memory_ratio": 2.0},
+        model="tiny-hybrid",
+        num_npu_blocks=100,
+        max_model_len=1600,
+    )
+    config.scheduler.max_num_batched_tokens = 256
+    assert host_bytes(config) == 2 * (200 * 32768 + 42 * 65536)
+    # The byte budget is split by NPU KV bytes: 5 MiB per replica gives 112 + 23 blocks.
+    budget = deployment(
+        2,
+        {"host_memory_bytes": 10 * 2**20},
+        model="tiny-hybrid",
+        num_npu_blocks=100,
+        max_model_len=1600,
+    )
+    budget.scheduler.max_num_batched_tokens = 256
+    assert host_bytes(budget) == 2 * (112 * 32768 + 23 * 65536)
+
+
+def test_no_host_tier_means_no_host_bytes():
+    config = ClusterConfig(data_parallel_size=2)
+    args, _ = load_model_info("tiny")
+    assert deployment_host_bytes(args, config.engine_config(), 2) == 0
 
 
 def test_budget_below_one_block_per_replica_fails_at_startup():
@@ -61,14 +114,16 @@ def test_engine_config_carries_the_replica_share():
         }
     )
     engine = Engine(config.engine_config())
-    assert engine.stats().num_host_blocks == 4
+    assert engine.stats().cache_types["full"].num_host_blocks == 4
 
 
 def test_every_shipped_config_loads():
     names = sorted(p.name for p in CONFIGS.glob("*.yaml"))
     assert {"default.yaml", "locality.yaml", "ratio.yaml", "dp4.yaml"} <= set(names)
     for name in names:
-        config = ClusterConfig.from_yaml(CONFIGS / name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the shipped files set nothing that is ignored
+            config = ClusterConfig.from_yaml(CONFIGS / name)
         config.engine_config()
     default = ClusterConfig.from_yaml(CONFIGS / "default.yaml")
     assert default.data_parallel_size == 2 and default.scheduler.kv_offload_config.is_active
@@ -152,3 +207,64 @@ def test_unknown_yaml_field_is_named(tmp_path):
     bad.write_text("data_parallel_size: 2\nmodel:\n  modle: tiny\n")
     with pytest.raises(ValidationError, match="modle"):
         ClusterConfig.from_yaml(bad)
+
+
+def test_yaml_host_budget_of_zero_is_an_error(tmp_path):
+    path = tmp_path / "zero.yaml"
+    path.write_text(
+        "scheduler:\n  kv_offload_config:\n    enabled: true\n    host_memory_bytes: 0\n"
+    )
+    with pytest.raises(ValidationError, match=r"host_memory_bytes .* must be positive"):
+        ClusterConfig.from_yaml(path)
+
+
+def test_yaml_write_back_without_host_capacity_warns(tmp_path):
+    path = tmp_path / "write_back.yaml"
+    path.write_text("scheduler:\n  kv_offload_config:\n    write_back: true\n")
+    with pytest.warns(UserWarning, match=r"write_back .* no host capacity"):
+        config = ClusterConfig.from_yaml(path)
+    assert not config.scheduler.kv_offload_config.is_active
+
+
+def test_config_and_cli_flags_warn_once(tmp_path, caplog):
+    path = tmp_path / "write_back.yaml"
+    path.write_text("scheduler:\n  kv_offload_config:\n    write_back: true\n")
+    with caplog.at_level("WARNING", logger="cluster.cli"):
+        parse("--config", str(path), "--experimental-kv-offload-write-back")
+    assert len(caplog.records) == 1 and "no host capacity" in caplog.records[0].message
+
+
+def test_a_capacity_flag_turns_the_tier_on_over_the_file():
+    on = parse(
+        "--config", str(CONFIGS / "ratio.yaml"), "--experimental-kv-offload-host-memory-gb", "2"
+    )
+    offload = on.scheduler.kv_offload_config
+    assert offload.is_active and offload.host_memory_bytes == 2 * 2**30
+    assert offload.host_memory_ratio == 0.0
+    off = parse(
+        "--config",
+        str(CONFIGS / "default.yaml"),
+        "--experimental-kv-offload-host-memory-ratio",
+        "0",
+    )
+    assert not off.scheduler.kv_offload_config.is_active
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_every_flag_says_what_it_does_in_its_group(command):
+    parser = build_parser()
+    [subparsers] = [a for a in parser._actions if a.dest == "command"]
+    sub = subparsers.choices[command]
+    titles = {group.title for group in sub._action_groups}
+    expected = {"deployment", "model", "cache", "scheduler", "host tier", "routing", "server"}
+    assert expected | {"Ray"} <= titles
+    assert command == "serve" or "generation" in titles
+    for action in sub._actions:
+        if action.dest == "help":
+            continue
+        text = (action.help or "").strip()
+        names = {action.dest, *action.option_strings}
+        assert text and text not in names and len(text.split()) >= 3, action.option_strings
+        assert "Default:" in text or "default" in text.lower(), action.option_strings
+    help_text = sub.format_help()
+    assert "Default: 2." in help_text  # the write-through threshold, read from KVOffloadConfig

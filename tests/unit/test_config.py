@@ -18,6 +18,8 @@ from cluster.cli import main
         ),
         ({"enabled": True, "host_memory_ratio": -1.0}, "host_memory_ratio"),
         ({"enabled": True, "host_memory_bytes": -5}, "host_memory_bytes"),
+        ({"enabled": True, "host_memory_bytes": 0}, r"host-memory-gb.*must be positive"),
+        ({"host_memory_bytes": 0}, "host_memory_bytes"),
         (
             {"enabled": True, "host_memory_ratio": 1.0, "write_through_threshold": -1},
             "write_through_threshold",
@@ -36,11 +38,39 @@ def test_capacity_without_enabled_warns_and_stays_off():
     assert not config.is_active
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "options"),
+    [
+        ({"write_back": True}, ["--experimental-kv-offload-write-back"]),
+        ({"write_through_threshold": 0}, ["--experimental-kv-offload-write-through-threshold"]),
+        (
+            {"write_back": True, "write_through_threshold": 2, "host_memory_ratio": 0.0},
+            ["write_back", "write_through_threshold", "they have no effect"],
+        ),
+    ],
+)
+def test_write_options_without_host_capacity_warn(kwargs, options):
+    with pytest.warns(UserWarning, match="no host capacity") as caught:
+        config = KVOffloadConfig(**kwargs)
+    assert not config.is_active
+    assert len(caught) == 1 and all(option in str(caught[0].message) for option in options)
+
+
+def test_a_disabled_write_through_without_capacity_is_silent():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        KVOffloadConfig(write_through_threshold=None)
+
+
 def test_defaults_are_silent():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         config = KVOffloadConfig()
     assert not config.is_active and config.write_through_threshold == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        KVOffloadConfig(enabled=True, host_memory_ratio=1.0, write_back=True)
+        KVOffloadConfig(enabled=True, host_memory_bytes=2**20, write_through_threshold=0)
 
 
 def test_host_tier_needs_prefix_caching():
@@ -72,11 +102,11 @@ def test_host_budget_beyond_machine_memory_is_a_startup_error():
 def test_host_capacity_from_ratio_and_bytes():
     ratio = KVOffloadConfig(enabled=True, host_memory_ratio=2.5)
     llm = LLM("tiny", num_npu_blocks=10, scheduler_config=SchedulerConfig(kv_offload_config=ratio))
-    assert llm.stats().num_host_blocks == 25
+    assert llm.stats().cache_types["full"].num_host_blocks == 25
     block_bytes = llm.engine.runner.block_bytes
     budget = KVOffloadConfig(enabled=True, host_memory_bytes=7 * block_bytes + 5)
     llm = LLM("tiny", num_npu_blocks=10, scheduler_config=SchedulerConfig(kv_offload_config=budget))
-    assert llm.stats().num_host_blocks == 7
+    assert llm.stats().cache_types["full"].num_host_blocks == 7
     assert llm.engine.transfer.host_bytes == 7 * block_bytes
 
 
@@ -92,6 +122,8 @@ def test_host_capacity_from_ratio_and_bytes():
             ],
             "mutually exclusive",
         ),
+        (["--experimental-kv-offload-host-memory-gb", "0"], "host-memory-gb) must be positive"),
+        (["--experimental-kv-offload-host-memory-gb", "-2"], "host-memory-gb) must be positive"),
         (["--experimental-kv-offload-host-memory-ratio", "-1"], "host_memory_ratio"),
         (
             ["--experimental-kv-offload-write-through-threshold", "-1"],
@@ -108,3 +140,33 @@ def test_cli_errors_exit_non_zero_with_one_sentence(argv, option, capsys):
     assert main(["generate", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert option in err and err.startswith("strata: error:") and "\n" not in err
+
+
+def test_cli_write_options_without_host_capacity_warn(caplog):
+    from cluster.cli import build_config, build_parser
+
+    args = build_parser().parse_args(
+        [
+            "generate",
+            "--experimental-kv-offload-write-back",
+            "--experimental-kv-offload-write-through-threshold",
+            "3",
+        ]
+    )
+    with caplog.at_level("WARNING", logger="cluster.cli"):
+        config = build_config(args)
+    assert not config.scheduler.kv_offload_config.is_active
+    [record] = caplog.records
+    assert "--experimental-kv-offload-write-back" in record.message
+    assert "--experimental-kv-offload-write-through-threshold" in record.message
+
+
+def test_cli_ratio_zero_leaves_the_tier_off_silently(caplog):
+    from cluster.cli import build_config, build_parser
+
+    args = build_parser().parse_args(
+        ["generate", "--experimental-kv-offload-host-memory-ratio", "0"]
+    )
+    with caplog.at_level("WARNING"):
+        config = build_config(args)
+    assert not config.scheduler.kv_offload_config.is_active and not caplog.records

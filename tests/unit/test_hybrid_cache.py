@@ -7,11 +7,10 @@ import pytest
 import torch
 
 from cluster import LLM, KVOffloadConfig, PrefixCacheConfig, SamplingParams, SchedulerConfig
-from cluster.capacity import plan_replica_offload
 from replicas.config import EngineConfig
 from replicas.kv_cache_manager import KVCacheManager
-from replicas.kv_cache_types import CacheGroupSpec
-from replicas.kv_capacity import plan_host_blocks, plan_npu_blocks
+from replicas.kv_cache_types import CacheTypeSpec
+from replicas.kv_capacity import plan_host_blocks, plan_npu_blocks, plan_replica_offload
 from replicas.model import load_model
 from replicas.request import Request
 
@@ -24,9 +23,9 @@ def manager(**kwargs) -> KVCacheManager:
     host = kwargs.pop("num_host_blocks", 0)
     return KVCacheManager(
         block_size=BS,
-        groups=[
-            CacheGroupSpec("full", 16, host),
-            CacheGroupSpec("sliding", 16, host, WINDOW),
+        cache_types=[
+            CacheTypeSpec("full", 16, host),
+            CacheTypeSpec("sliding", 16, host, WINDOW),
         ],
         **kwargs,
     )
@@ -44,8 +43,8 @@ def run(m: KVCacheManager, tokens: list[int]) -> Request:
     return request
 
 
-def drop_from_npu(m: KVCacheManager, group: int, block_hash: bytes) -> None:
-    pool = m.groups[group].npu
+def drop_from_npu(m: KVCacheManager, cache_type: int, block_hash: bytes) -> None:
+    pool = m._cache_types[cache_type].npu
     block = pool.lookup(block_hash)
     pool.touch([block])
     pool._uncache(pool.blocks[block])
@@ -61,7 +60,7 @@ def test_full_window_present_reuses_every_block():
     again = Request("again", PROMPT, SamplingParams(), BS)
     match = m.match_prefix(again)
     assert match.num_blocks == 3
-    assert match.groups["sliding"].first_block == 1  # only blocks 1..2 are needed
+    assert match.cache_types["sliding"].first_block == 1  # only blocks 1..2 are needed
 
 
 def test_window_on_host_only_is_reloaded_block_for_block():
@@ -72,7 +71,7 @@ def test_window_on_host_only_is_reloaded_block_for_block():
     request = run(m, [*PROMPT[:12], 99])
     assert request.num_host_cached_tokens == 12 and request.num_npu_cached_tokens == 0
     plan = m.take_transfer_plan()
-    loads = {g: sorted(c.src for c in plan.loads if c.group == g) for g in ("full", "sliding")}
+    loads = {t: sorted(c.src for c in plan.loads if c.cache_type == t) for t in ("full", "sliding")}
     assert len(loads["full"]) == 3  # every global block
     assert len(loads["sliding"]) == 2  # exactly the window
     m.complete_transfer(plan)
@@ -86,9 +85,9 @@ def test_missing_window_falls_back_to_the_longest_safe_prefix():
     request = Request("shorter", PROMPT, SamplingParams(), BS)
     match = m.match_prefix(request)
     # Global KV matches 3 blocks, but the window ending at block 3 needs sliding block 2.
-    assert sum(1 for _ in m.groups[0].npu.cached_hashes()) >= 3
+    assert m.usage()["full"].num_npu_blocks_cached >= 3
     assert match.num_blocks == 2
-    assert match.groups["sliding"].first_block == 0  # blocks 0..1 cover the window at 8
+    assert match.cache_types["sliding"].first_block == 0  # blocks 0..1 cover the window at 8
 
 
 def test_raw_token_match_longer_than_the_safe_prefix():
@@ -110,8 +109,9 @@ def test_sliding_blocks_leave_with_the_window_and_stay_cached():
     sliding = m.block_tables("long")["sliding"]
     assert sliding[:3] == [None, None, None]  # position 21 sees blocks 3.. only
     assert all(b is not None for b in sliding[3:])
-    assert m.groups[1].npu.num_used == 3 and m.groups[0].npu.num_used == 6
-    assert m.groups[1].npu.num_cached == 5  # released blocks remain reusable
+    usage = m.usage()
+    assert usage["sliding"].num_npu_blocks_used == 3 and usage["full"].num_npu_blocks_used == 6
+    assert usage["sliding"].num_npu_blocks_cached == 5  # released blocks remain reusable
     m.free(request)
     m.check_integrity()
 
@@ -196,12 +196,12 @@ def test_eager_release_bounds_sliding_usage_during_a_long_generation():
     llm = LLM("tiny-hybrid", num_npu_blocks=64)
     engine = llm.engine
     engine.add_request("g", list(range(40)), SamplingParams(max_tokens=400, ignore_eos=True))
-    full, sliding = engine.kv_cache.groups
     peak_sliding = peak_full = 0
     while engine.has_unfinished_requests():
         engine.step()
-        peak_sliding = max(peak_sliding, sliding.npu.num_used)
-        peak_full = max(peak_full, full.npu.num_used)
+        usage = engine.kv_cache.usage()
+        peak_sliding = max(peak_sliding, usage["sliding"].num_npu_blocks_used)
+        peak_full = max(peak_full, usage["full"].num_npu_blocks_used)
     window_blocks = 64 // 16
     assert peak_sliding <= window_blocks + 1
     assert peak_full == (40 + 400 - 1) // 16 + 1  # global KV of every token stays
