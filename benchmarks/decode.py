@@ -35,13 +35,13 @@ from benchmarks.workload import (
     rotated,
 )
 from cluster import LLM, SamplingParams, SchedulerConfig
+from replicas.config import torch_dtype
 from replicas.model.resolve import resolve_model
 
 NAME = "decode"
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_DTYPES = ("float32", "bfloat16")
 ENGINES = ("strata", "transformers")
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,7 +213,7 @@ def run(
     # Loaded once in float32, then cast to each other dtype.
     loaded = load_reference(model)
     references = {
-        dtype: loaded if dtype == "float32" else copy.deepcopy(loaded).to(_TORCH_DTYPES[dtype])
+        dtype: loaded if dtype == "float32" else copy.deepcopy(loaded).to(torch_dtype(dtype))
         for dtype in settings.dtypes
     }
     del loaded

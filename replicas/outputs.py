@@ -37,9 +37,3 @@ class RequestOutput:
         if self.first_token_time is None:
             return None
         return self.first_token_time - self.arrival_time
-
-    @property
-    def e2e_latency_s(self) -> float | None:
-        if self.finish_time is None:
-            return None
-        return self.finish_time - self.arrival_time

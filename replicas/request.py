@@ -64,16 +64,12 @@ class Request:
 
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        self.num_preemptions = 0
         self.num_cached_tokens: int | None = None
         self.num_npu_cached_tokens = 0
         self.num_host_cached_tokens = 0
         # cache type -> (NPU, host) tokens of cached KV adopted at admission
         self.cached_tokens_by_cache_type: dict[str, tuple[int, int]] = {}
 
-        self.output_text = ""
-        self.num_emitted_tokens = 0  # outputs already reported (streaming cursor)
-        self.num_emitted_chars = 0
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
 

@@ -26,8 +26,8 @@ from replicas.request import Request, RequestStatus
 class ScheduledRequest(NamedTuple):
     request: Request
     num_new_tokens: int  # computed this step, after request.num_computed_tokens
-    block_ids: list[int]  # the request's NPU blocks of the primary group, in token order
-    block_tables: dict[str, list[int | None]]  # per cache group (None: released sliding block)
+    block_ids: list[int]  # the request's NPU blocks of the primary cache type, in token order
+    block_tables: dict[str, list[int | None]]  # per cache type (None: released sliding block)
 
 
 @dataclass(slots=True)
@@ -36,15 +36,6 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest]
     transfer: TransferPlan
-    preempted: list[Request]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled and not self.transfer
 
 
 class Scheduler:
@@ -105,7 +96,7 @@ class Scheduler:
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
 
-        return SchedulerOutput(scheduled, self.kv_cache.take_transfer_plan(), preempted)
+        return SchedulerOutput(scheduled, self.kv_cache.take_transfer_plan())
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request (stopped, length or aborted) and release its blocks."""
@@ -129,6 +120,5 @@ class Scheduler:
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)

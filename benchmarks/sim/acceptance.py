@@ -4,7 +4,7 @@ Criteria, for Strata's ``scoring`` policy with the balanced profile: a hit rate 
 as every peer's, a load imbalance of at most 1.3 and a p50 TTFT no worse than the best peer's.
 They are judged on the trace as recorded (replicate 0) and on the means over 12 replicates
 (replicate k > 0: arrivals jittered by up to 10 ms, peers' random tie-breaks seeded with k),
-because one interleaving moves hit rates by about +-0.005 and the imbalance by +-0.1; for the
+because one interleaving moves the figures (benchmarks/README.md gives the spread); for the
 means, the difference to the best peer is given with its standard error. The same
 comparison with arrivals twice as fast (a loaded cluster) is reported, not judged. Sizes: see
 ``benchmarks/sim/scenarios.py``.

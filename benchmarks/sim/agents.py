@@ -29,15 +29,15 @@ class ClusterView:
         return len(self._engines)
 
     def num_waiting(self, replica: int) -> int:
-        return len(self._engines[replica].scheduler.waiting)
+        return self._engines[replica].num_waiting
 
     def num_ongoing(self, replica: int) -> int:
-        return self._engines[replica].scheduler.num_unfinished
+        return self._engines[replica].num_unfinished
 
     def npu_usage(self, replica: int) -> float:
         """Fraction of NPU blocks referenced by running requests (vLLM's KV cache usage)."""
-        npu = self._engines[replica].kv_cache.npu
-        return npu.num_used / npu.num_blocks
+        usage = next(iter(self._engines[replica].kv_cache.usage().values()))
+        return usage.num_npu_blocks_used / usage.num_npu_blocks
 
 
 class RoutingAgent(ABC):

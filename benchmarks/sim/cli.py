@@ -77,6 +77,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--write-back", action="store_true", help="store evicted NPU-only blocks to host")
     add("--block-size", type=int, default=16)
     add(
+        "--sliding-window",
+        type=int,
+        default=None,
+        help="simulate a hybrid model: global layers and layers attending to this many "
+        "simulated tokens, each with its own cache type (default: global attention only)",
+    )
+    add(
+        "--sliding-layer-fraction",
+        type=float,
+        default=0.5,
+        help="with --sliding-window: the share of KV bytes in the sliding layers (default 0.5)",
+    )
+    add(
         "--tokens-per-hash-id",
         type=int,
         default=16,
@@ -124,6 +137,14 @@ def base_config(args: argparse.Namespace) -> SimConfig:
         )
     if args.write_through_threshold < 0:
         raise SystemExit("--write-through-threshold must be >= 0 (0 disables promotion)")
+    if args.sliding_window is not None and args.sliding_window < 1:
+        raise SystemExit(
+            f"--sliding-window must be a positive token count, got {args.sliding_window}"
+        )
+    if not 0 < args.sliding_layer_fraction < 1:
+        raise SystemExit(
+            f"--sliding-layer-fraction must be between 0 and 1, got {args.sliding_layer_fraction}"
+        )
     token_scale = args.token_scale or TRACE_TOKENS_PER_HASH_ID / args.tokens_per_hash_id
     return SimConfig(
         data_parallel_size=args.data_parallel_size,
@@ -139,6 +160,8 @@ def base_config(args: argparse.Namespace) -> SimConfig:
         event_delay_s=args.event_delay_ms / 1000,
         token_scale=token_scale,
         arrival_speedup=args.arrival_speedup,
+        sliding_window=args.sliding_window,
+        sliding_layer_fraction=args.sliding_layer_fraction,
     )
 
 

@@ -1,22 +1,21 @@
-"""One simulated replica: ``replicas.engine.Engine.step`` with a cost model for the forward pass.
+"""One simulated replica: the real ``replicas.engine_core.EngineCore`` with a cost model for
+an executor and transfers that land at once.
 
 A step is split where simulated time passes::
 
-    begin_step(now)   schedule -> transfer (the plan's copies land at once) -> StepTiming;
-                      returns when the step ends. Meanwhile only ``add_request`` touches the
-                      replica (the scheduler reads its queue at the next step)
+    begin_step(now)   EngineCore.begin_step: schedule -> transfer (the plan's copies land at
+                      once) -> execute (the cost model prices the batch: StepTiming); returns
+                      when the step ends. Meanwhile only ``add_request`` touches the replica
+                      (the scheduler reads its queue at the next step)
     interrupt(now)    a request arrived: cut the step's decode tail at the next sub-step
                       boundary (a real engine admits it at its next step); the cut-off time
                       is owed and added to the next step's tail
-    end_step(now)     update exactly as Engine._update: num_computed_tokens += n; cache_blocks;
-                      a request whose context is complete gets one output token (a fixed dummy
-                      id: outputs never match a later prompt), its first token stamped when
-                      the step's prefill part ended; finish at max_tokens; the stores planned
-                      while caching (write-through threshold 0) are taken, their time charged
+    end_step(now)     EngineCore.end_step, the real engine's update: a request whose context is
+                      complete gets one output token (a fixed dummy id: outputs never match a
+                      later prompt), its first token stamped when the step's prefill part
+                      ended; the stores planned while caching land at once, their time charged
                       to the next step; KV events are drained into one KVEventBatch with this
                       replica's sequence numbers
-
-Scheduler, KV cache manager and Request are the real classes from ``replicas``.
 """
 
 import math
@@ -24,10 +23,12 @@ from dataclasses import dataclass, field
 
 from benchmarks.sim.cost_model import CostModel, StepTiming
 from replicas.config import SchedulerConfig
+from replicas.engine_core import EngineCore, StepInFlight, StepResult
 from replicas.kv_cache_manager import KVCacheManager
+from replicas.kv_cache_types import TransferPlan
 from replicas.kv_events import KVEventBatch
-from replicas.request import Request, RequestStatus
-from replicas.scheduler import Scheduler, SchedulerOutput
+from replicas.request import Request
+from replicas.scheduler import SchedulerOutput
 
 OUTPUT_TOKEN_ID = 0
 """The token every simulated output is (the real engine's outputs are the model's argmax)."""
@@ -43,27 +44,74 @@ class StepReport:
     finished: list[Request] = field(default_factory=list)
 
 
+class CostModelExecutor:
+    """Executes a step on paper: ``last_timing`` is what the cost model says it takes; every
+    request whose context the step completes gets ``OUTPUT_TOKEN_ID``."""
+
+    def __init__(self, cost_model: CostModel) -> None:
+        self.cost_model = cost_model
+        self.last_timing: StepTiming | None = None
+
+    def execute(self, output: SchedulerOutput) -> StepResult:
+        self.last_timing = self.cost_model.step_timing(output.scheduled, output.transfer)
+        requests = [
+            s.request
+            for s in output.scheduled
+            if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens
+        ]
+        return StepResult(requests, [OUTPUT_TOKEN_ID] * len(requests))
+
+    def release(self, request_id: str) -> None:
+        return
+
+
+class InstantTransfer:
+    """Copies land as soon as they are submitted; remembers the last plan for its price."""
+
+    def __init__(self) -> None:
+        self.last_plan = TransferPlan([], [])
+        self._landed: list[TransferPlan] = []
+
+    def submit(self, plan: TransferPlan) -> None:
+        self.last_plan = plan
+        self._landed.append(plan)
+
+    def poll(self, wait: bool = False) -> list[TransferPlan]:
+        landed, self._landed = self._landed, []
+        return landed
+
+
 @dataclass(slots=True)
 class _Step:
-    output: SchedulerOutput
+    step: StepInFlight
     timing: StepTiming
     start_s: float
     end_s: float
 
 
 class SimulatedEngine:
+    """One replica of the simulated cluster (see the module docstring)."""
+
     def __init__(
         self,
         replica_index: int,
         kv_cache: KVCacheManager,
         scheduler_config: SchedulerConfig,
         cost_model: CostModel,
+        max_model_len: int,
     ) -> None:
         self.replica_index = replica_index
         self.kv_cache = kv_cache
-        self.kv_cache.record_events = True
-        self.scheduler = Scheduler(scheduler_config, kv_cache)
         self.cost_model = cost_model
+        self._executor = CostModelExecutor(cost_model)
+        self._transfer = InstantTransfer()
+        self.core = EngineCore(
+            scheduler_config,
+            kv_cache,
+            self._executor,
+            max_model_len=max_model_len,
+            transfer=self._transfer,
+        )
         self.num_steps = 0
         self.busy_s = 0.0
         self._next_seq = 0
@@ -75,27 +123,40 @@ class SimulatedEngine:
     def is_busy(self) -> bool:
         return self._step is not None
 
+    @property
+    def num_waiting(self) -> int:
+        return self.core.num_waiting
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.core.num_unfinished
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.core.num_preemptions
+
     def add_request(self, request: Request) -> None:
-        self.scheduler.add(request)
+        self.core.add(request)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.core.has_unfinished_requests()
 
     def begin_step(self, now: float) -> float | None:
         """Schedule one step; return when it ends, or None if nothing can run."""
         if self._step is not None:
             raise RuntimeError(f"replica {self.replica_index} is already running a step")
-        output = self.scheduler.schedule()
-        timing = self.cost_model.step_timing(output.scheduled, output.transfer)
-        self.kv_cache.complete_transfer(output.transfer)
-        if not output.scheduled:
-            self._check_progress()
+        try:
+            step = self.core.begin_step()
+        except RuntimeError as error:
+            raise RuntimeError(f"replica {self.replica_index}: {error}") from None
+        if step is None:
             return None
+        timing = self._executor.last_timing
         timing = timing._replace(
             first_s=timing.first_s + self._carry_s, tail_s=timing.tail_s + self._owed_s
         )
         self._carry_s = self._owed_s = 0.0
-        self._step = _Step(output, timing, now, now + timing.total_s)
+        self._step = _Step(step, timing, now, now + timing.total_s)
         self.num_steps += 1
         self.busy_s += timing.total_s
         return self._step.end_s
@@ -125,25 +186,13 @@ class SimulatedEngine:
             raise RuntimeError(f"replica {self.replica_index} has no step in flight")
         first_token_s = min(now, step.start_s + step.timing.first_s)
         report = StepReport(KVEventBatch(self.replica_index, self._next_seq, ()))
-        for scheduled in step.output.scheduled:
-            scheduled.request.num_computed_tokens += scheduled.num_new_tokens
-            self.kv_cache.cache_blocks(scheduled.request)
-        for scheduled in step.output.scheduled:
-            request = scheduled.request
-            if request.num_computed_tokens != request.num_tokens:
-                continue
-            request.append_output_token(OUTPUT_TOKEN_ID)
+        for request in self.core.end_step(step.step, now=now, first_token_time=first_token_s):
             report.generated.append(request.request_id)
-            if request.first_token_time is None:
-                request.first_token_time = first_token_s
+            if request.num_output_tokens == 1:
                 report.first_token.append(request.request_id)
-            if request.num_output_tokens >= request.sampling_params.max_tokens:
-                self.scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
-                request.finish_time = now
+            if request.is_finished:
                 report.finished.append(request)
-        plan = self.kv_cache.take_transfer_plan()
-        self._carry_s = self.cost_model.transfer_s(plan)
-        self.kv_cache.complete_transfer(plan)
+        self._carry_s = self.cost_model.transfer_s(self._transfer.last_plan)
         report.events = self._drain_events()  # this step's events: schedule, cache, stores
         return report
 
@@ -152,13 +201,3 @@ class SimulatedEngine:
         batch = KVEventBatch(self.replica_index, self._next_seq, events)
         self._next_seq = batch.next_seq
         return batch
-
-    def _check_progress(self) -> None:
-        if self.scheduler.running or not self.scheduler.waiting:
-            return
-        request = self.scheduler.waiting[0]
-        raise RuntimeError(
-            f"replica {self.replica_index}: request {request.request_id} can never be scheduled: "
-            f"it needs {self.kv_cache.num_blocks_needed(request, request.num_tokens)} NPU blocks, "
-            f"{self.kv_cache.npu.num_free} are free"
-        )

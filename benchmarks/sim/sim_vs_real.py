@@ -4,6 +4,8 @@ A prefix of ``synthetic_trace.jsonl`` (one hash id = 16 tokens = one block) is s
 at a time (each request's KV events reach the router before the next one is routed):
 
 * real, dp 1: one in-process engine (``cluster.LLM``, built-in ``tiny`` model);
+* real, hybrid dp 1: the same with ``tiny-hybrid`` (global and sliding-window layers), simulated
+  with its sliding window;
 * real, dp 2: two in-process engines and the real ``router.Router`` fed by their KV events (as
   ``replicas.actor`` reports them), scoring policy, balanced profile;
 * the simulator in ``sequential`` mode on the same configuration, hardware profile ``cpu-tiny``
@@ -27,6 +29,7 @@ from benchmarks.sim.trace import TraceRequest, expand, load_trace
 from benchmarks.workload import median
 from cluster import LLM, KVOffloadConfig, SamplingParams, SchedulerConfig
 from replicas.kv_events import KVEventBatch
+from replicas.model.builtin import BUILTIN_MODEL_ARGS
 from router.config import RoutingConfig
 from router.router import Router
 
@@ -46,9 +49,10 @@ class Settings:
 
 
 QUICK = Settings(num_requests=60)
+CONFIGS = [("dp1", "tiny", 1), ("dp2", "tiny", 2), ("hybrid dp1", "tiny-hybrid", 1)]
 
 
-def _engines(settings: Settings, num: int) -> list[LLM]:
+def _engines(settings: Settings, num: int, model: str) -> list[LLM]:
     offload = KVOffloadConfig(
         enabled=True,
         host_memory_ratio=settings.host_memory_ratio,
@@ -57,7 +61,7 @@ def _engines(settings: Settings, num: int) -> list[LLM]:
     )
     return [
         LLM(
-            "tiny",
+            model,
             block_size=BLOCK_SIZE,
             num_npu_blocks=settings.num_npu_blocks,
             max_model_len=settings.num_npu_blocks * BLOCK_SIZE,
@@ -67,13 +71,15 @@ def _engines(settings: Settings, num: int) -> list[LLM]:
     ]
 
 
-def run_real(settings: Settings, requests: list[TraceRequest], dp: int) -> dict[str, object]:
+def run_real(
+    settings: Settings, requests: list[TraceRequest], dp: int, model: str
+) -> dict[str, object]:
     """Serve the requests one at a time on ``dp`` in-process engines behind the real router."""
-    llms = _engines(settings, dp)
+    llms = _engines(settings, dp, model)
     router = Router(dp, BLOCK_SIZE, RoutingConfig())
     next_seq = [0] * dp
     for llm in llms:
-        llm.engine.kv_cache.record_events = True  # as replicas.actor turns them on
+        llm.engine.kv_cache.enable_events()  # as replicas.actor turns them on
     ttfts, routed = [], [0] * dp
     for trace in tqdm(requests, desc=f"real dp={dp}", leave=False):
         prompt = trace.prompt_token_ids
@@ -100,7 +106,9 @@ def _hashes(llm: LLM, prompt: list[int]) -> list[bytes]:
     return block_hashes(prompt, BLOCK_SIZE)
 
 
-def run_sim(settings: Settings, requests: list[TraceRequest], dp: int) -> dict[str, object]:
+def run_sim(
+    settings: Settings, requests: list[TraceRequest], dp: int, sliding_window: int | None
+) -> dict[str, object]:
     config = SimConfig(
         data_parallel_size=dp,
         block_size=BLOCK_SIZE,
@@ -111,6 +119,7 @@ def run_sim(settings: Settings, requests: list[TraceRequest], dp: int) -> dict[s
         write_back=settings.write_back,
         token_scale=1.0,
         sequential=True,
+        sliding_window=sliding_window,
     )
     cost_model = CostModel(HardwareProfile.load("cpu-tiny"), BLOCK_SIZE, 1.0)
     simulator = Simulator(config, cost_model, requests)
@@ -133,12 +142,13 @@ def run(output_dir: Path, *, quick: bool, command: str) -> dict[str, object]:
         r for r in expand(records, BLOCK_SIZE) if len(r.prompt_token_ids) + r.max_tokens < limit
     ]
     results = {}
-    for dp in (1, 2):
-        results[f"dp{dp}"] = {
-            "real": run_real(settings, requests, dp),
-            "sim": run_sim(settings, requests, dp),
+    for name, model, dp in CONFIGS:
+        window = BUILTIN_MODEL_ARGS[model]().sliding_window if "hybrid" in model else None
+        results[name] = {
+            "real": run_real(settings, requests, dp, model),
+            "sim": run_sim(settings, requests, dp, window),
         }
-        print(f"dp {dp} done", flush=True)
+        print(f"{name} done", flush=True)
     return _report(settings, len(requests), results, command, quick).write(output_dir)
 
 

@@ -31,6 +31,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from benchmarks.sim.agents import ClusterView, RoutingAgent, StrataAgent
@@ -39,13 +40,22 @@ from benchmarks.sim.engine import SimulatedEngine, StepReport
 from benchmarks.sim.metrics import LoadMeter, hit_rates, ttft_figures
 from benchmarks.sim.peers import PEERS
 from benchmarks.sim.trace import TraceRequest
-from replicas.config import SchedulerConfig
+from replicas.config import EngineConfig, KVOffloadConfig, SchedulerConfig
 from replicas.kv_cache_manager import KVCacheManager
+from replicas.kv_cache_types import CacheTypeSpec
+from replicas.kv_capacity import (
+    host_blocks_per_replica,
+    plan_host_blocks,
+    plan_npu_blocks,
+    replica_host_bytes,
+)
+from replicas.model import KVCacheSpec
 from replicas.request import Request
 from replicas.sampling_params import SamplingParams
 from router.config import RoutingConfig
 
 STRATA = "strata"
+FULL, SLIDING = "full", "sliding"
 ARRIVAL, STEP_END, DELIVER = 0, 1, 2
 JITTER_S = 0.01
 
@@ -71,24 +81,21 @@ class SimConfig:
     arrival_speedup: float = 1.0
     seed: int = 0
     sequential: bool = False
+    sliding_window: int | None = None  # tokens: a hybrid model, global and sliding layers
+    sliding_layer_fraction: float = 0.5  # of the KV bytes per token, in the sliding layers
 
     def num_host_blocks(self, num_npu_blocks: int, block_bytes: float) -> int:
         """Host blocks per replica (DESIGN section 5): the GiB budget split equally among
         replicas in whole blocks, or floor(ratio x NPU blocks)."""
-        if self.host_memory_gb > 0 and self.host_memory_ratio > 0:
-            raise ValueError("--host-memory-gb and --host-memory-ratio are mutually exclusive")
-        if self.host_memory_ratio > 0:
-            return int(self.host_memory_ratio * num_npu_blocks)
-        if self.host_memory_gb <= 0:
-            return 0
-        per_replica = self.host_memory_gb * 2**30 / self.data_parallel_size
-        num_blocks = int(per_replica // block_bytes)
-        if num_blocks < 1:
-            raise ValueError(
-                f"--host-memory-gb {self.host_memory_gb} leaves each of "
-                f"{self.data_parallel_size} replicas less than one {block_bytes:.0f}-byte block"
-            )
-        return num_blocks
+        return host_blocks_per_replica(
+            num_npu_blocks,
+            block_bytes,
+            self.data_parallel_size,
+            host_memory_gib=self.host_memory_gb,
+            host_memory_ratio=self.host_memory_ratio,
+            gib_option="--host-memory-gb",
+            ratio_option="--host-memory-ratio",
+        )
 
 
 def make_agent(config: SimConfig, view: ClusterView) -> RoutingAgent:
@@ -114,12 +121,17 @@ class Simulator:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
+        self.max_model_len = self._max_model_len()
+        self.cache_types = self._plan_cache_types()
+        self.num_host_blocks = self.cache_types[0].num_host_blocks
         self.engines = [
-            SimulatedEngine(r, self._kv_cache(), scheduler_config, cost_model)
+            SimulatedEngine(r, self._kv_cache(), scheduler_config, cost_model, self.max_model_len)
             for r in range(config.data_parallel_size)
         ]
         self.agent = make_agent(config, ClusterView(self.engines))
-        self.requests = self._servable(requests)
+        self.requests = [
+            t for t in requests if len(t.prompt_token_ids) + t.max_tokens <= self.max_model_len
+        ]
         self.num_skipped = len(requests) - len(self.requests)
         self.meter = LoadMeter(config.data_parallel_size)
         self._events: list[tuple[float, int, int, Any]] = []
@@ -129,11 +141,11 @@ class Simulator:
         self._num_cached_on_chosen = 0  # blocks cached (any tier) on the chosen replica, at arrival
         self._num_cached_on_best = 0  # ... on the replica caching the most of the prompt
 
-    def _servable(self, requests: list[TraceRequest]) -> list[TraceRequest]:
+    def _max_model_len(self) -> int:
+        """Tokens a request may span: one replica's NPU tier or the model's context."""
         npu_tokens = self.num_npu_blocks * self.config.block_size
         model_tokens = self.cost_model.profile.max_model_len / self.config.token_scale
-        limit = min(npu_tokens, model_tokens)
-        return [t for t in requests if len(t.prompt_token_ids) + t.max_tokens <= limit]
+        return int(min(npu_tokens, model_tokens))
 
     def _arrival_times(self) -> list[float]:
         speedup = self.config.arrival_speedup
@@ -143,11 +155,46 @@ class Simulator:
             times = [t + rng.random() * JITTER_S for t in times]
         return times
 
+    def _plan_cache_types(self) -> list[CacheTypeSpec]:
+        """One global cache type; a hybrid model adds a sliding one, its NPU blocks planned by
+        the engine's rule (``replicas.kv_capacity``) from the global type's count, and each
+        type's host blocks by the engine's rule too, its block bytes the fraction of the KV
+        held by its layers."""
+        c = self.config
+        if c.sliding_window is None:
+            return [CacheTypeSpec(FULL, self.num_npu_blocks, self.num_host_blocks)]
+        specs = {
+            FULL: KVCacheSpec(FULL, 1, 1, 1, None, torch.float32),
+            SLIDING: KVCacheSpec(SLIDING, 1, 1, 1, c.sliding_window, torch.float32),
+        }
+        engine_config = EngineConfig(
+            block_size=c.block_size,
+            num_npu_blocks=self.num_npu_blocks,
+            max_model_len=self.max_model_len,
+            scheduler_config=SchedulerConfig(max_num_batched_tokens=c.max_num_batched_tokens),
+        )
+        npu = plan_npu_blocks(specs, engine_config, self.max_model_len)
+        fractions = {FULL: 1 - c.sliding_layer_fraction, SLIDING: c.sliding_layer_fraction}
+        block_bytes = {
+            g: max(1, round(self.cost_model.block_bytes * f)) for g, f in fractions.items()
+        }
+        host = plan_host_blocks(self._replica_offload(block_bytes), npu, block_bytes)
+        return [CacheTypeSpec(g, npu[g], host.get(g, 0), specs[g].sliding_window) for g in npu]
+
+    def _replica_offload(self, block_bytes: dict[str, int]) -> KVOffloadConfig:
+        c = self.config
+        if c.host_memory_ratio > 0:
+            return KVOffloadConfig(enabled=True, host_memory_ratio=c.host_memory_ratio)
+        if c.host_memory_gb <= 0:
+            return KVOffloadConfig()
+        budget = int(c.host_memory_gb * 2**30)
+        share = replica_host_bytes(budget, c.data_parallel_size, sum(block_bytes.values()))
+        return KVOffloadConfig(enabled=True, host_memory_bytes=share)
+
     def _kv_cache(self) -> KVCacheManager:
         return KVCacheManager(
-            self.num_npu_blocks,
-            self.config.block_size,
-            num_host_blocks=self.num_host_blocks,
+            block_size=self.config.block_size,
+            cache_types=self.cache_types,
             write_through_threshold=self.config.write_through_threshold,
             write_back=self.config.write_back,
             record_events=True,
@@ -248,6 +295,7 @@ class Simulator:
             "num_npu_blocks": self.num_npu_blocks,
             "hardware": self.cost_model.profile.name,
             "num_host_blocks": self.num_host_blocks,
+            **self._hybrid_record(),
             "block_bytes": self.cost_model.block_bytes,
             "num_requests": len(self.requests),
             "num_finished": len(finished),
@@ -265,13 +313,20 @@ class Simulator:
             "throughput_rps": len(finished) / makespan if makespan > 0 else 0.0,
             "makespan_s": makespan,
             "utilization": [e.busy_s / makespan if makespan > 0 else 0.0 for e in self.engines],
-            "num_preemptions": sum(e.scheduler.num_preemptions for e in self.engines),
+            "num_preemptions": sum(e.num_preemptions for e in self.engines),
             "blocks_loaded": sum(s.blocks_loaded for s in stats),
             "blocks_stored": sum(s.blocks_stored for s in stats),
             "cache_hits_tokens": sum(s.hits for s in stats),
             "cache_queries_tokens": sum(s.queries for s in stats),
             "agent": {"source": self.agent.source, **self.agent.summary()},
             "sim_wall_s": wall_s,
+        }
+
+    def _hybrid_record(self) -> dict[str, object]:
+        if self.config.sliding_window is None:
+            return {}
+        return {
+            "cache_types": {t.name: [t.num_npu_blocks, t.num_host_blocks] for t in self.cache_types}
         }
 
 

@@ -5,6 +5,7 @@ No timing is asserted. Traces use one token block per hash id (T = block size = 
 """
 
 import random
+from dataclasses import asdict
 
 import pytest
 
@@ -100,10 +101,12 @@ def random_trace(num_requests: int, seed: int) -> list[TraceRecord]:
     return out
 
 
-def real_engine_counters(requests: list[TraceRequest], num_npu_blocks: int) -> dict[str, int]:
+def real_engine_counters(
+    requests: list[TraceRequest], num_npu_blocks: int, model: str = "tiny"
+) -> dict[str, int]:
     offload = KVOffloadConfig(enabled=True, host_memory_ratio=1.0, write_back=True)
     with LLM(
-        "tiny",
+        model,
         block_size=BLOCK,
         num_npu_blocks=num_npu_blocks,
         max_model_len=num_npu_blocks * BLOCK,
@@ -114,13 +117,17 @@ def real_engine_counters(requests: list[TraceRequest], num_npu_blocks: int) -> d
             llm.generate(request.prompt_token_ids, params)
         llm.check_integrity()
         stats = llm.stats().cache
-        return {k: getattr(stats, k) for k in ("queries", "hits", "npu_hits", "host_hits")}
+        counters = {k: getattr(stats, k) for k in ("queries", "hits", "npu_hits", "host_hits")}
+        by_type = {name: asdict(c) for name, c in stats.by_cache_type.items()}
+        return {**counters, "by_cache_type": by_type, "usage": llm.stats().cache_types}
 
 
-def test_simulator_and_real_engine_count_the_same_hits():
-    # A small NPU tier (eviction) and a host tier with write-back (host hits), dp 1.
+@pytest.mark.parametrize(("model", "sliding_window"), [("tiny", None), ("tiny-hybrid", 64)])
+def test_simulator_and_real_engine_count_the_same_hits(model: str, sliding_window: int | None):
+    # A small NPU tier (eviction) and a host tier with write-back (host hits), dp 1; the hybrid
+    # model adds a sliding-window cache type with its own pools and out-of-window releases.
     requests = expand(random_trace(40, seed=3), BLOCK)
-    real = real_engine_counters(requests, num_npu_blocks=12)
+    real = real_engine_counters(requests, num_npu_blocks=12, model=model)
     sim = simulate(
         requests,
         data_parallel_size=1,
@@ -128,11 +135,19 @@ def test_simulator_and_real_engine_count_the_same_hits():
         host_memory_ratio=1.0,
         write_back=True,
         sequential=True,
+        sliding_window=sliding_window,
     )
-    stats = sim.engines[0].kv_cache.stats
-    simulated = {k: getattr(stats, k) for k in real}
+    kv_cache = sim.engines[0].kv_cache
+    simulated = {
+        k: getattr(kv_cache.stats, k) for k in ("queries", "hits", "npu_hits", "host_hits")
+    }
+    simulated["by_cache_type"] = {n: asdict(c) for n, c in kv_cache.stats.by_cache_type.items()}
+    simulated["usage"] = kv_cache.usage()
     assert simulated == real
     assert real["npu_hits"] > 0 and real["host_hits"] > 0  # both tiers were exercised
+    if sliding_window is not None:
+        sliding = real["by_cache_type"]["sliding"]
+        assert sliding["blocks_freed_out_of_window"] > 0 and sliding["blocks_loaded"] > 0
 
 
 @pytest.mark.parametrize("policy", [STRATA, *PEERS])

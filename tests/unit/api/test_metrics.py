@@ -6,8 +6,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster.api import create_app
 from cluster.backend import ClusterStats, ReplicaStats
 from cluster.metrics import StrataMetrics, router_metric_families
-from replicas.engine import EngineStats, PoolUsage
-from replicas.kv_cache_types import CacheStats, CacheTypeStats
+from replicas.engine import EngineStats
+from replicas.kv_cache_types import CacheStats, CacheTypeStats, CacheTypeUsage
 from replicas.kv_transfer import TransferStats
 from tests.unit.api.conftest import ScriptedBackend
 
@@ -35,11 +35,10 @@ def engine_stats(scale: int) -> EngineStats:
     )  # fmt: skip
     return EngineStats(
         cache=cache, transfer=transfer, num_running=2 * scale, num_waiting=scale,
-        num_preemptions=scale, num_npu_blocks=128, num_npu_blocks_used=10 * scale,
-        num_host_blocks=64, num_host_blocks_used=9 * scale,
+        num_preemptions=scale,
         cache_types={
-            "full": PoolUsage(128, 10 * scale, 20 * scale, 64, 9 * scale, 30 * scale),
-            "sliding": PoolUsage(32, 3 * scale, 4 * scale, 16, scale, 2 * scale),
+            "full": CacheTypeUsage(128, 10 * scale, 20 * scale, 64, 9 * scale, 30 * scale),
+            "sliding": CacheTypeUsage(32, 3 * scale, 4 * scale, 16, scale, 2 * scale),
         },
     )  # fmt: skip
 

@@ -1,0 +1,206 @@
+"""The step loop of one replica, independent of what executes a step. No Ray, no tensors here.
+
+``EngineCore.step`` is schedule -> transfer -> execute -> update::
+
+    begin_step()   scheduler.schedule(); submit the plan's copies to the transfer queue and
+                   complete those that landed; executor.execute(scheduled) runs the batch and
+                   samples a token for every request whose context is now complete
+    end_step(..)   num_computed_tokens += new tokens and cache_blocks, in batch order; append
+                   each sampled token, stamp the first token, finish on a stop token, a stop
+                   string (asked of the text processor, when there is one), max_tokens or
+                   max_model_len; submit the stores planned while caching
+
+Two executors exist: ``replicas.executor.ModelExecutor`` (the model runner and the sampler) and
+the simulator's cost model (``benchmarks/sim/engine.py``), which also splits a step in simulated
+time between ``begin_step`` and ``end_step``. Whatever executes it, the update is this code.
+"""
+
+import time
+from typing import NamedTuple, Protocol
+
+from replicas.config import SchedulerConfig
+from replicas.kv_cache_manager import KVCacheManager
+from replicas.kv_cache_types import TransferPlan
+from replicas.request import Request, RequestStatus
+from replicas.scheduler import Scheduler, SchedulerOutput
+
+
+class StepResult(NamedTuple):
+    """What an executor returns: the requests that got a token this step, in batch order."""
+
+    requests: list[Request]
+    token_ids: list[int]
+
+
+class Executor(Protocol):
+    def execute(self, output: SchedulerOutput) -> StepResult:
+        """Run the scheduled batch (read before the step's update: ``num_computed_tokens`` is
+        where each request starts) and sample the requests whose context is complete."""
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's per-request state (e.g. its random generator)."""
+
+
+class TransferQueue(Protocol):
+    """Copies between tiers (``replicas.kv_transfer.KVTransfer``): plans go in, landed plans
+    come out; the core tells the cache manager which landed."""
+
+    def submit(self, plan: TransferPlan) -> None: ...
+
+    def poll(self, wait: bool = False) -> list[TransferPlan]: ...
+
+
+class TextProcessor(Protocol):
+    """The stop-string half of ``replicas.output_processor.OutputProcessor``."""
+
+    def update(self, request: Request) -> None: ...
+
+    def find_stop(self, request: Request) -> bool: ...
+
+
+class StepInFlight(NamedTuple):
+    output: SchedulerOutput
+    result: StepResult
+
+
+class EngineCore:
+    """Requests, scheduler and KV cache of one replica, stepped by an ``Executor``."""
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        executor: Executor,
+        *,
+        max_model_len: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+        transfer: TransferQueue | None = None,
+        text: TextProcessor | None = None,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.scheduler = Scheduler(scheduler_config, kv_cache)
+        self.executor = executor
+        self.transfer = transfer
+        self.text = text
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self._requests: dict[str, Request] = {}
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self._requests[request.request_id] = request
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Stop a request and free its blocks; None if it is unknown or already finished."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        self.executor.release(request_id)
+        request.finish_time = time.monotonic()
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.scheduler.num_unfinished
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for admission (not yet running, or preempted)."""
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Run one step; return the requests that got a token (finished ones included)."""
+        step = self.begin_step()
+        return self.end_step(step) if step is not None else []
+
+    def begin_step(self) -> StepInFlight | None:
+        """Schedule, transfer and execute; None when nothing could be scheduled."""
+        output = self.scheduler.schedule()
+        self.run_transfers(output.transfer)
+        if not output.scheduled:
+            self._check_progress()
+            return None
+        return StepInFlight(output, self.executor.execute(output))
+
+    def end_step(
+        self,
+        step: StepInFlight,
+        now: float | None = None,
+        first_token_time: float | None = None,
+    ) -> list[Request]:
+        """Apply a step's results (see the module docstring). ``now`` stamps finishes and
+        ``first_token_time`` first tokens; both default to the clock."""
+        now = time.monotonic() if now is None else now
+        first_token_time = now if first_token_time is None else first_token_time
+        for request, num_new, *_ in step.output.scheduled:
+            request.num_computed_tokens += num_new
+            self.kv_cache.cache_blocks(request)
+        result = step.result
+        for request, token_id in zip(result.requests, result.token_ids):
+            request.append_output_token(token_id)
+            if request.first_token_time is None:
+                request.first_token_time = first_token_time
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self.scheduler.finish(request, status)
+                self.executor.release(request.request_id)
+                self._requests.pop(request.request_id, None)
+                request.finish_time = now
+        self.run_transfers(self.kv_cache.take_transfer_plan())  # stores of blocks written now
+        return result.requests
+
+    def run_transfers(self, plan: TransferPlan, wait: bool = False) -> None:
+        """Submit ``plan`` and tell the cache manager which copies have landed."""
+        if self.transfer is None:
+            return
+        self.transfer.submit(plan)
+        for landed in self.transfer.poll(wait=wait):
+            self.kv_cache.complete_transfer(landed)
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if self.text is not None:
+            self.text.update(request)
+        if token_id in params.stop_token_ids or (
+            not params.ignore_eos and token_id in self.eos_token_ids
+        ):
+            return RequestStatus.FINISHED_STOPPED
+        if params.stop and self.text is not None and self.text.find_stop(request):
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _check_progress(self) -> None:
+        if self.scheduler.running or not self.scheduler.waiting:
+            return
+        request = self.scheduler.waiting[0]
+        raise RuntimeError(
+            f"request {request.request_id} cannot be scheduled with nothing running: it needs "
+            f"{self.kv_cache.num_blocks_needed(request, request.num_tokens)} NPU blocks per cache "
+            f"type, {self.kv_cache.num_free_npu_blocks()} are free"
+        )
+
+    def reset_prefix_cache(self, tier: str = "all") -> None:
+        """Forget cached blocks nobody uses, in ``tier`` ("all", "npu", "host"), once the copies
+        in flight have landed."""
+        self.run_transfers(self.kv_cache.take_transfer_plan(), wait=True)
+        self.kv_cache.reset_prefix_cache(tier)

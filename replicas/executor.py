@@ -1,0 +1,25 @@
+"""Runs a step on the model: the forward pass of the model runner, then the sampler."""
+
+from replicas.engine_core import StepResult
+from replicas.model_runner import ModelRunner
+from replicas.sampler import Sampler
+from replicas.scheduler import SchedulerOutput
+
+
+class ModelExecutor:
+    """The ``Executor`` of a real replica. Logits beyond the tokenizer's vocabulary (padding
+    rows of the embedding) are never sampled."""
+
+    def __init__(self, runner: ModelRunner, sampler: Sampler, vocab_size: int) -> None:
+        self.runner = runner
+        self.sampler = sampler
+        self.vocab_size = vocab_size
+
+    def execute(self, output: SchedulerOutput) -> StepResult:
+        logits, sampled = self.runner.execute(output.scheduled)
+        requests = [output.scheduled[i].request for i in sampled]
+        token_ids = self.sampler.sample(logits[:, : self.vocab_size], requests)
+        return StepResult(requests, token_ids)
+
+    def release(self, request_id: str) -> None:
+        self.sampler.release(request_id)
