@@ -2,26 +2,21 @@
 
 ``RayBackend`` (``cluster.deploy``) serves through the router and replica actors;
 ``LocalBackend`` runs one engine in this process, for tests and for a single replica without
-Ray. The HTTP app sees only the ``Backend`` protocol.
+Ray. The HTTP app sees only the ``Backend`` protocol; the offline ``LLM`` owns one of the two and
+also resets prefix caches, checks integrity and shuts it down through it.
 """
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from replicas.async_engine import AsyncEngine, EngineDeadError
+from replicas.async_engine import OverloadedError as OverloadedError  # HTTP 429
 from replicas.engine import Engine, EngineStats
 from replicas.model import Tokenizer
 from replicas.outputs import RequestOutput
 from replicas.sampling_params import SamplingParams
-
-
-class NoLiveReplicaError(RuntimeError):
-    """No replica can take requests now (HTTP 503)."""
-
-
-class OverloadedError(RuntimeError):
-    """The queue of waiting requests is full (HTTP 429)."""
+from router.router import NoLiveReplicaError as NoLiveReplicaError  # no replica is live: HTTP 503
 
 
 class ReplicaFailedError(RuntimeError):
@@ -39,7 +34,6 @@ class ReplicaStats:
 class ClusterStats:
     replicas: list[ReplicaStats]
     router: Any = None  # router.RouterStats when a router is deployed
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class Backend(Protocol):
@@ -72,14 +66,20 @@ class LocalBackend:
     """One engine in this process (no Ray, no router)."""
 
     def __init__(
-        self, engine: Engine, model_name: str | None = None, max_waiting_requests: int | None = None
+        self,
+        engine: Engine,
+        model_name: str | None = None,
+        max_waiting_requests: int | None = None,
+        *,
+        step_in_thread: bool = True,
     ) -> None:
         self.engine = engine
-        self.async_engine = AsyncEngine(engine)
+        self.async_engine = AsyncEngine(
+            engine, max_waiting_requests=max_waiting_requests, step_in_thread=step_in_thread
+        )
         self.model_name = model_name or engine.loaded.name
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
-        self.max_waiting_requests = max_waiting_requests
 
     async def generate(
         self,
@@ -88,15 +88,11 @@ class LocalBackend:
         sampling_params: SamplingParams,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        limit = self.max_waiting_requests
-        if limit is not None and self.async_engine.num_waiting >= limit:
-            raise OverloadedError(f"{limit} requests are already waiting; retry later")
         stream = self.async_engine.generate(
             request_id, prompt_token_ids, sampling_params, cache_salt
         )
         try:
             async for output in stream:
-                output.replica_index = 0
                 yield output
         except EngineDeadError as error:
             raise ReplicaFailedError(str(error)) from None
@@ -110,7 +106,18 @@ class LocalBackend:
         return 0 if self.async_engine.is_dead else 1
 
     async def stats(self) -> ClusterStats:
+        await self.async_engine.between_steps()
         return ClusterStats([ReplicaStats(0, True, self.engine.stats())])
+
+    async def reset_prefix_cache(self, tier: str = "all") -> None:
+        """Forget cached blocks nobody uses in ``tier`` ("all", "npu", "host")."""
+        await self.async_engine.between_steps()
+        self.engine.reset_prefix_cache(tier)
+
+    async def check_integrity(self) -> None:
+        """Run every pool's integrity check (raises if one fails)."""
+        await self.async_engine.between_steps()
+        self.engine.check_integrity()
 
     async def shutdown(self) -> None:
         await self.async_engine.shutdown()

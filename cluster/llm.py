@@ -1,15 +1,22 @@
 """The offline Python API: ``with LLM("smollm2-135m") as llm: llm.generate(prompts)``.
 
-With ``data_parallel_size=1`` the engine runs in this process. With more, ``LLM`` deploys the
-replicas and the router on Ray (embedded local Ray unless one is running) and sends every
-prompt through the router, exactly as the HTTP server does.
+``LLM`` picks its backend once, at construction: with ``data_parallel_size=1`` a
+``LocalBackend`` runs the engine in this process; with more, a ``RayBackend`` deploys the
+replicas and the router on Ray (embedded local Ray unless one is running) and every prompt goes
+through the router, exactly as in the HTTP server. Either way the same code drives it: the
+backend's coroutines run on an event loop that the ``LLM`` owns, on the calling thread for the
+length of each call (``_EventLoop``).
 """
 
 import asyncio
+import contextlib
 import itertools
-import threading
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from cluster.backend import LocalBackend
 from cluster.config import ClusterConfig, ModelConfig
 from replicas.config import SchedulerConfig
 from replicas.engine import Engine, EngineStats
@@ -17,9 +24,15 @@ from replicas.model.resolve import DEFAULT_MODEL
 from replicas.outputs import RequestOutput
 from replicas.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from cluster.deploy import RayBackend
+
 Prompt = str | list[int]
 Message = dict[str, str]
 Conversation = Sequence[Message]
+ParamsArg = SamplingParams | Sequence[SamplingParams] | None
+"""One ``SamplingParams`` for every prompt, one per prompt, or None for the defaults."""
+T = TypeVar("T")
 
 
 class LLM:
@@ -60,24 +73,25 @@ class LLM:
     def _setup(self, config: ClusterConfig) -> None:
         self.config = config
         self._ids = itertools.count()
-        self.engine: Engine | None = None
-        self.backend = None
-        if config.data_parallel_size == 1:
-            self.engine = Engine(config.engine_config())
-            self.tokenizer = self.engine.tokenizer
-        else:
-            from cluster.deploy import RayBackend
+        self.backend: LocalBackend | RayBackend | None = _start_backend(
+            config, name=f"strata-llm-{id(self):x}"
+        )
+        self.tokenizer = self.backend.tokenizer
+        self._loop = _EventLoop()
+        # An LLM dropped without shutdown() cancels the backend's tasks, freeing the engine.
+        weakref.finalize(self, self._loop.stop)
 
-            self.backend = RayBackend(config, name=f"strata-llm-{id(self):x}")
-            self.tokenizer = self.backend.tokenizer
-            self._loop = asyncio.new_event_loop()
-            self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-            self._thread.start()
+    @property
+    def engine(self) -> Engine | None:
+        """The in-process engine with ``data_parallel_size=1`` (for tests and benchmarks that
+        look inside it); None when the replicas run on Ray or after ``shutdown()``."""
+        return getattr(self.backend, "engine", None)
 
+    # ---- generation --------------------------------------------------------------------------
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: ParamsArg = None,
         *,
         cache_salt: str | None = None,
     ) -> RequestOutput | list[RequestOutput]:
@@ -97,55 +111,44 @@ class LLM:
                     "SamplingParams or one per prompt"
                 )
         request_ids = [f"llm-{next(self._ids)}" for _ in batch]
-        if self.engine is not None:
-            outputs = self._run_local(request_ids, batch, params, cache_salt)
-        else:
-            coroutine = self._run_remote(request_ids, batch, params, cache_salt)
-            outputs = asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+        outputs = self._loop.run(self._generate_all(request_ids, batch, params, cache_salt))
         return outputs[0] if single else outputs
 
-    def _run_local(
+    async def _generate_all(
         self,
         request_ids: list[str],
         batch: list[Prompt],
         params: list[SamplingParams],
         cache_salt: str | None,
     ) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
+        """Every prompt's final output, in order. All requests reach the backend before its
+        first step. If one fails, the others are cancelled (aborting their requests) first."""
+        tasks = [
+            asyncio.ensure_future(self._generate_one(request_id, prompt, p, cache_salt))
+            for request_id, prompt, p in zip(request_ids, batch, params)
+        ]
         try:
-            for request_id, prompt, p in zip(request_ids, batch, params):
-                self.engine.add_request(request_id, prompt, p, cache_salt=cache_salt)
-            while len(finished) < len(batch):
-                for output in self.engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
-        finally:
-            for request_id in request_ids:
-                if request_id not in finished:
-                    self.engine.abort_request(request_id)
-        return [finished[request_id] for request_id in request_ids]
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
-    async def _run_remote(
-        self,
-        request_ids: list[str],
-        batch: list[Prompt],
-        params: list[SamplingParams],
-        cache_salt: str | None,
-    ) -> list[RequestOutput]:
-        async def one(request_id: str, prompt: Prompt, p: SamplingParams) -> RequestOutput:
-            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-            final = None
-            async for output in self.backend.generate(request_id, list(token_ids), p, cache_salt):
-                final = output
-            final.prompt = prompt if isinstance(prompt, str) else None
-            return final
-
-        return list(await asyncio.gather(*map(one, request_ids, batch, params)))
+    async def _generate_one(
+        self, request_id: str, prompt: Prompt, params: SamplingParams, cache_salt: str | None
+    ) -> RequestOutput:
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        final = None
+        async for output in self.backend.generate(request_id, token_ids, params, cache_salt):
+            final = output
+        final.prompt = prompt if isinstance(prompt, str) else None
+        return final
 
     def chat(
         self,
         conversations: Conversation | Sequence[Conversation],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: ParamsArg = None,
         *,
         cache_salt: str | None = None,
     ) -> RequestOutput | list[RequestOutput]:
@@ -153,11 +156,11 @@ class LLM:
         ..., "content": ...}``) gives one ``RequestOutput``; a list of conversations gives a
         list, in order. Each is rendered with the model's chat template, ending where the
         assistant's reply begins, then generated like a prompt of ``generate``."""
-        single = not conversations or isinstance(conversations[0], dict)
-        batch = [conversations] if single else list(conversations)
-        prompts = [self._render_chat(conversation) for conversation in batch]
-        outputs = self.generate(prompts, sampling_params, cache_salt=cache_salt)
-        return outputs[0] if single else outputs
+        if not conversations or isinstance(conversations[0], dict):  # one conversation
+            prompts: Prompt | list[Prompt] = self._render_chat(conversations)
+        else:
+            prompts = [self._render_chat(conversation) for conversation in conversations]
+        return self.generate(prompts, sampling_params, cache_salt=cache_salt)
 
     def _render_chat(self, conversation: Conversation) -> str:
         if not conversation:
@@ -169,33 +172,103 @@ class LLM:
                 )
         return self.tokenizer.apply_chat_template([dict(m) for m in conversation])
 
+    # ---- admin -------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        if self.engine is None:
+        """The engine's statistics; only with one replica (``data_parallel_size=1``)."""
+        replicas = self._loop.run(self.backend.stats()).replicas
+        if len(replicas) != 1:
             raise ValueError(
                 "stats() reports one in-process engine; with data_parallel_size > "
                 "1 use the backend's stats"
             )
-        return self.engine.stats()
+        return replicas[0].engine
 
     def reset_prefix_cache(self, tier: str = "all") -> None:
-        self.engine.reset_prefix_cache(tier)
+        """Forget the cached blocks nobody uses in ``tier`` ("all", "npu", "host"), on every
+        replica."""
+        self._loop.run(self.backend.reset_prefix_cache(tier))
 
     def check_integrity(self) -> None:
-        if self.engine is not None:
-            self.engine.check_integrity()
-        else:
-            self.backend.check_integrity()
+        """Run every replica's integrity checks; raises if one fails."""
+        self._loop.run(self.backend.check_integrity())
 
     def shutdown(self) -> None:
-        if self.backend is not None:
-            self.backend.shutdown()
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
-            self.backend = None
-        self.engine = None
+        """Stop the backend (the engine loop, or the Ray actors) and close the event loop."""
+        if self.backend is None:
+            return
+        self._loop.run(_shut_down(self.backend))
+        self._loop.stop()
+        self.backend = None
 
     def __enter__(self) -> "LLM":
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
+
+
+def _start_backend(config: ClusterConfig, name: str) -> "LocalBackend | RayBackend":
+    """One replica runs in this process; more are deployed on Ray as actors named ``name-*``."""
+    if config.data_parallel_size == 1:
+        # Steps on the calling thread: no worker-thread hop, nothing else to serve meanwhile.
+        return LocalBackend(Engine(config.engine_config()), step_in_thread=False)
+    from cluster.deploy import RayBackend  # imports Ray
+
+    return RayBackend(config, name=name)
+
+
+async def _shut_down(backend: "LocalBackend | RayBackend") -> None:
+    """``LocalBackend.shutdown`` is a coroutine (it stops the engine loop on this event loop);
+    ``RayBackend.shutdown`` is not (its other callers are synchronous)."""
+    stopping = backend.shutdown()
+    if stopping is not None:
+        await stopping
+
+
+class _EventLoop:
+    """The ``LLM``'s event loop, run on the calling thread for the length of each call (so the
+    engine steps where the caller's torch threads are), or, when that thread already runs an
+    event loop (a notebook, async code), on a worker thread for that call. The backend's
+    background tasks (the engine loop, the health monitor) live on it and advance during calls;
+    ``stop`` cancels them and closes the loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+
+    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run ``coroutine`` to its result. Interrupted (Ctrl-C), it cancels the coroutine,
+        which aborts its requests."""
+        return self._on_a_free_thread(self._run, coroutine)
+
+    def stop(self) -> None:
+        if not self.loop.is_closed():
+            self._on_a_free_thread(self._close)
+
+    @staticmethod
+    def _on_a_free_thread(function: Callable[..., T], *args: Any) -> T:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop runs on this thread: run ours here
+            return function(*args)
+        with ThreadPoolExecutor(1, thread_name_prefix="strata-llm") as pool:
+            return pool.submit(function, *args).result()
+
+    def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        task = self.loop.create_task(coroutine)
+        try:
+            return self.loop.run_until_complete(task)
+        except BaseException:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                self.loop.run_until_complete(task)
+            raise
+
+    def _close(self) -> None:
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        self.loop.run_until_complete(cancel_all())
+        self.loop.close()

@@ -50,10 +50,6 @@ def placed_device(device: str) -> str:
     return device
 
 
-class ReplicaOverloadedError(RuntimeError):
-    """The replica's waiting queue is full."""
-
-
 class ReplicaUnavailableError(RuntimeError):
     """The replica's engine failed and the replica is about to restart: the request never ran
     here, so it may go to another replica."""
@@ -72,12 +68,15 @@ class ReplicaActor:
         if device != engine_config.device:
             engine_config = engine_config.model_copy(update={"device": device})
         self.engine = Engine(engine_config)
-        self.engine.kv_cache.record_events = True
+        self.engine.kv_cache.enable_events()
         self.async_engine = AsyncEngine(
-            self.engine, on_step=self._report, on_error=self._exit_for_restart
+            self.engine,
+            on_step=self._report,
+            on_error=self._exit_for_restart,
+            replica_index=replica_index,
+            max_waiting_requests=max_waiting_requests,
         )
         self.router = router
-        self.max_waiting_requests = max_waiting_requests
         self._next_seq = 0
         self.incarnation = uuid.uuid4().hex  # tells a restarted actor from the one before
 
@@ -89,19 +88,14 @@ class ReplicaActor:
         sampling_params: SamplingParams,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Streaming generator (call with ``num_returns="streaming"``)."""
+        """Streaming generator (call with ``num_returns="streaming"``); ``OverloadedError``
+        when the waiting queue is full."""
         self._check_engine()
-        limit = self.max_waiting_requests
-        if limit is not None and self.async_engine.num_waiting >= limit:
-            raise ReplicaOverloadedError(
-                f"replica {self.replica_index} has {limit} requests waiting; retry later"
-            )
         stream = self.async_engine.generate(
             request_id, prompt_token_ids, sampling_params, cache_salt
         )
         try:
             async for output in stream:
-                output.replica_index = self.replica_index
                 yield output
         finally:
             await stream.aclose()
@@ -138,13 +132,9 @@ class ReplicaActor:
 
     async def snapshot(self) -> KVSnapshot:
         """Every cached hash per tier, consistent with the events published so far."""
-        await self._between_steps()
+        await self.async_engine.between_steps()
         self._report([])  # publish what is pending so the snapshot follows it
-        manager = self.engine.kv_cache
-        host = tuple(manager.host.cached_hashes()) if manager.host else ()
-        return KVSnapshot(
-            self.replica_index, self._next_seq, tuple(manager.npu.cached_hashes()), host
-        )
+        return self.engine.kv_cache.snapshot(self.replica_index, self._next_seq)
 
     # ---- introspection -----------------------------------------------------------------------
     async def info(self) -> dict[str, int | str]:
@@ -170,22 +160,16 @@ class ReplicaActor:
 
     async def check_integrity(self) -> dict[str, int]:
         """Run every pool's integrity check between steps; report blocks in use."""
-        await self._between_steps()
+        await self.async_engine.between_steps()
         self.engine.check_integrity()
-        manager = self.engine.kv_cache
+        primary = next(iter(self.engine.kv_cache.usage().values()))
         return {
-            "npu_blocks_used": manager.npu.num_used,
-            "host_blocks_used": manager.host.num_used if manager.host else 0,
-            "num_unfinished": self.engine.scheduler.num_unfinished,
+            "npu_blocks_used": primary.num_npu_blocks_used,
+            "host_blocks_used": primary.num_host_blocks_used,
+            "num_unfinished": self.engine.num_unfinished,
         }
 
     async def reset_prefix_cache(self, tier: str = "all") -> None:
-        await self._between_steps()
+        await self.async_engine.between_steps()
         self.engine.reset_prefix_cache(tier)
         self._report([])
-
-    async def _between_steps(self) -> None:
-        """Wait until no engine step runs in the worker thread (the engine is not thread-safe;
-        the event loop itself never steps)."""
-        while self.async_engine.is_stepping:
-            await asyncio.sleep(0.002)

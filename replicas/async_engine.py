@@ -31,6 +31,10 @@ class _Add(NamedTuple):
     queue: asyncio.Queue
 
 
+class OverloadedError(RuntimeError):
+    """The engine's queue of waiting requests is full (HTTP 429)."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop failed; every request in flight fails with this error."""
 
@@ -41,12 +45,25 @@ ErrorHook = Callable[[BaseException], None]
 
 class AsyncEngine:
     """``on_step`` sees every step's outputs; ``on_error`` learns that the loop failed (after
-    every stream was told), e.g. to replace the process."""
+    every stream was told), e.g. to replace the process. ``step_in_thread=False`` runs each
+    step on the event loop's own thread, blocking the loop meanwhile: for a caller with nothing
+    else to serve (the offline ``LLM``), where a step on the calling thread runs faster than
+    on a worker thread."""
 
     def __init__(
-        self, engine: Engine, on_step: StepHook | None = None, on_error: ErrorHook | None = None
+        self,
+        engine: Engine,
+        on_step: StepHook | None = None,
+        on_error: ErrorHook | None = None,
+        *,
+        replica_index: int = 0,
+        max_waiting_requests: int | None = None,
+        step_in_thread: bool = True,
     ) -> None:
         self.engine = engine
+        self.replica_index = replica_index
+        self.max_waiting_requests = max_waiting_requests
+        self._step_in_thread = step_in_thread
         self._on_step = on_step
         self._on_error = on_error
         self._queues: dict[str, asyncio.Queue] = {}
@@ -65,7 +82,7 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         """Requests not running yet: adds queued for the next gap plus the scheduler's queue
         (a burst arriving during one step is all in the former)."""
-        return len(self._adds) + len(self.engine.scheduler.waiting)
+        return len(self._adds) + self.engine.num_waiting
 
     async def generate(
         self,
@@ -74,10 +91,16 @@ class AsyncEngine:
         sampling_params: SamplingParams,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs until it finishes. Validation errors (``ValueError``)
-        are raised before anything is yielded."""
+        """Stream the request's outputs (stamped with ``replica_index``) until it finishes.
+        Validation errors (``ValueError``) and ``OverloadedError``, when
+        ``max_waiting_requests`` are waiting already, are raised before anything is yielded."""
         if self._error is not None:
             raise EngineDeadError(f"engine loop failed: {self._error}")
+        limit = self.max_waiting_requests
+        if limit is not None and self.num_waiting >= limit:
+            raise OverloadedError(
+                f"replica {self.replica_index} has {limit} requests waiting; retry later"
+            )
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.engine.validate_prompt(prompt)
@@ -92,6 +115,7 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                item.replica_index = self.replica_index
                 yield item
                 if finished:
                     return
@@ -100,6 +124,13 @@ class AsyncEngine:
             if not finished:
                 self._aborts.append(request_id)
                 self._wake.set()
+
+    async def between_steps(self) -> None:
+        """Return when no step runs, so that the caller may touch the engine (it is not
+        thread-safe). The first yield lets a loop that was just woken apply its commands."""
+        await asyncio.sleep(0)
+        while self.is_stepping:
+            await asyncio.sleep(0.002)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with an ``abort`` output."""
@@ -122,7 +153,11 @@ class AsyncEngine:
                     continue
                 self.is_stepping = True
                 try:
-                    outputs = await asyncio.to_thread(self.engine.step)
+                    if self._step_in_thread:
+                        outputs = await asyncio.to_thread(self.engine.step)
+                    else:
+                        outputs = self.engine.step()
+                        await asyncio.sleep(0)  # let callers add and abort between steps
                 finally:
                     self.is_stepping = False
                 self._dispatch(outputs)

@@ -8,17 +8,20 @@ import pytest
 from cluster.backend import ReplicaFailedError
 from cluster.config import ClusterConfig
 from cluster.deploy import RayBackend
+from cluster.llm import LLM
 from replicas.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
 
 
-def make_config(dp: int = 2, profile: str = "balanced", **model) -> ClusterConfig:
+def make_config(
+    dp: int = 2, profile: str = "balanced", routing: dict | None = None, **model
+) -> ClusterConfig:
     return ClusterConfig.model_validate(
         {
             "data_parallel_size": dp,
             "model": {"model": "tiny", "num_npu_blocks": 256, **model},
-            "routing": {"scoring_profile": profile},
+            "routing": routing or {"scoring_profile": profile},
             "ray": {"cpus_per_replica": 0.5},
         }
     )
@@ -81,7 +84,7 @@ def test_locality_keeps_a_shared_prefix_on_one_replica_and_load_spreads(deploy):
     outputs = run(concurrent())
     assert {o.replica_index for o in outputs} == {0, 1}
     for backend in (local, spread):
-        for report in backend.check_integrity():
+        for report in run(backend.check_integrity()):
             assert report == {"npu_blocks_used": 0, "host_blocks_used": 0, "num_unfinished": 0}
 
 
@@ -126,3 +129,23 @@ def test_killing_a_replica_fails_only_its_requests_and_it_rejoins(deploy, ray_se
     outputs, live = run(after())
     assert all(o.finish_reason == "length" for o in outputs)
     assert live == 2  # Ray restarted the replica and it rejoined routing
+
+
+def test_llm_resets_the_prefix_cache_of_every_replica(ray_session):
+    """``LLM`` with two replicas drives the Ray deployment; ``reset_prefix_cache`` empties both
+    replicas' caches. Round-robin routing alternates replicas 0, 1, 0, 1, ... one call at a time."""
+    prompt = [*range(1, 65), 100]  # 4 full blocks and one more token
+
+    with LLM.from_config(make_config(routing={"policy": "round-robin"})) as llm:
+
+        def send_twice() -> list[tuple[int, int]]:
+            outputs = [llm.generate(prompt, PARAMS) for _ in range(2)]
+            return [(o.replica_index, o.num_cached_tokens) for o in outputs]
+
+        assert send_twice() == [(0, 0), (1, 0)]  # each replica computes and caches it
+        assert send_twice() == [(0, 64), (1, 64)]  # both hold it now
+        llm.reset_prefix_cache()
+        assert send_twice() == [(0, 0), (1, 0)]  # neither holds it any longer
+        llm.check_integrity()
+        with pytest.raises(ValueError, match="data_parallel_size > 1"):
+            llm.stats()

@@ -4,6 +4,8 @@
 Every loop here is bounded in count and time; no test asserts a timing.
 """
 
+import asyncio
+import json
 import socket
 import threading
 import time
@@ -64,6 +66,11 @@ def wait_for(
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
+def figures(name: str, **values: object) -> None:
+    """Print the test's one ``FIGURES <name> {...}`` line (RELIABILITY.md quotes them)."""
+    print(f"\nFIGURES {name} {json.dumps(values, sort_keys=True)}", flush=True)
+
+
 def assert_openai_error(body: object) -> dict:
     """``body`` is exactly ``{"error": {"message", "type", "param", "code"}}``."""
     assert isinstance(body, dict) and set(body) == {"error"}, body
@@ -108,13 +115,13 @@ def wait_until_clean(backend: Any, timeout_s: float = 60) -> list[dict[str, int]
     (bounded polling: aborts land at the next gap between engine steps)."""
 
     def clean() -> list[dict[str, int]] | None:
-        reports = backend.check_integrity()  # raises if an integrity check fails
+        reports = asyncio.run(backend.check_integrity())  # raises if an integrity check fails
         return reports if all(report == CLEAN for report in reports) else None
 
     try:
         return wait_for(clean, "every replica to be clean", timeout_s, interval_s=0.25)
     except AssertionError as error:
-        raise AssertionError(f"{error}: {backend.check_integrity()}") from None
+        raise AssertionError(f"{error}: {asyncio.run(backend.check_integrity())}") from None
 
 
 @contextmanager

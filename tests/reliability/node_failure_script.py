@@ -60,7 +60,7 @@ async def scenario(backend: RayBackend, cluster: Cluster, worker, doomed: int) -
     in_flight = [asyncio.ensure_future(one(backend, f"long-{i}", 300)) for i in range(8)]
     await asyncio.sleep(2.0)
     cluster.remove_node(worker, allow_graceful=False)
-    await wait_unreachable(backend.replicas[doomed], backend.incarnations[doomed])
+    await wait_unreachable(backend.replicas[doomed], backend.health.incarnations[doomed])
     killed_at = time.monotonic()
     later = []
     for i in range(12):  # new requests while the node is being declared dead, and after
@@ -122,7 +122,7 @@ def main() -> None:
     start = time.monotonic()
     result = asyncio.run(scenario(backend, cluster, worker, doomed))
     result["elapsed_s"] = round(time.monotonic() - start, 1)
-    result["integrity"] = backend.check_integrity() if result["rejoined"] else None
+    result["integrity"] = asyncio.run(backend.check_integrity()) if result["rejoined"] else None
     print(json.dumps({"node_failure": result}), flush=True)
     backend.shutdown()
     ray.shutdown()

@@ -20,7 +20,7 @@ import ray
 from cluster.backend import ReplicaFailedError
 from cluster.config import ClusterConfig
 from replicas.sampling_params import SamplingParams
-from tests.reliability.conftest import serve_on_ray, wait_for, wait_until_clean
+from tests.reliability.conftest import figures, serve_on_ray, wait_for, wait_until_clean
 from tests.reliability.traffic import run_clients
 
 FAULT_CLIENTS = 16
@@ -42,10 +42,6 @@ def fault_config() -> ClusterConfig:
     )
 
 
-def figures(name: str, **values: object) -> None:
-    print(f"\nFIGURES {name} {values}", flush=True)
-
-
 @pytest.fixture(scope="module")
 def served(ray_session):
     with serve_on_ray(fault_config(), "rel-faults") as running:
@@ -56,7 +52,8 @@ def wait_for_both_live(backend, url: str) -> None:
     def both_live() -> bool:
         router_live = ray.get(backend.router.live_replicas.remote(), timeout=60)
         health = httpx.get(f"{url}/health", timeout=30).json()
-        return all(backend.alive) and router_live == [0, 1] and health["live_replicas"] == 2
+        replicas_live = backend.health.num_live == 2
+        return replicas_live and router_live == [0, 1] and health["live_replicas"] == 2
 
     wait_for(both_live, "both replicas to be live again", RESTART_TIMEOUT_S, interval_s=0.5)
 
@@ -75,7 +72,7 @@ async def wait_unreachable(replica, incarnation: str) -> None:
 
 def test_killing_a_replica_fails_only_requests_started_there(served, ray_session):
     server, backend = served
-    old_incarnation = backend.incarnations[0]
+    old_incarnation = backend.health.incarnations[0]
     rerouted_before = backend.num_rerouted
     router_views: set[tuple[int, ...]] = set()
 
@@ -126,7 +123,7 @@ def test_killing_a_replica_fails_only_requests_started_there(served, ray_session
     assert after_kill and all(o.kind == "served" for o in after_kill), tally.summary()
     assert set(tally.codes) <= {"503:replica_failed", "200:replica_failed(stream)"}
     assert (1,) in router_views  # the router dropped replica 0 ...
-    assert backend.incarnations[0] != old_incarnation  # ... and re-added its restarted self
+    assert backend.health.incarnations[0] != old_incarnation  # ... and re-added its restarted self
 
 
 def test_an_engine_failure_restarts_only_that_replica(served):
@@ -136,7 +133,7 @@ def test_an_engine_failure_restarts_only_that_replica(served):
     generator takes (standing in for any bug that makes ``Engine.step`` raise)."""
     server, backend = served
     wait_for_both_live(backend, server.url)
-    incarnations = list(backend.incarnations)
+    incarnations = list(backend.health.incarnations)
     rerouted_before = backend.num_rerouted
     normal = SamplingParams(max_tokens=64, ignore_eos=True)
     poison = SamplingParams(max_tokens=4, temperature=0.7)
@@ -164,12 +161,12 @@ def test_an_engine_failure_restarts_only_that_replica(served):
     results, newcomers = asyncio.run(scenario())
     assert all(n.finish_reason == "length" for n in newcomers)
     wait_for(
-        lambda: backend.incarnations != incarnations and all(backend.alive),
+        lambda: backend.health.incarnations != incarnations and backend.health.num_live == 2,
         "the failed replica to restart and rejoin",
         RESTART_TIMEOUT_S,
         interval_s=0.5,
     )
-    restarted = [i for i in range(2) if backend.incarnations[i] != incarnations[i]]
+    restarted = [i for i in range(2) if backend.health.incarnations[i] != incarnations[i]]
     served = [r for r in results if not isinstance(r, BaseException)]
     figures(
         "engine_failure",

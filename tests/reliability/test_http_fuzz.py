@@ -62,7 +62,7 @@ class Harness:
         request = self.client.request(method, path, content=content, headers=headers)
         try:
             response = self.loop.run_until_complete(asyncio.wait_for(request, REQUEST_TIMEOUT_S))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pytest.fail(f"{method} {path} hung for {REQUEST_TIMEOUT_S} s: {content!r:.300}")
         assert not self.backend.async_engine.is_dead, "this request killed the engine loop"
         return response

@@ -6,7 +6,6 @@ for RELIABILITY.md. ``STRATA_LOAD_ROUND_S`` sets the length of each load round (
 """
 
 import asyncio
-import json
 import os
 import random
 
@@ -19,6 +18,7 @@ from replicas.config import EngineConfig, SchedulerConfig
 from replicas.engine import Engine
 from tests.reliability.conftest import (
     UvicornThread,
+    figures,
     metric_sum,
     rss_bytes,
     scrape,
@@ -49,10 +49,6 @@ def dp2_config(**sections: dict) -> ClusterConfig:
     return ClusterConfig.model_validate(data)
 
 
-def figures(name: str, **values: object) -> None:
-    print(f"\nFIGURES {name} {json.dumps(values, sort_keys=True)}", flush=True)
-
-
 @pytest.fixture(scope="module")
 def served(ray_session):
     with serve_on_ray(dp2_config(), "rel-load") as running:
@@ -64,7 +60,7 @@ def test_64_streaming_clients_for_two_rounds(served):
     clean afterwards, and replica RSS stays flat over a second equal round."""
     server, backend = served
     pids = [int(info["pid"]) for info in backend.replica_infos]
-    incarnations = list(backend.incarnations)
+    incarnations = list(backend.health.incarnations)
     rounds, rss = [], []
     for seed in (1, 2):
         tally = asyncio.run(run_clients(server.url, NUM_CLIENTS, ROUND_S, seed=seed))
@@ -77,7 +73,7 @@ def test_64_streaming_clients_for_two_rounds(served):
         assert set(tally.codes) <= {"429:overloaded"}, tally.summary()
         assert tally.kinds["served"] >= NUM_CLIENTS, tally.summary()
         assert len(reports) == 2
-    assert backend.incarnations == incarnations  # no replica restarted under load
+    assert backend.health.incarnations == incarnations  # no replica restarted under load
     routed = [r.num_requests_routed for r in asyncio.run(backend.stats()).router.replicas]
     assert all(n > 0 for n in routed), routed  # both replicas took load
     figures(

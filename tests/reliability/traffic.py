@@ -142,7 +142,7 @@ async def send(client: httpx.AsyncClient, body: dict, tally: Tally) -> Outcome:
 
     try:
         return await asyncio.wait_for(exchange(), REQUEST_TIMEOUT_S)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return Outcome("error", f"no answer within {REQUEST_TIMEOUT_S} s (a hang): {body}")
     except (httpx.HTTPError, OSError, ValueError) as error:
         return Outcome("error", f"{type(error).__name__}: {error}")

@@ -1,5 +1,6 @@
 """The replica engine end to end on the built-in model, against cache-off references."""
 
+import asyncio
 import random
 
 import pytest
@@ -194,7 +195,7 @@ def test_eos_ends_generation_unless_ignored():
     llm = LLM("tiny")
     prompt = "eos"
     first = llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True)).token_ids[0]
-    llm.engine._eos_token_ids = frozenset({first})
+    llm.engine.core.eos_token_ids = frozenset({first})
     assert llm.generate(prompt, SamplingParams(max_tokens=8)).token_ids == [first]
     ignored = llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
     assert len(ignored.token_ids) == 8
@@ -211,3 +212,17 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch():
     top1 = SamplingParams(max_tokens=16, temperature=1.0, top_k=1, ignore_eos=True, seed=3)
     greedy = SamplingParams(max_tokens=16, ignore_eos=True)
     assert llm.generate("sample", top1).token_ids == llm.generate("sample", greedy).token_ids
+
+
+def test_llm_works_from_inside_a_running_event_loop():
+    # As in a notebook: the calling thread already runs an event loop.
+    llm = LLM("tiny")
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    expected = llm.generate("loop", params).token_ids
+
+    async def call() -> list[int]:
+        return llm.generate("loop", params).token_ids
+
+    assert asyncio.run(call()) == expected
+    llm.shutdown()
+    assert llm.engine is None

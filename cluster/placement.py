@@ -1,0 +1,108 @@
+"""Where a Ray deployment's replicas run: Ray start-up, and one placement bundle per replica with
+the CPUs, GPU share and custom resources that replica reserves.
+
+    placement group (ray.placement_strategy: PACK, SPREAD, ...)
+      bundle 0: {CPU: cpus_per_replica, GPU: gpus_per_replica, **resources_per_replica}
+      bundle 1: ...
+      replica i runs in bundle i and reserves all of it
+
+A replica uses a GPU only when its bundle reserves one (``replicas.actor.placed_device``), so
+two replicas never share a GPU unknowingly.
+"""
+
+import logging
+import os
+from dataclasses import dataclass
+
+import ray
+from ray.exceptions import GetTimeoutError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.config import RayConfig
+
+logger = logging.getLogger(__name__)
+
+PLACEMENT_TIMEOUT_S = 120.0
+
+
+def init_ray(config: RayConfig) -> None:
+    """Join ``config.address``, or start an embedded local Ray sized for this machine: always a
+    new instance (``address="local"``), never a head that happens to run here already."""
+    if ray.is_initialized():
+        return
+    if config.address:
+        ray.init(address=config.address, namespace=config.namespace, log_to_driver=True)
+    else:
+        ray.init(
+            address="local",
+            num_cpus=config.num_cpus or os.cpu_count(),
+            namespace=config.namespace,
+            include_dashboard=False,
+            log_to_driver=True,
+        )
+
+
+def is_embedded(config: RayConfig) -> bool:
+    """Whether ``init_ray`` will start a Ray instance on this machine (no cluster to join)."""
+    return not (config.address or ray.is_initialized())
+
+
+def gpus_per_replica(config: RayConfig, device: str, num_replicas: int) -> float:
+    """``ray.gpus_per_replica``, or when unset: one GPU per replica if the cluster has one for
+    each and the device allows CUDA, else none."""
+    if config.gpus_per_replica is not None:
+        return config.gpus_per_replica
+    if device == "cpu" or ray.cluster_resources().get("GPU", 0) < num_replicas:
+        return 0.0
+    logger.info(
+        "the Ray cluster has a GPU for each of %d replicas: one GPU per replica", num_replicas
+    )
+    return 1.0
+
+
+@dataclass(slots=True)
+class ReplicaPlacement:
+    """A ready placement group of one bundle per replica."""
+
+    placement_group: PlacementGroup
+    num_cpus: float
+    num_gpus: float
+    resources: dict[str, float]
+
+    def actor_options(self, index: int) -> dict[str, object]:
+        """Ray actor options that put a replica in bundle ``index``, reserving all of it."""
+        return {
+            "num_cpus": self.num_cpus,
+            "num_gpus": self.num_gpus,
+            "resources": self.resources,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(self.placement_group, index),
+        }
+
+    def remove(self) -> None:
+        remove_placement_group(self.placement_group)
+
+
+def place_replicas(config: RayConfig, device: str, num_replicas: int) -> ReplicaPlacement:
+    """Reserve one bundle per replica and wait until Ray has placed them all. Raises
+    ``RuntimeError`` (having released the reservation) when the cluster cannot hold them."""
+    num_gpus = gpus_per_replica(config, device, num_replicas)
+    bundle = {"CPU": config.cpus_per_replica, **config.resources_per_replica}
+    if num_gpus:
+        bundle["GPU"] = num_gpus
+    elif device == "auto" and ray.cluster_resources().get("GPU"):
+        logger.warning(
+            "the Ray cluster has GPUs but no replica reserves one (ray.gpus_per_replica): "
+            "replicas run on the CPU (a replica uses a GPU only when its placement bundle "
+            "reserves one)"
+        )
+    group = placement_group([dict(bundle)] * num_replicas, strategy=config.placement_strategy)
+    try:
+        ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+    except GetTimeoutError as error:
+        remove_placement_group(group)
+        raise RuntimeError(
+            f"cannot place {num_replicas} replicas needing {bundle} each on this Ray cluster "
+            f"({ray.cluster_resources()}); lower data_parallel_size or ray.cpus_per_replica"
+        ) from error
+    return ReplicaPlacement(group, config.cpus_per_replica, num_gpus, config.resources_per_replica)
