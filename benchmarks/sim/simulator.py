@@ -291,7 +291,7 @@ class Simulator:
         last = max((r.finish_time for r in finished), default=0.0)
         makespan = last - first
         return {
-            **asdict(self.config),
+            **self._config_record(),
             "num_npu_blocks": self.num_npu_blocks,
             "hardware": self.cost_model.profile.name,
             "num_host_blocks": self.num_host_blocks,
@@ -321,6 +321,13 @@ class Simulator:
             "agent": {"source": self.agent.source, **self.agent.summary()},
             "sim_wall_s": wall_s,
         }
+
+    def _config_record(self) -> dict[str, object]:
+        """The config's fields; a model with global attention only leaves out the hybrid ones."""
+        record = asdict(self.config)
+        if self.config.sliding_window is None:
+            del record["sliding_window"], record["sliding_layer_fraction"]
+        return record
 
     def _hybrid_record(self) -> dict[str, object]:
         if self.config.sliding_window is None:
