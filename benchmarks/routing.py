@@ -167,7 +167,7 @@ async def _drive(backend: RayBackend, settings: Settings, prompts: list[list[int
     start = time.perf_counter()
     await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     elapsed = time.perf_counter() - start
-    for report in backend.check_integrity():
+    for report in await backend.check_integrity():
         if report["npu_blocks_used"] or report["num_unfinished"]:
             raise RuntimeError(f"blocks left in use after the run: {report}")
     return {

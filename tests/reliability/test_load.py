@@ -200,7 +200,7 @@ def test_npu_exhaustion_preempts_and_every_request_completes():
     finally:
         server.close()
     engine.check_integrity()
-    preemptions = engine.scheduler.num_preemptions
+    preemptions = engine.stats().num_preemptions
     figures(
         "npu_exhaustion",
         requests=len(bodies),
