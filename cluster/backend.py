@@ -61,6 +61,11 @@ class Backend(Protocol):
 
     async def stats(self) -> ClusterStats: ...
 
+    async def reset_prefix_cache(self, tier: str = "all") -> None:
+        """Forget every replica's unreferenced cached blocks of ``tier`` ("all", "npu",
+        "host"); a router's index follows through the replicas' KV events."""
+        ...
+
 
 class LocalBackend:
     """One engine in this process (no Ray, no router)."""

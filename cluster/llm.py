@@ -16,10 +16,10 @@ from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from cluster.backend import LocalBackend
+from cluster.backend import LocalBackend, ReplicaFailedError, ReplicaStats
 from cluster.config import ClusterConfig, ModelConfig
 from replicas.config import SchedulerConfig
-from replicas.engine import Engine, EngineStats
+from replicas.engine import Engine, EngineStats, sum_stats
 from replicas.model.resolve import DEFAULT_MODEL
 from replicas.outputs import RequestOutput
 from replicas.sampling_params import SamplingParams
@@ -174,14 +174,17 @@ class LLM:
 
     # ---- admin -------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        """The engine's statistics; only with one replica (``data_parallel_size=1``)."""
+        """The engine's statistics; with several replicas, their sum (counters, gauges and
+        block usage per cache type). Raises if a replica did not answer."""
+        return sum_stats([r.engine for r in self.replica_stats()])
+
+    def replica_stats(self) -> list[ReplicaStats]:
+        """Each replica's statistics. Raises ``ReplicaFailedError`` if one did not answer."""
         replicas = self._loop.run(self.backend.stats()).replicas
-        if len(replicas) != 1:
-            raise ValueError(
-                "stats() reports one in-process engine; with data_parallel_size > "
-                "1 use the backend's stats"
-            )
-        return replicas[0].engine
+        silent = [r.replica_index for r in replicas if r.engine is None]
+        if silent:
+            raise ReplicaFailedError(f"replicas {silent} did not report their stats")
+        return replicas
 
     def reset_prefix_cache(self, tier: str = "all") -> None:
         """Forget the cached blocks nobody uses in ``tier`` ("all", "npu", "host"), on every

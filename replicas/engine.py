@@ -1,7 +1,11 @@
 """One replica's engine: requests in, tokens out, one step at a time. No Ray here."""
 
+import dataclasses
+import functools
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -35,6 +39,26 @@ class EngineStats:
     num_waiting: int
     num_preemptions: int
     cache_types: dict[str, CacheTypeUsage] = field(default_factory=dict)
+
+
+def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
+    """The stats of several engines as one: every counter and gauge summed, per cache type
+    where they are per cache type."""
+    if not stats:
+        raise ValueError("no engine stats to sum")
+    return functools.reduce(_add, stats)
+
+
+def _add(a: Any, b: Any) -> Any:
+    if a is None or b is None:
+        return b if a is None else a
+    if dataclasses.is_dataclass(a):
+        return type(a)(**{f.name: _add(getattr(a, f.name), getattr(b, f.name)) for f in fields(a)})
+    if isinstance(a, tuple):  # a NamedTuple of numbers
+        return type(a)(*(x + y for x, y in zip(a, b)))
+    if isinstance(a, dict):
+        return {k: _add(a.get(k), b.get(k)) for k in {**a, **b}}
+    return a + b
 
 
 class Engine:

@@ -4,6 +4,8 @@
     GET  /v1/models             GET  /v1/models/{model}
     GET  /health                200 while a replica is alive, else 503 (never needs the key)
     GET  /metrics               Prometheus text (needs the key unless metrics_public)
+    POST /v1/admin/reset_prefix_cache   forget every replica's unreferenced cached blocks of
+                                a tier (``tier`` in the JSON body or the query: all, npu, host)
 
 Request path: APIKeyGuard (401) -> BodySizeLimit (413) -> route: parse the JSON body (400) ->
 ``Serving`` checks and generates. Every error is OpenAI-shaped (``cluster.api.errors``).
@@ -21,7 +23,13 @@ from starlette.responses import Response
 
 from cluster.api.errors import APIError, describe_validation_error, install_error_handlers
 from cluster.api.middleware import APIKeyGuard, BodySizeLimit
-from cluster.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from cluster.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    ResetPrefixCacheRequest,
+)
 from cluster.api.serving import Serving
 from cluster.backend import Backend
 from cluster.metrics import CONTENT_TYPE, StrataMetrics
@@ -123,6 +131,21 @@ def create_app(
             body = {"status": "unavailable", "live_replicas": 0, **error.body()}
             return JSONResponse(body, status_code=503)
         return JSONResponse({"status": "ok", "live_replicas": num_live})
+
+    @app.post("/v1/admin/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> JSONResponse:
+        query = dict(request.query_params)
+        if await request.body():
+            body = await read_body(request, ResetPrefixCacheRequest)
+            if "tier" in query and query["tier"] != body.tier:
+                raise APIError.bad_request("'tier' is given twice, differently", "tier")
+        else:
+            try:
+                body = ResetPrefixCacheRequest.model_validate(query)
+            except ValidationError as error:
+                raise describe_validation_error(error) from None
+        await backend.reset_prefix_cache(body.tier)
+        return JSONResponse({"status": "ok", "tier": body.tier})
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

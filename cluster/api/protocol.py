@@ -37,6 +37,12 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class ResetPrefixCacheRequest(_Body):
+    tier: Literal["all", "npu", "host"] = Field(
+        "all", description="Which tier's unreferenced cached blocks to forget."
+    )
+
+
 class StreamOptions(_Body):
     include_usage: bool = Field(False, description="Send a last chunk with the usage.")
     include_obfuscation: bool | None = Field(

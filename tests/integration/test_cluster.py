@@ -131,7 +131,7 @@ def test_killing_a_replica_fails_only_its_requests_and_it_rejoins(deploy, ray_se
     assert live == 2  # Ray restarted the replica and it rejoined routing
 
 
-def test_llm_resets_the_prefix_cache_of_every_replica(ray_session):
+def test_llm_resets_the_prefix_cache_and_sums_the_stats_of_every_replica(ray_session):
     """``LLM`` with two replicas drives the Ray deployment; ``reset_prefix_cache`` empties both
     replicas' caches. Round-robin routing alternates replicas 0, 1, 0, 1, ... one call at a time."""
     prompt = [*range(1, 65), 100]  # 4 full blocks and one more token
@@ -147,5 +147,10 @@ def test_llm_resets_the_prefix_cache_of_every_replica(ray_session):
         llm.reset_prefix_cache()
         assert send_twice() == [(0, 0), (1, 0)]  # neither holds it any longer
         llm.check_integrity()
-        with pytest.raises(ValueError, match="data_parallel_size > 1"):
-            llm.stats()
+        replicas = llm.replica_stats()
+        assert [r.replica_index for r in replicas] == [0, 1]
+        total = llm.stats()  # the sum over both replicas
+        assert total.cache.queries == sum(r.engine.cache.queries for r in replicas) > 0
+        assert total.cache.hits == 2 * 64
+        usage = [r.engine.cache_types["full"] for r in replicas]
+        assert total.cache_types["full"].num_npu_blocks == sum(u.num_npu_blocks for u in usage)

@@ -6,6 +6,7 @@ import random
 import pytest
 
 from cluster import LLM, PrefixCacheConfig, SamplingParams, SchedulerConfig
+from replicas.engine import sum_stats
 
 BS = 16
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -226,3 +227,17 @@ def test_llm_works_from_inside_a_running_event_loop():
     assert asyncio.run(call()) == expected
     llm.shutdown()
     assert llm.engine is None
+
+
+def test_summed_stats_add_every_counter_and_usage_per_cache_type():
+    hybrid = LLM("tiny-hybrid", num_npu_blocks=32)
+    plain = LLM("tiny", num_npu_blocks=16)
+    for llm in (hybrid, plain):
+        llm.generate(list(range(1, 40)), SamplingParams(max_tokens=4, ignore_eos=True))
+    a, b = hybrid.stats(), plain.stats()
+    total = sum_stats([a, b])
+    assert total.cache.queries == a.cache.queries + b.cache.queries > 0
+    assert total.num_preemptions == a.num_preemptions + b.num_preemptions
+    assert total.cache_types["full"].num_npu_blocks == 32 + 16
+    assert total.cache_types["sliding"] == a.cache_types["sliding"]  # only one has it
+    assert sum_stats([a]) == a

@@ -76,6 +76,7 @@ class ScriptedBackend:
     max_model_len = 64
 
     def __init__(self, tokenizer: ByteTokenizer | None = None) -> None:
+        self.resets: list[str] = []
         self.tokenizer = tokenizer or ByteTokenizer()
         self.fail_before: Exception | None = None
         self.fail_after: Exception | None = None
@@ -103,6 +104,9 @@ class ScriptedBackend:
 
     async def stats(self) -> ClusterStats:
         return ClusterStats([ReplicaStats(3, self.num_live > 0, None)])
+
+    async def reset_prefix_cache(self, tier: str = "all") -> None:
+        self.resets.append(tier)
 
 
 @pytest.fixture

@@ -31,6 +31,7 @@ def test_requests_without_the_key_are_401(guarded, headers):
         ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
         ("GET", "/v1/models", None),
         ("GET", "/v1/unknown", None),
+        ("POST", "/v1/admin/reset_prefix_cache", {"tier": "all"}),
     ]:
         response = client.request(method, path, json=body, headers=headers)
         error = assert_error(response, 401)
@@ -43,6 +44,7 @@ def test_the_key_opens_every_endpoint(guarded):
     assert client.post("/v1/completions", json=COMPLETION, headers=GOOD).status_code == 200
     assert client.get("/v1/models", headers=GOOD).status_code == 200
     assert client.get("/metrics", headers=GOOD).status_code == 200
+    assert client.post("/v1/admin/reset_prefix_cache", headers=GOOD).status_code == 200
     # Authorized mistakes still get their own status.
     assert_error(client.get("/v1/unknown", headers=GOOD), 404)
     assert_error(client.post("/v1/completions", content=b"{", headers=GOOD), 400)
