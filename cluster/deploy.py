@@ -80,6 +80,7 @@ class RayBackend:
         incarnations = ray.get([replica.ready.remote() for replica in self.replicas])
         self.health = HealthMonitor(self.replicas, self.router, incarnations)
         self.num_rerouted = 0  # requests routed again because their replica was lost first
+        self.num_overload_reroutes = 0  # requests a full replica turned away, offered elsewhere
         self.max_model_len = int(self.replica_infos[0]["max_model_len"])
         self.block_size = engine_config.block_size
         self.model_name = config.served_model_name
@@ -98,11 +99,14 @@ class RayBackend:
         hashes = block_hashes(prompt_token_ids, self.block_size, cache_salt)
         # A replica lost before the request's first output, or turning it away because its
         # engine failed, never ran it: the request is routed again, away from that replica.
-        # Once outputs have reached the client, a loss fails the request.
+        # Once outputs have reached the client, a loss fails the request. A replica whose
+        # waiting queue is full turns it away too: the router offers it to the next best
+        # replica, and only when every live replica is full does the client get 429.
         num_attempts = 2 * len(self.replicas)
+        full: set[int] = set()
         for attempt in range(num_attempts):
             is_last = attempt == num_attempts - 1
-            index = await self._route(request_id, len(prompt_token_ids), hashes)
+            index = await self._route(request_id, len(prompt_token_ids), hashes, full)
             if not (self.health.is_alive(index) or is_last):
                 # The router has not heard of the loss yet (one that Ray restarted believes every
                 # replica live): tell it again and route again, before any call to the replica.
@@ -122,6 +126,11 @@ class RayBackend:
                     yield output
                 return
             except (RayTaskError, *ACTOR_LOST) as error:
+                if isinstance(getattr(error, "cause", None), OverloadedError) and not started:
+                    lost = True  # never queued there: nothing to abort
+                    full.add(index)
+                    self.num_overload_reroutes += 1
+                    continue
                 unavailable = isinstance(getattr(error, "cause", None), ReplicaUnavailableError)
                 if isinstance(error, RayTaskError) and not unavailable:
                     raise _unwrap(error, index) from None
@@ -141,14 +150,24 @@ class RayBackend:
                 if not (finished or lost):
                     self.replicas[index].abort.remote(request_id)
                 self.router.release.remote(request_id)  # before a new route() of the same id
+        raise OverloadedError(f"replicas {sorted(full)} turned the request away; retry later")
 
-    async def _route(self, request_id: str, num_prompt_tokens: int, hashes: list[BlockHash]) -> int:
-        """The replica the router picks. Calls to a router that Ray is restarting wait for it
+    async def _route(
+        self, request_id: str, num_prompt_tokens: int, hashes: list[BlockHash], full: set[int]
+    ) -> int:
+        """The replica the router picks, not one of ``full`` (their waiting queues turned the
+        request away). Calls to a router that Ray is restarting wait for it
         (``max_task_retries=-1``) rather than fail."""
         try:
-            decision = await self.router.route.remote(request_id, num_prompt_tokens, hashes)
+            decision = await self.router.route.remote(
+                request_id, num_prompt_tokens, hashes, sorted(full)
+            )
         except RayTaskError as error:
             if isinstance(error.cause, NoLiveReplicaError):
+                if full:
+                    raise OverloadedError(
+                        f"every live replica ({len(full)}) has a full waiting queue; retry later"
+                    ) from None
                 raise error.cause from None
             raise
         return decision.replica_index

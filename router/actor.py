@@ -8,7 +8,7 @@ snapshot; after a restart of the router itself, it rebuilds every replica's inde
 import asyncio
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import ray
 
@@ -43,9 +43,13 @@ class RouterActor:
                 self._schedule_resync(index)
 
     async def route(
-        self, request_id: str, num_prompt_tokens: int, block_hashes: Sequence[BlockHash]
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        block_hashes: Sequence[BlockHash],
+        exclude: Collection[int] = (),
     ) -> RouteDecision:
-        return self.router.route(request_id, num_prompt_tokens, block_hashes)
+        return self.router.route(request_id, num_prompt_tokens, block_hashes, exclude)
 
     async def report(
         self, batch: KVEventBatch, generated: dict[str, int], finished: Sequence[str]

@@ -1,7 +1,7 @@
 """The router: picks a data-parallel replica for each request and keeps its view of the replicas
 (cached prefixes, load, liveness) up to date. Plain class; ``router.actor`` wraps it for Ray."""
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from replicas.hashing import BlockHash
@@ -65,18 +65,27 @@ class Router:
         self._live: list[int] = list(range(num_replicas))  # ascending; rebuilt on liveness change
 
     def route(
-        self, request_id: str, num_prompt_tokens: int, block_hashes: Sequence[BlockHash]
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        block_hashes: Sequence[BlockHash],
+        exclude: Collection[int] = (),
     ) -> RouteDecision:
         """Pick a live replica for a new request and charge its prompt tokens there (mutates).
 
-        ``block_hashes`` are the prompt's full-block hashes. Raises NoLiveReplicaError when no
-        replica is live, ValueError when ``request_id`` is already routed and not released.
+        ``block_hashes`` are the prompt's full-block hashes; replicas in ``exclude`` (those that
+        turned the request away) are not candidates. Raises NoLiveReplicaError when no live
+        replica is left, ValueError when ``request_id`` is already routed and not released.
         """
-        if not self._live:
-            raise NoLiveReplicaError(f"no live replica among {self.num_replicas} to route to")
+        live = [r for r in self._live if r not in exclude] if exclude else self._live
+        if not live:
+            raise NoLiveReplicaError(
+                f"no live replica among {self.num_replicas} to route to"
+                + (f" but {sorted(exclude)}, which turned the request away" if exclude else "")
+            )
         loads = self._load.load_tokens
         matches = self._matches(block_hashes)  # score
-        decision = self._policy.choose(self._live, matches, loads, num_prompt_tokens)  # choose
+        decision = self._policy.choose(live, matches, loads, num_prompt_tokens)  # choose
         self._load.charge(request_id, decision.replica_index, num_prompt_tokens)  # charge
         if self.config.enable_prefix_caching:
             self._pending.add(request_id, decision.replica_index, block_hashes)

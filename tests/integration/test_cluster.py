@@ -154,3 +154,36 @@ def test_llm_resets_the_prefix_cache_and_sums_the_stats_of_every_replica(ray_ses
         assert total.cache.hits == 2 * 64
         usage = [r.engine.cache_types["full"] for r in replicas]
         assert total.cache_types["full"].num_npu_blocks == sum(u.num_npu_blocks for u in usage)
+
+
+def test_a_full_replica_passes_the_request_to_the_next_best_one(deploy):
+    """Cluster-wide admission: replica 0 runs one request and queues another (its limit); a
+    third request that prefers replica 0 (same prefix, locality profile) is offered to replica
+    1 instead of getting 429 (test_load checks the 429 once every replica is full)."""
+    config = make_config(profile="locality", max_model_len=1024)
+    config = config.model_copy(
+        update={
+            "scheduler": config.scheduler.model_copy(update={"max_num_seqs": 1}),
+            "server": config.server.model_copy(update={"max_waiting_requests": 1}),
+        }
+    )
+    backend = deploy(config, "t-admission")
+    prefix = list(range(1, 161))  # 10 full blocks
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+
+    async def scenario():
+        first = backend.generate("a", [*prefix, 1], long)
+        running = await anext(first)  # replica 0 runs it now
+        queued = asyncio.ensure_future(run_one(backend, "b", [*prefix, 2], long))
+        deadline = time.monotonic() + 30
+        while (await backend.replicas[0].stats.remote()).num_waiting < 1:
+            assert time.monotonic() < deadline, "request b never queued on replica 0"
+            await asyncio.sleep(0.01)
+        third = await run_one(backend, "c", [*prefix, 3])
+        outcomes = [running.replica_index, third.replica_index]
+        await first.aclose()
+        await queued
+        return outcomes
+
+    assert run(scenario()) == [0, 1]
+    assert backend.num_overload_reroutes >= 1

@@ -1,5 +1,6 @@
 import pytest
 
+from replicas.hashing import block_hashes
 from replicas.kv_events import KVEvent, KVEventBatch, KVSnapshot
 from router.config import RoutingConfig
 from router.router import NoLiveReplicaError, Router
@@ -208,3 +209,14 @@ def test_host_matches_are_counted_per_tier_in_stats():
     stats = router.stats().replicas[0]
     assert (stats.num_npu_matched_tokens, stats.num_host_matched_tokens) == (16, 16)
     assert stats.matched_fraction_bucket_counts == (0, 0, 0, 0, 0, 1, 1)  # 0.8
+
+
+def test_excluded_replicas_are_not_candidates():
+    router = Router(3, 4, RoutingConfig(scoring_profile="locality"))
+    hashes = block_hashes(list(range(16)), 4)
+    assert router.route("a", 16, hashes).replica_index == 0
+    router.release("a")
+    assert router.route("b", 16, hashes, exclude=[0]).replica_index == 1
+    assert router.route("c", 16, hashes, exclude=[0, 1]).replica_index == 2
+    with pytest.raises(NoLiveReplicaError, match="turned the request away"):
+        router.route("d", 16, hashes, exclude=[0, 1, 2])
