@@ -104,14 +104,17 @@ class RayBackend:
         # replica, and only when every live replica is full does the client get 429.
         num_attempts = 2 * len(self.replicas)
         full: set[int] = set()
+        released = None  # the last attempt's release: routed again only once it is done
         for attempt in range(num_attempts):
             is_last = attempt == num_attempts - 1
+            if released is not None:
+                await released  # an async actor may run calls out of order: wait for it
             index = await self._route(request_id, len(prompt_token_ids), hashes, full)
             if not (self.health.is_alive(index) or is_last):
                 # The router has not heard of the loss yet (one that Ray restarted believes every
                 # replica live): tell it again and route again, before any call to the replica.
                 self.health.mark_lost(index)
-                self.router.release.remote(request_id)
+                released = self.router.release.remote(request_id)
                 continue
             stream = (
                 self.replicas[index]
@@ -149,7 +152,7 @@ class RayBackend:
             finally:
                 if not (finished or lost):
                     self.replicas[index].abort.remote(request_id)
-                self.router.release.remote(request_id)  # before a new route() of the same id
+                released = self.router.release.remote(request_id)
         raise OverloadedError(f"replicas {sorted(full)} turned the request away; retry later")
 
     async def _route(

@@ -4,7 +4,7 @@ The simulator replays a request trace through the *real* decision code, with a c
 place of the model forward pass::
 
     trace.py          Mooncake records -> token-level requests (hash id -> T seeded tokens)
-    engine.py         SimulatedEngine: Engine.step's bookkeeping, timed by the cost model
+    engine.py         SimulatedEngine: the real EngineCore with a cost-model executor
     cost_model.py     HardwareProfile (profiles/*.json) -> step time of a batch and its copies
     agents.py         routing agents: Strata's Router (fed by KV events), the peers' base
     peers.py          peer policies from their published descriptions (own approximate state)
