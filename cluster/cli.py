@@ -215,6 +215,12 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     a("--address", help=field_help(RayConfig, "address"))
     a("--num-cpus", type=float, metavar="CPUS", help=field_help(RayConfig, "num_cpus"))
     a(
+        "--cpus-per-replica",
+        type=float,
+        metavar="CPUS",
+        help=field_help(RayConfig, "cpus_per_replica"),
+    )
+    a(
         "--gpus-per-replica",
         type=float,
         metavar="GPUS",
@@ -277,6 +283,7 @@ def _build_config(args: argparse.Namespace) -> ClusterConfig:
     put("server.api_key", args.api_key)
     put("ray.address", args.address)
     put("ray.num_cpus", args.num_cpus)
+    put("ray.cpus_per_replica", args.cpus_per_replica)
     put("ray.gpus_per_replica", args.gpus_per_replica)
     return ClusterConfig.model_validate(data)
 

@@ -51,7 +51,14 @@ class RayConfig(_Section):
         None, gt=0, description="CPUs of the embedded local Ray; None: every CPU of this machine."
     )
     namespace: str = Field("strata", description="Ray namespace of Strata's actors.")
-    cpus_per_replica: float = Field(0.5, ge=0, description="CPUs reserved per replica actor.")
+    cpus_per_replica: float | None = Field(
+        None,
+        ge=0,
+        description="CPUs reserved per replica actor; it computes with one torch thread per "
+        "whole CPU (at least one). None: the Ray cluster's available CPUs shared evenly among "
+        "the replicas (one left for the HTTP front and router when there are 8 or more), "
+        "one per replica on GPUs.",
+    )
     gpus_per_replica: float | None = Field(
         None,
         ge=0,

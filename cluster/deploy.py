@@ -48,15 +48,25 @@ class RayBackend:
         self.config = config
         self.name = name
         engine_config = config.engine_config()  # raises on an impossible host budget
-        # One torch thread per reserved CPU: replicas sharing a node must not oversubscribe it.
-        threads = max(1, int(config.ray.cpus_per_replica))
-        engine_config = engine_config.model_copy(update={"num_threads": threads})
         args, self.tokenizer = load_model_info(config.model.model, config.model.revision)
         if is_embedded(config.ray):  # every replica's host tier will be on this machine
             _check_host_memory(config, engine_config, args)
         init_ray(config.ray)
         size = config.data_parallel_size
         self.placement = place_replicas(config.ray, engine_config.device, size)
+        # One torch thread per reserved CPU: replicas sharing a node must not oversubscribe it.
+        threads = max(1, int(self.placement.num_cpus))
+        engine_config = engine_config.model_copy(update={"num_threads": threads})
+        logger.info(
+            "each of %d replicas reserves %g CPUs%s and computes with %d torch threads%s",
+            size,
+            self.placement.num_cpus,
+            f" and {self.placement.num_gpus:g} GPUs" if self.placement.num_gpus else "",
+            threads,
+            ""
+            if config.ray.cpus_per_replica is not None
+            else " (ray.cpus_per_replica unset: the available CPUs shared among the replicas)",
+        )
         self.router = (
             ray.remote(RouterActor)
             .options(name=f"{name}-router", num_cpus=0, max_restarts=-1, max_task_retries=-1)

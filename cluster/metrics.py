@@ -64,6 +64,12 @@ _COUNTERS: list[tuple[str, str, Callable[[EngineStats], float]]] = [
      lambda s: s.transfer.seconds if s.transfer else 0.0),
     ("strata_num_preemptions", "Requests preempted for lack of NPU blocks.",
      lambda s: s.num_preemptions),
+    ("strata_engine_steps", "Engine steps run.", lambda s: s.steps.num_steps),
+    ("strata_engine_step_seconds", "Time spent inside engine steps.",
+     lambda s: s.steps.step_seconds),
+    ("strata_engine_gap_seconds",
+     "Time between engine steps while requests were unfinished (serving-layer overhead).",
+     lambda s: s.steps.gap_seconds),
 ]  # fmt: skip
 
 _GAUGES: list[tuple[str, str, Callable[[EngineStats], float]]] = [

@@ -3,6 +3,7 @@ the CPUs, GPU share and custom resources that replica reserves.
 
     placement group (ray.placement_strategy: PACK, SPREAD, ...)
       bundle 0: {CPU: cpus_per_replica, GPU: gpus_per_replica, **resources_per_replica}
+      (unset: the machine's cores shared among the replicas, see ``cpus_per_replica``)
       bundle 1: ...
       replica i runs in bundle i and reserves all of it
 
@@ -83,11 +84,40 @@ class ReplicaPlacement:
         remove_placement_group(self.placement_group)
 
 
+FRONT_RESERVED_CPUS = 1.0
+"""CPUs a default deployment leaves unreserved for the HTTP front and the router, on a Ray
+cluster with at least ``MIN_CPUS_TO_RESERVE`` of them; a smaller machine shares every core
+(the front and the router need little of one, and an idle reserved core is a larger loss)."""
+MIN_CPUS_TO_RESERVE = 8.0
+
+
+def cpus_per_replica(config: RayConfig, num_gpus: float, num_replicas: int) -> float:
+    """``ray.cpus_per_replica``, or when unset: one CPU per replica that runs on a GPU; on the
+    CPU, the Ray cluster's available CPUs (less ``FRONT_RESERVED_CPUS`` on a large one) shared
+    evenly among the replicas, at most one node's CPUs each. A replica computes with one torch
+    thread per whole CPU it reserves (``cluster.deploy``)."""
+    if config.cpus_per_replica is not None:
+        return config.cpus_per_replica
+    if num_gpus:
+        return 1.0
+    available = ray.available_resources().get("CPU", 0.0)
+    if available >= MIN_CPUS_TO_RESERVE:
+        available -= FRONT_RESERVED_CPUS
+    largest_node = max(
+        (node["Resources"].get("CPU", 0.0) for node in ray.nodes() if node["Alive"]), default=0.0
+    )
+    share = min(available / num_replicas, largest_node)
+    if share >= 1:
+        share = float(int(share))  # whole CPUs: a fraction would buy no thread
+    return max(share, 0.0)
+
+
 def place_replicas(config: RayConfig, device: str, num_replicas: int) -> ReplicaPlacement:
     """Reserve one bundle per replica and wait until Ray has placed them all. Raises
     ``RuntimeError`` (having released the reservation) when the cluster cannot hold them."""
     num_gpus = gpus_per_replica(config, device, num_replicas)
-    bundle = {"CPU": config.cpus_per_replica, **config.resources_per_replica}
+    num_cpus = cpus_per_replica(config, num_gpus, num_replicas)
+    bundle = {"CPU": num_cpus, **config.resources_per_replica}
     if num_gpus:
         bundle["GPU"] = num_gpus
     elif device == "auto" and ray.cluster_resources().get("GPU"):
@@ -105,4 +135,4 @@ def place_replicas(config: RayConfig, device: str, num_replicas: int) -> Replica
             f"cannot place {num_replicas} replicas needing {bundle} each on this Ray cluster "
             f"({ray.cluster_resources()}); lower data_parallel_size or ray.cpus_per_replica"
         ) from error
-    return ReplicaPlacement(group, config.cpus_per_replica, num_gpus, config.resources_per_replica)
+    return ReplicaPlacement(group, num_cpus, num_gpus, config.resources_per_replica)

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
+import torch
 
 from replicas.async_engine import AsyncEngine
 from replicas.config import EngineConfig
@@ -145,6 +146,7 @@ class ReplicaActor:
             "num_npu_blocks": self.engine.num_npu_blocks,
             "model": self.engine.loaded.name,
             "device": str(self.engine.device),
+            "num_threads": torch.get_num_threads(),
             "node_id": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),
         }

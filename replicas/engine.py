@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -30,6 +31,17 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
+class StepTimes:
+    """Where a busy engine's time goes: ``step_seconds`` inside its steps, ``gap_seconds``
+    between a step and the next one while requests were unfinished (the serving layer's share:
+    dispatching outputs, taking requests in, waiting for the event loop)."""
+
+    num_steps: int = 0
+    step_seconds: float = 0.0
+    gap_seconds: float = 0.0
+
+
+@dataclass(slots=True)
 class EngineStats:
     """A snapshot of one engine's counters and gauges; block usage per cache type."""
 
@@ -39,6 +51,7 @@ class EngineStats:
     num_waiting: int
     num_preemptions: int
     cache_types: dict[str, CacheTypeUsage] = field(default_factory=dict)
+    steps: StepTimes = field(default_factory=StepTimes)
 
 
 def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
@@ -120,6 +133,8 @@ class Engine:
             transfer=self.transfer,
             text=self.output_processor,
         )
+        self._step_times = StepTimes()
+        self._busy_since: float | None = None  # end of the last step, while work remained
         logger.info(
             "engine: model %s on %s, block size %d, max_model_len %d",
             self.loaded.name,
@@ -158,6 +173,8 @@ class Engine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks; None if it is unknown or already finished."""
         request = self.core.abort(request_id)
+        if not self.core.has_unfinished_requests():
+            self._busy_since = None  # idle from here on: not a gap between steps
         return self._outputs([request])[0] if request is not None else None
 
     def has_unfinished_requests(self) -> bool:
@@ -175,7 +192,16 @@ class Engine:
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the requests that produced a token or finished."""
-        return self._outputs(self.core.step())
+        start = time.perf_counter()
+        times = self._step_times
+        if self._busy_since is not None:
+            times.gap_seconds += start - self._busy_since
+        outputs = self._outputs(self.core.step())
+        end = time.perf_counter()
+        times.num_steps += 1
+        times.step_seconds += end - start
+        self._busy_since = end if self.core.has_unfinished_requests() else None
+        return outputs
 
     def _outputs(self, requests: list[Request]) -> list[RequestOutput]:
         outputs = [self.output_processor.output(r) for r in requests]
@@ -232,6 +258,7 @@ class Engine:
             num_waiting=self.core.num_waiting,
             num_preemptions=self.core.num_preemptions,
             cache_types=self.kv_cache.usage(),
+            steps=dataclasses.replace(self._step_times),
         )
 
     def reset_prefix_cache(self, tier: str = "all") -> None:

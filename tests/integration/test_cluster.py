@@ -187,3 +187,22 @@ def test_a_full_replica_passes_the_request_to_the_next_best_one(deploy):
 
     assert run(scenario()) == [0, 1]
     assert backend.num_overload_reroutes >= 1
+
+
+def test_replicas_are_sized_to_the_cpus_ray_gives_them(deploy, ray_session):
+    """Unset ``cpus_per_replica``: the available CPUs shared among the replicas, and each
+    replica computes with one torch thread per whole CPU it reserved; an explicit setting wins."""
+    config = make_config(dp=1)
+    auto = config.model_copy(
+        update={"ray": config.ray.model_copy(update={"cpus_per_replica": None})}
+    )
+    available = ray_session.available_resources()["CPU"]
+    backend = RayBackend(auto, name="t-sized")
+    try:
+        assert backend.placement.num_cpus == (int(available) if available >= 1 else available)
+        assert backend.replica_infos[0]["num_threads"] == max(1, int(backend.placement.num_cpus))
+    finally:
+        backend.shutdown()
+    explicit = deploy(make_config(dp=1), "t-sized-explicit")
+    assert explicit.placement.num_cpus == 0.5
+    assert explicit.replica_infos[0]["num_threads"] == 1
