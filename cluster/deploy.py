@@ -3,7 +3,8 @@ the HTTP API and the offline ``LLM`` use to reach them.
 
     HTTP app ──route()──▶ RouterActor            (not on the token path)
         │                     ▲ report(events, generated, finished), fire-and-forget
-        └──generate()──▶ ReplicaActor i ─────────┘   streams outputs back to the app
+        └──submit()──▶ ReplicaActor i ───────────┘
+               ◀──outputs: one message per step, all of this app's requests (ReplicaLink)
 
 ``cluster.placement`` decides where the replicas run and ``cluster.health`` watches them; this
 module wires the actors together and serves requests, routing one again when its replica is
@@ -27,7 +28,9 @@ from cluster.backend import (
 from cluster.config import ClusterConfig
 from cluster.health import ACTOR_LOST, HEALTH_TIMEOUT_S, HealthMonitor
 from cluster.placement import init_ray, is_embedded, place_replicas
+from cluster.replica_link import ReplicaLink, StreamLostError
 from replicas.actor import ReplicaActor, ReplicaUnavailableError
+from replicas.async_engine import EngineDeadError
 from replicas.config import EngineConfig
 from replicas.hashing import BlockHash, block_hashes
 from replicas.host_memory import check_host_capacity
@@ -88,6 +91,7 @@ class RayBackend:
             self._release()
             raise ReplicaStartError(f"a replica could not start: {_last_line(error)}") from None
         incarnations = ray.get([replica.ready.remote() for replica in self.replicas])
+        self.links = [ReplicaLink(replica) for replica in self.replicas]
         self.health = HealthMonitor(self.replicas, self.router, incarnations)
         self.num_rerouted = 0  # requests routed again because their replica was lost first
         self.num_overload_reroutes = 0  # requests a full replica turned away, offered elsewhere
@@ -126,28 +130,33 @@ class RayBackend:
                 self.health.mark_lost(index)
                 released = self.router.release.remote(request_id)
                 continue
-            stream = (
-                self.replicas[index]
-                .generate.options(num_returns="streaming")
-                .remote(request_id, prompt_token_ids, sampling_params, cache_salt)
+            stream = self.links[index].generate(
+                request_id, prompt_token_ids, sampling_params, cache_salt
             )
-            started = finished = lost = False
+            started = finished = False
             try:
-                async for ref in stream:
-                    output = await ref
+                async for output in stream:
                     started, finished = True, output.finished
                     yield output
                 return
-            except (RayTaskError, *ACTOR_LOST) as error:
-                if isinstance(getattr(error, "cause", None), OverloadedError) and not started:
-                    lost = True  # never queued there: nothing to abort
+            except (
+                RayTaskError,
+                *ACTOR_LOST,
+                StreamLostError,
+                EngineDeadError,
+                ValueError,
+            ) as error:
+                cause = error.cause if isinstance(error, RayTaskError) else error
+                if isinstance(cause, OverloadedError) and not started:
+                    finished = True  # never queued there: nothing to abort
                     full.add(index)
                     self.num_overload_reroutes += 1
                     continue
-                unavailable = isinstance(getattr(error, "cause", None), ReplicaUnavailableError)
-                if isinstance(error, RayTaskError) and not unavailable:
-                    raise _unwrap(error, index) from None
-                lost = True
+                if isinstance(cause, (ValueError, EngineDeadError)) or (
+                    isinstance(error, RayTaskError)
+                    and not isinstance(cause, ReplicaUnavailableError)
+                ):
+                    raise _unwrap(cause, index) from None
                 self.health.mark_lost(index)
                 if started or is_last:
                     raise ReplicaFailedError(
@@ -160,7 +169,8 @@ class RayBackend:
                     request_id,
                 )
             finally:
-                if not (finished or lost):
+                await stream.aclose()
+                if not finished:  # also after a loss: a restarted replica may have it queued
                     self.replicas[index].abort.remote(request_id)
                 released = self.router.release.remote(request_id)
         raise OverloadedError(f"replicas {sorted(full)} turned the request away; retry later")
@@ -244,8 +254,7 @@ def _last_line(error: Exception) -> str:
     return lines[-1] if lines else type(error).__name__
 
 
-def _unwrap(error: RayTaskError, index: int) -> Exception:
-    cause = error.cause
+def _unwrap(cause: BaseException, index: int) -> Exception:
     if isinstance(cause, OverloadedError):
         return OverloadedError(str(cause))
     if isinstance(cause, ValueError):

@@ -1,8 +1,12 @@
 """``ReplicaActor``: one data-parallel replica as a Ray actor, a thin wrapper of its engine.
 
-It streams each request's outputs to the caller, and after every engine step reports to the
-router (fire-and-forget, in order): the step's KV events with this replica's sequence numbers,
-the tokens each request generated, and the requests that ended. A restarted actor starts with
+Callers get outputs one of two ways: ``generate`` streams one request's outputs, one message
+per output; ``submit`` + ``outputs`` carry every request of one caller (a subscriber: the HTTP
+front's backend) over one stream, one message per engine step holding all their new outputs, so
+the cost of the transport does not grow with the number of requests in a batch. After every
+engine step the actor reports to the router (fire-and-forget, in order): the step's KV events
+with this replica's sequence numbers, the tokens each request generated, and the requests that
+ended. A restarted actor starts with
 an empty cache and sequence 0; the router resynchronises from ``snapshot()`` on any gap.
 """
 
@@ -51,6 +55,36 @@ def placed_device(device: str) -> str:
     return device
 
 
+def _stream_number(subscriber: str) -> int:
+    number = subscriber.rpartition(":")[2]
+    return int(number) if number.isdigit() else -1
+
+
+class _Subscriber:
+    """One subscriber's requests on this replica: their outputs of each engine step, batched
+    for the subscriber's ``outputs`` stream (an ``OutputSink``)."""
+
+    def __init__(self) -> None:
+        self.request_ids: set[str] = set()
+        self.batches: asyncio.Queue[list[tuple[str, RequestOutput | BaseException]] | None] = (
+            asyncio.Queue()
+        )
+        self._pending: list[tuple[str, RequestOutput | BaseException]] = []
+
+    def put(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        self._pending.append((request_id, item))
+        if isinstance(item, BaseException) or item.finished:
+            self.request_ids.discard(request_id)
+
+    def flush(self) -> None:
+        if self._pending:
+            self.batches.put_nowait(self._pending)
+            self._pending = []
+
+    def close(self) -> None:
+        self.batches.put_nowait(None)
+
+
 class ReplicaUnavailableError(RuntimeError):
     """The replica's engine failed and the replica is about to restart: the request never ran
     here, so it may go to another replica."""
@@ -78,6 +112,8 @@ class ReplicaActor:
             max_waiting_requests=max_waiting_requests,
         )
         self.router = router
+        self._subscribers: dict[str, _Subscriber] = {}
+        self._latest_streams: dict[str, int] = {}  # owner -> its latest stream's number
         self._next_seq = 0
         self.incarnation = uuid.uuid4().hex  # tells a restarted actor from the one before
 
@@ -100,6 +136,67 @@ class ReplicaActor:
                 yield output
         finally:
             await stream.aclose()
+
+    async def submit(
+        self,
+        subscriber: str,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a request whose outputs go to ``subscriber``'s ``outputs`` stream. Raises, with
+        nothing queued: ``OverloadedError`` (waiting queue full), ``ValueError`` (bad request),
+        ``ReplicaUnavailableError`` (this replica's engine failed)."""
+        self._check_engine()
+        channel = self._subscriber(subscriber)
+        self.async_engine.submit(request_id, prompt_token_ids, sampling_params, cache_salt, channel)
+        channel.request_ids.add(request_id)
+
+    async def outputs(
+        self, subscriber: str
+    ) -> AsyncIterator[list[tuple[str, RequestOutput | BaseException]]]:
+        """Streaming generator (call with ``num_returns="streaming"``) of ``subscriber``'s
+        outputs: one list per message, of ``(request_id, output or error)`` in the order the
+        engine produced them; batches that queued up while the caller was reading go out as
+        one. A subscriber is ``"<owner>:<n>"``: opening ``n`` ends the stream of every earlier
+        one of the same owner and aborts its requests (the owner lost that stream)."""
+        owner, _, _ = subscriber.rpartition(":")
+        number = _stream_number(subscriber)
+        self._latest_streams[owner] = max(number, self._latest_streams.get(owner, number))
+        for name in [n for n in self._subscribers if n.rpartition(":")[0] == owner]:
+            if _stream_number(name) < number:
+                await self._drop_subscriber(name)
+        channel = self._subscriber(subscriber)
+        try:
+            while (batch := await channel.batches.get()) is not None:
+                while not channel.batches.empty():
+                    more = channel.batches.get_nowait()
+                    if more is None:
+                        yield batch
+                        return
+                    batch.extend(more)
+                yield batch
+        finally:
+            if self._subscribers.get(subscriber) is channel:
+                await self._drop_subscriber(subscriber)
+
+    def _subscriber(self, name: str) -> _Subscriber:
+        channel = self._subscribers.get(name)
+        if channel is None:
+            owner, _, _ = name.rpartition(":")
+            if _stream_number(name) < self._latest_streams.get(owner, -1):
+                raise RuntimeError(f"output stream {name!r} was replaced by a newer one")
+            channel = self._subscribers[name] = _Subscriber()
+        return channel
+
+    async def _drop_subscriber(self, name: str) -> None:
+        """Forget a subscriber whose stream is gone: nobody can receive its requests' outputs,
+        so they are aborted (every block they held is freed)."""
+        channel = self._subscribers.pop(name)
+        channel.close()
+        for request_id in list(channel.request_ids):
+            await self.async_engine.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
         await self.async_engine.abort(request_id)

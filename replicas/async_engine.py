@@ -5,6 +5,8 @@ worker thread and touches the engine from the event loop only between steps::
 
     event loop:  [apply adds/aborts] --> await step in thread --> [dispatch outputs] --> ...
     callers:     generate() enqueues an add and awaits its queue; abort() enqueues an abort
+                 submit() enqueues an add whose outputs go to an ``OutputSink``, which receives
+                 every output of a step for all its requests, then one ``flush()``
 
 A consumer that stops iterating (a disconnected client, a cancelled task) aborts its request,
 so every block it held is freed at the next gap between steps.
@@ -14,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from replicas.engine import Engine
 from replicas.outputs import RequestOutput
@@ -23,12 +25,34 @@ from replicas.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+class OutputSink(Protocol):
+    """Where a request's outputs go: ``put`` for each output (or the error that ended the
+    request), then ``flush`` once per engine step for every sink that received something."""
+
+    def put(self, request_id: str, item: "RequestOutput | BaseException") -> None: ...
+
+    def flush(self) -> None: ...
+
+
+class _QueueSink:
+    """One request's outputs into an asyncio queue (``AsyncEngine.generate``)."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        self.queue.put_nowait(item)
+
+    def flush(self) -> None:
+        pass
+
+
 class _Add(NamedTuple):
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     cache_salt: str | None
-    queue: asyncio.Queue
+    sink: OutputSink
 
 
 class OverloadedError(RuntimeError):
@@ -66,7 +90,7 @@ class AsyncEngine:
         self._step_in_thread = step_in_thread
         self._on_step = on_step
         self._on_error = on_error
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._sinks: dict[str, OutputSink] = {}
         self._adds: list[_Add] = []
         self._aborts: list[str] = []
         self._wake = asyncio.Event()
@@ -76,7 +100,7 @@ class AsyncEngine:
 
     @property
     def num_requests(self) -> int:
-        return len(self._queues)
+        return len(self._sinks)
 
     @property
     def num_waiting(self) -> int:
@@ -94,6 +118,34 @@ class AsyncEngine:
         """Stream the request's outputs (stamped with ``replica_index``) until it finishes.
         Validation errors (``ValueError``) and ``OverloadedError``, when
         ``max_waiting_requests`` are waiting already, are raised before anything is yielded."""
+        sink = _QueueSink()
+        self.submit(request_id, prompt, sampling_params, cache_salt, sink)
+        finished = False
+        try:
+            while True:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished and self._sinks.pop(request_id, None) is not None:
+                self._aborts.append(request_id)
+                self._wake.set()
+
+    def submit(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        sampling_params: SamplingParams,
+        cache_salt: str | None,
+        sink: OutputSink,
+    ) -> None:
+        """Queue a request whose outputs (stamped with ``replica_index``) go to ``sink`` until
+        one is finished, or an error ends it. Raises, with nothing queued, what ``generate``
+        raises before its first output."""
         if self._error is not None:
             raise EngineDeadError(f"engine loop failed: {self._error}")
         limit = self.max_waiting_requests
@@ -101,29 +153,12 @@ class AsyncEngine:
             raise OverloadedError(
                 f"replica {self.replica_index} has {limit} requests waiting; retry later"
             )
-        if request_id in self._queues:
+        if request_id in self._sinks:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.engine.validate_prompt(prompt)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        self._adds.append(_Add(request_id, token_ids, sampling_params, cache_salt, queue))
+        self._sinks[request_id] = sink
+        self._adds.append(_Add(request_id, token_ids, sampling_params, cache_salt, sink))
         self._ensure_loop()
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                item.replica_index = self.replica_index
-                yield item
-                if finished:
-                    return
-        finally:
-            self._queues.pop(request_id, None)
-            if not finished:
-                self._aborts.append(request_id)
-                self._wake.set()
 
     async def between_steps(self) -> None:
         """Return when no step runs, so that the caller may touch the engine (it is not
@@ -167,8 +202,11 @@ class AsyncEngine:
             logger.exception("engine loop failed")
             self._error = error
             dead = EngineDeadError(f"engine loop failed: {error}")
-            for queue in self._queues.values():
-                queue.put_nowait(dead)
+            sinks, self._sinks = self._sinks, {}
+            for request_id, sink in sinks.items():
+                sink.put(request_id, dead)
+            for sink in {id(sink): sink for sink in sinks.values()}.values():
+                sink.flush()
             if self._on_error is not None:
                 self._on_error(error)
 
@@ -188,16 +226,27 @@ class AsyncEngine:
                     cache_salt=add.cache_salt,
                 )
             except ValueError as error:
-                add.queue.put_nowait(error)
+                if self._sinks.pop(add.request_id, None) is not None:
+                    add.sink.put(add.request_id, error)
+                    add.sink.flush()
         aborts, self._aborts = self._aborts, []
         outputs = [out for rid in aborts if (out := self.engine.abort_request(rid)) is not None]
         self._dispatch(outputs)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Each output to its request's sink, then one flush per sink that received any."""
+        touched: dict[int, OutputSink] = {}
         for output in outputs:
-            queue = self._queues.get(output.request_id)
-            if queue is not None:
-                queue.put_nowait(output)
+            output.replica_index = self.replica_index
+            if output.finished:
+                sink = self._sinks.pop(output.request_id, None)
+            else:
+                sink = self._sinks.get(output.request_id)
+            if sink is not None:
+                sink.put(output.request_id, output)
+                touched[id(sink)] = sink
+        for sink in touched.values():
+            sink.flush()
         if self._on_step is not None and outputs:
             self._on_step(outputs)
 

@@ -206,3 +206,21 @@ def test_replicas_are_sized_to_the_cpus_ray_gives_them(deploy, ray_session):
     explicit = deploy(make_config(dp=1), "t-sized-explicit")
     assert explicit.placement.num_cpus == 0.5
     assert explicit.replica_infos[0]["num_threads"] == 1
+
+
+def test_outputs_of_concurrent_requests_share_one_message_per_step(deploy):
+    backend = deploy(make_config(dp=1), "t-batched")
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompts = [[(13 * i + j) % 250 + 1 for j in range(48)] for i in range(8)]
+
+    async def all_at_once():
+        return await asyncio.gather(
+            *(run_one(backend, f"b{i}", p, params) for i, p in enumerate(prompts))
+        )
+
+    finals = run(all_at_once())
+    reference = LLM("tiny", num_npu_blocks=256).generate(prompts, params)
+    assert [f.token_ids for f in finals] == [r.token_ids for r in reference]
+    link = backend.links[0]
+    assert link.num_items >= 8 * 8
+    assert link.num_messages <= link.num_items / 4  # eight requests decode in each step

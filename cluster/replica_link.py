@@ -1,0 +1,113 @@
+"""One replica's outputs into this process over a single stream.
+
+``ReplicaLink`` keeps one streaming call open to a replica's ``outputs`` and hands every output
+to the request it belongs to; requests reach the replica by ``submit``, fire-and-forget::
+
+    generate(r1) ─submit──▶ ReplicaActor ──outputs stream: one message per engine step──▶ pump
+    generate(r2) ─submit──▶      │              [(r1, out), (r2, out), ...]                  │
+         ▲                       │                                                         │
+         └────────────── per-request queue ◀────────────────────────────────────────────────┘
+
+So a batch of requests costs one message per step, not one per token per request. A request
+learns of every failure: ``submit`` raising (turned away, bad request, the replica gone) and the
+stream breaking (the replica lost) both end up in its queue.
+"""
+
+import asyncio
+import itertools
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray.exceptions import RayTaskError
+
+from cluster.health import ACTOR_LOST
+from replicas.outputs import RequestOutput
+from replicas.sampling_params import SamplingParams
+
+
+class StreamLostError(RuntimeError):
+    """The replica ended its output stream: it can no longer deliver this request's outputs."""
+
+
+class ReplicaLink:
+    """Requests on one replica actor from this process, their outputs over one stream. A lost
+    stream fails the requests it carried; the next request opens a new one (with a new number,
+    which makes the replica drop the old one and abort what it still ran for it)."""
+
+    def __init__(self, replica: Any, owner: str | None = None) -> None:
+        self.replica = replica
+        self.owner = owner or uuid.uuid4().hex
+        self._numbers = itertools.count(1)
+        self._subscriber = ""
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._pump: asyncio.Task | None = None
+        self.num_messages = 0  # stream messages received
+        self.num_items = 0  # outputs and errors they carried
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        cache_salt: str | None,
+    ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs until one is finished. Raises what the replica raised:
+        ``RayTaskError`` (turned away or invalid, its ``cause`` says which), an error the
+        engine ended the request with, or a loss (``ACTOR_LOST``, ``StreamLostError``)."""
+        self._ensure_pump()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        ack = asyncio.ensure_future(
+            self._submit(queue, request_id, prompt_token_ids, sampling_params, cache_salt)
+        )
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            ack.cancel()
+
+    async def _submit(
+        self,
+        queue: asyncio.Queue,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        cache_salt: str | None,
+    ) -> None:
+        try:
+            await self.replica.submit.remote(
+                self._subscriber, request_id, prompt_token_ids, sampling_params, cache_salt
+            )
+        except (RayTaskError, *ACTOR_LOST) as error:  # never queued there
+            queue.put_nowait(error)
+
+    def _ensure_pump(self) -> None:
+        if self._pump is None or self._pump.done():
+            self._subscriber = f"{self.owner}:{next(self._numbers)}"
+            self._pump = asyncio.get_running_loop().create_task(self._run(self._subscriber))
+
+    async def _run(self, subscriber: str) -> None:
+        error: BaseException = StreamLostError(f"output stream {subscriber} ended")
+        try:
+            stream = self.replica.outputs.options(num_returns="streaming").remote(subscriber)
+            async for ref in stream:
+                batch = await ref
+                self.num_messages += 1
+                self.num_items += len(batch)
+                for request_id, item in batch:
+                    queue = self._queues.get(request_id)
+                    if queue is not None:
+                        queue.put_nowait(item)
+        except ACTOR_LOST as lost:
+            error = lost
+        except RayTaskError as failed:
+            error = StreamLostError(f"output stream {subscriber} failed: {failed.cause!r}")
+        for queue in self._queues.values():  # every request this stream carried
+            queue.put_nowait(error)

@@ -1,0 +1,99 @@
+"""A replica's batched output stream (``submit`` + ``outputs``): one message per engine step
+carries every request of a subscriber, with the same tokens as one stream per request."""
+
+import asyncio
+
+from replicas.actor import ReplicaActor
+from replicas.async_engine import OverloadedError
+from replicas.config import EngineConfig
+from replicas.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
+PROMPTS = {f"r{i}": [(11 * i + j) % 250 + 1 for j in range(40 + 7 * i)] for i in range(4)}
+
+
+def make_actor() -> ReplicaActor:
+    return ReplicaActor(0, EngineConfig(model="tiny", num_npu_blocks=128, max_model_len=256))
+
+
+async def read_stream(actor: ReplicaActor, subscriber: str, messages: list, done: set) -> None:
+    async for batch in actor.outputs(subscriber):
+        messages.append(batch)
+        done.update(rid for rid, item in batch if item.finished)
+        if done >= set(PROMPTS):
+            return
+
+
+def test_one_message_per_step_carries_every_request_and_the_same_tokens():
+    async def scenario():
+        actor = make_actor()
+        # Reference: one stream per request, each request alone.
+        reference = {}
+        for rid, prompt in PROMPTS.items():
+            outputs = [o async for o in actor.generate(f"ref-{rid}", prompt, PARAMS)]
+            reference[rid] = outputs[-1].token_ids
+        actor.engine.reset_prefix_cache()
+        steps_before = actor.engine.stats().steps.num_steps
+        messages, done = [], set()
+        reader = asyncio.ensure_future(read_stream(actor, "front:1", messages, done))
+        for rid, prompt in PROMPTS.items():
+            await actor.submit("front:1", rid, prompt, PARAMS)
+        await asyncio.wait_for(reader, 60)
+        return actor, reference, messages, actor.engine.stats().steps.num_steps - steps_before
+
+    actor, reference, messages, steps = asyncio.run(scenario())
+    items = [item for batch in messages for item in batch]
+    finals = {rid: item.token_ids for rid, item in items if item.finished}
+    assert finals == reference
+    assert len(messages) <= steps  # never more than one message per engine step
+    assert len(messages) < len(items)  # and steps of several requests shared one
+    assert all(item.replica_index == 0 for _, item in items)
+    assert actor.engine.num_unfinished == 0
+    actor.engine.check_integrity()
+
+
+def test_a_newer_stream_of_the_same_owner_ends_the_old_one_and_aborts_its_requests():
+    async def scenario():
+        actor = make_actor()
+        long = SamplingParams(max_tokens=200, ignore_eos=True)
+        old = actor.outputs("front:1")
+        await actor.submit("front:1", "a", PROMPTS["r0"], long)
+        first = await anext(old)  # the request runs
+        assert first[0][0] == "a"
+        newer = asyncio.ensure_future(anext(actor.outputs("front:2")))
+        rest = [batch async for batch in old]  # ends: the owner opened a newer stream
+        for _ in range(100):  # the abort lands between steps
+            if actor.engine.num_unfinished == 0:
+                break
+            await asyncio.sleep(0.01)
+        newer.cancel()
+        return actor, rest
+
+    actor, rest = asyncio.run(scenario())
+    assert all(not item.finished for batch in rest for _, item in batch)
+    assert actor.engine.num_unfinished == 0
+    assert actor.engine.kv_cache.npu.num_used == 0
+    actor.engine.check_integrity()
+
+
+def test_submit_turns_away_what_it_cannot_queue():
+    async def scenario():
+        actor = ReplicaActor(
+            0,
+            EngineConfig(model="tiny", num_npu_blocks=128, max_model_len=256),
+            max_waiting_requests=2,
+        )
+        errors = []
+        for rid, prompt in [("a", PROMPTS["r0"]), ("b", []), ("c", PROMPTS["r1"]), ("d", [1])]:
+            try:
+                await actor.submit("front:1", rid, prompt, PARAMS)
+            except (ValueError, OverloadedError) as error:
+                errors.append((rid, type(error)))
+        queued = set(actor._subscribers["front:1"].request_ids)
+        for rid in queued:
+            await actor.abort(rid)
+        return errors, queued
+
+    errors, queued = asyncio.run(scenario())
+    assert errors == [("b", ValueError), ("d", OverloadedError)]
+    assert queued == {"a", "c"}
