@@ -1,7 +1,7 @@
 """Deployment on Ray: replica actors in a placement group, one router actor, and the backend
 the HTTP API and the offline ``LLM`` use to reach them.
 
-    HTTP app ──route()──▶ RouterActor            (not on the token path)
+    HTTP app ──route_many()──▶ RouterActor       (not on the token path; RouterCalls)
         │                     ▲ report(events, generated, finished), fire-and-forget
         └──submit()──▶ ReplicaActor i ───────────┘
                ◀──outputs: one message per step, all of this app's requests (ReplicaLink)
@@ -29,6 +29,7 @@ from cluster.config import ClusterConfig
 from cluster.health import ACTOR_LOST, HEALTH_TIMEOUT_S, HealthMonitor
 from cluster.placement import init_ray, is_embedded, place_replicas
 from cluster.replica_link import ReplicaLink, StreamLostError
+from cluster.router_calls import RouterCalls
 from replicas.actor import ReplicaActor, ReplicaUnavailableError
 from replicas.async_engine import EngineDeadError
 from replicas.config import EngineConfig
@@ -92,6 +93,7 @@ class RayBackend:
             raise ReplicaStartError(f"a replica could not start: {_last_line(error)}") from None
         incarnations = ray.get([replica.ready.remote() for replica in self.replicas])
         self.links = [ReplicaLink(replica) for replica in self.replicas]
+        self.router_calls = RouterCalls(self.router)
         self.health = HealthMonitor(self.replicas, self.router, incarnations)
         self.num_rerouted = 0  # requests routed again because their replica was lost first
         self.num_overload_reroutes = 0  # requests a full replica turned away, offered elsewhere
@@ -128,7 +130,7 @@ class RayBackend:
                 # The router has not heard of the loss yet (one that Ray restarted believes every
                 # replica live): tell it again and route again, before any call to the replica.
                 self.health.mark_lost(index)
-                released = self.router.release.remote(request_id)
+                released = self.router_calls.release(request_id)
                 continue
             stream = self.links[index].generate(
                 request_id, prompt_token_ids, sampling_params, cache_salt
@@ -172,7 +174,7 @@ class RayBackend:
                 await stream.aclose()
                 if not finished:  # also after a loss: a restarted replica may have it queued
                     self.replicas[index].abort.remote(request_id)
-                released = self.router.release.remote(request_id)
+                released = self.router_calls.release(request_id)
         raise OverloadedError(f"replicas {sorted(full)} turned the request away; retry later")
 
     async def _route(
@@ -182,16 +184,12 @@ class RayBackend:
         request away). Calls to a router that Ray is restarting wait for it
         (``max_task_retries=-1``) rather than fail."""
         try:
-            decision = await self.router.route.remote(
-                request_id, num_prompt_tokens, hashes, sorted(full)
-            )
-        except RayTaskError as error:
-            if isinstance(error.cause, NoLiveReplicaError):
-                if full:
-                    raise OverloadedError(
-                        f"every live replica ({len(full)}) has a full waiting queue; retry later"
-                    ) from None
-                raise error.cause from None
+            decision = await self.router_calls.route(request_id, num_prompt_tokens, hashes, full)
+        except NoLiveReplicaError:
+            if full:
+                raise OverloadedError(
+                    f"every live replica ({len(full)}) has a full waiting queue; retry later"
+                ) from None
             raise
         return decision.replica_index
 

@@ -8,7 +8,9 @@ to the request it belongs to; requests reach the replica by ``submit``, fire-and
          ▲                       │                                                         │
          └────────────── per-request queue ◀────────────────────────────────────────────────┘
 
-So a batch of requests costs one message per step, not one per token per request. A request
+So a batch of requests costs one message per step, not one per token per request, and the
+message holds only what the step added (``OutputDelta``: no prompt, no tokens or text sent
+before); the link adds them up into each request's ``RequestOutput``. A request
 learns of every failure: ``submit`` raising (turned away, bad request, the replica gone) and the
 stream breaking (the replica lost) both end up in its queue.
 """
@@ -22,7 +24,7 @@ from typing import Any
 from ray.exceptions import RayTaskError
 
 from cluster.health import ACTOR_LOST
-from replicas.outputs import RequestOutput
+from replicas.outputs import OutputAccumulator, RequestOutput
 from replicas.sampling_params import SamplingParams
 
 
@@ -56,6 +58,7 @@ class ReplicaLink:
         ``RayTaskError`` (turned away or invalid, its ``cause`` says which), an error the
         engine ended the request with, or a loss (``ACTOR_LOST``, ``StreamLostError``)."""
         self._ensure_pump()
+        outputs = OutputAccumulator(prompt_token_ids)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         ack = asyncio.ensure_future(
@@ -66,7 +69,7 @@ class ReplicaLink:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                yield item
+                yield outputs.add(item)
                 if item.finished:
                     return
         finally:

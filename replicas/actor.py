@@ -24,7 +24,7 @@ from replicas.async_engine import AsyncEngine
 from replicas.config import EngineConfig
 from replicas.engine import Engine, EngineStats
 from replicas.kv_events import KVEventBatch, KVSnapshot
-from replicas.outputs import RequestOutput
+from replicas.outputs import OutputDelta, RequestOutput
 from replicas.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -60,20 +60,25 @@ def _stream_number(subscriber: str) -> int:
     return int(number) if number.isdigit() else -1
 
 
+StreamItem = tuple[str, OutputDelta | BaseException]
+
+
 class _Subscriber:
-    """One subscriber's requests on this replica: their outputs of each engine step, batched
-    for the subscriber's ``outputs`` stream (an ``OutputSink``)."""
+    """One subscriber's requests on this replica: what each engine step added to their outputs,
+    batched for the subscriber's ``outputs`` stream (an ``OutputSink``)."""
 
     def __init__(self) -> None:
         self.request_ids: set[str] = set()
-        self.batches: asyncio.Queue[list[tuple[str, RequestOutput | BaseException]] | None] = (
-            asyncio.Queue()
-        )
-        self._pending: list[tuple[str, RequestOutput | BaseException]] = []
+        self.batches: asyncio.Queue[list[StreamItem] | None] = asyncio.Queue()
+        self._pending: list[StreamItem] = []
 
     def put(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        self._pending.append((request_id, item))
-        if isinstance(item, BaseException) or item.finished:
+        if isinstance(item, BaseException):
+            self._pending.append((request_id, item))
+            self.request_ids.discard(request_id)
+            return
+        self._pending.append((request_id, OutputDelta.of(item)))
+        if item.finished:
             self.request_ids.discard(request_id)
 
     def flush(self) -> None:
@@ -153,12 +158,10 @@ class ReplicaActor:
         self.async_engine.submit(request_id, prompt_token_ids, sampling_params, cache_salt, channel)
         channel.request_ids.add(request_id)
 
-    async def outputs(
-        self, subscriber: str
-    ) -> AsyncIterator[list[tuple[str, RequestOutput | BaseException]]]:
+    async def outputs(self, subscriber: str) -> AsyncIterator[list[StreamItem]]:
         """Streaming generator (call with ``num_returns="streaming"``) of ``subscriber``'s
-        outputs: one list per message, of ``(request_id, output or error)`` in the order the
-        engine produced them; batches that queued up while the caller was reading go out as
+        outputs: one list per message, of ``(request_id, OutputDelta or error)`` in the order
+        the engine produced them; batches that queued up while the caller was reading go out as
         one. A subscriber is ``"<owner>:<n>"``: opening ``n`` ends the stream of every earlier
         one of the same owner and aborts its requests (the owner lost that stream)."""
         owner, _, _ = subscriber.rpartition(":")

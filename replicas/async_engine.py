@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple, Protocol
 
 from replicas.engine import Engine
@@ -88,6 +89,9 @@ class AsyncEngine:
         self.replica_index = replica_index
         self.max_waiting_requests = max_waiting_requests
         self._step_in_thread = step_in_thread
+        # Always the same thread: torch's OpenMP keeps a team of threads per calling thread,
+        # so steps hopping over a pool's threads would keep several teams spinning.
+        self._stepper = ThreadPoolExecutor(1, thread_name_prefix="strata-step")
         self._on_step = on_step
         self._on_error = on_error
         self._sinks: dict[str, OutputSink] = {}
@@ -189,7 +193,9 @@ class AsyncEngine:
                 self.is_stepping = True
                 try:
                     if self._step_in_thread:
-                        outputs = await asyncio.to_thread(self.engine.step)
+                        outputs = await asyncio.get_running_loop().run_in_executor(
+                            self._stepper, self.engine.step
+                        )
                     else:
                         outputs = self.engine.step()
                         await asyncio.sleep(0)  # let callers add and abort between steps

@@ -1,7 +1,8 @@
 """``RouterActor``: the ``Router`` as a Ray actor, plus resynchronisation from replica snapshots.
 
 Replicas report to it fire-and-forget after each engine step; the HTTP front asks it for a
-replica per request. It is not on the token path. On an event gap it asks the replica for a
+replica per request (``route_many``: the requests that arrived together, in one call). It is
+not on the token path. On an event gap it asks the replica for a
 snapshot; after a restart of the router itself, it rebuilds every replica's index the same way.
 """
 
@@ -16,7 +17,7 @@ from replicas.hashing import BlockHash
 from replicas.kv_events import KVEventBatch
 from router.config import RoutingConfig
 from router.policies import RouteDecision
-from router.router import Router
+from router.router import NoLiveReplicaError, Router
 from router.stats import RouterStats
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,19 @@ class RouterActor:
     ) -> RouteDecision:
         return self.router.route(request_id, num_prompt_tokens, block_hashes, exclude)
 
+    async def route_many(
+        self, requests: Sequence[tuple[str, int, Sequence[BlockHash], Collection[int]]]
+    ) -> list[RouteDecision | NoLiveReplicaError]:
+        """``route`` for each of several requests, in order, in one call: each request's
+        decision, or the ``NoLiveReplicaError`` it got (the others are routed regardless)."""
+        decisions: list[RouteDecision | NoLiveReplicaError] = []
+        for request in requests:
+            try:
+                decisions.append(self.router.route(*request))
+            except NoLiveReplicaError as error:
+                decisions.append(error)
+        return decisions
+
     async def report(
         self, batch: KVEventBatch, generated: dict[str, int], finished: Sequence[str]
     ) -> None:
@@ -64,6 +78,10 @@ class RouterActor:
 
     async def release(self, request_id: str) -> None:
         self.router.release(request_id)
+
+    async def release_many(self, request_ids: Sequence[str]) -> None:
+        for request_id in request_ids:
+            self.router.release(request_id)
 
     async def mark_dead(self, replica_index: int) -> None:
         self.router.mark_dead(replica_index)

@@ -1,11 +1,13 @@
 """A replica's batched output stream (``submit`` + ``outputs``): one message per engine step
-carries every request of a subscriber, with the same tokens as one stream per request."""
+carries what the step added to every request of a subscriber; added up, the same tokens and
+text as one stream per request."""
 
 import asyncio
 
 from replicas.actor import ReplicaActor
 from replicas.async_engine import OverloadedError
 from replicas.config import EngineConfig
+from replicas.outputs import OutputAccumulator
 from replicas.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -31,7 +33,7 @@ def test_one_message_per_step_carries_every_request_and_the_same_tokens():
         reference = {}
         for rid, prompt in PROMPTS.items():
             outputs = [o async for o in actor.generate(f"ref-{rid}", prompt, PARAMS)]
-            reference[rid] = outputs[-1].token_ids
+            reference[rid] = (outputs[-1].token_ids, outputs[-1].text)
         actor.engine.reset_prefix_cache()
         steps_before = actor.engine.stats().steps.num_steps
         messages, done = [], set()
@@ -43,7 +45,13 @@ def test_one_message_per_step_carries_every_request_and_the_same_tokens():
 
     actor, reference, messages, steps = asyncio.run(scenario())
     items = [item for batch in messages for item in batch]
-    finals = {rid: item.token_ids for rid, item in items if item.finished}
+    rebuilt = {rid: OutputAccumulator(PROMPTS[rid]) for rid in PROMPTS}
+    finals = {}
+    for rid, delta in items:
+        output = rebuilt[rid].add(delta)
+        assert output.prompt_token_ids == PROMPTS[rid]
+        if output.finished:
+            finals[rid] = (output.token_ids, output.text)
     assert finals == reference
     assert len(messages) <= steps  # never more than one message per engine step
     assert len(messages) < len(items)  # and steps of several requests shared one
