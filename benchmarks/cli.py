@@ -13,6 +13,7 @@ from benchmarks import (
     churn,
     decode,
     http_load,
+    http_overhead,
     prefix_ttft,
     reload_vs_recompute,
     routing,
@@ -31,6 +32,7 @@ SCENARIOS = {
         transfer,
         routing,
         http_load,
+        http_overhead,
         router_micro,
         sim_vs_real,
         acceptance,
@@ -77,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="device of the engine and transfer scenarios (reload-vs-recompute, transfer): "
         "auto is cuda when available (default: auto for engines, cpu for transfer)",
+    )
+    run.add_argument(
+        "--cpus-per-replica",
+        type=float,
+        default=None,
+        help="http-overhead: start the servers with --cpus-per-replica CPUS instead of their "
+        "default sizing",
     )
     run.add_argument(
         "--dtype",
@@ -129,7 +138,12 @@ def main(argv: list[str] | None = None) -> int:
 def _scenario_options(args: argparse.Namespace, name: str) -> dict[str, object]:
     """The options given on the command line that scenario ``name``'s ``run`` takes; an option
     it does not take is an error when that scenario was asked for by name."""
-    given = {"model": args.model, "dtypes": args.dtype, "device": args.device}
+    given = {
+        "model": args.model,
+        "dtypes": args.dtype,
+        "device": args.device,
+        "cpus_per_replica": args.cpus_per_replica,
+    }
     accepted = inspect.signature(SCENARIOS[name].run).parameters
     options = {}
     for key, value in given.items():
@@ -138,7 +152,7 @@ def _scenario_options(args: argparse.Namespace, name: str) -> dict[str, object]:
         if key in accepted:
             options[key] = value
         elif args.scenario != "all":
-            flag = "--dtype" if key == "dtypes" else f"--{key}"
+            flag = "--dtype" if key == "dtypes" else f"--{key.replace('_', '-')}"
             raise ValueError(f"{flag} does not apply to the {name} scenario")
     return options
 

@@ -45,7 +45,7 @@ QUICK = Settings(clients=4, duration_s=5.0, max_tokens=4)
 
 def run(output_dir: Path, *, quick: bool, command: str) -> dict[str, object]:
     settings = QUICK if quick else Settings()
-    port = _free_port()
+    port = free_port()
     log = output_dir / "serve.log"
     output_dir.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
@@ -71,14 +71,10 @@ def run(output_dir: Path, *, quick: bool, command: str) -> dict[str, object]:
         )
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(base, server, log)
+        wait_healthy(base, server, log)
         stats = asyncio.run(_load(base, settings))
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        stop_server(server)
     report = Report(
         NAME,
         f"HTTP load: {settings.clients} streaming clients for "
@@ -190,13 +186,22 @@ async def _one(http: httpx.AsyncClient, body: dict, samples: dict, counts: dict)
     counts["served"] += 1
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _wait_healthy(base: str, server: subprocess.Popen, log: Path) -> None:
+def stop_server(server: subprocess.Popen) -> None:
+    """Stop ``strata serve`` as Ctrl-C would (SIGINT); kill its process group if it hangs."""
+    server.send_signal(signal.SIGINT)
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+
+
+def wait_healthy(base: str, server: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if server.poll() is not None:

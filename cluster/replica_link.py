@@ -24,7 +24,7 @@ from typing import Any
 from ray.exceptions import RayTaskError
 
 from cluster.health import ACTOR_LOST
-from replicas.outputs import OutputAccumulator, RequestOutput
+from replicas.outputs import OutputAccumulator, OutputDelta, RequestOutput
 from replicas.sampling_params import SamplingParams
 
 
@@ -69,8 +69,9 @@ class ReplicaLink:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                yield outputs.add(item)
-                if item.finished:
+                output = outputs.add(OutputDelta._make(item))
+                yield output
+                if output.finished:
                     return
         finally:
             self._queues.pop(request_id, None)

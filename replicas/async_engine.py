@@ -171,6 +171,13 @@ class AsyncEngine:
         while self.is_stepping:
             await asyncio.sleep(0.002)
 
+    async def released(self, request_id: str) -> None:
+        """Return once a pending abort of ``request_id`` has been applied, so that the id may
+        be used again (a request routed back to a replica that is still aborting it)."""
+        while request_id in self._aborts and not self.is_dead:
+            self._wake.set()
+            await asyncio.sleep(0.002)
+
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with an ``abort`` output."""
         self._aborts.append(request_id)

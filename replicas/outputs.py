@@ -1,6 +1,7 @@
 """What the engine reports about a request."""
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(slots=True)
@@ -39,11 +40,11 @@ class RequestOutput:
         return self.first_token_time - self.arrival_time
 
 
-@dataclass(slots=True)
-class OutputDelta:
+class OutputDelta(NamedTuple):
     """What one step added to a request's output: a ``RequestOutput`` less what the receiver
-    has already (the prompt) or adds up itself (cumulative tokens and text). A replica's output
-    stream carries these, so a step's message does not grow with prompt or output length."""
+        has already (the prompt) or adds up itself (cumulative tokens and text). A replica's output
+        stream carries these (as plain tuples), so a step's message does not grow with prompt or
+    output length."""
 
     request_id: str
     new_token_ids: list[int]

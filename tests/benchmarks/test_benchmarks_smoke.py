@@ -59,6 +59,16 @@ EXPECTED = {
         "policies.load.request_imbalance",
     ],
     "http-load": ["served", "requests_per_s", "tokens_per_s", "ttft.p50", "e2e.p99"],
+    "http-overhead": [
+        "dps.*.threads",
+        "dps.*.modes.*.output_tokens_per_s",
+        "dps.*.modes.*.step_share",
+        "dps.*.modes.*.cpu_s_per_1k_tokens.benchmark",
+        "dps.*.ratios.default serve / default in-process",
+        "dps.*.ratios.http / in-process (equal threads)",
+        "dps.*.ratios.http-stream / in-process (equal threads)",
+        "dps.*.ratios.http-stream ITL p50 / async-engine ITL p50",
+    ],
     "router-micro": ["points.*.p50_s", "points.*.p99_s", "target_p50_s"],
     "sim-vs-real": [
         "dp1.real.queries",

@@ -220,6 +220,7 @@ def test_outputs_of_concurrent_requests_share_one_message_per_step(deploy):
 
     finals = run(all_at_once())
     reference = LLM("tiny", num_npu_blocks=256).generate(prompts, params)
+
     def summary(output):
         return output.prompt_token_ids, output.token_ids, output.text, output.finish_reason
 

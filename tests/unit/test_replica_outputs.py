@@ -7,7 +7,7 @@ import asyncio
 from replicas.actor import ReplicaActor
 from replicas.async_engine import OverloadedError
 from replicas.config import EngineConfig
-from replicas.outputs import OutputAccumulator
+from replicas.outputs import OutputAccumulator, OutputDelta
 from replicas.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -21,7 +21,7 @@ def make_actor() -> ReplicaActor:
 async def read_stream(actor: ReplicaActor, subscriber: str, messages: list, done: set) -> None:
     async for batch in actor.outputs(subscriber):
         messages.append(batch)
-        done.update(rid for rid, item in batch if item.finished)
+        done.update(rid for rid, item in batch if OutputDelta._make(item).finished)
         if done >= set(PROMPTS):
             return
 
@@ -48,14 +48,14 @@ def test_one_message_per_step_carries_every_request_and_the_same_tokens():
     rebuilt = {rid: OutputAccumulator(PROMPTS[rid]) for rid in PROMPTS}
     finals = {}
     for rid, delta in items:
-        output = rebuilt[rid].add(delta)
+        output = rebuilt[rid].add(OutputDelta._make(delta))
         assert output.prompt_token_ids == PROMPTS[rid]
         if output.finished:
             finals[rid] = (output.token_ids, output.text)
     assert finals == reference
     assert len(messages) <= steps  # never more than one message per engine step
     assert len(messages) < len(items)  # and steps of several requests shared one
-    assert all(item.replica_index == 0 for _, item in items)
+    assert all(OutputDelta._make(item).replica_index == 0 for _, item in items)
     assert actor.engine.num_unfinished == 0
     actor.engine.check_integrity()
 
@@ -78,7 +78,7 @@ def test_a_newer_stream_of_the_same_owner_ends_the_old_one_and_aborts_its_reques
         return actor, rest
 
     actor, rest = asyncio.run(scenario())
-    assert all(not item.finished for batch in rest for _, item in batch)
+    assert all(not OutputDelta._make(item).finished for batch in rest for _, item in batch)
     assert actor.engine.num_unfinished == 0
     assert actor.engine.kv_cache.npu.num_used == 0
     actor.engine.check_integrity()
@@ -105,3 +105,29 @@ def test_submit_turns_away_what_it_cannot_queue():
     errors, queued = asyncio.run(scenario())
     assert errors == [("b", ValueError), ("d", OverloadedError)]
     assert queued == {"a", "c"}
+
+
+def test_a_request_routed_back_after_an_abort_may_reuse_its_id():
+    """A front that lost its stream aborts the request and may route it back to the same
+    replica: the new submit waits for the abort instead of finding the id in use."""
+
+    async def scenario():
+        actor = make_actor()
+        stream = actor.outputs("front:1")
+        long = SamplingParams(max_tokens=200, ignore_eos=True)
+        await actor.submit("front:1", "x", PROMPTS["r0"], long)
+        await anext(stream)  # running
+        await actor.abort("x")
+        await actor.submit("front:1", "x", PROMPTS["r1"], PARAMS)  # before the abort applied
+        finals = []
+        while len(finals) < 2:
+            for rid, item in await anext(stream):
+                delta = OutputDelta._make(item)
+                if delta.finished:
+                    finals.append((rid, delta.finish_reason))
+        return actor, finals
+
+    actor, finals = asyncio.run(scenario())
+    assert finals == [("x", "abort"), ("x", "length")]
+    assert actor.engine.num_unfinished == 0
+    actor.engine.check_integrity()
