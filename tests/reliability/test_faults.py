@@ -135,7 +135,8 @@ def test_an_engine_failure_restarts_only_that_replica(served):
     wait_for_both_live(backend, server.url)
     incarnations = list(backend.health.incarnations)
     rerouted_before = backend.num_rerouted
-    normal = SamplingParams(max_tokens=64, ignore_eos=True)
+    # Long enough to be running on both replicas when the poison arrives 0.5 s later.
+    normal = SamplingParams(max_tokens=512, ignore_eos=True)
     poison = SamplingParams(max_tokens=4, temperature=0.7)
     poison.seed = 2**70  # past validation: the sampler's generator raises inside the step
 
@@ -180,7 +181,7 @@ def test_an_engine_failure_restarts_only_that_replica(served):
         if isinstance(result, BaseException):
             assert isinstance(result, ReplicaFailedError), repr(result)
         else:
-            assert result.replica_index != restarted[0] and len(result.token_ids) == 64
+            assert result.replica_index != restarted[0] and len(result.token_ids) == 512
     assert served
     wait_until_clean(backend)
 
