@@ -19,7 +19,12 @@ outputs a chunk would carry), the engines' step time and the gaps between steps 
 were unfinished (``EngineStats.steps``, on the server from ``/metrics``) as shares of wall time
 times replicas, and CPU seconds per 1000 output tokens: this process (``benchmark``) and, for
 the server, its own process (``front``: HTTP and the Ray driver), its replica and router actors
-(``ray workers``) and every other process under it (``ray system``: raylet, GCS, agents).
+(``ray workers``) and every other process under it (``ray system``: raylet, GCS, agents);
+for the server also its front's own accounts (``FrontStats``, ``strata_front_*`` in
+``/metrics``): time each request waited for routing, requests per coalesced router call,
+outputs per output-stream message and messages per engine step, and the time from a stream
+message being announced to its outputs reaching their requests (fetch, deserialization,
+dispatch and waits for the front's event loop).
 """
 
 import ast
@@ -115,6 +120,7 @@ class Sample:
     steps: dict[str, float]  # StepTimes fields, summed over replicas
     cpu_s: dict[str, float]  # CPU group -> seconds
     load_1m: float  # the machine's load average when the batch started
+    front: dict[str, float]  # the server front's FrontStats counters (http modes; else empty)
 
 
 class Server:
@@ -159,6 +165,16 @@ class Server:
             if name.startswith("strata_engine_") and key in totals:
                 totals[key] += float(value.rsplit(" ", 1)[1])
         return StepTimes(int(totals["steps"]), totals["step_seconds"], totals["gap_seconds"])
+
+    def front_counters(self) -> dict[str, float]:
+        """The front's ``FrontStats`` counters (``strata_front_*`` in ``/metrics``)."""
+        text = httpx.get(f"{self.base}/metrics", timeout=60).text
+        counters = {}
+        for line in text.splitlines():
+            if line.startswith("strata_front_") and "_total " in line:
+                name, value = line.split(" ")
+                counters[name.removeprefix("strata_front_").removesuffix("_total")] = float(value)
+        return counters
 
     def stop(self) -> None:
         stop_server(self.process)
@@ -385,7 +401,9 @@ def measure(
     reset()
     steps_before = read_steps()
     load = os.getloadavg()[0]
-    server_before = tree_cpu(server.process.pid) if mode.kind.startswith("http") else {}
+    is_http = mode.kind.startswith("http")
+    server_before = tree_cpu(server.process.pid) if is_http else {}
+    front_before = server.front_counters() if is_http else {}
     cpu_before = time.process_time()
     if mode.kind == "llm":
         batch = llm_batch(llm, prompts, lengths, settings.max_tokens)
@@ -402,14 +420,16 @@ def measure(
             )
         )
     cpu = {"benchmark": time.process_time() - cpu_before}
-    if mode.kind.startswith("http"):
+    front = {}
+    if is_http:
         cpu |= cpu_delta(tree_cpu(server.process.pid), server_before)
+        front = {k: v - front_before.get(k, 0.0) for k, v in server.front_counters().items()}
     steps_after = read_steps()
     steps = {
         key: getattr(steps_after, key) - getattr(steps_before, key)
         for key in ("num_steps", "step_seconds", "gap_seconds")
     }
-    return Sample(batch, steps, cpu, load)
+    return Sample(batch, steps, cpu, load, front)
 
 
 def summarize(samples: Sequence[Sample], replicas: int) -> dict[str, object]:
@@ -429,9 +449,31 @@ def summarize(samples: Sequence[Sample], replicas: int) -> dict[str, object]:
         "gap_share": median(
             [s.steps["gap_seconds"] / (s.batch.wall_s * replicas) for s in samples]
         ),
+        "front": _front_summary(samples),
         "cpu_s_per_1k_tokens": {
             g: median([1e3 * s.cpu_s[g] / s.batch.output_tokens for s in samples]) for g in groups
         },
+    }
+
+
+def _front_summary(samples: Sequence[Sample]) -> dict[str, float] | None:
+    """Medians over rounds of what the server's front spent per request, per step and per
+    token: routing waits, coalescing, and reading the replicas' output streams."""
+    fronts = [(s.front, s) for s in samples if s.front.get("routes")]
+    if not fronts:
+        return None
+    return {
+        "route_wait_ms": median([1e3 * f["route_seconds"] / f["routes"] for f, _ in fronts]),
+        "requests_per_route_call": median([f["routes"] / f["route_calls"] for f, _ in fronts]),
+        "outputs_per_stream_message": median(
+            [f["stream_items"] / f["stream_messages"] for f, _ in fronts]
+        ),
+        "stream_messages_per_step": median(
+            [f["stream_messages"] / s.steps["num_steps"] for f, s in fronts]
+        ),
+        "stream_s_per_1k_tokens": median(
+            [1e3 * f["stream_seconds"] / s.batch.output_tokens for f, s in fronts]
+        ),
     }
 
 
@@ -603,6 +645,17 @@ def _add_dp_table(report: Report, entry: dict, settings: Settings) -> None:
         + [f"CPU s / 1k tok: {g}" for g in CPU_GROUPS],
         rows,
     )
+    fronts = [m for m in entry["modes"] if m.get("front")]
+    if fronts:
+        keys = list(fronts[0]["front"])
+        report.add_table(
+            f"dp {dp}: the server front's share (medians over rounds): routing wait per request, "
+            "requests per coalesced router call, outputs per output-stream message, messages "
+            "per engine step (all replicas), stream handling (announced to delivered, event-loop "
+            "waits included) per 1k tokens",
+            ["mode", *keys],
+            [[m["name"], *(m["front"][k] for k in keys)] for m in fronts],
+        )
 
 
 def _plot(per_dp: list[dict]) -> Figure:

@@ -31,9 +31,27 @@ class ReplicaStats:
 
 
 @dataclass(slots=True)
+class FrontStats:
+    """What the serving front (this process) spent reaching the replicas of a Ray deployment:
+    routing (``num_routes`` requests waited ``route_seconds`` in all for their decisions, sent
+    in ``num_route_calls`` coalesced calls) and reading the replicas' output streams
+    (``num_stream_messages`` messages of ``num_stream_items`` outputs, ``stream_seconds`` from
+    a message being announced to its outputs reaching their requests: fetching and
+    deserializing it, dispatching it, and waiting for the event loop in between)."""
+
+    num_routes: int = 0
+    num_route_calls: int = 0
+    route_seconds: float = 0.0
+    num_stream_messages: int = 0
+    num_stream_items: int = 0
+    stream_seconds: float = 0.0
+
+
+@dataclass(slots=True)
 class ClusterStats:
     replicas: list[ReplicaStats]
     router: Any = None  # router.RouterStats when a router is deployed
+    front: FrontStats | None = None  # with a Ray deployment
 
 
 class Backend(Protocol):

@@ -13,6 +13,7 @@ lost before it started.
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import ray
@@ -20,6 +21,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from cluster.backend import (
     ClusterStats,
+    FrontStats,
     NoLiveReplicaError,
     OverloadedError,
     ReplicaFailedError,
@@ -94,6 +96,8 @@ class RayBackend:
         incarnations = ray.get([replica.ready.remote() for replica in self.replicas])
         self.links = [ReplicaLink(replica) for replica in self.replicas]
         self.router_calls = RouterCalls(self.router)
+        self._num_routes = 0
+        self._route_seconds = 0.0
         self.health = HealthMonitor(self.replicas, self.router, incarnations)
         self.num_rerouted = 0  # requests routed again because their replica was lost first
         self.num_overload_reroutes = 0  # requests a full replica turned away, offered elsewhere
@@ -183,6 +187,7 @@ class RayBackend:
         """The replica the router picks, not one of ``full`` (their waiting queues turned the
         request away). Calls to a router that Ray is restarting wait for it
         (``max_task_retries=-1``) rather than fail."""
+        start = time.perf_counter()
         try:
             decision = await self.router_calls.route(request_id, num_prompt_tokens, hashes, full)
         except NoLiveReplicaError:
@@ -191,6 +196,9 @@ class RayBackend:
                     f"every live replica ({len(full)}) has a full waiting queue; retry later"
                 ) from None
             raise
+        finally:
+            self._num_routes += 1
+            self._route_seconds += time.perf_counter() - start
         return decision.replica_index
 
     async def abort(self, request_id: str) -> None:
@@ -211,7 +219,17 @@ class RayBackend:
 
         replicas = await asyncio.gather(*(one(i) for i in range(len(self.replicas))))
         router = await self.router.stats.remote()
-        return ClusterStats(list(replicas), router)
+        return ClusterStats(list(replicas), router, self.front_stats())
+
+    def front_stats(self) -> FrontStats:
+        return FrontStats(
+            num_routes=self._num_routes,
+            num_route_calls=self.router_calls.num_route_calls,
+            route_seconds=self._route_seconds,
+            num_stream_messages=sum(link.num_messages for link in self.links),
+            num_stream_items=sum(link.num_items for link in self.links),
+            stream_seconds=sum(link.seconds for link in self.links),
+        )
 
     # ---- admin -------------------------------------------------------------------------------
     async def reset_prefix_cache(self, tier: str = "all") -> None:

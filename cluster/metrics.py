@@ -29,7 +29,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from cluster.backend import ClusterStats, ReplicaStats
+from cluster.backend import ClusterStats, FrontStats, ReplicaStats
 from replicas.engine import EngineStats
 from replicas.kv_cache_types import CacheTypeStats
 from replicas.kv_events import Tier
@@ -208,11 +208,44 @@ def router_metric_families(router_stats: RouterStats | None) -> list[Metric]:
     return [routed, matched, fraction, load, live, indexed, gaps, resyncs]
 
 
+# (name without _total, help, value) of the serving front's counters (Ray deployments).
+_FRONT_COUNTERS: list[tuple[str, str, Callable[[FrontStats], float]]] = [
+    ("strata_front_routes", "Routing decisions the front waited for.", lambda f: f.num_routes),
+    ("strata_front_route_calls", "Calls to the router carrying them (coalesced per loop turn).",
+     lambda f: f.num_route_calls),
+    ("strata_front_route_seconds", "Time requests waited for routing decisions.",
+     lambda f: f.route_seconds),
+    ("strata_front_stream_messages", "Messages read from the replicas' output streams.",
+     lambda f: f.num_stream_messages),
+    ("strata_front_stream_items", "Request outputs those messages carried.",
+     lambda f: f.num_stream_items),
+    ("strata_front_stream_seconds",
+     "Time from a stream message being announced to its outputs reaching their requests "
+     "(fetch, deserialization, dispatch, event-loop waits).",
+     lambda f: f.stream_seconds),
+]  # fmt: skip
+
+
+def front_metric_families(front: FrontStats | None) -> list[Metric]:
+    if front is None:
+        return []
+    families = []
+    for name, help_text, value in _FRONT_COUNTERS:
+        family = CounterMetricFamily(name, help_text)
+        family.add_metric([], value(front))
+        families.append(family)
+    return families
+
+
 def cluster_metric_families(stats: ClusterStats | None) -> list[Metric]:
     """Every metric family of a stats snapshot; empty when the backend did not answer."""
     if stats is None:
         return []
-    return _replica_families(stats.replicas) + router_metric_families(stats.router)
+    return (
+        _replica_families(stats.replicas)
+        + router_metric_families(stats.router)
+        + front_metric_families(stats.front)
+    )
 
 
 class _Scrape:

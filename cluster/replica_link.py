@@ -17,6 +17,7 @@ stream breaking (the replica lost) both end up in its queue.
 
 import asyncio
 import itertools
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -46,6 +47,7 @@ class ReplicaLink:
         self._pump: asyncio.Task | None = None
         self.num_messages = 0  # stream messages received
         self.num_items = 0  # outputs and errors they carried
+        self.seconds = 0.0  # from each message's announcement to its outputs handed over
 
     async def generate(
         self,
@@ -102,13 +104,15 @@ class ReplicaLink:
         try:
             stream = self.replica.outputs.options(num_returns="streaming").remote(subscriber)
             async for ref in stream:
-                batch = await ref
-                self.num_messages += 1
-                self.num_items += len(batch)
+                start = time.perf_counter()
+                batch = await ref  # fetch and deserialize; other tasks may run meanwhile
                 for request_id, item in batch:
                     queue = self._queues.get(request_id)
                     if queue is not None:
                         queue.put_nowait(item)
+                self.num_messages += 1
+                self.num_items += len(batch)
+                self.seconds += time.perf_counter() - start
         except ACTOR_LOST as lost:
             error = lost
         except RayTaskError as failed:

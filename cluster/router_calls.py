@@ -17,6 +17,7 @@ class _Coalescer:
 
     def __init__(self, send: Callable[[list[Any]], Any], *, best_effort: bool = False) -> None:
         self._send = send
+        self.num_calls = 0
         self._best_effort = best_effort  # a failed call resolves its items' futures with None
         self._items: list[Any] = []
         self._futures: list[asyncio.Future] = []
@@ -43,6 +44,7 @@ class _Coalescer:
             call.add_done_callback(self._calls.discard)
 
     async def _call(self, items: list[Any], futures: list[asyncio.Future]) -> None:
+        self.num_calls += 1
         try:
             results = await self._send(items)
         except Exception as error:  # the call failed: every item of it did
@@ -70,6 +72,10 @@ class RouterCalls:
     def __init__(self, router: Any) -> None:
         self._routes = _Coalescer(router.route_many.remote)
         self._releases = _Coalescer(router.release_many.remote, best_effort=True)
+
+    @property
+    def num_route_calls(self) -> int:
+        return self._routes.num_calls
 
     def route(
         self,

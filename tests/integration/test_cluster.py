@@ -228,3 +228,7 @@ def test_outputs_of_concurrent_requests_share_one_message_per_step(deploy):
     link = backend.links[0]
     assert link.num_items >= 8 * 8
     assert link.num_messages <= link.num_items / 4  # eight requests decode in each step
+    front = run(backend.stats()).front
+    assert front.num_stream_messages == link.num_messages and front.stream_seconds > 0
+    assert front.num_routes == 8
+    assert front.num_route_calls < front.num_routes  # requests that arrived together: one call
