@@ -64,7 +64,9 @@ class ReplicaLink:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         ack = asyncio.ensure_future(
-            self._submit(queue, request_id, prompt_token_ids, sampling_params, cache_salt)
+            self._submit(
+                self._subscriber, queue, request_id, prompt_token_ids, sampling_params, cache_salt
+            )
         )
         try:
             while True:
@@ -81,6 +83,7 @@ class ReplicaLink:
 
     async def _submit(
         self,
+        subscriber: str,
         queue: asyncio.Queue,
         request_id: str,
         prompt_token_ids: list[int],
@@ -89,7 +92,7 @@ class ReplicaLink:
     ) -> None:
         try:
             await self.replica.submit.remote(
-                self._subscriber, request_id, prompt_token_ids, sampling_params, cache_salt
+                subscriber, request_id, prompt_token_ids, sampling_params, cache_salt
             )
         except (RayTaskError, *ACTOR_LOST) as error:  # never queued there
             queue.put_nowait(error)
@@ -115,7 +118,8 @@ class ReplicaLink:
                 self.seconds += time.perf_counter() - start
         except ACTOR_LOST as lost:
             error = lost
-        except RayTaskError as failed:
-            error = StreamLostError(f"output stream {subscriber} failed: {failed.cause!r}")
+        except Exception as failed:  # whatever broke the stream ends the requests it carried
+            cause = failed.cause if isinstance(failed, RayTaskError) else failed
+            error = StreamLostError(f"output stream {subscriber} failed: {cause!r}")
         for queue in self._queues.values():  # every request this stream carried
             queue.put_nowait(error)
