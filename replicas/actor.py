@@ -6,8 +6,8 @@ front's backend) over one stream, one message per engine step holding all their 
 the cost of the transport does not grow with the number of requests in a batch. After every
 engine step the actor reports to the router (fire-and-forget, in order): the step's KV events
 with this replica's sequence numbers, the tokens each request generated, and the requests that
-ended. A restarted actor starts with
-an empty cache and sequence 0; the router resynchronises from ``snapshot()`` on any gap.
+ended. A restarted actor starts with an empty cache and sequence 0; the router resynchronises
+from ``snapshot()`` on any gap.
 """
 
 import asyncio
@@ -61,8 +61,7 @@ def _stream_number(subscriber: str) -> int:
 
 
 StreamItem = tuple[str, tuple | BaseException]
-"""``(request_id, error)``, or ``(request_id, tuple(delta))`` of an ``OutputDelta``: plain
-tuples pickle several times faster than named tuples or dataclasses."""
+"""``(request_id, error)``, or ``(request_id, OutputDelta.values_of(output))``."""
 
 
 class _Subscriber:
@@ -79,7 +78,7 @@ class _Subscriber:
             self._pending.append((request_id, item))
             self.request_ids.discard(request_id)
             return
-        self._pending.append((request_id, tuple(OutputDelta.of(item))))
+        self._pending.append((request_id, OutputDelta.values_of(item)))
         if item.finished:
             self.request_ids.discard(request_id)
 

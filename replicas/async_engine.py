@@ -268,3 +268,4 @@ class AsyncEngine:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
+        self._stepper.shutdown(wait=False)

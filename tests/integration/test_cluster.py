@@ -196,11 +196,16 @@ def test_replicas_are_sized_to_the_cpus_ray_gives_them(deploy, ray_session):
     auto = config.model_copy(
         update={"ray": config.ray.model_copy(update={"cpus_per_replica": None})}
     )
-    available = ray_session.available_resources()["CPU"]
+    # Earlier tests' reservations are released asynchronously: wait until every CPU is free.
+    total = ray_session.cluster_resources()["CPU"]
+    deadline = time.monotonic() + 60
+    while ray_session.available_resources().get("CPU", 0) < total:
+        assert time.monotonic() < deadline, "the CPUs of earlier deployments were not released"
+        time.sleep(0.2)
     backend = RayBackend(auto, name="t-sized")
     try:
-        assert backend.placement.num_cpus == (int(available) if available >= 1 else available)
-        assert backend.replica_infos[0]["num_threads"] == max(1, int(backend.placement.num_cpus))
+        assert backend.placement.num_cpus == int(total)  # one replica: the whole machine
+        assert backend.replica_infos[0]["num_threads"] == int(total)
     finally:
         backend.shutdown()
     explicit = deploy(make_config(dp=1), "t-sized-explicit")
