@@ -18,6 +18,7 @@ from cluster.config import ClusterConfig, ModelConfig, RayConfig, ServerConfig
 from replicas.config import (
     HOST_GB_OPTION,
     HOST_RATIO_OPTION,
+    RETENTION_OPTION,
     WRITE_BACK_OPTION,
     WRITE_THROUGH_OPTION,
     KVOffloadConfig,
@@ -170,6 +171,20 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
             "capacity.",
         ),
     )
+    a(
+        RETENTION_OPTION,
+        choices=("fixed", "adaptive"),
+        default=None,
+        dest="retention",
+        help=field_help(
+            KVOffloadConfig,
+            "retention",
+            "fixed: the promotion threshold and write-back as set; adaptive: store each block "
+            "the NPU tier evicts when its observed reuse pays for the copy, and move the "
+            "promotion threshold within [1, 4]. Needs a host capacity; exclusive with "
+            "write-back.",
+        ),
+    )
 
     a = group["routing"].add_argument
     a(
@@ -303,6 +318,8 @@ def _put_offload(args: argparse.Namespace, data: dict[str, Any]) -> None:
         offload["write_through_threshold"] = args.write_through_threshold or None
     if args.write_back:
         offload["write_back"] = True
+    if args.retention is not None:
+        offload["retention"] = args.retention
 
 
 def _serve(args: argparse.Namespace) -> int:

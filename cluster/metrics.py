@@ -33,6 +33,7 @@ from cluster.backend import ClusterStats, FrontStats, ReplicaStats
 from replicas.engine import EngineStats
 from replicas.kv_cache_types import CacheTypeStats
 from replicas.kv_events import Tier
+from replicas.kv_retention import estimated_hit_rates
 from replicas.outputs import RequestOutput
 from router.stats import MATCHED_FRACTION_BUCKETS, RouterStats
 
@@ -124,6 +125,7 @@ def _replica_families(replicas: list[ReplicaStats]) -> list[Metric]:
         "write_back, loaded, stored, released_out_of_window.",
         labels=["replica", "cache_type", "event"],
     )
+    retention = _RetentionFamilies()
     for replica in replicas:
         label = str(replica.replica_index)
         stats = replica.engine
@@ -148,7 +150,72 @@ def _replica_families(replicas: list[ReplicaStats]) -> list[Metric]:
             cached.add_metric([label, Tier.HOST, cache_type], usage.num_host_blocks_cached)
             capacity.add_metric([label, Tier.NPU, cache_type], usage.num_npu_blocks)
             capacity.add_metric([label, Tier.HOST, cache_type], usage.num_host_blocks)
-    return [up, *counters, hits_by_tier, evictions, per_type, used, cached, capacity, *gauges]
+        retention.add(label, stats)
+    return [
+        up,
+        *counters,
+        hits_by_tier,
+        evictions,
+        per_type,
+        used,
+        cached,
+        capacity,
+        *gauges,
+        *retention.families(),
+    ]
+
+
+class _RetentionFamilies:
+    """Ghost records, the miss-ratio curve and adaptive decisions (``EngineStats.retention``)."""
+
+    def __init__(self) -> None:
+        self.estimate = GaugeMetricFamily(
+            "strata_kv_host_hit_rate_estimate",
+            "Host hit rate (host-served prompt tokens / prompt tokens since start) the host tier "
+            "would have had at capacity_factor x its capacity, with write_back off, on or "
+            "adaptive; from shadow host tiers fed with live traffic (capacity_factor 1 with the "
+            "running policy is the measured rate).",
+            labels=["replica", "cache_type", "capacity_factor", "write_back"],
+        )
+        self.ghost_hits = CounterMetricFamily(
+            "strata_kv_ghost_hits",
+            "Prompt blocks that would have been host hits had the host tier kept them: "
+            "ghost=dropped (evicted from NPU without a host copy), host_evicted.",
+            labels=["replica", "cache_type", "ghost"],
+        )
+        self.ghosts = GaugeMetricFamily(
+            "strata_kv_ghost_blocks",
+            "Block hashes in the ghost records (each list bounded by the host capacity).",
+            labels=["replica", "cache_type", "ghost"],
+        )
+        self.decisions = CounterMetricFamily(
+            "strata_kv_adaptive_decisions",
+            "Blocks leaving the NPU tier without a host copy that the adaptive retention policy "
+            "stored (decision=store) or let go (skip).",
+            labels=["replica", "cache_type", "decision"],
+        )
+
+    def add(self, label: str, stats: EngineStats) -> None:
+        queries = stats.cache.queries
+        for cache_type, retention in stats.retention.items():
+            for key, rate in estimated_hit_rates(retention, queries).items():
+                factor = f"{key.capacity_factor:g}"
+                self.estimate.add_metric([label, cache_type, factor, key.write_back], rate)
+            for ghost, hits, size in (
+                ("dropped", retention.ghost_hits_dropped, retention.num_ghosts_dropped),
+                (
+                    "host_evicted",
+                    retention.ghost_hits_host_evicted,
+                    retention.num_ghosts_host_evicted,
+                ),
+            ):
+                self.ghost_hits.add_metric([label, cache_type, ghost], hits)
+                self.ghosts.add_metric([label, cache_type, ghost], size)
+            self.decisions.add_metric([label, cache_type, "store"], retention.adaptive_stores)
+            self.decisions.add_metric([label, cache_type, "skip"], retention.adaptive_skips)
+
+    def families(self) -> list[Metric]:
+        return [self.estimate, self.ghost_hits, self.ghosts, self.decisions]
 
 
 def router_metric_families(router_stats: RouterStats | None) -> list[Metric]:

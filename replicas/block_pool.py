@@ -29,7 +29,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: BlockHash | None = None
-    num_hits: int = 0  # new requests that matched this block since it was cached
+    num_hits: int = 0  # new requests that matched it since it was cached (kept after eviction)
 
 
 class BlockPool:
@@ -144,8 +144,7 @@ class BlockPool:
 
     def _uncache(self, block: Block) -> None:
         del self._cached[block.block_hash]
-        block.block_hash = None
-        block.num_hits = 0
+        block.block_hash = None  # num_hits stays until the block is cached again
 
     # ---- accounting --------------------------------------------------------------------------
     def check_integrity(self) -> None:

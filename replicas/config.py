@@ -6,6 +6,7 @@ what to change. ``cluster.config.ClusterConfig`` composes these models.
 
 import warnings
 from collections.abc import Iterable
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -22,6 +23,7 @@ HOST_GB_OPTION = "--experimental-kv-offload-host-memory-gb"
 HOST_RATIO_OPTION = "--experimental-kv-offload-host-memory-ratio"
 WRITE_THROUGH_OPTION = "--experimental-kv-offload-write-through-threshold"
 WRITE_BACK_OPTION = "--experimental-kv-offload-write-back"
+RETENTION_OPTION = "--experimental-kv-offload-retention"
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -85,6 +87,12 @@ class KVOffloadConfig(_Config):
     write_back: bool = Field(
         False, description="Copy NPU-only cached blocks to host when NPU pressure evicts them."
     )
+    retention: Literal["fixed", "adaptive"] = Field(
+        "fixed",
+        description="fixed: promotion threshold and write-back as set; adaptive: store each "
+        "block the NPU tier evicts when its observed reuse pays for the copy, and move the "
+        "promotion threshold within [1, 4] (write_back is then decided per block).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "KVOffloadConfig":
@@ -103,6 +111,11 @@ class KVOffloadConfig(_Config):
             raise ValueError(
                 f"kv_offload_config.write_through_threshold ({WRITE_THROUGH_OPTION}) must be "
                 f">= 0 or None, got {self.write_through_threshold}"
+            )
+        if self.retention == "adaptive" and self.write_back:
+            raise ValueError(
+                f"kv_offload_config.retention='adaptive' ({RETENTION_OPTION} adaptive) decides "
+                f"write-back per block; it cannot be combined with write_back ({WRITE_BACK_OPTION})"
             )
         has_bytes = num_bytes is not None
         has_ratio = self.host_memory_ratio > 0
@@ -125,6 +138,8 @@ class KVOffloadConfig(_Config):
                 stacklevel=2,
             )
         ignored = []
+        if self.retention == "adaptive":
+            ignored.append(f"retention='adaptive' ({RETENTION_OPTION})")
         if self.write_back:
             ignored.append(f"write_back ({WRITE_BACK_OPTION})")
         if self.write_through_threshold is not None and (

@@ -17,6 +17,7 @@ from replicas.host_memory import check_host_capacity
 from replicas.kv_cache_manager import KVCacheManager
 from replicas.kv_cache_types import CacheStats, CacheTypeSpec, CacheTypeUsage
 from replicas.kv_capacity import plan_cache
+from replicas.kv_retention import ADAPTIVE, OFF, ON, BlockCosts, RetentionStats, tuning_hint
 from replicas.kv_transfer import KVTransfer, TransferStats
 from replicas.model import LoadedModel, load_model
 from replicas.model_runner import ModelRunner
@@ -52,6 +53,7 @@ class EngineStats:
     num_preemptions: int
     cache_types: dict[str, CacheTypeUsage] = field(default_factory=dict)
     steps: StepTimes = field(default_factory=StepTimes)
+    retention: dict[str, RetentionStats] = field(default_factory=dict)  # with a host tier
 
 
 def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
@@ -115,6 +117,7 @@ class Engine:
             enable_prefix_caching=sched.prefix_cache_config.enabled,
             write_through_threshold=offload.write_through_threshold,
             write_back=offload.write_back,
+            retention=offload.retention,
         )
         self.transfer = (
             KVTransfer(self.runner.kv_caches, plan.num_host_blocks)
@@ -135,6 +138,9 @@ class Engine:
         )
         self._step_times = StepTimes()
         self._busy_since: float | None = None  # end of the last step, while work remained
+        self._compute = _ComputeTime()  # per token, from steps with a prefill's worth of tokens
+        self.tuning_hint_interval_s = TUNING_HINT_INTERVAL_S if plan.num_host_blocks else None
+        self._last_hint = time.monotonic()
         logger.info(
             "engine: model %s on %s, block size %d, max_model_len %d",
             self.loaded.name,
@@ -196,12 +202,57 @@ class Engine:
         times = self._step_times
         if self._busy_since is not None:
             times.gap_seconds += start - self._busy_since
+        tokens_before = self.core.num_scheduled_tokens
         outputs = self._outputs(self.core.step())
         end = time.perf_counter()
         times.num_steps += 1
         times.step_seconds += end - start
         self._busy_since = end if self.core.has_unfinished_requests() else None
+        if self.transfer is not None:
+            self._after_step(end - start, self.core.num_scheduled_tokens - tokens_before)
         return outputs
+
+    def _after_step(self, seconds: float, num_tokens: int) -> None:
+        """With a host tier: measure what a block costs to compute and to copy, for the
+        adaptive policy; log the tuning hint every ``tuning_hint_interval_s``."""
+        if num_tokens >= self.block_size:
+            self._compute.add(seconds, num_tokens)
+        if self._step_times.num_steps % COST_UPDATE_STEPS == 0:
+            costs = self.block_costs()
+            if costs is not None:
+                self.kv_cache.set_block_costs(costs)
+        interval = self.tuning_hint_interval_s
+        now = time.monotonic()
+        if interval is not None and now - self._last_hint >= interval:
+            self._last_hint = now
+            for line in self.tuning_hints():
+                logger.info("%s", line)
+
+    def block_costs(self) -> BlockCosts | None:
+        """Measured seconds per block: recompute (from steps that computed at least a block),
+        reload and store (the transfers' time per block moved; both share it); None until both
+        have been measured."""
+        per_token = self._compute.per_token()
+        stats = self.transfer.stats if self.transfer else None
+        moved = stats.blocks_loaded + stats.blocks_stored if stats else 0
+        if per_token is None or not moved:
+            return None
+        per_copy = stats.seconds / moved
+        return BlockCosts(per_token * self.block_size, per_copy, per_copy)
+
+    def tuning_hints(self) -> list[str]:
+        """One line per cache type with a host tier (see ``kv_retention.tuning_hint``)."""
+        cache = self.kv_cache
+        offload = self.config.scheduler_config.kv_offload_config
+        policy = ADAPTIVE if cache.retention == "adaptive" else (ON if cache.write_back else OFF)
+        lines = []
+        for cache_type, stats in cache.retention_stats().items():
+            line = tuning_hint(cache_type, stats, cache.stats.queries, policy)
+            if line is not None:
+                threshold = cache.promotion_thresholds()[cache_type]
+                configured = offload.write_through_threshold
+                lines.append(f"{line} (promotion threshold {threshold}, configured {configured})")
+        return lines
 
     def _outputs(self, requests: list[Request]) -> list[RequestOutput]:
         outputs = [self.output_processor.output(r) for r in requests]
@@ -259,6 +310,7 @@ class Engine:
             num_preemptions=self.core.num_preemptions,
             cache_types=self.kv_cache.usage(),
             steps=dataclasses.replace(self._step_times),
+            retention=self.kv_cache.retention_stats(),
         )
 
     def reset_prefix_cache(self, tier: str = "all") -> None:
@@ -267,6 +319,30 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.kv_cache.check_integrity()
+
+
+TUNING_HINT_INTERVAL_S = 300.0
+"""How often a replica with a host tier logs its tuning hint."""
+
+COST_UPDATE_STEPS = 16
+"""Steps between updates of the measured block costs the adaptive policy reads."""
+
+
+class _ComputeTime:
+    """Seconds per computed token, an exponential average over steps."""
+
+    __slots__ = ("_per_token",)
+
+    def __init__(self) -> None:
+        self._per_token: float | None = None
+
+    def add(self, seconds: float, num_tokens: int) -> None:
+        sample = seconds / num_tokens
+        previous = self._per_token
+        self._per_token = sample if previous is None else 0.9 * previous + 0.1 * sample
+
+    def per_token(self) -> float | None:
+        return self._per_token
 
 
 def resolve_device(device: str) -> torch.device:

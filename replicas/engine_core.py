@@ -85,6 +85,7 @@ class EngineCore:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self._requests: dict[str, Request] = {}
+        self.num_scheduled_tokens = 0  # every step's new tokens, since start
 
     # ---- requests ----------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -136,6 +137,7 @@ class EngineCore:
         if not output.scheduled:
             self._check_progress()
             return None
+        self.num_scheduled_tokens += sum(num_new for _, num_new, *_ in output.scheduled)
         return StepInFlight(output, self.executor.execute(output))
 
     def end_step(

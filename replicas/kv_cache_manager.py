@@ -27,6 +27,11 @@ Host retention policies (DESIGN section 4), per cache type:
     and it has no host copy, it is stored to host. Threshold 0 stores every block when it is
     first written; ``None`` disables promotion.
   * write-back: when allocation evicts an NPU-only cached block, it is stored to host first.
+  * adaptive (``retention="adaptive"``): write-back decided per block from the reuse observed
+    after eviction and the measured costs, and a promotion threshold that moves within bounds
+    (``replicas.kv_retention``).
+Every cache type with a host tier also keeps ghost records and shadow host tiers
+(``RetentionTracker``): ghost hits and the miss-ratio curve, whatever the policy.
 
 Ordering: the transfer component runs a plan's stores before its loads and both before the
 next forward pass, so a store reads an evicted block before new KV overwrites it and a load
@@ -49,6 +54,7 @@ from replicas.kv_cache_types import (
     TransferPlan,
 )
 from replicas.kv_events import KVEvent, KVEventKind, KVSnapshot, Tier
+from replicas.kv_retention import BlockCosts, RetentionStats, RetentionTracker
 from replicas.request import Request
 
 __all__ = ["EMPTY_MATCH", "CacheStats", "KVCacheManager", "PrefixMatch", "TransferPlan"]
@@ -56,12 +62,17 @@ __all__ = ["EMPTY_MATCH", "CacheStats", "KVCacheManager", "PrefixMatch", "Transf
 ALL_TIERS = "all"
 """``reset_prefix_cache``'s choice of every tier."""
 
+RETENTION_POLICIES = ("fixed", "adaptive")
+"""``fixed``: the write-through threshold and write-back as configured; ``adaptive``: see
+``replicas.kv_retention``."""
+
 
 @dataclass(slots=True)
 class _CacheType:
     spec: CacheTypeSpec
     npu: BlockPool
     host: BlockPool | None
+    retention: RetentionTracker | None = None  # with a host tier
     blocks: dict[str, list[int | None]] = field(default_factory=dict)  # None: released
     num_cached: dict[str, int] = field(default_factory=dict)  # leading blocks hashed
 
@@ -99,6 +110,7 @@ class KVCacheManager:
         "_stores",
         "block_size",
         "enable_prefix_caching",
+        "retention",
         "stats",
         "write_back",
         "write_through_threshold",
@@ -114,8 +126,11 @@ class KVCacheManager:
         num_host_blocks: int = 0,
         write_through_threshold: int | None = 2,
         write_back: bool = False,
+        retention: str = "fixed",
         record_events: bool = False,
     ) -> None:
+        if retention not in RETENTION_POLICIES:
+            raise ValueError(f"retention must be one of {RETENTION_POLICIES}, got {retention!r}")
         specs = cache_types or [CacheTypeSpec("full", num_npu_blocks, num_host_blocks)]
         if specs[0].sliding_window is not None:
             raise ValueError("the first cache type must be global attention")
@@ -136,6 +151,14 @@ class KVCacheManager:
             raise ValueError("every cache type needs host blocks when the host tier is on")
         self.write_through_threshold = write_through_threshold if has_host else None
         self.write_back = write_back and has_host
+        self.retention = retention if has_host else "fixed"
+        for cache_type in self._cache_types if has_host else ():
+            cache_type.retention = RetentionTracker(
+                cache_type.spec.num_host_blocks,
+                self.write_through_threshold,
+                self.write_back,
+                adaptive=retention == "adaptive",
+            )
         self._record_events = record_events  # see enable_events
         self.stats = CacheStats()
         self._events: list[KVEvent] = []  # since the last drain, for routers' prefix indexes
@@ -231,6 +254,8 @@ class KVCacheManager:
         needed = self.num_blocks_needed(request, num_new_tokens, match)
         if any(needed[c.name] > c.npu.num_free for c in self._cache_types):
             return False
+        if request.num_cached_tokens is None and self.enable_prefix_caching:
+            self._observe_admission(request, match)  # before adoption changes residency
         num_tokens = request.num_computed_tokens + match.num_blocks * self.block_size
         num_total = -(-(num_tokens + num_new_tokens) // self.block_size)
         for cache_type in self._cache_types:
@@ -270,22 +295,60 @@ class KVCacheManager:
             blocks.append(npu_id)
         cache_type.num_cached[request.request_id] = num_blocks
 
+    def _observe_admission(self, request: Request, match: PrefixMatch) -> None:
+        """Show a new request's prompt blocks to each cache type's retention tracker (from its
+        window's first block for a sliding cache type)."""
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        for cache_type in self._cache_types:
+            tracker = cache_type.retention
+            if tracker is None:
+                continue
+            matched_tokens = match.num_blocks * self.block_size
+            first = cache_type.spec.window_start(matched_tokens, self.block_size)
+            hashes = request.block_hashes[first:max_blocks]
+            npu, host = cache_type.npu, cache_type.host
+            tracker.admitted(
+                hashes,
+                [npu.lookup(h) is not None for h in hashes],
+                [host.lookup(h) is not None for h in hashes],
+            )
+
     def _count_hit(self, cache_type: _CacheType, npu_id: int) -> None:
         num_hits = cache_type.npu.record_hit(npu_id)
-        block_hash = cache_type.npu.blocks[npu_id].block_hash
-        threshold = self.write_through_threshold
-        if threshold and num_hits >= threshold and not cache_type.on_host(block_hash):
-            if self._store(cache_type, npu_id, block_hash):
-                self.stats.count_write_through_promotion(cache_type.name)
+        threshold = self._threshold(cache_type)
+        if threshold and num_hits >= threshold:
+            self._promote(cache_type, npu_id, cache_type.npu.blocks[npu_id].block_hash)
+
+    def _threshold(self, cache_type: _CacheType) -> int | None:
+        """The write-through threshold in force (the adaptive policy moves its own)."""
+        tracker = cache_type.retention
+        return tracker.threshold if tracker is not None else self.write_through_threshold
+
+    def _promote(self, cache_type: _CacheType, npu_id: int, block_hash: BlockHash) -> None:
+        if cache_type.retention is not None:
+            cache_type.retention.promotion_candidate(block_hash)
+        if not cache_type.on_host(block_hash) and self._store(cache_type, npu_id, block_hash):
+            self.stats.count_write_through_promotion(cache_type.name)
 
     def _allocate_npu(self, cache_type: _CacheType, num_blocks: int) -> list[int]:
         block_ids, evicted = cache_type.npu.allocate(num_blocks)
+        tracker = cache_type.retention
         for npu_id, block_hash in evicted:
             self.stats.count_npu_eviction(cache_type.name)
             self._emit(cache_type, KVEventKind.REMOVED, Tier.NPU, block_hash)
-            if self.write_back and not cache_type.on_host(block_hash):
-                if self._store(cache_type, npu_id, block_hash):
+            if tracker is None:
+                continue
+            num_hits = cache_type.npu.blocks[npu_id].num_hits  # kept until cached again
+            kept = cache_type.on_host(block_hash)
+            if not kept and tracker.should_store(num_hits):
+                kept = self._store(cache_type, npu_id, block_hash)
+                if kept:
                     self.stats.count_write_back(cache_type.name)
+                if tracker.adaptive:
+                    tracker.adaptive_decision(kept)
+            elif not kept and tracker.adaptive:
+                tracker.adaptive_decision(False)
+            tracker.npu_evicted(block_hash, num_hits, kept)
         return block_ids
 
     def _store(self, cache_type: _CacheType, npu_id: int, block_hash: BlockHash) -> bool:
@@ -296,6 +359,7 @@ class KVCacheManager:
         for _, old_hash in evicted:
             self.stats.count_host_eviction(cache_type.name)
             self._emit(cache_type, KVEventKind.REMOVED, Tier.HOST, old_hash)
+            cache_type.retention.host_evicted(old_hash)
         cache_type.host.cache(host_id, block_hash)
         self._stores.append(BlockCopy(npu_id, host_id, cache_type.name))
         self._emit(cache_type, KVEventKind.STORED, Tier.HOST, block_hash)
@@ -315,10 +379,8 @@ class KVCacheManager:
                 block_hash = request.block_hashes[i]
                 if cache_type.npu.cache(blocks[i], block_hash):
                     self._emit(cache_type, KVEventKind.STORED, Tier.NPU, block_hash)
-                    immediate = self.write_through_threshold == 0
-                    if immediate and not cache_type.on_host(block_hash):
-                        if self._store(cache_type, blocks[i], block_hash):
-                            self.stats.count_write_through_promotion(cache_type.name)
+                    if self._threshold(cache_type) == 0:
+                        self._promote(cache_type, blocks[i], block_hash)
             cache_type.num_cached[request.request_id] = max(start, num_full)
             if cache_type.spec.sliding_window is not None:
                 self._release_out_of_window(cache_type, request, blocks)
@@ -357,6 +419,9 @@ class KVCacheManager:
         for copy in plan.loads:
             self.stats.count_block_loaded(copy.cache_type)
             by_name[copy.cache_type].host.free([copy.src])
+        for cache_type in self._cache_types:
+            if cache_type.retention is not None:
+                cache_type.retention.transfers_landed()
 
     # ---- accounting --------------------------------------------------------------------------
     def record_admission(self, request: Request, match: PrefixMatch) -> None:
@@ -398,11 +463,32 @@ class KVCacheManager:
                 if pool is not None:
                     for _, block_hash in pool.evict_all_cached():
                         self._emit(cache_type, KVEventKind.REMOVED, each, block_hash)
+            if Tier.HOST in tiers and cache_type.retention is not None:
+                cache_type.retention.host_reset()
 
     # ---- views for the replica and its router ------------------------------------------------
     def usage(self) -> dict[str, CacheTypeUsage]:
         """Blocks per cache type and tier, the primary cache type first (no mutation)."""
         return {c.name: c.usage() for c in self._cache_types}
+
+    def retention_stats(self) -> dict[str, RetentionStats]:
+        """Ghost records, miss-ratio curve and adaptive decisions per cache type (empty without
+        a host tier; no mutation)."""
+        return {
+            c.name: c.retention.snapshot(self.block_size)
+            for c in self._cache_types
+            if c.retention is not None
+        }
+
+    def promotion_thresholds(self) -> dict[str, int | None]:
+        """The write-through threshold in force per cache type."""
+        return {c.name: self._threshold(c) for c in self._cache_types}
+
+    def set_block_costs(self, costs: BlockCosts) -> None:
+        """Measured seconds per block (recompute, reload, store), for the adaptive policy."""
+        for cache_type in self._cache_types:
+            if cache_type.retention is not None:
+                cache_type.retention.set_costs(costs)
 
     def num_free_npu_blocks(self) -> dict[str, int]:
         """NPU blocks each cache type can allocate now (empty or evictable)."""

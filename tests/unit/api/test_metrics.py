@@ -108,3 +108,40 @@ def test_app_observes_request_latencies():
     finished = frozenset({("replica", "3"), ("finish_reason", "length")})
     assert got[("strata_requests_total", finished)] == 2
     assert got[("strata_replica_up", replica)] == 1
+
+
+def test_the_miss_ratio_curve_and_ghost_records_are_exported():
+    from replicas.kv_retention import RetentionStats, ShadowKey
+
+    stats = engine_stats(1)  # 100 prompt tokens
+    stats.retention = {
+        "full": RetentionStats(
+            ghost_hits_dropped=7,
+            ghost_hits_host_evicted=3,
+            num_ghosts_dropped=11,
+            num_ghosts_host_evicted=5,
+            estimated_host_hit_tokens={
+                ShadowKey(1.0, "off"): 16,
+                ShadowKey(1.0, "on"): 40,
+                ShadowKey(2.0, "off"): 24,
+                ShadowKey(0.5, "off"): 8,
+            },
+            adaptive_stores=2,
+            adaptive_skips=9,
+        )
+    }
+    got = samples(StrataMetrics().render(ClusterStats([ReplicaStats(0, True, stats)])).decode())
+
+    def value(name: str, **labels: str) -> float:
+        return got[(name, frozenset({"replica": "0", "cache_type": "full", **labels}.items()))]
+
+    estimate = "strata_kv_host_hit_rate_estimate"
+    assert value(estimate, capacity_factor="1", write_back="off") == 0.16
+    assert value(estimate, capacity_factor="1", write_back="on") == 0.40
+    assert value(estimate, capacity_factor="2", write_back="off") == 0.24
+    assert value(estimate, capacity_factor="0.5", write_back="off") == 0.08
+    assert value("strata_kv_ghost_hits_total", ghost="dropped") == 7
+    assert value("strata_kv_ghost_hits_total", ghost="host_evicted") == 3
+    assert value("strata_kv_ghost_blocks", ghost="dropped") == 11
+    assert value("strata_kv_adaptive_decisions_total", decision="store") == 2
+    assert value("strata_kv_adaptive_decisions_total", decision="skip") == 9

@@ -1,0 +1,418 @@
+"""What the host tier keeps, what it would keep with more memory or write-back, and, with the
+adaptive policy, which blocks leaving the NPU tier are worth storing.
+
+One ``RetentionTracker`` per cache type of a manager with a host tier, fed by the manager:
+
+* **Ghost records**: hashes of blocks recently *dropped* (evicted from the NPU tier with no host
+  copy) and recently *evicted from the host tier*, each an LRU list bounded by the host tier's
+  capacity in blocks. A *ghost hit* is a prompt block of a later request, past the prefix the
+  cache served, found in one of them: a block the host tier would have served had it kept it.
+  The walk stops at the first block that is nowhere (a prefix hit is contiguous). Hashes carry
+  the tenant's salt, so a ghost hit never crosses tenants.
+* **Shadow host tiers**: hash-only copies of the host tier at 0.5x, 2x and 4x its capacity under
+  the running policy, and at 1x with write-back off and on (and adaptive, when it runs). Each
+  sees the events the real tier sees (promotion candidates, NPU evictions, each new request's
+  prompt and the landing of each step's transfers) and applies the same rules (LRU by last
+  store or load, a step's stores before its loads; a block already present is not stored
+  again; write-back stores an NPU-only block the NPU tier evicts), so the host blocks each
+  would have served are the miss-ratio curve (``RetentionStats.estimated_host_hit_tokens``).
+  The 1x shadow of the running policy equals the real tier; the tests check it.
+* **The adaptive policy** (``retention="adaptive"``): every block the NPU tier evicts is
+  counted in a bucket by its hits while on the NPU tier (0, 1, 2, 3 or more), and its reuse is
+  watched (a later hit on its host copy, or a ghost hit). A block with no host copy is stored
+  when its bucket's observed reuse probability ``p`` pays for the copy::
+
+      p > store / (recompute - reload) + q + bar
+
+  with ``recompute``, ``reload`` and ``store`` the measured seconds per block (never stored
+  when a reload costs as much as a recompute), ``q`` the reuse probability of what the host
+  tier evicts to make room (its ghost hits per eviction) and ``bar`` the shadows' verdict: at
+  the end of each window it rises by 0.05 when the 1x shadow without write-back served more
+  host blocks than the policy did, and falls when the one with write-back did. The promotion
+  threshold moves within ``[1, 4]`` (``0`` and ``None`` stay), from the same rule without the
+  bar: down when the bucket below it pays, up when its own does not. A window is
+  ``max(256, 2 x capacity)`` evictions; counts halve at its end, so the policy follows
+  changing traffic.
+
+Memory: one tracked hash costs about ``BYTES_PER_TRACKED_BLOCK`` (160) bytes. The ghost lists
+hold at most 2 x capacity hashes, the policy's reuse watch at most capacity, and the shadows
+8.5 x capacity (0.5 + 1 + 1 + 2 + 4; 9.5 with adaptive). Shadows are kept smallest first while
+they fit in ``MAX_SHADOW_BLOCKS`` hashes per cache type (2M, about 320 MiB: every shadow up to
+220k host blocks); a larger one is not kept and its estimate is absent.
+"""
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from replicas.hashing import BlockHash
+
+CAPACITY_FACTORS = (0.5, 2.0, 4.0)
+"""Host capacities, as multiples of the real one, estimated under the running policy."""
+
+MAX_SHADOW_BLOCKS = 1 << 21
+"""Most hashes the shadows of one cache type hold together."""
+
+BYTES_PER_TRACKED_BLOCK = 160
+"""Measured with tracemalloc: a 16-byte block hash as ``bytes`` (about 57 bytes once allocated)
+plus its ``OrderedDict`` entry (about 105)."""
+
+NUM_BUCKETS = 4  # NPU hits before eviction: 0, 1, 2, 3 or more
+MAX_THRESHOLD = 4
+MIN_WINDOW = 256
+BAR_STEP, BAR_MAX = 0.05, 1.0
+
+
+class BlockCosts(NamedTuple):
+    """Seconds per block: computing its KV again, loading it host -> NPU, storing NPU -> host."""
+
+    recompute_s: float
+    reload_s: float
+    store_s: float
+
+
+DEFAULT_COSTS = BlockCosts(recompute_s=1.0, reload_s=0.05, store_s=0.05)
+"""Until the engine has measured its own: a reload or store at 5% of a recompute."""
+
+
+OFF, ON, ADAPTIVE = "off", "on", "adaptive"
+"""What a host tier does with an NPU-only block the NPU tier evicts: drop it, store it, or
+let the adaptive policy decide."""
+
+
+class ShadowKey(NamedTuple):
+    capacity_factor: float  # host blocks, as a multiple of the real tier's
+    write_back: str  # OFF, ON or ADAPTIVE
+
+
+@dataclass(slots=True)
+class RetentionStats:
+    """One cache type's ghost records, miss-ratio curve and adaptive decisions. Every field is a
+    count (or a current size) and adds up across replicas; the estimated host hit rate at a point
+    of the curve is ``estimated_host_hit_tokens[key] / CacheStats.queries``, comparable with the
+    measured ``CacheStats.host_hits / CacheStats.queries``."""
+
+    ghost_hits_dropped: int = 0  # blocks that would have been host hits had write-back kept them
+    ghost_hits_host_evicted: int = 0  # blocks the host tier would have served with more room
+    num_ghosts_dropped: int = 0
+    num_ghosts_host_evicted: int = 0
+    estimated_host_hit_tokens: dict[ShadowKey, int] = field(default_factory=dict)
+    adaptive_stores: int = 0  # blocks the adaptive policy stored when the NPU tier evicted them
+    adaptive_skips: int = 0  # blocks it let go
+
+
+class ShadowHostTier:
+    """A host tier of ``capacity`` blocks holding hashes only, LRU by last store or load."""
+
+    __slots__ = ("_landing", "_lru", "capacity", "num_host_hit_blocks", "write_back")
+
+    def __init__(self, capacity: int, write_back: str) -> None:
+        self.capacity = capacity
+        self.write_back = write_back
+        self.num_host_hit_blocks = 0
+        self._lru: OrderedDict[BlockHash, None] = OrderedDict()
+        self._landing: list[BlockHash] = []  # loaded, until the step's transfers land
+
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._lru
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def store(self, block_hash: BlockHash) -> None:
+        """Store a block not yet held (a held one is left where it is, like the real tier)."""
+        lru = self._lru
+        if block_hash in lru:
+            return
+        lru[block_hash] = None
+        if len(lru) > self.capacity:
+            lru.popitem(last=False)
+
+    def load(self, block_hash: BlockHash) -> bool:
+        """A prompt block not on the NPU tier: True (and most recently used) if held."""
+        if block_hash not in self._lru:
+            return False
+        self._lru.move_to_end(block_hash)
+        self._landing.append(block_hash)
+        self.num_host_hit_blocks += 1
+        return True
+
+    def landed(self) -> None:
+        """A step's transfers landed: like the real tier, which unlocks a step's stored blocks
+        before its loaded ones, make the loaded blocks the most recently used."""
+        lru = self._lru
+        for block_hash in self._landing:
+            if block_hash in lru:
+                lru.move_to_end(block_hash)
+        self._landing.clear()
+
+    def clear(self) -> None:
+        self._lru.clear()
+        self._landing.clear()
+
+
+def _bounded_put(ghosts: OrderedDict, key: BlockHash, value: object, bound: int) -> None:
+    ghosts[key] = value
+    ghosts.move_to_end(key)
+    if len(ghosts) > bound:
+        ghosts.popitem(last=False)
+
+
+class RetentionTracker:
+    """Ghost records, shadow host tiers and the adaptive policy of one cache type."""
+
+    def __init__(
+        self,
+        num_host_blocks: int,
+        write_through_threshold: int | None,
+        write_back: bool,
+        adaptive: bool = False,
+        max_shadow_blocks: int = MAX_SHADOW_BLOCKS,
+    ) -> None:
+        if num_host_blocks < 1:
+            raise ValueError("a retention tracker needs a host tier")
+        self.capacity = num_host_blocks
+        self.adaptive = adaptive
+        self.write_back = write_back and not adaptive
+        self.threshold = write_through_threshold
+        self._min_threshold = min(1, write_through_threshold or 0)
+        self.costs = DEFAULT_COSTS
+        self.stats = RetentionStats()
+        self._dropped: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> bucket
+        self._host_evicted: OrderedDict[BlockHash, int | None] = OrderedDict()
+        self._kept: OrderedDict[BlockHash, int] = OrderedDict()  # NPU-evicted, copy on host
+        self._evicted = [0.0] * NUM_BUCKETS
+        self._reused = [0.0] * NUM_BUCKETS
+        self._host_evictions = 0.0
+        self._host_ghost_hits = 0.0
+        self._window = max(MIN_WINDOW, 2 * num_host_blocks)
+        self._bar = 0.0  # added to the reuse a store must beat; moved by the shadows' verdict
+        self._served_at_window: dict[ShadowKey, int] = {}
+        running = ADAPTIVE if adaptive else (ON if self.write_back else OFF)
+        points = [ShadowKey(1.0, running)]
+        points += [ShadowKey(1.0, policy) for policy in (OFF, ON) if policy != running]
+        points += [ShadowKey(factor, running) for factor in CAPACITY_FACTORS]
+        self._shadows: dict[ShadowKey, ShadowHostTier] = {}
+        budget = max_shadow_blocks
+        for key in sorted(points, key=lambda k: k.capacity_factor):
+            capacity = max(1, int(key.capacity_factor * num_host_blocks))
+            if capacity > budget:
+                break  # this one and every larger one
+            budget -= capacity
+            self._shadows[key] = ShadowHostTier(capacity, key.write_back)
+
+    # ---- events ------------------------------------------------------------------------------
+    def admitted(self, hashes: list[BlockHash], on_npu: list[bool], on_host: list[bool]) -> None:
+        """A new request's prompt blocks (those a match may cover) with their residency before
+        the cache serves it."""
+        num_blocks = len(hashes)
+        served = 0
+        while served < num_blocks and (on_npu[served] or on_host[served]):
+            if not on_npu[served]:
+                bucket = self._kept.pop(hashes[served], None)
+                if bucket is not None:
+                    self._reused[bucket] += 1
+            served += 1
+        for index in range(served, num_blocks):
+            block_hash = hashes[index]
+            if on_npu[index] or on_host[index]:
+                continue
+            bucket = self._dropped.pop(block_hash, None)
+            if bucket is not None:
+                self.stats.ghost_hits_dropped += 1
+                self._reused[bucket] += 1
+                continue
+            if block_hash in self._host_evicted:
+                bucket = self._host_evicted.pop(block_hash)
+                self.stats.ghost_hits_host_evicted += 1
+                self._host_ghost_hits += 1
+                if bucket is not None:
+                    self._reused[bucket] += 1
+                continue
+            break
+        for shadow in self._shadows.values():
+            for index in range(num_blocks):
+                if not on_npu[index] and not shadow.load(hashes[index]):
+                    break
+
+    def promotion_candidate(self, block_hash: BlockHash) -> None:
+        """A block on the NPU tier reached the promotion threshold (or was written, at 0)."""
+        for shadow in self._shadows.values():
+            shadow.store(block_hash)
+
+    def should_store(self, num_hits: int) -> bool:
+        """Whether a block the NPU tier evicts, with no host copy, is stored to host."""
+        if not self.adaptive:
+            return self.write_back
+        return self._pays(min(num_hits, NUM_BUCKETS - 1))
+
+    def npu_evicted(self, block_hash: BlockHash, num_hits: int, kept: bool) -> None:
+        """The NPU tier evicted a cached block; ``kept``: it has a host copy now."""
+        bucket = min(num_hits, NUM_BUCKETS - 1)
+        pays = self._pays(bucket) if self.adaptive else None  # as should_store decided
+        self._evicted[bucket] += 1
+        if kept:
+            _bounded_put(self._kept, block_hash, bucket, self.capacity)
+        else:
+            _bounded_put(self._dropped, block_hash, bucket, self.capacity)
+        for shadow in self._shadows.values():
+            if shadow.write_back == ON or (shadow.write_back == ADAPTIVE and pays):
+                shadow.store(block_hash)
+        if sum(self._evicted) >= self._window:
+            self._end_window()
+
+    def adaptive_decision(self, stored: bool) -> None:
+        if stored:
+            self.stats.adaptive_stores += 1
+        else:
+            self.stats.adaptive_skips += 1
+
+    def host_evicted(self, block_hash: BlockHash) -> None:
+        self._host_evictions += 1
+        _bounded_put(
+            self._host_evicted, block_hash, self._kept.pop(block_hash, None), self.capacity
+        )
+
+    def transfers_landed(self) -> None:
+        for shadow in self._shadows.values():
+            shadow.landed()
+
+    def host_reset(self) -> None:
+        """The host tier was emptied: so is every shadow."""
+        self._kept.clear()
+        for shadow in self._shadows.values():
+            shadow.clear()
+
+    def set_costs(self, costs: BlockCosts) -> None:
+        self.costs = costs
+
+    # ---- the policy --------------------------------------------------------------------------
+    def reuse_probability(self, bucket: int) -> float:
+        """Observed share of the bucket's evicted blocks requested again (prior: 1 in 2)."""
+        return (self._reused[bucket] + 0.5) / (self._evicted[bucket] + 1.0)
+
+    def _pays(self, bucket: int, bar: bool = True) -> bool:
+        recompute, reload, store = self.costs
+        gain = recompute - reload
+        if gain <= 0:
+            return False
+        displaced = self._host_ghost_hits / (self._host_evictions + 1.0)
+        extra = self._bar if bar else 0.0
+        return self.reuse_probability(bucket) > store / gain + displaced + extra
+
+    def _end_window(self) -> None:
+        if self.adaptive:
+            self._follow_shadows()
+        if self.adaptive and self.threshold:
+            threshold = self.threshold
+            if threshold < MAX_THRESHOLD and not self._pays(
+                min(threshold, NUM_BUCKETS - 1), bar=False
+            ):
+                self.threshold = threshold + 1
+            elif threshold > max(1, self._min_threshold) and self._pays(
+                min(threshold - 1, NUM_BUCKETS - 1), bar=False
+            ):
+                self.threshold = threshold - 1
+        self._evicted = [count / 2 for count in self._evicted]
+        self._reused = [count / 2 for count in self._reused]
+        self._host_evictions /= 2
+        self._host_ghost_hits /= 2
+
+    def _follow_shadows(self) -> None:
+        """Over the window now ending, compare the host blocks the policy served with what
+        never storing at eviction (write-back off) and always storing (on) would have served
+        at the same capacity: raise the bar when storing less would have served more, lower
+        it when storing more would have."""
+        served = {}
+        for key in (ShadowKey(1.0, ADAPTIVE), ShadowKey(1.0, OFF), ShadowKey(1.0, ON)):
+            shadow = self._shadows.get(key)
+            if shadow is None:
+                return
+            served[key.write_back] = shadow.num_host_hit_blocks - self._served_at_window.get(key, 0)
+            self._served_at_window[key] = shadow.num_host_hit_blocks
+        if served[OFF] > served[ADAPTIVE] and served[OFF] >= served[ON]:
+            self._bar = min(BAR_MAX, self._bar + BAR_STEP)
+        elif served[ON] > served[ADAPTIVE]:
+            self._bar = max(0.0, self._bar - BAR_STEP)
+
+    # ---- views -------------------------------------------------------------------------------
+    def snapshot(self, block_size: int) -> RetentionStats:
+        stats = self.stats
+        return RetentionStats(
+            stats.ghost_hits_dropped,
+            stats.ghost_hits_host_evicted,
+            len(self._dropped),
+            len(self._host_evicted),
+            {k: shadow.num_host_hit_blocks * block_size for k, shadow in self._shadows.items()},
+            stats.adaptive_stores,
+            stats.adaptive_skips,
+        )
+
+    @property
+    def shadow_keys(self) -> list[ShadowKey]:
+        return list(self._shadows)
+
+
+# ---- the tuning hint -------------------------------------------------------------------------
+NOTABLE_POINTS = 1.0
+"""Hit-rate points (of prompt tokens) below which the hint calls a difference negligible."""
+
+
+def estimated_hit_rates(stats: RetentionStats, num_query_tokens: int) -> dict[ShadowKey, float]:
+    """Host hit rate (host-served tokens / prompt tokens) at each point of the curve."""
+    if num_query_tokens <= 0:
+        return {}
+    return {
+        key: tokens / num_query_tokens for key, tokens in stats.estimated_host_hit_tokens.items()
+    }
+
+
+def tuning_hint(
+    cache_type: str,
+    stats: RetentionStats,
+    num_query_tokens: int,
+    policy: str,
+) -> str | None:
+    """One line for the server log: the curve, and which step of the tuning sequence (write-back
+    first, then more host memory, then a higher threshold or less host memory) the traffic
+    since start-up supports. ``policy``: OFF, ON or ADAPTIVE. None before any query."""
+    rates = estimated_hit_rates(stats, num_query_tokens)
+    current = rates.get(ShadowKey(1.0, policy))
+    if current is None:
+        return None
+
+    def points(key: ShadowKey) -> float | None:
+        rate = rates.get(key)
+        return None if rate is None else 100 * (rate - current)
+
+    off, on = points(ShadowKey(1.0, OFF)), points(ShadowKey(1.0, ON))
+    more = {f: points(ShadowKey(f, policy)) for f in CAPACITY_FACTORS}
+    curve = ", ".join(
+        f"{f:g}x {'+' if p >= 0 else ''}{p:.1f}" for f, p in more.items() if p is not None
+    )
+    parts = [
+        f"host tier [{cache_type}] ({policy} retention): host hit rate {100 * current:.1f}% of "
+        f"{num_query_tokens} prompt tokens; points of hit rate with other host memory: {curve}",
+        f"ghost hits: {stats.ghost_hits_dropped} blocks dropped without a host copy, "
+        f"{stats.ghost_hits_host_evicted} evicted from host",
+    ]
+    served = stats.estimated_host_hit_tokens
+    if policy == OFF and on is not None and on >= NOTABLE_POINTS:
+        share = served[ShadowKey(1.0, ON)] / max(1, served[ShadowKey(1.0, OFF)]) - 1
+        advice = (
+            f"write-back would have served {100 * share:.0f}% more blocks (+{on:.1f} points): "
+            "try --experimental-kv-offload-write-back or --experimental-kv-offload-retention "
+            "adaptive"
+        )
+    elif more.get(2.0) is not None and more[2.0] >= NOTABLE_POINTS:
+        advice = f"2x host memory would add {more[2.0]:.1f} points of hit rate: raise it"
+    elif policy == ON and off is not None and off >= NOTABLE_POINTS:
+        advice = (
+            f"write-back costs {off:.1f} points (blocks evicted once crowd out reused ones): "
+            "turn it off, raise the write-through threshold, or try adaptive retention"
+        )
+    elif more.get(0.5) is not None and -more[0.5] < NOTABLE_POINTS / 2 and current > 0:
+        advice = "half the host memory would serve as much: this traffic needs less"
+    else:
+        advice = "the current settings fit this traffic"
+    return "; ".join([*parts, advice])

@@ -1,0 +1,402 @@
+"""Ghost records, the miss-ratio curve and the adaptive retention policy.
+
+The curve is checked against independent runs: the same request sequence replayed on a manager
+with 0.5x, 2x or 4x the host blocks, or with write-back, measures the hit rate each estimate
+predicts. Pools are tiny and tensor-free; one test runs the real engine.
+"""
+
+import itertools
+import logging
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from replicas.config import EngineConfig, KVOffloadConfig, SchedulerConfig
+from replicas.engine import Engine
+from replicas.kv_cache_manager import KVCacheManager
+from replicas.kv_retention import (
+    OFF,
+    ON,
+    BlockCosts,
+    RetentionTracker,
+    ShadowKey,
+    estimated_hit_rates,
+    tuning_hint,
+)
+from replicas.request import Request
+from replicas.sampling_params import SamplingParams
+
+BS = 4
+_ids = itertools.count()
+
+
+def run(manager: KVCacheManager, tokens: list[int]) -> Request:
+    """Admit a request, compute its prompt, finish it, and land the step's transfers."""
+    request = Request(f"r{next(_ids)}", tokens, SamplingParams(), BS)
+    match = manager.match_prefix(request)
+    assert manager.allocate_slots(request, request.num_tokens - match.num_blocks * BS, match)
+    manager.record_admission(request, match)
+    request.num_computed_tokens = request.num_tokens
+    manager.cache_blocks(request)
+    manager.free(request)
+    plan = manager.take_transfer_plan()
+    host = manager.host
+    for store in plan.stores:  # a store whose hash was already on host would cache nothing
+        assert host.blocks[store.dst].block_hash is not None, "a block was stored twice"
+    manager.complete_transfer(plan)
+    manager.check_integrity()
+    return request
+
+
+def blocks(*values: int) -> list[int]:
+    """Whole blocks of tokens, one block per value, plus one token (never matched)."""
+    return [v for value in values for v in [value] * BS] + [999]
+
+
+# ---- ghost records -----------------------------------------------------------------------------
+def test_ghost_hits_count_blocks_dropped_without_a_host_copy():
+    manager = KVCacheManager(4, BS, num_host_blocks=4, write_through_threshold=None)
+    run(manager, blocks(1, 2))  # caches [1], [1,2] (+1 block for the last token)
+    run(manager, blocks(7, 8, 9))  # evicts both: no host copy (no promotion, no write-back)
+    stats = manager.retention_stats()["full"]
+    assert stats.num_ghosts_dropped == 2 and stats.ghost_hits_dropped == 0
+    run(manager, blocks(1, 2, 3))  # both would have been host hits; block 3 was never seen
+    stats = manager.retention_stats()["full"]
+    assert stats.ghost_hits_dropped == 2
+    assert stats.ghost_hits_host_evicted == 0
+    assert manager.stats.hits == 0  # the real cache served nothing
+
+
+def test_ghost_walk_stops_at_the_first_block_that_is_nowhere():
+    manager = KVCacheManager(4, BS, num_host_blocks=4, write_through_threshold=None)
+    run(manager, blocks(1, 2))
+    run(manager, blocks(7, 8, 9))
+    run(manager, blocks(5, 1, 2))  # block 0 never existed: no prefix could be served
+    assert manager.retention_stats()["full"].ghost_hits_dropped == 0
+
+
+def test_ghost_hits_count_blocks_evicted_from_the_host_tier():
+    # Threshold 0 stores every block at first write; one host block keeps only the latest.
+    manager = KVCacheManager(8, BS, num_host_blocks=1, write_through_threshold=0)
+    run(manager, blocks(1))
+    run(manager, blocks(2))  # the host tier evicts [1]
+    manager.reset_prefix_cache("npu")
+    run(manager, blocks(1))
+    stats = manager.retention_stats()["full"]
+    assert stats.ghost_hits_host_evicted == 1
+    assert stats.ghost_hits_dropped == 0
+    assert manager.stats.host_hits == 0
+
+
+def test_ghost_records_are_bounded_by_the_host_capacity():
+    manager = KVCacheManager(2, BS, num_host_blocks=3, write_through_threshold=None)
+    for value in range(20):
+        run(manager, blocks(100 + value))
+    assert manager.retention_stats()["full"].num_ghosts_dropped == 3
+
+
+def test_salted_blocks_are_ghosts_of_their_own_tenant_only():
+    manager = KVCacheManager(4, BS, num_host_blocks=4, write_through_threshold=None)
+
+    def salted(tokens: list[int], salt: str) -> None:
+        request = Request(f"s{next(_ids)}", tokens, SamplingParams(), BS, cache_salt=salt)
+        match = manager.match_prefix(request)
+        assert manager.allocate_slots(request, request.num_tokens - match.num_blocks * BS, match)
+        manager.record_admission(request, match)
+        request.num_computed_tokens = request.num_tokens
+        manager.cache_blocks(request)
+        manager.free(request)
+
+    salted(blocks(1, 2), "a")
+    salted(blocks(7, 8, 9), "a")  # evicts tenant a's [1], [1,2]
+    salted(blocks(1, 2), "b")
+    assert manager.retention_stats()["full"].ghost_hits_dropped == 0
+    salted(blocks(1, 2), "a")
+    assert manager.retention_stats()["full"].ghost_hits_dropped == 2
+
+
+# ---- the miss-ratio curve ----------------------------------------------------------------------
+def workload(seed: int, n: int = 1500, num_prefixes: int = 40, zipf: float = 1.0) -> list[list]:
+    rng = random.Random(seed)
+    prefixes = [
+        [rng.randrange(1000) for _ in range(rng.randint(3, 8) * BS)] for _ in range(num_prefixes)
+    ]
+    weights = [1 / (i + 1) ** zipf for i in range(num_prefixes)]
+    requests = []
+    for _ in range(n):
+        prefix = rng.choices(prefixes, weights)[0]
+        requests.append(prefix + [rng.randrange(1000) for _ in range(rng.randint(1, 2 * BS))])
+    return requests
+
+
+def replay(requests: list[list], num_host_blocks: int, **kwargs) -> KVCacheManager:
+    manager = KVCacheManager(24, BS, num_host_blocks=num_host_blocks, **kwargs)
+    for tokens in requests:
+        run(manager, tokens)
+    return manager
+
+
+def host_hit_rate(manager: KVCacheManager) -> float:
+    return manager.stats.host_hits / manager.stats.queries
+
+
+@pytest.mark.parametrize("seed,zipf", [(0, 1.0), (1, 0.6), (2, 1.2)])
+@pytest.mark.parametrize("write_back", [False, True])
+def test_the_curve_predicts_runs_with_other_capacities_and_write_back(seed, zipf, write_back):
+    requests = workload(seed, zipf=zipf)
+    capacity = 40
+    manager = replay(requests, capacity, write_back=write_back)
+    estimates = estimated_hit_rates(manager.retention_stats()["full"], manager.stats.queries)
+    running = ON if write_back else OFF
+    assert estimates[ShadowKey(1.0, running)] == pytest.approx(host_hit_rate(manager))
+    points = [ShadowKey(f, running) for f in (0.5, 2.0, 4.0)]
+    points.append(ShadowKey(1.0, OFF if write_back else ON))
+    for key in points:
+        measured = replay(
+            requests, int(key.capacity_factor * capacity), write_back=key.write_back == ON
+        )
+        assert abs(estimates[key] - host_hit_rate(measured)) <= 0.03, key
+    assert len({round(estimates[k], 3) for k in points}) > 1  # the curve is not flat here
+
+
+def test_the_curve_on_the_real_engine_predicts_runs_with_twice_the_memory_and_no_write_back():
+    rng = random.Random(5)
+    prefixes = [[rng.randrange(256) for _ in range(rng.randint(2, 5) * 16)] for _ in range(12)]
+    prompts = [
+        rng.choice(prefixes) + [rng.randrange(256) for _ in range(rng.randint(1, 20))]
+        for _ in range(90)
+    ]
+
+    def engine(ratio: float, write_back: bool) -> Engine:
+        config = EngineConfig(
+            model="tiny",
+            num_npu_blocks=20,
+            max_model_len=160,
+            scheduler_config=SchedulerConfig(
+                kv_offload_config=KVOffloadConfig(
+                    enabled=True, host_memory_ratio=ratio, write_back=write_back
+                )
+            ),
+        )
+        return Engine(config)
+
+    def serve(engine: Engine) -> Engine:
+        for start in range(0, len(prompts), 3):  # three at a time
+            for n in range(start, min(start + 3, len(prompts))):
+                engine.add_request(f"p{n}", prompts[n], SamplingParams(max_tokens=2))
+            while engine.has_unfinished_requests():
+                engine.step()
+        return engine
+
+    base = serve(engine(1.0, True))
+    stats = base.kv_cache.stats
+    estimates = estimated_hit_rates(base.stats().retention["full"], stats.queries)
+    assert estimates[ShadowKey(1.0, ON)] == pytest.approx(stats.host_hits / stats.queries)
+    assert estimates[ShadowKey(2.0, ON)] > estimates[ShadowKey(1.0, ON)] + 0.1  # not flat
+    for key, ratio, write_back in (
+        (ShadowKey(2.0, ON), 2.0, True),
+        (ShadowKey(1.0, OFF), 1.0, False),
+    ):
+        measured = serve(engine(ratio, write_back)).kv_cache.stats
+        assert abs(estimates[key] - measured.host_hits / measured.queries) <= 0.03, key
+
+
+def test_shadows_beyond_the_memory_bound_are_not_kept():
+    tracker = RetentionTracker(100, 2, False, max_shadow_blocks=300)
+    # 0.5x + 1x + 1x (write-back on) fit in 250 blocks; 2x would need 450
+    assert sorted(tracker.shadow_keys) == [
+        ShadowKey(0.5, OFF),
+        ShadowKey(1.0, OFF),
+        ShadowKey(1.0, ON),
+    ]
+
+
+# ---- the adaptive policy -----------------------------------------------------------------------
+def test_adaptive_stops_storing_blocks_that_never_return():
+    rng = random.Random(3)
+    one_off = [[rng.randrange(1000) for _ in range(6 * BS)] + [1] for _ in range(400)]
+    write_back = replay(one_off, 40, write_back=True)
+    adaptive = replay(one_off, 40, retention="adaptive")
+    assert write_back.stats.blocks_stored > 1000
+    assert adaptive.stats.blocks_stored <= 0.1 * write_back.stats.blocks_stored
+    retention = adaptive.retention_stats()["full"]
+    assert retention.adaptive_skips > 10 * retention.adaptive_stores
+
+
+def test_adaptive_stores_blocks_that_return_after_eviction():
+    # Prefixes cycle through a working set larger than the NPU tier: every evicted block returns.
+    prefixes = [[p] * (5 * BS) for p in range(12)]
+    requests = [prefixes[n % 12] + [n % 7 + 500] for n in range(600)]
+    adaptive = replay(requests, 80, retention="adaptive")
+    write_back = replay(requests, 80, write_back=True)
+    default = replay(requests, 80)
+    assert host_hit_rate(adaptive) >= host_hit_rate(write_back) - 0.02
+    assert host_hit_rate(adaptive) > host_hit_rate(default) + 0.2
+
+
+def test_adaptive_never_stores_when_a_reload_costs_more_than_a_recompute():
+    manager = KVCacheManager(
+        24, BS, num_host_blocks=80, write_through_threshold=None, retention="adaptive"
+    )
+    manager.set_block_costs(BlockCosts(recompute_s=1.0, reload_s=2.0, store_s=0.1))
+    for n in range(300):
+        run(manager, [n % 12] * (5 * BS) + [7])
+    assert manager.stats.blocks_stored == 0
+
+
+def test_adaptive_moves_the_promotion_threshold_within_bounds():
+    manager = KVCacheManager(24, BS, num_host_blocks=40, retention="adaptive")
+    seen = set()
+    for tokens in workload(4, n=800):
+        run(manager, tokens)
+        seen.add(manager.promotion_thresholds()["full"])
+    assert seen <= {1, 2, 3, 4}
+    assert len(seen) > 1
+
+
+def test_defaults_are_unchanged():
+    config = KVOffloadConfig(enabled=True, host_memory_ratio=1.0)
+    assert (config.retention, config.write_through_threshold, config.write_back) == (
+        "fixed",
+        2,
+        False,
+    )
+
+
+def test_adaptive_with_write_back_fails_naming_both_options():
+    with pytest.raises(ValueError, match=r"--experimental-kv-offload-retention.*write-back"):
+        KVOffloadConfig(enabled=True, host_memory_ratio=1.0, retention="adaptive", write_back=True)
+
+
+def test_an_unknown_retention_is_refused():
+    with pytest.raises(ValueError, match="retention"):
+        KVOffloadConfig(enabled=True, host_memory_ratio=1.0, retention="lru")
+    with pytest.raises(ValueError, match="retention must be one of"):
+        KVCacheManager(4, BS, num_host_blocks=4, retention="lru")
+
+
+operation = st.one_of(
+    st.tuples(st.just("add"), st.integers(0, 5), st.integers(1, 40), st.integers(1, 6)),
+    st.tuples(st.just("step"), st.integers(1, 4)),
+    st.tuples(st.just("abort"), st.integers(0, 7)),
+    st.tuples(st.just("reset"), st.sampled_from(["npu", "host", "all"])),
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(operation, min_size=1, max_size=25), threshold=st.sampled_from([None, 0, 2]))
+def test_adaptive_random_traffic_keeps_capacity_and_leaves_nothing_locked(ops, threshold):
+    engine = _adaptive_engine(threshold)
+    prefixes = [[p * 40 + i % 40 for i in range(48)] for p in range(6)]
+    live: list[str] = []
+    host = engine.kv_cache.host
+    for n, op in enumerate(ops):
+        if op[0] == "add":
+            _, which, suffix, max_tokens = op
+            prompt = prefixes[which] + [(n * 7 + i) % 256 for i in range(suffix)]
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            engine.add_request(f"q{n}", prompt, params)
+            live.append(f"q{n}")
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                for output in engine.step():
+                    if output.finished:
+                        live.remove(output.request_id)
+        elif op[0] == "abort" and live:
+            engine.abort_request(live.pop(op[1] % len(live)))
+        elif op[0] == "reset":
+            engine.reset_prefix_cache(op[1])
+        engine.check_integrity()
+        assert host.num_cached <= host.num_blocks
+        (moved,) = engine.kv_cache.promotion_thresholds().values()
+        assert moved == threshold if threshold in (None, 0) else 1 <= moved <= 4
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_integrity()
+    assert engine.kv_cache.npu.num_used == 0
+    assert host.num_used == 0  # nothing left locked in flight
+
+
+_LOADED: dict = {}
+
+
+def _adaptive_engine(threshold: int | None) -> Engine:
+    config = EngineConfig(
+        model="tiny",
+        num_npu_blocks=14,
+        max_model_len=120,
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=48,
+            kv_offload_config=KVOffloadConfig(
+                enabled=True,
+                host_memory_ratio=1.0,
+                write_through_threshold=threshold,
+                retention="adaptive",
+            ),
+        ),
+    )
+    if "tiny" not in _LOADED:
+        _LOADED["tiny"] = Engine(config).loaded
+    return Engine(config, loaded=_LOADED["tiny"])
+
+
+# ---- the tuning hint ---------------------------------------------------------------------------
+def test_the_hint_points_to_write_back_when_dropped_blocks_return():
+    prefixes = [[p] * (5 * BS) for p in range(12)]
+    requests = [prefixes[n % 12] + [n % 7 + 500] for n in range(300)]
+    manager = replay(requests, 80, write_through_threshold=None)
+    line = tuning_hint("full", manager.retention_stats()["full"], manager.stats.queries, OFF)
+    assert "write-back would have served" in line
+    assert "--experimental-kv-offload-write-back" in line
+
+
+def test_the_hint_says_when_write_back_hurts():
+    requests = workload(0)
+    manager = replay(requests, 40, write_back=True)
+    stats = manager.retention_stats()["full"]
+    rates = estimated_hit_rates(stats, manager.stats.queries)
+    assert rates[ShadowKey(1.0, OFF)] > rates[ShadowKey(1.0, ON)] + 0.01  # as measured above
+    line = tuning_hint("full", stats, manager.stats.queries, ON)
+    assert "write-back costs" in line or "2x host memory would add" in line
+
+
+def test_the_engine_logs_its_hint_periodically(caplog):
+    config = EngineConfig(
+        model="tiny",
+        num_npu_blocks=12,
+        scheduler_config=SchedulerConfig(
+            kv_offload_config=KVOffloadConfig(enabled=True, host_memory_ratio=1.0)
+        ),
+    )
+    engine = Engine(config, loaded=_adaptive_engine(None).loaded)
+    engine.tuning_hint_interval_s = 0.0
+    with caplog.at_level(logging.INFO, logger="replicas.engine"):
+        engine.add_request("a", list(range(40)), SamplingParams(max_tokens=2))
+        while engine.has_unfinished_requests():
+            engine.step()
+    hints = [r.getMessage() for r in caplog.records if "host tier [full]" in r.getMessage()]
+    assert hints and "(fixed retention)" not in hints[0] and "(off retention)" in hints[0]
+
+
+# ---- one name in Python, YAML and CLI ----------------------------------------------------------
+def test_adaptive_retention_is_named_alike_in_yaml_and_cli(tmp_path):
+    from cluster.cli import build_config, build_parser, main
+
+    def parse(*argv: str):
+        return build_config(build_parser().parse_args(["serve", *argv]))
+
+    flags = ("--experimental-kv-offload-host-memory-ratio", "1")
+    by_flag = parse(*flags, "--experimental-kv-offload-retention", "adaptive")
+    path = tmp_path / "adaptive.yaml"
+    path.write_text(
+        "scheduler:\n  kv_offload_config:\n    enabled: true\n    host_memory_ratio: 1\n"
+        "    retention: adaptive\n"
+    )
+    by_file = parse("--config", str(path))
+    for config in (by_flag, by_file):
+        assert config.scheduler.kv_offload_config.retention == "adaptive"
+    assert parse(*flags).scheduler.kv_offload_config.retention == "fixed"
+    argv = ["serve", *flags, "--experimental-kv-offload-write-back"]
+    assert main([*argv, "--experimental-kv-offload-retention", "adaptive"]) == 2
