@@ -4,11 +4,11 @@ adaptive policy, which blocks leaving the NPU tier are worth storing.
 One ``RetentionTracker`` per cache type of a manager with a host tier, fed by the manager:
 
 * **Ghost records**: hashes of blocks recently *dropped* (evicted from the NPU tier with no host
-  copy) and recently *evicted from the host tier*, each an LRU list bounded by the host tier's
-  capacity in blocks. A *ghost hit* is a prompt block of a later request, past the prefix the
-  cache served, found in one of them: a block the host tier would have served had it kept it.
-  The walk stops at the first block that is nowhere (a prefix hit is contiguous). Hashes carry
-  the tenant's salt, so a ghost hit never crosses tenants.
+  copy) and recently *evicted from the host tier*, each an LRU list bounded by ``GHOST_FACTOR``
+  (4) x the host tier's capacity in blocks. A *ghost hit* is a prompt block of a later request,
+  past the prefix the cache served, found in one of them: a block the host tier would have
+  served had it kept it. The walk stops at the first block that is nowhere (a prefix hit is
+  contiguous). Hashes carry the tenant's salt, so a ghost hit never crosses tenants.
 * **Shadow host tiers**: hash-only copies of the host tier at 0.5x, 2x and 4x its capacity under
   the running policy, and at 1x with write-back off and on (and adaptive, when it runs). Each
   sees the events the real tier sees (promotion candidates, NPU evictions, each new request's
@@ -16,29 +16,33 @@ One ``RetentionTracker`` per cache type of a manager with a host tier, fed by th
   store or load, a step's stores before its loads; a block already present is not stored
   again; write-back stores an NPU-only block the NPU tier evicts), so the host blocks each
   would have served are the miss-ratio curve (``RetentionStats.estimated_host_hit_tokens``).
-  The 1x shadow of the running policy equals the real tier; the tests check it.
-* **The adaptive policy** (``retention="adaptive"``): every block the NPU tier evicts is
-  counted in a bucket by its hits while on the NPU tier (0, 1, 2, 3 or more), and its reuse is
-  watched (a later hit on its host copy, or a ghost hit). A block with no host copy is stored
-  when its bucket's observed reuse probability ``p`` pays for the copy::
+  The 1x shadow of the running policy equals the real tier; the tests check it. A shadow sees
+  one replica's traffic as it was routed: in a cluster, a host tier of another size would also
+  change where the router sends requests, which no per-replica estimate captures.
+* **The adaptive policy** (``retention="adaptive"``): every block the NPU tier evicts falls in a
+  bucket by its hits while on the NPU tier (0, 1, 2, 3 or more) and whether it was reused after
+  an earlier eviction, and its reuse is watched (a later hit on its host copy, or a ghost hit).
+  A block with no host copy is stored when its bucket's observed reuse probability ``p`` pays
+  for the copy::
 
       p > store / (recompute - reload) + q + bar
 
   with ``recompute``, ``reload`` and ``store`` the measured seconds per block (never stored
   when a reload costs as much as a recompute), ``q`` the reuse probability of what the host
-  tier evicts to make room (its ghost hits per eviction) and ``bar`` the shadows' verdict: at
-  the end of each window it rises by 0.05 when the 1x shadow without write-back served more
-  host blocks than the policy did, and falls when the one with write-back did. The promotion
-  threshold moves within ``[1, 4]`` (``0`` and ``None`` stay), from the same rule without the
-  bar: down when the bucket below it pays, up when its own does not. A window is
-  ``max(256, 2 x capacity)`` evictions; counts halve at its end, so the policy follows
-  changing traffic.
+  tier evicts to make room (its ghost hits per eviction) and ``bar`` a margin that starts at
+  ``MIN_REUSE`` (0.3) and follows the shadows: every ``CONTROL_PERIOD`` (256) evictions it
+  rises by 0.05 when the 1x shadow without write-back served more host blocks than the policy
+  did, and falls by 0.05 when the one with write-back did. The promotion threshold moves
+  within ``[1, 4]`` (``0`` and ``None`` stay), from the same rule without the bar: down when
+  the bucket below it pays, up when its own does not. Counts halve every
+  ``max(256, 2 x capacity)`` evictions, so the policy follows changing traffic.
 
-Memory: one tracked hash costs about ``BYTES_PER_TRACKED_BLOCK`` (160) bytes. The ghost lists
-hold at most 2 x capacity hashes, the policy's reuse watch at most capacity, and the shadows
-8.5 x capacity (0.5 + 1 + 1 + 2 + 4; 9.5 with adaptive). Shadows are kept smallest first while
-they fit in ``MAX_SHADOW_BLOCKS`` hashes per cache type (2M, about 320 MiB: every shadow up to
-220k host blocks); a larger one is not kept and its estimate is absent.
+Memory: one tracked hash costs about ``BYTES_PER_TRACKED_BLOCK`` (160) bytes. The ghost lists,
+the policy's reuse watch and its record of reused blocks hold at most 4 x capacity hashes each,
+and the shadows 8.5 x capacity (0.5 + 1 + 1 + 2 + 4; 9.5 with adaptive). Shadows are kept
+smallest first while they fit in ``MAX_SHADOW_BLOCKS`` hashes per cache type (2M, about
+320 MiB: every shadow up to 220k host blocks); a larger one is not kept and its estimate is
+absent.
 """
 
 from collections import OrderedDict
@@ -57,9 +61,17 @@ BYTES_PER_TRACKED_BLOCK = 160
 """Measured with tracemalloc: a 16-byte block hash as ``bytes`` (about 57 bytes once allocated)
 plus its ``OrderedDict`` entry (about 105)."""
 
-NUM_BUCKETS = 4  # NPU hits before eviction: 0, 1, 2, 3 or more
+HIT_CLASSES = 4  # NPU hits before eviction: 0, 1, 2, 3 or more
+NUM_BUCKETS = 2 * HIT_CLASSES  # ... and whether the block was reused after an eviction before
+GHOST_FACTOR = 4
+"""Each ghost list (and the policy's reuse watch) holds this many times the host capacity: a
+block stored to host may outlive that many stores when the policy stores few."""
+MIN_REUSE = 0.3
+"""The bar's starting value: a block must be reused three times in ten to be stored until the
+shadows show that storing more (or less) would have served more."""
 MAX_THRESHOLD = 4
 MIN_WINDOW = 256
+CONTROL_PERIOD = 256  # NPU evictions between two looks at the shadows
 BAR_STEP, BAR_MAX = 0.05, 1.0
 
 
@@ -172,6 +184,7 @@ class RetentionTracker:
         if num_host_blocks < 1:
             raise ValueError("a retention tracker needs a host tier")
         self.capacity = num_host_blocks
+        self._ghost_bound = GHOST_FACTOR * num_host_blocks
         self.adaptive = adaptive
         self.write_back = write_back and not adaptive
         self.threshold = write_through_threshold
@@ -181,12 +194,14 @@ class RetentionTracker:
         self._dropped: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> bucket
         self._host_evicted: OrderedDict[BlockHash, int | None] = OrderedDict()
         self._kept: OrderedDict[BlockHash, int] = OrderedDict()  # NPU-evicted, copy on host
+        self._proven: OrderedDict[BlockHash, None] = OrderedDict()  # reused after an eviction
         self._evicted = [0.0] * NUM_BUCKETS
         self._reused = [0.0] * NUM_BUCKETS
         self._host_evictions = 0.0
         self._host_ghost_hits = 0.0
         self._window = max(MIN_WINDOW, 2 * num_host_blocks)
-        self._bar = 0.0  # added to the reuse a store must beat; moved by the shadows' verdict
+        self._num_evictions = 0
+        self._bar = MIN_REUSE  # added to the reuse a store must beat; the shadows move it
         self._served_at_window: dict[ShadowKey, int] = {}
         running = ADAPTIVE if adaptive else (ON if self.write_back else OFF)
         points = [ShadowKey(1.0, running)]
@@ -211,7 +226,7 @@ class RetentionTracker:
             if not on_npu[served]:
                 bucket = self._kept.pop(hashes[served], None)
                 if bucket is not None:
-                    self._reused[bucket] += 1
+                    self._reuse(hashes[served], bucket)
             served += 1
         for index in range(served, num_blocks):
             block_hash = hashes[index]
@@ -220,14 +235,14 @@ class RetentionTracker:
             bucket = self._dropped.pop(block_hash, None)
             if bucket is not None:
                 self.stats.ghost_hits_dropped += 1
-                self._reused[bucket] += 1
+                self._reuse(block_hash, bucket)
                 continue
             if block_hash in self._host_evicted:
                 bucket = self._host_evicted.pop(block_hash)
                 self.stats.ghost_hits_host_evicted += 1
                 self._host_ghost_hits += 1
                 if bucket is not None:
-                    self._reused[bucket] += 1
+                    self._reuse(block_hash, bucket)
                 continue
             break
         for shadow in self._shadows.values():
@@ -240,24 +255,35 @@ class RetentionTracker:
         for shadow in self._shadows.values():
             shadow.store(block_hash)
 
-    def should_store(self, num_hits: int) -> bool:
+    def should_store(self, block_hash: BlockHash, num_hits: int) -> bool:
         """Whether a block the NPU tier evicts, with no host copy, is stored to host."""
         if not self.adaptive:
             return self.write_back
-        return self._pays(min(num_hits, NUM_BUCKETS - 1))
+        return self._pays(self._bucket(block_hash, num_hits))
+
+    def _bucket(self, block_hash: BlockHash, num_hits: int) -> int:
+        proven = HIT_CLASSES if block_hash in self._proven else 0
+        return proven + min(num_hits, HIT_CLASSES - 1)
+
+    def _reuse(self, block_hash: BlockHash, bucket: int) -> None:
+        self._reused[bucket] += 1
+        _bounded_put(self._proven, block_hash, None, self._ghost_bound)
 
     def npu_evicted(self, block_hash: BlockHash, num_hits: int, kept: bool) -> None:
         """The NPU tier evicted a cached block; ``kept``: it has a host copy now."""
-        bucket = min(num_hits, NUM_BUCKETS - 1)
+        bucket = self._bucket(block_hash, num_hits)
         pays = self._pays(bucket) if self.adaptive else None  # as should_store decided
         self._evicted[bucket] += 1
         if kept:
-            _bounded_put(self._kept, block_hash, bucket, self.capacity)
+            _bounded_put(self._kept, block_hash, bucket, self._ghost_bound)
         else:
-            _bounded_put(self._dropped, block_hash, bucket, self.capacity)
+            _bounded_put(self._dropped, block_hash, bucket, self._ghost_bound)
         for shadow in self._shadows.values():
             if shadow.write_back == ON or (shadow.write_back == ADAPTIVE and pays):
                 shadow.store(block_hash)
+        self._num_evictions += 1
+        if self.adaptive and self._num_evictions % CONTROL_PERIOD == 0:
+            self._follow_shadows()
         if sum(self._evicted) >= self._window:
             self._end_window()
 
@@ -270,7 +296,7 @@ class RetentionTracker:
     def host_evicted(self, block_hash: BlockHash) -> None:
         self._host_evictions += 1
         _bounded_put(
-            self._host_evicted, block_hash, self._kept.pop(block_hash, None), self.capacity
+            self._host_evicted, block_hash, self._kept.pop(block_hash, None), self._ghost_bound
         )
 
     def transfers_landed(self) -> None:
@@ -301,16 +327,14 @@ class RetentionTracker:
         return self.reuse_probability(bucket) > store / gain + displaced + extra
 
     def _end_window(self) -> None:
-        if self.adaptive:
-            self._follow_shadows()
         if self.adaptive and self.threshold:
             threshold = self.threshold
             if threshold < MAX_THRESHOLD and not self._pays(
-                min(threshold, NUM_BUCKETS - 1), bar=False
+                min(threshold, HIT_CLASSES - 1), bar=False
             ):
                 self.threshold = threshold + 1
             elif threshold > max(1, self._min_threshold) and self._pays(
-                min(threshold - 1, NUM_BUCKETS - 1), bar=False
+                min(threshold - 1, HIT_CLASSES - 1), bar=False
             ):
                 self.threshold = threshold - 1
         self._evicted = [count / 2 for count in self._evicted]
@@ -319,9 +343,9 @@ class RetentionTracker:
         self._host_ghost_hits /= 2
 
     def _follow_shadows(self) -> None:
-        """Over the window now ending, compare the host blocks the policy served with what
-        never storing at eviction (write-back off) and always storing (on) would have served
-        at the same capacity: raise the bar when storing less would have served more, lower
+        """Over the last ``CONTROL_PERIOD`` evictions, compare the host blocks the policy served
+        with what never storing at eviction (write-back off) and always storing (on) would have
+        served at the same capacity: raise the bar when storing less would have served more, lower
         it when storing more would have."""
         served = {}
         for key in (ShadowKey(1.0, ADAPTIVE), ShadowKey(1.0, OFF), ShadowKey(1.0, ON)):

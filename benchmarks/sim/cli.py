@@ -75,6 +75,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--write-through-threshold", type=int, default=2, help="0 disables (default 2)")
     add("--write-back", action="store_true", help="store evicted NPU-only blocks to host")
+    add(
+        "--retention",
+        choices=("fixed", "adaptive"),
+        default="fixed",
+        help="host retention policy (KVOffloadConfig.retention; default fixed); adaptive "
+        "excludes --write-back",
+    )
     add("--block-size", type=int, default=16)
     add(
         "--sliding-window",
@@ -123,7 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KIND[=V1,V2,...]",
         help="dp=, host-gb=, host-ratio=, threshold=, write-back, npu-blocks=, speedup=, "
-        "profile (repeatable; one parameter at a time)",
+        "profile, retention (repeatable; one parameter at a time)",
     )
     add("--jobs", type=int, default=1, help="worker processes (default 1)")
     add("--quiet", action="store_true", help="no progress bars")
@@ -135,6 +142,8 @@ def base_config(args: argparse.Namespace) -> SimConfig:
             f"--tokens-per-hash-id {args.tokens_per_hash_id} must be a multiple of "
             f"--block-size {args.block_size}"
         )
+    if args.retention == "adaptive" and args.write_back:
+        raise SystemExit("--retention adaptive decides write-back per block; drop --write-back")
     if args.write_through_threshold < 0:
         raise SystemExit("--write-through-threshold must be >= 0 (0 disables promotion)")
     if args.sliding_window is not None and args.sliding_window < 1:
@@ -155,6 +164,7 @@ def base_config(args: argparse.Namespace) -> SimConfig:
         host_memory_ratio=args.host_memory_ratio,
         write_through_threshold=args.write_through_threshold or None,
         write_back=args.write_back,
+        retention=args.retention,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         event_delay_s=args.event_delay_ms / 1000,

@@ -18,6 +18,9 @@ POLICY_SOURCES = {
 }
 
 
+_CATEGORICAL = ("write-back", "profile", "retention")  # sweep values that are not numbers
+
+
 def label(record: Record) -> str:
     if record["policy"] == STRATA:
         return f"strata ({record['scoring_profile']})"
@@ -139,7 +142,7 @@ def sweep_figures(report: Report, records: Sequence[Record]) -> None:
             xs = [v for v in values if v in mine]
             for axis, metric in zip(axes, ("hit_rate", "ttft_p50_s", "load_imbalance")):
                 axis.errorbar(
-                    range(len(xs)) if kind in ("write-back", "profile") else [float(v) for v in xs],
+                    range(len(xs)) if kind in _CATEGORICAL else [float(v) for v in xs],
                     [mine[v][metric] for v in xs],
                     yerr=[mine[v][metric + "_sd"] for v in xs],
                     marker="o",
@@ -150,7 +153,7 @@ def sweep_figures(report: Report, records: Sequence[Record]) -> None:
             axis.set_xlabel(kind)
             axis.set_ylabel(metric)
             axis.grid(alpha=0.3)
-            if kind in ("write-back", "profile"):
+            if kind in _CATEGORICAL:
                 axis.set_xticks(range(len(values)), values)
             elif kind in ("dp", "npu-blocks"):
                 axis.set_xscale("log", base=2)

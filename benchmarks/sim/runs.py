@@ -7,6 +7,8 @@ A sweep varies one parameter of the base configuration at a time (not a cross pr
                        (CLI semantics: 0 disables) write-back[=off,on]  write_back
     npu-blocks=512,... num_npu_blocks              speedup=1,2,4        arrival_speedup
     profile[=balanced,locality,load]  Strata's scoring profile (Strata runs only)
+    retention[=default,write-back,adaptive]   host retention: the base config's threshold
+                       without write-back, with write-back, or adaptive (write_back, retention)
 
 Replicate k > 0 of every run jitters arrivals and seeds the peers' tie-breaks with k
 (``SimConfig.seed``); replicate 0 is the trace as recorded.
@@ -31,6 +33,19 @@ def _threshold(text: str) -> int | None:
     return value or None
 
 
+RETENTIONS = {
+    "default": {"write_back": False, "retention": "fixed"},
+    "write-back": {"write_back": True, "retention": "fixed"},
+    "adaptive": {"write_back": False, "retention": "adaptive"},
+}
+
+
+def _retention(text: str) -> dict[str, object]:
+    if text not in RETENTIONS:
+        raise ValueError(f"retention values are {', '.join(RETENTIONS)}, got {text!r}")
+    return RETENTIONS[text]
+
+
 def _switch(text: str) -> bool:
     if text not in ("off", "on"):
         raise ValueError(f"write-back values are off and on, got {text!r}")
@@ -52,6 +67,7 @@ SWEEPS: dict[str, SweepKind] = {
     "npu-blocks": SweepKind("num_npu_blocks", int),
     "speedup": SweepKind("arrival_speedup", float),
     "profile": SweepKind("scoring_profile", str, ("balanced", "locality", "load")),
+    "retention": SweepKind("", _retention, tuple(RETENTIONS)),  # sets two fields
 }
 
 
@@ -61,7 +77,8 @@ class Sweep(NamedTuple):
 
 
 def parse_sweep(spec: str) -> Sweep:
-    """``KIND=V1,V2`` (or ``write-back`` / ``profile`` alone) into a Sweep; ValueError if bad."""
+    """``KIND=V1,V2`` (or ``write-back``, ``profile`` or ``retention`` alone) into a Sweep;
+    ValueError if bad."""
     kind, _, values = spec.partition("=")
     if kind not in SWEEPS:
         raise ValueError(f"--sweep {spec}: unknown kind {kind!r}; one of {', '.join(SWEEPS)}")
@@ -108,7 +125,7 @@ def plan_runs(
     for sweep in sweeps:
         kind = SWEEPS[sweep.kind]
         for value in sweep.values:
-            changes = {kind.field: kind.parse(value)}
+            changes = {kind.field: kind.parse(value)} if kind.field else kind.parse(value)
             if sweep.kind == "host-gb":
                 changes["host_memory_ratio"] = 0.0
             elif sweep.kind == "host-ratio":

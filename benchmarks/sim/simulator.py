@@ -42,13 +42,14 @@ from benchmarks.sim.peers import PEERS
 from benchmarks.sim.trace import TraceRequest
 from replicas.config import EngineConfig, KVOffloadConfig, SchedulerConfig
 from replicas.kv_cache_manager import KVCacheManager
-from replicas.kv_cache_types import CacheTypeSpec
+from replicas.kv_cache_types import CacheStats, CacheTypeSpec
 from replicas.kv_capacity import (
     host_blocks_per_replica,
     plan_host_blocks,
     plan_npu_blocks,
     replica_host_bytes,
 )
+from replicas.kv_retention import BlockCosts
 from replicas.model import KVCacheSpec
 from replicas.request import Request
 from replicas.sampling_params import SamplingParams
@@ -74,6 +75,7 @@ class SimConfig:
     host_memory_ratio: float = 0.0
     write_through_threshold: int | None = 2
     write_back: bool = False
+    retention: str = "fixed"  # or "adaptive" (KVOffloadConfig.retention)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     event_delay_s: float = 0.001
@@ -192,13 +194,18 @@ class Simulator:
         return KVOffloadConfig(enabled=True, host_memory_bytes=share)
 
     def _kv_cache(self) -> KVCacheManager:
-        return KVCacheManager(
+        manager = KVCacheManager(
             block_size=self.config.block_size,
             cache_types=self.cache_types,
             write_through_threshold=self.config.write_through_threshold,
             write_back=self.config.write_back,
+            retention=self.config.retention,
             record_events=True,
         )
+        cost = self.cost_model
+        recompute_s = cost.prefill_s(self.config.block_size * self.config.token_scale, 0.0)
+        manager.set_block_costs(BlockCosts(recompute_s, cost.load_s(1), cost.store_s(1)))
+        return manager
 
     def _push(self, when: float, kind: int, payload: Any) -> None:
         heapq.heappush(self._events, (when, next(self._seq), kind, payload))
@@ -316,11 +323,24 @@ class Simulator:
             "num_preemptions": sum(e.num_preemptions for e in self.engines),
             "blocks_loaded": sum(s.blocks_loaded for s in stats),
             "blocks_stored": sum(s.blocks_stored for s in stats),
+            "host_hit_rate_estimates": self._curve(stats),
             "cache_hits_tokens": sum(s.hits for s in stats),
             "cache_queries_tokens": sum(s.queries for s in stats),
             "agent": {"source": self.agent.source, **self.agent.summary()},
             "sim_wall_s": wall_s,
         }
+
+    def _curve(self, stats: list[CacheStats]) -> dict[str, float]:
+        """The primary cache type's miss-ratio curve over all replicas: estimated host hit rate
+        per ``"{capacity_factor}x/{write_back}"``; empty without a host tier."""
+        queries = sum(s.queries for s in stats)
+        tokens: dict[str, int] = {}
+        for engine in self.engines:
+            retention = next(iter(engine.kv_cache.retention_stats().values()), None)
+            for key, value in retention.estimated_host_hit_tokens.items() if retention else ():
+                name = f"{key.capacity_factor:g}x/{key.write_back}"
+                tokens[name] = tokens.get(name, 0) + value
+        return {name: value / queries for name, value in tokens.items()} if queries else {}
 
     def _config_record(self) -> dict[str, object]:
         """The config's fields; a model with global attention only leaves out the hybrid ones."""

@@ -43,6 +43,14 @@ EXPECTED = {
         "configs.host+write-back.host_hit_rate",
         "ratios.host_over_npu_only_mean",
         "ratios.host+write-back_over_npu_only_p99",
+        "configs.host+adaptive.mean_ttft_s",
+        "ratios.host+adaptive_over_host+write-back_mean",
+    ],
+    "one-off": [
+        "configs.host.mean_ttft_s",
+        "configs.host+adaptive.mean_ttft_s",
+        "configs.host+write-back.counters.blocks_stored",
+        "ratios.adaptive_mean_ttft_over_default",
     ],
     "transfer": [
         "block_bytes",
