@@ -340,7 +340,10 @@ class KVCacheManager:
                 continue
             num_hits = cache_type.npu.blocks[npu_id].num_hits  # kept until cached again
             kept = cache_type.on_host(block_hash)
-            if not kept and tracker.should_store(block_hash, num_hits):
+            host = cache_type.host
+            if not kept and tracker.should_store(
+                block_hash, num_hits, host.num_cached >= host.num_blocks
+            ):
                 kept = self._store(cache_type, npu_id, block_hash)
                 if kept:
                     self.stats.count_write_back(cache_type.name)

@@ -255,11 +255,12 @@ class RetentionTracker:
         for shadow in self._shadows.values():
             shadow.store(block_hash)
 
-    def should_store(self, block_hash: BlockHash, num_hits: int) -> bool:
-        """Whether a block the NPU tier evicts, with no host copy, is stored to host."""
+    def should_store(self, block_hash: BlockHash, num_hits: int, host_full: bool) -> bool:
+        """Whether a block the NPU tier evicts, with no host copy, is stored to host;
+        ``host_full``: every host block holds a cached block (a store would evict one)."""
         if not self.adaptive:
             return self.write_back
-        return self._pays(self._bucket(block_hash, num_hits))
+        return self._pays(self._bucket(block_hash, num_hits), host_full)
 
     def _bucket(self, block_hash: BlockHash, num_hits: int) -> int:
         proven = HIT_CLASSES if block_hash in self._proven else 0
@@ -272,14 +273,17 @@ class RetentionTracker:
     def npu_evicted(self, block_hash: BlockHash, num_hits: int, kept: bool) -> None:
         """The NPU tier evicted a cached block; ``kept``: it has a host copy now."""
         bucket = self._bucket(block_hash, num_hits)
-        pays = self._pays(bucket) if self.adaptive else None  # as should_store decided
-        self._evicted[bucket] += 1
+        if self.adaptive:  # as should_store decided, for a full and a roomy shadow
+            pays = {True: self._pays(bucket, True), False: self._pays(bucket, False)}
         if kept:
             _bounded_put(self._kept, block_hash, bucket, self._ghost_bound)
         else:
             _bounded_put(self._dropped, block_hash, bucket, self._ghost_bound)
+        self._evicted[bucket] += 1
         for shadow in self._shadows.values():
-            if shadow.write_back == ON or (shadow.write_back == ADAPTIVE and pays):
+            if shadow.write_back == ON or (
+                shadow.write_back == ADAPTIVE and pays[len(shadow) >= shadow.capacity]
+            ):
                 shadow.store(block_hash)
         self._num_evictions += 1
         if self.adaptive and self._num_evictions % CONTROL_PERIOD == 0:
@@ -317,24 +321,28 @@ class RetentionTracker:
         """Observed share of the bucket's evicted blocks requested again (prior: 1 in 2)."""
         return (self._reused[bucket] + 0.5) / (self._evicted[bucket] + 1.0)
 
-    def _pays(self, bucket: int, bar: bool = True) -> bool:
+    def _pays(self, bucket: int, host_full: bool, bar: bool = True) -> bool:
+        """Whether storing a block of ``bucket`` pays: its reuse beats the copy's cost and, when
+        the store would evict a host block, that block's expected reuse plus the bar."""
         recompute, reload, store = self.costs
         gain = recompute - reload
         if gain <= 0:
             return False
-        displaced = self._host_ghost_hits / (self._host_evictions + 1.0)
-        extra = self._bar if bar else 0.0
-        return self.reuse_probability(bucket) > store / gain + displaced + extra
+        needed = store / gain
+        if host_full:
+            needed += self._host_ghost_hits / (self._host_evictions + 1.0)
+            needed += self._bar if bar else 0.0
+        return self.reuse_probability(bucket) > needed
 
     def _end_window(self) -> None:
         if self.adaptive and self.threshold:
             threshold = self.threshold
             if threshold < MAX_THRESHOLD and not self._pays(
-                min(threshold, HIT_CLASSES - 1), bar=False
+                min(threshold, HIT_CLASSES - 1), True, bar=False
             ):
                 self.threshold = threshold + 1
             elif threshold > max(1, self._min_threshold) and self._pays(
-                min(threshold - 1, HIT_CLASSES - 1), bar=False
+                min(threshold - 1, HIT_CLASSES - 1), True, bar=False
             ):
                 self.threshold = threshold - 1
         self._evicted = [count / 2 for count in self._evicted]
