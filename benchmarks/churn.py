@@ -4,7 +4,8 @@ Each request is one of ``num_prefixes`` prefixes (drawn with Zipf(``zipf_s``) po
 a few fresh tokens. The prefixes together fill ``4 x`` the NPU tier and fit in NPU + host.
 Five engines serve the identical request sequence, one request at a time so that TTFT is the
 prefill alone: prefix caching off, NPU tier only, host tier with the default policy
-(write-through at 2 hits), host tier with write-back, and host tier with adaptive retention.
+(write-through at 2 hits), host tier with write-back, and host tier with adaptive retention
+(promotion at 2 hits, other stores decided at eviction).
 The engines take turns request by request (the order rotates), so noise on this shared machine
 falls on all of them alike. The hit rate an unbounded cache would reach on the same sequence is
 the ceiling.

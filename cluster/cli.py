@@ -179,10 +179,9 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
         help=field_help(
             KVOffloadConfig,
             "retention",
-            "fixed: the promotion threshold and write-back as set; adaptive: store each block "
-            "the NPU tier evicts when its observed reuse pays for the copy, and move the "
-            "promotion threshold within [1, 4]. Needs a host capacity; exclusive with "
-            "write-back.",
+            "fixed: write-through promotion and write-back as set; adaptive: promotion as set, "
+            "and each other block the NPU tier evicts is stored when the reuse observed for its "
+            "kind pays for the copy. Needs a host capacity; exclusive with write-back.",
         ),
     )
 

@@ -89,9 +89,9 @@ class KVOffloadConfig(_Config):
     )
     retention: Literal["fixed", "adaptive"] = Field(
         "fixed",
-        description="fixed: promotion threshold and write-back as set; adaptive: store each "
-        "block the NPU tier evicts when its observed reuse pays for the copy, and move the "
-        "promotion threshold within [1, 4] (write_back is then decided per block).",
+        description="fixed: write-through promotion and write-back as set; adaptive: promotion "
+        "as set, and each other block the NPU tier evicts is stored when the reuse observed "
+        "for its kind pays for the copy (exclusive with write_back).",
     )
 
     @model_validator(mode="after")

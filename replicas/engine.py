@@ -243,15 +243,12 @@ class Engine:
     def tuning_hints(self) -> list[str]:
         """One line per cache type with a host tier (see ``kv_retention.tuning_hint``)."""
         cache = self.kv_cache
-        offload = self.config.scheduler_config.kv_offload_config
         policy = ADAPTIVE if cache.retention == "adaptive" else (ON if cache.write_back else OFF)
         lines = []
         for cache_type, stats in cache.retention_stats().items():
             line = tuning_hint(cache_type, stats, cache.stats.queries, policy)
             if line is not None:
-                threshold = cache.promotion_thresholds()[cache_type]
-                configured = offload.write_through_threshold
-                lines.append(f"{line} (promotion threshold {threshold}, configured {configured})")
+                lines.append(line)
         return lines
 
     def _outputs(self, requests: list[Request]) -> list[RequestOutput]:

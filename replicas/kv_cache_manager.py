@@ -155,7 +155,6 @@ class KVCacheManager:
         for cache_type in self._cache_types if has_host else ():
             cache_type.retention = RetentionTracker(
                 cache_type.spec.num_host_blocks,
-                self.write_through_threshold,
                 self.write_back,
                 adaptive=retention == "adaptive",
             )
@@ -315,14 +314,9 @@ class KVCacheManager:
 
     def _count_hit(self, cache_type: _CacheType, npu_id: int) -> None:
         num_hits = cache_type.npu.record_hit(npu_id)
-        threshold = self._threshold(cache_type)
+        threshold = self.write_through_threshold
         if threshold and num_hits >= threshold:
             self._promote(cache_type, npu_id, cache_type.npu.blocks[npu_id].block_hash)
-
-    def _threshold(self, cache_type: _CacheType) -> int | None:
-        """The write-through threshold in force (the adaptive policy moves its own)."""
-        tracker = cache_type.retention
-        return tracker.threshold if tracker is not None else self.write_through_threshold
 
     def _promote(self, cache_type: _CacheType, npu_id: int, block_hash: BlockHash) -> None:
         if cache_type.retention is not None:
@@ -382,7 +376,7 @@ class KVCacheManager:
                 block_hash = request.block_hashes[i]
                 if cache_type.npu.cache(blocks[i], block_hash):
                     self._emit(cache_type, KVEventKind.STORED, Tier.NPU, block_hash)
-                    if self._threshold(cache_type) == 0:
+                    if self.write_through_threshold == 0:
                         self._promote(cache_type, blocks[i], block_hash)
             cache_type.num_cached[request.request_id] = max(start, num_full)
             if cache_type.spec.sliding_window is not None:
@@ -482,10 +476,6 @@ class KVCacheManager:
             for c in self._cache_types
             if c.retention is not None
         }
-
-    def promotion_thresholds(self) -> dict[str, int | None]:
-        """The write-through threshold in force per cache type."""
-        return {c.name: self._threshold(c) for c in self._cache_types}
 
     def set_block_costs(self, costs: BlockCosts) -> None:
         """Measured seconds per block (recompute, reload, store), for the adaptive policy."""

@@ -69,7 +69,6 @@ block stored to host may outlive that many stores when the policy stores few."""
 MIN_REUSE = 0.3
 """The bar's starting value: a block must be reused three times in ten to be stored until the
 shadows show that storing more (or less) would have served more."""
-MAX_THRESHOLD = 4
 MIN_WINDOW = 256
 CONTROL_PERIOD = 256  # NPU evictions between two looks at the shadows
 BAR_STEP, BAR_MAX = 0.05, 1.0
@@ -176,7 +175,6 @@ class RetentionTracker:
     def __init__(
         self,
         num_host_blocks: int,
-        write_through_threshold: int | None,
         write_back: bool,
         adaptive: bool = False,
         max_shadow_blocks: int = MAX_SHADOW_BLOCKS,
@@ -187,8 +185,6 @@ class RetentionTracker:
         self._ghost_bound = GHOST_FACTOR * num_host_blocks
         self.adaptive = adaptive
         self.write_back = write_back and not adaptive
-        self.threshold = write_through_threshold
-        self._min_threshold = min(1, write_through_threshold or 0)
         self.costs = DEFAULT_COSTS
         self.stats = RetentionStats()
         self._dropped: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> bucket
@@ -321,7 +317,7 @@ class RetentionTracker:
         """Observed share of the bucket's evicted blocks requested again (prior: 1 in 2)."""
         return (self._reused[bucket] + 0.5) / (self._evicted[bucket] + 1.0)
 
-    def _pays(self, bucket: int, host_full: bool, bar: bool = True) -> bool:
+    def _pays(self, bucket: int, host_full: bool) -> bool:
         """Whether storing a block of ``bucket`` pays: its reuse beats the copy's cost and, when
         the store would evict a host block, that block's expected reuse plus the bar."""
         recompute, reload, store = self.costs
@@ -330,21 +326,10 @@ class RetentionTracker:
             return False
         needed = store / gain
         if host_full:
-            needed += self._host_ghost_hits / (self._host_evictions + 1.0)
-            needed += self._bar if bar else 0.0
+            needed += self._host_ghost_hits / (self._host_evictions + 1.0) + self._bar
         return self.reuse_probability(bucket) > needed
 
     def _end_window(self) -> None:
-        if self.adaptive and self.threshold:
-            threshold = self.threshold
-            if threshold < MAX_THRESHOLD and not self._pays(
-                min(threshold, HIT_CLASSES - 1), True, bar=False
-            ):
-                self.threshold = threshold + 1
-            elif threshold > max(1, self._min_threshold) and self._pays(
-                min(threshold - 1, HIT_CLASSES - 1), True, bar=False
-            ):
-                self.threshold = threshold - 1
         self._evicted = [count / 2 for count in self._evicted]
         self._reused = [count / 2 for count in self._reused]
         self._host_evictions /= 2
