@@ -27,9 +27,8 @@ Host retention policies (DESIGN section 4), per cache type:
     and it has no host copy, it is stored to host. Threshold 0 stores every block when it is
     first written; ``None`` disables promotion.
   * write-back: when allocation evicts an NPU-only cached block, it is stored to host first.
-  * adaptive (``retention="adaptive"``): write-back decided per block from the reuse observed
-    after eviction and the measured costs, and a promotion threshold that moves within bounds
-    (``replicas.kv_retention``).
+  * adaptive (``retention="adaptive"``): promotion as set, write-back decided per block from the
+    reuse observed after eviction and the measured costs (``replicas.kv_retention``).
 Every cache type with a host tier also keeps ghost records and shadow host tiers
 (``RetentionTracker``): ghost hits and the miss-ratio curve, whatever the policy.
 

@@ -19,23 +19,25 @@ One ``RetentionTracker`` per cache type of a manager with a host tier, fed by th
   The 1x shadow of the running policy equals the real tier; the tests check it. A shadow sees
   one replica's traffic as it was routed: in a cluster, a host tier of another size would also
   change where the router sends requests, which no per-replica estimate captures.
-* **The adaptive policy** (``retention="adaptive"``): every block the NPU tier evicts falls in a
-  bucket by its hits while on the NPU tier (0, 1, 2, 3 or more) and whether it was reused after
-  an earlier eviction, and its reuse is watched (a later hit on its host copy, or a ghost hit).
-  A block with no host copy is stored when its bucket's observed reuse probability ``p`` pays
-  for the copy::
+* **The adaptive policy** (``retention="adaptive"``): promotion stays as configured (the
+  threshold is not moved: at 1 it promoted every block requested twice, one-off ones included).
+  Every block the NPU tier evicts falls in a bucket by its hits while on the NPU tier (0, 1, 2,
+  3 or more) and whether it was reused after an earlier eviction, and its reuse is watched (a
+  later hit on its host copy, or a ghost hit). A block with no host copy is stored when its
+  bucket's observed reuse probability ``p`` pays for the copy::
 
-      p > store / (recompute - reload) + q + bar
+      p > store / (recompute - reload)                  while the host tier has room
+      p > store / (recompute - reload) + q + bar        once a store would evict a host block
 
   with ``recompute``, ``reload`` and ``store`` the measured seconds per block (never stored
   when a reload costs as much as a recompute), ``q`` the reuse probability of what the host
   tier evicts to make room (its ghost hits per eviction) and ``bar`` a margin that starts at
   ``MIN_REUSE`` (0.3) and follows the shadows: every ``CONTROL_PERIOD`` (256) evictions it
-  rises by 0.05 when the 1x shadow without write-back served more host blocks than the policy
-  did, and falls by 0.05 when the one with write-back did. The promotion threshold moves
-  within ``[1, 4]`` (``0`` and ``None`` stay), from the same rule without the bar: down when
-  the bucket below it pays, up when its own does not. Counts halve every
-  ``max(256, 2 x capacity)`` evictions, so the policy follows changing traffic.
+  rises by 0.05 when the 1x shadow without write-back (the same promotion, no store at
+  eviction) served more host blocks than the policy did, and falls by 0.05 when the one with
+  write-back (a store at every eviction) did; so the policy sits between the two fixed ones
+  and moves toward the better. Counts halve every ``max(256, 2 x capacity)`` evictions, so it
+  follows changing traffic.
 
 Memory: one tracked hash costs about ``BYTES_PER_TRACKED_BLOCK`` (160) bytes. The ghost lists,
 the policy's reuse watch and its record of reused blocks hold at most 4 x capacity hashes each,
