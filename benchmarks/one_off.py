@@ -13,8 +13,10 @@ import random
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from matplotlib.figure import Figure
+
 from benchmarks.churn import build_engines, serve_in_turns
-from benchmarks.report import Report
+from benchmarks.report import Report, new_figure
 from benchmarks.workload import (
     DEFAULT_MODEL,
     fit_length,
@@ -130,6 +132,7 @@ def run(
             for name, (value, bound) in targets.items()
         ],
     )
+    report.figures["one_off.png"] = _plot(configs)
     report.results = {
         "model": model,
         "settings": asdict(settings),
@@ -138,3 +141,17 @@ def run(
         "target_met": target_met,
     }
     return report.write(output_dir)
+
+
+def _plot(configs: dict[str, dict]) -> Figure:
+    figure, (left, right) = new_figure(2)
+    names = list(configs)
+    left.bar(names, [configs[n]["counters"]["blocks_stored"] for n in names])
+    left.set_ylabel("blocks stored to host")
+    left.set_title("host stores")
+    right.bar(names, [1e3 * configs[n]["mean_ttft_s"] for n in names])
+    right.set_ylabel("mean TTFT (ms)")
+    right.set_title("mean TTFT")
+    for axis in (left, right):
+        axis.tick_params(axis="x", labelrotation=20)
+    return figure

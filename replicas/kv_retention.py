@@ -47,6 +47,7 @@ smallest first while they fit in ``MAX_SHADOW_BLOCKS`` hashes per cache type (2M
 absent.
 """
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -72,6 +73,7 @@ MIN_REUSE = 0.3
 """The bar's starting value: a block must be reused three times in ten to be stored until the
 shadows show that storing more (or less) would have served more."""
 MIN_WINDOW = 256
+CONFIDENCE_Z = 0.5  # standard errors taken off a reuse estimate while the host tier has room
 CONTROL_PERIOD = 256  # NPU evictions between two looks at the shadows
 BAR_STEP, BAR_MAX = 0.05, 1.0
 
@@ -112,6 +114,11 @@ class RetentionStats:
     estimated_host_hit_tokens: dict[ShadowKey, int] = field(default_factory=dict)
     adaptive_stores: int = 0  # blocks the adaptive policy stored when the NPU tier evicted them
     adaptive_skips: int = 0  # blocks it let go
+
+
+class _Eviction(NamedTuple):
+    bucket: int
+    window_index: int
 
 
 class ShadowHostTier:
@@ -189,15 +196,17 @@ class RetentionTracker:
         self.write_back = write_back and not adaptive
         self.costs = DEFAULT_COSTS
         self.stats = RetentionStats()
-        self._dropped: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> bucket
-        self._host_evicted: OrderedDict[BlockHash, int | None] = OrderedDict()
-        self._kept: OrderedDict[BlockHash, int] = OrderedDict()  # NPU-evicted, copy on host
+        # hash -> (bucket, window) of its NPU eviction; None for a block never NPU-evicted
+        self._dropped: OrderedDict[BlockHash, _Eviction] = OrderedDict()
+        self._host_evicted: OrderedDict[BlockHash, _Eviction | None] = OrderedDict()
+        self._kept: OrderedDict[BlockHash, _Eviction] = OrderedDict()  # copy on host
         self._proven: OrderedDict[BlockHash, None] = OrderedDict()  # reused after an eviction
         self._evicted = [0.0] * NUM_BUCKETS
         self._reused = [0.0] * NUM_BUCKETS
         self._host_evictions = 0.0
         self._host_ghost_hits = 0.0
         self._window = max(MIN_WINDOW, 2 * num_host_blocks)
+        self._window_index = 0  # counts halve at the end of each window
         self._num_evictions = 0
         self._bar = MIN_REUSE  # added to the reuse a store must beat; the shadows move it
         self._served_at_window: dict[ShadowKey, int] = {}
@@ -222,25 +231,25 @@ class RetentionTracker:
         served = 0
         while served < num_blocks and (on_npu[served] or on_host[served]):
             if not on_npu[served]:
-                bucket = self._kept.pop(hashes[served], None)
-                if bucket is not None:
-                    self._reuse(hashes[served], bucket)
+                eviction = self._kept.pop(hashes[served], None)
+                if eviction is not None:
+                    self._reuse(hashes[served], eviction)
             served += 1
         for index in range(served, num_blocks):
             block_hash = hashes[index]
             if on_npu[index] or on_host[index]:
                 continue
-            bucket = self._dropped.pop(block_hash, None)
-            if bucket is not None:
+            eviction = self._dropped.pop(block_hash, None)
+            if eviction is not None:
                 self.stats.ghost_hits_dropped += 1
-                self._reuse(block_hash, bucket)
+                self._reuse(block_hash, eviction)
                 continue
             if block_hash in self._host_evicted:
-                bucket = self._host_evicted.pop(block_hash)
+                eviction = self._host_evicted.pop(block_hash)
                 self.stats.ghost_hits_host_evicted += 1
                 self._host_ghost_hits += 1
-                if bucket is not None:
-                    self._reuse(block_hash, bucket)
+                if eviction is not None:
+                    self._reuse(block_hash, eviction)
                 continue
             break
         for shadow in self._shadows.values():
@@ -264,8 +273,11 @@ class RetentionTracker:
         proven = HIT_CLASSES if block_hash in self._proven else 0
         return proven + min(num_hits, HIT_CLASSES - 1)
 
-    def _reuse(self, block_hash: BlockHash, bucket: int) -> None:
-        self._reused[bucket] += 1
+    def _reuse(self, block_hash: BlockHash, eviction: "_Eviction") -> None:
+        """A block evicted earlier was requested again: it counts in its bucket with the weight
+        its eviction has now (halved at every window's end, like the eviction counts)."""
+        bucket, window_index = eviction
+        self._reused[bucket] += 0.5 ** (self._window_index - window_index)
         _bounded_put(self._proven, block_hash, None, self._ghost_bound)
 
     def npu_evicted(self, block_hash: BlockHash, num_hits: int, kept: bool) -> None:
@@ -273,10 +285,11 @@ class RetentionTracker:
         bucket = self._bucket(block_hash, num_hits)
         if self.adaptive:  # as should_store decided, for a full and a roomy shadow
             pays = {True: self._pays(bucket, True), False: self._pays(bucket, False)}
+        eviction = _Eviction(bucket, self._window_index)
         if kept:
-            _bounded_put(self._kept, block_hash, bucket, self._ghost_bound)
+            _bounded_put(self._kept, block_hash, eviction, self._ghost_bound)
         else:
-            _bounded_put(self._dropped, block_hash, bucket, self._ghost_bound)
+            _bounded_put(self._dropped, block_hash, eviction, self._ghost_bound)
         self._evicted[bucket] += 1
         for shadow in self._shadows.values():
             if shadow.write_back == ON or (
@@ -319,19 +332,29 @@ class RetentionTracker:
         """Observed share of the bucket's evicted blocks requested again (prior: 1 in 2)."""
         return (self._reused[bucket] + 0.5) / (self._evicted[bucket] + 1.0)
 
+    def _confident_reuse(self, bucket: int) -> float:
+        """The reuse probability less two standard errors: a store must pay even if the bucket
+        reuses somewhat less than observed so far."""
+        p = self.reuse_probability(bucket)
+        return p - CONFIDENCE_Z * math.sqrt(p * (1 - p) / (self._evicted[bucket] + 1.0))
+
     def _pays(self, bucket: int, host_full: bool) -> bool:
-        """Whether storing a block of ``bucket`` pays: its reuse beats the copy's cost and, when
-        the store would evict a host block, that block's expected reuse plus the bar."""
+        """Whether storing a block of ``bucket`` pays. While the host tier has room, a store
+        displaces nothing: its reuse (less two standard errors, so that a kind seen a few times
+        is not stored on luck) must beat the copy's cost. Once a store would evict a host
+        block, the observed reuse must also beat that block's and the bar, which the shadows
+        steer."""
         recompute, reload, store = self.costs
         gain = recompute - reload
         if gain <= 0:
             return False
-        needed = store / gain
-        if host_full:
-            needed += self._host_ghost_hits / (self._host_evictions + 1.0) + self._bar
-        return self.reuse_probability(bucket) > needed
+        if not host_full:
+            return self._confident_reuse(bucket) > store / gain
+        displaced = self._host_ghost_hits / (self._host_evictions + 1.0)
+        return self.reuse_probability(bucket) > store / gain + displaced + self._bar
 
     def _end_window(self) -> None:
+        self._window_index += 1
         self._evicted = [count / 2 for count in self._evicted]
         self._reused = [count / 2 for count in self._reused]
         self._host_evictions /= 2
