@@ -14,6 +14,7 @@ the ceiling.
 import random
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TypeVar
 
 from matplotlib.figure import Figure
 
@@ -33,6 +34,8 @@ from benchmarks.workload import (
     timed_request,
 )
 from cluster import LLM, KVOffloadConfig
+
+T = TypeVar("T")
 
 NAME = "churn"
 VARIANTS = ("off", "npu-only", "host", "host+write-back", "host+adaptive")
@@ -97,6 +100,12 @@ def build_engines(
     }
 
 
+def fit_prefix(settings: T, model: str) -> T:
+    """``settings`` with its prefix cut to what ``model``'s context holds beside the suffix."""
+    limit = model_context_len(model) - settings.suffix_len - 8
+    return replace(settings, prefix_len=fit_length(settings.prefix_len, limit))
+
+
 def _engine_settings(settings: Settings) -> dict[str, object]:
     names = ("npu_tier_prefixes", "prefix_len", "suffix_len", "host_memory_ratio")
     return {name: getattr(settings, name) for name in names}
@@ -153,9 +162,7 @@ def summary(ttfts: list[float], stats: dict[str, int]) -> dict[str, float]:
 def run(
     output_dir: Path, *, quick: bool, command: str, model: str = DEFAULT_MODEL
 ) -> dict[str, object]:
-    settings = QUICK if quick else Settings()
-    limit = model_context_len(model) - settings.suffix_len - 8
-    settings = replace(settings, prefix_len=fit_length(settings.prefix_len, limit))
+    settings = fit_prefix(QUICK if quick else Settings(), model)
     llms = build_engines(**_engine_settings(settings), model=model)
     vocab = prompt_vocab(next(iter(llms.values())))
     rng = random.Random(settings.seed)

@@ -10,17 +10,15 @@ serve the identical sequence one request at a time, taking turns in a rotating o
 """
 
 import random
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from benchmarks.churn import build_engines, serve_in_turns
+from benchmarks.churn import build_engines, fit_prefix, serve_in_turns
 from benchmarks.report import Report, new_figure
 from benchmarks.workload import (
     DEFAULT_MODEL,
-    fit_length,
-    model_context_len,
     prompt_vocab,
     random_tokens,
 )
@@ -63,9 +61,7 @@ def one_off_sequence(settings: Settings, rng: random.Random) -> list[int]:
 def run(
     output_dir: Path, *, quick: bool, command: str, model: str = DEFAULT_MODEL
 ) -> dict[str, object]:
-    settings = QUICK if quick else Settings()
-    limit = model_context_len(model) - settings.suffix_len - 8
-    settings = replace(settings, prefix_len=fit_length(settings.prefix_len, limit))
+    settings = fit_prefix(QUICK if quick else Settings(), model)
     llms = build_engines(
         npu_tier_prefixes=settings.npu_tier_prefixes,
         prefix_len=settings.prefix_len,

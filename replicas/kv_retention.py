@@ -26,18 +26,20 @@ One ``RetentionTracker`` per cache type of a manager with a host tier, fed by th
   later hit on its host copy, or a ghost hit). A block with no host copy is stored when its
   bucket's observed reuse probability ``p`` pays for the copy::
 
-      p > store / (recompute - reload)                  while the host tier has room
+      p - z * se(p) > store / (recompute - reload)      while the host tier has room
       p > store / (recompute - reload) + q + bar        once a store would evict a host block
 
   with ``recompute``, ``reload`` and ``store`` the measured seconds per block (never stored
-  when a reload costs as much as a recompute), ``q`` the reuse probability of what the host
+  when a reload costs as much as a recompute), ``se(p)`` the estimate's standard error and
+  ``z`` = ``CONFIDENCE_Z`` (0.5: a kind seen reused once in a hundred evictions is not stored
+  on that alone), ``q`` the reuse probability of what the host
   tier evicts to make room (its ghost hits per eviction) and ``bar`` a margin that starts at
   ``MIN_REUSE`` (0.3) and follows the shadows: every ``CONTROL_PERIOD`` (256) evictions it
   rises by 0.05 when the 1x shadow without write-back (the same promotion, no store at
   eviction) served more host blocks than the policy did, and falls by 0.05 when the one with
   write-back (a store at every eviction) did; so the policy sits between the two fixed ones
-  and moves toward the better. Counts halve every ``max(256, 2 x capacity)`` evictions, so it
-  follows changing traffic.
+  and moves toward the better. Counts halve every ``max(256, 2 x capacity)`` evictions (a
+  reuse counts with the weight its eviction has by then), so it follows changing traffic.
 
 Memory: one tracked hash costs about ``BYTES_PER_TRACKED_BLOCK`` (160) bytes. The ghost lists,
 the policy's reuse watch and its record of reused blocks hold at most 4 x capacity hashes each,

@@ -101,10 +101,10 @@ operation = st.one_of(
 @given(
     ops=st.lists(operation, min_size=1, max_size=25),
     threshold=st.sampled_from([None, 0, 1, 2]),
-    write_back=st.booleans(),
+    policy=st.sampled_from(["fixed", "write-back", "adaptive"]),
 )
-def test_random_traffic_keeps_integrity_and_host_copies_exact(ops, threshold, write_back):
-    engine = _small_engine(threshold, write_back)
+def test_random_traffic_keeps_integrity_and_host_copies_exact(ops, threshold, policy):
+    engine = _small_engine(threshold, policy)
     prefixes = [[p * 50 + i % 50 for i in range(48)] for p in range(4)]
     live: list[str] = []
     for n, op in enumerate(ops):
@@ -138,7 +138,7 @@ def test_random_traffic_keeps_integrity_and_host_copies_exact(ops, threshold, wr
 _ENGINES: dict[tuple, Engine] = {}
 
 
-def _small_engine(threshold: int | None, write_back: bool) -> Engine:
+def _small_engine(threshold: int | None, policy: str) -> Engine:
     from replicas.config import EngineConfig
 
     config = EngineConfig(
@@ -151,11 +151,12 @@ def _small_engine(threshold: int | None, write_back: bool) -> Engine:
                 enabled=True,
                 host_memory_ratio=1.0,
                 write_through_threshold=threshold,
-                write_back=write_back,
+                write_back=policy == "write-back",
+                retention="adaptive" if policy == "adaptive" else "fixed",
             ),
         ),
     )
-    key = (threshold, write_back)
+    key = (threshold, policy)
     if key not in _ENGINES:
         _ENGINES[key] = Engine(config)
     engine = Engine(config, loaded=_ENGINES[key].loaded)
