@@ -96,6 +96,19 @@ class ReplicaUnavailableError(RuntimeError):
     here, so it may go to another replica."""
 
 
+def _log_to_the_driver() -> None:
+    """Send this process's ``replicas.*`` INFO records (start-up, tuning hints) to stderr,
+    which Ray forwards to the driver: the server's log. Without a handler Python would drop
+    them (its last-resort handler prints warnings only)."""
+    package = logging.getLogger("replicas")
+    if not package.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
+        package.addHandler(handler)
+        package.setLevel(logging.INFO)
+        package.propagate = False
+
+
 class ReplicaActor:
     def __init__(
         self,
@@ -105,6 +118,7 @@ class ReplicaActor:
         max_waiting_requests: int | None = None,
     ) -> None:
         self.replica_index = replica_index
+        _log_to_the_driver()
         device = placed_device(engine_config.device)
         if device != engine_config.device:
             engine_config = engine_config.model_copy(update={"device": device})

@@ -87,6 +87,13 @@ class KVOffloadConfig(_Config):
     write_back: bool = Field(
         False, description="Copy NPU-only cached blocks to host when NPU pressure evicts them."
     )
+    tuning_hint_interval_s: float | None = Field(
+        300.0,
+        gt=0,
+        description="Seconds between two tuning-hint lines in each replica's log (the host hit "
+        "rate at other capacities and with write-back, and the tuning step the traffic "
+        "supports); None: no hints.",
+    )
     retention: Literal["fixed", "adaptive"] = Field(
         "fixed",
         description="fixed: write-through promotion and write-back as set; adaptive: promotion "

@@ -139,7 +139,9 @@ class Engine:
         self._step_times = StepTimes()
         self._busy_since: float | None = None  # end of the last step, while work remained
         self._compute = _ComputeTime()  # per token, from steps with a prefill's worth of tokens
-        self.tuning_hint_interval_s = TUNING_HINT_INTERVAL_S if plan.num_host_blocks else None
+        self.tuning_hint_interval_s = (
+            offload.tuning_hint_interval_s if plan.num_host_blocks else None
+        )
         self._last_hint = time.monotonic()
         logger.info(
             "engine: model %s on %s, block size %d, max_model_len %d",
@@ -317,9 +319,6 @@ class Engine:
     def check_integrity(self) -> None:
         self.kv_cache.check_integrity()
 
-
-TUNING_HINT_INTERVAL_S = 300.0
-"""How often a replica with a host tier logs its tuning hint."""
 
 COST_UPDATE_STEPS = 16
 """Steps between updates of the measured block costs the adaptive policy reads."""

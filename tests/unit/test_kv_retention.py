@@ -329,3 +329,25 @@ def test_adaptive_retention_is_named_alike_in_yaml_and_cli(tmp_path):
     assert parse(*flags).scheduler.kv_offload_config.retention == "fixed"
     argv = ["serve", *flags, "--experimental-kv-offload-write-back"]
     assert main([*argv, "--experimental-kv-offload-retention", "adaptive"]) == 2
+
+
+def test_the_hint_interval_is_positive_or_none():
+    assert KVOffloadConfig(tuning_hint_interval_s=None).tuning_hint_interval_s is None
+    with pytest.raises(ValueError, match="tuning_hint_interval_s"):
+        KVOffloadConfig(tuning_hint_interval_s=0)
+
+
+def test_a_replica_process_sends_its_info_records_to_stderr():
+    """What a replica actor logs (its hints among it) reaches stderr, which Ray forwards to the
+    server's log; run in a fresh interpreter, as an actor process is."""
+    import subprocess
+    import sys
+
+    code = (
+        "import logging; from replicas.actor import _log_to_the_driver; _log_to_the_driver(); "
+        "logging.getLogger('replicas.engine').info('host tier [full]: a hint')"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert "replicas.engine host tier [full]: a hint" in result.stderr
