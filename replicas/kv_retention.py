@@ -411,6 +411,9 @@ def estimated_hit_rates(stats: RetentionStats, num_query_tokens: int) -> dict[Sh
     }
 
 
+_POLICY_NAMES = {OFF: "write-back off", ON: "write-back on", ADAPTIVE: "adaptive retention"}
+
+
 def tuning_hint(
     cache_type: str,
     stats: RetentionStats,
@@ -435,18 +438,19 @@ def tuning_hint(
         f"{f:g}x {'+' if p >= 0 else ''}{p:.1f}" for f, p in more.items() if p is not None
     )
     parts = [
-        f"host tier [{cache_type}] ({policy} retention): host hit rate {100 * current:.1f}% of "
-        f"{num_query_tokens} prompt tokens; points of hit rate with other host memory: {curve}",
+        f"host tier [{cache_type}] ({_POLICY_NAMES[policy]}): host hit rate "
+        f"{100 * current:.1f}% of {num_query_tokens} prompt tokens; points of hit rate with "
+        f"other host memory: {curve}",
         f"ghost hits: {stats.ghost_hits_dropped} blocks dropped without a host copy, "
         f"{stats.ghost_hits_host_evicted} evicted from host",
     ]
     served = stats.estimated_host_hit_tokens
     if policy == OFF and on is not None and on >= NOTABLE_POINTS:
-        share = served[ShadowKey(1.0, ON)] / max(1, served[ShadowKey(1.0, OFF)]) - 1
+        now, then = served[ShadowKey(1.0, OFF)], served[ShadowKey(1.0, ON)]
+        more_served = f"{100 * (then / now - 1):.0f}% more" if now else f"{then} prompt tokens"
         advice = (
-            f"write-back would have served {100 * share:.0f}% more blocks (+{on:.1f} points): "
-            "try --experimental-kv-offload-write-back or --experimental-kv-offload-retention "
-            "adaptive"
+            f"write-back would have served {more_served} from host (+{on:.1f} points): try "
+            "--experimental-kv-offload-write-back or --experimental-kv-offload-retention adaptive"
         )
     elif more.get(2.0) is not None and more[2.0] >= NOTABLE_POINTS:
         advice = f"2x host memory would add {more[2.0]:.1f} points of hit rate: raise it"

@@ -306,7 +306,7 @@ def test_the_engine_logs_its_hint_periodically(caplog):
         while engine.has_unfinished_requests():
             engine.step()
     hints = [r.getMessage() for r in caplog.records if "host tier [full]" in r.getMessage()]
-    assert hints and "(fixed retention)" not in hints[0] and "(off retention)" in hints[0]
+    assert hints and "(write-back off)" in hints[0]
 
 
 # ---- one name in Python, YAML and CLI ----------------------------------------------------------
