@@ -333,17 +333,14 @@ class KVCacheManager:
                 continue
             num_hits = cache_type.npu.blocks[npu_id].num_hits  # kept until cached again
             kept = cache_type.on_host(block_hash)
-            host = cache_type.host
-            if not kept and tracker.should_store(
-                block_hash, num_hits, host.num_cached >= host.num_blocks
-            ):
-                kept = self._store(cache_type, npu_id, block_hash)
-                if kept:
-                    self.stats.count_write_back(cache_type.name)
+            if not kept:
+                host_full = cache_type.host.num_cached >= cache_type.host.num_blocks
+                if tracker.should_store(block_hash, num_hits, host_full):
+                    kept = self._store(cache_type, npu_id, block_hash)
+                    if kept:
+                        self.stats.count_write_back(cache_type.name)
                 if tracker.adaptive:
                     tracker.adaptive_decision(kept)
-            elif not kept and tracker.adaptive:
-                tracker.adaptive_decision(False)
             tracker.npu_evicted(block_hash, num_hits, kept)
         return block_ids
 
