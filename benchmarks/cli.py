@@ -12,6 +12,7 @@ import torch
 from benchmarks import (
     churn,
     decode,
+    engine_vs_llamacpp,
     http_load,
     http_overhead,
     one_off,
@@ -40,6 +41,7 @@ SCENARIOS = {
         acceptance,
         sweeps_scenario,
         decode,
+        engine_vs_llamacpp,
     )
 }
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "out"
@@ -66,14 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads",
         type=int,
         default=None,
-        help="torch intra-op threads (default: torch's choice, usually one per core)",
+        help="torch intra-op threads (default: torch's choice, usually one per core; "
+        "engine-vs-llamacpp: 2, for torch and llama.cpp)",
     )
     run.add_argument(
         "--model",
         default=None,
-        help="model of the engine scenarios (prefix-ttft, reload-vs-recompute, churn, decode): "
-        "a built-in or packaged name, a Hugging Face directory or a .gguf file "
-        "(default: tiny; smollm2-135m for decode)",
+        help="model of the engine scenarios (prefix-ttft, reload-vs-recompute, churn, decode, "
+        "engine-vs-llamacpp): a built-in or packaged name, a Hugging Face directory or a .gguf "
+        "file (default: tiny; smollm2-135m for decode and engine-vs-llamacpp)",
     )
     run.add_argument(
         "--device",
@@ -95,7 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["float32", "bfloat16", "float16"],
         default=None,
         help="dtypes the decode scenario measures (default: float32 and bfloat16); one dtype "
-        "for reload-vs-recompute (default: float32)",
+        "for reload-vs-recompute and engine-vs-llamacpp (default: float32)",
+    )
+    run.add_argument(
+        "--quantization",
+        nargs="+",
+        choices=engine_vs_llamacpp.VARIANTS,
+        default=None,
+        help="Strata weight quantizations engine-vs-llamacpp measures (default: all)",
     )
     simulate = actions.add_parser(
         "simulate", help="replay a trace through simulated replicas and routers (sim/)"
@@ -145,6 +155,8 @@ def _scenario_options(args: argparse.Namespace, name: str) -> dict[str, object]:
         "dtypes": args.dtype,
         "device": args.device,
         "cpus_per_replica": args.cpus_per_replica,
+        "quantizations": args.quantization,
+        "threads": args.threads,  # also set for every scenario by main
     }
     accepted = inspect.signature(SCENARIOS[name].run).parameters
     options = {}
@@ -153,10 +165,13 @@ def _scenario_options(args: argparse.Namespace, name: str) -> dict[str, object]:
             continue
         if key in accepted:
             options[key] = value
-        elif args.scenario != "all":
-            flag = "--dtype" if key == "dtypes" else f"--{key.replace('_', '-')}"
+        elif args.scenario != "all" and key != "threads":
+            flag = _FLAGS.get(key, f"--{key.replace('_', '-')}")
             raise ValueError(f"{flag} does not apply to the {name} scenario")
     return options
+
+
+_FLAGS = {"dtypes": "--dtype", "quantizations": "--quantization"}  # options named otherwise
 
 
 def _run(args: argparse.Namespace, options: dict[str, dict[str, object]], command: str) -> None:

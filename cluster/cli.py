@@ -95,6 +95,7 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     a("--seed", type=int, help=field_help(ModelConfig, "seed"))
     a("--device", help=field_help(ModelConfig, "device"))
     a("--dtype", help=field_help(ModelConfig, "dtype"))
+    a("--quantization", help=field_help(ModelConfig, "quantization"))
     a("--max-model-len", type=int, metavar="TOKENS", help=field_help(ModelConfig, "max_model_len"))
 
     a = group["cache"].add_argument
@@ -277,6 +278,7 @@ def _build_config(args: argparse.Namespace) -> ClusterConfig:
         "seed",
         "device",
         "dtype",
+        "quantization",
         "block_size",
         "num_npu_blocks",
         "max_model_len",

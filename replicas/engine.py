@@ -91,7 +91,12 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         dtype = torch_dtype(config.dtype)
         self.loaded = loaded or load_model(
-            config.model, self.device, dtype, seed=config.seed, revision=config.revision
+            config.model,
+            self.device,
+            dtype,
+            seed=config.seed,
+            revision=config.revision,
+            quantization=config.quantization,
         )
         self.tokenizer = self.loaded.tokenizer
         self.block_size = config.block_size
@@ -144,9 +149,10 @@ class Engine:
         )
         self._last_hint = time.monotonic()
         logger.info(
-            "engine: model %s on %s, block size %d, max_model_len %d",
+            "engine: model %s on %s (weights: %s), block size %d, max_model_len %d",
             self.loaded.name,
             self.device,
+            self.loaded.quantization,
             self.block_size,
             self.max_model_len,
         )

@@ -1,21 +1,55 @@
-"""Attention over the block KV cache, in plain torch (CPU and CUDA).
+"""Attention over the block KV cache, read in place chunk by chunk, in plain torch (CPU and CUDA).
 
-Each layer first writes its new tokens' k/v into the cache at ``slot_mapping``, then every
-sequence's queries attend over the context read back through its block table. For sequence
-``i`` with ``q_len`` new tokens and ``seq_len`` tokens of context, query ``j`` sits at position
-``seq_len - q_len + j`` and sees keys at positions ``p`` with::
+Each layer first writes its new tokens' k/v into the cache at their slots, then every
+sequence's queries attend over its context, read through its block table. For sequence ``i``
+with ``q_len`` new tokens and ``seq_len`` tokens of context, query ``j`` sits at position
+``q_pos = seq_len - q_len + j`` and sees keys at positions ``p`` with::
 
     p <= q_pos                        (causal)
     p >  q_pos - sliding_window       (sliding layers only: itself and window-1 keys back)
 
-A sliding group reads only the blocks covering ``[max(0, first_q_pos - window + 1), seq_len)``;
-earlier block table entries may name freed blocks and are never touched.
+A sequence reads the blocks covering ``[first_key, seq_len)``, ``first_key`` being the window
+start of its first query (0 without a window), in chunks of ``CHUNK_BLOCKS`` blocks::
 
-Sequences with one new token (decode) are batched into one padded attention call; padding keys
-are masked, so the cache must hold finite values everywhere (allocate it with zeros). Sequences
-with several new tokens (prefill chunks) run one attention call each over exactly their keys.
+    block table:  | stale ... | b3 b9 .. b1 | b7 b2 .. b5 | b4 b8 |
+                           first_key ^        chunk 1     chunk 2, ends at seq_len
+                    never read      chunk 0
+
+Each chunk is gathered from the cache into one small tensor, whose K/V stays in a core's L2
+cache; no tensor holds a long context. It is attended with a block-wise online softmax
+(flash-decoding): per query row, chunk ``c`` yields its score maximum ``m_c``,
+``l_c = sum 2^(s - m_c)`` and ``o_c = sum 2^(s - m_c) v`` (scores in base 2: exp2 is as exact
+as exp and, unlike exp on CPU, fast on the -inf of masked keys). The chunks combine exactly::
+
+    M = max_c m_c,   out = sum_c 2^(m_c - M) o_c / sum_c 2^(m_c - M) l_c
+
+Scores, softmax and the combine run in float32 whatever the cache dtype; the output has q's
+dtype. A group whose spans all fit in ``ONE_CHUNK_BLOCKS`` blocks reads one chunk and needs no
+combine: it runs one fused ``F.scaled_dot_product_attention`` call over exactly its keys. On
+CPU the fused call beats the unfused float32 online softmax, by most in bfloat16, since torch
+has neither an SDPA that returns the log-sum-exp nor a bfloat16 GEMM with float32 output; so
+chunks are used for long contexts only.
+
+All decodes (one new token each) attend as one group, each prefill chunk (several new tokens)
+as its own. Decodes are sorted by span, so chunk ``c`` holds only the leading sequences that
+still have keys there, padded to the longest. A prefill's chunk ``c`` is computed only for the
+query rows that see one of its keys (causal: the later rows; window: the earlier ones). So
+every row a chunk computes sees a key and its ``m_c`` is finite; the partials a chunk does
+not compute stay neutral (``m = -inf``, ``l = o = 0``).
+
+A position a sequence does not read (padding, the start of a window's first block, the tail of
+its last block) is redirected to the slot of the sequence's last new token, just written and
+so finite, and masked out with -inf. Block table entries outside the keys read (stale blocks
+of a sliding group, padding such as -1) are never used as indices: unused blocks and
+positions may hold anything, NaN and inf included.
+
+``AttentionMetadata.build`` does the host work of a forward once (positions, blocks, masks,
+chunk lists); the cache row indices, which also depend on the cache's strides and head counts,
+are computed at the first layer and reused by the others, so a layer runs only tensor ops.
+The cache must be contiguous (the model runner allocates it so).
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -23,35 +57,80 @@ import torch.nn.functional as F
 
 from replicas.model.batch import ForwardBatch
 
-
-@dataclass(slots=True)
-class PrefillAttention:
-    """One prefill chunk: its query rows and the exact key range it reads."""
-
-    rows: slice  # rows of this sequence's new tokens in the batch
-    blocks: torch.Tensor  # [num_blocks] cache blocks holding keys first_key_pos .. seq_len-1
-    skip: int  # keys to drop at the start of the first block
-    num_keys: int
-    mask: torch.Tensor | None  # [q_len, num_keys] bool, None when plainly causal from 0
+CHUNK_BLOCKS = 32  # blocks per chunk of a long context; see the module docstring
+ONE_CHUNK_BLOCKS = 96  # a group whose key spans all fit in this many blocks reads one chunk
 
 
 @dataclass(slots=True)
-class DecodeAttention:
-    """All single-token sequences, padded to the same number of blocks and read in one call."""
+class KeyChunk:
+    """Keys of one chunk for the first ``num_seqs`` sequences of a group, ``width`` each.
 
-    rows: torch.Tensor  # [Bd] rows of the decode tokens in the batch
-    blocks: torch.Tensor  # [Bd, nb] blocks to read, padded with block 0
-    mask: torch.Tensor  # [Bd, 1, 1, nb * block_size] bool, False on padding and old keys
+    Only the query rows ``first_row:end_row`` of each sequence see any of them.
+    """
+
+    num_seqs: int
+    first_row: int
+    end_row: int
+    blocks: torch.Tensor  # [n, width] block of each key (the last new token's where hidden)
+    offsets: torch.Tensor  # [n, width] offset of each key in its block
+    hidden: torch.Tensor | None  # [n, 1, rows, 1, width] bool, True: masked; None: all seen
+
+
+@dataclass(slots=True)
+class AttentionGroup:
+    """Sequences whose queries attend together, ``q_len`` rows each, over the same chunks.
+
+    A group of one chunk runs as one SDPA call, with ``is_causal`` (plainly causal from key 0)
+    or the mask ``allowed`` ([S, 1, q_len, width], True: seen; None: every key seen).
+    """
+
+    rows: torch.Tensor | slice  # [num_seqs * q_len] rows of the queries, sequence-major
+    num_seqs: int
+    q_len: int
+    chunks: list[KeyChunk]
+    is_causal: bool
+    allowed: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class _GroupReads:
+    """Where one group's chunks lie in a cache of one layout, and its float32 partials.
+
+    Every layer reads the same rows and overwrites the same parts of the partials; the parts
+    no chunk computes stay neutral (m = -inf: weight 0; l = o = 0).
+    """
+
+    rows: list[torch.Tensor]  # per chunk: [2 * n * kv_heads * width] rows of k, then of v
+    queries: list[slice]  # per chunk: its rows of the group's [.., q_len * heads_per_kv, ..]
+    biases: list[torch.Tensor | None]  # per chunk: [n, 1, rows or 1, width], 0 or -inf
+    partials: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # per chunk: m, l, o views
+    m_all: torch.Tensor | None  # [chunks, S * kv_heads, q_len * heads_per_kv, 1] max score
+    l_all: torch.Tensor | None  # [chunks, S * kv_heads, q_len * heads_per_kv, 1] sum exp
+    o_all: torch.Tensor | None  # [chunks, S * kv_heads, q_len * heads_per_kv, head_dim]
+
+
+@dataclass(slots=True)
+class _CacheLayout:
+    """The cache rows (a view of the cache as [-1, head_dim], layer 0) of one forward."""
+
+    key: tuple
+    write_rows: torch.Tensor  # [2 * T * kv_heads] rows of the new tokens' k, then v
+    reads: list[_GroupReads]  # per group
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    """What every layer of one cache group needs for one forward; built once per group."""
+    """What every layer of one cache group needs for one forward; built once per group.
+
+    ``layout`` is filled at the first layer: row indices depend on the cache's strides and
+    head counts, which ``build`` does not know, and are the same for every layer.
+    """
 
     write_blocks: torch.Tensor  # [T] block of each new token
     write_offsets: torch.Tensor  # [T] offset of each new token in its block
-    decode: DecodeAttention | None
-    prefills: list[PrefillAttention]
+    groups: list[AttentionGroup]
+    is_one_group: bool  # a single group whose rows are the whole batch, in order
+    layout: _CacheLayout | None = None
 
     @classmethod
     def build(
@@ -59,72 +138,189 @@ class AttentionMetadata:
     ) -> "AttentionMetadata":
         table = batch.block_tables[group]  # [B, max_blocks]
         slots = batch.slot_mapping[group]  # [T]
-        device = table.device
-        decodes: list[tuple[int, int, int, int]] = []  # (seq, row, first block, seq_len)
-        prefills = []
+        decodes, groups = [], []
         for i, seq_len in enumerate(batch.seq_lens):
             start, end = batch.query_start_loc[i], batch.query_start_loc[i + 1]
-            q_len = end - start
-            if q_len == 0:
-                continue
-            first_q_pos = seq_len - q_len
-            first_key_pos = max(0, first_q_pos - sliding_window + 1) if sliding_window else 0
-            first_block = first_key_pos // block_size
-            if q_len == 1:
-                decodes.append((i, start, first_block, seq_len))
-                continue
-            mask = None
-            if first_q_pos > 0 or (sliding_window and q_len > sliding_window):
-                q_pos = torch.arange(first_q_pos, seq_len, device=device)[:, None]
-                k_pos = torch.arange(first_key_pos, seq_len, device=device)[None, :]
-                mask = k_pos <= q_pos
-                if sliding_window:
-                    mask &= k_pos > q_pos - sliding_window
-            last_block = (seq_len + block_size - 1) // block_size
-            prefills.append(
-                PrefillAttention(
-                    rows=slice(start, end),
-                    blocks=table[i, first_block:last_block],
-                    skip=first_key_pos - first_block * block_size,
-                    num_keys=seq_len - first_key_pos,
-                    mask=mask,
-                )
-            )
-        decode = _decode_attention(table, decodes, block_size, sliding_window) if decodes else None
+            if end - start == 1:
+                decodes.append(_Seq(i, start, seq_len, 1, block_size, sliding_window))
+            elif end > start:
+                seq = _Seq(i, start, seq_len, end - start, block_size, sliding_window)
+                groups.append(_build_group(table, slots, [seq], block_size, sliding_window))
+        if decodes:
+            decodes.sort(key=lambda s: -s.span)  # stable: batch order where it can
+            groups.append(_build_group(table, slots, decodes, block_size, sliding_window))
+        whole = slice(0, batch.query_start_loc[-1])
         return cls(
             write_blocks=torch.div(slots, block_size, rounding_mode="floor"),
             write_offsets=slots % block_size,
-            decode=decode,
-            prefills=prefills,
+            groups=groups,
+            is_one_group=len(groups) == 1
+            and isinstance(groups[0].rows, slice)
+            and groups[0].rows == whole,
         )
 
+    def layout_for(self, kv_cache: torch.Tensor, heads_per_kv: int) -> _CacheLayout:
+        """The row indices and partials for ``kv_cache``; computed once, then reused."""
+        key = (kv_cache.stride(), kv_cache.shape[-2:], heads_per_kv, kv_cache.device)
+        if self.layout is None or self.layout.key != key:
+            self.layout = self._new_layout(key, kv_cache, heads_per_kv)
+        return self.layout
 
-def _decode_attention(
+    def _new_layout(self, key: tuple, kv_cache: torch.Tensor, heads_per_kv: int) -> _CacheLayout:
+        num_kv_heads, head_dim = kv_cache.shape[-2:]
+        block, _, kv, offset, head, _ = (s // head_dim for s in kv_cache.stride())
+        heads = torch.arange(num_kv_heads, device=kv_cache.device) * head
+
+        def kv_rows(blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+            k_rows = (blocks * block + offsets * offset)[:, None, :] + heads[None, :, None]
+            return torch.stack([k_rows, k_rows + kv]).flatten()  # [2, n, kv_heads, width]
+
+        write = (self.write_blocks * block + self.write_offsets * offset)[:, None] + heads
+        reads = []
+        for group in self.groups:
+            rows = [kv_rows(c.blocks, c.offsets) for c in group.chunks]
+            queries = [
+                slice(c.first_row * heads_per_kv, c.end_row * heads_per_kv) for c in group.chunks
+            ]
+            if len(group.chunks) == 1:  # one SDPA call, no partials
+                reads.append(_GroupReads(rows, queries, [], [], None, None, None))
+                continue
+            biases = [_bias(c.hidden, heads_per_kv) for c in group.chunks]
+            shape = (len(group.chunks), group.num_seqs * num_kv_heads, group.q_len * heads_per_kv)
+            m_all = torch.full((*shape, 1), -math.inf, device=kv_cache.device)
+            l_all = torch.zeros((*shape, 1), device=kv_cache.device)
+            o_all = torch.zeros((*shape, head_dim), device=kv_cache.device)
+            partials = []
+            for i, (chunk, q) in enumerate(zip(group.chunks, queries, strict=True)):
+                n = chunk.num_seqs * num_kv_heads
+                partials.append((m_all[i, :n, q], l_all[i, :n, q], o_all[i, :n, q]))
+            reads.append(_GroupReads(rows, queries, biases, partials, m_all, l_all, o_all))
+        return _CacheLayout(key, torch.stack([write, write + kv]).flatten(), reads)
+
+
+def _bias(hidden: torch.Tensor | None, heads_per_kv: int) -> torch.Tensor | None:
+    """[n, 1, rows, 1, width] hidden keys -> the scores' additive mask [n, 1, rows * hpk, width].
+
+    Adding -inf costs a fraction of a broadcasting masked_fill_; one query row (decodes)
+    broadcasts over the heads of its kv head.
+    """
+    if hidden is None:
+        return None
+    bias = torch.zeros(hidden.shape, device=hidden.device).masked_fill_(hidden, -math.inf)
+    n, _, num_rows, _, width = hidden.shape
+    if num_rows == 1:
+        return bias.view(n, 1, 1, width)
+    return bias.expand(n, 1, num_rows, heads_per_kv, width).reshape(n, 1, -1, width)
+
+
+@dataclass(slots=True, init=False)
+class _Seq:
+    """Host-side geometry of one sequence's keys; chunk ``c`` starts at ``grid_start + c * L``."""
+
+    index: int
+    first_row: int  # of its queries in the batch
+    seq_len: int
+    q_len: int
+    first_key: int
+    grid_start: int  # first position of first_key's block
+    span: int  # seq_len - grid_start: the positions of the blocks it reads
+
+    def __init__(
+        self,
+        index: int,
+        first_row: int,
+        seq_len: int,
+        q_len: int,
+        block_size: int,
+        sliding_window: int | None,
+    ) -> None:
+        self.index, self.first_row, self.seq_len, self.q_len = index, first_row, seq_len, q_len
+        first_q = seq_len - q_len
+        self.first_key = max(0, first_q - sliding_window + 1) if sliding_window else 0
+        self.grid_start = self.first_key // block_size * block_size
+        self.span = seq_len - self.grid_start
+
+
+def _build_group(
     table: torch.Tensor,
-    decodes: list[tuple[int, int, int, int]],
+    slots: torch.Tensor,
+    seqs: list[_Seq],
     block_size: int,
     sliding_window: int | None,
-) -> DecodeAttention:
+) -> AttentionGroup:
+    """The chunks of ``seqs``: one prefill, or decodes sorted by span descending."""
     device = table.device
-    seqs, rows, first_blocks, seq_lens = zip(*decodes, strict=True)
-    num_read = [
-        (n + block_size - 1) // block_size - f for n, f in zip(seq_lens, first_blocks, strict=True)
-    ]
-    steps = torch.arange(max(num_read), device=device)[None, :]  # [1, nb]
-    cols = torch.tensor(first_blocks, device=device)[:, None] + steps  # [Bd, nb] table columns
-    blocks = table[torch.tensor(seqs, device=device)].gather(
-        1, cols.clamp(max=table.shape[1] - 1)
-    )  # [Bd, nb]
-    is_read = steps < torch.tensor(num_read, device=device)[:, None]
-    blocks = torch.where(is_read, blocks, torch.zeros_like(blocks))
-    offsets = torch.arange(block_size, device=device)
-    k_pos = (cols[:, :, None] * block_size + offsets).flatten(1)  # [Bd, nb * block_size]
-    q_pos = torch.tensor(seq_lens, device=device)[:, None] - 1  # [Bd, 1]
-    mask = k_pos <= q_pos
+    is_one_chunk = seqs[0].span <= ONE_CHUNK_BLOCKS * block_size
+    chunk_len = (ONE_CHUNK_BLOCKS if is_one_chunk else CHUNK_BLOCKS) * block_size
+    q_len, num_chunks = seqs[0].q_len, -(-seqs[0].span // chunk_len)
+    seq_idx = torch.tensor([s.index for s in seqs], device=device)
+    grid_start = torch.tensor([s.grid_start for s in seqs], device=device)[:, None]
+    first_key = torch.tensor([s.first_key for s in seqs], device=device)[:, None]
+    seq_len = torch.tensor([s.seq_len for s in seqs], device=device)[:, None]
+    pos = grid_start + torch.arange(num_chunks * chunk_len, device=device)  # [S, grid]
+    is_read = (pos >= first_key) & (pos < seq_len)
+    cols = torch.div(pos, block_size, rounding_mode="floor").clamp(max=table.shape[1] - 1)
+    last_slot = slots[torch.tensor([s.first_row + s.q_len - 1 for s in seqs], device=device)]
+    last_block = torch.div(last_slot, block_size, rounding_mode="floor")[:, None]
+    blocks = torch.where(is_read, table[seq_idx[:, None], cols], last_block)
+    offsets = torch.where(is_read, pos % block_size, (last_slot % block_size)[:, None])
+    q_pos = seq_len - q_len + torch.arange(q_len, device=device)  # [S, q_len]
+    hidden = ~is_read[:, None, :] | (pos[:, None, :] > q_pos[:, :, None])  # [S, q_len, grid]
     if sliding_window:
-        mask &= k_pos > q_pos - sliding_window
-    return DecodeAttention(
-        rows=torch.tensor(rows, device=device), blocks=blocks, mask=mask[:, None, None, :]
+        hidden |= pos[:, None, :] <= q_pos[:, :, None] - sliding_window
+
+    chunks = []
+    for c in range(num_chunks):
+        start = c * chunk_len  # in the grid
+        inside = [s for s in seqs if s.span > start]
+        lens = [min(chunk_len, s.seq_len - s.grid_start - start) for s in inside]
+        width = max(lens)
+        # The query rows that see a key here, q_pos in [first key, last key + window): all of
+        # a prefill's rows only when it is short; the one row of each decode always.
+        first_pos, first_q = seqs[0].grid_start + start, seqs[0].seq_len - q_len
+        first_row = max(0, first_pos - first_q)
+        end_row = q_len
+        if sliding_window:
+            end_row = min(q_len, first_pos + lens[0] - 1 + sliding_window - first_q)
+        is_masked = any(
+            n < width  # padding at the end
+            or s.grid_start + start < s.first_key  # start of the window's first block
+            or s.grid_start + start + n - 1 > s.seq_len - q_len  # causal within the chunk
+            or (sliding_window and s.grid_start + start <= s.seq_len - 1 - sliding_window)
+            for s, n in zip(inside, lens, strict=True)
+        )
+        keys = (slice(0, len(inside)), slice(start, start + width))
+        chunk_hidden = hidden[keys[0], first_row:end_row, keys[1]]  # [n, rows, width]
+        chunks.append(
+            KeyChunk(
+                num_seqs=len(inside),
+                first_row=first_row,
+                end_row=end_row,
+                blocks=blocks[keys],
+                offsets=offsets[keys],
+                hidden=chunk_hidden[:, None, :, None, :] if is_masked else None,
+            )
+        )
+    rows: torch.Tensor | slice
+    first_rows = [s.first_row for s in seqs]
+    if first_rows == list(range(first_rows[0], first_rows[0] + len(seqs) * q_len, q_len)):
+        rows = slice(first_rows[0], first_rows[0] + len(seqs) * q_len)
+    else:
+        rows = torch.tensor(first_rows, device=device)  # decodes: one row each
+    only = chunks[0]
+    is_causal = num_chunks == 1 and seqs[0].grid_start == 0 and seqs[0].seq_len == q_len
+    is_causal = is_causal and not (sliding_window and q_len > sliding_window)
+    return AttentionGroup(
+        rows=rows,
+        num_seqs=len(seqs),
+        q_len=q_len,
+        chunks=chunks,
+        is_causal=is_causal,
+        allowed=(
+            ~only.hidden[:, :, :, 0]
+            if num_chunks == 1 and only.hidden is not None and not is_causal
+            else None
+        ),
     )
 
 
@@ -142,35 +338,73 @@ def cached_attention(
     kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim].
     Returns [T, num_heads, head_dim].
     """
-    k_cache = kv_cache[:, layer, 0]  # [num_blocks, block_size, kv_heads, head_dim], a view
-    v_cache = kv_cache[:, layer, 1]
-    k_cache[meta.write_blocks, meta.write_offsets] = k.to(k_cache.dtype)
-    v_cache[meta.write_blocks, meta.write_offsets] = v.to(v_cache.dtype)
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    layout = meta.layout_for(kv_cache, q.shape[1] // num_kv_heads)
+    # One row per (block, layer, k|v, offset, kv head), from this layer's first.
+    rows = kv_cache.view(-1, head_dim)[layer * (kv_cache.stride(1) // head_dim) :]
+    rows.index_copy_(0, layout.write_rows, torch.cat([k, v]).view(-1, head_dim).to(rows.dtype))
+    if meta.is_one_group:
+        return _attend(q, rows, num_kv_heads, meta.groups[0], layout.reads[0])
     out = torch.empty_like(q)
-
-    if (d := meta.decode) is not None:
-        k_ctx = k_cache[d.blocks].flatten(1, 2).transpose(1, 2)  # [Bd, kv_heads, L, head_dim]
-        v_ctx = v_cache[d.blocks].flatten(1, 2).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q[d.rows].unsqueeze(2),  # [Bd, heads, 1, head_dim]
-            k_ctx.to(q.dtype),
-            v_ctx.to(q.dtype),
-            attn_mask=d.mask,
-            enable_gqa=True,
-        )
-        out[d.rows] = o.squeeze(2)
-
-    for p in meta.prefills:
-        keys = slice(p.skip, p.skip + p.num_keys)
-        k_ctx = k_cache[p.blocks].flatten(0, 1)[keys].transpose(0, 1)  # [kv_heads, L, d]
-        v_ctx = v_cache[p.blocks].flatten(0, 1)[keys].transpose(0, 1)
-        o = F.scaled_dot_product_attention(
-            q[p.rows].transpose(0, 1).unsqueeze(0),  # [1, heads, q_len, head_dim]
-            k_ctx.to(q.dtype).unsqueeze(0),
-            v_ctx.to(q.dtype).unsqueeze(0),
-            attn_mask=p.mask,
-            is_causal=p.mask is None,
-            enable_gqa=True,
-        )
-        out[p.rows] = o.squeeze(0).transpose(0, 1)
+    for group, reads in zip(meta.groups, layout.reads, strict=True):
+        out[group.rows] = _attend(q[group.rows], rows, num_kv_heads, group, reads)
     return out
+
+
+def _attend(
+    q: torch.Tensor,
+    cache_rows: torch.Tensor,
+    num_kv_heads: int,
+    group: AttentionGroup,
+    reads: _GroupReads,
+) -> torch.Tensor:
+    """q: [S * Q, H, D] of one group -> its attention output, [S * Q, H, D] in q's dtype."""
+    num_seqs, q_len = group.num_seqs, group.q_len
+    num_heads, head_dim = q.shape[1:]
+    heads_per_kv = num_heads // num_kv_heads
+    if len(group.chunks) == 1:  # no combine: one fused SDPA over exactly the chunk's keys
+        k, v = (
+            cache_rows.index_select(0, reads.rows[0])
+            .view(2, num_seqs, num_kv_heads, -1, head_dim)
+            .to(q.dtype)
+        )
+        if q_len == 1:  # decodes: the query rows of each kv head side by side, no GQA expand
+            o = F.scaled_dot_product_attention(
+                q.reshape(num_seqs, num_kv_heads, heads_per_kv, head_dim),
+                k,
+                v,
+                attn_mask=group.allowed,
+            )
+            return o.view(num_seqs, num_heads, head_dim)
+        o = F.scaled_dot_product_attention(
+            q.reshape(num_seqs, q_len, num_heads, head_dim).transpose(1, 2),  # [S, H, Q, D]
+            k,
+            v,
+            attn_mask=group.allowed,
+            is_causal=group.is_causal,
+            enable_gqa=True,
+        )
+        return o.transpose(1, 2).reshape(num_seqs * q_len, num_heads, head_dim)
+
+    # [S * Q, H, D] -> [S * kv_heads, Q * heads_per_kv, D]: the query rows of each kv head,
+    # query-major so that a range of queries is a range of rows; float32, scaled so that the
+    # scores are in base 2 (exp2 is as exact as exp and, unlike exp on CPU, fast on -inf).
+    qg = q.reshape(num_seqs, q_len, num_kv_heads, heads_per_kv, head_dim).transpose(1, 2)
+    qg = qg.reshape(num_seqs * num_kv_heads, q_len * heads_per_kv, head_dim)
+    qg = qg.to(torch.float32) * (math.log2(math.e) / math.sqrt(head_dim))
+    for chunk, rows, queries, bias, (max_score, sum_exp, acc) in zip(
+        group.chunks, reads.rows, reads.queries, reads.biases, reads.partials, strict=True
+    ):
+        n = chunk.num_seqs * num_kv_heads
+        k, v = cache_rows.index_select(0, rows).view(2, n, -1, head_dim).to(torch.float32)
+        s = torch.bmm(qg[:n, queries], k.transpose(1, 2))  # [n, rows, width]
+        if bias is not None:
+            s.view(chunk.num_seqs, num_kv_heads, -1, s.shape[-1]).add_(bias)
+        torch.amax(s, -1, keepdim=True, out=max_score)  # finite: every row here sees a key
+        p = s.sub_(max_score).exp2_()
+        torch.sum(p, -1, keepdim=True, out=sum_exp)
+        torch.bmm(p, v, out=acc)
+    weights = (reads.m_all - reads.m_all.amax(0)).exp2_()  # 2^(m_c - M)
+    out = (reads.o_all * weights).sum(0) / (reads.l_all * weights).sum(0)
+    out = out.view(num_seqs, num_kv_heads, q_len, heads_per_kv, head_dim).transpose(1, 2)
+    return out.reshape(num_seqs * q_len, num_heads, head_dim).to(q.dtype)

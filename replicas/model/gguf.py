@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from replicas.model.config import ModelArgs
+from replicas.model.quant import Int4Groups
 from replicas.model.registry import Architecture, architectures, get_architecture
 from replicas.model.tensor_names import check_tensor_names
 from replicas.model.tokenizer import HFTokenizer
@@ -535,3 +536,59 @@ def permute_rotary(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
     shape = rows.shape
     heads = rows.reshape(-1, 2, head_dim // 2, *shape[1:])
     return heads.transpose(1, 2).reshape(shape)
+
+
+# Bits per weight of each stored type; a stored type at more than 4 bits is never served at 4.
+_TYPE_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5}
+_TYPE_BITS |= {"Q5_K": 5, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q3_K": 3, "Q2_K": 2}
+
+
+def gguf_weight_bits(model: Transformer, reader: Any) -> dict[str, int]:
+    """Bits per weight as stored in the file, by ``model``'s parameter name."""
+    names = get_architecture(model.args.architecture).gguf_tensor_names
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    return {
+        name: _TYPE_BITS[types[names.tensor_name(name)]]
+        for name, _ in model.named_parameters()
+        if names.tensor_name(name) in types
+    }
+
+
+def gguf_int4_groups(model: Transformer, reader: Any) -> dict[str, Int4Groups]:
+    """The stored codes of every ``Q4_0`` / ``Q4_1`` weight, by ``model``'s parameter name, rows
+    in ``model``'s order (Llama's rotary rows put back as ``load_gguf_weights`` does)."""
+    architecture = get_architecture(model.args.architecture)
+    names = architecture.gguf_tensor_names
+    tensors = {t.name: t for t in reader.tensors}
+    groups = {}
+    for name, _ in model.named_parameters():
+        t = tensors.get(names.tensor_name(name))
+        if t is None or t.tensor_type.name not in ("Q4_0", "Q4_1"):
+            continue
+        stored = int4_groups_of_tensor(t)
+        if architecture.gguf_interleaved_rotary and any(p in name for p in _ROTARY_PROJECTIONS):
+            stored = Int4Groups(*(unpermute_rotary(x, model.args.head_dim) for x in stored))
+        groups[name] = stored
+    return groups
+
+
+def int4_groups_of_tensor(tensor: Any) -> Int4Groups:
+    """The codes, scales and zeros of a ``Q4_0`` or ``Q4_1`` tensor [N, K] as stored.
+
+    A ``Q4_1`` block of 32 weights is ``d`` (f16), ``m`` (f16) and 16 bytes of codes: weight
+    ``j < 16`` is the low nibble of byte ``j``, weight ``j + 16`` its high nibble, and its value
+    ``d * q + m``; a ``Q4_0`` block has no ``m`` and the value ``d * (q - 8)``.
+    """
+    has_min = tensor.tensor_type.name == "Q4_1"
+    data = np.asarray(tensor.data)
+    blocks = data.reshape(data.shape[0], -1, 20 if has_min else 18)
+
+    def half(offset: int) -> torch.Tensor:
+        raw = np.ascontiguousarray(blocks[..., offset : offset + 2])
+        return torch.from_numpy(raw.view(np.float16)[..., 0].astype(np.float32))
+
+    packed = torch.from_numpy(np.ascontiguousarray(blocks[..., 4 if has_min else 2 :]))
+    codes = torch.cat((packed & 15, packed >> 4), dim=-1).flatten(1)  # [N, K]
+    scale = half(0)
+    zero = half(2) + 8 * scale if has_min else torch.zeros_like(scale)
+    return Int4Groups(codes, scale, zero)

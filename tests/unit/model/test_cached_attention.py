@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from replicas.model import attention
 from replicas.model.attention import AttentionMetadata, cached_attention
 
 BLOCK_SIZE = 4
@@ -15,63 +16,214 @@ LAYERS, LAYER = 3, 1
 
 def dense_attention(q, k, v, q_positions, window):
     """q: [q_len, H, D]; k, v: [seq_len, Hkv, D]; float64 softmax over allowed keys."""
-    k = k.repeat_interleave(HEADS // KV_HEADS, dim=1).double()
-    v = v.repeat_interleave(HEADS // KV_HEADS, dim=1).double()
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / math.sqrt(HEAD_DIM)
+    heads_per_kv = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(heads_per_kv, dim=1)
+    v = v.double().repeat_interleave(heads_per_kv, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / math.sqrt(q.shape[-1])
     k_pos = torch.arange(k.shape[0])[None, :]
     allowed = k_pos <= q_positions[:, None]
     if window:
         allowed &= k_pos > q_positions[:, None] - window
     scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).float()
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def run_case(seqs, window, make_batch, chunk):
-    """seqs: (seq_len, q_len, block table) per sequence; context already in the cache."""
+def run_case(
+    seqs,
+    window,
+    make_batch,
+    chunk,
+    *,
+    dtype=torch.float32,
+    heads=HEADS,
+    kv_heads=KV_HEADS,
+    num_blocks=NUM_BLOCKS,
+    stale_block=-7,
+    pad_block=-1,
+    poison=False,
+    layers=(LAYER,),
+    tolerance=1e-5,
+):
+    """seqs: (seq_len, q_len, block table) per sequence; context already in the cache.
+
+    Blocks that fall wholly before a sliding window are freed: their table entries become
+    ``stale_block`` and their contents NaN. ``poison`` fills everything else no sequence
+    holds (unused blocks, the tail of last blocks) with NaN and inf instead of noise.
+    """
     gen = torch.Generator().manual_seed(0)
-    cache = torch.randn(NUM_BLOCKS, LAYERS, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen)
-    histories, chunks = [], []
+    shape = (num_blocks, LAYERS, 2, BLOCK_SIZE, kv_heads, HEAD_DIM)
+    if poison:
+        cache = torch.full(shape, float("nan"))
+        cache[1::2] = float("inf")
+    else:
+        cache = torch.randn(shape, generator=gen)
+    cache = cache.to(dtype)
+    histories = {}  # layer -> [(k, v, q)] per sequence, in the cache dtype
+    for layer in layers:
+        histories[layer] = []
+        for seq_len, q_len, table in seqs:
+            k = torch.randn(seq_len, kv_heads, HEAD_DIM, generator=gen).to(dtype)
+            v = torch.randn(seq_len, kv_heads, HEAD_DIM, generator=gen).to(dtype)
+            for p in range(seq_len - q_len):
+                cache[table[p // BLOCK_SIZE], layer, 0, p % BLOCK_SIZE] = k[p]
+                cache[table[p // BLOCK_SIZE], layer, 1, p % BLOCK_SIZE] = v[p]
+            q = torch.randn(q_len, heads, HEAD_DIM, generator=gen).to(dtype)
+            histories[layer].append((k, v, q))
+    chunks = []
     for seq_len, q_len, table in seqs:
-        k = torch.randn(seq_len, KV_HEADS, HEAD_DIM, generator=gen)
-        v = torch.randn(seq_len, KV_HEADS, HEAD_DIM, generator=gen)
-        for p in range(seq_len - q_len):
-            cache[table[p // BLOCK_SIZE], LAYER, 0, p % BLOCK_SIZE] = k[p]
-            cache[table[p // BLOCK_SIZE], LAYER, 1, p % BLOCK_SIZE] = v[p]
         first_kept = max(0, seq_len - q_len - window + 1) // BLOCK_SIZE if window else 0
-        stale_table = [-7] * first_kept + table[first_kept:]
+        stale_table = [stale_block] * first_kept + table[first_kept:]
         for block in table[:first_kept]:
             cache[block] = float("nan")
-        histories.append((k, v, torch.randn(q_len, HEADS, HEAD_DIM, generator=gen)))
         chunks.append(chunk(list(range(seq_len)), seq_len - q_len, q_len, {"g": stale_table}))
-    batch = make_batch(chunks, BLOCK_SIZE)
+    batch = make_batch(chunks, BLOCK_SIZE, pad_block=pad_block)
     # Slots of new tokens are computed from the real table, as the model runner would.
     for i, (seq_len, q_len, table) in enumerate(seqs):
         rows = range(batch.query_start_loc[i], batch.query_start_loc[i + 1])
         for row, p in zip(rows, range(seq_len - q_len, seq_len), strict=True):
             batch.slot_mapping["g"][row] = table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
     meta = AttentionMetadata.build(batch, "g", BLOCK_SIZE, window)
-    q = torch.cat([q_i for _, _, q_i in histories])
-    k_new = torch.cat([k[len(k) - len(q_i) :] for k, _, q_i in histories])
-    v_new = torch.cat([v[len(v) - len(q_i) :] for _, v, q_i in histories])
-    out = cached_attention(q, k_new, v_new, cache, LAYER, meta)
-    for i, ((k, v, q_i), (seq_len, q_len, table)) in enumerate(zip(histories, seqs, strict=True)):
-        rows = slice(batch.query_start_loc[i], batch.query_start_loc[i + 1])
-        q_positions = torch.arange(seq_len - q_len, seq_len)
-        expected = dense_attention(q_i, k, v, q_positions, window)
-        torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
-        p = seq_len - 1
-        torch.testing.assert_close(cache[table[p // BLOCK_SIZE], LAYER, 0, p % BLOCK_SIZE], k[p])
-        torch.testing.assert_close(cache[table[p // BLOCK_SIZE], LAYER, 1, p % BLOCK_SIZE], v[p])
+    for layer in layers:  # every layer reuses the one metadata
+        q = torch.cat([q_i for _, _, q_i in histories[layer]])
+        k_new = torch.cat([k[len(k) - len(q_i) :] for k, _, q_i in histories[layer]])
+        v_new = torch.cat([v[len(v) - len(q_i) :] for _, v, q_i in histories[layer]])
+        out = cached_attention(q, k_new, v_new, cache, layer, meta)
+        assert out.dtype == dtype
+        for i, ((k, v, q_i), (seq_len, q_len, table)) in enumerate(
+            zip(histories[layer], seqs, strict=True)
+        ):
+            rows = slice(batch.query_start_loc[i], batch.query_start_loc[i + 1])
+            q_positions = torch.arange(seq_len - q_len, seq_len)
+            expected = dense_attention(q_i, k, v, q_positions, window)
+            torch.testing.assert_close(out[rows].double(), expected, atol=tolerance, rtol=tolerance)
+            p = seq_len - 1
+            block, offset = table[p // BLOCK_SIZE], p % BLOCK_SIZE
+            torch.testing.assert_close(cache[block, layer, 0, offset], k[p])
+            torch.testing.assert_close(cache[block, layer, 1, offset], v[p])
+
+
+def shuffled_tables(seq_lens, num_blocks, seed):
+    """Distinct random blocks for each sequence, never block 0."""
+    ids = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed)) + 1
+    tables, used = [], 0
+    for seq_len in seq_lens:
+        n = -(-seq_len // BLOCK_SIZE)
+        tables.append(ids[used : used + n].tolist())
+        used += n
+    return tables
 
 
 MIXED = [(11, 11, [5, 0, 30]), (9, 1, [7, 12, 3]), (14, 6, [2, 9, 31, 4]), (1, 1, [8])]
 DECODES = [(17, 1, [1, 6, 11, 16, 21]), (3, 1, [13]), (8, 1, [25, 19])]
+# Decodes of ragged lengths and prefills after short and long cached contexts: with chunks of
+# 1-3 blocks each spans many chunks, and decodes drop out of the later chunks one by one.
+LONG_LENS = [(37, 1), (29, 1), (6, 1), (33, 9), (41, 16), (13, 13), (21, 1), (40, 2)]
+LONG_BLOCKS = 64
+LONG = [
+    (seq_len, q_len, table)
+    for (seq_len, q_len), table in zip(
+        LONG_LENS, shuffled_tables([n for n, _ in LONG_LENS], LONG_BLOCKS, seed=3), strict=True
+    )
+]
+
+
+@pytest.fixture(
+    params=[(32, 96), (1, 0), (2, 0), (3, 3)],
+    ids=["one_chunk", "chunks_of_1", "chunks_of_2", "chunks_of_3"],
+)
+def chunking(request, monkeypatch):
+    """Chunk sizes small enough that these short contexts span many chunks.
+
+    (chunk blocks, one-chunk blocks): ``chunks_of_3`` reads spans of at most 3 blocks in one
+    chunk and longer ones in chunks of 3, so one batch mixes both kinds of group.
+    """
+    chunk_blocks, one_chunk_blocks = request.param
+    monkeypatch.setattr(attention, "CHUNK_BLOCKS", chunk_blocks)
+    monkeypatch.setattr(attention, "ONE_CHUNK_BLOCKS", one_chunk_blocks)
+    return request.param
 
 
 @pytest.mark.parametrize("window", [None, 3, 6], ids=["full", "window3", "window6"])
 @pytest.mark.parametrize("seqs", [MIXED, DECODES], ids=["mixed", "decodes"])
-def test_matches_dense_attention(seqs, window, make_batch, chunk):
+def test_matches_dense_attention(seqs, window, make_batch, chunk, chunking):
     run_case(seqs, window, make_batch, chunk)
+
+
+@pytest.mark.parametrize("window", [None, 5, 7, 12], ids=["full", "w5", "w7", "w12"])
+def test_long_contexts_ignore_nan_and_inf_outside_their_keys(window, make_batch, chunk, chunking):
+    """Shuffled tables, freed sliding blocks named 0 and tables padded with 0: block 0, every
+    unused block and every unused position hold NaN or inf, and none reaches the output."""
+    run_case(
+        LONG,
+        window,
+        make_batch,
+        chunk,
+        num_blocks=LONG_BLOCKS,
+        stale_block=0,
+        pad_block=0,
+        poison=True,
+    )
+
+
+@pytest.mark.parametrize("window", [None, 6], ids=["full", "w6"])
+def test_bfloat16_cache_and_queries(window, make_batch, chunk, chunking):
+    """Scores and softmax run in float32: only the bfloat16 output rounding is left."""
+    run_case(
+        LONG,
+        window,
+        make_batch,
+        chunk,
+        dtype=torch.bfloat16,
+        num_blocks=LONG_BLOCKS,
+        poison=True,
+        tolerance=1e-2,
+    )
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(6, 2), (9, 3), (3, 3), (4, 1)])
+def test_grouped_query_attention(heads, kv_heads, make_batch, chunk, chunking):
+    run_case(
+        LONG,
+        7,
+        make_batch,
+        chunk,
+        heads=heads,
+        kv_heads=kv_heads,
+        num_blocks=LONG_BLOCKS,
+        poison=True,
+    )
+
+
+def test_every_layer_reuses_the_metadata(make_batch, chunk, chunking):
+    run_case(LONG, 6, make_batch, chunk, num_blocks=LONG_BLOCKS, poison=True, layers=(0, 2, 1))
+
+
+def test_chunks_are_at_most_chunk_blocks_long(make_batch, chunk, monkeypatch):
+    monkeypatch.setattr(attention, "CHUNK_BLOCKS", 2)
+    monkeypatch.setattr(attention, "ONE_CHUNK_BLOCKS", 3)
+    tables = [table for _, _, table in LONG]
+    chunks = [
+        chunk([0] * seq_len, seq_len - q_len, q_len, {"g": table})
+        for (seq_len, q_len), table in zip(LONG_LENS, tables, strict=True)
+    ]
+    meta = AttentionMetadata.build(make_batch(chunks, BLOCK_SIZE), "g", BLOCK_SIZE, None)
+    # Prefills first, in batch order, then the decodes, longest first; a (6, 1) decode alone
+    # would fit in one chunk, but it attends with the longer decodes in chunks of 2 blocks.
+    assert [(g.num_seqs, g.q_len) for g in meta.groups] == [
+        (1, 9),
+        (1, 16),
+        (1, 13),
+        (1, 2),
+        (4, 1),
+    ]
+    assert [len(g.chunks) for g in meta.groups] == [5, 6, 2, 5, 5]
+    decodes = meta.groups[-1]
+    assert [c.num_seqs for c in decodes.chunks] == [4, 3, 3, 2, 1]  # 37, 29, 21, 6 tokens
+    for group in meta.groups:
+        for c in group.chunks:
+            assert c.blocks.shape[1] <= 2 * BLOCK_SIZE
+    # The 13-token prefill from position 0: only its rows from 8 on see the second chunk.
+    assert [(c.first_row, c.end_row) for c in meta.groups[2].chunks] == [(0, 13), (8, 13)]
 
 
 def test_writes_land_in_the_cache_and_nowhere_else(make_batch, chunk):

@@ -1,0 +1,63 @@
+"""Perplexity of a token sequence under a model: how its quality is stated for each way of
+keeping its weights (``replicas.model.quant``).
+
+The sequence is cut into disjoint windows of ``window_len`` tokens; each window is one prefill
+from position 0 over a fresh block KV cache, and every token after a window's first is scored
+against the logits of the token before it. Perplexity is ``exp`` of the mean negative
+log-likelihood over all scored tokens. ``benchmarks/engine_vs_llamacpp.py`` scores llama.cpp
+over the same windows.
+"""
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from replicas.model.batch import ForwardBatch
+from replicas.model.transformer import Transformer
+
+BLOCK_SIZE = 16
+
+
+def windows(token_ids: Sequence[int], window_len: int) -> list[list[int]]:
+    """Disjoint windows of ``window_len`` tokens (the last may be shorter; one of a single
+    token scores nothing and is dropped)."""
+    if window_len < 2:
+        raise ValueError(f"window_len must be at least 2, got {window_len}")
+    cut = [list(token_ids[i : i + window_len]) for i in range(0, len(token_ids), window_len)]
+    return [w for w in cut if len(w) > 1]
+
+
+@torch.inference_mode()
+def token_nll(model: Transformer, window: Sequence[int]) -> torch.Tensor:
+    """Negative log-likelihood [len(window) - 1] (float32) of each token after the first."""
+    device = model.tok_embeddings.weight.device
+    n = len(window)
+    num_blocks = -(-n // BLOCK_SIZE)
+    dtype = model.tok_embeddings.weight.dtype
+    specs = model.kv_cache_specs(dtype)
+    caches = {
+        g: torch.zeros(s.shape(num_blocks, BLOCK_SIZE), dtype=dtype, device=device)
+        for g, s in specs.items()
+    }
+    positions = torch.arange(n, device=device)
+    batch = ForwardBatch(
+        input_ids=torch.tensor(list(window), dtype=torch.long, device=device),
+        positions=positions,
+        query_start_loc=[0, n],
+        seq_lens=[n],
+        block_tables={g: torch.arange(num_blocks, device=device)[None, :] for g in specs},
+        slot_mapping={g: positions for g in specs},
+        logits_indices=positions,
+    )
+    logits = model.compute_logits(model(batch, caches)[: n - 1])  # [n - 1, vocab] float32
+    return F.cross_entropy(logits, batch.input_ids[1:], reduction="none")
+
+
+def perplexity(model: Transformer, token_ids: Sequence[int], window_len: int = 512) -> float:
+    """``exp`` of the mean negative log-likelihood over ``windows(token_ids, window_len)``."""
+    parts = [token_nll(model, w) for w in windows(token_ids, window_len)]
+    if not parts:
+        raise ValueError("perplexity needs at least two tokens")
+    return math.exp(torch.cat(parts).double().mean().item())

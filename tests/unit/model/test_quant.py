@@ -1,0 +1,195 @@
+"""Quantized linear layers against dequantized references, GGUF 4-bit codes against gguf-py's
+own dequantization, and quantized models end to end (caching on vs off, SmolLM2 vs float32)."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from replicas.model.quant import (
+    GROUP_SIZE,
+    KERNEL_MAX_ROWS,
+    QuantizedLinear,
+    _unpack_int4,
+    has_fast_bfloat16,
+    quantize_model,
+)
+
+needs_bf16 = pytest.mark.skipif(
+    not has_fast_bfloat16(), reason="this CPU has no native bfloat16 for the packed kernels"
+)
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """float64 x @ weight.T + bias, with x rounded to bfloat16 as the layer multiplies it."""
+    y = x.to(torch.bfloat16).double() @ weight.double().T
+    return (y if bias is None else y + bias.double()).float()
+
+
+def test_int8_codes_are_within_half_a_step_of_the_weight():
+    w = torch.randn(96, 64) * torch.linspace(0.1, 3, 96)[:, None]
+    layer = QuantizedLinear.int8(w)
+    assert layer.weight.dtype == torch.int8 and layer.weight.abs().max() <= 127
+    step = w.abs().amax(1) / 127
+    error = (layer.dequantized(torch.float32) - w).abs()
+    # Half a step, plus the scale's rounding to bfloat16 (2^-9 relative) times the code.
+    assert (error <= step[:, None] * (0.5 + 127 * 2**-8)).all()
+
+
+def test_int4_packing_round_trips_through_torchs_kernel_layout():
+    codes = torch.randint(0, 16, (192, 96), dtype=torch.int32)
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+    assert torch.equal(_unpack_int4(packed, 192, 96).int(), codes)
+
+
+def test_int4_groups_dequantize_exactly():
+    n, k = 128, 64
+    codes = torch.randint(0, 16, (n, k))
+    scale = torch.rand(n, k // GROUP_SIZE) + 0.5
+    zero = torch.randn(n, k // GROUP_SIZE)
+    layer = QuantizedLinear.int4_groups(codes, scale, zero)
+    # Scales and zeros are kept in bfloat16, the kernels' dtype.
+    s, z = scale.bfloat16().double(), zero.bfloat16().double()
+    expected = (codes.double() - 8).reshape(n, -1, GROUP_SIZE) * s[..., None] + z[..., None]
+    got = layer.dequantized(torch.float32).double()
+    torch.testing.assert_close(got, expected.reshape(n, k), rtol=0, atol=1e-2 * s.max().item())
+
+
+def test_int4_of_a_float_weight_is_within_half_a_step():
+    w = torch.randn(64, 128)
+    layer = QuantizedLinear.int4(w)
+    groups = w.reshape(64, -1, GROUP_SIZE)
+    step = (groups.amax(-1) - groups.amin(-1)) / 15
+    error = (layer.dequantized(torch.float32) - w).reshape(64, -1, GROUP_SIZE).abs()
+    assert (error <= step[..., None] * 0.56).all()
+
+
+def test_int4_rejects_shapes_the_kernel_does_not_take():
+    with pytest.raises(ValueError, match="multiple of 64"):
+        QuantizedLinear.int4(torch.randn(100, 64))
+
+
+@needs_bf16
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 3, KERNEL_MAX_ROWS["int8"], 33])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_forward_matches_the_dequantized_weight(scheme, rows, with_bias):
+    """Both paths: the packed kernel (few rows) and dequantize + dense (many rows)."""
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(192, 256, generator=gen)
+    bias = torch.randn(192, generator=gen) if with_bias else None
+    layer = getattr(QuantizedLinear, scheme)(w, bias)
+    x = torch.randn(rows, 256, generator=gen)
+    y = layer(x)
+    assert y.dtype == torch.float32 and y.shape == (rows, 192)
+    expected = reference(x, layer.dequantized(torch.float32), layer.bias)
+    # bfloat16 output rounding (2^-8 relative) on values of magnitude ~ sqrt(256) * |w|.
+    torch.testing.assert_close(y, expected, rtol=1e-2, atol=0.15)
+    y3 = layer(x.reshape(1, rows, 256))
+    assert y3.shape == (1, rows, 192)
+
+
+# ---- GGUF 4-bit codes ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_gguf_q4_codes_equal_gguf_dequantization(kind, tmp_path):
+    """A Q4 tensor written by gguf-py's quantizer, read back as codes: dequantizing the codes
+    equals gguf-py's own dequantization of the file's bytes."""
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import dequantize, quantize
+
+    from replicas.model.gguf import int4_groups_of_tensor
+
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal((64, 96)).astype(np.float32)
+    writer = gguf.GGUFWriter(str(tmp_path / "q.gguf"), "llama")
+    writer.add_tensor("w", quantize(values, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tensor = gguf.GGUFReader(str(tmp_path / "q.gguf")).tensors[0]
+    codes, scale, zero = int4_groups_of_tensor(tensor)
+    assert codes.shape == (64, 96) and int(codes.max()) <= 15
+    ours = (codes.double() - 8).reshape(64, -1, GROUP_SIZE) * scale.double()[..., None]
+    ours = (ours + zero.double()[..., None]).reshape(64, 96)
+    expected = torch.from_numpy(dequantize(np.asarray(tensor.data), qtype).astype(np.float64))
+    torch.testing.assert_close(ours, expected.reshape(64, 96), rtol=0, atol=1e-6)
+
+
+# ---- whole models -------------------------------------------------------------------------
+
+
+def _tiny(scheme: str):
+    from replicas.model import load_model
+
+    loaded = load_model("tiny", torch.device("cpu"), quantization=scheme)
+    assert loaded.quantization == scheme
+    return loaded
+
+
+def test_quantize_model_replaces_every_linear_and_keeps_the_embedding():
+    from replicas.model import load_model
+
+    loaded = load_model("tiny", torch.device("cpu"))
+    embedding = loaded.model.tok_embeddings.weight.clone()
+    quantize_model(loaded.model, "int8")
+    assert not any(isinstance(m, nn.Linear) for m in loaded.model.modules())
+    assert torch.equal(loaded.model.tok_embeddings.weight, embedding)
+    with pytest.raises(ValueError, match="int8 or int4"):
+        quantize_model(loaded.model, "int2")
+
+
+@needs_bf16
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_logits_stay_close_to_float32(scheme, make_batch, chunk):
+    from replicas.model import load_model
+
+    dense = load_model("tiny", torch.device("cpu"))
+    quantized = _tiny(scheme)
+    tokens = list(range(3, 70))
+    outs = []
+    for loaded in (dense, quantized):
+        specs = loaded.model.kv_cache_specs(torch.float32)
+        tables = {g: list(range(5)) for g in specs}
+        caches = {g: torch.zeros(s.shape(5, 16)) for g, s in specs.items()}
+        batch = make_batch([chunk(tokens, 0, len(tokens), tables)], 16)
+        with torch.no_grad():
+            outs.append(loaded.model.compute_logits(loaded.model(batch, caches)))
+    expected, got = outs
+    # Same most likely token almost everywhere, logits within a few percent of their spread.
+    agree = (expected.argmax(-1) == got.argmax(-1)).float().mean().item()
+    assert agree >= 0.9, agree
+    assert (got - expected).abs().mean() < 0.1 * expected.std()
+
+
+def test_unknown_quantization_is_rejected_naming_the_choices():
+    from replicas.model import load_model
+
+    with pytest.raises(ValueError, match="quantization must be auto, none, int8 or int4"):
+        load_model("tiny", torch.device("cpu"), quantization="fp8")
+
+
+def test_auto_keeps_a_float_checkpoint_as_loaded():
+    assert _tiny_auto().quantization == "none"
+
+
+def _tiny_auto():
+    from replicas.model import load_model
+
+    return load_model("tiny", torch.device("cpu"), quantization="auto")
+
+
+def test_dense_path_equals_kernel_path_in_value():
+    """The same layer gives the same products whether it runs the packed kernel or the dense
+    fallback (within bfloat16 rounding), so a request's logits do not depend on its batch."""
+    if not has_fast_bfloat16():
+        pytest.skip("no native bfloat16")
+    layer = QuantizedLinear.int8(torch.randn(128, 64))
+    x = torch.randn(1, 64)
+    many = x.expand(KERNEL_MAX_ROWS["int8"] + 1, 64).contiguous()
+    torch.testing.assert_close(layer(x)[0], layer(many)[0], rtol=1e-2, atol=5e-2)
+    assert F.cosine_similarity(layer(x)[0], layer(many)[0], dim=0) > 0.9999
