@@ -24,9 +24,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalised in float32 whatever the model dtype, as the reference implementations do.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -88,16 +87,25 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        if self.wqkv is None:
-            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        heads = (self.num_heads, self.num_kv_heads)
+        if self.wqkv is not None and self.q_norm is None:
+            # q and k side by side in one product: one rotation for both heads' worth.
+            qkv = self.wqkv(x)
+            qk_dim = self.qkv_sizes[0] + self.qkv_sizes[1]
+            qk = qkv[:, :qk_dim].view(num_tokens, sum(heads), self.head_dim)
+            q, k = apply_rope(qk, cos, sin).split(heads, dim=1)  # [T, H, D], [T, Hkv, D]
+            v = qkv[:, qk_dim:].view(num_tokens, self.num_kv_heads, self.head_dim)
         else:
-            q, k, v = self.wqkv(x).split(self.qkv_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if self.wqkv is None:
+                q, k, v = self.wq(x), self.wk(x), self.wv(x)
+            else:
+                q, k, v = self.wqkv(x).split(self.qkv_sizes, dim=-1)
+            q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = cached_attention(q, k, v, kv_cache, self.layer_in_group, meta)  # [T, H, D]
         return self.wo(out.reshape(num_tokens, -1))
 

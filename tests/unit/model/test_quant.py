@@ -1,6 +1,8 @@
 """Quantized linear layers against dequantized references, GGUF 4-bit codes against gguf-py's
 own dequantization, and quantized models end to end (caching on vs off, SmolLM2 vs float32)."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -193,3 +195,38 @@ def test_dense_path_equals_kernel_path_in_value():
     many = x.expand(KERNEL_MAX_ROWS["int8"] + 1, 64).contiguous()
     torch.testing.assert_close(layer(x)[0], layer(many)[0], rtol=1e-2, atol=5e-2)
     assert F.cosine_similarity(layer(x)[0], layer(many)[0], dim=0) > 0.9999
+
+
+@needs_bf16
+@pytest.mark.parametrize(
+    "variant",
+    [{"attention_bias": True}, {"qk_norm": True}, {"tie_word_embeddings": True}],
+    ids=["qkv-bias", "qk-norm", "tied"],
+)
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_fused_projections_keep_biases_norms_and_ties(variant, scheme, make_batch, chunk):
+    """Fusing q/k/v (with Qwen2's biases or Qwen3's q/k norms) and gate/up keeps the float
+    model's logits, up to the quantization of its weights (a dropped bias or norm, or q/k/v
+    split at the wrong place, would not)."""
+    from dataclasses import replace
+
+    from replicas.model.builtin import BUILTIN_MODEL_ARGS, init_random_weights
+    from replicas.model.registry import build_model
+
+    args = replace(BUILTIN_MODEL_ARGS["tiny"](), **variant)
+    dense = build_model(args)
+    init_random_weights(dense, seed=3)
+    dense.eval()
+    fused = copy.deepcopy(dense)
+    quantize_model(fused, scheme)
+    tokens = list(range(5, 45))
+    outs = []
+    for model in (dense, fused):
+        specs = model.kv_cache_specs(torch.float32)
+        caches = {g: torch.zeros(s.shape(3, 16)) for g, s in specs.items()}
+        batch = make_batch([chunk(tokens, 0, len(tokens), {g: [0, 1, 2] for g in specs})], 16)
+        with torch.no_grad():
+            outs.append(model.compute_logits(model(batch, caches)))
+    expected, got = outs
+    assert (expected.argmax(-1) == got.argmax(-1)).float().mean() >= 0.9
+    assert (got - expected).abs().mean() < 0.1 * expected.std()
