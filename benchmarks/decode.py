@@ -224,6 +224,7 @@ def run(
             max_model_len=settings.prompt_len + settings.output_len + BLOCK_SIZE,
             model=model,
             dtype=dtype,
+            quantization="none",  # the weights transformers runs (engine-vs-llamacpp: quantized)
         )
         for dtype in settings.dtypes
     }

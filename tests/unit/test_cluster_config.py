@@ -146,6 +146,8 @@ def test_flags_override_the_file():
     )
     assert config.data_parallel_size == 3 and config.server.port == 9001
     assert config.routing.weights == (0.1, 0.9) and config.model.block_size == 32
+    assert config.model.quantization == "auto"
+    assert parse("--quantization", "int4").model.quantization == "int4"
     assert config.scheduler.kv_offload_config.host_memory_bytes == 2**30  # kept from the file
     ratio = parse(
         "--config",
@@ -194,6 +196,7 @@ def test_prefix_caching_off_routes_by_load():
             "mutually exclusive",
         ),
         (["--data-parallel-prefix-weight", "0.3"], "--data-parallel-scoring-profile custom"),
+        (["--quantization", "fp8"], "model.quantization"),
     ],
 )
 def test_serve_rejects_bad_combinations_before_starting(argv, needle, capsys):

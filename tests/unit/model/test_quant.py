@@ -206,8 +206,7 @@ def test_dense_path_equals_kernel_path_in_value():
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_fused_projections_keep_biases_norms_and_ties(variant, scheme, make_batch, chunk):
     """Fusing q/k/v (with Qwen2's biases or Qwen3's q/k norms) and gate/up keeps the float
-    model's logits, up to the quantization of its weights (a dropped bias or norm, or q/k/v
-    split at the wrong place, would not)."""
+    model's logits, up to the quantization of its weights."""
     from dataclasses import replace
 
     from replicas.model.builtin import BUILTIN_MODEL_ARGS, init_random_weights
