@@ -208,8 +208,9 @@ class ReplicaModelConfig(_Config):
     quantization: Literal["auto", "none", "int8", "int4"] = Field(
         "auto",
         description="How linear weights are kept: none (in dtype), int8 (per output channel), "
-        "int4 (groups of 32; a GGUF file's Q4_0/Q4_1 codes as stored) or auto (int8 for a "
-        "quantized GGUF file on a CPU with native bfloat16, else none).",
+        "int4 (groups of 32; a GGUF file's Q4_0/Q4_1 codes as stored, its 5- to 8-bit tensors "
+        "at int8) or auto (int4 for a quantized GGUF file on a CPU with native bfloat16, "
+        "else none).",
     )
     device: str = Field(
         "auto", description="auto (cuda if available, else cpu), cpu, cuda or cuda:N."

@@ -4,11 +4,15 @@ A decode step multiplies a few activation rows by every weight of the model, so 
 bytes of weights read: int8 reads a quarter of float32's bytes, int4 an eighth. The products use
 torch's packed CPU kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``), which are
 fast only with bfloat16 activations: the layer multiplies in bfloat16 (float32 accumulation
-inside the kernel) and returns the caller's dtype. A packed kernel does no work sharing between
-rows, so past ``kernel_max_rows`` rows (prefill chunks, large decode batches) a dense bfloat16
-GEMM over the weight dequantized for that call is faster: the weights stay quantized in memory
-and prefill keeps dense speed. benchmarks/README.md (``engine-vs-llamacpp``) has the figures
-that chose the defaults.
+inside the kernel) and returns the caller's dtype.
+
+The packed kernels run at every row count, prefill chunks included, although past a few dozen
+rows a dense bfloat16 GEMM over the weight dequantized for the call is faster: a packed kernel
+computes each row alone, bitwise the same whatever else is in the batch, so an output never
+depends on how a prompt was chunked, what it was batched with or whether its prefix came from
+the cache (``tests/unit/model/test_quant.py``). A dense GEMM's rounding depends on the shape,
+which at bfloat16 precision flips near-tied greedy tokens. Where no packed kernel exists (CUDA)
+the dense path runs. benchmarks/README.md (``engine-vs-llamacpp``) has the figures.
 
 Schemes (``w`` a weight, ``q`` its stored code):
 
@@ -44,11 +48,6 @@ QUANTIZATIONS = ("none", "int8", "int4")
 
 GROUP_SIZE = 32
 COMPUTE_DTYPE = torch.bfloat16
-# Rows up to which the packed kernel beats a dense bfloat16 GEMM over the weight dequantized for
-# the call (measured at SmolLM2's projection shapes, one thread, AVX-512 with AMX: the packed
-# kernels' time grows linearly with rows; int8 breaks even at 16 rows, int4, whose unpacking
-# costs more, at 64 to 128).
-KERNEL_MAX_ROWS = {"int8": 12, "int4": 64}
 _INT4_TILE_ROWS = 64  # the CPU int4 kernel packs output rows in tiles of 64
 
 
@@ -61,15 +60,17 @@ def has_fast_bfloat16() -> bool:
 
 
 def default_quantization(device: torch.device, is_quantized_checkpoint: bool) -> str:
-    """What ``quantization: auto`` means: ``int8`` for a checkpoint stored quantized (a GGUF file
-    of 8- or 4-bit tensors) on a CPU with native bfloat16; otherwise the weights as loaded.
+    """What ``quantization: auto`` means: ``int4`` for a checkpoint stored quantized (a GGUF file
+    of 4- to 8-bit tensors) on a CPU with native bfloat16, so that each tensor is served at the
+    precision its file stores (Q4 codes as stored, 5- to 8-bit tensors at int8); otherwise the
+    weights as loaded, so a float checkpoint is never quantized unasked.
 
-    int8 over int4: at one row the int8 kernel is about 3x faster than the int4 one at the
-    projections' shapes here; a checkpoint stored in float is served as stored, so the
-    quality of an unquantized model is never changed without asking.
+    int4 over int8 for such files: through the engine it decodes faster at small batches, with
+    the file's own perplexity (``engine-vs-llamacpp`` in benchmarks/README.md), although the two
+    kernels are level at one row on cache-resident weights.
     """
     if device.type == "cpu" and is_quantized_checkpoint and has_fast_bfloat16():
-        return "int8"
+        return "int4"
     return "none"
 
 
@@ -93,7 +94,6 @@ class QuantizedLinear(nn.Module):
         self.scheme = scheme
         self.in_features = in_features
         self.out_features = out_features
-        self.kernel_max_rows = KERNEL_MAX_ROWS[scheme]
         self.register_buffer("weight", weight)  # int8 [N, K] or the int4 kernel's packing
         self.register_buffer("scales", scales)  # [N] or [K / GROUP_SIZE, N, 2] (scale, zero)
         self.register_buffer("bias", bias)
@@ -151,7 +151,7 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
-        if rows.shape[0] > self.kernel_max_rows or rows.device.type != "cpu":
+        if rows.device.type != "cpu":
             y = self._dense(rows)
         elif self.scheme == "int8":
             y = torch._weight_int8pack_mm(rows, self.weight, self.scales)
@@ -162,8 +162,9 @@ class QuantizedLinear(nn.Module):
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def _dense(self, rows: torch.Tensor) -> torch.Tensor:
-        """The product through a dense GEMM; int8's per-row scale is applied to the output
-        columns (``x (q s)^T = (x q^T) s``), so the weight is only cast, not scaled."""
+        """The product through a dense GEMM, where there is no packed kernel: int8's per-row
+        scale is applied to the output columns (``x (q s)^T = (x q^T) s``), so the weight is only
+        cast, not scaled."""
         if self.scheme == "int8":
             return F.linear(rows, self.weight.to(rows.dtype)) * self.scales
         return F.linear(rows, self.dequantized(rows.dtype))

@@ -60,6 +60,24 @@ def build_batch(chunks: list[Chunk], block_size: int, pad_block: int = -1) -> Fo
     )
 
 
+# Prompts of the real-model tests (SmolLM2): a chat turn, code, prose.
+SMOLLM2_PROMPTS = [
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "The history of the printing press begins",
+]
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """On a busy 2-core machine two torch threads per process are several times slower than one
+    (the real-model tests took minutes instead of seconds)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def make_batch() -> Callable[..., ForwardBatch]:
     return build_batch

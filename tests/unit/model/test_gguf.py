@@ -26,6 +26,8 @@ transformers = pytest.importorskip("transformers")
 from gguf import GGMLQuantizationType as QType  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 
+from tests.unit.model.conftest import SMOLLM2_PROMPTS  # noqa: E402
+
 CPU = torch.device("cpu")
 BLOCK_SIZE = 16
 
@@ -520,21 +522,10 @@ needs_smollm2 = pytest.mark.skipif(
 # float32 operations can differ, over 30 layers on logits of magnitude ~30. Measured: 0.0 on CPU
 # with torch 2.13 (the same kernels in the same order); the margin is for other BLAS builds.
 LOGIT_ATOL = 2e-3
-PROMPTS = [
-    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n",
-    "The history of the printing press begins",
-]
+PROMPTS = SMOLLM2_PROMPTS
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """On a busy 2-core machine two torch threads per process are several times slower than one
-    (the real-model tests took minutes instead of seconds)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

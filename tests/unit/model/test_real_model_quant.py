@@ -13,6 +13,7 @@ from replicas.model.gguf import gguf_int4_groups, gguf_weight_bits, open_gguf
 from replicas.model.perplexity import perplexity
 from replicas.model.quant import QuantizedLinear, has_fast_bfloat16, quantize_model
 from replicas.model.resolve import DEFAULT_MODEL, packaged_model_path
+from tests.unit.model.conftest import SMOLLM2_PROMPTS
 
 try:
     SMOLLM2 = packaged_model_path(DEFAULT_MODEL)
@@ -23,19 +24,10 @@ if not has_fast_bfloat16():
 
 TEXT = (Path(__file__).parents[2] / "data" / "perplexity.txt").read_text()
 WINDOW = 512
-PROMPTS = [
-    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n",
-    "The history of the printing press begins",
-]
+PROMPTS = SMOLLM2_PROMPTS
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
