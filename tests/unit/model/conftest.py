@@ -78,6 +78,26 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+def engine_greedy(loaded, prompts: list[list[int]], **params) -> list[list[int]]:
+    """The output token ids of ``prompts`` run together through a CPU ``Engine`` on ``loaded``,
+    greedy (``SamplingParams(temperature=0, **params)``)."""
+    from replicas.config import EngineConfig
+    from replicas.engine import Engine
+    from replicas.sampling_params import SamplingParams
+
+    config = EngineConfig(model=loaded.args.name, device="cpu", num_npu_blocks=64)
+    engine = Engine(config, loaded=loaded)
+    sampling = SamplingParams(temperature=0, **params)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, sampling)
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output.token_ids
+    return [finished[f"r{i}"] for i in range(len(prompts))]
+
+
 @pytest.fixture
 def make_batch() -> Callable[..., ForwardBatch]:
     return build_batch

@@ -26,7 +26,7 @@ transformers = pytest.importorskip("transformers")
 from gguf import GGMLQuantizationType as QType  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 
-from tests.unit.model.conftest import SMOLLM2_PROMPTS  # noqa: E402
+from tests.unit.model.conftest import SMOLLM2_PROMPTS, engine_greedy  # noqa: E402
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 16
@@ -597,27 +597,13 @@ def hf_greedy(model, prompt: list[int], max_tokens: int, eos: set[int]) -> list[
 
 @needs_smollm2
 def test_smollm2_greedy_outputs_match_transformers(smollm2, hf_smollm2):
-    from replicas.config import EngineConfig
-    from replicas.engine import Engine
-    from replicas.sampling_params import SamplingParams
-
-    engine = Engine(
-        EngineConfig(model=str(smollm2_path()), device="cpu", num_npu_blocks=64), loaded=smollm2
-    )
-    params = SamplingParams(max_tokens=48, temperature=0)
     prompts = [smollm2.tokenizer.encode(p) for p in PROMPTS]
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
-    finished = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output.token_ids
+    outputs = engine_greedy(smollm2, prompts, max_tokens=48)
     eos = set(smollm2.tokenizer.eos_token_ids)
-    for i, prompt in enumerate(prompts):
+    for prompt, got in zip(prompts, outputs, strict=True):
         expected = hf_greedy(hf_smollm2, prompt, 48, eos)
-        assert finished[f"r{i}"] == expected, smollm2.tokenizer.decode(expected)
-    assert max(len(t) for t in finished.values()) == 48
+        assert got == expected, smollm2.tokenizer.decode(expected)
+    assert max(len(t) for t in outputs) == 48
 
 
 # Texts on which transformers' GGUF tokenizer and llama.cpp's rules agree (see the digit test).

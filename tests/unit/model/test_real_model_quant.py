@@ -13,7 +13,7 @@ from replicas.model.gguf import gguf_int4_groups, gguf_weight_bits, open_gguf
 from replicas.model.perplexity import perplexity
 from replicas.model.quant import QuantizedLinear, has_fast_bfloat16, quantize_model
 from replicas.model.resolve import DEFAULT_MODEL, packaged_model_path
-from tests.unit.model.conftest import SMOLLM2_PROMPTS
+from tests.unit.model.conftest import SMOLLM2_PROMPTS, engine_greedy
 
 try:
     SMOLLM2 = packaged_model_path(DEFAULT_MODEL)
@@ -114,31 +114,13 @@ def prompt_logits(model, tokens: list[int]) -> torch.Tensor:
         return model.compute_logits(model(batch, caches))
 
 
-def engine_greedy(loaded, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
-    from replicas.config import EngineConfig
-    from replicas.engine import Engine
-    from replicas.sampling_params import SamplingParams
-
-    engine = Engine(
-        EngineConfig(model=str(SMOLLM2), device="cpu", num_npu_blocks=64), loaded=loaded
-    )
-    params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
-    finished = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output.token_ids
-    return [finished[f"r{i}"] for i in range(len(prompts))]
-
-
 def test_int8_greedy_continuation_equals_float32_up_to_near_ties(dense, quantized):
     """Through the engine (prefix cache, decode batch of three): int8's first 16 greedy tokens
     equal float32's, except after a step where float32 itself was within NEAR_TIE of a tie."""
     prompts = [dense.tokenizer.encode(p) for p in PROMPTS]
-    expected = engine_greedy(dense, prompts, 16)
-    got = engine_greedy(dense._replace(model=quantized["int8"], quantization="int8"), prompts, 16)
+    expected = engine_greedy(dense, prompts, max_tokens=16, ignore_eos=True)
+    int8 = dense._replace(model=quantized["int8"], quantization="int8")
+    got = engine_greedy(int8, prompts, max_tokens=16, ignore_eos=True)
     num_equal = []
     for prompt, want, have in zip(prompts, expected, got, strict=True):
         logits = prompt_logits(dense.model, prompt + want)[len(prompt) - 1 : -1]
