@@ -10,9 +10,9 @@ The packed kernels run at every row count, prefill chunks included, although pas
 rows a dense bfloat16 GEMM over the weight dequantized for the call is faster: a packed kernel
 computes each row alone, bitwise the same whatever else is in the batch, so the products add
 nothing to what chunking, batching and prefix caching change in an output (float32-level
-differences elsewhere; ``tests/unit/model/test_quant.py``). A dense GEMM's rounding depends on the shape,
-which at bfloat16 precision flips near-tied greedy tokens. Where no packed kernel exists (CUDA)
-the dense path runs. benchmarks/README.md (``engine-vs-llamacpp``) has the figures.
+differences elsewhere; ``tests/unit/model/test_quant.py``). A dense GEMM's rounding depends on
+its shape, which at bfloat16 precision flips near-tied greedy tokens. Where no packed kernel
+exists (CUDA) the dense path runs. benchmarks/README.md (``engine-vs-llamacpp``) has the figures.
 
 Schemes (``w`` a weight, ``q`` its stored code):
 
