@@ -60,6 +60,9 @@ def load_model(
         net = _empty_model(args, device, dtype)
         load_gguf_weights(net, reader, model)
         stored_bits = gguf_weight_bits(net, reader)
+        if quantization == "auto":
+            is_quantized = any(bits <= 8 for bits in stored_bits.values())
+            quantization = default_quantization(device, is_quantized)
         if quantization == "int4":
             int4_groups = gguf_int4_groups(net, reader)
     else:
@@ -69,9 +72,8 @@ def load_model(
         else:
             net = _empty_model(args, device, dtype)
             load_safetensors(net, Path(model))
-    if quantization == "auto":
-        is_quantized = any(bits <= 8 for bits in stored_bits.values())
-        quantization = default_quantization(device, is_quantized)
+    if quantization == "auto":  # not a GGUF file: a float checkpoint
+        quantization = default_quantization(device, is_quantized_checkpoint=False)
     if quantization != "none":
         quantize_model(net, quantization, int4_groups, stored_bits)
         net.to(device)
