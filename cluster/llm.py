@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from cluster.backend import LocalBackend, ReplicaFailedError, ReplicaStats
+from cluster.choices import generate_choices
 from cluster.config import ClusterConfig, ModelConfig
 from replicas.config import SchedulerConfig
 from replicas.engine import Engine, EngineStats, sum_stats
@@ -96,7 +97,9 @@ class LLM:
         cache_salt: str | None = None,
     ) -> RequestOutput | list[RequestOutput]:
         """Run prompts to completion. One prompt (a string or a list of token ids) gives one
-        ``RequestOutput``; a list of prompts gives a list, in order."""
+        ``RequestOutput``; a list of prompts gives a list, in order. With ``n`` (or
+        ``best_of``) above one, each prompt gives a list of its ``n`` choices instead
+        (``cluster.choices``: the prompt is prefilled once)."""
         single = isinstance(prompts, str) or (
             isinstance(prompts, list) and (not prompts or isinstance(prompts[0], int))
         )
@@ -137,8 +140,15 @@ class LLM:
 
     async def _generate_one(
         self, request_id: str, prompt: Prompt, params: SamplingParams, cache_salt: str | None
-    ) -> RequestOutput:
+    ) -> RequestOutput | list[RequestOutput]:
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if params.num_sequences > 1:
+            (choices,) = await generate_choices(
+                self.backend, request_id, [token_ids], params, cache_salt
+            )
+            for choice in choices:
+                choice.prompt = prompt if isinstance(prompt, str) else None
+            return choices
         final = None
         async for output in self.backend.generate(request_id, token_ids, params, cache_salt):
             final = output

@@ -24,6 +24,7 @@ from replicas.model_runner import ModelRunner
 from replicas.output_processor import OutputProcessor
 from replicas.outputs import RequestOutput
 from replicas.prompt import check_prompt_length
+from replicas.prompt_logprobs import PromptLogprobsCache
 from replicas.request import Request
 from replicas.sampler import Sampler
 from replicas.sampling_params import SamplingParams
@@ -130,16 +131,19 @@ class Engine:
             else None
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self._grammar = None  # a GrammarCompiler, built for the first structured request
+        self.sampler = Sampler(
+            config.seed, self.device, self.tokenizer.eos_token_ids, grammar=self._compiler
+        )
         self.core = EngineCore(
             sched,
             self.kv_cache,
-            ModelExecutor(
-                self.runner, Sampler(config.seed, self.device), self.tokenizer.vocab_size
-            ),
+            ModelExecutor(self.runner, self.sampler, self.tokenizer.vocab_size),
             max_model_len=self.max_model_len,
             eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
             transfer=self.transfer,
             text=self.output_processor,
+            prompt_scores=PromptLogprobsCache(self.block_size),
         )
         self._step_times = StepTimes()
         self._busy_since: float | None = None  # end of the last step, while work remained
@@ -171,6 +175,7 @@ class Engine:
         params = sampling_params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.validate_prompt(prompt)
+        self.validate_params(params)
         request = Request(
             request_id,
             token_ids,
@@ -306,6 +311,30 @@ class Engine:
         return token_ids
 
     # ---- introspection -----------------------------------------------------------------------
+    def validate_params(self, params: SamplingParams) -> None:
+        """Raise ``ValueError`` naming the field for what this engine cannot honour: an ``n``
+        above one (``cluster.choices`` fans those out), a token id outside the vocabulary, a
+        schema the grammar library rejects."""
+        if params.num_sequences > 1:
+            raise ValueError("the engine serves one sequence per request: use n=1 here")
+        vocab_size = self.tokenizer.vocab_size
+        for token_id in params.logit_bias or ():
+            if token_id >= vocab_size:
+                raise ValueError(f"logit_bias: token id {token_id} is not below {vocab_size}")
+        if params.structured_outputs is not None:
+            self._compiler(params.structured_outputs)
+
+    def _compiler(self, spec=None):
+        """The grammar compiler (``replicas.structured_output``), built on first use; with a
+        ``spec``, that spec is compiled (cached) or rejected."""
+        if self._grammar is None:
+            from replicas.structured_output import GrammarCompiler
+
+            self._grammar = GrammarCompiler(self.tokenizer, self.tokenizer.vocab_size)
+        if spec is not None:
+            self._grammar.validate(spec)
+        return self._grammar
+
     def stats(self) -> EngineStats:
         return EngineStats(
             cache=self.kv_cache.stats,

@@ -16,20 +16,28 @@ time between ``begin_step`` and ``end_step``. Whatever executes it, the update i
 """
 
 import time
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from replicas.config import SchedulerConfig
 from replicas.kv_cache_manager import KVCacheManager
 from replicas.kv_cache_types import TransferPlan
+from replicas.outputs import TokenLogprob
+from replicas.prompt_logprobs import PromptLogprobsCache
 from replicas.request import Request, RequestStatus
 from replicas.scheduler import Scheduler, SchedulerOutput
 
+if TYPE_CHECKING:
+    from replicas.model_runner import PromptScores
+
 
 class StepResult(NamedTuple):
-    """What an executor returns: the requests that got a token this step, in batch order."""
+    """What an executor returns: the requests that got a token this step, in batch order, with
+    each token's logprob where the request asked for them, and the prompt scores computed."""
 
     requests: list[Request]
     token_ids: list[int]
+    logprobs: "list[TokenLogprob | None] | None" = None
+    prompt_scores: "tuple[PromptScores, ...] | list[PromptScores]" = ()
 
 
 class Executor(Protocol):
@@ -76,9 +84,15 @@ class EngineCore:
         eos_token_ids: frozenset[int] = frozenset(),
         transfer: TransferQueue | None = None,
         text: TextProcessor | None = None,
+        prompt_scores: PromptLogprobsCache | None = None,
     ) -> None:
         self.kv_cache = kv_cache
-        self.scheduler = Scheduler(scheduler_config, kv_cache)
+        self.prompt_scores = prompt_scores
+        self.scheduler = Scheduler(
+            scheduler_config,
+            kv_cache,
+            prefix_limit=self._prefix_limit if prompt_scores is not None else None,
+        )
         self.executor = executor
         self.transfer = transfer
         self.text = text
@@ -138,7 +152,16 @@ class EngineCore:
             self._check_progress()
             return None
         self.num_scheduled_tokens += sum(num_new for _, num_new, *_ in output.scheduled)
+        if self.prompt_scores is not None:
+            for request, *_ in output.scheduled:
+                if request.prompt_logprobs is not None:
+                    self.prompt_scores.fill(request)  # the scores of a cached prefix
         return StepInFlight(output, self.executor.execute(output))
+
+    def _prefix_limit(self, request: Request) -> int | None:
+        if request.prompt_logprobs is None:
+            return None
+        return self.prompt_scores.num_usable_blocks(request)
 
     def end_step(
         self,
@@ -154,8 +177,11 @@ class EngineCore:
             request.num_computed_tokens += num_new
             self.kv_cache.cache_blocks(request)
         result = step.result
-        for request, token_id in zip(result.requests, result.token_ids):
-            request.append_output_token(token_id)
+        for scores in result.prompt_scores:
+            self._add_prompt_scores(step.output.scheduled[scores.index].request, scores)
+        logprobs = result.logprobs or [None] * len(result.requests)
+        for request, token_id, logprob in zip(result.requests, result.token_ids, logprobs):
+            request.append_output_token(token_id, logprob)
             if request.first_token_time is None:
                 request.first_token_time = first_token_time
             status = self._check_stop(request, token_id)
@@ -166,6 +192,21 @@ class EngineCore:
                 request.finish_time = now
         self.run_transfers(self.kv_cache.take_transfer_plan())  # stores of blocks written now
         return result.requests
+
+    def _add_prompt_scores(self, request: Request, scores: "PromptScores") -> None:
+        """Append the scores of positions not scored yet (a recomputed prefix has them)."""
+        known = request.prompt_logprobs
+        num_before = len(known)
+        skip = num_before - scores.first_position
+        if skip < 0:
+            raise RuntimeError(f"request {request.request_id}: prompt scores out of order")
+        targets = request.prompt_token_ids
+        for j in range(skip, len(scores.logprobs)):
+            position = scores.first_position + j
+            top = tuple(zip(scores.top_ids[j], scores.top_logprobs[j]))
+            known.append(TokenLogprob(targets[position], scores.logprobs[j], top))
+        if self.prompt_scores is not None:
+            self.prompt_scores.record(request, num_before)
 
     def run_transfers(self, plan: TransferPlan, wait: bool = False) -> None:
         """Submit ``plan`` and tell the cache manager which copies have landed."""

@@ -16,10 +16,10 @@ class ModelExecutor:
         self.vocab_size = vocab_size
 
     def execute(self, output: SchedulerOutput) -> StepResult:
-        logits, sampled = self.runner.execute(output.scheduled)
+        logits, sampled, prompt_scores = self.runner.execute(output.scheduled, self.vocab_size)
         requests = [output.scheduled[i].request for i in sampled]
-        token_ids = self.sampler.sample(logits[:, : self.vocab_size], requests)
-        return StepResult(requests, token_ids)
+        token_ids, logprobs = self.sampler.sample(logits[:, : self.vocab_size], requests)
+        return StepResult(requests, token_ids, logprobs, prompt_scores)
 
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)

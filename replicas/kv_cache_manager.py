@@ -175,12 +175,13 @@ class KVCacheManager:
         return self._cache_types[0].host
 
     # ---- matching (no mutation) --------------------------------------------------------------
-    def match_prefix(self, request: Request) -> PrefixMatch:
-        """Longest safe cached prefix, in whole blocks; at least the request's last token is
-        always left to compute."""
-        if not self.enable_prefix_caching:
+    def match_prefix(self, request: Request, max_blocks: int | None = None) -> PrefixMatch:
+        """Longest safe cached prefix, in whole blocks, of at most ``max_blocks``; at least the
+        request's last token is always left to compute."""
+        if not self.enable_prefix_caching or max_blocks == 0:
             return EMPTY_MATCH
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        limit = (request.num_tokens - 1) // self.block_size
+        max_blocks = limit if max_blocks is None else min(max_blocks, limit)
         hashes = request.block_hashes[:max_blocks]
         primary = self._cache_types[0]
         length = 0

@@ -1,9 +1,26 @@
 """The only component that builds tensors: KV tensors, batch tensors, the forward pass."""
 
+from typing import NamedTuple
+
 import torch
 
 from replicas.model import ForwardBatch, LoadedModel
+from replicas.sampling_params import MAX_TOP_LOGPROBS
 from replicas.scheduler import ScheduledRequest
+
+SCORE_ROWS = 64  # prompt positions turned into logits at a time (a row is vocab floats)
+
+
+class PromptScores(NamedTuple):
+    """Log-probabilities of prompt tokens ``first_position .. first_position + n - 1`` of the
+    ``index``-th scheduled request, each from the logits of the position before it, with the
+    ``MAX_TOP_LOGPROBS`` likeliest tokens there."""
+
+    index: int
+    first_position: int
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
 
 
 class ModelRunner:
@@ -40,13 +57,43 @@ class ModelRunner:
         return sum(spec.block_bytes(self.block_size) for spec in self.specs.values())
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]]:
+    def execute(
+        self, scheduled: list[ScheduledRequest], vocab_size: int | None = None
+    ) -> tuple[torch.Tensor, list[int], list[PromptScores]]:
         """Forward the scheduled tokens. Returns the logits ``[S, vocab]`` of the ``S`` requests
-        whose context is complete after this step (to be sampled) and their batch indices."""
+        whose context is complete after this step (to be sampled), their batch indices, and the
+        scores of the prompt tokens this step's positions predict for requests that asked for
+        prompt logprobs (the first ``vocab_size`` logits only)."""
         batch, sampled = self._build_batch(scheduled)
         hidden = self.model(batch, self.kv_caches)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        return logits, sampled
+        scores = [
+            self._score_prompt(hidden, batch, i, request, vocab_size)
+            for i, (request, *_) in enumerate(scheduled)
+            if request.prompt_logprobs is not None
+            and request.num_computed_tokens < request.num_prompt_tokens - 1
+        ]
+        return logits, sampled, scores
+
+    def _score_prompt(
+        self, hidden: torch.Tensor, batch: ForwardBatch, index: int, request, vocab_size
+    ) -> PromptScores:
+        """Position ``p`` of this step scores prompt token ``p + 1``; the last prompt position
+        predicts the first output token, which the sampler scores."""
+        start = request.num_computed_tokens
+        row = batch.query_start_loc[index]
+        end = min(batch.seq_lens[index], request.num_prompt_tokens - 1)
+        targets = torch.tensor(request.prompt_token_ids[start + 1 : end + 1], device=self.device)
+        logprobs, top_ids, top_logprobs = [], [], []
+        for offset in range(0, end - start, SCORE_ROWS):
+            rows = hidden[row + offset : row + min(offset + SCORE_ROWS, end - start)]
+            scores = torch.log_softmax(self.model.compute_logits(rows)[:, :vocab_size], dim=-1)
+            chunk_targets = targets[offset : offset + len(rows), None]
+            logprobs += scores.gather(1, chunk_targets).squeeze(1).tolist()
+            values, ids = scores.topk(min(MAX_TOP_LOGPROBS, scores.shape[-1]), dim=-1)
+            top_ids += ids.tolist()
+            top_logprobs += values.tolist()
+        return PromptScores(index, start + 1, logprobs, top_ids, top_logprobs)
 
     def _build_batch(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch, list[int]]:
         block_size = self.block_size

@@ -33,6 +33,7 @@ class _TextState:
     num_emitted_chars: int = 0  # text already reported (streaming cursor)
     num_emitted_tokens: int = 0
     is_cut: bool = False  # a stop string cut the text: it is final
+    prompt_logprobs: list | None = None  # trimmed to the request's count, once complete
 
 
 class OutputProcessor:
@@ -84,9 +85,23 @@ class OutputProcessor:
         end = max(end, state.num_emitted_chars)
         new_text = text[state.num_emitted_chars : end]
         new_token_ids = request.output_token_ids[state.num_emitted_tokens :]
+        logprobs = new_logprobs = new_prompt_logprobs = None
+        params = request.sampling_params
+        if request.logprobs is not None:
+            logprobs = list(request.logprobs)  # the sampler keeps the asked-for alternatives
+            new_logprobs = logprobs[state.num_emitted_tokens :]
+        if state.prompt_logprobs is None and request.prompt_logprobs is not None:
+            if len(request.prompt_logprobs) == request.num_prompt_tokens:
+                state.prompt_logprobs = _trimmed(request.prompt_logprobs, params.prompt_logprobs)
+                new_prompt_logprobs = state.prompt_logprobs
         state.num_emitted_chars = end
         state.num_emitted_tokens = request.num_output_tokens
         return RequestOutput(
+            logprobs=logprobs,
+            new_logprobs=new_logprobs,
+            prompt_logprobs=state.prompt_logprobs,
+            new_prompt_logprobs=new_prompt_logprobs,
+            cumulative_logprob=request.cumulative_logprob if logprobs is not None else None,
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
@@ -115,3 +130,10 @@ class OutputProcessor:
             state.text += window[len(known) :]
             state.prefix_offset = state.read_offset
             state.read_offset = len(token_ids)
+
+
+def _trimmed(scores: list, num_top: int) -> list:
+    """Scores with at most ``num_top`` alternatives each (the engine keeps more for prompts)."""
+    return [
+        s if s is None or len(s.top) <= num_top else s._replace(top=s.top[:num_top]) for s in scores
+    ]

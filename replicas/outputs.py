@@ -5,6 +5,15 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 
+class TokenLogprob(NamedTuple):
+    """A token's log-probability under the model, and the likeliest tokens at its position
+    (best first, as many as the request asked for)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """The state of one request after an engine step. ``text`` and ``token_ids`` are cumulative;
@@ -12,6 +21,10 @@ class RequestOutput:
 
     ``num_cached_tokens`` prompt tokens were served from the prefix cache at admission, split by
     the tier they came from (``num_npu_cached_tokens + num_host_cached_tokens``).
+
+    ``logprobs`` (one per token of ``token_ids``) and ``prompt_logprobs`` (one per prompt token,
+    ``None`` for the first) are set when the sampling parameters asked for them; ``new_logprobs``
+    are this step's. ``index`` is the choice's place among a request's ``n``.
     """
 
     request_id: str
@@ -32,6 +45,12 @@ class RequestOutput:
     replica_index: int | None = None  # set by the replica actor that served it
     # cache type -> (NPU, host) tokens of cached KV reused; a sliding type holds only the window
     cached_tokens_by_cache_type: dict[str, tuple[int, int]] | None = None
+    logprobs: list[TokenLogprob] | None = None
+    new_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    new_prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first output only
+    cumulative_logprob: float | None = None
+    index: int = 0
 
     @property
     def ttft_s(self) -> float | None:
@@ -61,6 +80,9 @@ class OutputDelta(NamedTuple):
     finish_time: float | None
     replica_index: int | None
     cached_tokens_by_cache_type: dict[str, tuple[int, int]] | None
+    new_logprobs: list[TokenLogprob] | None
+    new_prompt_logprobs: list[TokenLogprob | None] | None  # sent once, with the first token
+    cumulative_logprob: float | None
 
     @staticmethod
     def values_of(output: RequestOutput) -> tuple:
@@ -80,13 +102,22 @@ class OutputAccumulator:
         self.prompt_token_ids = prompt_token_ids
         self.token_ids: list[int] = []
         self.text = ""
+        self.logprobs: list[TokenLogprob] | None = None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, delta: OutputDelta) -> RequestOutput:
         self.token_ids += delta.new_token_ids
         self.text += delta.new_text
+        if delta.new_logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.new_logprobs
+        if delta.new_prompt_logprobs is not None:
+            self.prompt_logprobs = delta.new_prompt_logprobs
+        fields = delta._asdict()
         return RequestOutput(
+            prompt_logprobs=self.prompt_logprobs,
             prompt_token_ids=self.prompt_token_ids,
             token_ids=list(self.token_ids),
             text=self.text,
-            **delta._asdict(),
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            **fields,
         )

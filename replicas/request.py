@@ -73,6 +73,14 @@ class Request:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
 
+        # Set when the sampling parameters ask for them (``replicas.outputs.TokenLogprob``):
+        # one per output token, and one per prompt position scored so far (position 0: None).
+        self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.prompt_logprobs: list | None = (
+            [None] if sampling_params.prompt_logprobs is not None else None
+        )
+
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
@@ -93,7 +101,16 @@ class Request:
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.is_finished else None
 
-    def append_output_token(self, token_id: int) -> None:
+    @property
+    def num_scored_prompt_tokens(self) -> int:
+        """Prompt positions whose log-probabilities are known (position 0 counts: it has none)."""
+        return len(self.prompt_logprobs) if self.prompt_logprobs is not None else 0
+
+    def append_output_token(self, token_id: int, logprob=None) -> None:
+        if logprob is not None:
+            self.cumulative_logprob += logprob.logprob
+            if self.logprobs is not None:
+                self.logprobs.append(logprob)
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)

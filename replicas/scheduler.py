@@ -14,6 +14,7 @@ blocks and the plan of copies between tiers.
 """
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -39,9 +40,18 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    """``prefix_limit(request)``, when given, bounds the cached blocks a request may start
+    after (``replicas.prompt_logprobs``: a prompt being scored needs its prefix's scores)."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        prefix_limit: Callable[[Request], int | None] | None = None,
+    ) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        self.prefix_limit = prefix_limit
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -80,7 +90,8 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[0]
-            match = self.kv_cache.match_prefix(request)
+            limit = self.prefix_limit(request) if self.prefix_limit is not None else None
+            match = self.kv_cache.match_prefix(request, limit)
             num_computed = match.num_blocks * self.kv_cache.block_size
             num_new = request.num_tokens - num_computed
             if num_new > budget and not self.config.enable_chunked_prefill:

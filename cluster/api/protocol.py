@@ -1,16 +1,20 @@
 """Bodies of the OpenAI-compatible API: requests validated here, responses built here.
 
-Requests reject unknown fields with a 400, as OpenAI does. A few OpenAI parameters that Strata
-does not implement are accepted only at their neutral value, because common clients send them
-explicitly (the official ``openai`` client sends nothing it is not given):
-``presence_penalty`` and ``frequency_penalty`` (0), ``logit_bias`` (empty), ``logprobs`` (off),
-and for completions ``echo`` (false) and ``best_of`` (1). Any other value is a 400 naming it.
+Requests reject unknown fields with a 400, as OpenAI does; tool calling (``tools``) is not
+served. Supported beyond the basics: ``n`` and ``best_of`` (choices share their prompt's
+prefill), ``logprobs`` / ``top_logprobs`` (at most 20), ``echo`` with prompt logprobs,
+``presence_penalty`` / ``frequency_penalty`` (in [-2, 2]), ``logit_bias`` (token id -> bias in
+[-100, 100]), a list of prompts in completions, ``stream_options.include_usage`` and
+``response_format`` (``text``, ``json_object``, ``json_schema``).
 
-Extensions beyond OpenAI: ``top_k``, ``stop_token_ids``, ``ignore_eos`` and ``cache_salt``
-(a per-tenant salt of the prefix-cache block hashes: requests reuse cached KV only from requests
-with the same salt).
+Extensions beyond OpenAI: ``top_k``, ``min_tokens``, ``repetition_penalty``,
+``stop_token_ids``, ``ignore_eos``, ``cache_salt`` (a per-tenant salt of the prefix-cache block
+hashes: requests reuse cached KV only from requests with the same salt) and, named as vLLM names
+them, ``structured_outputs`` (``{"json": schema}``, ``{"regex": ...}``, ``{"choice": [...]}``,
+``{"json_object": true}``) and the older ``guided_json``, ``guided_regex``, ``guided_choice``.
 """
 
+import json
 from typing import Any, Literal
 
 from pydantic import (
@@ -21,16 +25,11 @@ from pydantic import (
     ValidationInfo,
     field_validator,
     model_serializer,
+    model_validator,
 )
 
-_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "logit_bias": ({},),
-    "logprobs": (False, 0),
-    "echo": (False,),
-    "best_of": (1,),
-}
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions endpoint's bound
 
 
 class _Body(BaseModel):
@@ -50,6 +49,37 @@ class StreamOptions(_Body):
     )
 
 
+class JSONSchemaFormat(_Body):
+    name: str = Field("schema", description="The schema's name; not used.")
+    description: str | None = Field(None, description="Not used.")
+    schema_: dict[str, Any] = Field(
+        default_factory=dict, alias="schema", description="The JSON schema to follow."
+    )
+    strict: bool | None = Field(None, description="Accepted; the schema is always enforced.")
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"] = Field(
+        "text", description="text (no constraint), json_object or json_schema."
+    )
+    json_schema: JSONSchemaFormat | None = Field(None, description="With type json_schema.")
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema")
+        return self
+
+
+class StructuredOutputsParams(_Body):
+    """vLLM's ``structured_outputs`` extension: exactly one field."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="A JSON schema.")
+    regex: str | None = Field(None, description="A regular expression to match.")
+    choice: list[str] | None = Field(None, description="One of these strings.")
+    json_object: bool | None = Field(None, description="Any JSON object.")
+
+
 class GenerationRequest(_Body):
     """Fields shared by completions and chat completions."""
 
@@ -62,16 +92,27 @@ class GenerationRequest(_Body):
     stop: str | list[str] | None = Field(None, description="Strings that end the output.")
     stop_token_ids: list[int] | None = Field(None, description="Extension: ending token ids.")
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS.")
-    n: int = Field(1, description="Choices per request; only 1 is supported.")
+    n: int = Field(1, description="Choices per prompt; they share the prompt's prefill.")
     user: str | None = Field(None, description="End-user id; accepted and ignored.")
     cache_salt: str | None = Field(
         None, min_length=1, description="Extension: per-tenant salt of prefix-cache hashes."
     )
     stream: bool = Field(False, description="Stream server-sent events.")
     stream_options: StreamOptions | None = Field(None, description="Only with stream=true.")
-    presence_penalty: float | None = Field(None, description="Accepted only at 0.")
-    frequency_penalty: float | None = Field(None, description="Accepted only at 0.")
-    logit_bias: dict[str, float] | None = Field(None, description="Accepted only empty.")
+    presence_penalty: float = Field(0.0, description="Subtracted once per token in the output.")
+    frequency_penalty: float = Field(0.0, description="Subtracted per occurrence in the output.")
+    repetition_penalty: float = Field(
+        1.0, description="Extension: divides the logits of tokens seen in prompt or output."
+    )
+    logit_bias: dict[str, float] | None = Field(None, description="Token id -> added logit.")
+    min_tokens: int = Field(0, description="Extension: no EOS or stop token before this many.")
+    response_format: ResponseFormat | None = Field(None, description="JSON output constraints.")
+    structured_outputs: StructuredOutputsParams | None = Field(
+        None, description="Extension: json / regex / choice / json_object constraint."
+    )
+    guided_json: dict[str, Any] | str | None = Field(None, description="Extension (legacy).")
+    guided_regex: str | None = Field(None, description="Extension (legacy).")
+    guided_choice: list[str] | None = Field(None, description="Extension (legacy).")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -81,30 +122,6 @@ class GenerationRequest(_Body):
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
             return value
         raise ValueError("stop must be a string or a list of strings")
-
-    @field_validator("n")
-    @classmethod
-    def _check_n(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError(f"n={value} is not supported: only one choice (n=1) per request")
-        return value
-
-    @field_validator(
-        "presence_penalty",
-        "frequency_penalty",
-        "logit_bias",
-        "logprobs",
-        "echo",
-        "best_of",
-        check_fields=False,
-    )
-    @classmethod
-    def _check_neutral(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is not None and value not in _NEUTRAL[info.field_name]:
-            raise ValueError(
-                f"{info.field_name}={value!r} is not supported by this server; omit it"
-            )
-        return value
 
     @field_validator("stream_options")
     @classmethod
@@ -119,33 +136,95 @@ class GenerationRequest(_Body):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def structured(self) -> tuple[dict[str, Any] | None, str | None]:
+        """The output constraint as ``StructuredOutputs`` keyword arguments, and the body
+        field that set it; ``(None, None)`` without one. Raises ``ValueError`` when several
+        fields set one."""
+        found: list[tuple[dict[str, Any], str]] = []
+        format_ = self.response_format
+        if format_ is not None and format_.type == "json_object":
+            found.append(({"json_object": True}, "response_format"))
+        if format_ is not None and format_.type == "json_schema":
+            schema = json.dumps(format_.json_schema.schema_)
+            found.append(({"json": schema}, "response_format"))
+        if self.structured_outputs is not None:
+            given = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+            if given.get("json") is not None and not isinstance(given["json"], str):
+                given["json"] = json.dumps(given["json"])
+            if given.get("json_object") is False:
+                given.pop("json_object")
+            found.append((given, "structured_outputs"))
+        if self.guided_json is not None:
+            schema = self.guided_json
+            found.append(
+                ({"json": schema if isinstance(schema, str) else json.dumps(schema)}, "guided_json")
+            )
+        if self.guided_regex is not None:
+            found.append(({"regex": self.guided_regex}, "guided_regex"))
+        if self.guided_choice is not None:
+            found.append(({"choice": self.guided_choice}, "guided_choice"))
+        if not found:
+            return None, None
+        if len(found) > 1:
+            names = ", ".join(name for _, name in found)
+            raise ValueError(f"set one output constraint, not several ({names})")
+        return found[0]
+
 
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[int] = Field(
-        "", description="A string or a list of token ids; a list holding one of those is fine."
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        "", description="A string, a list of token ids, or a list of either (one per prompt)."
     )
     max_tokens: int | None = Field(16, description="Most tokens to generate.")
-    logprobs: int | None = Field(None, description="Accepted only off.")
-    echo: bool | None = Field(None, description="Accepted only false.")
-    best_of: int | None = Field(None, description="Accepted only at 1.")
+    logprobs: int | None = Field(
+        None, description="Logprobs of each token and this many alternatives (at most 5)."
+    )
+    echo: bool = Field(False, description="Return the prompt before the completion.")
+    best_of: int | None = Field(None, description="Sequences per prompt; the n likeliest win.")
+    suffix: str | None = Field(None, description="Accepted only empty.")
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
-        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-            if len(value) > 1:
-                raise ValueError(
-                    f"prompt holds {len(value)} prompts; batched prompts are not supported, "
-                    "send one prompt per request"
-                )
-            value = value[0]
-        if isinstance(value, str):
+    def _check_prompt(cls, value: Any) -> Any:
+        if isinstance(value, str) or _is_token_ids(value):
             return value
-        if isinstance(value, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in value
-        ):
-            return value
-        raise ValueError("prompt must be a string or a list of token ids")
+        if isinstance(value, list) and value:
+            if all(isinstance(p, str) for p in value) or all(_is_token_ids(p) for p in value):
+                return value
+        if isinstance(value, list) and not value:
+            raise ValueError("prompt must not be an empty list")
+        raise ValueError(
+            "prompt must be a string, a list of token ids, or a list of strings or of "
+            "token-id lists"
+        )
+
+    @field_validator("logprobs")
+    @classmethod
+    def _check_logprobs(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= MAX_COMPLETION_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}], got {value}")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _check_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix is not supported by this server; omit it")
+        return value
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one per entry of a batched ``prompt``."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or _is_token_ids(prompt):
+            return [prompt]
+        return list(prompt)
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
 
 
 class ChatMessage(_Body):
@@ -187,7 +266,21 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(
         None, description="Most tokens to generate; wins over max_tokens."
     )
-    logprobs: bool | None = Field(None, description="Accepted only false.")
+    logprobs: bool = Field(False, description="Return each output token's logprob.")
+    top_logprobs: int | None = Field(
+        None, description="Alternatives per token (at most 20); needs logprobs=true."
+    )
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is None:
+            return value
+        if not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
+        if not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs=true")
+        return value
 
 
 # ---- responses ----------------------------------------------------------------------------
@@ -204,10 +297,19 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, one entry per token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str = ""
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -226,10 +328,25 @@ class AssistantMessage(BaseModel):
     content: str = ""
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage = Field(default_factory=AssistantMessage)
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -257,7 +374,7 @@ class DeltaMessage(BaseModel):
 class ChatStreamChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage = Field(default_factory=DeltaMessage)
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

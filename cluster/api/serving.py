@@ -28,22 +28,25 @@ from cluster.api.streaming import (
     until_disconnected,
 )
 from cluster.backend import Backend, NoLiveReplicaError, OverloadedError, ReplicaFailedError
+from cluster.choices import SequenceOutput, best_of, generate_sequences
 from cluster.metrics import RequestMetrics, StrataMetrics
 from replicas.outputs import RequestOutput
 from replicas.prompt import check_prompt_length
 from replicas.sampling_params import SamplingParams
+from replicas.structured_output import GrammarCompiler, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
 _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+MAX_SEQUENCES = 128  # sequences one request may ask for (prompts x n or best_of)
 
 
 @dataclass(slots=True)
 class Generation:
     """A request that passed every check, ready for the backend."""
 
-    prompt_token_ids: list[int]
+    prompts: list[list[int]]  # token ids of each prompt
     sampling_params: SamplingParams
     cache_salt: str | None
     stream: bool
@@ -57,17 +60,40 @@ class Serving:
         self.backend = backend
         self.metrics = metrics
         self.max_tokens_limit = max_tokens_limit
+        self._grammar_compiler: GrammarCompiler | None = None
+
+    def _grammar(self) -> GrammarCompiler:
+        """Schemas are compiled here first, so that a bad one is a 400 naming its field (the
+        replica compiles it again, from its cache of compiled grammars)."""
+        if self._grammar_compiler is None:
+            tokenizer = self.backend.tokenizer
+            self._grammar_compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size)
+        return self._grammar_compiler
 
     # ---- checks: body -> Generation ----------------------------------------------------------
     def completion(self, body: CompletionRequest) -> Generation:
         self.check_model(body.model)
-        prompt = body.prompt
-        token_ids = self.backend.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        encode = self.backend.tokenizer.encode
+        prompts = [encode(p) if isinstance(p, str) else p for p in body.prompts]
         is_set = "max_tokens" in body.model_fields_set
         requested = body.max_tokens if is_set else None
         default = None if is_set else body.max_tokens  # OpenAI's 16, shortened to fit
-        renderer = CompletionRenderer(self.backend.model_name)
-        return self._generation(body, token_ids, requested, default, "max_tokens", renderer)
+        if body.best_of is not None and body.stream and body.best_of > body.n:
+            raise APIError.bad_request("best_of above n cannot be streamed", "best_of")
+        renderer = CompletionRenderer(
+            self.backend.model_name,
+            self.backend.tokenizer,
+            num_choices=body.n,
+            logprobs=body.logprobs,
+            echo=body.echo,
+        )
+        extra = {
+            "n": body.n,
+            "best_of": body.best_of,
+            "logprobs": body.logprobs,
+            "prompt_logprobs": body.logprobs if body.echo and body.logprobs is not None else None,
+        }
+        return self._generation(body, prompts, requested, default, "max_tokens", renderer, extra)
 
     def chat(self, body: ChatCompletionRequest) -> Generation:
         self.check_model(body.model)
@@ -80,8 +106,15 @@ class Serving:
         requested, param = body.max_completion_tokens, "max_completion_tokens"
         if requested is None:
             requested, param = body.max_tokens, "max_tokens"
-        renderer = ChatRenderer(self.backend.model_name)
-        return self._generation(body, token_ids, requested, None, param, renderer)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        renderer = ChatRenderer(
+            self.backend.model_name,
+            self.backend.tokenizer,
+            num_choices=body.n,
+            logprobs=logprobs,
+        )
+        extra = {"n": body.n, "logprobs": logprobs}
+        return self._generation(body, [token_ids], requested, None, param, renderer, extra)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.backend.model_name:
@@ -96,19 +129,22 @@ class Serving:
     def _generation(
         self,
         body: GenerationRequest,
-        token_ids: list[int],
+        prompts: list[list[int]],
         requested: int | None,
         default: int | None,
         max_tokens_param: str,
         renderer: Renderer,
+        extra: dict,
     ) -> Generation:
         """``requested`` is the client's max_tokens (None: not given); without it, generate up
-        to ``default`` tokens (None: as many as fit), shortened to fit the context."""
+        to ``default`` tokens (None: as many as fit), shortened to fit the context of the
+        longest prompt. ``extra``: the endpoint's own sampling fields."""
         max_model_len = self.backend.max_model_len
         prompt_param = "messages" if isinstance(renderer, ChatRenderer) else "prompt"
-        num_prompt = len(token_ids)
+        num_prompt = max(len(token_ids) for token_ids in prompts)
         try:
-            check_prompt_length(num_prompt, max_model_len)
+            for token_ids in prompts:
+                check_prompt_length(len(token_ids), max_model_len)
         except ValueError as error:
             raise APIError.bad_request(str(error), prompt_param) from None
         room = max_model_len - num_prompt
@@ -116,6 +152,24 @@ class Serving:
             max_tokens = min(room, self.max_tokens_limit, default or room)
         else:
             max_tokens = requested
+        try:
+            structured, structured_param = body.structured()
+        except ValueError as error:
+            raise APIError.bad_request(str(error), "response_format") from None
+        try:
+            constraint = StructuredOutputs(**structured) if structured is not None else None
+            if constraint is not None:
+                self._grammar().validate(constraint)
+        except ValueError as error:
+            raise APIError.bad_request(str(error), structured_param) from None
+        vocab_size = self.backend.tokenizer.vocab_size
+        for token in body.logit_bias or ():
+            if token.isdigit() and int(token) >= vocab_size:
+                raise APIError.bad_request(
+                    f"logit_bias: token id {token} is not below the vocabulary size "
+                    f"{vocab_size}",
+                    "logit_bias",
+                )
         try:
             params = SamplingParams(
                 max_tokens=max_tokens,
@@ -126,10 +180,19 @@ class Serving:
                 stop=body.stop,
                 stop_token_ids=list(body.stop_token_ids or []),
                 ignore_eos=body.ignore_eos,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
+                logit_bias=body.logit_bias,
+                min_tokens=body.min_tokens,
+                structured_outputs=constraint,
+                **extra,
             )
         except ValueError as error:
-            name = str(error).split(" ", 1)[0]
+            name = str(error).split(" ", 1)[0].split("[", 1)[0]
             param = max_tokens_param if name == "max_tokens" else name
+            if name == "logprobs" and isinstance(renderer, ChatRenderer):
+                param = "top_logprobs"
             raise APIError.bad_request(
                 str(error), param if name in _SAMPLING_FIELDS else None
             ) from None
@@ -147,8 +210,15 @@ class Serving:
                 "the prompt.",
                 max_tokens_param,
             )
+        num_sequences = len(prompts) * params.num_sequences
+        if num_sequences > MAX_SEQUENCES:
+            raise APIError.bad_request(
+                f"this request asks for {num_sequences} sequences (prompts x "
+                f"{'best_of' if params.best_of else 'n'}); at most {MAX_SEQUENCES} are served",
+                "best_of" if params.best_of else "n",
+            )
         return Generation(
-            token_ids,
+            prompts,
             params,
             body.cache_salt,
             body.stream,
@@ -160,16 +230,20 @@ class Serving:
     # ---- generation: Generation -> answer ----------------------------------------------------
     async def respond(self, request: Request, generation: Generation) -> Response:
         tracker = self.metrics.track()
-        outputs = self.backend.generate(
+        outputs = generate_sequences(
+            self.backend,
             generation.renderer.request_id,
-            generation.prompt_token_ids,
+            generation.prompts,
             generation.sampling_params,
             generation.cache_salt,
         )
-        work = self._first(outputs) if generation.stream else self._collect(outputs, tracker)
+        if generation.stream:
+            work = self._first(outputs)
+        else:
+            work = self._collect(generation, outputs, tracker)
         is_streaming = False
         try:
-            output = await until_disconnected(request.receive, work)
+            result = await until_disconnected(request.receive, work)
             is_streaming = generation.stream
         except ClientDisconnected:
             tracker.finish("abort")
@@ -181,17 +255,20 @@ class Serving:
                 tracker.finish("error")
             raise
         finally:
-            if not is_streaming:  # done with the backend's stream, or failed: release it
+            if not is_streaming:  # done with the backend's streams, or failed: release them
                 await outputs.aclose()
         if not generation.stream:
-            tracker.finish(output.finish_reason)
-            body = generation.renderer.response(output).model_dump_json()
+            choices = result
+            tracker.finish(choices[0][1].finish_reason)
+            finals = [output for _, output in choices]
+            usage = usage_of(finals, generation.sampling_params.n)
+            body = generation.renderer.response(choices, usage).model_dump_json()
             return Response(body, media_type="application/json")
-        events = self._events(generation, output, outputs, tracker)
+        events = self._events(generation, result, outputs, tracker)
         return EventStreamResponse(events, close_also=outputs)
 
     @staticmethod
-    async def _first(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    async def _first(outputs: AsyncIterator[SequenceOutput]) -> SequenceOutput:
         output = await anext(outputs, None)
         if output is None:
             raise ReplicaFailedError("the request ended without any output")
@@ -199,43 +276,62 @@ class Serving:
 
     @staticmethod
     async def _collect(
-        outputs: AsyncIterator[RequestOutput], tracker: RequestMetrics
-    ) -> RequestOutput:
-        final = None
-        async for output in outputs:
-            tracker.observe(output)
-            final = output
-        if final is None or not final.finished:
-            raise ReplicaFailedError("the request's outputs ended before it finished")
-        return final
+        generation: Generation, outputs: AsyncIterator[SequenceOutput], tracker: RequestMetrics
+    ) -> list[tuple[int, RequestOutput]]:
+        """Every choice's final output, as (index, output) in index order. The latencies are
+        those of the first prompt's first sequence."""
+        params = generation.sampling_params
+        finals: dict[tuple[int, int], RequestOutput] = {}
+        async for prompt_index, index, output in outputs:
+            if prompt_index == index == 0:
+                tracker.observe(output)
+            finals[prompt_index, index] = output
+        choices = []
+        for prompt_index in range(len(generation.prompts)):
+            sequences = [finals.get((prompt_index, i)) for i in range(params.num_sequences)]
+            if any(o is None or not o.finished for o in sequences):
+                raise ReplicaFailedError("the request's outputs ended before it finished")
+            for output in best_of(sequences, params):
+                index = generation.renderer.choice_index(prompt_index, output.index)
+                choices.append((index, output))
+        return choices
 
     async def _events(
         self,
         generation: Generation,
-        first: RequestOutput,
-        outputs: AsyncIterator[RequestOutput],
+        first: SequenceOutput,
+        outputs: AsyncIterator[SequenceOutput],
         tracker: RequestMetrics,
     ) -> AsyncGenerator[bytes, None]:
         renderer = generation.renderer
+        num_choices = len(generation.prompts) * generation.sampling_params.n
+        finals: dict[int, RequestOutput] = {}
         finish_reason = "abort"  # unless the stream reaches its end
         try:
             async with contextlib.aclosing(outputs):
-                for chunk in renderer.first_chunks():
+                for chunk in renderer.first_chunks(len(generation.prompts)):
                     yield sse(chunk)
-                output: RequestOutput | None = first
-                while output is not None:
-                    tracker.observe(output)
-                    chunk = renderer.chunk(output)
+                item: SequenceOutput | None = first
+                while item is not None:
+                    prompt_index, sequence_index, output = item
+                    index = renderer.choice_index(prompt_index, sequence_index)
+                    if index == 0:
+                        tracker.observe(output)
+                    chunk = renderer.chunk(index, output)
                     if chunk is not None:
                         yield sse(chunk)
                     if output.finished:
-                        break
-                    output = await anext(outputs, None)
-                if output is None:
+                        finals[index] = output
+                        if len(finals) == num_choices:
+                            break
+                    item = await anext(outputs, None)
+                if len(finals) < num_choices:
                     raise ReplicaFailedError("the request's outputs ended before it finished")
-                finish_reason = output.finish_reason
+                finish_reason = finals[0].finish_reason
                 if generation.include_usage:
-                    yield sse(renderer.usage_chunk(usage_of(output)))
+                    ordered = [finals[i] for i in range(num_choices)]
+                    usage = usage_of(ordered, generation.sampling_params.n)
+                    yield sse(renderer.usage_chunk(usage))
         except Exception as error:
             finish_reason = "error"
             api_error = from_backend_error(error)

@@ -37,8 +37,8 @@ BAD_COMPLETIONS = [
     (b"[1, 2]", None, "object"),
     (b'"hello"', None, "object"),
     (b'{"prompt": 5}', "prompt", "prompt"),
-    (b'{"prompt": ["a", "b"]}', "prompt", "batched"),
-    (b'{"prompt": [[1, 2], [3]]}', "prompt", "batched"),
+    (b'{"prompt": ["a", [1]]}', "prompt", "token-id lists"),
+    (b'{"prompt": [[1, 2], []]}', "prompt", "empty"),
     (b'{"prompt": [1, true]}', "prompt", "token ids"),
     (b'{"prompt": "x", "max_tokens": "5"}', "max_tokens", "max_tokens"),
     (b'{"prompt": "x", "max_tokens": 1.5}', "max_tokens", "max_tokens"),
@@ -52,11 +52,41 @@ BAD_COMPLETIONS = [
     (b'{"prompt": "x", "stop": [""]}', "stop", "stop"),
     (b'{"prompt": "x", "stop_token_ids": [-1]}', "stop_token_ids", "stop_token_ids"),
     (b'{"prompt": "x", "seed": "s"}', "seed", "seed"),
-    (b'{"prompt": "x", "n": 2}', "n", "n=2"),
+    (b'{"prompt": "x", "n": 0}', "n", "n must"),
+    (b'{"prompt": "x", "n": 4, "best_of": 2}', "best_of", "best_of"),
+    (b'{"prompt": "x", "n": 200}', "n", "sequences"),
+    (b'{"prompt": "x", "logprobs": 6}', "logprobs", "logprobs"),
+    (b'{"prompt": "x", "logprobs": -1}', "logprobs", "logprobs"),
+    (b'{"prompt": "x", "best_of": 3, "stream": true}', "best_of", "streamed"),
+    (b'{"prompt": "x", "frequency_penalty": 2.5}', "frequency_penalty", "frequency_penalty"),
+    (b'{"prompt": "x", "repetition_penalty": 0}', "repetition_penalty", "repetition_penalty"),
+    (b'{"prompt": "x", "logit_bias": {"x": 1}}', "logit_bias", "logit_bias"),
+    (b'{"prompt": "x", "logit_bias": {"5": 101}}', "logit_bias", "logit_bias"),
+    (b'{"prompt": "x", "logit_bias": {"999": 1}}', "logit_bias", "999"),
+    (b'{"prompt": "x", "min_tokens": 20, "max_tokens": 4}', "min_tokens", "min_tokens"),
+    (b'{"prompt": "x", "suffix": "y"}', "suffix", "suffix"),
+    (
+        b'{"prompt": "x", "response_format": {"type": "json_schema"}}',
+        "response_format",
+        "json_schema",
+    ),
+    (
+        b'{"prompt": "x", "response_format": {"type": "json_schema", "json_schema": '
+        b'{"name": "a", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}}',
+        "response_format",
+        "schema",
+    ),
+    (b'{"prompt": "x", "structured_outputs": {"regex": "(a"}}', "structured_outputs", "regex"),
+    (b'{"prompt": "x", "structured_outputs": {"choice": []}}', "structured_outputs", "choice"),
+    (
+        b'{"prompt": "x", "guided_regex": "a+", "response_format": {"type": "json_object"}}',
+        "response_format",
+        "several",
+    ),
     (b'{"prompt": "x", "stream": "yes"}', "stream", "stream"),
     (b'{"prompt": "x", "stream_options": {"include_usage": true}}', "stream_options", "stream"),
     (b'{"prompt": "x", "frobnicate": 1}', "frobnicate", "frobnicate"),
-    (b'{"prompt": "x", "presence_penalty": 0.5}', "presence_penalty", "presence_penalty"),
+    (b'{"prompt": "x", "presence_penalty": -3}', "presence_penalty", "presence_penalty"),
     (b'{"prompt": "x", "cache_salt": ""}', "cache_salt", "cache_salt"),
     (b'{"prompt": [300]}', "prompt", "vocabulary"),
     (b'{"prompt": []}', "prompt", "empty"),
@@ -73,10 +103,13 @@ def test_bad_completion_body_is_400(client, raw, param, word):
     assert word in error["message"]
 
 
-def test_neutral_values_of_unsupported_parameters_are_accepted(client):
+def test_neutral_values_of_optional_parameters_are_accepted(client):
     body = {**OK_BODY, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}}
-    response = client.post("/v1/completions", json={**body, "echo": False, "logprobs": None})
+    response = client.post(
+        "/v1/completions", json={**body, "echo": False, "logprobs": None, "best_of": 1}
+    )
     assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["logprobs"] is None
 
 
 @pytest.mark.parametrize(
@@ -92,6 +125,16 @@ def test_neutral_values_of_unsupported_parameters_are_accepted(client):
             "max_completion_tokens",
         ),
         ({"messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 50},
+            "top_logprobs",
+        ),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},
+            "response_format",
+        ),
     ],
 )
 def test_bad_chat_body_is_400(client, body, param):
