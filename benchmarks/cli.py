@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import (
+    api_fields,
     churn,
     decode,
     engine_vs_llamacpp,
@@ -42,6 +43,7 @@ SCENARIOS = {
         sweeps_scenario,
         decode,
         engine_vs_llamacpp,
+        api_fields,
     )
 }
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "out"

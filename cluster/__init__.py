@@ -2,8 +2,9 @@
 
 from cluster.llm import LLM
 from replicas.config import KVOffloadConfig, PrefixCacheConfig, SchedulerConfig
-from replicas.outputs import RequestOutput
+from replicas.outputs import RequestOutput, TokenLogprob
 from replicas.sampling_params import SamplingParams
+from replicas.structured_output import StructuredOutputs
 
 __all__ = [
     "LLM",
@@ -12,4 +13,6 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SchedulerConfig",
+    "StructuredOutputs",
+    "TokenLogprob",
 ]

@@ -80,11 +80,16 @@ class Sampler:
         self._seen_in_prompt.pop(request_id, None)
 
     def _process(self, row: torch.Tensor, request: Request) -> None:
-        """Apply min_tokens, logit_bias, penalties and the grammar to one row, in place."""
+        """Apply the grammar, min_tokens, logit_bias and the penalties to one row, in place."""
         params = request.sampling_params
+        if params.structured_outputs is not None:
+            self._matcher(request).apply_mask(row)  # masks commute with the rest: -inf stays
         if request.num_output_tokens < params.min_tokens:
             banned = [t for t in (*self.eos_token_ids, *params.stop_token_ids) if t < row.numel()]
+            kept = row.clone() if params.structured_outputs is not None else None
             row[banned] = float("-inf")
+            if kept is not None and not torch.isfinite(row).any():
+                row.copy_(kept)  # a complete structured output may end before min_tokens
         if params.logit_bias:
             ids = [t for t in params.logit_bias if t < row.numel()]
             row[ids] += torch.tensor([params.logit_bias[t] for t in ids], dtype=row.dtype)
@@ -97,8 +102,6 @@ class Sampler:
             output = torch.tensor(request.output_token_ids, dtype=torch.long)
             counts = torch.bincount(output, minlength=row.numel())[: row.numel()].to(row.dtype)
             row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
-        if params.structured_outputs is not None:
-            self._matcher(request).apply_mask(row)
 
     def _seen(self, request: Request, vocab_size: int) -> torch.Tensor:
         """Token ids in the prompt or the output so far (the repetition penalty's set)."""

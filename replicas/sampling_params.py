@@ -22,7 +22,8 @@ class SamplingParams:
     the output before the matched string; ``stop_token_ids`` end it after the matched token.
 
     Logits processing, in this order, before temperature and the filters (greedy rows too):
-    ``min_tokens`` forbids EOS and ``stop_token_ids`` until that many tokens are out;
+    the structured-output mask; ``min_tokens`` forbids EOS and ``stop_token_ids`` until that
+    many tokens are out (unless the mask allows nothing else);
     ``logit_bias`` adds to a token's logit (in [-100, 100]); ``repetition_penalty`` divides a
     positive logit (multiplies a negative one) of every token seen in the prompt or output;
     ``frequency_penalty`` subtracts per occurrence in the output, ``presence_penalty`` once per

@@ -26,9 +26,11 @@ from cluster.api.middleware import APIKeyGuard, BodySizeLimit
 from cluster.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ModelCard,
     ModelList,
     ResetPrefixCacheRequest,
+    TokenizeRequest,
 )
 from cluster.api.serving import Serving
 from cluster.backend import Backend
@@ -116,6 +118,29 @@ def create_app(
     async def model(model: str) -> ModelCard:
         serving.check_model(model)
         return model_card()
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> JSONResponse:
+        info = {**backend.tokenizer.info(), "model_max_length": backend.max_model_len}
+        return JSONResponse(info)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        body = await read_body(request, TokenizeRequest)
+        serving.check_model(body.model)
+        tokens = backend.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return JSONResponse(
+            {"tokens": tokens, "count": len(tokens), "max_model_len": backend.max_model_len}
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        body = await read_body(request, DetokenizeRequest)
+        serving.check_model(body.model)
+        vocab_size = backend.tokenizer.vocab_size
+        if any(not 0 <= t < vocab_size for t in body.tokens):
+            raise APIError.bad_request(f"tokens must be ids below {vocab_size}", "tokens")
+        return JSONResponse({"prompt": backend.tokenizer.decode(body.tokens)})
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -42,6 +42,21 @@ class ResetPrefixCacheRequest(_Body):
     )
 
 
+class TokenizeRequest(_Body):
+    """``POST /tokenize`` (as vLLM serves it): a prompt's token ids."""
+
+    model: str | None = Field(None, description="The served model's name; omitted means it.")
+    prompt: str = Field(..., description="The text to tokenize.")
+    add_special_tokens: bool = Field(True, description="Start with BOS where the model does.")
+
+
+class DetokenizeRequest(_Body):
+    """``POST /detokenize``: the text of token ids."""
+
+    model: str | None = Field(None, description="The served model's name; omitted means it.")
+    tokens: list[int] = Field(..., description="Token ids to decode.")
+
+
 class StreamOptions(_Body):
     include_usage: bool = Field(False, description="Send a last chunk with the usage.")
     include_obfuscation: bool | None = Field(

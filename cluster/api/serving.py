@@ -166,8 +166,7 @@ class Serving:
         for token in body.logit_bias or ():
             if token.isdigit() and int(token) >= vocab_size:
                 raise APIError.bad_request(
-                    f"logit_bias: token id {token} is not below the vocabulary size "
-                    f"{vocab_size}",
+                    f"logit_bias: token id {token} is not below the vocabulary size {vocab_size}",
                     "logit_bias",
                 )
         try:

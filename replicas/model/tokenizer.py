@@ -9,8 +9,9 @@ from typing import Any
 
 class Tokenizer(ABC):
     @abstractmethod
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``, starting with BOS when the model uses one."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, starting with BOS when the model uses one (unless
+        ``add_special_tokens`` is False)."""
 
     @abstractmethod
     def decode(self, ids: list[int]) -> str:
@@ -28,6 +29,10 @@ class Tokenizer(ABC):
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
         """The prompt text for a chat, ending where the assistant's reply begins."""
 
+    def info(self) -> dict[str, Any]:
+        """What ``GET /tokenizer_info`` tells clients that tokenize for themselves."""
+        return {"eos_token": None, "bos_token": None, "pad_token": None, "chat_template": None}
+
 
 class ByteTokenizer(Tokenizer):
     """Ids 0-255 are the UTF-8 bytes of the text; 256 is BOS and 257 is EOS."""
@@ -35,8 +40,9 @@ class ByteTokenizer(Tokenizer):
     BOS = 256
     EOS = 257
 
-    def encode(self, text: str) -> list[int]:
-        return [self.BOS, *text.encode("utf-8")]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [self.BOS, *ids] if add_special_tokens else ids
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
@@ -141,8 +147,10 @@ class HFTokenizer(Tokenizer):
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._tokenizer.token_to_id(token)
 
-    def encode(self, text: str) -> list[int]:
-        ids = self._tokenizer.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        if not add_special_tokens:
+            return ids
         bos = self.bos_token_id
         if self._add_bos and (not ids or ids[0] != bos):
             ids = [bos, *ids]
@@ -152,6 +160,14 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "eos_token": self.eos_token,
+            "bos_token": self.bos_token,
+            "pad_token": None,
+            "chat_template": self.chat_template,
+        }
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

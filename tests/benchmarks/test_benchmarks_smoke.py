@@ -111,6 +111,13 @@ EXPECTED = {
         "strata.*.decode.*.decode_tokens_per_s",
         "strata.*.largest_batch_over_batch_1",
     ],
+    "api-fields": [
+        "choices.n.prompt_tokens_computed",
+        "choices.separate.prompt_tokens_computed",
+        "choices.n.ttft_mean_s",
+        "ratios.n_over_separate_prompt_tokens",
+        "ratios.eval_speedup_caching_on",
+    ],
 }
 PEER_EXPECTED = [
     "llama_cpp.cold_prefill.tokens_per_s",

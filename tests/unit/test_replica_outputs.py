@@ -131,3 +131,38 @@ def test_a_request_routed_back_after_an_abort_may_reuse_its_id():
     assert finals == [("x", "abort"), ("x", "length")]
     assert actor.engine.num_unfinished == 0
     actor.engine.check_integrity()
+
+
+def test_logprobs_cross_the_stream_once_each():
+    """Generated logprobs arrive step by step, prompt logprobs once; rebuilt, they equal those
+    of one stream read whole."""
+    params = SamplingParams(max_tokens=5, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    prompt = PROMPTS["r1"]
+
+    async def scenario():
+        actor = make_actor()
+        outputs = [o async for o in actor.generate("whole", prompt, params)]
+        actor.engine.reset_prefix_cache()
+        messages, done = [], set()
+
+        async def read() -> None:
+            async for batch in actor.outputs("front:2"):
+                messages.append(batch)
+                if any(OutputDelta._make(item).finished for _, item in batch):
+                    return
+
+        reader = asyncio.ensure_future(read())
+        await actor.submit("front:2", "r", prompt, params)
+        await asyncio.wait_for(reader, 60)
+        return outputs[-1], [OutputDelta._make(item) for batch in messages for _, item in batch]
+
+    whole, deltas = asyncio.run(scenario())
+    assert sum(d.new_prompt_logprobs is not None for d in deltas) == 1
+    rebuilt = OutputAccumulator(prompt)
+    for delta in deltas:
+        output = rebuilt.add(delta)
+    assert [s.token_id for s in output.logprobs] == output.token_ids == whole.token_ids
+    assert [s.logprob for s in output.logprobs] == [s.logprob for s in whole.logprobs]
+    assert len(output.prompt_logprobs) == len(prompt) and output.prompt_logprobs[0] is None
+    assert [s.token_id for s in output.prompt_logprobs[1:]] == prompt[1:]
+    assert output.cumulative_logprob == whole.cumulative_logprob
