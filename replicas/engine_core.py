@@ -181,10 +181,13 @@ class EngineCore:
             self._add_prompt_scores(step.output.scheduled[scores.index].request, scores)
         logprobs = result.logprobs or [None] * len(result.requests)
         for request, token_id, logprob in zip(result.requests, result.token_ids, logprobs):
-            request.append_output_token(token_id, logprob)
             if request.first_token_time is None:
                 request.first_token_time = first_token_time
-            status = self._check_stop(request, token_id)
+            if request.sampling_params.max_tokens == 0:  # the prompt is scored: done
+                status = RequestStatus.FINISHED_LENGTH
+            else:
+                request.append_output_token(token_id, logprob)
+                status = self._check_stop(request, token_id)
             if status is not None:
                 self.scheduler.finish(request, status)
                 self.executor.release(request.request_id)

@@ -31,7 +31,8 @@ class SamplingParams:
 
     ``logprobs = k`` reports each generated token's log-probability and the ``k`` likeliest
     alternatives; ``prompt_logprobs = k`` the same for every prompt token after the first. Both are
-    the model's log-softmax, before any of the processing above.
+    the model's log-softmax, before any of the processing above. ``max_tokens = 0`` (with
+    ``prompt_logprobs`` only) scores the prompt and generates nothing.
 
     ``n`` sequences are generated from the prompt (``best_of`` of them when set, returning the
     ``n`` with the highest cumulative log-probability); the engine serves one sequence per
@@ -63,8 +64,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
             raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
+            raise ValueError(
+                f"max_tokens must be at least 1 (0 only to score a prompt: with "
+                f"prompt_logprobs), got {self.max_tokens}"
+            )
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature):
             raise ValueError(f"temperature must be a finite number, got {self.temperature!r}")
         if self.temperature < 0:

@@ -87,11 +87,14 @@ class Serving:
             logprobs=body.logprobs,
             echo=body.echo,
         )
+        prompt_logprobs = body.logprobs if body.echo else None
+        if body.echo and requested == 0 and prompt_logprobs is None:
+            prompt_logprobs = 0  # max_tokens=0 with echo: the prompt is all there is
         extra = {
             "n": body.n,
             "best_of": body.best_of,
             "logprobs": body.logprobs,
-            "prompt_logprobs": body.logprobs if body.echo and body.logprobs is not None else None,
+            "prompt_logprobs": prompt_logprobs,
         }
         return self._generation(body, prompts, requested, default, "max_tokens", renderer, extra)
 

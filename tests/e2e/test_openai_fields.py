@@ -261,3 +261,20 @@ def test_streamed_choices_and_usage(client, model_name):
     )
     assert [c.text for c in whole.choices] == [texts[i] for i in range(4)]
     assert whole.usage.prompt_tokens == usage.prompt_tokens
+
+
+def test_max_tokens_zero_with_echo_scores_the_prompt_only(client, model_name):
+    body = dict(model=model_name, prompt=PROMPT, echo=True, logprobs=1, **GREEDY)
+    scored = client.completions.create(max_tokens=0, **body)
+    with_token = client.completions.create(max_tokens=1, **body)
+    choice = scored.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0
+    num_prompt = scored.usage.prompt_tokens
+    assert len(choice.logprobs.tokens) == num_prompt
+    assert choice.logprobs.token_logprobs == pytest.approx(
+        with_token.choices[0].logprobs.token_logprobs[:num_prompt], abs=2e-2
+    )
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=model_name, prompt=PROMPT, max_tokens=0)
+    assert raised.value.body["param"] == "max_tokens"
