@@ -143,7 +143,7 @@ def test_logprobs_cross_the_stream_once_each():
         actor = make_actor()
         outputs = [o async for o in actor.generate("whole", prompt, params)]
         actor.engine.reset_prefix_cache()
-        messages, done = [], set()
+        messages = []
 
         async def read() -> None:
             async for batch in actor.outputs("front:2"):
