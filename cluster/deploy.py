@@ -76,7 +76,13 @@ class RayBackend:
         self.router = (
             ray.remote(RouterActor)
             .options(name=f"{name}-router", num_cpus=0, max_restarts=-1, max_task_retries=-1)
-            .remote(size, engine_config.block_size, config.routing, replica_name_prefix=name)
+            .remote(
+                size,
+                engine_config.block_size,
+                config.routing,
+                replica_name_prefix=name,
+                sliding_window=args.sliding_window if "sliding" in args.layer_types else None,
+            )
         )
         replica_cls = ray.remote(ReplicaActor)
         self.replicas = [

@@ -52,7 +52,14 @@ from replicas.kv_cache_types import (
     PrefixMatch,
     TransferPlan,
 )
-from replicas.kv_events import KVEvent, KVEventKind, KVSnapshot, Tier
+from replicas.kv_events import (
+    SLIDING,
+    KVEvent,
+    KVEventKind,
+    KVSnapshot,
+    Tier,
+    safe_prefix_length,
+)
 from replicas.kv_retention import BlockCosts, RetentionStats, RetentionTracker
 from replicas.request import Request
 
@@ -207,15 +214,7 @@ class KVCacheManager:
         present = [
             cache_type.npu.lookup(h) is not None or cache_type.on_host(h) for h in hashes[:limit]
         ]
-        last_missing = -1
-        best = 0
-        for length in range(limit + 1):
-            first = cache_type.spec.window_start(length * self.block_size, self.block_size)
-            if last_missing < first:
-                best = length
-            if length < limit and not present[length]:
-                last_missing = length
-        return best
+        return safe_prefix_length(present, limit, self.block_size, cache_type.spec.sliding_window)
 
     def num_blocks_needed(
         self, request: Request, num_new_tokens: int, match: PrefixMatch = EMPTY_MATCH
@@ -495,19 +494,21 @@ class KVCacheManager:
         return events
 
     def snapshot(self, replica_index: int, next_seq: int) -> KVSnapshot:
-        """Every hash the primary cache type holds, per tier, in the message a router resyncs
-        from; ``next_seq`` is the sequence number of the replica's next event, so the caller
-        drains and publishes pending events first (no mutation)."""
-        primary = self._cache_types[0]
-        host = tuple(primary.host.cached_hashes()) if primary.host else ()
-        return KVSnapshot(replica_index, next_seq, tuple(primary.npu.cached_hashes()), host)
+        """Every hash each cache type holds, per tier, in the message a router resyncs from;
+        ``next_seq`` is the sequence number of the replica's next event, so the caller drains
+        and publishes pending events first (no mutation)."""
+        hashes = {}
+        for cache_type in self._cache_types:
+            host = tuple(cache_type.host.cached_hashes()) if cache_type.host else ()
+            hashes[cache_type.name] = (tuple(cache_type.npu.cached_hashes()), host)
+        npu, host = hashes[self._cache_types[0].name]
+        return KVSnapshot(replica_index, next_seq, npu, host, *hashes.get(SLIDING, ((), ())))
 
     def _emit(
         self, cache_type: _CacheType, kind: KVEventKind, tier: Tier, block_hash: BlockHash
     ) -> None:
-        # The router indexes global KV, the bound on any reuse; sliding KV is not published.
-        if self._record_events and cache_type is self._cache_types[0]:
-            self._events.append(KVEvent(kind, tier, block_hash))
+        if self._record_events:
+            self._events.append(KVEvent(kind, tier, block_hash, cache_type.name))
 
     def check_integrity(self) -> None:
         for cache_type in self._cache_types:

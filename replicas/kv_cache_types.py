@@ -4,6 +4,8 @@ stats."""
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from replicas.kv_events import window_start
+
 
 class CacheTypeSpec(NamedTuple):
     """One cache type of a replica: the layers of one attention kind, with their own pools.
@@ -19,9 +21,7 @@ class CacheTypeSpec(NamedTuple):
 
     def window_start(self, num_tokens: int, block_size: int) -> int:
         """First block a token at position ``num_tokens`` still attends to (0 for global)."""
-        if self.sliding_window is None:
-            return 0
-        return max(0, num_tokens - self.sliding_window + 1) // block_size
+        return window_start(num_tokens, block_size, self.sliding_window)
 
 
 class CacheTypeMatch(NamedTuple):

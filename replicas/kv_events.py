@@ -8,6 +8,7 @@ numbers, so a router that sees a gap knows its index missed events and asks for 
 string value, so events, metric labels and JSON read the same as plain strings.
 """
 
+from collections.abc import Sequence
 from enum import StrEnum
 from typing import NamedTuple
 
@@ -28,12 +29,44 @@ class KVEventKind(StrEnum):
     REMOVED = "removed"  # the tier no longer holds it
 
 
+FULL = "full"
+SLIDING = "sliding"
+"""Cache types: global attention's KV (every model) and sliding-window attention's (hybrid)."""
+
+
+def window_start(num_tokens: int, block_size: int, sliding_window: int | None) -> int:
+    """First block a token at position ``num_tokens`` still attends to (0 for global)."""
+    if sliding_window is None:
+        return 0
+    return max(0, num_tokens - sliding_window + 1) // block_size
+
+
+def safe_prefix_length(
+    present: Sequence[bool], limit: int, block_size: int, sliding_window: int | None
+) -> int:
+    """Longest ``L <= limit`` whose window (blocks ``window_start(L * block_size)`` to
+    ``L - 1``) is all ``present`` (``present[i]``: block i is cached in some tier). A replica's
+    prefix match and the router's score of a hybrid model's prompt both apply this rule."""
+    last_missing = -1
+    best = 0
+    for length in range(limit + 1):
+        first = window_start(length * block_size, block_size, sliding_window)
+        if last_missing < first:
+            best = length
+        if length < limit and not present[length]:
+            last_missing = length
+    return best
+
+
 class KVEvent(NamedTuple):
-    """A block hash entered (``stored``) or left (``removed``) one tier of one replica."""
+    """A block hash entered (``stored``) or left (``removed``) one tier of one cache type of one
+    replica. A hybrid model's replica publishes its ``sliding`` blocks too, so a router can
+    credit a prefix only as far as its sliding window is cached (the safe prefix)."""
 
     kind: KVEventKind
     tier: Tier
     block_hash: BlockHash
+    cache_type: str = FULL
 
 
 class KVEventBatch(NamedTuple):
@@ -49,9 +82,12 @@ class KVEventBatch(NamedTuple):
 
 
 class KVSnapshot(NamedTuple):
-    """Every cached hash of one replica per tier, as of just before event ``next_seq``."""
+    """Every cached hash of one replica per tier, as of just before event ``next_seq``; the
+    ``sliding_*`` hashes are a hybrid model's sliding cache type's."""
 
     replica_index: int
     next_seq: int
     npu_hashes: tuple[BlockHash, ...]
     host_hashes: tuple[BlockHash, ...]
+    sliding_npu_hashes: tuple[BlockHash, ...] = ()
+    sliding_host_hashes: tuple[BlockHash, ...] = ()

@@ -30,8 +30,9 @@ class RouterActor:
         block_size: int,
         config: RoutingConfig,
         replica_name_prefix: str | None = None,
+        sliding_window: int | None = None,
     ) -> None:
-        self.router = Router(num_replicas, block_size, config)
+        self.router = Router(num_replicas, block_size, config, sliding_window)
         self.replica_name_prefix = replica_name_prefix
         self._resyncing: set[int] = set()
         with warnings.catch_warnings():  # Ray's own property uses a deprecated accessor

@@ -12,7 +12,7 @@ from itertools import repeat, takewhile
 from typing import NamedTuple
 
 from replicas.hashing import BlockHash
-from replicas.kv_events import KVEventBatch, KVEventKind, KVSnapshot, Tier
+from replicas.kv_events import FULL, SLIDING, KVEventBatch, KVEventKind, KVSnapshot, Tier
 
 _LANE_BITS = 8
 """Replicas per lane: ``match`` scans one byte per block and lane with C-level bytes methods."""
@@ -52,10 +52,11 @@ class PrefixIndex:
     thread-safe; the owner (``Router``) serialises calls.
     """
 
-    def __init__(self, num_replicas: int) -> None:
+    def __init__(self, num_replicas: int, cache_type: str = FULL) -> None:
         if num_replicas <= 0:
             raise ValueError(f"num_replicas must be positive, got {num_replicas}")
         self.num_replicas = num_replicas
+        self.cache_type = cache_type  # events and snapshot hashes of other cache types: ignored
         self._num_lanes = -(-num_replicas // _LANE_BITS)
         self._field_bits = _LANE_BITS * self._num_lanes
         self._field_mask = (1 << self._field_bits) - 1
@@ -83,7 +84,10 @@ class PrefixIndex:
         holders, width, field = self._holders, self._field_bits, self._field_mask
         npu_tier, host_tier = Tier.NPU, Tier.HOST  # locals: enum attributes are slow to read
         stored, removed = KVEventKind.STORED, KVEventKind.REMOVED
-        for kind, tier, block_hash in batch.events:
+        cache_type = self.cache_type
+        for kind, tier, block_hash, event_cache_type in batch.events:
+            if event_cache_type != cache_type:
+                continue
             entry = holders.get(block_hash, 0)
             npu, host = entry & ~(entry >> width) & field, entry >> (2 * width)  # _decode inline
             if tier == npu_tier:
@@ -116,12 +120,15 @@ class PrefixIndex:
         replica = snapshot.replica_index
         self.clear_replica(replica)
         bit = 1 << replica
-        for block_hash in snapshot.npu_hashes:
+        npu_hashes, host_hashes = snapshot.npu_hashes, snapshot.host_hashes
+        if self.cache_type == SLIDING:
+            npu_hashes, host_hashes = snapshot.sliding_npu_hashes, snapshot.sliding_host_hashes
+        for block_hash in npu_hashes:
             npu, host = self._decode(self._holders.get(block_hash, 0))
             if not npu & bit:
                 self._store(block_hash, npu | bit, host)
                 self._num_npu[replica] += 1
-        for block_hash in snapshot.host_hashes:
+        for block_hash in host_hashes:
             npu, host = self._decode(self._holders.get(block_hash, 0))
             if not host & bit:
                 self._store(block_hash, npu, host | bit)
@@ -179,6 +186,19 @@ class PrefixIndex:
                         matches[lane * _LANE_BITS + bit] = IndexMatch(pos - num_host, num_host)
                 still &= held
         return matches
+
+    def holds(self, block_hashes: Sequence[BlockHash], replica: int) -> list[bool]:
+        """Whether ``replica`` holds each of ``block_hashes`` in some tier (read-only)."""
+        bit = 1 << replica
+        get = self._holders.get
+        return [bool(get(h, 0) & bit) for h in block_hashes]
+
+    def count_tiers(self, block_hashes: Sequence[BlockHash], replica: int) -> IndexMatch:
+        """``block_hashes``, all held by ``replica``, counted per tier (read-only)."""
+        bit = 1 << replica << self._field_bits
+        get = self._holders.get
+        num_host = sum(1 for h in block_hashes if get(h, 0) & bit)
+        return IndexMatch(len(block_hashes) - num_host, num_host)
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless every entry is well formed and the counts agree."""

@@ -5,7 +5,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from replicas.hashing import BlockHash
-from replicas.kv_events import KVEventBatch, KVSnapshot
+from replicas.kv_events import SLIDING, KVEventBatch, KVSnapshot, safe_prefix_length
 from router.config import RoutingConfig
 from router.load import LoadTracker
 from router.pending import PendingPrompts
@@ -44,20 +44,37 @@ class Router:
     A prompt routed to a replica counts as NPU-cached there until the replica reports the
     request's first token (``router.pending``: its blocks' events are not out yet).
 
+    For a hybrid model (``sliding_window`` set) a second index follows the replicas' sliding
+    blocks, and a replica's cached prefix counts only as far as the replica itself would reuse
+    it: the longest run whose sliding window is cached too (``safe_prefix_length``, the rule
+    of the replica's ``KVCacheManager.match_prefix``).
+
     A replica awaiting resync is still routed to, on its last known (possibly stale) index. A dead
     replica is neither routed to nor indexed; its index and load are dropped at once, and its
     requests' later completion or abort releases nothing. Not thread-safe: the actor serialises
     calls.
     """
 
-    def __init__(self, num_replicas: int, block_size: int, config: RoutingConfig) -> None:
+    def __init__(
+        self,
+        num_replicas: int,
+        block_size: int,
+        config: RoutingConfig,
+        sliding_window: int | None = None,
+    ) -> None:
         if num_replicas <= 0:
             raise ValueError(f"num_replicas must be positive, got {num_replicas}")
         self.num_replicas = num_replicas
         self.block_size = block_size
         self.config = config
+        self.sliding_window = sliding_window
         self._policy = make_policy(config, block_size)
         self._index = PrefixIndex(num_replicas)
+        self._indexes = [self._index]
+        self._sliding_index: PrefixIndex | None = None
+        if sliding_window is not None:
+            self._sliding_index = PrefixIndex(num_replicas, SLIDING)
+            self._indexes.append(self._sliding_index)
         self._pending = PendingPrompts()
         self._load = LoadTracker(num_replicas)
         self._sync = [_ReplicaSync() for _ in range(num_replicas)]
@@ -98,10 +115,24 @@ class Router:
         """Each live replica's cached prefix: the longer of its indexed run and the run it
         shares with a prompt routed there and not yet computed (counted as NPU blocks)."""
         matches = self._index.match(block_hashes, self._live)
+        if self._sliding_index is not None:
+            matches = [self._safe(block_hashes, r, m) for r, m in enumerate(matches)]
         for replica, num_blocks in self._pending.runs(block_hashes).items():
             if num_blocks > matches[replica].num_blocks:
                 matches[replica] = IndexMatch(num_blocks, 0)
         return matches
+
+    def _safe(
+        self, block_hashes: Sequence[BlockHash], replica: int, match: IndexMatch
+    ) -> IndexMatch:
+        """``match`` cut to the replica's safe prefix of a hybrid model's prompt."""
+        if not match.num_blocks:
+            return match
+        present = self._sliding_index.holds(block_hashes[: match.num_blocks], replica)
+        length = safe_prefix_length(present, match.num_blocks, self.block_size, self.sliding_window)
+        if length == match.num_blocks:
+            return match
+        return self._index.count_tiers(block_hashes[:length], replica)
 
     def add_generated(self, request_id: str, num_tokens: int) -> None:
         """Charge newly generated tokens to the request's replica; no-op once released. Its
@@ -134,7 +165,8 @@ class Router:
         num_seen = sync.next_seq - batch.first_seq
         if num_seen:
             batch = batch._replace(first_seq=sync.next_seq, events=batch.events[num_seen:])
-        self._index.apply(batch)
+        for index in self._indexes:
+            index.apply(batch)
         sync.next_seq = batch.next_seq
         return True
 
@@ -157,7 +189,8 @@ class Router:
         sync = self._replica_sync(replica)
         if not sync.is_live or (not sync.needs_resync and snapshot.next_seq < sync.next_seq):
             return False
-        self._index.load_snapshot(snapshot)
+        for index in self._indexes:
+            index.load_snapshot(snapshot)
         sync.next_seq = snapshot.next_seq
         sync.needs_resync = False
         self._counters[replica].num_resyncs += 1
@@ -168,7 +201,8 @@ class Router:
         sync = self._replica_sync(replica)
         sync.is_live = False
         sync.needs_resync = False
-        self._index.clear_replica(replica)
+        for index in self._indexes:
+            index.clear_replica(replica)
         self._pending.clear_replica(replica)
         self._load.clear_replica(replica)
         self._live = [i for i, s in enumerate(self._sync) if s.is_live]
@@ -177,7 +211,8 @@ class Router:
         """(Re)join ``replica`` as a fresh process (mutates): empty index and no load, expecting
         events from ``next_seq``. On a live replica this resets it the same way (a restart)."""
         sync = self._replica_sync(replica)
-        self._index.clear_replica(replica)
+        for index in self._indexes:
+            index.clear_replica(replica)
         self._pending.clear_replica(replica)
         self._load.clear_replica(replica)
         sync.is_live = True
@@ -217,7 +252,8 @@ class Router:
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless the index, the loads and the live list agree."""
-        self._index.check_integrity()
+        for index in self._indexes:
+            index.check_integrity()
         self._pending.check_integrity()
         self._load.check_integrity()
         assert len(self._pending) <= len(self._load), "a pending prompt outlived its charge"

@@ -216,7 +216,7 @@ def test_events_snapshot_and_usage_follow_the_pools():
     manager.reset_prefix_cache(Tier.NPU)
     hashes = first.block_hashes[:3]
     # Deepest first, as the request released them; plain strings compare equal to the enums.
-    assert manager.drain_events() == [("removed", "npu", h) for h in reversed(hashes)]
+    assert manager.drain_events() == [("removed", "npu", h, "full") for h in reversed(hashes)]
     assert manager.snapshot(2, 5) == KVSnapshot(2, 5, (), tuple(hashes))
     assert manager.usage() == {"full": CacheTypeUsage(8, 0, 0, 4, 0, 3)}
     request = run(manager, PROMPT, finish=False)  # reloads all 3 blocks from host
