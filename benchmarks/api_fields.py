@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks.report import Report
+from benchmarks.report import Report, new_figure
 from benchmarks.workload import prompt_vocab, random_tokens
 from cluster import LLM, PrefixCacheConfig, SamplingParams, SchedulerConfig
 from replicas.model.resolve import DEFAULT_MODEL as REAL_MODEL
@@ -164,6 +164,7 @@ def run(
             ["same answers with caching on and off", same_picks, "True", str(same_picks)],
         ],
     )
+    report.figures["api_fields.png"] = _plot(choices, evaluation)
     report.results = {
         "model": model,
         "settings": asdict(settings),
@@ -177,3 +178,16 @@ def run(
 
 def _fields(params: SamplingParams) -> dict:
     return {name: getattr(params, name) for name in params.__dataclass_fields__}
+
+
+def _plot(choices: dict[str, dict], evaluation: dict[str, dict]):
+    figure, (left, right) = new_figure(2)
+    names = list(choices)
+    left.bar(names, [choices[n]["prompt_tokens_computed"] for n in names])
+    left.set_title("choices of one prompt")
+    left.set_ylabel("prompt tokens computed")
+    names = list(evaluation)
+    right.bar(names, [evaluation[n]["total_s"] for n in names])
+    right.set_title("evaluation workload")
+    right.set_ylabel("total time (s)")
+    return figure

@@ -5,11 +5,16 @@ strings) is compiled once per tokenizer by ``GrammarCompiler`` (cached); each se
 a ``GrammarMatcher``, whose ``apply_mask`` sets the logits of the tokens that cannot continue a
 valid output to -inf before sampling and whose ``accept`` advances it by the sampled token.
 
-The grammar library is xgrammar, chosen by measurement with SmolLM2-135M's tokenizer on CPU
-(``python -m benchmarks.grammar_overhead``): computing the next-token mask and accepting the
-token cost 3.5 µs per token on average (warm; 7.1 µs the first walk after compiling) against
-28 µs for llguidance and 16 µs for outlines-core, whose compiles also took seconds for any JSON
-object; all three handled the tokenizer correctly (special tokens, both EOS ids, padding rows).
+The grammar library is llguidance, chosen by measurement (``python -m benchmarks.grammar_overhead
+--repeats 10``: SmolLM2-135M's tokenizer, CPU, four runs on a shared 2-core machine; mean µs per
+token, warm, to compute the mask and accept the token; mean compile time): xgrammar 3.8-6.6 µs,
+8-11 ms; llguidance 33-54 µs, 1.2-1.8 ms; outlines-core 21-28 µs, 1.7-2.1 s (9-12 s for any
+JSON object). xgrammar needs triton (~1 GB), transformers and apache-tvm-ffi at run time, which a
+CPU serving install must not carry, and it emitted invalid JSON (raw control characters in
+length-bounded strings) unless its grammar text was patched; outlines-core takes seconds to
+compile. llguidance (no dependencies of its own) compiles fastest and produced no invalid output;
+through this module (the ``strata`` row: mask, writing it into the logits row, accept) a token
+costs 62-113 µs, 0.3-0.6% of a 20 ms decode step of the 135M model at batch 1.
 
 Invariants:
 
@@ -18,30 +23,48 @@ Invariants:
 * EOS is allowed exactly when the output so far is complete; once nothing else can follow, only
   the EOS tokens are allowed (also after an EOS was accepted);
 * JSON is generated on one line with ``", "`` and ``": "`` separators (``json.dumps``' layout)
-  and no other whitespace, so a model cannot loop on whitespace; objects of a schema take no
-  properties beyond those listed, in the listed order;
-* regexes (and a schema's ``pattern``) are matched whole, in xgrammar's dialect (no lookaround,
-  word boundaries or ``\\p{..}`` classes);
+  and no other whitespace, so a model cannot loop on whitespace; the properties of an object
+  come in the listed order, and an object schema with ``properties`` that says nothing of other
+  properties (``additionalProperties``, ``patternProperties``, ``unevaluatedProperties``) takes
+  no others; unsupported schema keywords (``uniqueItems``...) are refused, never ignored;
+* regexes (and a schema's ``pattern``) are matched whole, in Rust's ``regex`` dialect (no
+  lookaround, backreferences or word boundaries);
 * the library is imported when a ``GrammarCompiler`` is created, never at module import.
 """
 
+import copy
 import json
-import os
 import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from replicas.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
-PACKAGE = "xgrammar"  # pip name; pyproject pins the version
+PACKAGE = "llguidance"  # pip name; pyproject pins the version
 CACHE_SIZE = 256  # compiled grammars kept per GrammarCompiler (least recently used dropped)
 _FIELDS = ("json", "json_object", "regex", "choice")
-_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[12:41:25] file.cc:94: "
+# One line, json.dumps' separators; strings take every JSON escape ("\u00e9" too, not only "\n").
+_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", "}
+_JSON_OPTIONS |= {"key_separator": ": ", "json_allow_general_unicode_escapes": True}
+_PROBLEMS = {"json": "is not a valid JSON schema", "regex": "is not a valid regular expression"}
 _REGEX_META = set("\\.^$|?*+()[]{}")
+_ERROR_PREFIX = re.compile(r"^(at \d+\(\d+\): |error: )")  # llguidance's "at 1(8): "
+# Keywords whose value is a schema (or a list of schemas), and those mapping names to schemas.
+_SUBSCHEMAS = ("items", "prefixItems", "additionalItems", "unevaluatedItems", "contains")
+_SUBSCHEMAS += ("anyOf", "oneOf", "allOf", "not", "if", "then", "else", "propertyNames")
+_SUBSCHEMAS += ("additionalProperties", "unevaluatedProperties")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_OPEN = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+# Byte k of a bitmask holds tokens 8k to 8k + 7 (bit i set: token 8k + i allowed); _BIAS[value]
+# is a byte's 8 tokens as +inf (allowed) or -inf: a logit's minimum with it is the masked logit,
+# computed with no branch per token.
+_BITS = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little")
+_BIAS = np.where(_BITS == 1, np.float32(np.inf), np.float32(-np.inf))
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,30 +115,54 @@ class StructuredOutputs:
         return next(f for f in _FIELDS if getattr(self, f) not in (None, False))
 
 
-def _import_xgrammar() -> Any:
-    try:
-        import xgrammar
-    except ImportError as error:
-        raise ImportError(
-            f"structured outputs need the {PACKAGE} package: pip install {PACKAGE}"
-        ) from error
-    return xgrammar
-
-
 def _choice_regex(choices: tuple[str, ...]) -> str:
     """A regex matching exactly one of ``choices`` (only regex metacharacters escaped)."""
     escaped = ("".join("\\" + c if c in _REGEX_META else c for c in s) for s in choices)
     return "(" + "|".join(escaped) + ")"
 
 
-def _bitmask_words(vocab_size: int) -> int:
-    return (vocab_size + 31) // 32
+def _closed(schema: Any, close: bool = True) -> Any:
+    """A copy of ``schema`` where object schemas with ``properties`` and none of ``_OPEN`` get
+    ``"additionalProperties": false`` (unless ``close`` is false: members of ``allOf``, which
+    would exclude each other's properties). Only keywords holding schemas are walked, so values
+    (``const``, ``enum``, ``default``) are left as they are."""
+    if isinstance(schema, list):
+        return [_closed(s, close) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMAS:
+        if key in out:
+            out[key] = _closed(out[key], key != "allOf")
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _closed(sub) for name, sub in out[key].items()}
+    if close and isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN):
+        out["additionalProperties"] = False
+    return out
+
+
+class _ByteVocabulary:
+    """``ByteTokenizer``'s vocabulary as llguidance's ``TokenizerWrapper`` reads it: ids 0-255
+    are their byte, the ids above are special tokens."""
+
+    def __init__(self, tokenizer: ByteTokenizer) -> None:
+        size = tokenizer.vocab_size
+        specials = [f"<[{i}]>".encode() for i in range(256, size)]
+        self.tokens = [bytes([i]) for i in range(256)] + specials
+        self.special_token_ids = list(range(256, size))
+        self.bos_token_id = ByteTokenizer.BOS
+        self.eos_token_id = tokenizer.eos_token_ids[0]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
 
 
 class GrammarCompiler:
     """Compiles ``StructuredOutputs`` for one tokenizer; compiled grammars are cached (an LRU of
     ``CACHE_SIZE``). ``vocab_size`` is the width of the model's logits (at least the tokenizer's
-    vocabulary; the rows beyond are padding, never allowed). Thread-safe."""
+    vocabulary; the rows beyond are padding, never allowed). ``validate`` and ``matcher`` may be
+    called from several threads."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         if vocab_size < tokenizer.vocab_size:
@@ -123,64 +170,41 @@ class GrammarCompiler:
                 f"vocab_size {vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}"
             )
         self.eos_token_ids = tuple(tokenizer.eos_token_ids)
+        self._eos_set = frozenset(self.eos_token_ids)
         if not self.eos_token_ids:
             raise ValueError("structured outputs need a tokenizer with an EOS token")
-        self._xgr = xgr = _import_xgrammar()
+        try:
+            import llguidance as llg
+        except ImportError as error:
+            message = f"structured outputs need {PACKAGE}: pip install {PACKAGE}"
+            raise ImportError(message) from error
+        self._llg = llg
         self.vocab_size = vocab_size
         self._text_vocab_size = tokenizer.vocab_size  # ids from here on are padding
-        self._special: frozenset[int] = frozenset()  # special ids that are not EOS
-        info = self._tokenizer_info(tokenizer)
-        threads = max(1, min(8, os.cpu_count() or 1))
-        self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
+        self._tokenizer = self._ll_tokenizer(tokenizer)
+        self._limits = llg.LLParserLimits(verbose_errors=False)  # errors without grammar dumps
         self._cache: OrderedDict[StructuredOutputs, Any] = OrderedDict()
         self._lock = threading.Lock()
-        words = [0] * _bitmask_words(vocab_size)
-        for e in self.eos_token_ids:
-            words[e // 32] |= 1 << (e % 32)
-        # The bitmask allowing EOS only; words as int32 (two's complement), as xgrammar's are.
-        folded = [w - (1 << 32) if w >= 1 << 31 else w for w in words]
-        self.eos_mask = torch.tensor([folded], dtype=torch.int32)
 
-    def _tokenizer_info(self, tokenizer: Tokenizer) -> Any:
-        """xgrammar's view of the vocabulary. Special tokens get empty texts, which xgrammar
-        never matches as text (it keeps the EOS ids as its stop tokens)."""
-        xgr, eos = self._xgr, list(self.eos_token_ids)
+    def _ll_tokenizer(self, tokenizer: Tokenizer) -> Any:
+        """llguidance's view of the vocabulary, ``vocab_size`` wide (it never allows the rows
+        past the tokenizer's, nor special tokens as text; it allows the EOS ids when complete)."""
+        llg, eos = self._llg, list(self.eos_token_ids)
         if isinstance(tokenizer, ByteTokenizer):
-            vocab = [bytes([i]) for i in range(256)] + [b""] * (tokenizer.vocab_size - 256)
-            self._special = frozenset(range(256, tokenizer.vocab_size)) - set(eos)
-            return xgr.TokenizerInfo(
-                vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size, stop_token_ids=eos
-            )
-        if isinstance(tokenizer, HFTokenizer):
-            import copy
-
-            from transformers import PreTrainedTokenizerFast
-
-            backend = tokenizer.backend
-            # xgrammar reads how tokens spell bytes (byte-level, byte-fallback, raw) from a
-            # transformers wrapper, here of a copy so that ours is left untouched.
-            wrapper = PreTrainedTokenizerFast(tokenizer_object=copy.copy(backend))
-            detected = xgr.TokenizerInfo.from_huggingface(
-                wrapper, vocab_size=self.vocab_size, stop_token_ids=eos
-            )
-            added = backend.get_added_tokens_decoder()
-            special = {i for i, t in added.items() if t.special}
-            vocab = [""] * tokenizer.vocab_size
-            for token, i in backend.get_vocab(with_added_tokens=True).items():
-                if i not in special and i < tokenizer.vocab_size:
-                    vocab[i] = token
-            self._special = frozenset(special) - set(eos)
-            return xgr.TokenizerInfo(
-                vocab,
-                detected.vocab_type,
-                vocab_size=self.vocab_size,
-                stop_token_ids=eos,
-                add_prefix_space=detected.add_prefix_space,
-            )
-        raise ValueError(
-            "structured outputs support ByteTokenizer and HFTokenizer tokenizers, "
-            f"not {type(tokenizer).__name__}"
-        )
+            source: Any = llg.TokenizerWrapper(_ByteVocabulary(tokenizer))
+        elif isinstance(tokenizer, HFTokenizer):
+            backend = copy.copy(tokenizer.backend)  # ours keeps its padding and truncation
+            backend.no_padding()
+            backend.no_truncation()
+            source = backend.to_str()
+        else:
+            name = type(tokenizer).__name__
+            raise ValueError(f"structured outputs need a ByteTokenizer or HFTokenizer, not {name}")
+        try:
+            return llg.LLTokenizer(source, n_vocab=self.vocab_size, eos_token=eos)
+        except (ValueError, RuntimeError, TypeError) as error:
+            name = type(tokenizer).__name__
+            raise ValueError(f"structured outputs cannot use this {name}: {error}") from None
 
     def _compiled(self, spec: StructuredOutputs) -> Any:
         with self._lock:
@@ -196,21 +220,25 @@ class GrammarCompiler:
         return compiled
 
     def _compile(self, spec: StructuredOutputs) -> Any:
-        c, kind = self._compiler, spec.kind
+        """A matcher at the start of ``spec`` (never advanced: ``matcher`` copies it)."""
+        lm, kind = self._llg.LLMatcher, spec.kind
         try:
-            if kind == "json":
-                return c.compile_json_schema(spec.json, any_whitespace=False)
-            if kind == "json_object":
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            return c.compile_regex(spec.regex if kind == "regex" else _choice_regex(spec.choice))
-        except (RuntimeError, ValueError, TypeError) as error:  # how xgrammar reports them
-            reason = _LOG_PREFIX.sub("", (str(error).strip().splitlines() or [""])[0])
-            what = {
-                "json": "is not a valid JSON schema",
-                "regex": "is not a valid regular expression",
-            }
-            problem = what.get(kind, "could not be compiled")
-            raise ValueError(f"structured_outputs.{kind} {problem}: {reason}") from None
+            if kind in ("json", "json_object"):
+                schema = _closed(json.loads(spec.json)) if kind == "json" else {"type": "object"}
+                grammar = lm.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
+            else:
+                regex = spec.regex if spec.regex is not None else _choice_regex(spec.choice or ())
+                grammar = lm.grammar_from_regex(regex)
+            matcher = lm(self._tokenizer, grammar, log_level=0, limits=self._limits)
+            error = matcher.get_error() if matcher.is_error() else ""
+        except (ValueError, TypeError) as raised:
+            error = str(raised) or type(raised).__name__
+        if error:
+            lines = error.strip().splitlines() or [""]
+            reason = next((x for x in lines if x.startswith("error: ")), lines[0])
+            what = _PROBLEMS.get(kind, "could not be compiled")
+            raise ValueError(f"structured_outputs.{kind} {what}: {_ERROR_PREFIX.sub('', reason)}")
+        return matcher
 
     def validate(self, spec: StructuredOutputs) -> None:
         """Compiles ``spec`` (and caches it); raises ``ValueError`` naming the field."""
@@ -218,69 +246,66 @@ class GrammarCompiler:
 
     def matcher(self, spec: StructuredOutputs) -> "GrammarMatcher":
         """A matcher at the start of an output of ``spec``."""
-        return GrammarMatcher(self, self._xgr.GrammarMatcher(self._compiled(spec)))
+        return GrammarMatcher(self, self._compiled(spec).deep_copy())
 
 
 class GrammarMatcher:
     """One sequence's state in a compiled grammar (not thread-safe: one sequence, one thread).
-
-    The mask of the current state is computed at most once (by ``apply_mask`` or
-    ``is_terminated``, whichever comes first after ``accept``).
-    """
+    The mask of a state is computed at most once, by the first ``apply_mask`` there."""
 
     def __init__(self, compiler: GrammarCompiler, matcher: Any) -> None:
         self._compiler = compiler
         self._matcher = matcher
-        self._bitmask = torch.empty((1, _bitmask_words(compiler.vocab_size)), dtype=torch.int32)
-        self._fresh = False  # whether _bitmask is the mask of the current state
-        self._restricted = True  # whether it disallows anything
+        self._bitmask = np.zeros((compiler.vocab_size + 31) // 32, dtype=np.int32)
+        self._bias: np.ndarray | None = None  # the current state's mask, +inf/-inf per token
+        self._ended = False  # whether an EOS token was accepted
 
-    def _mask(self) -> torch.Tensor:
-        if not self._fresh:
-            if self._matcher.is_terminated():
-                self._bitmask.copy_(self._compiler.eos_mask)
-                self._restricted = True
-            else:
-                self._restricted = self._matcher.fill_next_token_bitmask(self._bitmask)
-            self._fresh = True
-        return self._bitmask
+    def _current_bias(self) -> np.ndarray:
+        if self._bias is None:
+            bitmask = self._bitmask  # after EOS, llguidance's mask allows the EOS ids only
+            self._matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
+            bias = np.take(_BIAS, bitmask.view(np.uint8), axis=0)
+            self._bias = bias.reshape(-1)[: self._compiler.vocab_size]
+        return self._bias
 
     def apply_mask(self, logits: torch.Tensor) -> None:
-        """Sets the logits of disallowed tokens to -inf, in place. ``logits`` is one 1-D row of
-        ``vocab_size`` floats, on any device."""
+        """Sets the logits of disallowed tokens to -inf, in place (allowed ones are unchanged).
+        ``logits`` is one 1-D row of ``vocab_size`` floats, on any device and with any strides:
+        float32 CPU rows are masked through numpy (a branch-free minimum with +inf/-inf), others
+        by torch ops on their device. NaN logits stay NaN."""
         width = self._compiler.vocab_size
         if logits.dim() != 1 or logits.shape[0] != width:
             raise ValueError(f"logits must be one row of {width}, got shape {tuple(logits.shape)}")
-        bitmask = self._mask()
-        if not self._restricted:
-            return
-        if logits.device.type == "cpu" and logits.is_contiguous():
-            self._compiler._xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=width)
-            return
-        words = bitmask[0].to(logits.device)
-        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-        allowed = ((words.unsqueeze(-1) >> shifts) & 1).reshape(-1)[:width].bool()
-        logits.masked_fill_(~allowed, float("-inf"))
+        bias = self._current_bias()
+        if logits.device.type == "cpu" and logits.dtype == torch.float32:
+            row = logits.detach().numpy()
+            np.minimum(row, bias, out=row)
+        else:
+            other = torch.from_numpy(bias).to(device=logits.device, dtype=logits.dtype)
+            torch.minimum(logits, other, out=logits)
 
     def accept(self, token_id: int) -> None:
         """Advances by ``token_id``; raises ``ValueError`` (state unchanged) if it is not
         allowed here."""
-        compiler = self._compiler
-        if self._matcher.is_terminated():
+        compiler, token_id = self._compiler, int(token_id)
+        if self._ended:
             raise ValueError(f"token {token_id} follows a complete structured output")
-        # Checked here so that xgrammar does not log its own warning for these.
-        if not 0 <= token_id < compiler._text_vocab_size or token_id in compiler._special:
-            raise ValueError(f"token {token_id} is not allowed in a structured output")
-        if not self._matcher.accept_token(token_id):
+        in_text = 0 <= token_id < compiler._text_vocab_size  # (llguidance errors past n_vocab)
+        if self._bias is not None:  # this state's mask is known: its bit says
+            allowed = in_text and bool(self._bitmask[token_id >> 5] >> (token_id & 31) & 1)
+        elif token_id in compiler._eos_set:  # validate_tokens refuses EOS once stopped
+            allowed = self._matcher.is_accepting()
+        else:
+            allowed = in_text and self._matcher.validate_tokens([token_id]) == 1
+        if not allowed:
             raise ValueError(f"token {token_id} does not continue the structured output")
-        self._fresh = False
+        if not self._matcher.consume_token(token_id):  # validated: only on a library fault
+            raise ValueError(f"token {token_id} was refused: {self._matcher.get_error()}")
+        self._bias = None
+        self._ended = token_id in compiler._eos_set
 
     @property
     def is_terminated(self) -> bool:
         """Whether the output is complete: an EOS token was accepted, or the output matches and
         nothing but EOS can follow."""
-        if self._matcher.is_terminated():
-            return True
-        if not self._matcher.is_completed():
-            return False
-        return torch.equal(self._mask(), self._compiler.eos_mask)
+        return self._ended or self._matcher.is_stopped()
