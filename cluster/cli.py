@@ -112,6 +112,12 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
             default="prefix caching on",
         ),
     )
+    a(
+        "--prefix-reservation-share",
+        type=float,
+        metavar="SHARE",
+        help=field_help(PrefixCacheConfig, "reservation_share"),
+    )
 
     a = group["scheduler"].add_argument
     a("--max-num-seqs", type=int, metavar="N", help=field_help(SchedulerConfig, "max_num_seqs"))
@@ -288,6 +294,7 @@ def _build_config(args: argparse.Namespace) -> ClusterConfig:
     put("scheduler.max_num_batched_tokens", args.max_num_batched_tokens)
     if args.no_enable_prefix_caching:
         put("scheduler.prefix_cache_config.enabled", False)
+    put("scheduler.prefix_cache_config.reservation_share", args.prefix_reservation_share)
     _put_offload(args, data)
     put("routing.policy", args.policy)
     put("routing.scoring_profile", args.profile)

@@ -65,6 +65,16 @@ _COUNTERS: list[tuple[str, str, Callable[[EngineStats], float]]] = [
      lambda s: s.transfer.seconds if s.transfer else 0.0),
     ("strata_num_preemptions", "Requests preempted for lack of NPU blocks.",
      lambda s: s.num_preemptions),
+    ("strata_kv_reservations", "Waiting requests whose cached prefix was reserved.",
+     lambda s: s.cache.reservations),
+    ("strata_kv_prefetched_blocks",
+     "Host-only blocks loaded into NPU blocks while their request waited.",
+     lambda s: s.cache.prefetched_blocks),
+    ("strata_kv_prefetched_blocks_used", "Prefetched blocks their request adopted.",
+     lambda s: s.cache.prefetched_blocks_used),
+    ("strata_kv_reservations_dropped",
+     "Reservations that gave way to running requests or earlier arrivals.",
+     lambda s: s.cache.reservations_dropped),
     ("strata_engine_steps", "Engine steps run.", lambda s: s.steps.num_steps),
     ("strata_engine_step_seconds", "Time spent inside engine steps.",
      lambda s: s.steps.step_seconds),
@@ -76,7 +86,9 @@ _COUNTERS: list[tuple[str, str, Callable[[EngineStats], float]]] = [
 _GAUGES: list[tuple[str, str, Callable[[EngineStats], float]]] = [
     ("strata_num_requests_running", "Requests scheduled on the replica.", lambda s: s.num_running),
     ("strata_num_requests_waiting", "Requests queued on the replica.", lambda s: s.num_waiting),
-]
+    ("strata_kv_reserved_blocks", "NPU blocks held for waiting requests' cached prefixes.",
+     lambda s: s.cache.reserved_blocks),
+]  # fmt: skip
 
 
 # (``event`` label, value) of ``strata_kv_cache_type_blocks``.

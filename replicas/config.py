@@ -58,6 +58,15 @@ class PrefixCacheConfig(_Config):
     """Reuse of token-exact, full-block prompt prefixes across requests."""
 
     enabled: bool = Field(True, description="Reuse cached KV of matching prompt prefixes.")
+    reservation_share: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Share of each cache type's NPU blocks that waiting requests' cached "
+        "prefixes may hold (and their host-only blocks be loaded into) before admission, so "
+        "running traffic cannot evict them; reservations give way before any preemption. "
+        "0 turns reservations off.",
+    )
 
 
 class KVOffloadConfig(_Config):

@@ -121,6 +121,7 @@ class Engine:
                 for g, spec in specs.items()
             ],
             enable_prefix_caching=sched.prefix_cache_config.enabled,
+            reservation_share=sched.prefix_cache_config.reservation_share,
             write_through_threshold=offload.write_through_threshold,
             write_back=offload.write_back,
             retention=offload.retention,

@@ -32,6 +32,21 @@ Host retention policies (DESIGN section 4), per cache type:
 Every cache type with a host tier also keeps ghost records and shadow host tiers
 (``RetentionTracker``): ghost hits and the miss-ratio curve, whatever the policy.
 
+Reservations (``reservation_share`` > 0): a waiting request's cached prefix is held from the
+step after its arrival until its admission, so running traffic cannot evict it, and its host-only
+blocks are loaded into NPU blocks meanwhile (``prefetch`` loads, which a GPU overlaps with
+compute)::
+
+    reserve(request)      match; touch its NPU blocks; allocate + cache + plan a load for each
+                          host-only one; all within reservation_share x the NPU blocks
+    admission             match finds the reserved blocks on NPU and adopts them; the
+                          reservation's references are then dropped (record_admission)
+    give way              before a running request is preempted, and before a waiting request
+                          is refused its blocks, the newest reservation is dropped (newest first)
+
+A reservation never holds a block a running request needs: dropping every reservation restores
+exactly the free blocks there would be without them.
+
 Ordering: the transfer component runs a plan's stores before its loads and both before the
 next forward pass, so a store reads an evicted block before new KV overwrites it and a load
 lands before attention reads it. Host blocks are locked (ref count) while a transfer involving
@@ -44,6 +59,7 @@ from replicas.block_pool import BlockPool
 from replicas.hashing import BlockHash
 from replicas.kv_cache_types import (
     EMPTY_MATCH,
+    EMPTY_PART,
     BlockCopy,
     CacheStats,
     CacheTypeMatch,
@@ -71,6 +87,15 @@ ALL_TIERS = "all"
 RETENTION_POLICIES = ("fixed", "adaptive")
 """``fixed``: the write-through threshold and write-back as configured; ``adaptive``: see
 ``replicas.kv_retention``."""
+
+
+@dataclass(slots=True)
+class _Reservation:
+    """A waiting request's hold on its cached prefix: one reference per NPU block."""
+
+    blocks: dict[str, list[int]]  # cache type -> NPU blocks held, in prompt order
+    prefetched: dict[str, list[int]]  # cache type -> those loaded from host for it
+    prefetched_hashes: frozenset[BlockHash]  # primary cache type's loaded blocks
 
 
 @dataclass(slots=True)
@@ -113,9 +138,11 @@ class KVCacheManager:
         "_events",
         "_loads",
         "_record_events",
+        "_reservations",
         "_stores",
         "block_size",
         "enable_prefix_caching",
+        "reservation_share",
         "retention",
         "stats",
         "write_back",
@@ -134,7 +161,10 @@ class KVCacheManager:
         write_back: bool = False,
         retention: str = "fixed",
         record_events: bool = False,
+        reservation_share: float = 0.0,
     ) -> None:
+        if not 0.0 <= reservation_share <= 1.0:
+            raise ValueError(f"reservation_share must be in [0, 1], got {reservation_share}")
         if retention not in RETENTION_POLICIES:
             raise ValueError(f"retention must be one of {RETENTION_POLICIES}, got {retention!r}")
         specs = cache_types or [CacheTypeSpec("full", num_npu_blocks, num_host_blocks)]
@@ -169,6 +199,8 @@ class KVCacheManager:
         self._events: list[KVEvent] = []  # since the last drain, for routers' prefix indexes
         self._stores: list[BlockCopy] = []
         self._loads: list[BlockCopy] = []
+        self.reservation_share = reservation_share if enable_prefix_caching else 0.0
+        self._reservations: dict[str, _Reservation] = {}  # oldest first
 
     @property
     def npu(self) -> BlockPool:
@@ -305,9 +337,11 @@ class KVCacheManager:
             first = cache_type.spec.window_start(matched_tokens, self.block_size)
             hashes = request.block_hashes[first:max_blocks]
             npu, host = cache_type.npu, cache_type.host
+            reservation = self._reservations.get(request.request_id)
+            loaded = reservation.prefetched_hashes if reservation is not None else frozenset()
             tracker.admitted(
                 hashes,
-                [npu.lookup(h) is not None for h in hashes],
+                [npu.lookup(h) is not None and h not in loaded for h in hashes],
                 [host.lookup(h) is not None for h in hashes],
             )
 
@@ -358,6 +392,94 @@ class KVCacheManager:
         self._emit(cache_type, KVEventKind.STORED, Tier.HOST, block_hash)
         return True
 
+    # ---- reservations ------------------------------------------------------------------------
+    def has_reservation(self, request_id: str) -> bool:
+        return request_id in self._reservations
+
+    def reserve(self, request: Request) -> bool:
+        """Hold a waiting request's cached prefix and prefetch its host-only blocks (mutates),
+        within ``reservation_share`` of each cache type's NPU blocks; a prefix that does not fit
+        is held as far as its halves do. False when nothing was reserved."""
+        if not self.reservation_share or request.request_id in self._reservations:
+            return False
+        if any(request.request_id in c.blocks for c in self._cache_types):
+            raise ValueError(f"request {request.request_id} holds blocks: it is not waiting")
+        match = self.match_prefix(request)
+        while match.num_blocks and not self._fits(match):
+            match = self.match_prefix(request, match.num_blocks // 2)
+        if not match.num_blocks:
+            return False
+        blocks: dict[str, list[int]] = {}
+        prefetched: dict[str, list[int]] = {}
+        for cache_type in self._cache_types:
+            part = match.cache_types[cache_type.name]
+            hits = [b for b in part.npu_block_ids if b is not None]
+            cache_type.npu.touch(hits)
+            held, loaded = [], []
+            for offset, npu_id in enumerate(part.npu_block_ids):
+                if npu_id is None:
+                    block_hash = request.block_hashes[part.first_block + offset]
+                    host_id = part.host_block_ids[offset]
+                    cache_type.host.touch([host_id])  # locked until its load lands
+                    (npu_id,) = self._allocate_npu(cache_type, 1)
+                    cache_type.npu.cache(npu_id, block_hash)
+                    self._loads.append(BlockCopy(host_id, npu_id, cache_type.name, True))
+                    self._emit(cache_type, KVEventKind.STORED, Tier.NPU, block_hash)
+                    loaded.append(npu_id)
+                held.append(npu_id)
+            blocks[cache_type.name] = held
+            prefetched[cache_type.name] = loaded
+        primary = self._cache_types[0]
+        hashes = frozenset(primary.npu.blocks[b].block_hash for b in prefetched[primary.name])
+        self._reservations[request.request_id] = _Reservation(blocks, prefetched, hashes)
+        self.stats.reservations += 1
+        self.stats.reserved_blocks += len(blocks[primary.name])
+        self.stats.prefetched_blocks += len(prefetched[primary.name])
+        return True
+
+    def _fits(self, match: PrefixMatch) -> bool:
+        """Whether reserving ``match`` keeps every cache type within its share of NPU blocks
+        and leaves the free blocks its host-only blocks' loads need (no mutation)."""
+        for cache_type in self._cache_types:
+            part = match.cache_types[cache_type.name]
+            npu = cache_type.npu
+            num_loads = sum(1 for b in part.npu_block_ids if b is None)
+            num_revived = sum(
+                1 for b in part.npu_block_ids if b is not None and not npu.blocks[b].ref_count
+            )
+            held = sum(len(r.blocks[cache_type.name]) for r in self._reservations.values())
+            limit = int(self.reservation_share * npu.num_blocks)
+            if held + len(part.npu_block_ids) > limit or num_loads > npu.num_free - num_revived:
+                return False
+        return True
+
+    def drop_reservation(self, keep: str | None = None) -> str | None:
+        """Give way: drop the newest reservation (not ``keep``'s); returns its request id, None
+        if there is none."""
+        for request_id in reversed(self._reservations):
+            if request_id != keep:
+                self._release(self._reservations.pop(request_id))
+                self.stats.reservations_dropped += 1
+                return request_id
+        return None
+
+    def _release(
+        self,
+        reservation: _Reservation,
+        used: PrefixMatch | None = None,
+        request: Request | None = None,
+    ) -> None:
+        """Drop a reservation's references; count the prefetched blocks ``used`` adopted."""
+        primary = self._cache_types[0].name
+        if used is not None:
+            adopted = set(used.cache_types.get(primary, EMPTY_PART).npu_block_ids)
+            self.stats.prefetched_blocks_used += sum(
+                1 for b in reservation.prefetched[primary] if b in adopted
+            )
+        for cache_type in self._cache_types:
+            cache_type.npu.free(list(reversed(reservation.blocks[cache_type.name])))
+        self.stats.reserved_blocks -= len(reservation.blocks[primary])
+
     # ---- after a forward pass ----------------------------------------------------------------
     def cache_blocks(self, request: Request) -> None:
         """Publish the request's newly full, computed blocks in each cache type's NPU hash map, then
@@ -390,7 +512,11 @@ class KVCacheManager:
             self.stats.count_blocks_freed_out_of_window(cache_type.name, len(stale))
 
     def free(self, request: Request) -> None:
-        """Release every block of the request in every cache type, deepest first."""
+        """Release every block of the request in every cache type, deepest first, and its
+        reservation if it still waits."""
+        reservation = self._reservations.pop(request.request_id, None)
+        if reservation is not None:
+            self._release(reservation)
         for cache_type in self._cache_types:
             blocks = cache_type.blocks.pop(request.request_id, [])
             cache_type.num_cached.pop(request.request_id, None)
@@ -418,14 +544,28 @@ class KVCacheManager:
 
     # ---- accounting --------------------------------------------------------------------------
     def record_admission(self, request: Request, match: PrefixMatch) -> None:
-        """Count a request's first lookup: queries are its prompt tokens, hits the matched."""
+        """Count a request's first lookup: queries are its prompt tokens, hits the matched (a
+        block its reservation prefetched counts as the host hit it was). Ends its reservation:
+        the request holds the blocks itself now."""
+        reservation = self._reservations.pop(request.request_id, None)
+        prefetched: dict[str, set[int]] = {}
+        if reservation is not None:
+            prefetched = {name: set(ids) for name, ids in reservation.prefetched.items()}
+            self._release(reservation, used=match, request=request)
         if request.num_cached_tokens is not None:
             return
-        request.num_npu_cached_tokens = match.num_npu_blocks * self.block_size
-        request.num_host_cached_tokens = match.num_host_blocks * self.block_size
+        primary = self._cache_types[0].name
+        num_prefetched = sum(
+            1
+            for b in match.cache_types.get(primary, EMPTY_PART).npu_block_ids
+            if b is not None and b in prefetched.get(primary, ())
+        )
+        request.num_npu_cached_tokens = (match.num_npu_blocks - num_prefetched) * self.block_size
+        request.num_host_cached_tokens = (match.num_host_blocks + num_prefetched) * self.block_size
         request.num_cached_tokens = request.num_npu_cached_tokens + request.num_host_cached_tokens
         for name, part in match.cache_types.items():
-            num_npu = sum(1 for b in part.npu_block_ids if b is not None)
+            loaded = prefetched.get(name, ())
+            num_npu = sum(1 for b in part.npu_block_ids if b is not None and b not in loaded)
             num_host = len(part.npu_block_ids) - num_npu
             request.cached_tokens_by_cache_type[name] = (
                 num_npu * self.block_size,
@@ -516,7 +656,8 @@ class KVCacheManager:
             if cache_type.host is not None:
                 cache_type.host.check_integrity()
             held: dict[int, int] = {}
-            for blocks in cache_type.blocks.values():
+            reserved = [r.blocks[cache_type.name] for r in self._reservations.values()]
+            for blocks in [*cache_type.blocks.values(), *reserved]:
                 for b in blocks:
                     if b is not None:
                         held[b] = held.get(b, 0) + 1

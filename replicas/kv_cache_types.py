@@ -33,6 +33,9 @@ class CacheTypeMatch(NamedTuple):
     host_block_ids: list[int | None]
 
 
+EMPTY_PART = CacheTypeMatch(0, [], [])
+
+
 class PrefixMatch(NamedTuple):
     """The longest *safe* cached prefix of a request: ``num_blocks`` leading blocks whose global
     KV exists for all of them and whose sliding-window KV exists for the window ending there.
@@ -60,11 +63,13 @@ EMPTY_MATCH = PrefixMatch(0, 0, 0, {})
 
 
 class BlockCopy(NamedTuple):
-    """One block to copy between tiers within one cache type."""
+    """One block to copy between tiers within one cache type. A ``prefetch`` load is for a
+    request still waiting (a reservation), not for this step's batch: it may overlap compute."""
 
     src: int
     dst: int
     cache_type: str = "full"
+    prefetch: bool = False
 
 
 class TransferPlan(NamedTuple):
@@ -121,6 +126,12 @@ class CacheStats:
     blocks_loaded: int = 0
     blocks_stored: int = 0
     blocks_freed_out_of_window: int = 0
+    # Reservations of waiting requests' prefixes (blocks of the primary cache type):
+    reserved_blocks: int = 0  # held now (a gauge; the rest are counters)
+    reservations: int = 0  # made
+    prefetched_blocks: int = 0  # host-only blocks loaded into NPU blocks while their request waited
+    prefetched_blocks_used: int = 0  # of those, adopted by their request at admission
+    reservations_dropped: int = 0  # given way to running requests (or to an earlier arrival)
     by_cache_type: dict[str, CacheTypeStats] = field(default_factory=dict)
 
     def count_npu_eviction(self, cache_type: str) -> None:

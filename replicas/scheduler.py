@@ -5,6 +5,11 @@ admission order: a decode costs one token, a prompt still being prefilled costs 
 prompt or whatever budget is left (chunked prefill). Waiting requests are admitted after them,
 oldest first, each starting after its cached prefix.
 
+With ``reservation_share`` set, the cached prefixes of the first waiting requests are reserved
+from the step after their arrival (``KVCacheManager.reserve``: held, host-only blocks
+prefetched), and the newest reservation gives way whenever blocks are short, before any
+preemption.
+
 When the NPU tier cannot give a running request its next block, the most recently admitted
 running request is preempted: its blocks are released (its cached prefix usually survives) and
 it goes back to the front of the queue, to be recomputed later with its outputs kept.
@@ -13,15 +18,19 @@ The scheduler never touches tensors or blocks; the KV cache manager owns both de
 blocks and the plan of copies between tiers.
 """
 
+import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from replicas.config import SchedulerConfig
-from replicas.kv_cache_manager import KVCacheManager
+from replicas.kv_cache_manager import KVCacheManager, PrefixMatch
 from replicas.kv_cache_types import TransferPlan
 from replicas.request import Request, RequestStatus
+
+RESERVE_LOOKAHEAD = 16
+"""Waiting requests, from the front of the queue, whose prefixes a step tries to reserve."""
 
 
 class ScheduledRequest(NamedTuple):
@@ -52,6 +61,7 @@ class Scheduler:
         self.config = config
         self.kv_cache = kv_cache
         self.prefix_limit = prefix_limit
+        self._gave_way: set[str] = set()  # waiting requests whose reservation was dropped
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -73,6 +83,8 @@ class Scheduler:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv_cache.allocate_slots(request, num_new):
+                if self._give_way():  # reservations give way first
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -97,20 +109,60 @@ class Scheduler:
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            if not self.kv_cache.allocate_slots(request, num_new, match):
-                break
-            self.kv_cache.record_admission(request, match)
-            self.waiting.popleft()
-            request.num_computed_tokens = num_computed
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            scheduled.append(self._scheduled(request, num_new))
-            budget -= num_new
+            while not self.kv_cache.allocate_slots(request, num_new, match):
+                if not self._give_way(keep=request.request_id):
+                    break  # later arrivals' reservations give way to the oldest waiting request
+                match = self.kv_cache.match_prefix(request, limit)
+                num_computed = match.num_blocks * self.kv_cache.block_size
+                num_new = min(request.num_tokens - num_computed, budget)
+            else:
+                self._admit(request, match, num_computed, num_new, scheduled)
+                budget -= num_new
+                continue
+            break
 
+        if not preempted:  # reserving in a step short of blocks would only thrash
+            self._reserve_waiting()
         return SchedulerOutput(scheduled, self.kv_cache.take_transfer_plan())
+
+    def _admit(
+        self,
+        request: Request,
+        match: PrefixMatch,
+        num_computed: int,
+        num_new: int,
+        scheduled: list[ScheduledRequest],
+    ) -> None:
+        self.kv_cache.record_admission(request, match)
+        self._gave_way.discard(request.request_id)
+        self.waiting.popleft()
+        request.num_computed_tokens = num_computed
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        scheduled.append(self._scheduled(request, num_new))
+
+    def _reserve_waiting(self) -> None:
+        """Reserve the cached prefixes of the first ``RESERVE_LOOKAHEAD`` waiting requests
+        not reserved yet, oldest first (see ``KVCacheManager.reserve``). Asked again every
+        step, since a prefix a request ahead computes becomes cached after its arrival; but
+        not for a request whose reservation gave way (it would only be dropped again)."""
+        if not self.kv_cache.reservation_share:
+            return
+        for request in itertools.islice(self.waiting, RESERVE_LOOKAHEAD):
+            request_id = request.request_id
+            if request_id not in self._gave_way and not self.kv_cache.has_reservation(request_id):
+                self.kv_cache.reserve(request)
+
+    def _give_way(self, keep: str | None = None) -> bool:
+        dropped = self.kv_cache.drop_reservation(keep)
+        if dropped is None:
+            return False
+        self._gave_way.add(dropped)
+        return True
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request (stopped, length or aborted) and release its blocks."""
+        self._gave_way.discard(request.request_id)
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif not request.is_finished:

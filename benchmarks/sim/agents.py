@@ -70,10 +70,15 @@ class StrataAgent(RoutingAgent):
     source = "router/ (this repository): scoring, DESIGN section 6"
 
     def __init__(
-        self, view: ClusterView, block_size: int, token_scale: float, config: RoutingConfig
+        self,
+        view: ClusterView,
+        block_size: int,
+        token_scale: float,
+        config: RoutingConfig,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__(view, block_size, token_scale)
-        self.router = Router(view.num_replicas, block_size, config)
+        self.router = Router(view.num_replicas, block_size, config, sliding_window)
         self.num_event_gaps = 0
 
     def route(self, request: Request, now: float) -> int:

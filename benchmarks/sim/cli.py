@@ -82,6 +82,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="host retention policy (KVOffloadConfig.retention; default fixed); adaptive "
         "excludes --write-back",
     )
+    add(
+        "--reservation-share",
+        type=float,
+        default=0.0,
+        help="share of NPU blocks waiting requests' prefixes may hold and prefetch into "
+        "(PrefixCacheConfig.reservation_share; default 0: off)",
+    )
     add("--block-size", type=int, default=16)
     add(
         "--sliding-window",
@@ -165,6 +172,7 @@ def base_config(args: argparse.Namespace) -> SimConfig:
         write_through_threshold=args.write_through_threshold or None,
         write_back=args.write_back,
         retention=args.retention,
+        reservation_share=args.reservation_share,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         event_delay_s=args.event_delay_ms / 1000,

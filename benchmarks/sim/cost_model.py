@@ -111,7 +111,14 @@ class CostModel:
         return p.transfer_latency_s + num_blocks * self.block_bytes / p.d2h_bytes_per_s
 
     def transfer_s(self, plan: TransferPlan) -> float:
-        return self.load_s(len(plan.loads)) + self.store_s(len(plan.stores))
+        """The copies a step's forward pass waits for: stores (unless they overlap compute)
+        and the loads of its own batch; a waiting request's prefetch loads overlap it."""
+        num_loads = sum(1 for copy in plan.loads if not copy.prefetch)
+        return self.load_s(num_loads) + self.store_s(len(plan.stores))
+
+    def prefetch_s(self, plan: TransferPlan) -> float:
+        """The copy time of a plan's prefetch loads (on the side stream, beside compute)."""
+        return self.load_s(sum(1 for copy in plan.loads if copy.prefetch))
 
     def step_timing(
         self, scheduled: Sequence[ScheduledRequest], plan: TransferPlan
@@ -137,7 +144,11 @@ class CostModel:
         decode = self.decode_s(num_decodes, decode_context * s) if num_decodes else 0.0
         first = fixed + prefill + decode + self.transfer_s(plan)
         sub_step = fixed + decode if num_decodes else 0.0
-        return StepTiming(first, sub_step, (s - 1) * sub_step)
+        tail = (s - 1) * sub_step
+        # The step ends once its prefetch loads have landed too: a request scheduled next
+        # never reads a block still loading.
+        first += max(0.0, self.prefetch_s(plan) - first - tail)
+        return StepTiming(first, sub_step, tail)
 
 
 class StepTiming(NamedTuple):

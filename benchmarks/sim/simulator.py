@@ -76,6 +76,7 @@ class SimConfig:
     write_through_threshold: int | None = 2
     write_back: bool = False
     retention: str = "fixed"  # or "adaptive" (KVOffloadConfig.retention)
+    reservation_share: float = 0.0  # PrefixCacheConfig.reservation_share
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     event_delay_s: float = 0.001
@@ -103,7 +104,9 @@ class SimConfig:
 def make_agent(config: SimConfig, view: ClusterView) -> RoutingAgent:
     if config.policy == STRATA:
         routing = RoutingConfig(scoring_profile=config.scoring_profile)
-        return StrataAgent(view, config.block_size, config.token_scale, routing)
+        return StrataAgent(
+            view, config.block_size, config.token_scale, routing, config.sliding_window
+        )
     if config.policy not in PEERS:
         raise ValueError(f"unknown policy {config.policy!r}; one of {[STRATA, *PEERS]}")
     return PEERS[config.policy](view, config.block_size, config.token_scale, config.seed)
@@ -201,6 +204,7 @@ class Simulator:
             write_back=self.config.write_back,
             retention=self.config.retention,
             record_events=True,
+            reservation_share=self.config.reservation_share,
         )
         cost = self.cost_model
         recompute_s = cost.prefill_s(self.config.block_size * self.config.token_scale, 0.0)

@@ -26,6 +26,8 @@ def engine_stats(scale: int) -> EngineStats:
         queries=100 * scale, hits=48 * scale, npu_hits=32 * scale, host_hits=16 * scale,
         npu_evictions=5 * scale, host_evictions=2 * scale, write_through_promotions=3 * scale,
         write_backs=4 * scale, blocks_loaded=1 * scale, blocks_stored=7 * scale,
+        reserved_blocks=6 * scale, reservations=8 * scale, prefetched_blocks=9 * scale,
+        prefetched_blocks_used=5 * scale, reservations_dropped=2 * scale,
         by_cache_type={"sliding": CacheTypeStats(blocks_loaded=3 * scale,
                                                  blocks_freed_out_of_window=5 * scale)},
     )  # fmt: skip
@@ -70,6 +72,11 @@ def test_replica_stats_are_exported_per_replica():
         assert value("strata_kv_bytes_stored_total", replica=replica) == 7168 * scale
         assert value("strata_kv_transfer_seconds_total", replica=replica) == 0.5 * scale
         assert value("strata_num_preemptions_total", replica=replica) == scale
+        assert value("strata_kv_reserved_blocks", replica=replica) == 6 * scale
+        assert value("strata_kv_reservations_total", replica=replica) == 8 * scale
+        assert value("strata_kv_prefetched_blocks_total", replica=replica) == 9 * scale
+        assert value("strata_kv_prefetched_blocks_used_total", replica=replica) == 5 * scale
+        assert value("strata_kv_reservations_dropped_total", replica=replica) == 2 * scale
         assert value("strata_num_requests_running", replica=replica) == 2 * scale
         assert value("strata_num_requests_waiting", replica=replica) == scale
         full = {"replica": replica, "cache_type": "full"}
