@@ -202,7 +202,7 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     a(
         "--data-parallel-scoring-profile",
         dest="profile",
-        choices=["balanced", "locality", "load", "custom"],
+        choices=["balanced", "locality", "load", "custom", "ttft"],
         help=field_help(RoutingConfig, "scoring_profile"),
     )
     a(

@@ -26,6 +26,34 @@ prefix. Figures: ``benchmarks/README.md``, section "Strata's router: pending pro
 at 0.9, load as a share", item 2."""
 
 
+class TTFTCosts(BaseModel):
+    """What the ``ttft`` scoring profile predicts a request's time to first token from, in
+    seconds per unit of the router's tokens and blocks (the shape of the simulator's cost
+    model: ``benchmarks/sim/cost_model.py``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step_s: float = Field(0.0, ge=0, description="Fixed time of one engine step.")
+    prefill_s_per_token: float = Field(..., ge=0, description="Prefill time per prompt token.")
+    prefill_s_per_token_context: float = Field(
+        0.0, ge=0, description="Prefill attention time per token and context token."
+    )
+    decode_s_per_seq: float = Field(0.0, ge=0, description="A step's time per running sequence.")
+    decode_s_per_context_token: float = Field(
+        0.0, ge=0, description="A step's time per context token of its running sequences."
+    )
+    reload_s_per_block: float = Field(0.0, ge=0, description="Host -> NPU time of one block.")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="Tokens one engine step computes at most (its scheduler's)."
+    )
+    slack: float = Field(
+        0.0,
+        ge=0,
+        description="Among replicas predicted within (1 + slack) x the lowest TTFT, the one "
+        "caching the longest prefix wins (0: the lowest TTFT wins).",
+    )
+
+
 class RoutingConfig(BaseModel):
     """How the router picks a data-parallel replica for each request (DESIGN section 6).
 
@@ -41,10 +69,14 @@ class RoutingConfig(BaseModel):
         description="--data-parallel-routing-policy: score replicas by cached prefix and load, "
         "or cycle over live replicas.",
     )
-    scoring_profile: Literal["balanced", "locality", "load", "custom"] = Field(
+    scoring_profile: Literal["balanced", "locality", "load", "custom", "ttft"] = Field(
         DEFAULT_SCORING_PROFILE,
         description="--data-parallel-scoring-profile: prefix/load weights balanced 0.55/0.45, "
-        "locality 0.90/0.10, load 0.10/0.90, or custom (set both weights).",
+        "locality 0.90/0.10, load 0.10/0.90, or custom (set both weights); or ttft: the "
+        "lowest predicted time to first token (needs ttft_costs).",
+    )
+    ttft_costs: TTFTCosts | None = Field(
+        None, description="The cost profile of the ttft scoring profile."
     )
     prefix_weight: float | None = Field(
         None,
@@ -81,6 +113,10 @@ class RoutingConfig(BaseModel):
             )
         if self.scoring_profile == "custom":
             _check_custom_weights(self.prefix_weight, self.load_weight)
+        if self.scoring_profile == "ttft" and self.ttft_costs is None:
+            raise ValueError(
+                "--data-parallel-scoring-profile ttft needs a cost profile (routing.ttft_costs)"
+            )
         if not (0.0 <= self.host_hit_weight <= 1.0):
             raise ValueError(
                 f"--data-parallel-host-hit-weight must be between 0 and 1, "
@@ -97,7 +133,7 @@ class RoutingConfig(BaseModel):
         if self.scoring_profile == "custom":
             assert self.prefix_weight is not None and self.load_weight is not None
             return (self.prefix_weight, self.load_weight)
-        return SCORING_PROFILES[self.scoring_profile]
+        return SCORING_PROFILES.get(self.scoring_profile, SCORING_PROFILES[DEFAULT_SCORING_PROFILE])
 
 
 def _check_custom_weights(prefix_weight: float | None, load_weight: float | None) -> None:

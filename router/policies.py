@@ -10,8 +10,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import ClassVar, NamedTuple
 
-from router.config import RoutingConfig
+from router.config import DEFAULT_SCORING_PROFILE, SCORING_PROFILES, RoutingConfig, TTFTCosts
 from router.prefix_index import IndexMatch
+
+
+class ReplicaQueues(NamedTuple):
+    """What each replica has queued and running, as the router charged it."""
+
+    queued_tokens: Sequence[int]  # uncached prompt tokens not past prefill yet
+    num_requests: Sequence[int]  # requests routed there and not released
 
 
 class RouteDecision(NamedTuple):
@@ -68,9 +75,11 @@ class RoutingPolicy(ABC):
         matches: Sequence[IndexMatch],
         load_tokens: Sequence[int],
         num_prompt_tokens: int,
+        queues: "ReplicaQueues | None" = None,
     ) -> RouteDecision:
-        """Pick one of ``live`` (non-empty, ascending replica indices). ``matches`` and
-        ``load_tokens`` are indexed by replica index. Does not charge anything."""
+        """Pick one of ``live`` (non-empty, ascending replica indices). ``matches``,
+        ``load_tokens`` and ``queues`` are indexed by replica index. Does not charge
+        anything."""
 
     def prefix_score(self, match: IndexMatch, num_prompt_tokens: int) -> float:
         if num_prompt_tokens <= 0:
@@ -138,6 +147,7 @@ class ScoringPolicy(RoutingPolicy):
         matches: Sequence[IndexMatch],
         load_tokens: Sequence[int],
         num_prompt_tokens: int,
+        queues: ReplicaQueues | None = None,
     ) -> RouteDecision:
         self._level_joined(live)
         total_live_load = sum(load_tokens[replica] for replica in live)
@@ -146,7 +156,9 @@ class ScoringPolicy(RoutingPolicy):
         for replica in live:
             prefix_score = self.prefix_score(matches[replica], num_prompt_tokens)
             load_score = self.load_score(load_tokens[replica], total_live_load, num_prompt_tokens)
-            score = self.prefix_weight * prefix_score + self.load_weight * load_score
+            score = self.score(
+                replica, prefix_score, load_score, matches, load_tokens, num_prompt_tokens, queues
+            )
             if score > best_score:
                 best_score, tied = score, [(replica, prefix_score, load_score)]
             elif score == best_score:
@@ -159,6 +171,19 @@ class ScoringPolicy(RoutingPolicy):
         )
         churn[replica] += num_prompt_tokens - decision.num_matched_tokens
         return decision
+
+    def score(
+        self,
+        replica: int,
+        prefix_score: float,
+        load_score: float,
+        matches: Sequence[IndexMatch],
+        load_tokens: Sequence[int],
+        num_prompt_tokens: int,
+        queues: ReplicaQueues | None,
+    ) -> float:
+        """Higher is better: the weighted sum of the two scores."""
+        return self.prefix_weight * prefix_score + self.load_weight * load_score
 
     def _level_joined(self, live: Sequence[int]) -> None:
         """Start replicas new to the live set at the least churn among the others."""
@@ -193,6 +218,7 @@ class RoundRobinPolicy(RoutingPolicy):
         matches: Sequence[IndexMatch],
         load_tokens: Sequence[int],
         num_prompt_tokens: int,
+        queues: ReplicaQueues | None = None,
     ) -> RouteDecision:
         replica = next((r for r in live if r >= self._next_replica), live[0])
         self._next_replica = replica + 1
@@ -207,6 +233,99 @@ class RoundRobinPolicy(RoutingPolicy):
         )
 
 
+class TTFTPolicy(ScoringPolicy):
+    """The lowest predicted time to first token wins (``scoring_profile="ttft"``); ties, and
+    ``prefix_score`` / ``load_score`` in the decision, as ``ScoringPolicy``. For a prompt of
+    ``P`` tokens whose cached prefix on replica i is ``npu + host`` blocks (``m`` tokens), with
+    ``q`` uncached prompt tokens queued there, ``n`` requests and ``L`` active tokens::
+
+        s       = P - m                            this prompt's uncached suffix
+        work    = q + s                            tokens to prefill up to this prompt's last
+        prefill = prefill_s_per_token x work + prefill_s_per_token_context x s x (m + s / 2)
+        steps   = ceil(work / max_num_batched_tokens)
+        decode  = steps x (step_s + decode_s_per_seq x n + decode_s_per_context_token x (L - q))
+        ttft    = prefill + decode + reload_s_per_block x host
+
+    i.e. the queue ahead is served first, each step also advances the replica's running
+    sequences, and host-only blocks are reloaded. ``score`` is ``-ttft``."""
+
+    name = "ttft"
+
+    def __init__(self, block_size: int, host_hit_weight: float, costs: TTFTCosts) -> None:
+        super().__init__(block_size, host_hit_weight, *SCORING_PROFILES[DEFAULT_SCORING_PROFILE])
+        self.costs = costs
+
+    @classmethod
+    def from_config(cls, config: RoutingConfig, block_size: int) -> "TTFTPolicy":
+        assert config.ttft_costs is not None  # RoutingConfig checks it
+        return cls(block_size, config.host_hit_weight, config.ttft_costs)
+
+    def predicted_ttft_s(
+        self,
+        match: IndexMatch,
+        num_prompt_tokens: int,
+        queued_tokens: int,
+        num_requests: int,
+        load_tokens: int,
+    ) -> float:
+        c = self.costs
+        cached = min(match.num_blocks * self.block_size, max(0, num_prompt_tokens - 1))
+        suffix = num_prompt_tokens - cached
+        work = queued_tokens + suffix
+        prefill = c.prefill_s_per_token * work
+        prefill += c.prefill_s_per_token_context * suffix * (cached + suffix / 2)
+        steps = -(-work // c.max_num_batched_tokens)
+        running = max(0, load_tokens - queued_tokens)
+        decode = steps * (
+            c.step_s + c.decode_s_per_seq * num_requests + c.decode_s_per_context_token * running
+        )
+        return prefill + decode + c.reload_s_per_block * match.num_host_blocks
+
+    def choose(
+        self,
+        live: Sequence[int],
+        matches: Sequence[IndexMatch],
+        load_tokens: Sequence[int],
+        num_prompt_tokens: int,
+        queues: ReplicaQueues | None = None,
+    ) -> RouteDecision:
+        slack = self.costs.slack
+        if not slack:
+            return super().choose(live, matches, load_tokens, num_prompt_tokens, queues)
+        ttft = {r: self._ttft(r, matches, load_tokens, num_prompt_tokens, queues) for r in live}
+        bound = min(ttft.values()) * (1 + slack)
+        close = [r for r in live if ttft[r] <= bound]
+        longest = max(matches[r].num_blocks for r in close)
+        candidates = [r for r in close if matches[r].num_blocks == longest]
+        return super().choose(candidates, matches, load_tokens, num_prompt_tokens, queues)
+
+    def _ttft(
+        self,
+        replica: int,
+        matches: Sequence[IndexMatch],
+        load_tokens: Sequence[int],
+        num_prompt_tokens: int,
+        queues: ReplicaQueues | None,
+    ) -> float:
+        queued = queues.queued_tokens[replica] if queues is not None else 0
+        count = queues.num_requests[replica] if queues is not None else 0
+        return self.predicted_ttft_s(
+            matches[replica], num_prompt_tokens, queued, count, load_tokens[replica]
+        )
+
+    def score(
+        self,
+        replica: int,
+        prefix_score: float,
+        load_score: float,
+        matches: Sequence[IndexMatch],
+        load_tokens: Sequence[int],
+        num_prompt_tokens: int,
+        queues: ReplicaQueues | None,
+    ) -> float:
+        return -self._ttft(replica, matches, load_tokens, num_prompt_tokens, queues)
+
+
 POLICIES: dict[str, type[RoutingPolicy]] = {
     policy.name: policy for policy in (ScoringPolicy, RoundRobinPolicy)
 }
@@ -214,5 +333,9 @@ POLICIES: dict[str, type[RoutingPolicy]] = {
 
 
 def make_policy(config: RoutingConfig, block_size: int) -> RoutingPolicy:
-    """The policy ``config.policy`` names, configured from ``config``."""
+    """The policy ``config.policy`` names, configured from ``config`` (``scoring`` with the
+    ``ttft`` profile is ``TTFTPolicy``)."""
+    if config.policy == ScoringPolicy.name and config.scoring_profile == TTFTPolicy.name:
+        if config.enable_prefix_caching:
+            return TTFTPolicy.from_config(config, block_size)
     return POLICIES[config.policy].from_config(config, block_size)

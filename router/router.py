@@ -9,7 +9,7 @@ from replicas.kv_events import SLIDING, KVEventBatch, KVSnapshot, safe_prefix_le
 from router.config import RoutingConfig
 from router.load import LoadTracker
 from router.pending import PendingPrompts
-from router.policies import RouteDecision, make_policy
+from router.policies import ReplicaQueues, RouteDecision, make_policy
 from router.prefix_index import IndexMatch, PrefixIndex
 from router.stats import ReplicaRoutingStats, RouterStats, RoutingCounters
 
@@ -100,10 +100,12 @@ class Router:
                 f"no live replica among {self.num_replicas} to route to"
                 + (f" but {sorted(exclude)}, which turned the request away" if exclude else "")
             )
-        loads = self._load.load_tokens
+        load = self._load
         matches = self._matches(block_hashes)  # score
-        decision = self._policy.choose(live, matches, loads, num_prompt_tokens)  # choose
-        self._load.charge(request_id, decision.replica_index, num_prompt_tokens)  # charge
+        queues = ReplicaQueues(load.queued_tokens, load.num_requests)
+        decision = self._policy.choose(live, matches, load.load_tokens, num_prompt_tokens, queues)
+        uncached = num_prompt_tokens - decision.num_matched_tokens
+        load.charge(request_id, decision.replica_index, num_prompt_tokens, uncached)  # charge
         if self.config.enable_prefix_caching:
             self._pending.add(request_id, decision.replica_index, block_hashes)
         self._counters[decision.replica_index].record_route(

@@ -46,8 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--profile",
         nargs="+",
         default=["balanced"],
-        choices=["balanced", "locality", "load"],
-        help="Strata's scoring profile(s) (default balanced)",
+        choices=["balanced", "locality", "load", "ttft"],
+        help="Strata's scoring profile(s) (default balanced); ttft prices each replica with "
+        "the hardware profile's costs",
     )
     add(
         "--hardware",
@@ -88,6 +89,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="share of NPU blocks waiting requests' prefixes may hold and prefetch into "
         "(PrefixCacheConfig.reservation_share; default 0: off)",
+    )
+    add(
+        "--ttft-slack",
+        type=float,
+        default=0.0,
+        help="the ttft profile's slack (TTFTCosts.slack; default 0: the lowest predicted TTFT)",
     )
     add("--block-size", type=int, default=16)
     add(
@@ -173,6 +180,7 @@ def base_config(args: argparse.Namespace) -> SimConfig:
         write_back=args.write_back,
         retention=args.retention,
         reservation_share=args.reservation_share,
+        ttft_slack=args.ttft_slack,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         event_delay_s=args.event_delay_ms / 1000,

@@ -53,7 +53,7 @@ from replicas.kv_retention import BlockCosts
 from replicas.model import KVCacheSpec
 from replicas.request import Request
 from replicas.sampling_params import SamplingParams
-from router.config import RoutingConfig
+from router.config import RoutingConfig, TTFTCosts
 
 STRATA = "strata"
 FULL, SLIDING = "full", "sliding"
@@ -77,6 +77,7 @@ class SimConfig:
     write_back: bool = False
     retention: str = "fixed"  # or "adaptive" (KVOffloadConfig.retention)
     reservation_share: float = 0.0  # PrefixCacheConfig.reservation_share
+    ttft_slack: float = 0.0  # TTFTCosts.slack of the ttft scoring profile
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     event_delay_s: float = 0.001
@@ -101,9 +102,31 @@ class SimConfig:
         )
 
 
-def make_agent(config: SimConfig, view: ClusterView) -> RoutingAgent:
+def ttft_costs(config: SimConfig, cost_model: CostModel) -> TTFTCosts:
+    """The ``ttft`` profile's costs from the cost model, per simulated token (the router counts
+    simulated tokens; the cost model's coefficients are per trace token)."""
+    p, s = cost_model.profile, config.token_scale
+    return TTFTCosts(
+        step_s=p.step_fixed_s,
+        prefill_s_per_token=p.prefill_per_token_s * s,
+        prefill_s_per_token_context=p.prefill_per_token_context_s * s * s,
+        decode_s_per_seq=p.decode_per_seq_s,
+        decode_s_per_context_token=p.decode_per_context_token_s * s,
+        reload_s_per_block=cost_model.load_s(1),
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        slack=config.ttft_slack,
+    )
+
+
+def make_agent(
+    config: SimConfig, view: ClusterView, cost_model: CostModel | None = None
+) -> RoutingAgent:
     if config.policy == STRATA:
-        routing = RoutingConfig(scoring_profile=config.scoring_profile)
+        costs = None
+        if config.scoring_profile == "ttft":
+            assert cost_model is not None, "the ttft profile prices with the cost model"
+            costs = ttft_costs(config, cost_model)
+        routing = RoutingConfig(scoring_profile=config.scoring_profile, ttft_costs=costs)
         return StrataAgent(
             view, config.block_size, config.token_scale, routing, config.sliding_window
         )
@@ -133,7 +156,7 @@ class Simulator:
             SimulatedEngine(r, self._kv_cache(), scheduler_config, cost_model, self.max_model_len)
             for r in range(config.data_parallel_size)
         ]
-        self.agent = make_agent(config, ClusterView(self.engines))
+        self.agent = make_agent(config, ClusterView(self.engines), cost_model)
         self.requests = [
             t for t in requests if len(t.prompt_token_ids) + t.max_tokens <= self.max_model_len
         ]

@@ -146,7 +146,7 @@ def test_errors_reach_the_openai_client(client, server):
         client.completions.create(model="gpt-9", prompt="hi", max_tokens=1)
     assert error.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as error:
-        client.completions.create(model=MODEL, prompt="hi", max_tokens=1, n=2)
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1, n=0)
     assert error.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, top_p=3.0)

@@ -125,7 +125,10 @@ def check(response: httpx.Response, method: str = "POST") -> None:
     elif content_type.startswith("application/json"):
         body = response.json()
         if isinstance(body, dict) and "usage" in body:
-            assert 1 <= body["usage"]["completion_tokens"] <= MAX_TOKENS_LIMIT, body
+            num_choices = len(body["choices"])  # n per prompt, prompts in a list
+            assert num_choices >= 1, body
+            # max_tokens=0 (scoring a prompt with echo) generates nothing
+            assert 0 <= body["usage"]["completion_tokens"] <= MAX_TOKENS_LIMIT * num_choices, body
     elif response.request.url.path == "/metrics":
         assert list(text_string_to_metric_families(response.text)), response.text[:500]
 

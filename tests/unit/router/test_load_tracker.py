@@ -59,3 +59,19 @@ def test_negative_counts_are_rejected():
     load.charge("a", 0, 1)
     with pytest.raises(ValueError):
         load.add_generated("a", -1)
+
+
+def test_queued_prefill_lasts_until_the_first_token_or_release():
+    load = LoadTracker(2)
+    load.charge("a", 0, 100, num_uncached_tokens=60)
+    load.charge("b", 0, 50, num_uncached_tokens=50)
+    load.charge("c", 1, 30, num_uncached_tokens=0)
+    assert load.queued_tokens == [110, 0] and load.num_requests == [2, 1]
+    load.add_generated("a", 1)  # a's prefill is done
+    assert load.queued_tokens == [50, 0]
+    load.release("b")
+    assert load.queued_tokens == [0, 0] and load.num_requests == [1, 1]
+    load.charge("d", 1, 20, num_uncached_tokens=20)
+    load.clear_replica(1)
+    assert load.queued_tokens == [0, 0] and load.num_requests == [1, 0]
+    load.check_integrity()

@@ -1,7 +1,14 @@
 import pytest
 
-from router.config import RoutingConfig
-from router.policies import RoundRobinPolicy, RouteDecision, ScoringPolicy, make_policy
+from router.config import RoutingConfig, TTFTCosts
+from router.policies import (
+    ReplicaQueues,
+    RoundRobinPolicy,
+    RouteDecision,
+    ScoringPolicy,
+    TTFTPolicy,
+    make_policy,
+)
 from router.prefix_index import IndexMatch
 
 BLOCK = 16
@@ -140,3 +147,37 @@ def test_load_counts_as_a_share_of_the_cluster_load():
     lopsided = policy.choose([0, 1, 2, 3], matches, [1000, 0, 0, 0], 128)
     # 0.55 * 0.25 + 0.45 * (1 - 1000/1128) = 0.189 < 0.45 for an idle replica
     assert lopsided.replica_index == 1 and lopsided.score == pytest.approx(0.45)
+
+
+def test_ttft_profile_predicts_queue_plus_reload_plus_suffix_by_hand():
+    costs = TTFTCosts(
+        step_s=0.01,
+        prefill_s_per_token=0.001,
+        prefill_s_per_token_context=1e-6,
+        decode_s_per_seq=0.002,
+        decode_s_per_context_token=1e-5,
+        reload_s_per_block=0.003,
+        max_num_batched_tokens=100,
+    )
+    policy = make_policy(RoutingConfig(scoring_profile="ttft", ttft_costs=costs), 16)
+    assert isinstance(policy, TTFTPolicy)
+    # Replica 0: 4 NPU + 2 host blocks cached (96 tokens), 150 tokens queued, 3 requests, 400
+    # active tokens. A 160-token prompt leaves 64 to compute: work 214, 3 steps.
+    expected = (
+        0.001 * 214
+        + 1e-6 * 64 * (96 + 32)
+        + 3 * (0.01 + 0.002 * 3 + 1e-5 * (400 - 150))
+        + 0.003 * 2
+    )
+    assert policy.predicted_ttft_s(IndexMatch(4, 2), 160, 150, 3, 400) == pytest.approx(expected)
+    # Replica 1: nothing cached, idle: 160 tokens, 2 steps of the fixed cost.
+    idle = 0.001 * 160 + 1e-6 * 160 * 80 + 2 * 0.01
+    assert policy.predicted_ttft_s(IndexMatch(0, 0), 160, 0, 0, 0) == pytest.approx(idle)
+    queues = ReplicaQueues([150, 0], [3, 0])
+    decision = policy.choose([0, 1], [IndexMatch(4, 2), IndexMatch(0, 0)], [400, 0], 160, queues)
+    assert decision.replica_index == (0 if expected < idle else 1)
+    # Without the queue, the cached replica wins.
+    quiet = ReplicaQueues([0, 0], [0, 0])
+    assert policy.choose([0, 1], [IndexMatch(4, 2), NONE], [0, 0], 160, quiet).replica_index == 0
+    with pytest.raises(ValueError, match="ttft_costs"):
+        RoutingConfig(scoring_profile="ttft")
