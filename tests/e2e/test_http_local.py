@@ -1,6 +1,7 @@
 """The HTTP API over a real socket: uvicorn on 127.0.0.1, the official ``openai`` client, the
 Prometheus exposition, and clients that hang up mid-request."""
 
+import contextlib
 import socket
 import threading
 import time
@@ -10,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -50,6 +52,21 @@ class Server:
         self.uvicorn.should_exit = True
         self.thread.join(timeout=30)
         self.sock.close()
+
+
+@contextlib.contextmanager
+def default_model_server() -> Iterator[Server]:
+    """A server of the default real model (SmolLM2) on one torch thread."""
+    from replicas.model.resolve import DEFAULT_MODEL
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    engine = Engine(EngineConfig(model=DEFAULT_MODEL, num_npu_blocks=256, max_model_len=1024))
+    try:
+        with Server(engine) as running:
+            yield running
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from cluster import LLM, SamplingParams
-from replicas.config import EngineConfig
-from replicas.engine import Engine
 from replicas.model.resolve import DEFAULT_MODEL, packaged_model_path
-from tests.e2e.test_http_local import Server
+from tests.e2e.test_http_local import Server, default_model_server
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (the eval extra)")
 try:
@@ -49,12 +46,8 @@ metric_list:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    engine = Engine(EngineConfig(model=DEFAULT_MODEL, num_npu_blocks=256, max_model_len=1024))
-    with Server(engine) as running:
+    with default_model_server() as running:
         yield running
-    torch.set_num_threads(before)
 
 
 def cache_hits(server: Server) -> float:

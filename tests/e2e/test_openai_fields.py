@@ -8,12 +8,10 @@ from collections.abc import Iterator
 import jsonschema
 import openai
 import pytest
-import torch
 
-from replicas.config import EngineConfig
 from replicas.engine import Engine
 from replicas.model.resolve import DEFAULT_MODEL, packaged_model_path
-from tests.e2e.test_http_local import Server
+from tests.e2e.test_http_local import Server, default_model_server
 from tests.unit.sampling.conftest import reference_scores
 
 try:
@@ -34,12 +32,8 @@ class _Model:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    engine = Engine(EngineConfig(model=DEFAULT_MODEL, num_npu_blocks=256, max_model_len=1024))
-    with Server(engine) as running:
+    with default_model_server() as running:
         yield running
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
