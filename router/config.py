@@ -46,6 +46,13 @@ class TTFTCosts(BaseModel):
     max_num_batched_tokens: int = Field(
         2048, ge=1, description="Tokens one engine step computes at most (its scheduler's)."
     )
+    forfeit_weight: float = Field(
+        0.0,
+        ge=0,
+        description="Adds this many times the prefill time of the cached tokens a replica "
+        "lacks against the best-cached one: the reuse a placement away from its prefix "
+        "forfeits for the prompt's later turns.",
+    )
     slack: float = Field(
         0.0,
         ge=0,

@@ -292,7 +292,9 @@ class TTFTPolicy(ScoringPolicy):
         slack = self.costs.slack
         if not slack:
             return super().choose(live, matches, load_tokens, num_prompt_tokens, queues)
-        ttft = {r: self._ttft(r, matches, load_tokens, num_prompt_tokens, queues) for r in live}
+        ttft = {
+            r: -self.score(r, 0, 0, matches, load_tokens, num_prompt_tokens, queues) for r in live
+        }
         bound = min(ttft.values()) * (1 + slack)
         close = [r for r in live if ttft[r] <= bound]
         longest = max(matches[r].num_blocks for r in close)
@@ -323,7 +325,15 @@ class TTFTPolicy(ScoringPolicy):
         num_prompt_tokens: int,
         queues: ReplicaQueues | None,
     ) -> float:
-        return -self._ttft(replica, matches, load_tokens, num_prompt_tokens, queues)
+        ttft = self._ttft(replica, matches, load_tokens, num_prompt_tokens, queues)
+        weight = self.costs.forfeit_weight
+        if weight:
+            best = max(m.num_blocks for m in matches)
+            lacking = min(best * self.block_size, num_prompt_tokens) - min(
+                matches[replica].num_blocks * self.block_size, num_prompt_tokens
+            )
+            ttft += weight * self.costs.prefill_s_per_token * max(0, lacking)
+        return -ttft
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {

@@ -96,6 +96,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="the ttft profile's slack (TTFTCosts.slack; default 0: the lowest predicted TTFT)",
     )
+    add(
+        "--ttft-forfeit-weight",
+        type=float,
+        default=0.0,
+        help="the ttft profile's forfeit weight (TTFTCosts.forfeit_weight; default 0)",
+    )
     add("--block-size", type=int, default=16)
     add(
         "--sliding-window",
@@ -181,6 +187,7 @@ def base_config(args: argparse.Namespace) -> SimConfig:
         retention=args.retention,
         reservation_share=args.reservation_share,
         ttft_slack=args.ttft_slack,
+        ttft_forfeit_weight=args.ttft_forfeit_weight,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         event_delay_s=args.event_delay_ms / 1000,

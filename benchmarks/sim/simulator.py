@@ -78,6 +78,7 @@ class SimConfig:
     retention: str = "fixed"  # or "adaptive" (KVOffloadConfig.retention)
     reservation_share: float = 0.0  # PrefixCacheConfig.reservation_share
     ttft_slack: float = 0.0  # TTFTCosts.slack of the ttft scoring profile
+    ttft_forfeit_weight: float = 0.0  # TTFTCosts.forfeit_weight
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     event_delay_s: float = 0.001
@@ -115,6 +116,7 @@ def ttft_costs(config: SimConfig, cost_model: CostModel) -> TTFTCosts:
         reload_s_per_block=cost_model.load_s(1),
         max_num_batched_tokens=config.max_num_batched_tokens,
         slack=config.ttft_slack,
+        forfeit_weight=config.ttft_forfeit_weight,
     )
 
 

@@ -181,3 +181,20 @@ def test_ttft_profile_predicts_queue_plus_reload_plus_suffix_by_hand():
     assert policy.choose([0, 1], [IndexMatch(4, 2), NONE], [0, 0], 160, quiet).replica_index == 0
     with pytest.raises(ValueError, match="ttft_costs"):
         RoutingConfig(scoring_profile="ttft")
+
+
+def test_ttft_forfeit_weight_prices_the_reuse_a_placement_gives_up():
+    costs = TTFTCosts(prefill_s_per_token=0.001, max_num_batched_tokens=1000, forfeit_weight=2)
+    policy = make_policy(RoutingConfig(scoring_profile="ttft", ttft_costs=costs), 16)
+    matches = [IndexMatch(6, 0), NONE]  # replica 0 caches 96 of the 160 tokens
+    queues = ReplicaQueues([150, 0], [1, 0])
+    # Replica 0: (150 + 64) x 0.001 = 0.214. Replica 1: 160 x 0.001 + 2 x 96 x 0.001 = 0.352.
+    assert policy.score(1, 0, 0, matches, [0, 0], 160, queues) == pytest.approx(-0.352)
+    assert policy.choose([0, 1], matches, [150, 0], 160, queues).replica_index == 0
+    plain = make_policy(
+        RoutingConfig(
+            scoring_profile="ttft", ttft_costs=costs.model_copy(update={"forfeit_weight": 0})
+        ),
+        16,
+    )
+    assert plain.choose([0, 1], matches, [150, 0], 160, queues).replica_index == 1
