@@ -69,13 +69,13 @@ def test_replica_device_follows_its_placement_bundle(ray_instance, gpus_per_repl
         first = asyncio.run(generate(backend, "first", PROMPT))
         local = LLM("tiny", device=device, num_npu_blocks=64, scheduler_config=scheduler)
         assert first.finished and first.token_ids == local.generate(PROMPT, GREEDY).token_ids
-        backend.check_integrity()  # between the two requests: the first one's stores landed
+        asyncio.run(backend.check_integrity())  # between the two: the first one's stores landed
         ray.get(backend.replicas[0].reset_prefix_cache.remote("npu"))
         again = asyncio.run(generate(backend, "again", [*PROMPT[:96], 1, 2, 3]))
         assert again.num_host_cached_tokens == 96  # reloaded from the host tier
         stats = ray.get(backend.replicas[0].stats.remote())
         assert stats.transfer.blocks_loaded == 6 and stats.transfer.blocks_stored >= 6
-        backend.check_integrity()
+        asyncio.run(backend.check_integrity())
     finally:
         backend.shutdown()
 
