@@ -197,6 +197,8 @@ def test_prefix_caching_off_routes_by_load():
         ),
         (["--data-parallel-prefix-weight", "0.3"], "--data-parallel-scoring-profile custom"),
         (["--quantization", "fp8"], "model.quantization"),
+        (["--data-parallel-scoring-profile", "ttft"], "routing.ttft_costs"),
+        (["--prefix-reservation-share", "1.5"], "reservation_share"),
     ],
 )
 def test_serve_rejects_bad_combinations_before_starting(argv, needle, capsys):
@@ -271,3 +273,21 @@ def test_every_flag_says_what_it_does_in_its_group(command):
         assert "Default:" in text or "default" in text.lower(), action.option_strings
     help_text = sub.format_help()
     assert "Default: 2." in help_text  # the write-through threshold, read from KVOffloadConfig
+
+
+def test_yaml_ttft_profile_and_reservations(tmp_path):
+    path = tmp_path / "ttft.yaml"
+    path.write_text(
+        "scheduler:\n  prefix_cache_config:\n    reservation_share: 0.2\n"
+        "routing:\n  scoring_profile: ttft\n  ttft_costs:\n"
+        "    prefill_s_per_token: 0.001\n    forfeit_weight: 6\n"
+    )
+    config = ClusterConfig.from_yaml(path)
+    assert config.routing.ttft_costs.forfeit_weight == 6
+    assert config.engine_config().scheduler_config.prefix_cache_config.reservation_share == 0.2
+    assert (
+        parse(
+            "--config", str(path), "--prefix-reservation-share", "0"
+        ).scheduler.prefix_cache_config.reservation_share
+        == 0
+    )
