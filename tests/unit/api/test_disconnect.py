@@ -107,3 +107,29 @@ def test_non_streaming_client_disconnect_aborts():
         await backend.shutdown()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_leaving_a_request_of_several_choices_aborts_every_sequence(stream):
+    """n = 3 over a list of 2 prompts: 6 sequences, all aborted when the client leaves."""
+    engine = make_engine()
+
+    async def scenario() -> None:
+        backend = LocalBackend(engine)
+        app = create_app(backend)
+        disconnect, sent = asyncio.Event(), []
+        body = {**LONG, "prompt": ["tell me everything", "and more"], "n": 3, "stream": stream}
+
+        async def leave_once_all_run() -> None:
+            for _ in range(2000):  # every sequence started: the others follow the first output
+                if engine.num_unfinished == 6:
+                    break
+                await asyncio.sleep(0.01)
+            disconnect.set()
+
+        await asyncio.gather(call(app, body, disconnect, sent), leave_once_all_run())
+        assert engine.stats().cache.queries > 0
+        await wait_until_clean(engine)
+        await backend.shutdown()
+
+    asyncio.run(scenario())
