@@ -254,6 +254,7 @@ class TTFTPolicy(ScoringPolicy):
     def __init__(self, block_size: int, host_hit_weight: float, costs: TTFTCosts) -> None:
         super().__init__(block_size, host_hit_weight, *SCORING_PROFILES[DEFAULT_SCORING_PROFILE])
         self.costs = costs
+        self._best_blocks = 0
 
     @classmethod
     def from_config(cls, config: RoutingConfig, block_size: int) -> "TTFTPolicy":
@@ -289,31 +290,41 @@ class TTFTPolicy(ScoringPolicy):
         num_prompt_tokens: int,
         queues: ReplicaQueues | None = None,
     ) -> RouteDecision:
-        slack = self.costs.slack
-        if not slack:
-            return super().choose(live, matches, load_tokens, num_prompt_tokens, queues)
-        ttft = {
-            r: -self.score(r, 0, 0, matches, load_tokens, num_prompt_tokens, queues) for r in live
-        }
-        bound = min(ttft.values()) * (1 + slack)
-        close = [r for r in live if ttft[r] <= bound]
-        longest = max(matches[r].num_blocks for r in close)
-        candidates = [r for r in close if matches[r].num_blocks == longest]
-        return super().choose(candidates, matches, load_tokens, num_prompt_tokens, queues)
+        # The forfeit term's reference: the best-cached live replica, found once per request.
+        self._best_blocks = max(matches[r].num_blocks for r in live)
+        if self.costs.slack:
+            cost = {
+                r: self.cost_s(r, matches, load_tokens, num_prompt_tokens, queues) for r in live
+            }
+            bound = min(cost.values()) * (1 + self.costs.slack)
+            close = [r for r in live if cost[r] <= bound]
+            longest = max(matches[r].num_blocks for r in close)
+            live = [r for r in close if matches[r].num_blocks == longest]
+        return super().choose(live, matches, load_tokens, num_prompt_tokens, queues)
 
-    def _ttft(
+    def cost_s(
         self,
         replica: int,
         matches: Sequence[IndexMatch],
         load_tokens: Sequence[int],
         num_prompt_tokens: int,
         queues: ReplicaQueues | None,
+        best_blocks: int | None = None,
     ) -> float:
+        """The predicted TTFT on ``replica`` plus the forfeit term, against the best-cached
+        replica (``best_blocks``; by default the one ``choose`` found)."""
+        match = matches[replica]
         queued = queues.queued_tokens[replica] if queues is not None else 0
         count = queues.num_requests[replica] if queues is not None else 0
-        return self.predicted_ttft_s(
-            matches[replica], num_prompt_tokens, queued, count, load_tokens[replica]
-        )
+        cost = self.predicted_ttft_s(match, num_prompt_tokens, queued, count, load_tokens[replica])
+        weight = self.costs.forfeit_weight
+        if weight:
+            best = self._best_blocks if best_blocks is None else best_blocks
+            lacking = min(best * self.block_size, num_prompt_tokens) - min(
+                match.num_blocks * self.block_size, num_prompt_tokens
+            )
+            cost += weight * self.costs.prefill_s_per_token * max(0, lacking)
+        return cost
 
     def score(
         self,
@@ -325,15 +336,7 @@ class TTFTPolicy(ScoringPolicy):
         num_prompt_tokens: int,
         queues: ReplicaQueues | None,
     ) -> float:
-        ttft = self._ttft(replica, matches, load_tokens, num_prompt_tokens, queues)
-        weight = self.costs.forfeit_weight
-        if weight:
-            best = max(m.num_blocks for m in matches)
-            lacking = min(best * self.block_size, num_prompt_tokens) - min(
-                matches[replica].num_blocks * self.block_size, num_prompt_tokens
-            )
-            ttft += weight * self.costs.prefill_s_per_token * max(0, lacking)
-        return -ttft
+        return -self.cost_s(replica, matches, load_tokens, num_prompt_tokens, queues)
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {

@@ -189,7 +189,7 @@ def test_ttft_forfeit_weight_prices_the_reuse_a_placement_gives_up():
     matches = [IndexMatch(6, 0), NONE]  # replica 0 caches 96 of the 160 tokens
     queues = ReplicaQueues([150, 0], [1, 0])
     # Replica 0: (150 + 64) x 0.001 = 0.214. Replica 1: 160 x 0.001 + 2 x 96 x 0.001 = 0.352.
-    assert policy.score(1, 0, 0, matches, [0, 0], 160, queues) == pytest.approx(-0.352)
+    assert policy.cost_s(1, matches, [0, 0], 160, queues, best_blocks=6) == pytest.approx(0.352)
     assert policy.choose([0, 1], matches, [150, 0], 160, queues).replica_index == 0
     plain = make_policy(
         RoutingConfig(
