@@ -30,12 +30,16 @@ def windows(token_ids: Sequence[int], window_len: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def token_nll(model: Transformer, window: Sequence[int]) -> torch.Tensor:
-    """Negative log-likelihood [len(window) - 1] (float32) of each token after the first."""
+def sequence_logits(
+    model: Transformer, token_ids: Sequence[int], kv_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Logits [len(token_ids), vocab] (float32) of one prefill from position 0 over a fresh
+    block KV cache (``kv_dtype``, by default the weights'): row i predicts token i + 1. The
+    reference of logprob and quantization tests (no cache reuse, no batching)."""
     device = model.tok_embeddings.weight.device
-    n = len(window)
+    n = len(token_ids)
     num_blocks = -(-n // BLOCK_SIZE)
-    dtype = model.tok_embeddings.weight.dtype
+    dtype = kv_dtype or model.tok_embeddings.weight.dtype
     specs = model.kv_cache_specs(dtype)
     caches = {
         g: torch.zeros(s.shape(num_blocks, BLOCK_SIZE), dtype=dtype, device=device)
@@ -43,7 +47,7 @@ def token_nll(model: Transformer, window: Sequence[int]) -> torch.Tensor:
     }
     positions = torch.arange(n, device=device)
     batch = ForwardBatch(
-        input_ids=torch.tensor(list(window), dtype=torch.long, device=device),
+        input_ids=torch.tensor(list(token_ids), dtype=torch.long, device=device),
         positions=positions,
         query_start_loc=[0, n],
         seq_lens=[n],
@@ -51,8 +55,14 @@ def token_nll(model: Transformer, window: Sequence[int]) -> torch.Tensor:
         slot_mapping={g: positions for g in specs},
         logits_indices=positions,
     )
-    logits = model.compute_logits(model(batch, caches)[: n - 1])  # [n - 1, vocab] float32
-    return F.cross_entropy(logits, batch.input_ids[1:], reduction="none")
+    return model.compute_logits(model(batch, caches))
+
+
+def token_nll(model: Transformer, window: Sequence[int]) -> torch.Tensor:
+    """Negative log-likelihood [len(window) - 1] (float32) of each token after the first."""
+    logits = sequence_logits(model, window)[:-1]
+    targets = torch.tensor(list(window[1:]), dtype=torch.long, device=logits.device)
+    return F.cross_entropy(logits, targets, reduction="none")
 
 
 def perplexity(model: Transformer, token_ids: Sequence[int], window_len: int = 512) -> float:

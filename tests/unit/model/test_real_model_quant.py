@@ -94,24 +94,9 @@ NEAR_TIE = 0.5
 
 def prompt_logits(model, tokens: list[int]) -> torch.Tensor:
     """Logits [len(tokens), vocab] of one whole-prompt prefill: no cache, the reference."""
-    from replicas.model.batch import ForwardBatch
+    from replicas.model.perplexity import sequence_logits
 
-    n = len(tokens)
-    blocks = -(-n // 16)
-    specs = model.kv_cache_specs(torch.float32)
-    caches = {g: torch.zeros(s.shape(blocks, 16)) for g, s in specs.items()}
-    positions = torch.arange(n)
-    batch = ForwardBatch(
-        input_ids=torch.tensor(tokens),
-        positions=positions,
-        query_start_loc=[0, n],
-        seq_lens=[n],
-        block_tables={g: torch.arange(blocks)[None, :] for g in specs},
-        slot_mapping={g: positions for g in specs},
-        logits_indices=positions,
-    )
-    with torch.no_grad():
-        return model.compute_logits(model(batch, caches))
+    return sequence_logits(model, tokens, torch.float32)
 
 
 def test_int8_greedy_continuation_equals_float32_up_to_near_ties(dense, quantized):
