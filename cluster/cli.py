@@ -16,6 +16,8 @@ from pydantic import BaseModel, ValidationError
 
 from cluster.config import ClusterConfig, ModelConfig, RayConfig, ServerConfig
 from replicas.config import (
+    DISK_GB_OPTION,
+    DISK_PATH_OPTION,
     HOST_GB_OPTION,
     HOST_RATIO_OPTION,
     RETENTION_OPTION,
@@ -191,6 +193,32 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
             "kind pays for the copy. Needs a host capacity; exclusive with write-back.",
         ),
     )
+    a(
+        DISK_PATH_OPTION,
+        dest="disk_path",
+        metavar="DIR",
+        help=field_help(
+            KVOffloadConfig,
+            "disk_path",
+            "Directory of the disk KV tier behind the host tier: blocks leave host for it by "
+            "the host tier's rules, survive restarts and are read by every replica of the "
+            "node. Needs a host capacity and the disk budget.",
+            default="none",
+        ),
+    )
+    a(
+        DISK_GB_OPTION,
+        type=gib,
+        dest="disk_bytes",
+        metavar="GIB",
+        help=field_help(
+            KVOffloadConfig,
+            "disk_bytes",
+            "Disk KV budget in GiB (positive) for the whole deployment, divided equally "
+            "among the replicas; needs the disk path.",
+            default="none",
+        ),
+    )
 
     a = group["routing"].add_argument
     a(
@@ -328,6 +356,10 @@ def _put_offload(args: argparse.Namespace, data: dict[str, Any]) -> None:
         offload["write_back"] = True
     if args.retention is not None:
         offload["retention"] = args.retention
+    if args.disk_path is not None:
+        offload["disk_path"] = args.disk_path
+    if args.disk_bytes is not None:
+        offload["disk_bytes"] = args.disk_bytes
 
 
 def _serve(args: argparse.Namespace) -> int:

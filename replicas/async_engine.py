@@ -268,4 +268,7 @@ class AsyncEngine:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
-        self._stepper.shutdown(wait=False)
+        disk = getattr(self.engine, "disk", None)
+        self._stepper.shutdown(wait=bool(disk))  # a step in flight ends before the disk closes
+        if disk:
+            self.engine.close()  # the disk tier's writes in flight, and its slabs

@@ -69,6 +69,10 @@ class BlockPool:
         """Block ids in the order allocation would take them."""
         return list(self._free_queue)
 
+    def next_to_allocate(self) -> int | None:
+        """The block id allocation would take next (None when none is free)."""
+        return next(iter(self._free_queue), None)
+
     # ---- mutation ----------------------------------------------------------------------------
     def allocate(self, num_blocks: int) -> tuple[list[int], list[tuple[int, BlockHash]]]:
         """Take ``num_blocks`` blocks from the front of the LRU queue, ref count 1 each.

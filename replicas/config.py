@@ -24,6 +24,8 @@ HOST_RATIO_OPTION = "--experimental-kv-offload-host-memory-ratio"
 WRITE_THROUGH_OPTION = "--experimental-kv-offload-write-through-threshold"
 WRITE_BACK_OPTION = "--experimental-kv-offload-write-back"
 RETENTION_OPTION = "--experimental-kv-offload-retention"
+DISK_PATH_OPTION = "--experimental-kv-offload-disk-path"
+DISK_GB_OPTION = "--experimental-kv-offload-disk-gb"
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -109,6 +111,16 @@ class KVOffloadConfig(_Config):
         "as set, and each other block the NPU tier evicts is stored when the reuse observed "
         "for its kind pays for the copy (exclusive with write_back).",
     )
+    disk_path: str | None = Field(
+        None,
+        description="Directory of the disk KV tier (behind the host tier), shared by the "
+        "replicas of one node and kept across restarts; None: no disk tier.",
+    )
+    disk_bytes: int | None = Field(
+        None,
+        description="Process-wide disk KV budget in bytes, divided equally among DP replicas; "
+        "positive, and set exactly when disk_path is.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "KVOffloadConfig":
@@ -133,6 +145,20 @@ class KVOffloadConfig(_Config):
                 f"kv_offload_config.retention='adaptive' ({RETENTION_OPTION} adaptive) decides "
                 f"write-back per block; it cannot be combined with write_back ({WRITE_BACK_OPTION})"
             )
+        if self.disk_bytes is not None and self.disk_bytes <= 0:
+            raise ValueError(
+                f"kv_offload_config.disk_bytes ({DISK_GB_OPTION}) must be positive, got "
+                f"{self.disk_bytes} bytes"
+            )
+        if (self.disk_path is None) != (self.disk_bytes is None):
+            given, missing = (
+                (f"disk_path ({DISK_PATH_OPTION})", f"disk_bytes ({DISK_GB_OPTION})")
+                if self.disk_bytes is None
+                else (f"disk_bytes ({DISK_GB_OPTION})", f"disk_path ({DISK_PATH_OPTION})")
+            )
+            raise ValueError(f"kv_offload_config.{given} needs {missing} too")
+        if self.disk_path is not None and not self.disk_path.strip():
+            raise ValueError(f"kv_offload_config.disk_path ({DISK_PATH_OPTION}) is empty")
         has_bytes = num_bytes is not None
         has_ratio = self.host_memory_ratio > 0
         check_one_host_capacity(
@@ -141,6 +167,12 @@ class KVOffloadConfig(_Config):
             f"kv_offload_config.host_memory_bytes ({HOST_GB_OPTION})",
             f"kv_offload_config.host_memory_ratio ({HOST_RATIO_OPTION})",
         )
+        if self.disk_path is not None and not (self.enabled and (has_bytes or has_ratio)):
+            raise ValueError(
+                f"kv_offload_config.disk_path ({DISK_PATH_OPTION}) needs the host tier: disk "
+                f"blocks load through it; set enabled=True and {HOST_GB_OPTION} or "
+                f"{HOST_RATIO_OPTION}"
+            )
         if self.enabled and not (has_bytes or has_ratio):
             raise ValueError(
                 "kv_offload_config.enabled=True needs a positive host_memory_bytes or "
@@ -175,6 +207,10 @@ class KVOffloadConfig(_Config):
     @property
     def is_active(self) -> bool:
         return self.enabled and (self.host_memory_bytes is not None or self.host_memory_ratio > 0)
+
+    @property
+    def has_disk(self) -> bool:
+        return self.is_active and self.disk_path is not None
 
 
 class SchedulerConfig(_Config):

@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +17,9 @@ from replicas.host_memory import check_host_capacity
 from replicas.kv_cache_manager import KVCacheManager
 from replicas.kv_cache_types import CacheStats, CacheTypeSpec, CacheTypeUsage
 from replicas.kv_capacity import plan_cache
+
+if TYPE_CHECKING:
+    from replicas.kv_disk import DiskStore
 from replicas.kv_retention import ADAPTIVE, OFF, ON, BlockCosts, RetentionStats, tuning_hint
 from replicas.kv_transfer import KVTransfer, TransferStats
 from replicas.model import LoadedModel, load_model
@@ -112,6 +115,7 @@ class Engine:
         )
         sched = config.scheduler_config
         offload = sched.kv_offload_config
+        self.disk = self._open_disk(plan.num_disk_blocks) if plan.num_disk_blocks else None
         self.kv_cache = KVCacheManager(
             block_size=self.block_size,
             cache_types=[
@@ -125,9 +129,10 @@ class Engine:
             write_through_threshold=offload.write_through_threshold,
             write_back=offload.write_back,
             retention=offload.retention,
+            disk=self.disk,
         )
         self.transfer = (
-            KVTransfer(self.runner.kv_caches, plan.num_host_blocks)
+            KVTransfer(self.runner.kv_caches, plan.num_host_blocks, disk=self.disk)
             if plan.num_host_blocks
             else None
         )
@@ -161,6 +166,39 @@ class Engine:
             self.block_size,
             self.max_model_len,
         )
+
+    def _open_disk(self, num_disk_blocks: dict[str, int]) -> "dict[str, DiskStore]":
+        """One disk store per cache type under the configured path, keyed by this model's
+        fingerprint (a store that cannot open its files is off, with a warning)."""
+        from replicas.kv_disk import DiskStore, model_fingerprint
+
+        loaded = self.loaded
+        architecture = f"{type(loaded.model).__name__}|{loaded.args!r}|{loaded.quantization}"
+        fingerprint = model_fingerprint(
+            loaded.model, architecture, self.config.dtype, self.block_size
+        )
+        path = self.config.scheduler_config.kv_offload_config.disk_path
+        return {
+            cache_type: DiskStore(
+                path,
+                fingerprint,
+                cache_type,
+                tuple(self.runner.kv_caches[cache_type].shape[1:]),
+                self.runner.kv_caches[cache_type].dtype,
+                num_slots,
+            )
+            for cache_type, num_slots in num_disk_blocks.items()
+        }
+
+    def close(self) -> None:
+        """Hand the planned disk writes to the disk stores, finish them and release the disk
+        slabs (no-op without a disk tier)."""
+        if not self.disk:
+            return
+        for _ in range(2):  # a landed host store plans its disk store at threshold 0
+            self.core.run_transfers(self.kv_cache.take_transfer_plan(), wait=True)
+        for store in self.disk.values():
+            store.close()
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(

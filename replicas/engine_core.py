@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from replicas.config import SchedulerConfig
 from replicas.kv_cache_manager import KVCacheManager
-from replicas.kv_cache_types import TransferPlan
+from replicas.kv_cache_types import DiskCopy, TransferPlan
 from replicas.outputs import TokenLogprob
 from replicas.prompt_logprobs import PromptLogprobsCache
 from replicas.request import Request, RequestStatus
@@ -28,6 +28,10 @@ from replicas.scheduler import Scheduler, SchedulerOutput
 
 if TYPE_CHECKING:
     from replicas.model_runner import PromptScores
+
+
+DISK_WAIT_S = 0.005
+"""Longest wait for a disk read in a step that has nothing else to do."""
 
 
 class StepResult(NamedTuple):
@@ -56,6 +60,10 @@ class TransferQueue(Protocol):
     def submit(self, plan: TransferPlan) -> None: ...
 
     def poll(self, wait: bool = False) -> list[TransferPlan]: ...
+
+    def poll_disk(self, timeout: float | None = 0.0) -> "list[tuple[DiskCopy, bool]]":
+        """Disk reads that ended (only asked with a disk tier)."""
+        ...
 
 
 class TextProcessor(Protocol):
@@ -149,7 +157,10 @@ class EngineCore:
         output = self.scheduler.schedule()
         self.run_transfers(output.transfer)
         if not output.scheduled:
-            self._check_progress()
+            if self.kv_cache.num_onboarding:  # only disk reads to wait for: wait a little
+                self._complete_disk_loads(DISK_WAIT_S)
+            else:
+                self._check_progress()
             return None
         self.num_scheduled_tokens += sum(num_new for _, num_new, *_ in output.scheduled)
         if self.prompt_scores is not None:
@@ -218,6 +229,13 @@ class EngineCore:
         self.transfer.submit(plan)
         for landed in self.transfer.poll(wait=wait):
             self.kv_cache.complete_transfer(landed)
+        if self.kv_cache.has_disk:
+            self._complete_disk_loads(None if wait else 0.0)
+
+    def _complete_disk_loads(self, timeout: float | None) -> None:
+        results = self.transfer.poll_disk(timeout)
+        if results:
+            self.kv_cache.complete_disk_loads(results)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -47,13 +47,30 @@ compute)::
 A reservation never holds a block a running request needs: dropping every reservation restores
 exactly the free blocks there would be without them.
 
+Disk tier (``disk`` stores per cache type, behind the host tier; ``replicas.kv_disk``): blocks
+leave host for disk by the rules that move them from NPU to host (a host block whose hits reach
+``write_through_threshold`` is stored, every host block at threshold 0; with write-back, a
+host-only block that host eviction takes is stored first). A prefix match never waits on disk:
+``onboard`` looks past a waiting request's NPU/host match, and when the disk holds the next
+blocks and ``reload_pays`` says loading them beats computing them again, it plans their reads
+into locked host blocks and the request waits (the scheduler admits others meanwhile)::
+
+    onboard(request)      disk-only blocks after the match -> host blocks, locked, reads planned
+    complete_disk_loads   a landed read caches its host block (a failed one: a miss, forgotten)
+    admission             the match finds the blocks on host and loads them to NPU as usual
+
+A read that has not landed ``onboard_timeout`` after it was planned is given up on: its request
+is admitted with what landed, and the host block stays locked until the read ends.
+
 Ordering: the transfer component runs a plan's stores before its loads and both before the
 next forward pass, so a store reads an evicted block before new KV overwrites it and a load
 lands before attention reads it. Host blocks are locked (ref count) while a transfer involving
 them is in flight, so host eviction never takes them.
 """
 
+import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from replicas.block_pool import BlockPool
 from replicas.hashing import BlockHash
@@ -65,6 +82,7 @@ from replicas.kv_cache_types import (
     CacheTypeMatch,
     CacheTypeSpec,
     CacheTypeUsage,
+    DiskCopy,
     PrefixMatch,
     TransferPlan,
 )
@@ -88,6 +106,44 @@ RETENTION_POLICIES = ("fixed", "adaptive")
 """``fixed``: the write-through threshold and write-back as configured; ``adaptive``: see
 ``replicas.kv_retention``."""
 
+ONBOARD_TIMEOUT_MIN_S = 2.0
+ONBOARD_TIMEOUT_FACTOR = 8.0
+"""A waiting request stops waiting for its disk reads after ``max(ONBOARD_TIMEOUT_MIN_S,
+ONBOARD_TIMEOUT_FACTOR x their predicted time)``."""
+
+
+class DiskIndex(Protocol):
+    """What the manager asks of a disk store (``replicas.kv_disk.DiskStore``): which blocks it
+    holds, what a read costs, and to forget a block that failed to read."""
+
+    def contains(self, block_hash: BlockHash) -> bool: ...
+
+    def discard(self, block_hash: BlockHash) -> None: ...
+
+    def read_seconds_per_block(self) -> float: ...
+
+
+def reload_pays(
+    num_blocks: int,
+    num_disk_blocks: int,
+    recompute_s: float,
+    host_load_s: float,
+    disk_read_s: float,
+) -> bool:
+    """The cost rule: whether loading ``num_blocks`` matched blocks, ``num_disk_blocks`` of them
+    read from disk first, takes less time than computing them again (seconds per block)."""
+    reload_s = num_disk_blocks * disk_read_s + num_blocks * host_load_s
+    return reload_s < num_blocks * recompute_s
+
+
+@dataclass(slots=True)
+class _Onboarding:
+    """A waiting request's disk reads: what it waits for and the host blocks it holds."""
+
+    waiting: set[tuple[str, BlockHash]]  # (cache type, hash) not landed yet
+    held: list[tuple[str, int]]  # (cache type, host block) referenced for it
+    deadline: float
+
 
 @dataclass(slots=True)
 class _Reservation:
@@ -104,6 +160,7 @@ class _CacheType:
     npu: BlockPool
     host: BlockPool | None
     retention: RetentionTracker | None = None  # with a host tier
+    disk: DiskIndex | None = None  # with a disk tier (behind the host tier)
     blocks: dict[str, list[int | None]] = field(default_factory=dict)  # None: released
     num_cached: dict[str, int] = field(default_factory=dict)  # leading blocks hashed
 
@@ -126,7 +183,15 @@ class _CacheType:
             host.num_blocks if host else 0,
             host.num_used if host else 0,
             host.num_cached if host else 0,
+            *self.disk_usage(),
         )
+
+    def disk_usage(self) -> tuple[int, int]:
+        stats = getattr(self.disk, "stats", None)
+        if stats is None:
+            return 0, 0
+        disk = stats()
+        return disk.num_slots, disk.num_cached
 
 
 class KVCacheManager:
@@ -135,13 +200,20 @@ class KVCacheManager:
 
     __slots__ = (
         "_cache_types",
+        "_disk_loads",
+        "_disk_stores",
         "_events",
+        "_host_load_s",
+        "_inflight",
         "_loads",
+        "_onboarding",
+        "_recompute_s",
         "_record_events",
         "_reservations",
         "_stores",
         "block_size",
         "enable_prefix_caching",
+        "onboard_timeout",
         "reservation_share",
         "retention",
         "stats",
@@ -162,6 +234,8 @@ class KVCacheManager:
         retention: str = "fixed",
         record_events: bool = False,
         reservation_share: float = 0.0,
+        disk: dict[str, DiskIndex] | None = None,
+        onboard_timeout: bool = True,
     ) -> None:
         if not 0.0 <= reservation_share <= 1.0:
             raise ValueError(f"reservation_share must be in [0, 1], got {reservation_share}")
@@ -201,6 +275,19 @@ class KVCacheManager:
         self._loads: list[BlockCopy] = []
         self.reservation_share = reservation_share if enable_prefix_caching else 0.0
         self._reservations: dict[str, _Reservation] = {}  # oldest first
+        if disk and not has_host:
+            raise ValueError("the disk tier needs the host tier: disk blocks load through it")
+        for cache_type in self._cache_types if disk else ():
+            if cache_type.name not in disk:
+                raise ValueError(f"the disk tier has no store for cache type {cache_type.name!r}")
+            cache_type.disk = disk[cache_type.name]
+        self._disk_stores: list[DiskCopy] = []
+        self._disk_loads: list[DiskCopy] = []
+        self._onboarding: dict[str, _Onboarding] = {}
+        self._inflight: dict[tuple[str, BlockHash], tuple[int, set[str]]] = {}  # -> host, waiters
+        self.onboard_timeout = onboard_timeout
+        self._recompute_s: float | None = None  # measured seconds per block (set_block_costs)
+        self._host_load_s = 0.0
 
     @property
     def npu(self) -> BlockPool:
@@ -311,6 +398,9 @@ class KVCacheManager:
         cache_type.npu.touch(npu_hits)
         if host_hits:
             cache_type.host.touch(host_hits)  # locked until their loads land
+            if request.num_cached_tokens is None:
+                for host_id in host_hits:
+                    self._count_host_hit(cache_type, host_id)
         if request.num_cached_tokens is None:  # a new request, not a resumed one
             for npu_id in npu_hits:
                 self._count_hit(cache_type, npu_id)
@@ -351,6 +441,23 @@ class KVCacheManager:
         if threshold and num_hits >= threshold:
             self._promote(cache_type, npu_id, cache_type.npu.blocks[npu_id].block_hash)
 
+    def _count_host_hit(self, cache_type: _CacheType, host_id: int) -> None:
+        """A new request reloads a host block: at the threshold, it is stored to disk too."""
+        if cache_type.disk is None:
+            return
+        num_hits = cache_type.host.record_hit(host_id)
+        threshold = self.write_through_threshold
+        if threshold and num_hits >= threshold:
+            self._store_to_disk(cache_type, host_id, cache_type.host.blocks[host_id].block_hash)
+
+    def _store_to_disk(self, cache_type: _CacheType, host_id: int, block_hash: BlockHash) -> None:
+        """Plan a copy of a host block to disk, unless the disk holds it; the host block stays
+        locked until the copy has read it (``complete_transfer``)."""
+        if block_hash is None or cache_type.disk.contains(block_hash):
+            return
+        cache_type.host.touch([host_id])
+        self._disk_stores.append(DiskCopy(host_id, block_hash, cache_type.name))
+
     def _promote(self, cache_type: _CacheType, npu_id: int, block_hash: BlockHash) -> None:
         if cache_type.retention is not None:
             cache_type.retention.promotion_candidate(block_hash)
@@ -382,6 +489,8 @@ class KVCacheManager:
         """Plan a copy of an NPU block to a new host block; False if every host block is locked."""
         if cache_type.host.num_free == 0:
             return False
+        if cache_type.disk is not None and self.write_back:
+            self._write_back_to_disk(cache_type)
         (host_id,), evicted = cache_type.host.allocate(1)  # locked until the store lands
         for _, old_hash in evicted:
             self.stats.count_host_eviction(cache_type.name)
@@ -391,6 +500,161 @@ class KVCacheManager:
         self._stores.append(BlockCopy(npu_id, host_id, cache_type.name))
         self._emit(cache_type, KVEventKind.STORED, Tier.HOST, block_hash)
         return True
+
+    def _write_back_to_disk(self, cache_type: _CacheType) -> None:
+        """Before host allocation evicts its next block, store that block to disk. The copy
+        runs first in the plan, so it reads the block before this plan's store overwrites it."""
+        host = cache_type.host
+        host_id = host.next_to_allocate()
+        block_hash = host.blocks[host_id].block_hash if host_id is not None else None
+        if block_hash is not None and not cache_type.disk.contains(block_hash):
+            self._disk_stores.append(DiskCopy(host_id, block_hash, cache_type.name))
+
+    # ---- the disk tier -------------------------------------------------------------------------
+    @property
+    def has_disk(self) -> bool:
+        return self._cache_types[0].disk is not None
+
+    @property
+    def num_onboarding(self) -> int:
+        """Waiting requests whose disk reads have not all landed."""
+        return sum(1 for o in self._onboarding.values() if o.waiting)
+
+    def onboard(self, request: Request, max_blocks: int | None = None) -> bool:
+        """Whether a waiting request must wait for disk reads (mutates): reads are planned the
+        first time the disk holds blocks past its match and ``reload_pays``; True until they
+        land or time out."""
+        if not self.has_disk or not self.enable_prefix_caching:
+            return False
+        onboarding = self._onboarding.get(request.request_id)
+        if onboarding is not None:
+            if not onboarding.waiting:
+                return False
+            if self.onboard_timeout and time.monotonic() > onboarding.deadline:
+                self.stats.disk_load_timeouts += 1
+                onboarding.waiting.clear()
+                return False
+            return True
+        if request.num_cached_tokens is not None:  # resumed after preemption: not new traffic
+            return False
+        match = self.match_prefix(request, max_blocks)
+        plan = self._disk_extension(request, match.num_blocks, max_blocks)
+        if plan is None:
+            return False
+        length, reads = plan
+        num_disk = sum(len(r) for r in reads.values())
+        primary = self._cache_types[0]
+        disk_read_s = primary.disk.read_seconds_per_block()
+        recompute_s = self._recompute_s
+        if recompute_s is not None and not reload_pays(
+            length - match.num_blocks, num_disk, recompute_s, self._host_load_s, disk_read_s
+        ):
+            self.stats.disk_recomputes += 1
+            self._onboarding[request.request_id] = _Onboarding(set(), [], 0.0)
+            return False
+        self.stats.disk_reloads += 1
+        waiting: set[tuple[str, BlockHash]] = set()
+        held: list[tuple[str, int]] = []
+        for cache_type in self._cache_types:
+            for block_hash in reads[cache_type.name]:
+                key = (cache_type.name, block_hash)
+                inflight = self._inflight.get(key)
+                if inflight is None:
+                    if self.write_back:
+                        self._write_back_to_disk(cache_type)
+                    (host_id,), evicted = cache_type.host.allocate(1)
+                    for _, old_hash in evicted:
+                        self.stats.count_host_eviction(cache_type.name)
+                        self._emit(cache_type, KVEventKind.REMOVED, Tier.HOST, old_hash)
+                        cache_type.retention.host_evicted(old_hash)
+                    cache_type.host.touch([host_id])  # the read's reference and the waiter's
+                    inflight = self._inflight[key] = (host_id, set())
+                    self._disk_loads.append(DiskCopy(host_id, block_hash, cache_type.name))
+                else:
+                    cache_type.host.touch([inflight[0]])  # the waiter's reference
+                inflight[1].add(request.request_id)
+                waiting.add(key)
+                held.append((cache_type.name, inflight[0]))
+        predicted = num_disk * disk_read_s
+        deadline = time.monotonic() + max(ONBOARD_TIMEOUT_MIN_S, ONBOARD_TIMEOUT_FACTOR * predicted)
+        self._onboarding[request.request_id] = _Onboarding(waiting, held, deadline)
+        return True
+
+    def _disk_extension(
+        self, request: Request, num_matched: int, max_blocks: int | None
+    ) -> tuple[int, dict[str, list[BlockHash]]] | None:
+        """The longest safe prefix with disk blocks counted, and per cache type the blocks of
+        it that only the disk holds; None when the disk adds nothing, or host blocks to read
+        them into are short (no mutation)."""
+        limit = (request.num_tokens - 1) // self.block_size
+        limit = limit if max_blocks is None else min(limit, max_blocks)
+        hashes = request.block_hashes[:limit]
+        primary = self._cache_types[0]
+        length = num_matched
+        while length < len(hashes) and self._anywhere(primary, hashes[length]):
+            length += 1
+        for cache_type in self._cache_types[1:]:
+            present = [self._anywhere(cache_type, h) for h in hashes[:length]]
+            length = safe_prefix_length(
+                present, length, self.block_size, cache_type.spec.sliding_window
+            )
+        if length <= num_matched:
+            return None
+        reads = {}
+        for cache_type in self._cache_types:
+            first = cache_type.spec.window_start(length * self.block_size, self.block_size)
+            wanted = [
+                h
+                for h in hashes[first:length]
+                if cache_type.npu.lookup(h) is None and not cache_type.on_host(h)
+            ]
+            new = [h for h in wanted if (cache_type.name, h) not in self._inflight]
+            if len(new) > cache_type.host.num_free:
+                return None
+            reads[cache_type.name] = wanted
+        return length, reads
+
+    @staticmethod
+    def _anywhere(cache_type: _CacheType, block_hash: BlockHash) -> bool:
+        return (
+            cache_type.npu.lookup(block_hash) is not None
+            or cache_type.on_host(block_hash)
+            or cache_type.disk.contains(block_hash)
+        )
+
+    def complete_disk_loads(self, results: list[tuple[DiskCopy, bool]]) -> None:
+        """Record disk reads that ended: a valid block is cached in its host block; a miss frees
+        the host block and the disk forgets the block."""
+        by_name = {c.name: c for c in self._cache_types}
+        for copy, ok in results:
+            cache_type = by_name[copy.cache_type]
+            key = (copy.cache_type, copy.block_hash)
+            host_id, waiters = self._inflight.pop(key)
+            host = cache_type.host
+            if ok and host.cache(host_id, copy.block_hash):
+                self.stats.disk_blocks_loaded += 1
+                self._emit(cache_type, KVEventKind.STORED, Tier.HOST, copy.block_hash)
+            else:
+                self.stats.disk_load_failures += not ok
+                if not ok:
+                    cache_type.disk.discard(copy.block_hash)
+            for request_id in waiters:
+                onboarding = self._onboarding.get(request_id)
+                if onboarding is not None:
+                    onboarding.waiting.discard(key)
+            host.free([host_id])  # the read's own reference; waiters hold theirs
+
+    def _end_onboarding(self, request_id: str) -> None:
+        onboarding = self._onboarding.pop(request_id, None)
+        if onboarding is None:
+            return
+        by_name = {c.name: c for c in self._cache_types}
+        for name, host_id in onboarding.held:
+            by_name[name].host.free([host_id])
+        for key in onboarding.waiting:
+            inflight = self._inflight.get(key)
+            if inflight is not None:
+                inflight[1].discard(request_id)
 
     # ---- reservations ------------------------------------------------------------------------
     def has_reservation(self, request_id: str) -> bool:
@@ -421,6 +685,7 @@ class KVCacheManager:
                     block_hash = request.block_hashes[part.first_block + offset]
                     host_id = part.host_block_ids[offset]
                     cache_type.host.touch([host_id])  # locked until its load lands
+                    self._count_host_hit(cache_type, host_id)
                     (npu_id,) = self._allocate_npu(cache_type, 1)
                     cache_type.npu.cache(npu_id, block_hash)
                     self._loads.append(BlockCopy(host_id, npu_id, cache_type.name, True))
@@ -517,6 +782,7 @@ class KVCacheManager:
         reservation = self._reservations.pop(request.request_id, None)
         if reservation is not None:
             self._release(reservation)
+        self._end_onboarding(request.request_id)
         for cache_type in self._cache_types:
             blocks = cache_type.blocks.pop(request.request_id, [])
             cache_type.num_cached.pop(request.request_id, None)
@@ -525,16 +791,27 @@ class KVCacheManager:
     def take_transfer_plan(self) -> TransferPlan:
         """The copies planned since the last call; the caller must run them, then call
         ``complete_transfer``."""
-        plan = TransferPlan(self._stores, self._loads)
+        plan = TransferPlan(
+            self._stores, self._loads, tuple(self._disk_stores), tuple(self._disk_loads)
+        )
         self._stores, self._loads = [], []
+        self._disk_stores.clear()
+        self._disk_loads.clear()
         return plan
 
     def complete_transfer(self, plan: TransferPlan) -> None:
         """Unlock the host blocks of a transfer that has landed."""
         by_name = {c.name: c for c in self._cache_types}
+        for copy in plan.disk_stores:
+            self.stats.disk_blocks_stored += 1
+            by_name[copy.cache_type].host.free([copy.host_id])
         for copy in plan.stores:
             self.stats.count_block_stored(copy.cache_type)
-            by_name[copy.cache_type].host.free([copy.dst])
+            cache_type = by_name[copy.cache_type]
+            cache_type.host.free([copy.dst])
+            if cache_type.disk is not None and self.write_through_threshold == 0:
+                block_hash = cache_type.host.blocks[copy.dst].block_hash
+                self._store_to_disk(cache_type, copy.dst, block_hash)
         for copy in plan.loads:
             self.stats.count_block_loaded(copy.cache_type)
             by_name[copy.cache_type].host.free([copy.src])
@@ -547,6 +824,9 @@ class KVCacheManager:
         """Count a request's first lookup: queries are its prompt tokens, hits the matched (a
         block its reservation prefetched counts as the host hit it was). Ends its reservation:
         the request holds the blocks itself now."""
+        onboarding = self._onboarding.get(request.request_id)
+        from_disk = set(onboarding.held) if onboarding is not None else set()
+        self._end_onboarding(request.request_id)
         reservation = self._reservations.pop(request.request_id, None)
         prefetched: dict[str, set[int]] = {}
         if reservation is not None:
@@ -575,6 +855,14 @@ class KVCacheManager:
         self.stats.hits += request.num_cached_tokens
         self.stats.npu_hits += request.num_npu_cached_tokens
         self.stats.host_hits += request.num_host_cached_tokens
+        if from_disk:
+            part = match.cache_types.get(primary, EMPTY_PART)
+            num_disk = sum(
+                1
+                for n, h in zip(part.npu_block_ids, part.host_block_ids)
+                if n is None and (primary, h) in from_disk
+            )
+            self.stats.disk_hits += num_disk * self.block_size
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's blocks in the primary cache type."""
@@ -618,6 +906,8 @@ class KVCacheManager:
         for cache_type in self._cache_types:
             if cache_type.retention is not None:
                 cache_type.retention.set_costs(costs)
+        self._recompute_s = costs.recompute_s
+        self._host_load_s = costs.reload_s
 
     def num_free_npu_blocks(self) -> dict[str, int]:
         """NPU blocks each cache type can allocate now (empty or evictable)."""

@@ -72,14 +72,27 @@ class BlockCopy(NamedTuple):
     prefetch: bool = False
 
 
+class DiskCopy(NamedTuple):
+    """One block to copy between the host tier and the disk tier: ``host_id`` is the host block
+    a disk store reads or a disk load fills; ``block_hash`` names the block on disk."""
+
+    host_id: int
+    block_hash: bytes
+    cache_type: str = "full"
+
+
 class TransferPlan(NamedTuple):
-    """Copies of one engine step: stores (NPU -> host) run before loads (host -> NPU)."""
+    """Copies of one engine step, in the order they run: disk stores (host -> disk, reading
+    host blocks before this plan's stores overwrite them), stores (NPU -> host), loads (host ->
+    NPU), disk loads (disk -> host, landing after the step, in the background)."""
 
     stores: list[BlockCopy]
     loads: list[BlockCopy]
+    disk_stores: tuple[DiskCopy, ...] = ()
+    disk_loads: tuple[DiskCopy, ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.stores or self.loads)
+        return bool(self.stores or self.loads or self.disk_stores or self.disk_loads)
 
 
 class CacheTypeUsage(NamedTuple):
@@ -93,6 +106,8 @@ class CacheTypeUsage(NamedTuple):
     num_host_blocks: int
     num_host_blocks_used: int
     num_host_blocks_cached: int
+    num_disk_blocks: int = 0  # this replica's own disk slots (other replicas' are readable too)
+    num_disk_blocks_cached: int = 0
 
 
 @dataclass(slots=True)
@@ -132,6 +147,14 @@ class CacheStats:
     prefetched_blocks: int = 0  # host-only blocks loaded into NPU blocks while their request waited
     prefetched_blocks_used: int = 0  # of those, adopted by their request at admission
     reservations_dropped: int = 0  # given way to running requests (or to an earlier arrival)
+    # The disk tier (blocks of every cache type; tokens for disk_hits):
+    disk_hits: int = 0  # tokens of admitted prompts whose KV came from disk (within host_hits)
+    disk_blocks_loaded: int = 0  # disk -> host copies that landed with a valid block
+    disk_load_failures: int = 0  # disk reads that missed (checksum, changed slot, missing file)
+    disk_blocks_stored: int = 0  # host -> disk copies handed to the disk store
+    disk_reloads: int = 0  # waiting requests whose disk prefix was loaded (the cost rule's yes)
+    disk_recomputes: int = 0  # ... whose disk prefix was recomputed instead (the rule's no)
+    disk_load_timeouts: int = 0  # requests admitted without a disk load that took too long
     by_cache_type: dict[str, CacheTypeStats] = field(default_factory=dict)
 
     def count_npu_eviction(self, cache_type: str) -> None:

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 
 from replicas.config import (
+    DISK_GB_OPTION,
     HOST_GB_OPTION,
     HOST_RATIO_OPTION,
     EngineConfig,
@@ -38,6 +39,7 @@ class CachePlan(NamedTuple):
     num_npu_blocks: dict[str, int]
     num_host_blocks: dict[str, int]  # empty when the host tier is off
     block_bytes: dict[str, int]
+    num_disk_blocks: "dict[str, int] | None" = None  # None when the disk tier is off
 
     @property
     def host_bytes(self) -> int:
@@ -110,11 +112,21 @@ def plan_replica_offload(
     offload: KVOffloadConfig, data_parallel_size: int, block_bytes: int
 ) -> KVOffloadConfig:
     """The host-tier config of one replica: its equal share of a byte budget (a ratio is per
-    replica already and passes through). Raises ``ValueError`` when the share holds no block."""
-    if not offload.is_active or offload.host_memory_bytes is None:
+    replica already and passes through), and of the disk budget. Raises ``ValueError`` when a
+    share holds no block."""
+    if not offload.is_active:
         return offload
-    share = replica_host_bytes(offload.host_memory_bytes, data_parallel_size, block_bytes)
-    return offload.model_copy(update={"host_memory_bytes": share})
+    update = {}
+    if offload.host_memory_bytes is not None:
+        update["host_memory_bytes"] = replica_host_bytes(
+            offload.host_memory_bytes, data_parallel_size, block_bytes
+        )
+    if offload.disk_bytes is not None:
+        share = offload.disk_bytes // data_parallel_size
+        if share < block_bytes:
+            raise _share_error(DISK_GB_OPTION, share, data_parallel_size, block_bytes)
+        update["disk_bytes"] = share
+    return offload.model_copy(update=update) if update else offload
 
 
 def host_blocks_per_replica(
@@ -187,20 +199,43 @@ def plan_host_blocks(
     return plan
 
 
+def plan_disk_blocks(
+    offload: KVOffloadConfig, num_npu_blocks: dict[str, int], block_bytes: dict[str, int]
+) -> dict[str, int]:
+    """Disk slots per cache type for one replica: its share of the disk budget split as a byte
+    budget of the host tier is (in proportion to NPU KV memory); empty without a disk tier."""
+    if not offload.has_disk:
+        return {}
+    npu_bytes = {g: n * block_bytes[g] for g, n in num_npu_blocks.items()}
+    total = sum(npu_bytes.values())
+    plan = {g: offload.disk_bytes * npu_bytes[g] // total // block_bytes[g] for g in npu_bytes}
+    empty = [g for g, n in plan.items() if n < 1]
+    if empty:
+        raise ValueError(
+            f"{DISK_GB_OPTION} (disk_bytes) leaves the replica no disk block for cache type "
+            f"{empty[0]!r} ({plan}); it needs at least one per type"
+        )
+    return plan
+
+
 def plan_cache(
     specs: dict[str, KVCacheSpec], config: EngineConfig, max_positions: int
 ) -> CachePlan:
     block_bytes = {g: s.block_bytes(config.block_size) for g, s in specs.items()}
     npu = plan_npu_blocks(specs, config, max_positions)
-    host = plan_host_blocks(config.scheduler_config.kv_offload_config, npu, block_bytes)
+    offload = config.scheduler_config.kv_offload_config
+    host = plan_host_blocks(offload, npu, block_bytes)
+    disk = plan_disk_blocks(offload, npu, block_bytes)
     logger.info(
         "KV cache split: %s",
         ", ".join(
-            f"{g}: {npu[g]} NPU + {host.get(g, 0)} host blocks of {block_bytes[g]} bytes"
+            f"{g}: {npu[g]} NPU + {host.get(g, 0)} host"
+            + (f" + {disk[g]} disk" if disk else "")
+            + f" blocks of {block_bytes[g]} bytes"
             for g in specs
         ),
     )
-    return CachePlan(npu, host, block_bytes)
+    return CachePlan(npu, host, block_bytes, disk or None)
 
 
 def deployment_host_bytes(args: ModelArgs, config: EngineConfig, data_parallel_size: int) -> int:

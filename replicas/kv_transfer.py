@@ -28,6 +28,12 @@ On CPU the copies run synchronously. On CUDA they run on a side stream:
   * a load that reads a host block whose store has not landed yet lands that store first, and
     staging blocks are reused only after the copy that used them last has landed.
 
+With a disk tier (``disk``: a ``replicas.kv_disk.DiskStore`` per cache type), a plan's disk
+stores run first: each host block is copied out (so that this plan's stores may overwrite it)
+and handed to the store's IO thread. Its disk loads are handed to that thread after the plan's
+copies, reading straight into their (locked) host blocks; ``poll_disk`` reports the reads that
+ended.
+
 ``staged=True`` runs the CUDA algorithm on CPU tensors (unpinned, with copies that land at
 once), so that its bookkeeping is tested on machines without a GPU.
 """
@@ -36,12 +42,16 @@ import contextlib
 import logging
 import time
 from collections import deque
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from replicas.kv_disk import DiskStore
 from replicas.host_memory import allocate_host_tensor
-from replicas.kv_cache_types import BlockCopy, TransferPlan
+from replicas.kv_cache_types import BlockCopy, DiskCopy, TransferPlan
 
 logger = logging.getLogger(__name__)
 
@@ -129,8 +139,11 @@ class KVTransfer:
         *,
         staged: bool | None = None,
         staging_bytes: int = STAGING_BYTES,
+        disk: "dict[str, DiskStore] | None" = None,
     ) -> None:
         self.npu_caches = npu_caches
+        self.disk = disk or {}
+        self._disk_reads: list[tuple[DiskCopy, Future[bool]]] = []
         self.device = next(iter(npu_caches.values())).device
         self.is_cuda = self.device.type == "cuda"
         self.staged = self.is_cuda if staged is None else staged
@@ -199,11 +212,15 @@ class KVTransfer:
         if not plan:
             return
         start = time.perf_counter()
-        if self.staged:
+        self._store_to_disk(plan.disk_stores)
+        if self.staged and (plan.stores or plan.loads):
             self._submit_staged(plan)
         else:
             self._run_cpu(plan)
             self._pending.append(_Pending(plan, _Landed(), landed=True))
+        for copy in plan.disk_loads:
+            out = self.host_caches[copy.cache_type][copy.host_id]
+            self._disk_reads.append((copy, self.disk[copy.cache_type].load(copy.block_hash, out)))
         self.stats.seconds += time.perf_counter() - start
         self.stats.blocks_stored += len(plan.stores)
         self.stats.blocks_loaded += len(plan.loads)
@@ -223,8 +240,37 @@ class KVTransfer:
                 done.append(pending.plan)
         return done
 
+    # ---- disk --------------------------------------------------------------------------------
+    def _store_to_disk(self, copies: tuple[DiskCopy, ...]) -> None:
+        """Hand copies of host blocks to the disk stores (a host block's own store lands first)."""
+        for cache_type, store in self.disk.items():
+            selected = [c for c in copies if c.cache_type == cache_type]
+            if not selected:
+                continue
+            host = self.host_caches[cache_type]
+            if self.staged:
+                self._land_stores_into(cache_type, torch.tensor([c.host_id for c in selected]))
+            for copy in selected:
+                store.store(copy.block_hash, host[copy.host_id].clone())
+
+    def poll_disk(self, timeout: float | None = 0.0) -> list[tuple[DiskCopy, bool]]:
+        """Disk reads that ended, with whether each filled its host block; waits up to
+        ``timeout`` seconds for the first one (None: for all of them)."""
+        if not self._disk_reads:
+            return []
+        futures = [f for _, f in self._disk_reads]
+        if timeout is None:
+            wait(futures)
+        elif timeout > 0 and not any(f.done() for f in futures):
+            wait(futures, timeout=timeout, return_when="FIRST_COMPLETED")
+        done = [(c, f) for c, f in self._disk_reads if f.done()]
+        self._disk_reads = [(c, f) for c, f in self._disk_reads if not f.done()]
+        return [(copy, _succeeded(future)) for copy, future in done]
+
     # ---- CPU -----------------------------------------------------------------------------
     def _run_cpu(self, plan: TransferPlan) -> None:
+        if not (plan.stores or plan.loads):
+            return
         for cache_type, npu in self._npu_blocks.items():
             host = self._host_blocks[cache_type]
             stores = _of_cache_type(plan.stores, cache_type)
@@ -349,6 +395,14 @@ class KVTransfer:
     def _slots(piece: _Piece) -> tuple[torch.Tensor, torch.Tensor]:
         end = piece.start + piece.num_blocks
         return piece.ring.blocks[piece.start : end], piece.ring.ids[piece.start : end]
+
+
+def _succeeded(future: "Future[bool]") -> bool:
+    try:
+        return bool(future.result())
+    except Exception:  # a read that raised is a miss
+        logger.exception("disk read failed")
+        return False
 
 
 def _copy_blocks(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:

@@ -10,6 +10,10 @@ from the step after their arrival (``KVCacheManager.reserve``: held, host-only b
 prefetched), and the newest reservation gives way whenever blocks are short, before any
 preemption.
 
+With a disk tier, a waiting request whose prefix continues on disk first has those blocks read
+into host blocks (``KVCacheManager.onboard``); it keeps its place in the queue meanwhile and the
+requests behind it are admitted past it (at most ``RESERVE_LOOKAHEAD`` of them wait so).
+
 When the NPU tier cannot give a running request its next block, the most recently admitted
 running request is preempted: its blocks are released (its cached prefix usually survives) and
 it goes back to the front of the queue, to be recomputed later with its outputs kept.
@@ -98,11 +102,17 @@ class Scheduler:
             break  # the request preempted itself: nothing after it can run either
 
         # Admitting new requests in a step that had to preempt would only thrash.
-        while self.waiting and budget > 0 and not preempted:
+        position = 0  # waiting requests ahead of it wait for disk reads
+        while len(self.waiting) > position and budget > 0 and not preempted:
             if len(self.running) >= self.config.max_num_seqs:
                 break
-            request = self.waiting[0]
+            request = self.waiting[position]
             limit = self.prefix_limit(request) if self.prefix_limit is not None else None
+            if self.kv_cache.onboard(request, limit):
+                position += 1
+                if position >= RESERVE_LOOKAHEAD:
+                    break
+                continue
             match = self.kv_cache.match_prefix(request, limit)
             num_computed = match.num_blocks * self.kv_cache.block_size
             num_new = request.num_tokens - num_computed
@@ -116,13 +126,14 @@ class Scheduler:
                 num_computed = match.num_blocks * self.kv_cache.block_size
                 num_new = min(request.num_tokens - num_computed, budget)
             else:
-                self._admit(request, match, num_computed, num_new, scheduled)
+                self._admit(request, match, num_computed, num_new, scheduled, position)
                 budget -= num_new
                 continue
             break
 
         if not preempted:  # reserving in a step short of blocks would only thrash
             self._reserve_waiting()
+            self._onboard_waiting()
         return SchedulerOutput(scheduled, self.kv_cache.take_transfer_plan())
 
     def _admit(
@@ -132,10 +143,14 @@ class Scheduler:
         num_computed: int,
         num_new: int,
         scheduled: list[ScheduledRequest],
+        position: int = 0,
     ) -> None:
         self.kv_cache.record_admission(request, match)
         self._gave_way.discard(request.request_id)
-        self.waiting.popleft()
+        if position:
+            del self.waiting[position]
+        else:
+            self.waiting.popleft()
         request.num_computed_tokens = num_computed
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -152,6 +167,15 @@ class Scheduler:
             request_id = request.request_id
             if request_id not in self._gave_way and not self.kv_cache.has_reservation(request_id):
                 self.kv_cache.reserve(request)
+
+    def _onboard_waiting(self) -> None:
+        """Start the disk reads of the first ``RESERVE_LOOKAHEAD`` waiting requests, so that
+        they overlap the steps before those requests' turn."""
+        if not self.kv_cache.has_disk:
+            return
+        for request in itertools.islice(self.waiting, RESERVE_LOOKAHEAD):
+            limit = self.prefix_limit(request) if self.prefix_limit is not None else None
+            self.kv_cache.onboard(request, limit)
 
     def _give_way(self, keep: str | None = None) -> bool:
         dropped = self.kv_cache.drop_reservation(keep)

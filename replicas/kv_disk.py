@@ -1,0 +1,467 @@
+"""The disk tier: KV blocks in files on a local disk, kept across restarts and shared by the
+replicas of one node.
+
+Layout: one directory per model fingerprint and cache type under the configured path; in it,
+each replica that writes owns one *slab* (a preallocated file of fixed-size slots) and its
+*index* (one fixed-size record per slot)::
+
+    <disk_path>/<fingerprint>-<cache type>/
+        slab-0.lock   flock'ed by the replica that writes slab 0 while it runs
+        slab-0.kv     num_slots x block bytes, preallocated
+        slab-0.idx    num_slots x RECORD.size: magic, generation, key, checksum per slot
+        slab-1.*      another replica's (or another process's) slab, read by everyone
+
+The fingerprint (``model_fingerprint``) covers the architecture, a checksum of every weight,
+the dtype, the block size and the cache type's block shape, so a restart of the same model finds
+its blocks again and a different model or block size never reads them.
+
+Writes go through one IO thread per store and never ``fsync``: a block that a crash tore is
+caught by its checksum. A slot is overwritten in three ordered writes, so that a reader of
+another process sees either the old block, the new block or a miss::
+
+    1. the slot's index record is zeroed      (readers stop finding the old block)
+    2. the payload is written into the slot
+    3. the record is written: key, a new generation, crc32 of (fingerprint, key, payload)
+
+A read takes the record, reads the payload, checks the checksum, and reads the record again: a
+changed generation (the owner reused the slot meanwhile), a bad checksum, a short read or a
+missing file is a miss, never a wrong block. Every failure to write (a full or read-only disk)
+turns the store off with one warning: the replica goes on as a two-tier cache.
+
+A replica's own slots are LRU within its share of the byte budget; other slabs are read-only to
+it and learned by re-reading their index files (at most every ``PEER_REFRESH_S``).
+"""
+
+import fcntl
+import hashlib
+import logging
+import os
+import struct
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
+
+import torch
+
+from replicas.hashing import DIGEST_SIZE, BlockHash
+
+logger = logging.getLogger(__name__)
+
+RECORD = struct.Struct("<4sIQ16sII")
+"""One slot's index record: magic, format version, generation, key, checksum, payload bytes."""
+MAGIC = b"SKV1"
+VERSION = 1
+MAX_SLABS = 1024
+"""Slab numbers a store tries when it looks for one that no running process writes."""
+PEER_REFRESH_S = 0.25
+"""Least seconds between two re-reads of the other slabs' index files."""
+DEFAULT_READ_S_PER_BYTE = 1 / 1e9
+"""Read cost assumed until the store has timed its own reads: 1 GB/s."""
+
+
+class DiskStats(NamedTuple):
+    """One store's counters (own slots; reads count every slab)."""
+
+    num_slots: int
+    num_cached: int  # own slots holding a block
+    blocks_written: int
+    blocks_read: int
+    read_failures: int  # misses found at read time: checksum, changed slot, missing file
+    evictions: int  # own blocks overwritten by newer ones
+    bytes_written: int
+    bytes_read: int
+    read_seconds: float
+    write_seconds: float
+    enabled: bool  # False once a write failed: the replica runs without the disk tier
+
+
+def model_fingerprint(
+    model: torch.nn.Module, architecture: str, dtype: str, block_size: int
+) -> str:
+    """A digest of what decides a block's bytes: the architecture, every parameter and buffer
+    (names, shapes, dtypes and values), the KV dtype and the block size."""
+    digest = hashlib.blake2b(digest_size=12)
+    digest.update(f"{architecture}|{dtype}|{block_size}".encode())
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    for name, tensor in sorted(tensors, key=lambda item: item[0]):
+        data = tensor.detach().to("cpu").contiguous()
+        digest.update(f"{name}|{tuple(data.shape)}|{data.dtype}".encode())
+        if data.numel():
+            digest.update(data.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+class _Location(NamedTuple):
+    slab: int
+    slot: int
+    generation: int
+
+
+class DiskStore:
+    """The disk blocks of one cache type, as one replica sees them: its own slab (read and
+    written) and every other slab of the directory (read).
+
+    ``contains``, ``store``, ``load`` and ``discard`` are called by the engine thread only;
+    the IO runs on the store's thread, in submission order."""
+
+    def __init__(
+        self,
+        directory: str,
+        fingerprint: str,
+        cache_type: str,
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        num_slots: int,
+    ) -> None:
+        if num_slots < 1:
+            raise ValueError(f"a disk store needs at least one slot, got {num_slots}")
+        self.block_shape = block_shape
+        self.dtype = dtype
+        item_bytes = torch.empty((), dtype=dtype).element_size()
+        self.block_bytes = torch.Size(block_shape).numel() * item_bytes
+        self.num_slots = num_slots
+        shape = "x".join(map(str, block_shape))
+        self.directory = os.path.join(directory, f"{fingerprint}-{cache_type}-{shape}")
+        self._seed = zlib.crc32(f"{fingerprint}|{cache_type}".encode())
+        self._own: OrderedDict[BlockHash, int] = OrderedDict()  # key -> slot, oldest first
+        self._slot_keys: list[BlockHash | None] = [None] * num_slots
+        self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self._generation = 0
+        self._peers: dict[BlockHash, _Location] = {}
+        self._peer_files: dict[int, tuple[int, int]] = {}  # slab -> (mtime_ns, size) read
+        self._peer_checked = 0.0
+        self._bad: set[_Location] = set()  # peer blocks that failed a read
+        self._disabled: str | None = None
+        self._warned = False
+        self._lock_fd = self._slab_fd = self._index_fd = -1
+        self.slab = -1
+        self._counts = {"written": 0, "read": 0, "failed": 0, "evicted": 0}
+        self._bytes = {"written": 0, "read": 0}
+        self._seconds = {"read": 0.0, "write": 0.0}
+        self._stat_lock = threading.Lock()
+        self._io = ThreadPoolExecutor(1, thread_name_prefix=f"kv-disk-{cache_type}")
+        try:
+            self._open()
+        except OSError as error:
+            self._disable(f"cannot open {self.directory}: {error}")
+
+    # ---- opening -----------------------------------------------------------------------------
+    def _open(self) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        for slab in range(MAX_SLABS):
+            fd = os.open(self._path(slab, "lock"), os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self._lock_fd, self.slab = fd, slab
+            break
+        else:
+            raise OSError(f"all {MAX_SLABS} slabs are written by running processes")
+        self._slab_fd = os.open(self._path(self.slab, "kv"), os.O_RDWR | os.O_CREAT, 0o644)
+        self._index_fd = os.open(self._path(self.slab, "idx"), os.O_RDWR | os.O_CREAT, 0o644)
+        self._recover()
+        slab_bytes = self.num_slots * self.block_bytes
+        if os.fstat(self._slab_fd).st_size > slab_bytes:
+            os.ftruncate(self._slab_fd, slab_bytes)
+        os.posix_fallocate(self._slab_fd, 0, slab_bytes)
+        os.ftruncate(self._index_fd, self.num_slots * RECORD.size)
+        logger.info(
+            "disk tier: %s slab %d, %d slots of %d bytes, %d blocks kept from before",
+            self.directory,
+            self.slab,
+            self.num_slots,
+            self.block_bytes,
+            len(self._own),
+        )
+
+    def _recover(self) -> None:
+        """Take back the blocks this slab held before (a restart), newest kept when the slab
+        shrank to fewer slots."""
+        data = _read_all(self._index_fd)
+        slab_size = os.fstat(self._slab_fd).st_size
+        found = []
+        for slot, record in enumerate(_records(data)):
+            if slot >= self.num_slots:
+                os.pwrite(self._index_fd, bytes(RECORD.size), slot * RECORD.size)
+                continue
+            if record is None or (slot + 1) * self.block_bytes > slab_size:
+                continue
+            generation, key = record
+            found.append((generation, slot, key))
+        for generation, slot, key in sorted(found):
+            if key in self._own:  # an older copy of the same block: its slot is free
+                old = self._own.pop(key)
+                self._slot_keys[old] = None
+            self._own[key] = slot
+            self._slot_keys[slot] = key
+            self._generation = max(self._generation, generation)
+        self._free = [s for s in range(self.num_slots - 1, -1, -1) if self._slot_keys[s] is None]
+
+    def _path(self, slab: int, kind: str) -> str:
+        return os.path.join(self.directory, f"slab-{slab}.{kind}")
+
+    # ---- the engine thread's side --------------------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        return self._disabled is None
+
+    def contains(self, key: BlockHash) -> bool:
+        """Whether some slab holds ``key`` as far as this store knows (a read may still miss)."""
+        if self._disabled is not None:
+            return False
+        if key in self._own:
+            return True
+        self._refresh_peers()
+        location = self._peers.get(key)
+        return location is not None and location not in self._bad
+
+    def store(self, key: BlockHash, block: torch.Tensor) -> BlockHash | None:
+        """Write ``block`` (a CPU tensor this store may keep until written) as ``key`` into an
+        own slot, the least recently used one when none is free; returns the key it replaced."""
+        if self._disabled is not None:
+            return None
+        if key in self._own:
+            self._own.move_to_end(key)
+            return None
+        evicted = None
+        if self._free:
+            slot = self._free.pop()
+        else:
+            evicted, slot = self._own.popitem(last=False)
+            with self._stat_lock:
+                self._counts["evicted"] += 1
+        self._own[key] = slot
+        self._slot_keys[slot] = key
+        self._generation += 1
+        self._io.submit(self._write, slot, key, self._generation, block)
+        return evicted
+
+    def load(self, key: BlockHash, out: torch.Tensor) -> "Future[bool]":
+        """Read ``key`` into ``out`` (a contiguous CPU tensor of one block, which must stay
+        untouched until the future is done); the future says whether ``out`` holds the block."""
+        location = self._locate(key)
+        if location is None:
+            done: Future[bool] = Future()
+            done.set_result(False)
+            return done
+        if location.slab == self.slab:
+            self._own.move_to_end(key)
+        return self._io.submit(self._read, location, key, out)
+
+    def discard(self, key: BlockHash) -> None:
+        """Forget ``key`` after a failed read, so that it is not asked for again."""
+        slot = self._own.pop(key, None)
+        if slot is not None:
+            self._slot_keys[slot] = None
+            self._free.append(slot)
+            self._io.submit(self._clear, slot)
+        location = self._peers.get(key)
+        if location is not None:
+            self._bad.add(location)
+
+    def keys(self) -> list[BlockHash]:
+        """Every key some slab holds, own first (for a snapshot a router learns from)."""
+        if self._disabled is not None:
+            return []
+        self._refresh_peers(force=True)
+        peers = [k for k, loc in self._peers.items() if k not in self._own and loc not in self._bad]
+        return [*self._own, *peers]
+
+    def read_seconds_per_block(self) -> float:
+        """Measured seconds per block read (a default of 1 GB/s until a read was timed)."""
+        with self._stat_lock:
+            num_read = self._counts["read"]
+            seconds = self._seconds["read"]
+        if num_read == 0:
+            return self.block_bytes * DEFAULT_READ_S_PER_BYTE
+        return seconds / num_read
+
+    def stats(self) -> DiskStats:
+        with self._stat_lock:
+            counts, nbytes, seconds = dict(self._counts), dict(self._bytes), dict(self._seconds)
+        return DiskStats(
+            self.num_slots,
+            len(self._own),
+            counts["written"],
+            counts["read"],
+            counts["failed"],
+            counts["evicted"],
+            nbytes["written"],
+            nbytes["read"],
+            seconds["read"],
+            seconds["write"],
+            self._disabled is None,
+        )
+
+    def flush(self) -> None:
+        """Wait for every write submitted so far."""
+        self._io.submit(lambda: None).result()
+
+    def close(self) -> None:
+        """Finish the writes in flight and release the slab (another process may take it)."""
+        self._io.shutdown(wait=True)
+        for fd in (self._slab_fd, self._index_fd, self._lock_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._slab_fd = self._index_fd = self._lock_fd = -1
+
+    def _locate(self, key: BlockHash) -> _Location | None:
+        if self._disabled is not None:
+            return None
+        slot = self._own.get(key)
+        if slot is not None:
+            return _Location(self.slab, slot, -1)  # -1: own slot, any generation with this key
+        self._refresh_peers()
+        location = self._peers.get(key)
+        return None if location is None or location in self._bad else location
+
+    def _refresh_peers(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._peer_checked < PEER_REFRESH_S:
+            return
+        self._peer_checked = now
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return
+        seen = set()
+        changed = False
+        for name in names:
+            if not (name.startswith("slab-") and name.endswith(".idx")):
+                continue
+            try:
+                slab = int(name[5:-4])
+            except ValueError:
+                continue
+            if slab == self.slab:
+                continue
+            seen.add(slab)
+            try:
+                stat = os.stat(os.path.join(self.directory, name))
+            except OSError:
+                continue
+            if self._peer_files.get(slab) != (stat.st_mtime_ns, stat.st_size):
+                self._peer_files[slab] = (stat.st_mtime_ns, stat.st_size)
+                changed = True
+        for slab in set(self._peer_files) - seen:
+            del self._peer_files[slab]
+            changed = True
+        if changed:
+            self._peers = self._read_peers()
+
+    def _read_peers(self) -> dict[BlockHash, _Location]:
+        peers: dict[BlockHash, _Location] = {}
+        for slab in sorted(self._peer_files):
+            try:
+                with open(self._path(slab, "idx"), "rb") as file:
+                    data = file.read()
+            except OSError:
+                continue
+            for slot, record in enumerate(_records(data)):
+                if record is not None:
+                    generation, key = record
+                    peers.setdefault(key, _Location(slab, slot, generation))
+        return peers
+
+    def _disable(self, reason: str) -> None:
+        self._disabled = reason
+        if not self._warned:
+            self._warned = True
+            logger.warning("disk tier off, going on with NPU and host tiers: %s", reason)
+
+    # ---- the IO thread's side ----------------------------------------------------------------
+    def _write(self, slot: int, key: BlockHash, generation: int, block: torch.Tensor) -> None:
+        if self._disabled is not None:
+            return
+        start = time.perf_counter()
+        payload = block.reshape(-1).view(torch.uint8).numpy()
+        try:
+            offset = slot * RECORD.size
+            os.pwrite(self._index_fd, bytes(RECORD.size), offset)
+            written = os.pwrite(self._slab_fd, payload, slot * self.block_bytes)
+            if written != self.block_bytes:
+                raise OSError(f"short write of {written} of {self.block_bytes} bytes")
+            checksum = zlib.crc32(payload, zlib.crc32(key, self._seed))
+            record = RECORD.pack(MAGIC, VERSION, generation, key, checksum, self.block_bytes)
+            os.pwrite(self._index_fd, record, offset)
+        except OSError as error:
+            self._disable(f"writing {self._path(self.slab, 'kv')} failed: {error}")
+            return
+        with self._stat_lock:
+            self._counts["written"] += 1
+            self._bytes["written"] += self.block_bytes
+            self._seconds["write"] += time.perf_counter() - start
+
+    def _clear(self, slot: int) -> None:
+        try:
+            os.pwrite(self._index_fd, bytes(RECORD.size), slot * RECORD.size)
+        except OSError as error:
+            self._disable(f"writing {self._path(self.slab, 'idx')} failed: {error}")
+
+    def _read(self, location: _Location, key: BlockHash, out: torch.Tensor) -> bool:
+        start = time.perf_counter()
+        try:
+            ok = self._read_checked(location, key, out)
+        except OSError:
+            ok = False
+        with self._stat_lock:
+            if ok:
+                self._counts["read"] += 1
+                self._bytes["read"] += self.block_bytes
+                self._seconds["read"] += time.perf_counter() - start
+            else:
+                self._counts["failed"] += 1
+        return ok
+
+    def _read_checked(self, location: _Location, key: BlockHash, out: torch.Tensor) -> bool:
+        own = location.slab == self.slab
+        index_fd = self._index_fd if own else os.open(self._path(location.slab, "idx"), os.O_RDONLY)
+        slab_fd = self._slab_fd if own else os.open(self._path(location.slab, "kv"), os.O_RDONLY)
+        try:
+            offset = location.slot * RECORD.size
+            before = _record(os.pread(index_fd, RECORD.size, offset))
+            if before is None or before[1] != key:
+                return False
+            generation, _, checksum, length = before[0], before[1], before[2], before[3]
+            if location.generation >= 0 and generation != location.generation:
+                return False
+            if length != self.block_bytes or out.numel() * out.element_size() != length:
+                return False
+            buffer = out.reshape(-1).view(torch.uint8).numpy()
+            if os.preadv(slab_fd, [buffer], location.slot * self.block_bytes) != length:
+                return False
+            if zlib.crc32(buffer, zlib.crc32(key, self._seed)) != checksum:
+                return False
+            after = _record(os.pread(index_fd, RECORD.size, offset))
+            return after is not None and after[0] == generation and after[1] == key
+        finally:
+            if not own:
+                os.close(index_fd)
+                os.close(slab_fd)
+
+
+def _read_all(fd: int) -> bytes:
+    size = os.fstat(fd).st_size
+    return os.pread(fd, size, 0) if size else b""
+
+
+def _record(data: bytes) -> tuple[int, BlockHash, int, int] | None:
+    """(generation, key, checksum, length) of a valid record, None for an empty or foreign one."""
+    if len(data) != RECORD.size:
+        return None
+    magic, version, generation, key, checksum, length = RECORD.unpack(data)
+    if magic != MAGIC or version != VERSION:
+        return None
+    return generation, key[:DIGEST_SIZE], checksum, length
+
+
+def _records(data: bytes):
+    """(generation, key) or None per slot of an index file's bytes."""
+    for start in range(0, len(data) - RECORD.size + 1, RECORD.size):
+        record = _record(data[start : start + RECORD.size])
+        yield None if record is None else record[:2]

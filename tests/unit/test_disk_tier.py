@@ -1,0 +1,298 @@
+"""The disk tier on the real engine: restarts, corrupt and missing files, other models, two
+replicas on one directory, capacity, the cost rule, a failing disk and a hung one."""
+
+import logging
+import os
+import random
+import time
+
+import pytest
+
+from cluster import KVOffloadConfig, PrefixCacheConfig, SamplingParams, SchedulerConfig
+from cluster.cli import build_config, build_parser
+from replicas import kv_cache_manager, kv_disk
+from replicas.config import EngineConfig
+from replicas.engine import Engine
+from replicas.kv_cache_manager import reload_pays
+from replicas.kv_retention import BlockCosts
+
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+PREFIX_BLOCKS = 12
+
+
+def prompt_pair(seed: int) -> tuple[list[int], list[int]]:
+    """A 192-token prefix (12 blocks) with two different tails."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(256) for _ in range(16 * PREFIX_BLOCKS)]
+    return [*prefix, 7, 8, 9], [*prefix, 3, 4]
+
+
+def engine(disk_path, *, disk_blocks: int = 256, seed: int = 0, block_size: int = 16, **kw):
+    offload = KVOffloadConfig(
+        enabled=True,
+        host_memory_ratio=2.0,
+        write_through_threshold=kw.pop("write_through_threshold", 0),
+        disk_path=str(disk_path),
+        disk_bytes=disk_blocks * 4 * 2 * block_size * 2 * 64 * 4,  # tiny: 64 KiB per block at 16
+        **kw,
+    )
+    return Engine(
+        EngineConfig(
+            model="tiny",
+            seed=seed,
+            block_size=block_size,
+            num_npu_blocks=48,
+            scheduler_config=SchedulerConfig(kv_offload_config=offload),
+        )
+    )
+
+
+def run(engine: Engine, prompt: list[int], request_id: str = "r"):
+    engine.add_request(request_id, prompt, GREEDY)
+    outputs = []
+    for _ in range(10_000):
+        if not engine.has_unfinished_requests():
+            break
+        outputs = [o for o in engine.step() if o.request_id == request_id] or outputs
+    else:
+        raise AssertionError("the request did not finish")
+    engine.check_integrity()
+    return outputs[-1]
+
+
+@pytest.fixture(scope="module")
+def cold() -> Engine:
+    """The reference: the same model with caching off."""
+    return Engine(
+        EngineConfig(
+            model="tiny",
+            scheduler_config=SchedulerConfig(prefix_cache_config=PrefixCacheConfig(enabled=False)),
+        )
+    )
+
+
+def warm_disk(path, prompt: list[int], **kw) -> None:
+    """Serve ``prompt`` once on a fresh engine over ``path``, then shut it down."""
+    first = engine(path, **kw)
+    run(first, prompt)
+    first.close()
+    assert first.disk["full"].stats().num_cached >= PREFIX_BLOCKS
+
+
+def test_a_restarted_engine_serves_the_prefix_from_disk_with_cold_output(tmp_path, cold):
+    seen, prompt = prompt_pair(1)
+    warm_disk(tmp_path, seen)
+    restarted = engine(tmp_path)
+    output = run(restarted, prompt)
+    assert output.token_ids == run(cold, prompt).token_ids
+    assert output.num_host_cached_tokens == output.num_cached_tokens == 16 * PREFIX_BLOCKS
+    stats = restarted.stats().cache
+    assert stats.disk_hits == 16 * PREFIX_BLOCKS and stats.disk_blocks_loaded == PREFIX_BLOCKS
+    assert stats.disk_reloads == 1 and stats.disk_load_failures == 0
+    restarted.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "index"])
+def test_a_damaged_block_file_is_a_miss_and_the_output_stays_correct(tmp_path, cold, damage):
+    seen, prompt = prompt_pair(2)
+    warm_disk(tmp_path, seen)
+    (directory,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    slab, index = directory / "slab-0.kv", directory / "slab-0.idx"
+    block_bytes = os.path.getsize(slab) // 256
+    if damage == "flip":  # one byte of the fourth block
+        with open(slab, "r+b") as file:
+            file.seek(3 * block_bytes + 100)
+            byte = file.read(1)
+            file.seek(3 * block_bytes + 100)
+            file.write(bytes([byte[0] ^ 0xFF]))
+    elif damage == "truncate":  # only the first 5 blocks remain
+        os.truncate(slab, 5 * block_bytes + 17)
+    elif damage == "delete":
+        slab.unlink()
+    else:  # garbage over the index
+        with open(index, "r+b") as file:
+            file.write(os.urandom(os.path.getsize(index)))
+    restarted = engine(tmp_path)
+    output = run(restarted, prompt)
+    assert output.token_ids == run(cold, prompt).token_ids
+    expected = {"flip": 3, "truncate": 5, "delete": 0, "index": 0}[damage]
+    assert output.num_cached_tokens == 16 * expected
+    if damage == "flip":
+        assert restarted.stats().cache.disk_load_failures == 1
+        assert restarted.disk["full"].stats().read_failures == 1
+    restarted.close()
+
+
+@pytest.mark.parametrize("change", [{"seed": 1}, {"block_size": 32}])
+def test_another_model_or_block_size_never_reads_the_blocks(tmp_path, cold, change):
+    seen, prompt = prompt_pair(3)
+    warm_disk(tmp_path, seen)
+    other = engine(tmp_path, **change)
+    output = run(other, prompt)
+    assert output.num_cached_tokens == 0
+    assert other.stats().cache.disk_blocks_loaded == 0
+    if change == {"block_size": 32}:  # same weights: same tokens as the cold engine
+        assert output.token_ids == run(cold, prompt).token_ids
+    assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2
+    other.close()
+
+
+def test_two_replicas_on_one_directory_read_each_others_blocks(tmp_path, cold):
+    seen, prompt = prompt_pair(4)
+    writer, reader = engine(tmp_path), engine(tmp_path)
+    assert (writer.disk["full"].slab, reader.disk["full"].slab) == (0, 1)
+    run(writer, seen)
+    writer.disk["full"].flush()
+    time.sleep(kv_disk.PEER_REFRESH_S)
+    output = run(reader, prompt)
+    assert output.token_ids == run(cold, prompt).token_ids
+    assert output.num_cached_tokens == 16 * PREFIX_BLOCKS
+    assert reader.stats().cache.disk_hits == 16 * PREFIX_BLOCKS
+    assert reader.disk["full"].stats().num_cached == 0  # read from the writer's slab
+    writer.close()
+    reader.close()
+
+
+def test_the_disk_budget_is_never_exceeded(tmp_path):
+    small = engine(tmp_path, disk_blocks=8)
+    store = small.disk["full"]
+    assert store.num_slots == 8
+    rng = random.Random(5)
+    for i in range(6):
+        run(small, [rng.randrange(256) for _ in range(100)], f"r{i}")
+        assert store.stats().num_cached <= 8
+    store.flush()
+    stats = store.stats()
+    assert stats.num_cached == 8 and stats.evictions == stats.blocks_written - 8 > 0
+    slab = os.path.join(store.directory, "slab-0.kv")
+    assert os.path.getsize(slab) == 8 * store.block_bytes
+    small.close()
+
+
+def test_the_cost_rule_on_both_sides_of_its_threshold():
+    # 4 blocks: reload 4 x (disk 1 ms + host 0.1 ms) = 4.4 ms against 4 x recompute.
+    assert reload_pays(4, 4, recompute_s=0.0012, host_load_s=0.0001, disk_read_s=0.001)
+    assert not reload_pays(4, 4, recompute_s=0.0010, host_load_s=0.0001, disk_read_s=0.001)
+    assert reload_pays(4, 0, recompute_s=0.0002, host_load_s=0.0001, disk_read_s=1.0)
+
+
+@pytest.mark.parametrize("recompute_s", [1e-9, 1.0])
+def test_the_engine_recomputes_a_disk_prefix_that_costs_more_to_read(tmp_path, cold, recompute_s):
+    seen, prompt = prompt_pair(6)
+    warm_disk(tmp_path, seen)
+    restarted = engine(tmp_path)
+    restarted.kv_cache.set_block_costs(BlockCosts(recompute_s, 1e-6, 1e-6))
+    output = run(restarted, prompt)
+    assert output.token_ids == run(cold, prompt).token_ids
+    stats = restarted.stats().cache
+    reloads = recompute_s == 1.0
+    assert (stats.disk_reloads, stats.disk_recomputes) == ((1, 0) if reloads else (0, 1))
+    assert output.num_cached_tokens == (16 * PREFIX_BLOCKS if reloads else 0)
+    restarted.close()
+
+
+def test_a_disk_that_fails_to_write_leaves_a_two_tier_cache(tmp_path, cold, monkeypatch, caplog):
+    seen, prompt = prompt_pair(7)
+    failing = engine(tmp_path)
+
+    def full_disk(fd, data, offset):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(kv_disk.os, "pwrite", full_disk)
+    with caplog.at_level(logging.WARNING, logger="replicas.kv_disk"):
+        run(failing, seen, "a")
+        failing.disk["full"].flush()
+        output = run(failing, prompt, "b")
+    assert output.token_ids == run(cold, prompt).token_ids
+    assert output.num_cached_tokens == 16 * PREFIX_BLOCKS  # from the NPU tier
+    assert not failing.disk["full"].enabled
+    warnings = [r for r in caplog.records if "disk tier off" in r.getMessage()]
+    assert len(warnings) == 1 and "No space left" in warnings[0].getMessage()
+    failing.close()
+
+
+def test_a_disk_path_that_cannot_be_created_leaves_a_two_tier_cache(tmp_path, cold, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    seen, prompt = prompt_pair(8)
+    with caplog.at_level(logging.WARNING, logger="replicas.kv_disk"):
+        unusable = engine(blocker / "kv")
+    assert not unusable.disk["full"].enabled
+    run(unusable, seen, "a")
+    output = run(unusable, prompt, "b")
+    assert output.token_ids == run(cold, prompt).token_ids
+    assert any("disk tier off" in r.getMessage() for r in caplog.records)
+    unusable.close()
+
+
+def test_a_hung_disk_read_times_out_and_frees_every_block(tmp_path, cold, monkeypatch):
+    seen, prompt = prompt_pair(9)
+    warm_disk(tmp_path, seen)
+    restarted = engine(tmp_path)
+    slow_read = restarted.disk["full"]._read
+
+    def hung(*args):
+        time.sleep(0.6)
+        return slow_read(*args)
+
+    monkeypatch.setattr(restarted.disk["full"], "_read", hung)
+    monkeypatch.setattr(kv_cache_manager, "ONBOARD_TIMEOUT_MIN_S", 0.2)
+    monkeypatch.setattr(kv_cache_manager, "ONBOARD_TIMEOUT_FACTOR", 0.0)
+    output = run(restarted, prompt)
+    assert output.token_ids == run(cold, prompt).token_ids
+    assert restarted.stats().cache.disk_load_timeouts == 1
+    plan = restarted.kv_cache.take_transfer_plan()
+    restarted.core.run_transfers(plan, wait=True)  # waits for the reads, which end later
+    assert restarted.kv_cache.usage()["full"].num_host_blocks_used == 0
+    restarted.check_integrity()
+    restarted.close()
+
+
+def test_a_request_aborted_while_its_disk_reads_run_frees_every_block(tmp_path, monkeypatch):
+    seen, prompt = prompt_pair(10)
+    warm_disk(tmp_path, seen)
+    restarted = engine(tmp_path)
+    slow_read = restarted.disk["full"]._read
+    monkeypatch.setattr(
+        restarted.disk["full"], "_read", lambda *a: (time.sleep(0.05), slow_read(*a))[1]
+    )
+    restarted.add_request("r", prompt, GREEDY)
+    restarted.step()
+    assert restarted.kv_cache.num_onboarding == 1
+    restarted.abort_request("r")
+    plan = restarted.kv_cache.take_transfer_plan()
+    restarted.core.run_transfers(plan, wait=True)  # waits for the reads
+    usage = restarted.kv_cache.usage()["full"]
+    assert usage.num_host_blocks_used == 0 and usage.num_npu_blocks_used == 0
+    assert usage.num_host_blocks_cached == PREFIX_BLOCKS  # the reads landed: cached, unused
+    restarted.check_integrity()
+    restarted.close()
+
+
+def test_disk_options_are_checked_at_start_up():
+    with pytest.raises(ValueError, match=r"disk_path \(--experimental-kv-offload-disk-path\) "):
+        KVOffloadConfig(disk_path="/tmp/kv", disk_bytes=2**30)  # no host tier
+    with pytest.raises(ValueError, match=r"needs disk_bytes \(--experimental-kv-offload-disk-gb"):
+        KVOffloadConfig(enabled=True, host_memory_ratio=1.0, disk_path="/tmp/kv")
+    with pytest.raises(ValueError, match="disk_bytes .* must be positive"):
+        KVOffloadConfig(enabled=True, host_memory_ratio=1.0, disk_path="/tmp/kv", disk_bytes=0)
+    parser = build_parser()
+    args = parser.parse_args(
+        [
+            "serve",
+            "tiny",
+            "--experimental-kv-offload-host-memory-ratio",
+            "1",
+            "--experimental-kv-offload-disk-path",
+            "/tmp/kv",
+            "--experimental-kv-offload-disk-gb",
+            "2",
+            "--data-parallel-size",
+            "2",
+        ]
+    )
+    config = build_config(args)
+    offload = config.scheduler.kv_offload_config
+    assert offload.disk_path == "/tmp/kv" and offload.disk_bytes == 2 * 2**30
+    share = config.engine_config().scheduler_config.kv_offload_config
+    assert share.disk_bytes == 2**30  # divided among the replicas like the host budget
