@@ -274,7 +274,7 @@ def test_disk_options_are_checked_at_start_up():
         KVOffloadConfig(disk_path="/tmp/kv", disk_bytes=2**30)  # no host tier
     with pytest.raises(ValueError, match=r"needs disk_bytes \(--experimental-kv-offload-disk-gb"):
         KVOffloadConfig(enabled=True, host_memory_ratio=1.0, disk_path="/tmp/kv")
-    with pytest.raises(ValueError, match="disk_bytes .* must be positive"):
+    with pytest.raises(ValueError, match=r"disk_bytes .* must be positive"):
         KVOffloadConfig(enabled=True, host_memory_ratio=1.0, disk_path="/tmp/kv", disk_bytes=0)
     parser = build_parser()
     args = parser.parse_args(
