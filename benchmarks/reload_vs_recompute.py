@@ -1,15 +1,22 @@
-"""reload-vs-recompute: TTFT of a prefix recomputed (cold) vs reused from NPU vs reloaded from host.
+"""reload-vs-recompute: TTFT of a prefix recomputed (cold) vs reused from NPU vs reloaded from
+host vs read from disk.
 
 Each prompt is a shared prefix of ``prefix_len`` tokens plus a few fresh tokens. The host tier
 runs with ``write_through_threshold=0``, so every block is stored to host when first written.
 Per repetition: *cold* resets the whole prefix cache and computes everything; *npu* finds the
 prefix on the NPU tier; *host* first drops the NPU tier (``reset_prefix_cache("npu")``), so the
-prefix is found on host only and reloaded. Cold runs first (it writes the prefix); npu and host
-then alternate in order. An idle engine step after each request lands its planned stores, so
-no measured request pays for an earlier one's copies.
+prefix is found on host only and reloaded; *disk* drops the NPU and host tiers, so the prefix is
+read from the disk tier (a directory under the output folder, stored at first write too) into
+host and loaded; *disk, dropped* also has the kernel drop the slab file's cached pages first
+(``posix_fadvise(DONTNEED)`` after ``fdatasync``), so the reads come from the device. Cold runs
+first (it writes the prefix and resets every tier, disk included); the others then take turns
+in rotating order. An idle engine step after each request lands its planned stores, and the
+disk writes are waited for, so no measured request pays for an earlier one's copies.
 """
 
 import random
+import shutil
+import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -29,9 +36,11 @@ from benchmarks.workload import (
     timed_request,
 )
 from cluster import LLM, KVOffloadConfig
+from replicas.kv_capacity import kv_cache_specs
+from replicas.model import load_model_info
 
 NAME = "reload-vs-recompute"
-MODES = ("cold", "npu", "host")
+MODES = ("cold", "npu", "host", "disk", "disk_dropped")
 HOST_OVER_COLD_TARGET = 0.1  # at 2k tokens and beyond
 HOST_OVER_COLD_MIN_LEN = 2048
 HOST_OVER_NPU_TARGET = 1.5
@@ -56,20 +65,31 @@ def _measure(
     samples: dict[str, list[float]] = {mode: [] for mode in MODES}
     samples["load"] = []
     transfer = llm.engine.transfer
+    stores = llm.engine.disk.values()
     for rep in range(-1, settings.repeats):  # repetition -1 warms up this size, unrecorded
-        for mode in ["cold", *rotated(["npu", "host"], rep)]:
+        for mode in ["cold", *rotated(["npu", "host", "disk", "disk_dropped"], rep)]:
             if mode == "cold":
                 llm.reset_prefix_cache("all")
             elif mode == "host":
                 llm.reset_prefix_cache("npu")
+            elif mode.startswith("disk"):
+                llm.reset_prefix_cache("npu")
+                llm.reset_prefix_cache("host")
+                for store in stores:
+                    store.drop_page_cache() if mode == "disk_dropped" else store.flush()
             seconds_before = transfer.stats.seconds
             output = timed_request(llm, prefix + random_tokens(rng, settings.suffix_len, vocab))
             load_s = transfer.stats.seconds - seconds_before
             settle(llm)
+            settle(llm)  # the disk stores a landed host store planned
+            for store in stores:
+                store.flush()
             found = {
                 "cold": output.num_cached_tokens,
                 "npu": output.num_npu_cached_tokens,
                 "host": output.num_host_cached_tokens,
+                "disk": output.num_host_cached_tokens,
+                "disk_dropped": output.num_host_cached_tokens,
             }[mode]
             expected = 0 if mode == "cold" else prefix_len
             if found != expected or (mode != "cold" and output.num_cached_tokens != prefix_len):
@@ -79,6 +99,12 @@ def _measure(
                 if mode == "host":
                     samples["load"].append(load_s)
     return samples
+
+
+def _block_bytes(model: str, dtype: str) -> int:
+    """One KV block of every cache type of ``model``, from its config (no weights)."""
+    args, _ = load_model_info(model, None)
+    return sum(spec.block_bytes(BLOCK_SIZE) for spec in kv_cache_specs(args, dtype).values())
 
 
 def run(
@@ -101,10 +127,17 @@ def run(
     settings = replace(settings, prefix_lens=prefix_lens)
     rng = random.Random(0)
     max_len = max(settings.prefix_lens) + settings.suffix_len
-    offload = KVOffloadConfig(
-        enabled=True, host_memory_ratio=settings.host_memory_ratio, write_through_threshold=0
-    )
     num_npu_blocks = -(-max_len // BLOCK_SIZE) + 2 * BLOCK_SIZE
+    output_dir.mkdir(parents=True, exist_ok=True)
+    disk_dir = tempfile.mkdtemp(prefix="disk-tier-", dir=output_dir)
+    block_bytes = _block_bytes(model, dtypes[0] if dtypes else "float32")
+    offload = KVOffloadConfig(
+        enabled=True,
+        host_memory_ratio=settings.host_memory_ratio,
+        write_through_threshold=0,
+        disk_path=disk_dir,
+        disk_bytes=2 * num_npu_blocks * block_bytes,
+    )
     options = {} if device is None else {"device": device}
     if dtypes is not None:
         options["dtype"] = dtypes[0]
@@ -126,6 +159,9 @@ def run(
             "host_over_cold": ttft["host"] / ttft["cold"],
             "host_over_npu": ttft["host"] / ttft["npu"],
             "npu_over_cold": ttft["npu"] / ttft["cold"],
+            "disk_over_cold": ttft["disk"] / ttft["cold"],
+            "disk_dropped_over_cold": ttft["disk_dropped"] / ttft["cold"],
+            "disk_over_host": ttft["disk"] / ttft["host"],
         }
         targets = {"host_over_npu": ratios["host_over_npu"] <= HOST_OVER_NPU_TARGET}
         if prefix_len >= HOST_OVER_COLD_MIN_LEN:
@@ -140,6 +176,9 @@ def run(
             }
         )
         all_samples[str(prefix_len)] = samples
+    device_name = str(llm.engine.device)
+    llm.shutdown()
+    shutil.rmtree(disk_dir, ignore_errors=True)
 
     report = Report(
         NAME,
@@ -151,7 +190,16 @@ def run(
     )
     report.add_table(
         f"Median TTFT (ms) over {settings.repeats} interleaved repetitions",
-        ["prefix tokens", "cold", "npu hit", "host hit", "host load copy", "host - npu"],
+        [
+            "prefix tokens",
+            "cold",
+            "npu hit",
+            "host hit",
+            "disk hit",
+            "disk hit, pages dropped",
+            "host load copy",
+            "host - npu",
+        ],
         [
             [s["prefix_len"], *(1e3 * s["median_ttft_s"][mode] for mode in MODES)]
             + [
@@ -177,15 +225,29 @@ def run(
             for s in sizes
         ],
     )
+    report.add_table(
+        "Disk tier ratios (a disk hit reads the prefix into host blocks while the request waits, "
+        "then loads it like a host hit)",
+        ["prefix tokens", "disk / cold", "disk dropped / cold", "disk / host"],
+        [
+            [
+                s["prefix_len"],
+                s["ratios"]["disk_over_cold"],
+                s["ratios"]["disk_dropped_over_cold"],
+                s["ratios"]["disk_over_host"],
+            ]
+            for s in sizes
+        ],
+    )
     report.sections.append(
         "*host load copy* is the transfer component's time for the host hit's load (gather from "
         "the host pool and scatter into the NPU pool); the rest of *host - npu* is the engine "
         "step around it. See the `transfer` scenario for the copy's throughput."
     )
     figure, (left, right) = new_figure(2)
-    width = 0.27
+    width = 0.16
     for i, mode in enumerate(MODES):
-        xs = [j + (i - 1) * width for j in range(len(sizes))]
+        xs = [j + (i - 2) * width for j in range(len(sizes))]
         left.bar(xs, [1e3 * s["median_ttft_s"][mode] for s in sizes], width, label=mode)
     left.set_xticks(range(len(sizes)), [str(s["prefix_len"]) for s in sizes])
     left.set_yscale("log")
@@ -205,7 +267,7 @@ def run(
     report.figures["ttft_by_tier.png"] = figure
     report.results = {
         "model": model,
-        "device": str(llm.engine.device),
+        "device": device_name,
         "dtype": llm.config.model.dtype,
         "settings": asdict(settings),
         "sizes": sizes,

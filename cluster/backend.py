@@ -133,7 +133,7 @@ class LocalBackend:
         return ClusterStats([ReplicaStats(0, True, self.engine.stats())])
 
     async def reset_prefix_cache(self, tier: str = "all") -> None:
-        """Forget cached blocks nobody uses in ``tier`` ("all", "npu", "host")."""
+        """Forget cached blocks nobody uses in ``tier`` ("all", "npu", "host", "disk")."""
         await self.async_engine.between_steps()
         self.engine.reset_prefix_cache(tier)
 

@@ -239,8 +239,9 @@ class RayBackend:
 
     # ---- admin -------------------------------------------------------------------------------
     async def reset_prefix_cache(self, tier: str = "all") -> None:
-        """Forget the cached blocks of every live replica in ``tier`` ("all", "npu", "host"); the
-        router hears of it through the replicas' KV events. A lost replica comes back empty."""
+        """Forget the cached blocks of every live replica in ``tier`` ("all", "npu", "host",
+        "disk"); the router hears of it through the replicas' KV events. A lost replica comes
+        back empty."""
         live = [r for i, r in enumerate(self.replicas) if self.health.is_alive(i)]
         await asyncio.gather(*(replica.reset_prefix_cache.remote(tier) for replica in live))
 

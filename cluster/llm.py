@@ -197,7 +197,7 @@ class LLM:
         return replicas
 
     def reset_prefix_cache(self, tier: str = "all") -> None:
-        """Forget the cached blocks nobody uses in ``tier`` ("all", "npu", "host"), on every
+        """Forget the cached blocks nobody uses in ``tier`` ("all", "npu", "host", "disk"), on every
         replica."""
         self._loop.run(self.backend.reset_prefix_cache(tier))
 

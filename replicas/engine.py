@@ -387,7 +387,7 @@ class Engine:
         )
 
     def reset_prefix_cache(self, tier: str = "all") -> None:
-        """Forget cached blocks nobody uses, in ``tier`` ("all", "npu", "host")."""
+        """Forget cached blocks nobody uses, in ``tier`` ("all", "npu", "host", "disk")."""
         self.core.reset_prefix_cache(tier)
 
     def check_integrity(self) -> None:

@@ -264,7 +264,7 @@ class EngineCore:
         )
 
     def reset_prefix_cache(self, tier: str = "all") -> None:
-        """Forget cached blocks nobody uses, in ``tier`` ("all", "npu", "host"), once the copies
-        in flight have landed."""
+        """Forget cached blocks nobody uses, in ``tier`` ("all", "npu", "host", "disk"), once
+        the copies in flight have landed."""
         self.run_transfers(self.kv_cache.take_transfer_plan(), wait=True)
         self.kv_cache.reset_prefix_cache(tier)

@@ -101,6 +101,8 @@ __all__ = ["EMPTY_MATCH", "CacheStats", "KVCacheManager", "PrefixMatch", "Transf
 
 ALL_TIERS = "all"
 """``reset_prefix_cache``'s choice of every tier."""
+DISK_TIER = "disk"
+"""``reset_prefix_cache``'s choice of the disk tier (not a ``Tier``: routers index NPU and host)."""
 
 RETENTION_POLICIES = ("fixed", "adaptive")
 """``fixed``: the write-through threshold and write-back as configured; ``adaptive``: see
@@ -873,11 +875,12 @@ class KVCacheManager:
         return {c.name: c.blocks.get(request_id, []) for c in self._cache_types}
 
     def reset_prefix_cache(self, tier: Tier | str = ALL_TIERS) -> None:
-        """Forget unreferenced cached blocks of ``tier`` ("all", "npu" or "host"; plain strings
-        or ``Tier`` members) in every cache type, NPU before host."""
-        if tier != ALL_TIERS and tier not in tuple(Tier):
-            raise ValueError(f"tier must be 'all', 'npu' or 'host', got {tier!r}")
-        tiers = tuple(Tier) if tier == ALL_TIERS else (Tier(tier),)
+        """Forget unreferenced cached blocks of ``tier`` ("all", "npu", "host" or "disk"; plain
+        strings or ``Tier`` members) in every cache type, NPU before host before disk. The disk
+        tier forgets this replica's own blocks; other replicas' stay theirs."""
+        if tier != ALL_TIERS and tier != DISK_TIER and tier not in tuple(Tier):
+            raise ValueError(f"tier must be 'all', 'npu', 'host' or 'disk', got {tier!r}")
+        tiers = tuple(Tier) if tier == ALL_TIERS else () if tier == DISK_TIER else (Tier(tier),)
         for cache_type in self._cache_types:
             for each in tiers:
                 pool = cache_type.pool(each)
@@ -886,6 +889,9 @@ class KVCacheManager:
                         self._emit(cache_type, KVEventKind.REMOVED, each, block_hash)
             if Tier.HOST in tiers and cache_type.retention is not None:
                 cache_type.retention.host_reset()
+            clear = getattr(cache_type.disk, "clear", None)
+            if tier in (ALL_TIERS, DISK_TIER) and clear is not None:
+                clear()
 
     # ---- views for the replica and its router ------------------------------------------------
     def usage(self) -> dict[str, CacheTypeUsage]:

@@ -298,6 +298,21 @@ class DiskStore:
             self._disabled is None,
         )
 
+    def clear(self) -> None:
+        """Forget every own block (the index records are zeroed; other slabs are untouched)."""
+        self._own.clear()
+        self._slot_keys = [None] * self.num_slots
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._io.submit(self._clear_all)
+
+    def drop_page_cache(self) -> None:
+        """Write the own slab out and ask the kernel to drop its cached pages, so that the next
+        reads come from the device (for benchmarks; never on the step path)."""
+        self.flush()
+        if self._disabled is None:
+            os.fdatasync(self._slab_fd)
+            os.posix_fadvise(self._slab_fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
     def flush(self) -> None:
         """Wait for every write submitted so far."""
         self._io.submit(lambda: None).result()
@@ -396,6 +411,12 @@ class DiskStore:
             self._counts["written"] += 1
             self._bytes["written"] += self.block_bytes
             self._seconds["write"] += time.perf_counter() - start
+
+    def _clear_all(self) -> None:
+        try:
+            os.pwrite(self._index_fd, bytes(self.num_slots * RECORD.size), 0)
+        except OSError as error:
+            self._disable(f"writing {self._path(self.slab, 'idx')} failed: {error}")
 
     def _clear(self, slot: int) -> None:
         try:

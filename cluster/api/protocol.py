@@ -37,7 +37,7 @@ class _Body(BaseModel):
 
 
 class ResetPrefixCacheRequest(_Body):
-    tier: Literal["all", "npu", "host"] = Field(
+    tier: Literal["all", "npu", "host", "disk"] = Field(
         "all", description="Which tier's unreferenced cached blocks to forget."
     )
 
