@@ -254,6 +254,13 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
         metavar="W",
         help=field_help(RoutingConfig, "host_hit_weight"),
     )
+    a(
+        "--data-parallel-disk-hit-weight",
+        type=float,
+        dest="disk_hit_weight",
+        metavar="W",
+        help=field_help(RoutingConfig, "disk_hit_weight"),
+    )
 
     a = group["server"].add_argument
     a("--host", help=field_help(ServerConfig, "host"))
@@ -329,6 +336,7 @@ def _build_config(args: argparse.Namespace) -> ClusterConfig:
     put("routing.prefix_weight", args.prefix_weight)
     put("routing.load_weight", args.load_weight)
     put("routing.host_hit_weight", args.host_hit_weight)
+    put("routing.disk_hit_weight", args.disk_hit_weight)
     put("server.host", args.host)
     put("server.port", args.port)
     put("server.api_key", args.api_key)

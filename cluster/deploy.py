@@ -99,6 +99,8 @@ class RayBackend:
         except RayActorError as error:
             self._release()
             raise ReplicaStartError(f"a replica could not start: {_last_line(error)}") from None
+        # Replicas of one node read each other's disk blocks: the router credits them all.
+        ray.get(self.router.set_nodes.remote([str(i["node_id"]) for i in self.replica_infos]))
         incarnations = ray.get([replica.ready.remote() for replica in self.replicas])
         self.links = [ReplicaLink(replica) for replica in self.replicas]
         self.router_calls = RouterCalls(self.router)

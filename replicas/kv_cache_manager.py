@@ -101,8 +101,6 @@ __all__ = ["EMPTY_MATCH", "CacheStats", "KVCacheManager", "PrefixMatch", "Transf
 
 ALL_TIERS = "all"
 """``reset_prefix_cache``'s choice of every tier."""
-DISK_TIER = "disk"
-"""``reset_prefix_cache``'s choice of the disk tier (not a ``Tier``: routers index NPU and host)."""
 
 RETENTION_POLICIES = ("fixed", "adaptive")
 """``fixed``: the write-through threshold and write-back as configured; ``adaptive``: see
@@ -174,7 +172,9 @@ class _CacheType:
         return self.host is not None and self.host.lookup(block_hash) is not None
 
     def pool(self, tier: Tier) -> BlockPool | None:
-        return self.npu if tier == Tier.NPU else self.host
+        """The tier's block pool (None for the host tier when off, and for the disk tier,
+        which is a store of files, not a pool)."""
+        return self.npu if tier == Tier.NPU else self.host if tier == Tier.HOST else None
 
     def usage(self) -> CacheTypeUsage:
         host = self.host
@@ -878,19 +878,19 @@ class KVCacheManager:
         """Forget unreferenced cached blocks of ``tier`` ("all", "npu", "host" or "disk"; plain
         strings or ``Tier`` members) in every cache type, NPU before host before disk. The disk
         tier forgets this replica's own blocks; other replicas' stay theirs."""
-        if tier != ALL_TIERS and tier != DISK_TIER and tier not in tuple(Tier):
+        if tier != ALL_TIERS and tier not in tuple(Tier):
             raise ValueError(f"tier must be 'all', 'npu', 'host' or 'disk', got {tier!r}")
-        tiers = tuple(Tier) if tier == ALL_TIERS else () if tier == DISK_TIER else (Tier(tier),)
+        tiers = tuple(Tier) if tier == ALL_TIERS else (Tier(tier),)
         for cache_type in self._cache_types:
             for each in tiers:
-                pool = cache_type.pool(each)
+                pool = cache_type.pool(each) if each != Tier.DISK else None
                 if pool is not None:
                     for _, block_hash in pool.evict_all_cached():
                         self._emit(cache_type, KVEventKind.REMOVED, each, block_hash)
             if Tier.HOST in tiers and cache_type.retention is not None:
                 cache_type.retention.host_reset()
             clear = getattr(cache_type.disk, "clear", None)
-            if tier in (ALL_TIERS, DISK_TIER) and clear is not None:
+            if Tier.DISK in tiers and clear is not None:
                 clear()
 
     # ---- views for the replica and its router ------------------------------------------------
@@ -921,12 +921,23 @@ class KVCacheManager:
 
     def enable_events(self) -> None:
         """Record KV events from now on, for ``drain_events`` (a replica that reports to a
-        router); off unless the constructor's ``record_events`` turned it on."""
+        router); off unless the constructor's ``record_events`` turned it on. With a disk
+        tier, the blocks the disk holds from before (a restart) are announced first."""
         self._record_events = True
+        for cache_type in self._cache_types:
+            track = getattr(cache_type.disk, "track_changes", None)
+            if track is not None:
+                track()
 
     def drain_events(self) -> list[KVEvent]:
-        """The events recorded since the last call, in order (mutates)."""
+        """The events recorded since the last call, in order (mutates); the disk tier's follow
+        (its writes land in the background, so their order among the others does not matter)."""
         events, self._events = self._events, []
+        for cache_type in self._cache_types:
+            drain = getattr(cache_type.disk, "drain_changes", None) if self._record_events else None
+            for stored, block_hash in drain() if drain is not None else ():
+                kind = KVEventKind.STORED if stored else KVEventKind.REMOVED
+                events.append(KVEvent(kind, Tier.DISK, block_hash, cache_type.name))
         return events
 
     def snapshot(self, replica_index: int, next_seq: int) -> KVSnapshot:
@@ -937,8 +948,13 @@ class KVCacheManager:
         for cache_type in self._cache_types:
             host = tuple(cache_type.host.cached_hashes()) if cache_type.host else ()
             hashes[cache_type.name] = (tuple(cache_type.npu.cached_hashes()), host)
-        npu, host = hashes[self._cache_types[0].name]
-        return KVSnapshot(replica_index, next_seq, npu, host, *hashes.get(SLIDING, ((), ())))
+        primary = self._cache_types[0]
+        npu, host = hashes[primary.name]
+        own_keys = getattr(primary.disk, "own_keys", None)
+        disk = tuple(own_keys()) if own_keys is not None else ()
+        return KVSnapshot(
+            replica_index, next_seq, npu, host, *hashes.get(SLIDING, ((), ())), disk_hashes=disk
+        )
 
     def _emit(
         self, cache_type: _CacheType, kind: KVEventKind, tier: Tier, block_hash: BlockHash

@@ -136,6 +136,7 @@ class DiskStore:
         self._bad: set[_Location] = set()  # peer blocks that failed a read
         self._disabled: str | None = None
         self._warned = False
+        self._changes: list[tuple[bool, BlockHash]] | None = None  # (stored?, key), when tracked
         self._lock_fd = self._slab_fd = self._index_fd = -1
         self.slab = -1
         self._counts = {"written": 0, "read": 0, "failed": 0, "evicted": 0}
@@ -233,8 +234,10 @@ class DiskStore:
             slot = self._free.pop()
         else:
             evicted, slot = self._own.popitem(last=False)
+            self._note(False, evicted)
             with self._stat_lock:
                 self._counts["evicted"] += 1
+        self._note(True, key)
         self._own[key] = slot
         self._slot_keys[slot] = key
         self._generation += 1
@@ -257,12 +260,37 @@ class DiskStore:
         """Forget ``key`` after a failed read, so that it is not asked for again."""
         slot = self._own.pop(key, None)
         if slot is not None:
+            self._note(False, key)
             self._slot_keys[slot] = None
             self._free.append(slot)
             self._io.submit(self._clear, slot)
         location = self._peers.get(key)
         if location is not None:
             self._bad.add(location)
+
+    def track_changes(self) -> None:
+        """Record which own blocks are stored and removed from now on, for ``drain_changes``;
+        the blocks held already (kept from before a restart) count as stored now."""
+        if self._changes is None:
+            self._changes = [(True, key) for key in self._own] if self.enabled else []
+
+    def drain_changes(self) -> list[tuple[bool, BlockHash]]:
+        """(stored, key) per change of the own blocks since the last call, in order; a store
+        that turned itself off reports every own block removed, once."""
+        if self._changes is None:
+            return []
+        if self._disabled is not None and self._own:
+            self.clear()
+        changes, self._changes = self._changes, []
+        return changes
+
+    def own_keys(self) -> list[BlockHash]:
+        """The keys of this store's own slab, least recently used first."""
+        return list(self._own) if self.enabled else []
+
+    def _note(self, stored: bool, key: BlockHash) -> None:
+        if self._changes is not None:
+            self._changes.append((stored, key))
 
     def keys(self) -> list[BlockHash]:
         """Every key some slab holds, own first (for a snapshot a router learns from)."""
@@ -300,6 +328,8 @@ class DiskStore:
 
     def clear(self) -> None:
         """Forget every own block (the index records are zeroed; other slabs are untouched)."""
+        for key in self._own:
+            self._note(False, key)
         self._own.clear()
         self._slot_keys = [None] * self.num_slots
         self._free = list(range(self.num_slots - 1, -1, -1))

@@ -16,10 +16,12 @@ from replicas.hashing import BlockHash
 
 
 class Tier(StrEnum):
-    """A tier of KV blocks: NPU memory, or host memory behind it."""
+    """A tier of KV blocks: NPU memory, host memory behind it, or local disk behind that (shared
+    by the replicas of one node: a router credits a disk block to each of them)."""
 
     NPU = "npu"
     HOST = "host"
+    DISK = "disk"
 
 
 class KVEventKind(StrEnum):
@@ -91,3 +93,4 @@ class KVSnapshot(NamedTuple):
     host_hashes: tuple[BlockHash, ...]
     sliding_npu_hashes: tuple[BlockHash, ...] = ()
     sliding_host_hashes: tuple[BlockHash, ...] = ()
+    disk_hashes: tuple[BlockHash, ...] = ()  # written by this replica (the node's disk tier)

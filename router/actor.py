@@ -93,6 +93,10 @@ class RouterActor:
         self.router.request_resync(replica_index)
         self._schedule_resync(replica_index)
 
+    async def set_nodes(self, node_ids: Sequence[str]) -> None:
+        """Which node each replica runs on (replicas of one node share its disk tier)."""
+        self.router.set_nodes(node_ids)
+
     async def live_replicas(self) -> list[int]:
         return self.router.live_replicas()
 

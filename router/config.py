@@ -25,6 +25,11 @@ fraction of recomputing it, and with 0.5 the load term moved sessions away from 
 prefix. Figures: ``benchmarks/README.md``, section "Strata's router: pending prompts, host hits
 at 0.9, load as a share", item 2."""
 
+DEFAULT_DISK_HIT_WEIGHT = 0.7
+"""A block only the replica's node disk holds counts 0.7 of an NPU-matched one: a disk read into
+host and the load from there took 1.2-1.7x a host hit's time on ``reload-vs-recompute``, still a
+small fraction of recomputing (``benchmarks/README.md``, the disk columns)."""
+
 
 class TTFTCosts(BaseModel):
     """What the ``ttft`` scoring profile predicts a request's time to first token from, in
@@ -43,6 +48,9 @@ class TTFTCosts(BaseModel):
         0.0, ge=0, description="A step's time per context token of its running sequences."
     )
     reload_s_per_block: float = Field(0.0, ge=0, description="Host -> NPU time of one block.")
+    disk_reload_s_per_block: float = Field(
+        0.0, ge=0, description="Disk -> host -> NPU time of one block on the replica's node."
+    )
     max_num_batched_tokens: int = Field(
         2048, ge=1, description="Tokens one engine step computes at most (its scheduler's)."
     )
@@ -99,6 +107,12 @@ class RoutingConfig(BaseModel):
         description="--data-parallel-host-hit-weight: what a host-only matched block counts for "
         "in the prefix score, as a fraction of an NPU-matched block (0 to 1).",
     )
+    disk_hit_weight: float = Field(
+        DEFAULT_DISK_HIT_WEIGHT,
+        description="--data-parallel-disk-hit-weight: what a block only the replica's node disk "
+        "tier holds counts for in the prefix score, as a fraction of an NPU-matched block "
+        "(0 to 1).",
+    )
     enable_prefix_caching: bool = Field(
         True,
         description="Whether replicas cache prefixes (--no-enable-prefix-caching turns it off); "
@@ -123,6 +137,11 @@ class RoutingConfig(BaseModel):
         if self.scoring_profile == "ttft" and self.ttft_costs is None:
             raise ValueError(
                 "--data-parallel-scoring-profile ttft needs a cost profile (routing.ttft_costs)"
+            )
+        if not (0.0 <= self.disk_hit_weight <= 1.0):
+            raise ValueError(
+                f"--data-parallel-disk-hit-weight must be between 0 and 1, "
+                f"got {self.disk_hit_weight}"
             )
         if not (0.0 <= self.host_hit_weight <= 1.0):
             raise ValueError(

@@ -10,7 +10,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import ClassVar, NamedTuple
 
-from router.config import DEFAULT_SCORING_PROFILE, SCORING_PROFILES, RoutingConfig, TTFTCosts
+from router.config import (
+    DEFAULT_DISK_HIT_WEIGHT,
+    DEFAULT_SCORING_PROFILE,
+    SCORING_PROFILES,
+    RoutingConfig,
+    TTFTCosts,
+)
 from router.prefix_index import IndexMatch
 
 
@@ -40,7 +46,10 @@ class RoutingPolicy(ABC):
     ``prefix_score`` of a replica whose cached prefix is ``npu`` NPU blocks then ``host`` host-only
     blocks (in any interleaving), for a prompt of ``P`` tokens::
 
-        prefix_score = min(1, (npu + host_hit_weight * host) * block_size / P)   (0 when P = 0)
+        prefix_score = min(1, (npu + host_hit_weight * host + disk_hit_weight * disk)
+                              * block_size / P)                              (0 when P = 0)
+
+    (``disk``: the blocks after those that only the replica's node disk tier holds.)
 
     ``load_score`` of live replica i, with ``load`` the active context tokens per replica::
 
@@ -57,6 +66,7 @@ class RoutingPolicy(ABC):
     """
 
     name: ClassVar[str]
+    disk_hit_weight: float = DEFAULT_DISK_HIT_WEIGHT  # make_policy sets the config's
 
     def __init__(self, block_size: int, host_hit_weight: float) -> None:
         if block_size <= 0:
@@ -84,7 +94,11 @@ class RoutingPolicy(ABC):
     def prefix_score(self, match: IndexMatch, num_prompt_tokens: int) -> float:
         if num_prompt_tokens <= 0:
             return 0.0
-        weighted_blocks = match.num_npu_blocks + self.host_hit_weight * match.num_host_blocks
+        weighted_blocks = (
+            match.num_npu_blocks
+            + self.host_hit_weight * match.num_host_blocks
+            + self.disk_hit_weight * match.num_disk_blocks
+        )
         return min(1.0, weighted_blocks * self.block_size / num_prompt_tokens)
 
     @staticmethod
@@ -244,7 +258,7 @@ class TTFTPolicy(ScoringPolicy):
         prefill = prefill_s_per_token x work + prefill_s_per_token_context x s x (m + s / 2)
         steps   = ceil(work / max_num_batched_tokens)
         decode  = steps x (step_s + decode_s_per_seq x n + decode_s_per_context_token x (L - q))
-        ttft    = prefill + decode + reload_s_per_block x host
+        ttft    = prefill + decode + reload_s_per_block x host + disk_reload_s_per_block x disk
 
     i.e. the queue ahead is served first, each step also advances the replica's running
     sequences, and host-only blocks are reloaded. ``score`` is ``-ttft``."""
@@ -280,7 +294,8 @@ class TTFTPolicy(ScoringPolicy):
         decode = steps * (
             c.step_s + c.decode_s_per_seq * num_requests + c.decode_s_per_context_token * running
         )
-        return prefill + decode + c.reload_s_per_block * match.num_host_blocks
+        reload = c.reload_s_per_block * match.num_host_blocks
+        return prefill + decode + reload + c.disk_reload_s_per_block * match.num_disk_blocks
 
     def choose(
         self,
@@ -348,7 +363,13 @@ POLICIES: dict[str, type[RoutingPolicy]] = {
 def make_policy(config: RoutingConfig, block_size: int) -> RoutingPolicy:
     """The policy ``config.policy`` names, configured from ``config`` (``scoring`` with the
     ``ttft`` profile is ``TTFTPolicy``)."""
-    if config.policy == ScoringPolicy.name and config.scoring_profile == TTFTPolicy.name:
-        if config.enable_prefix_caching:
-            return TTFTPolicy.from_config(config, block_size)
-    return POLICIES[config.policy].from_config(config, block_size)
+    if (
+        config.policy == ScoringPolicy.name
+        and config.scoring_profile == TTFTPolicy.name
+        and config.enable_prefix_caching
+    ):
+        policy: RoutingPolicy = TTFTPolicy.from_config(config, block_size)
+    else:
+        policy = POLICIES[config.policy].from_config(config, block_size)
+    policy.disk_hit_weight = config.disk_hit_weight
+    return policy

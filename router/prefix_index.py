@@ -23,15 +23,17 @@ _BIT_TABLES = tuple(bytes((x >> bit) & 1 for x in range(256)) for bit in range(_
 class IndexMatch(NamedTuple):
     """The cached prefix of one prompt on one replica, in blocks per tier.
 
-    A block held in both tiers counts as NPU (it is reusable without a reload).
+    A block held in both tiers counts as NPU (it is reusable without a reload). Disk blocks
+    (``router.disk_index``) continue the prefix after the NPU/host run.
     """
 
     num_npu_blocks: int
     num_host_blocks: int
+    num_disk_blocks: int = 0
 
     @property
     def num_blocks(self) -> int:
-        return self.num_npu_blocks + self.num_host_blocks
+        return self.num_npu_blocks + self.num_host_blocks + self.num_disk_blocks
 
 
 class PrefixIndex:
@@ -83,10 +85,11 @@ class PrefixIndex:
         bit = 1 << replica
         holders, width, field = self._holders, self._field_bits, self._field_mask
         npu_tier, host_tier = Tier.NPU, Tier.HOST  # locals: enum attributes are slow to read
+        disk_tier = Tier.DISK  # the node's disk tier: router.disk_index follows it
         stored, removed = KVEventKind.STORED, KVEventKind.REMOVED
         cache_type = self.cache_type
         for kind, tier, block_hash, event_cache_type in batch.events:
-            if event_cache_type != cache_type:
+            if event_cache_type != cache_type or tier == disk_tier:
                 continue
             entry = holders.get(block_hash, 0)
             npu, host = entry & ~(entry >> width) & field, entry >> (2 * width)  # _decode inline

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from replicas.hashing import BlockHash
 from replicas.kv_events import SLIDING, KVEventBatch, KVSnapshot, safe_prefix_length
 from router.config import RoutingConfig
+from router.disk_index import NodeDiskIndex
 from router.load import LoadTracker
 from router.pending import PendingPrompts
 from router.policies import ReplicaQueues, RouteDecision, make_policy
@@ -75,6 +76,7 @@ class Router:
         if sliding_window is not None:
             self._sliding_index = PrefixIndex(num_replicas, SLIDING)
             self._indexes.append(self._sliding_index)
+        self._disk = NodeDiskIndex(num_replicas)
         self._pending = PendingPrompts()
         self._load = LoadTracker(num_replicas)
         self._sync = [_ReplicaSync() for _ in range(num_replicas)]
@@ -119,6 +121,12 @@ class Router:
         matches = self._index.match(block_hashes, self._live)
         if self._sliding_index is not None:
             matches = [self._safe(block_hashes, r, m) for r, m in enumerate(matches)]
+        elif len(self._disk):  # a node's disk blocks continue any of its replicas' runs
+            for replica in self._live:
+                match = matches[replica]
+                num_disk = self._disk.extend(block_hashes, match.num_blocks, replica)
+                if num_disk:
+                    matches[replica] = match._replace(num_disk_blocks=num_disk)
         for replica, num_blocks in self._pending.runs(block_hashes).items():
             if num_blocks > matches[replica].num_blocks:
                 matches[replica] = IndexMatch(num_blocks, 0)
@@ -169,6 +177,7 @@ class Router:
             batch = batch._replace(first_seq=sync.next_seq, events=batch.events[num_seen:])
         for index in self._indexes:
             index.apply(batch)
+        self._disk.apply(batch)
         sync.next_seq = batch.next_seq
         return True
 
@@ -193,6 +202,7 @@ class Router:
             return False
         for index in self._indexes:
             index.load_snapshot(snapshot)
+        self._disk.load_snapshot(snapshot)
         sync.next_seq = snapshot.next_seq
         sync.needs_resync = False
         self._counters[replica].num_resyncs += 1
@@ -215,12 +225,17 @@ class Router:
         sync = self._replica_sync(replica)
         for index in self._indexes:
             index.clear_replica(replica)
+        self._disk.clear_replica(replica)  # a fresh process announces its disk blocks again
         self._pending.clear_replica(replica)
         self._load.clear_replica(replica)
         sync.is_live = True
         sync.next_seq = next_seq
         sync.needs_resync = False
         self._live = [i for i, s in enumerate(self._sync) if s.is_live]
+
+    def set_nodes(self, node_ids: Sequence[str]) -> None:
+        """Which node each replica runs on: replicas of one node share its disk tier."""
+        self._disk.set_nodes(node_ids)
 
     def live_replicas(self) -> list[int]:
         """Indices of the replicas routed to, ascending."""
@@ -256,6 +271,7 @@ class Router:
         """Raise AssertionError unless the index, the loads and the live list agree."""
         for index in self._indexes:
             index.check_integrity()
+        self._disk.check_integrity()
         self._pending.check_integrity()
         self._load.check_integrity()
         assert len(self._pending) <= len(self._load), "a pending prompt outlived its charge"

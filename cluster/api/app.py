@@ -4,8 +4,9 @@
     GET  /v1/models             GET  /v1/models/{model}
     GET  /health                200 while a replica is alive, else 503 (never needs the key)
     GET  /metrics               Prometheus text (needs the key unless metrics_public)
-    POST /v1/admin/reset_prefix_cache   forget every replica's unreferenced cached blocks of
-                                a tier (``tier`` in the JSON body or the query: all, npu, host)
+    POST /v1/admin/reset_prefix_cache   forget every replica's unreferenced cached blocks of a
+                                tier (``tier`` in the JSON body or the query: all, npu, host,
+                                disk)
 
 Request path: APIKeyGuard (401) -> BodySizeLimit (413) -> route: parse the JSON body (400) ->
 ``Serving`` checks and generates. Every error is OpenAI-shaped (``cluster.api.errors``).

@@ -13,8 +13,12 @@ from cluster.cli import build_config, build_parser
 from replicas import kv_cache_manager, kv_disk
 from replicas.config import EngineConfig
 from replicas.engine import Engine
+from replicas.hashing import block_hashes
 from replicas.kv_cache_manager import reload_pays
+from replicas.kv_events import KVEventBatch, KVEventKind, Tier
 from replicas.kv_retention import BlockCosts
+from router.config import RoutingConfig
+from router.router import Router
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 PREFIX_BLOCKS = 12
@@ -296,3 +300,21 @@ def test_disk_options_are_checked_at_start_up():
     assert offload.disk_path == "/tmp/kv" and offload.disk_bytes == 2 * 2**30
     share = config.engine_config().scheduler_config.kv_offload_config
     assert share.disk_bytes == 2**30  # divided among the replicas like the host budget
+
+
+def test_a_restarted_replica_announces_its_disk_blocks_to_the_router(tmp_path):
+    seen, prompt = prompt_pair(11)
+    warm_disk(tmp_path, seen)
+    restarted = engine(tmp_path)
+    restarted.kv_cache.enable_events()
+    announced = restarted.kv_cache.drain_events()
+    disk = [e for e in announced if e.tier == Tier.DISK]
+    assert len(disk) >= PREFIX_BLOCKS and {e.kind for e in disk} == {KVEventKind.STORED}
+    router = Router(2, 16, RoutingConfig())
+    router.set_nodes(["node", "node"])
+    assert router.on_events(KVEventBatch(0, 0, tuple(announced)))
+    hashes = block_hashes(prompt, 16)
+    assert [m.num_disk_blocks for m in router._matches(hashes)] == [PREFIX_BLOCKS] * 2
+    snapshot = restarted.kv_cache.snapshot(0, len(announced))
+    assert set(snapshot.disk_hashes) == {e.block_hash for e in disk}
+    restarted.close()

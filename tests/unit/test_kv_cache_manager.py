@@ -204,7 +204,7 @@ def test_reset_prefix_cache_per_tier():
     manager.reset_prefix_cache("all")
     assert manager.npu.num_cached == 0 and manager.host.num_cached == 0
     with pytest.raises(ValueError, match="tier"):
-        manager.reset_prefix_cache("disk")
+        manager.reset_prefix_cache("tape")
 
 
 def test_events_snapshot_and_usage_follow_the_pools():

@@ -33,7 +33,7 @@ def test_the_tier_comes_from_the_body_or_the_query(scripted, scripted_client, kw
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"json": {"tier": "disk"}},
+        {"json": {"tier": "tape"}},
         {"params": {"tier": "everything"}},
         {"json": {"tier": 1}},
         {"json": {"tier": "npu"}, "params": {"tier": "host"}},

@@ -85,7 +85,7 @@ def test_snapshot_replaces_the_replicas_content_and_clear_forgets_it():
     index.check_integrity()
 
 
-@pytest.mark.parametrize(("kind", "tier"), [("stored", "disk"), ("evicted", "npu")])
+@pytest.mark.parametrize(("kind", "tier"), [("stored", "tape"), ("evicted", "npu")])
 def test_unknown_event_kind_or_tier_is_an_error(kind, tier):
     index = PrefixIndex(1)
     with pytest.raises(ValueError, match="unknown KV event"):
