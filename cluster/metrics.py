@@ -103,6 +103,16 @@ _PER_TYPE_EVENTS: list[tuple[str, Callable[[CacheTypeStats], int]]] = [
 ]
 
 
+_DISK_EVENTS = [
+    ("blocks_loaded", lambda c: c.disk_blocks_loaded),
+    ("load_failures", lambda c: c.disk_load_failures),
+    ("blocks_stored", lambda c: c.disk_blocks_stored),
+    ("reloads", lambda c: c.disk_reloads),
+    ("recomputes", lambda c: c.disk_recomputes),
+    ("load_timeouts", lambda c: c.disk_load_timeouts),
+]
+
+
 def _replica_families(replicas: list[ReplicaStats]) -> list[Metric]:
     up = GaugeMetricFamily("strata_replica_up", "1 while the replica is alive.", labels=["replica"])
     counters = [CounterMetricFamily(n, h, labels=["replica"]) for n, h, _ in _COUNTERS]
@@ -137,6 +147,12 @@ def _replica_families(replicas: list[ReplicaStats]) -> list[Metric]:
         "write_back, loaded, stored, released_out_of_window.",
         labels=["replica", "cache_type", "event"],
     )
+    disk_events = CounterMetricFamily(
+        "strata_kv_disk_tier",
+        "Disk tier events (replicas with one): blocks_loaded, load_failures, blocks_stored, "
+        "reloads and recomputes (the cost rule's choices per waiting request), load_timeouts.",
+        labels=["replica", "event"],
+    )
     retention = _RetentionFamilies()
     for replica in replicas:
         label = str(replica.replica_index)
@@ -148,10 +164,17 @@ def _replica_families(replicas: list[ReplicaStats]) -> list[Metric]:
             family.add_metric([label], value(stats))
         for family, (_, _, value) in zip(gauges, _GAUGES):
             family.add_metric([label], value(stats))
+        has_disk = any(u.num_disk_blocks for u in stats.cache_types.values())
+        disk_hits = stats.cache.disk_hits  # within host_hits: they reach NPU through host
         hits_by_tier.add_metric([label, Tier.NPU], stats.cache.npu_hits)
-        hits_by_tier.add_metric([label, Tier.HOST], stats.cache.host_hits)
+        hits_by_tier.add_metric([label, Tier.HOST], stats.cache.host_hits - disk_hits)
         evictions.add_metric([label, Tier.NPU], stats.cache.npu_evictions)
         evictions.add_metric([label, Tier.HOST], stats.cache.host_evictions)
+        if has_disk:
+            hits_by_tier.add_metric([label, Tier.DISK], disk_hits)
+            evictions.add_metric([label, Tier.DISK], sum(d.evictions for d in stats.disk.values()))
+            for event, value in _DISK_EVENTS:
+                disk_events.add_metric([label, event], value(stats.cache))
         for cache_type, counts in stats.cache.by_cache_type.items():
             for event, value in _PER_TYPE_EVENTS:
                 per_type.add_metric([label, cache_type, event], value(counts))
@@ -162,6 +185,9 @@ def _replica_families(replicas: list[ReplicaStats]) -> list[Metric]:
             cached.add_metric([label, Tier.HOST, cache_type], usage.num_host_blocks_cached)
             capacity.add_metric([label, Tier.NPU, cache_type], usage.num_npu_blocks)
             capacity.add_metric([label, Tier.HOST, cache_type], usage.num_host_blocks)
+            if has_disk:
+                cached.add_metric([label, Tier.DISK, cache_type], usage.num_disk_blocks_cached)
+                capacity.add_metric([label, Tier.DISK, cache_type], usage.num_disk_blocks)
         retention.add(label, stats)
     return [
         up,
@@ -172,6 +198,7 @@ def _replica_families(replicas: list[ReplicaStats]) -> list[Metric]:
         used,
         cached,
         capacity,
+        disk_events,
         *gauges,
         *retention.families(),
     ]

@@ -19,7 +19,7 @@ from replicas.kv_cache_types import CacheStats, CacheTypeSpec, CacheTypeUsage
 from replicas.kv_capacity import plan_cache
 
 if TYPE_CHECKING:
-    from replicas.kv_disk import DiskStore
+    from replicas.kv_disk import DiskStats, DiskStore
 from replicas.kv_retention import ADAPTIVE, OFF, ON, BlockCosts, RetentionStats, tuning_hint
 from replicas.kv_transfer import KVTransfer, TransferStats
 from replicas.model import LoadedModel, load_model
@@ -58,6 +58,7 @@ class EngineStats:
     cache_types: dict[str, CacheTypeUsage] = field(default_factory=dict)
     steps: StepTimes = field(default_factory=StepTimes)
     retention: dict[str, RetentionStats] = field(default_factory=dict)  # with a host tier
+    disk: "dict[str, DiskStats]" = field(default_factory=dict)  # with a disk tier
 
 
 def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
@@ -384,6 +385,7 @@ class Engine:
             cache_types=self.kv_cache.usage(),
             steps=dataclasses.replace(self._step_times),
             retention=self.kv_cache.retention_stats(),
+            disk={c: store.stats() for c, store in (self.disk or {}).items()},
         )
 
     def reset_prefix_cache(self, tier: str = "all") -> None:

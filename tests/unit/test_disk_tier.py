@@ -318,3 +318,35 @@ def test_a_restarted_replica_announces_its_disk_blocks_to_the_router(tmp_path):
     snapshot = restarted.kv_cache.snapshot(0, len(announced))
     assert set(snapshot.disk_hashes) == {e.block_hash for e in disk}
     restarted.close()
+
+
+def test_metrics_show_the_disk_tier(tmp_path):
+    from cluster.backend import ReplicaStats
+    from cluster.metrics import _replica_families
+
+    seen, prompt = prompt_pair(12)
+    warm_disk(tmp_path, seen)
+    restarted = engine(tmp_path)
+    run(restarted, prompt)
+    families = {f.name: f for f in _replica_families([ReplicaStats(0, True, restarted.stats())])}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in families.values()
+        for s in f.samples
+    }
+    assert (
+        samples[("strata_prefix_cache_hits_by_tier_total", (("replica", "0"), ("tier", "disk")))]
+        == 16 * PREFIX_BLOCKS
+    )
+    assert (
+        samples[("strata_prefix_cache_hits_by_tier_total", (("replica", "0"), ("tier", "host")))]
+        == 0
+    )
+    capacity = (
+        "strata_kv_blocks_capacity",
+        (("cache_type", "full"), ("replica", "0"), ("tier", "disk")),
+    )
+    assert samples[capacity] == 256
+    event = ("strata_kv_disk_tier_total", (("event", "blocks_loaded"), ("replica", "0")))
+    assert samples[event] == PREFIX_BLOCKS
+    restarted.close()
