@@ -12,6 +12,7 @@ import torch
 from benchmarks import (
     api_fields,
     churn,
+    churn_disk,
     decode,
     engine_vs_llamacpp,
     http_load,
@@ -32,6 +33,7 @@ SCENARIOS = {
         prefix_ttft,
         reload_vs_recompute,
         churn,
+        churn_disk,
         one_off,
         transfer,
         routing,

@@ -510,7 +510,7 @@ class KVCacheManager:
         host_id = host.next_to_allocate()
         block_hash = host.blocks[host_id].block_hash if host_id is not None else None
         if block_hash is not None and not cache_type.disk.contains(block_hash):
-            self._disk_stores.append(DiskCopy(host_id, block_hash, cache_type.name))
+            self._disk_stores.append(DiskCopy(host_id, block_hash, cache_type.name, locked=False))
 
     # ---- the disk tier -------------------------------------------------------------------------
     @property
@@ -806,7 +806,8 @@ class KVCacheManager:
         by_name = {c.name: c for c in self._cache_types}
         for copy in plan.disk_stores:
             self.stats.disk_blocks_stored += 1
-            by_name[copy.cache_type].host.free([copy.host_id])
+            if copy.locked:
+                by_name[copy.cache_type].host.free([copy.host_id])
         for copy in plan.stores:
             self.stats.count_block_stored(copy.cache_type)
             cache_type = by_name[copy.cache_type]

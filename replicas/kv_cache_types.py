@@ -74,11 +74,14 @@ class BlockCopy(NamedTuple):
 
 class DiskCopy(NamedTuple):
     """One block to copy between the host tier and the disk tier: ``host_id`` is the host block
-    a disk store reads or a disk load fills; ``block_hash`` names the block on disk."""
+    a disk store reads or a disk load fills; ``block_hash`` names the block on disk. A store
+    ``locked`` holds a reference on its host block until the plan lands; a write-back store does
+    not (host allocation takes that block in the same plan, whose stores run after it)."""
 
     host_id: int
     block_hash: bytes
     cache_type: str = "full"
+    locked: bool = True
 
 
 class TransferPlan(NamedTuple):

@@ -30,6 +30,9 @@ EXPECTED = {
         "sizes.*.median_load_s",
         "sizes.*.ratios.host_over_cold",
         "sizes.*.ratios.host_over_npu",
+        "sizes.*.median_ttft_s.disk",
+        "sizes.*.median_ttft_s.disk_dropped",
+        "sizes.*.ratios.disk_over_cold",
     ],
     "churn": [
         "unbounded_hit_rate",
@@ -46,6 +49,14 @@ EXPECTED = {
         "ratios.host+write-back_over_npu_only_p99",
         "configs.host+adaptive.mean_ttft_s",
         "ratios.host+adaptive_over_host+write-back_mean",
+    ],
+    "churn-disk": [
+        "unbounded_hit_rate",
+        "configs.host.mean_ttft_s",
+        "configs.host+disk.mean_ttft_s",
+        "configs.host+disk.hit_rate",
+        "disk.disk_blocks_loaded",
+        "ratios.disk_over_host_mean",
     ],
     "one-off": [
         "configs.host.mean_ttft_s",

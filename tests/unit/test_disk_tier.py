@@ -350,3 +350,36 @@ def test_metrics_show_the_disk_tier(tmp_path):
     event = ("strata_kv_disk_tier_total", (("event", "blocks_loaded"), ("replica", "0")))
     assert samples[event] == PREFIX_BLOCKS
     restarted.close()
+
+
+def test_write_back_moves_host_evictions_to_disk_and_outputs_stay_correct(tmp_path, cold):
+    rng = random.Random(13)
+    prefixes = [[rng.randrange(256) for _ in range(96)] for _ in range(8)]  # 48 blocks
+    small = Engine(
+        EngineConfig(
+            model="tiny",
+            num_npu_blocks=12,
+            scheduler_config=SchedulerConfig(
+                kv_offload_config=KVOffloadConfig(
+                    enabled=True,
+                    host_memory_ratio=1.0,  # 12 host blocks: most of the set lives on disk
+                    write_through_threshold=None,
+                    write_back=True,
+                    disk_path=str(tmp_path),
+                    disk_bytes=128 * 64 * 2**10,
+                )
+            ),
+        )
+    )
+    for round_ in range(2):
+        for i, prefix in enumerate(prefixes):
+            prompt = [*prefix, 200 + i]
+            output = run(small, prompt, f"r{round_}-{i}")
+            assert output.token_ids == run(cold, prompt, f"c{round_}-{i}").token_ids
+            if round_:  # every prefix was written back to host, then to disk
+                assert output.num_cached_tokens == 96
+    stats = small.stats().cache
+    assert stats.write_backs > 0 and stats.disk_blocks_stored > 0 and stats.disk_hits > 0
+    usage = small.kv_cache.usage()["full"]
+    assert usage.num_host_blocks_used == 0 and usage.num_npu_blocks_used == 0
+    small.close()
