@@ -30,8 +30,9 @@ if TYPE_CHECKING:
     from replicas.model_runner import PromptScores
 
 
-DISK_WAIT_S = 0.005
-"""Longest wait for a disk read in a step that has nothing else to do."""
+DISK_WAIT_S = 0.02
+"""Longest wait for the disk reads in flight in a step that has nothing else to do (it ends as
+soon as they have all landed)."""
 
 
 class StepResult(NamedTuple):

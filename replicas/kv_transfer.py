@@ -143,7 +143,7 @@ class KVTransfer:
     ) -> None:
         self.npu_caches = npu_caches
         self.disk = disk or {}
-        self._disk_reads: list[tuple[DiskCopy, Future[bool]]] = []
+        self._disk_reads: list[tuple[list[DiskCopy], Future[list[bool]]]] = []
         self.device = next(iter(npu_caches.values())).device
         self.is_cuda = self.device.type == "cuda"
         self.staged = self.is_cuda if staged is None else staged
@@ -218,9 +218,13 @@ class KVTransfer:
         else:
             self._run_cpu(plan)
             self._pending.append(_Pending(plan, _Landed(), landed=True))
-        for copy in plan.disk_loads:
-            out = self.host_caches[copy.cache_type][copy.host_id]
-            self._disk_reads.append((copy, self.disk[copy.cache_type].load(copy.block_hash, out)))
+        for cache_type, store in self.disk.items():
+            loads = [c for c in plan.disk_loads if c.cache_type == cache_type]
+            if loads:
+                host = self.host_caches[cache_type]
+                outs = [host[c.host_id] for c in loads]
+                future = store.load_many([c.block_hash for c in loads], outs)
+                self._disk_reads.append((loads, future))
         self.stats.seconds += time.perf_counter() - start
         self.stats.blocks_stored += len(plan.stores)
         self.stats.blocks_loaded += len(plan.loads)
@@ -255,17 +259,19 @@ class KVTransfer:
 
     def poll_disk(self, timeout: float | None = 0.0) -> list[tuple[DiskCopy, bool]]:
         """Disk reads that ended, with whether each filled its host block; waits up to
-        ``timeout`` seconds for the first one (None: for all of them)."""
+        ``timeout`` seconds (None: no bound) for all of them to end. The waiting thread holds
+        no GIL meanwhile, so the reads run at full speed."""
         if not self._disk_reads:
             return []
         futures = [f for _, f in self._disk_reads]
-        if timeout is None:
-            wait(futures)
-        elif timeout > 0 and not any(f.done() for f in futures):
-            wait(futures, timeout=timeout, return_when="FIRST_COMPLETED")
+        if timeout is None or timeout > 0:
+            wait(futures, timeout=timeout)
         done = [(c, f) for c, f in self._disk_reads if f.done()]
         self._disk_reads = [(c, f) for c, f in self._disk_reads if not f.done()]
-        return [(copy, _succeeded(future)) for copy, future in done]
+        results = []
+        for copies, future in done:
+            results.extend(zip(copies, _succeeded(future, len(copies))))
+        return results
 
     # ---- CPU -----------------------------------------------------------------------------
     def _run_cpu(self, plan: TransferPlan) -> None:
@@ -397,12 +403,12 @@ class KVTransfer:
         return piece.ring.blocks[piece.start : end], piece.ring.ids[piece.start : end]
 
 
-def _succeeded(future: "Future[bool]") -> bool:
+def _succeeded(future: "Future[list[bool]]", num_reads: int) -> list[bool]:
     try:
-        return bool(future.result())
-    except Exception:  # a read that raised is a miss
+        return [bool(ok) for ok in future.result()]
+    except Exception:  # reads that raised are misses
         logger.exception("disk read failed")
-        return False
+        return [False] * num_reads
 
 
 def _copy_blocks(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
