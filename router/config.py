@@ -27,7 +27,7 @@ at 0.9, load as a share", item 2."""
 
 DEFAULT_DISK_HIT_WEIGHT = 0.7
 """A block only the replica's node disk holds counts 0.7 of an NPU-matched one: a disk read into
-host and the load from there took 1.2-1.7x a host hit's time on ``reload-vs-recompute``, still a
+host and the load from there took 1.4-2.0x a host hit's time on ``reload-vs-recompute``, still a
 small fraction of recomputing (``benchmarks/README.md``, the disk columns)."""
 
 
