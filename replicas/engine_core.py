@@ -155,11 +155,17 @@ class EngineCore:
 
     def begin_step(self) -> StepInFlight | None:
         """Schedule, transfer and execute; None when nothing could be scheduled."""
+        if self.kv_cache.has_disk:
+            self._complete_disk_loads(0.0)  # reads landed since the last step: admit them now
         output = self.scheduler.schedule()
+        # Counted before this step's transfers: a read landing while they run leaves its
+        # request unscheduled this step, which is progress, not a stall.
+        onboarding = self.kv_cache.num_onboarding
         self.run_transfers(output.transfer)
         if not output.scheduled:
-            if self.kv_cache.num_onboarding:  # only disk reads to wait for: wait a little
-                self._complete_disk_loads(DISK_WAIT_S)
+            if onboarding:  # only disk reads to wait for: wait a little
+                if self.kv_cache.num_onboarding:
+                    self._complete_disk_loads(DISK_WAIT_S)
             else:
                 self._check_progress()
             return None

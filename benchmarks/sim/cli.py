@@ -74,6 +74,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="host blocks per NPU block, per replica",
     )
+    add(
+        "--disk-memory-gb",
+        type=float,
+        default=0.0,
+        help="process-wide disk KV tier in GiB behind the host tier, split among replicas, "
+        "all on one node (needs a host tier and the profile's disk bandwidth)",
+    )
     add("--write-through-threshold", type=int, default=2, help="0 disables (default 2)")
     add("--write-back", action="store_true", help="store evicted NPU-only blocks to host")
     add(
@@ -182,6 +189,7 @@ def base_config(args: argparse.Namespace) -> SimConfig:
         num_npu_blocks=args.num_npu_blocks,
         host_memory_gb=args.host_memory_gb,
         host_memory_ratio=args.host_memory_ratio,
+        disk_memory_gb=args.disk_memory_gb,
         write_through_threshold=args.write_through_threshold or None,
         write_back=args.write_back,
         retention=args.retention,

@@ -48,6 +48,8 @@ class HardwareProfile:
     d2h_bytes_per_s: float
     transfer_latency_s: float
     stores_overlap_compute: bool
+    disk_read_bytes_per_s: float = 0.0  # the disk tier (0: the profile models none)
+    disk_latency_s: float = 0.0  # per batch of reads
     description: str = ""
     sources: dict[str, str] = field(default_factory=dict)
     fit: dict[str, object] = field(default_factory=dict)
@@ -103,6 +105,15 @@ class CostModel:
             return 0.0
         p = self.profile
         return p.transfer_latency_s + num_blocks * self.block_bytes / p.h2d_bytes_per_s
+
+    def disk_load_s(self, num_blocks: int) -> float:
+        """Reading ``num_blocks`` from the disk tier into host blocks (one batch)."""
+        if not num_blocks:
+            return 0.0
+        p = self.profile
+        if p.disk_read_bytes_per_s <= 0:
+            raise ValueError(f"hardware profile {p.name} has no disk_read_bytes_per_s")
+        return p.disk_latency_s + num_blocks * self.block_bytes / p.disk_read_bytes_per_s
 
     def store_s(self, num_blocks: int) -> float:
         if not num_blocks or self.profile.stores_overlap_compute:

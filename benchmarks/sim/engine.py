@@ -25,7 +25,7 @@ from benchmarks.sim.cost_model import CostModel, StepTiming
 from replicas.config import SchedulerConfig
 from replicas.engine_core import EngineCore, StepInFlight, StepResult
 from replicas.kv_cache_manager import KVCacheManager
-from replicas.kv_cache_types import TransferPlan
+from replicas.kv_cache_types import DiskCopy, TransferPlan
 from replicas.kv_events import KVEventBatch
 from replicas.request import Request
 from replicas.scheduler import SchedulerOutput
@@ -66,19 +66,43 @@ class CostModelExecutor:
 
 
 class InstantTransfer:
-    """Copies land as soon as they are submitted; remembers the last plan for its price."""
+    """Copies land as soon as they are submitted; remembers the last plan for its price. With a
+    disk tier (``disk``: a ``benchmarks.sim.disk.DiskView`` per cache type), disk stores land at
+    once too, and a plan's disk reads land ``CostModel.disk_load_s`` after ``now`` (the
+    simulated engine sets it before each step)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cost_model: CostModel | None = None, disk: dict | None = None) -> None:
         self.last_plan = TransferPlan([], [])
         self._landed: list[TransferPlan] = []
+        self.cost_model = cost_model
+        self.disk = disk or {}
+        self.now = 0.0
+        self._reads: list[tuple[float, list[DiskCopy]]] = []  # (lands at, copies)
 
     def submit(self, plan: TransferPlan) -> None:
         self.last_plan = plan
         self._landed.append(plan)
+        for copy in plan.disk_stores:
+            self.disk[copy.cache_type].store(copy.block_hash)
+        if plan.disk_loads:
+            for copy in plan.disk_loads:
+                self.disk[copy.cache_type].touch(copy.block_hash)
+            lands = self.now + self.cost_model.disk_load_s(len(plan.disk_loads))
+            self._reads.append((lands, list(plan.disk_loads)))
 
     def poll(self, wait: bool = False) -> list[TransferPlan]:
         landed, self._landed = self._landed, []
         return landed
+
+    def poll_disk(self, timeout: float | None = 0.0) -> list[tuple[DiskCopy, bool]]:
+        """The reads landed by ``now`` (a simulated wait is a later step, never a block)."""
+        done = [copies for lands, copies in self._reads if lands <= self.now]
+        self._reads = [(lands, copies) for lands, copies in self._reads if lands > self.now]
+        return [(copy, True) for copies in done for copy in copies]
+
+    def next_landing(self) -> float | None:
+        """When the next disk read lands, None with none in flight."""
+        return min((lands for lands, _ in self._reads), default=None)
 
 
 @dataclass(slots=True)
@@ -99,12 +123,13 @@ class SimulatedEngine:
         scheduler_config: SchedulerConfig,
         cost_model: CostModel,
         max_model_len: int,
+        disk: dict | None = None,
     ) -> None:
         self.replica_index = replica_index
         self.kv_cache = kv_cache
         self.cost_model = cost_model
         self._executor = CostModelExecutor(cost_model)
-        self._transfer = InstantTransfer()
+        self._transfer = InstantTransfer(cost_model, disk)
         self.core = EngineCore(
             scheduler_config,
             kv_cache,
@@ -145,6 +170,7 @@ class SimulatedEngine:
         """Schedule one step; return when it ends, or None if nothing can run."""
         if self._step is not None:
             raise RuntimeError(f"replica {self.replica_index} is already running a step")
+        self._transfer.now = now
         try:
             step = self.core.begin_step()
         except RuntimeError as error:
@@ -160,6 +186,10 @@ class SimulatedEngine:
         self.num_steps += 1
         self.busy_s += timing.total_s
         return self._step.end_s
+
+    def next_disk_landing(self) -> float | None:
+        """When an idle replica waiting for disk reads should try a step again."""
+        return self._transfer.next_landing()
 
     def interrupt(self, now: float) -> float | None:
         """Cut the running step's decode tail at the first sub-step boundary after ``now``;

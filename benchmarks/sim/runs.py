@@ -3,6 +3,7 @@
 A sweep varies one parameter of the base configuration at a time (not a cross product)::
 
     dp=1,2,4           data_parallel_size          host-gb=0,256,1024   host_memory_gb
+    disk-gb=0,4096     disk_memory_gb
     threshold=0,1,2    write_through_threshold     host-ratio=0,1,2     host_memory_ratio
                        (CLI semantics: 0 disables) write-back[=off,on]  write_back
     npu-blocks=512,... num_npu_blocks              speedup=1,2,4        arrival_speedup
@@ -62,6 +63,7 @@ SWEEPS: dict[str, SweepKind] = {
     "dp": SweepKind("data_parallel_size", int),
     "host-gb": SweepKind("host_memory_gb", float),
     "host-ratio": SweepKind("host_memory_ratio", float),
+    "disk-gb": SweepKind("disk_memory_gb", float),
     "threshold": SweepKind("write_through_threshold", _threshold),
     "write-back": SweepKind("write_back", _switch, ("off", "on")),
     "npu-blocks": SweepKind("num_npu_blocks", int),

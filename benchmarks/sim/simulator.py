@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from benchmarks.sim.agents import ClusterView, RoutingAgent, StrataAgent
 from benchmarks.sim.cost_model import CostModel
+from benchmarks.sim.disk import NodeDisk
 from benchmarks.sim.engine import SimulatedEngine, StepReport
 from benchmarks.sim.metrics import LoadMeter, hit_rates, ttft_figures
 from benchmarks.sim.peers import PEERS
@@ -57,7 +58,7 @@ from router.config import RoutingConfig, TTFTCosts
 
 STRATA = "strata"
 FULL, SLIDING = "full", "sliding"
-ARRIVAL, STEP_END, DELIVER = 0, 1, 2
+ARRIVAL, STEP_END, DELIVER, WAKE = 0, 1, 2, 3
 JITTER_S = 0.01
 
 
@@ -73,6 +74,7 @@ class SimConfig:
     num_npu_blocks: int | None = None  # None: what the hardware profile's KV memory holds
     host_memory_gb: float = 0.0
     host_memory_ratio: float = 0.0
+    disk_memory_gb: float = 0.0  # process-wide disk tier, split among replicas (0: none)
     write_through_threshold: int | None = 2
     write_back: bool = False
     retention: str = "fixed"  # or "adaptive" (KVOffloadConfig.retention)
@@ -154,8 +156,16 @@ class Simulator:
         self.max_model_len = self._max_model_len()
         self.cache_types = self._plan_cache_types()
         self.num_host_blocks = self.cache_types[0].num_host_blocks
+        disks = self._disk_views()
         self.engines = [
-            SimulatedEngine(r, self._kv_cache(), scheduler_config, cost_model, self.max_model_len)
+            SimulatedEngine(
+                r,
+                self._kv_cache(disks[r]),
+                scheduler_config,
+                cost_model,
+                self.max_model_len,
+                disks[r],
+            )
             for r in range(config.data_parallel_size)
         ]
         self.agent = make_agent(config, ClusterView(self.engines), cost_model)
@@ -221,7 +231,28 @@ class Simulator:
         share = replica_host_bytes(budget, c.data_parallel_size, sum(block_bytes.values()))
         return KVOffloadConfig(enabled=True, host_memory_bytes=share)
 
-    def _kv_cache(self) -> KVCacheManager:
+    def _disk_views(self) -> list[dict | None]:
+        """Per replica, its view of the one node disk per cache type (all simulated replicas
+        share a node), each replica's share of ``disk_memory_gb`` in whole blocks."""
+        c = self.config
+        if c.disk_memory_gb <= 0:
+            return [None] * c.data_parallel_size
+        if not all(t.num_host_blocks for t in self.cache_types):
+            raise ValueError("--disk-memory-gb needs a host tier (--host-memory-gb or ratio)")
+        share = c.disk_memory_gb * 2**30 / c.data_parallel_size
+        read_s = self.cost_model.disk_load_s(1)
+        total_npu = sum(t.num_npu_blocks for t in self.cache_types)
+        views: list[dict | None] = [{} for _ in range(c.data_parallel_size)]
+        for spec in self.cache_types:
+            slots = int(share * spec.num_npu_blocks / total_npu // self.cost_model.block_bytes)
+            if slots < 1:
+                raise ValueError(f"--disk-memory-gb {c.disk_memory_gb} holds no block per replica")
+            node = NodeDisk(c.data_parallel_size, slots)
+            for replica, view in enumerate(views):
+                view[spec.name] = node.view(replica, read_s)
+        return views
+
+    def _kv_cache(self, disk: dict | None = None) -> KVCacheManager:
         manager = KVCacheManager(
             block_size=self.config.block_size,
             cache_types=self.cache_types,
@@ -230,6 +261,8 @@ class Simulator:
             retention=self.config.retention,
             record_events=True,
             reservation_share=self.config.reservation_share,
+            disk=disk,
+            onboard_timeout=False,  # simulated reads always land; the wall clock is not theirs
         )
         cost = self.cost_model
         recompute_s = cost.prefill_s(self.config.block_size * self.config.token_scale, 0.0)
@@ -256,6 +289,9 @@ class Simulator:
                 bar.update()
             elif kind == STEP_END:
                 self._end_step(payload, now)
+            elif kind == WAKE:
+                if not self.engines[payload].is_busy:
+                    self._begin_step(payload, now)
             else:
                 self.agent.on_report(payload, now)
         bar.close()
@@ -296,10 +332,13 @@ class Simulator:
                 self._push(end, STEP_END, (replica, self._step_ids[replica]))
 
     def _begin_step(self, replica: int, now: float) -> None:
-        end = self.engines[replica].begin_step(now)
+        engine = self.engines[replica]
+        end = engine.begin_step(now)
         if end is not None:
             self._step_ids[replica] += 1
             self._push(end, STEP_END, (replica, self._step_ids[replica]))
+        elif engine.next_disk_landing() is not None:  # idle until its disk reads land
+            self._push(engine.next_disk_landing(), WAKE, replica)
 
     def _end_step(self, step: tuple[int, int], now: float) -> None:
         replica, step_id = step

@@ -175,3 +175,42 @@ def test_every_policy_routes_to_valid_replicas(policy: str):
     assert len(chosen) == len(requests) == record["num_finished"]
     assert all(isinstance(r, int) and 0 <= r < 3 for r in chosen)
     assert 0.0 <= record["hit_rate"] <= 1.0
+
+
+def test_simulator_and_real_engine_count_the_same_disk_hits(tmp_path):
+    # NPU 12 blocks, host 12, disk 20 (of 64 KiB, the tiny model's block): host evictions go
+    # to disk with write-back and later requests read them back, in both.
+    requests = expand(random_trace(40, seed=3), BLOCK)
+    disk_bytes = 20 * 65536
+    offload = KVOffloadConfig(
+        enabled=True,
+        host_memory_ratio=1.0,
+        write_back=True,
+        disk_path=str(tmp_path),
+        disk_bytes=disk_bytes,
+    )
+    names = ("queries", "hits", "npu_hits", "host_hits", "disk_hits", "disk_blocks_loaded")
+    with LLM(
+        "tiny",
+        block_size=BLOCK,
+        num_npu_blocks=12,
+        max_model_len=12 * BLOCK,
+        scheduler_config=SchedulerConfig(kv_offload_config=offload),
+    ) as llm:
+        for request in requests:
+            params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=True)
+            llm.generate(request.prompt_token_ids, params)
+        llm.check_integrity()
+        real = {k: getattr(llm.stats().cache, k) for k in names}
+    sim = simulate(
+        requests,
+        data_parallel_size=1,
+        num_npu_blocks=12,
+        host_memory_ratio=1.0,
+        write_back=True,
+        disk_memory_gb=disk_bytes / 2**30,
+        sequential=True,
+    )
+    simulated = {k: getattr(sim.engines[0].kv_cache.stats, k) for k in names}
+    assert simulated == real
+    assert real["disk_hits"] > 0

@@ -383,3 +383,25 @@ def test_write_back_moves_host_evictions_to_disk_and_outputs_stay_correct(tmp_pa
     usage = small.kv_cache.usage()["full"]
     assert usage.num_host_blocks_used == 0 and usage.num_npu_blocks_used == 0
     small.close()
+
+
+def test_a_read_landing_while_the_step_schedules_is_not_a_stall(tmp_path, cold, monkeypatch):
+    seen, prompt = prompt_pair(14)
+    warm_disk(tmp_path, seen)
+    restarted = engine(tmp_path)
+    store = restarted.disk["full"]
+    slow_read = store._read
+    monkeypatch.setattr(store, "_read", lambda *a: (time.sleep(0.002), slow_read(*a))[1])
+    schedule = restarted.core.scheduler.schedule
+
+    def schedule_then_let_reads_land():
+        output = schedule()
+        for _, future in restarted.transfer._disk_reads:
+            future.result()  # the reads end after the scheduler looked, before the step polls
+        return output
+
+    monkeypatch.setattr(restarted.core.scheduler, "schedule", schedule_then_let_reads_land)
+    output = run(restarted, prompt)  # raised "cannot be scheduled with nothing running" once
+    assert output.token_ids == run(cold, prompt).token_ids
+    assert output.num_cached_tokens == 16 * PREFIX_BLOCKS
+    restarted.close()

@@ -1,0 +1,111 @@
+"""The simulator's disk tier: ``replicas.kv_disk.DiskStore`` without files.
+
+One ``NodeDisk`` stands for the local disk of the node every simulated replica runs on; each
+replica writes through its own ``DiskView`` into its own LRU share of slots (a slab), and reads
+any replica's blocks, as real replicas sharing one ``disk_path`` do. Reads never fail; their time
+is the hardware profile's disk latency plus bytes over its disk bandwidth
+(``CostModel.disk_load_s``), after which the simulated transfer reports them landed.
+"""
+
+from collections import OrderedDict
+from typing import NamedTuple
+
+from replicas.hashing import BlockHash
+
+
+class SimDiskStats(NamedTuple):
+    num_slots: int
+    num_cached: int
+    evictions: int
+
+
+class NodeDisk:
+    """Every replica's slab of one node's disk tier, for one cache type."""
+
+    def __init__(self, num_writers: int, slots_per_writer: int) -> None:
+        self.slabs: list[OrderedDict[BlockHash, None]] = [OrderedDict() for _ in range(num_writers)]
+        self.slots_per_writer = slots_per_writer
+        self.holders: dict[BlockHash, int] = {}  # how many slabs hold the block
+
+    def view(self, writer: int, read_s_per_block: float) -> "DiskView":
+        return DiskView(self, writer, read_s_per_block)
+
+    def _add(self, block_hash: BlockHash) -> None:
+        self.holders[block_hash] = self.holders.get(block_hash, 0) + 1
+
+    def _drop(self, block_hash: BlockHash) -> None:
+        count = self.holders[block_hash] - 1
+        if count:
+            self.holders[block_hash] = count
+        else:
+            del self.holders[block_hash]
+
+
+class DiskView:
+    """One replica's side of a ``NodeDisk``: what ``KVCacheManager`` and the simulated transfer
+    ask of a disk store."""
+
+    def __init__(self, disk: NodeDisk, writer: int, read_s_per_block: float) -> None:
+        self.disk = disk
+        self.writer = writer
+        self._read_s = read_s_per_block
+        self._evictions = 0
+        self._changes: list[tuple[bool, BlockHash]] | None = None
+
+    @property
+    def _own(self) -> OrderedDict[BlockHash, None]:
+        return self.disk.slabs[self.writer]
+
+    def contains(self, block_hash: BlockHash) -> bool:
+        return block_hash in self.disk.holders
+
+    def discard(self, block_hash: BlockHash) -> None:
+        if block_hash in self._own:
+            del self._own[block_hash]
+            self.disk._drop(block_hash)
+            self._note(False, block_hash)
+
+    def read_seconds_per_block(self) -> float:
+        return self._read_s
+
+    def store(self, block_hash: BlockHash) -> None:
+        own = self._own
+        if block_hash in own:
+            own.move_to_end(block_hash)
+            return
+        if len(own) >= self.disk.slots_per_writer:
+            evicted, _ = own.popitem(last=False)
+            self.disk._drop(evicted)
+            self._evictions += 1
+            self._note(False, evicted)
+        own[block_hash] = None
+        self.disk._add(block_hash)
+        self._note(True, block_hash)
+
+    def touch(self, block_hash: BlockHash) -> None:
+        if block_hash in self._own:
+            self._own.move_to_end(block_hash)
+
+    def clear(self) -> None:
+        for block_hash in list(self._own):
+            self.discard(block_hash)
+
+    def track_changes(self) -> None:
+        if self._changes is None:
+            self._changes = [(True, h) for h in self._own]
+
+    def drain_changes(self) -> list[tuple[bool, BlockHash]]:
+        if self._changes is None:
+            return []
+        changes, self._changes = self._changes, []
+        return changes
+
+    def own_keys(self) -> list[BlockHash]:
+        return list(self._own)
+
+    def stats(self) -> SimDiskStats:
+        return SimDiskStats(self.disk.slots_per_writer, len(self._own), self._evictions)
+
+    def _note(self, stored: bool, block_hash: BlockHash) -> None:
+        if self._changes is not None:
+            self._changes.append((stored, block_hash))
