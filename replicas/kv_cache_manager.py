@@ -541,9 +541,14 @@ class KVCacheManager:
             return False
         match = self.match_prefix(request, max_blocks)
         plan = self._disk_extension(request, match.num_blocks, max_blocks)
-        if plan is None:
+        if plan is None:  # decided once per request: later steps skip the lookups
+            self._onboarding[request.request_id] = _Onboarding(set(), [], 0.0)
             return False
         length, reads = plan
+        for cache_type in self._cache_types:  # host blocks to read into: asked again later
+            new = [h for h in reads[cache_type.name] if (cache_type.name, h) not in self._inflight]
+            if len(new) > cache_type.host.num_free:
+                return False
         num_disk = sum(len(r) for r in reads.values())
         primary = self._cache_types[0]
         disk_read_s = primary.disk.read_seconds_per_block()
@@ -586,8 +591,7 @@ class KVCacheManager:
         self, request: Request, num_matched: int, max_blocks: int | None
     ) -> tuple[int, dict[str, list[BlockHash]]] | None:
         """The longest safe prefix with disk blocks counted, and per cache type the blocks of
-        it that only the disk holds; None when the disk adds nothing, or host blocks to read
-        them into are short (no mutation)."""
+        it that only the disk holds; None when the disk adds nothing (no mutation)."""
         limit = (request.num_tokens - 1) // self.block_size
         limit = limit if max_blocks is None else min(limit, max_blocks)
         hashes = request.block_hashes[:limit]
@@ -605,15 +609,11 @@ class KVCacheManager:
         reads = {}
         for cache_type in self._cache_types:
             first = cache_type.spec.window_start(length * self.block_size, self.block_size)
-            wanted = [
+            reads[cache_type.name] = [
                 h
                 for h in hashes[first:length]
                 if cache_type.npu.lookup(h) is None and not cache_type.on_host(h)
             ]
-            new = [h for h in wanted if (cache_type.name, h) not in self._inflight]
-            if len(new) > cache_type.host.num_free:
-                return None
-            reads[cache_type.name] = wanted
         return length, reads
 
     @staticmethod
