@@ -309,6 +309,8 @@ def router_metric_families(router_stats: RouterStats | None) -> list[Metric]:
         live.add_metric([label], 1.0 if replica.is_live else 0.0)
         indexed.add_metric([label, Tier.NPU], replica.num_indexed_npu_blocks)
         indexed.add_metric([label, Tier.HOST], replica.num_indexed_host_blocks)
+        if replica.num_indexed_disk_blocks:
+            indexed.add_metric([label, Tier.DISK], replica.num_indexed_disk_blocks)
         gaps.add_metric([label], replica.num_event_gaps)
         resyncs.add_metric([label], replica.num_resyncs)
     return [routed, matched, fraction, load, live, indexed, gaps, resyncs]

@@ -269,8 +269,12 @@ class ReplicaActor:
 
     async def ready(self) -> str:
         """This actor's incarnation id: it changes when Ray restarts the replica. Raises
-        ``ReplicaUnavailableError`` while a failed replica waits to exit."""
+        ``ReplicaUnavailableError`` while a failed replica waits to exit. With a disk tier, the
+        blocks it took back from its slab are published here, before any traffic."""
         self._check_engine()
+        if self.engine.disk:
+            await self.async_engine.between_steps()
+            self._report([])
         return self.incarnation
 
     async def stats(self) -> EngineStats:

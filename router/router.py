@@ -263,6 +263,7 @@ class Router:
                     num_indexed_host_blocks=self._index.num_host_blocks(i),
                     num_event_gaps=counters.num_event_gaps,
                     num_resyncs=counters.num_resyncs,
+                    num_indexed_disk_blocks=self._disk.num_blocks(i),
                 )
             )
         return RouterStats(replicas=tuple(replicas), num_indexed_hashes=len(self._index))

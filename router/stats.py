@@ -31,6 +31,7 @@ class ReplicaRoutingStats:
     num_indexed_host_blocks: int
     num_event_gaps: int
     num_resyncs: int
+    num_indexed_disk_blocks: int = 0  # written by the replica to its node's disk tier
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ and a redeployed server serves a prefix from the disk the last one wrote."""
 import time
 
 import pytest
+import ray
 
 from cluster.config import ClusterConfig
 from cluster.deploy import RayBackend
@@ -65,3 +66,18 @@ def test_replicas_share_the_node_disk_and_a_redeployment_reuses_it(backends, tmp
     again = run(run_one(second, "again", [*PREFIX, 200], PARAMS))
     assert again.num_cached_tokens == 160
     assert again.token_ids == writer.token_ids
+
+
+def test_a_redeployed_replica_announces_its_disk_blocks_before_any_traffic(backends, tmp_path):
+    first = RayBackend(disk_config(tmp_path), name="t-disk-c")
+    backends.append(first)
+    run(run_one(first, "w", [*PREFIX, 200], PARAMS))
+    time.sleep(0.5)
+    first.shutdown()
+    second = RayBackend(disk_config(tmp_path), name="t-disk-d")
+    backends.append(second)
+    time.sleep(0.5)  # the announcements reach the router
+    stats = ray.get(second.router.stats.remote())
+    assert stats.num_indexed_hashes == 0  # nothing on NPU or host yet
+    disk = [r.num_indexed_disk_blocks for r in stats.replicas]
+    assert sum(disk) >= 10  # the writer's slab, taken back by one of the new replicas
