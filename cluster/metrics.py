@@ -165,13 +165,14 @@ def _replica_families(replicas: list[ReplicaStats]) -> list[Metric]:
         for family, (_, _, value) in zip(gauges, _GAUGES):
             family.add_metric([label], value(stats))
         has_disk = any(u.num_disk_blocks for u in stats.cache_types.values())
-        disk_hits = stats.cache.disk_hits  # within host_hits: they reach NPU through host
-        hits_by_tier.add_metric([label, Tier.NPU], stats.cache.npu_hits)
-        hits_by_tier.add_metric([label, Tier.HOST], stats.cache.host_hits - disk_hits)
+        hits = stats.cache.hits_by_tier()
+        if has_disk:
+            hits.setdefault(Tier.DISK, 0)
+        for tier, value in hits.items():
+            hits_by_tier.add_metric([label, tier], value)
         evictions.add_metric([label, Tier.NPU], stats.cache.npu_evictions)
         evictions.add_metric([label, Tier.HOST], stats.cache.host_evictions)
         if has_disk:
-            hits_by_tier.add_metric([label, Tier.DISK], disk_hits)
             evictions.add_metric([label, Tier.DISK], sum(d.evictions for d in stats.disk.values()))
             for event, value in _DISK_EVENTS:
                 disk_events.add_metric([label, event], value(stats.cache))
@@ -179,15 +180,13 @@ def _replica_families(replicas: list[ReplicaStats]) -> list[Metric]:
             for event, value in _PER_TYPE_EVENTS:
                 per_type.add_metric([label, cache_type, event], value(counts))
         for cache_type, usage in stats.cache_types.items():
-            used.add_metric([label, Tier.NPU, cache_type], usage.num_npu_blocks_used)
-            used.add_metric([label, Tier.HOST, cache_type], usage.num_host_blocks_used)
-            cached.add_metric([label, Tier.NPU, cache_type], usage.num_npu_blocks_cached)
-            cached.add_metric([label, Tier.HOST, cache_type], usage.num_host_blocks_cached)
-            capacity.add_metric([label, Tier.NPU, cache_type], usage.num_npu_blocks)
-            capacity.add_metric([label, Tier.HOST, cache_type], usage.num_host_blocks)
-            if has_disk:
-                cached.add_metric([label, Tier.DISK, cache_type], usage.num_disk_blocks_cached)
-                capacity.add_metric([label, Tier.DISK, cache_type], usage.num_disk_blocks)
+            tiers = usage.by_tier()
+            tiers.setdefault(Tier.HOST, (0, 0, 0))  # host series exist with the tier off too
+            for tier, (num_blocks, num_used, num_cached) in tiers.items():
+                if tier != Tier.DISK:  # disk slots are never held by a request
+                    used.add_metric([label, tier, cache_type], num_used)
+                cached.add_metric([label, tier, cache_type], num_cached)
+                capacity.add_metric([label, tier, cache_type], num_blocks)
         retention.add(label, stats)
     return [
         up,

@@ -70,7 +70,6 @@ them is in flight, so host eviction never takes them.
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from replicas.block_pool import BlockPool
 from replicas.hashing import BlockHash
@@ -95,6 +94,7 @@ from replicas.kv_events import (
     safe_prefix_length,
 )
 from replicas.kv_retention import BlockCosts, RetentionStats, RetentionTracker
+from replicas.kv_tiers import DiskIndex, TierLevel, order_tiers
 from replicas.request import Request
 
 __all__ = ["EMPTY_MATCH", "CacheStats", "KVCacheManager", "PrefixMatch", "TransferPlan"]
@@ -110,17 +110,6 @@ ONBOARD_TIMEOUT_MIN_S = 2.0
 ONBOARD_TIMEOUT_FACTOR = 8.0
 """A waiting request stops waiting for its disk reads after ``max(ONBOARD_TIMEOUT_MIN_S,
 ONBOARD_TIMEOUT_FACTOR x their predicted time)``."""
-
-
-class DiskIndex(Protocol):
-    """What the manager asks of a disk store (``replicas.kv_disk.DiskStore``): which blocks it
-    holds, what a read costs, and to forget a block that failed to read."""
-
-    def contains(self, block_hash: BlockHash) -> bool: ...
-
-    def discard(self, block_hash: BlockHash) -> None: ...
-
-    def read_seconds_per_block(self) -> float: ...
 
 
 def reload_pays(
@@ -156,44 +145,65 @@ class _Reservation:
 
 @dataclass(slots=True)
 class _CacheType:
+    """One cache type: its tiers as an ordered list (``replicas.kv_tiers``: NPU, then host and
+    disk when on), and each request's blocks. ``npu``, ``host`` and ``disk`` name the levels for
+    the rules that move blocks between two particular tiers."""
+
     spec: CacheTypeSpec
-    npu: BlockPool
-    host: BlockPool | None
+    tiers: list[TierLevel]
     retention: RetentionTracker | None = None  # with a host tier
-    disk: DiskIndex | None = None  # with a disk tier (behind the host tier)
     blocks: dict[str, list[int | None]] = field(default_factory=dict)  # None: released
     num_cached: dict[str, int] = field(default_factory=dict)  # leading blocks hashed
+    # Derived from ``tiers`` (kept in step by __post_init__ and add_tier), read on hot paths:
+    pools: list[BlockPool] = field(init=False)  # the pooled tiers', in order
+    npu: BlockPool = field(init=False)
+    host: BlockPool | None = field(init=False)
+    disk: DiskIndex | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tiers = order_tiers(self.tiers)
+        self.pools = [level.pool for level in self.tiers if level.is_pooled]
+        self.npu = self.tiers[0].pool
+        host, disk = self.level(Tier.HOST), self.level(Tier.DISK)
+        self.host = host.pool if host is not None else None
+        self.disk = disk.store if disk is not None else None
 
     @property
     def name(self) -> str:
         return self.spec.name
 
+    def level(self, tier: Tier) -> TierLevel | None:
+        return next((level for level in self.tiers if level.tier == tier), None)
+
+    def add_tier(self, level: TierLevel) -> None:
+        self.tiers = [*self.tiers, level]
+        self.__post_init__()
+
     def on_host(self, block_hash: BlockHash) -> bool:
         return self.host is not None and self.host.lookup(block_hash) is not None
 
+    def in_pools(self, block_hash: BlockHash) -> bool:
+        """Whether a tier whose blocks a request adopts directly (NPU, host) holds the block."""
+        for pool in self.pools:  # noqa: SIM110 (a loop, not any(): called for every block)
+            if pool.lookup(block_hash) is not None:
+                return True
+        return False
+
+    def anywhere(self, block_hash: BlockHash) -> bool:
+        """Whether any tier holds the block (disk included)."""
+        return any(level.holds(block_hash) for level in self.tiers)
+
     def pool(self, tier: Tier) -> BlockPool | None:
-        """The tier's block pool (None for the host tier when off, and for the disk tier,
-        which is a store of files, not a pool)."""
-        return self.npu if tier == Tier.NPU else self.host if tier == Tier.HOST else None
+        """The tier's block pool (None for a tier that is off, and for the disk tier, which is
+        a store of files, not a pool)."""
+        level = self.level(tier)
+        return level.pool if level is not None else None
 
     def usage(self) -> CacheTypeUsage:
-        host = self.host
-        return CacheTypeUsage(
-            self.npu.num_blocks,
-            self.npu.num_used,
-            self.npu.num_cached,
-            host.num_blocks if host else 0,
-            host.num_used if host else 0,
-            host.num_cached if host else 0,
-            *self.disk_usage(),
-        )
-
-    def disk_usage(self) -> tuple[int, int]:
-        stats = getattr(self.disk, "stats", None)
-        if stats is None:
-            return 0, 0
-        disk = stats()
-        return disk.num_slots, disk.num_cached
+        counts = {level.tier: level.counts() for level in self.tiers}
+        none = (0, 0, 0)
+        disk = counts.get(Tier.DISK, none)
+        return CacheTypeUsage(*counts[Tier.NPU], *counts.get(Tier.HOST, none), disk[0], disk[2])
 
 
 class KVCacheManager:
@@ -251,10 +261,12 @@ class KVCacheManager:
         self._cache_types = [
             _CacheType(
                 spec,
-                BlockPool(spec.num_npu_blocks, f"npu[{spec.name}]"),
-                BlockPool(spec.num_host_blocks, f"host[{spec.name}]")
-                if spec.num_host_blocks > 0
-                else None,
+                [TierLevel(Tier.NPU, BlockPool(spec.num_npu_blocks, f"npu[{spec.name}]"))]
+                + (
+                    [TierLevel(Tier.HOST, BlockPool(spec.num_host_blocks, f"host[{spec.name}]"))]
+                    if spec.num_host_blocks > 0
+                    else []
+                ),
             )
             for spec in specs
         ]
@@ -282,7 +294,7 @@ class KVCacheManager:
         for cache_type in self._cache_types if disk else ():
             if cache_type.name not in disk:
                 raise ValueError(f"the disk tier has no store for cache type {cache_type.name!r}")
-            cache_type.disk = disk[cache_type.name]
+            cache_type.add_tier(TierLevel(Tier.DISK, store=disk[cache_type.name]))
         self._disk_stores: list[DiskCopy] = []
         self._disk_loads: list[DiskCopy] = []
         self._onboarding: dict[str, _Onboarding] = {}
@@ -314,7 +326,7 @@ class KVCacheManager:
         primary = self._cache_types[0]
         length = 0
         for block_hash in hashes:
-            if primary.npu.lookup(block_hash) is None and not primary.on_host(block_hash):
+            if not primary.in_pools(block_hash):
                 break
             length += 1
         for cache_type in self._cache_types[1:]:
@@ -332,9 +344,7 @@ class KVCacheManager:
 
     def _safe_length(self, cache_type: _CacheType, hashes: list[BlockHash], limit: int) -> int:
         """Longest ``L <= limit`` whose window of ``cache_type`` blocks is cached in either tier."""
-        present = [
-            cache_type.npu.lookup(h) is not None or cache_type.on_host(h) for h in hashes[:limit]
-        ]
+        present = [cache_type.in_pools(h) for h in hashes[:limit]]
         return safe_prefix_length(present, limit, self.block_size, cache_type.spec.sliding_window)
 
     def num_blocks_needed(
@@ -597,10 +607,10 @@ class KVCacheManager:
         hashes = request.block_hashes[:limit]
         primary = self._cache_types[0]
         length = num_matched
-        while length < len(hashes) and self._anywhere(primary, hashes[length]):
+        while length < len(hashes) and primary.anywhere(hashes[length]):
             length += 1
         for cache_type in self._cache_types[1:]:
-            present = [self._anywhere(cache_type, h) for h in hashes[:length]]
+            present = [cache_type.anywhere(h) for h in hashes[:length]]
             length = safe_prefix_length(
                 present, length, self.block_size, cache_type.spec.sliding_window
             )
@@ -609,20 +619,8 @@ class KVCacheManager:
         reads = {}
         for cache_type in self._cache_types:
             first = cache_type.spec.window_start(length * self.block_size, self.block_size)
-            reads[cache_type.name] = [
-                h
-                for h in hashes[first:length]
-                if cache_type.npu.lookup(h) is None and not cache_type.on_host(h)
-            ]
+            reads[cache_type.name] = [h for h in hashes[first:length] if not cache_type.in_pools(h)]
         return length, reads
-
-    @staticmethod
-    def _anywhere(cache_type: _CacheType, block_hash: BlockHash) -> bool:
-        return (
-            cache_type.npu.lookup(block_hash) is not None
-            or cache_type.on_host(block_hash)
-            or cache_type.disk.contains(block_hash)
-        )
 
     def complete_disk_loads(self, results: list[tuple[DiskCopy, bool]]) -> None:
         """Record disk reads that ended: a valid block is cached in its host block; a miss frees
@@ -883,16 +881,16 @@ class KVCacheManager:
             raise ValueError(f"tier must be 'all', 'npu', 'host' or 'disk', got {tier!r}")
         tiers = tuple(Tier) if tier == ALL_TIERS else (Tier(tier),)
         for cache_type in self._cache_types:
-            for each in tiers:
-                pool = cache_type.pool(each) if each != Tier.DISK else None
-                if pool is not None:
-                    for _, block_hash in pool.evict_all_cached():
-                        self._emit(cache_type, KVEventKind.REMOVED, each, block_hash)
+            for level in cache_type.tiers:
+                if level.tier not in tiers:
+                    continue
+                if level.pool is not None:
+                    for _, block_hash in level.pool.evict_all_cached():
+                        self._emit(cache_type, KVEventKind.REMOVED, level.tier, block_hash)
+                elif hasattr(level.store, "clear"):  # its changes become disk events
+                    level.store.clear()
             if Tier.HOST in tiers and cache_type.retention is not None:
                 cache_type.retention.host_reset()
-            clear = getattr(cache_type.disk, "clear", None)
-            if Tier.DISK in tiers and clear is not None:
-                clear()
 
     # ---- views for the replica and its router ------------------------------------------------
     def usage(self) -> dict[str, CacheTypeUsage]:
@@ -945,16 +943,20 @@ class KVCacheManager:
         """Every hash each cache type holds, per tier, in the message a router resyncs from;
         ``next_seq`` is the sequence number of the replica's next event, so the caller drains
         and publishes pending events first (no mutation)."""
-        hashes = {}
-        for cache_type in self._cache_types:
-            host = tuple(cache_type.host.cached_hashes()) if cache_type.host else ()
-            hashes[cache_type.name] = (tuple(cache_type.npu.cached_hashes()), host)
-        primary = self._cache_types[0]
-        npu, host = hashes[primary.name]
-        own_keys = getattr(primary.disk, "own_keys", None)
-        disk = tuple(own_keys()) if own_keys is not None else ()
+        by_tier = {
+            c.name: {level.tier: tuple(level.cached_hashes()) for level in c.tiers}
+            for c in self._cache_types
+        }
+        primary = by_tier[self._cache_types[0].name]
+        sliding = by_tier.get(SLIDING, {})
         return KVSnapshot(
-            replica_index, next_seq, npu, host, *hashes.get(SLIDING, ((), ())), disk_hashes=disk
+            replica_index,
+            next_seq,
+            primary[Tier.NPU],
+            primary.get(Tier.HOST, ()),
+            sliding.get(Tier.NPU, ()),
+            sliding.get(Tier.HOST, ()),
+            primary.get(Tier.DISK, ()),
         )
 
     def _emit(
@@ -965,9 +967,8 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         for cache_type in self._cache_types:
-            cache_type.npu.check_integrity()
-            if cache_type.host is not None:
-                cache_type.host.check_integrity()
+            for pool in cache_type.pools:
+                pool.check_integrity()
             held: dict[int, int] = {}
             reserved = [r.blocks[cache_type.name] for r in self._reservations.values()]
             for blocks in [*cache_type.blocks.values(), *reserved]:

@@ -4,7 +4,15 @@ stats."""
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from replicas.kv_events import window_start
+from replicas.kv_events import Tier, window_start
+
+COPY_PATHS: dict[tuple[Tier, Tier], str] = {
+    (Tier.HOST, Tier.NPU): "loads",
+    (Tier.NPU, Tier.HOST): "stores",
+    (Tier.DISK, Tier.HOST): "disk_loads",
+    (Tier.HOST, Tier.DISK): "disk_stores",
+}
+"""The ``TransferPlan`` field that copies blocks from one tier to an adjacent one."""
 
 
 class CacheTypeSpec(NamedTuple):
@@ -31,6 +39,15 @@ class CacheTypeMatch(NamedTuple):
     first_block: int
     npu_block_ids: list[int | None]
     host_block_ids: list[int | None]
+
+    def block_ids(self, tier: Tier) -> list[int | None]:
+        """The matched blocks' ids in one pooled tier (None where that tier lacks the block).
+        Disk blocks are never matched: they are read into host blocks first."""
+        if tier == Tier.NPU:
+            return self.npu_block_ids
+        if tier == Tier.HOST:
+            return self.host_block_ids
+        raise ValueError(f"a prefix match holds NPU and host blocks, not {tier!r}")
 
 
 EMPTY_PART = CacheTypeMatch(0, [], [])
@@ -97,6 +114,10 @@ class TransferPlan(NamedTuple):
     def __bool__(self) -> bool:
         return bool(self.stores or self.loads or self.disk_stores or self.disk_loads)
 
+    def copies(self, src: Tier, dst: Tier) -> "list[BlockCopy] | tuple[DiskCopy, ...]":
+        """The copies from tier ``src`` to the adjacent tier ``dst``."""
+        return getattr(self, COPY_PATHS[(Tier(src), Tier(dst))])
+
 
 class CacheTypeUsage(NamedTuple):
     """Blocks of one cache type per tier: capacity, in use (held by requests or transfers) and
@@ -111,6 +132,21 @@ class CacheTypeUsage(NamedTuple):
     num_host_blocks_cached: int
     num_disk_blocks: int = 0  # this replica's own disk slots (other replicas' are readable too)
     num_disk_blocks_cached: int = 0
+
+    def by_tier(self) -> dict[Tier, tuple[int, int, int]]:
+        """(capacity, in use, cached) per tier that is on, nearest to compute first."""
+        tiers = {
+            Tier.NPU: (self.num_npu_blocks, self.num_npu_blocks_used, self.num_npu_blocks_cached)
+        }
+        if self.num_host_blocks:
+            tiers[Tier.HOST] = (
+                self.num_host_blocks,
+                self.num_host_blocks_used,
+                self.num_host_blocks_cached,
+            )
+        if self.num_disk_blocks:
+            tiers[Tier.DISK] = (self.num_disk_blocks, 0, self.num_disk_blocks_cached)
+        return tiers
 
 
 @dataclass(slots=True)
@@ -159,6 +195,14 @@ class CacheStats:
     disk_recomputes: int = 0  # ... whose disk prefix was recomputed instead (the rule's no)
     disk_load_timeouts: int = 0  # requests admitted without a disk load that took too long
     by_cache_type: dict[str, CacheTypeStats] = field(default_factory=dict)
+
+    def hits_by_tier(self) -> dict[Tier, int]:
+        """Hit tokens by the tier their global KV came from, nearest to compute first (a disk
+        hit reaches NPU through host: ``host_hits`` counts it too, this view does not)."""
+        hits = {Tier.NPU: self.npu_hits, Tier.HOST: self.host_hits - self.disk_hits}
+        if self.disk_hits:
+            hits[Tier.DISK] = self.disk_hits
+        return hits
 
     def count_npu_eviction(self, cache_type: str) -> None:
         self.npu_evictions += 1

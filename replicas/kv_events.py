@@ -94,3 +94,15 @@ class KVSnapshot(NamedTuple):
     sliding_npu_hashes: tuple[BlockHash, ...] = ()
     sliding_host_hashes: tuple[BlockHash, ...] = ()
     disk_hashes: tuple[BlockHash, ...] = ()  # written by this replica (the node's disk tier)
+
+    def hashes(self, tier: Tier, cache_type: str = FULL) -> tuple[BlockHash, ...]:
+        """The hashes one tier of one cache type holds (a hybrid model's sliding cache type
+        publishes its NPU and host tiers; only the global one has a disk tier)."""
+        fields = {
+            (FULL, Tier.NPU): self.npu_hashes,
+            (FULL, Tier.HOST): self.host_hashes,
+            (FULL, Tier.DISK): self.disk_hashes,
+            (SLIDING, Tier.NPU): self.sliding_npu_hashes,
+            (SLIDING, Tier.HOST): self.sliding_host_hashes,
+        }
+        return fields.get((cache_type, Tier(tier)), ())

@@ -66,7 +66,7 @@ class NodeDiskIndex:
         """Replace the snapshot's replica's disk blocks by the snapshot's (mutates)."""
         replica = snapshot.replica_index
         self.clear_replica(replica)
-        for block_hash in snapshot.disk_hashes:
+        for block_hash in snapshot.hashes(Tier.DISK):
             self._add(block_hash, 1 << replica, replica)
 
     def clear_replica(self, replica: int) -> None:

@@ -12,7 +12,7 @@ from itertools import repeat, takewhile
 from typing import NamedTuple
 
 from replicas.hashing import BlockHash
-from replicas.kv_events import FULL, SLIDING, KVEventBatch, KVEventKind, KVSnapshot, Tier
+from replicas.kv_events import FULL, KVEventBatch, KVEventKind, KVSnapshot, Tier
 
 _LANE_BITS = 8
 """Replicas per lane: ``match`` scans one byte per block and lane with C-level bytes methods."""
@@ -123,9 +123,8 @@ class PrefixIndex:
         replica = snapshot.replica_index
         self.clear_replica(replica)
         bit = 1 << replica
-        npu_hashes, host_hashes = snapshot.npu_hashes, snapshot.host_hashes
-        if self.cache_type == SLIDING:
-            npu_hashes, host_hashes = snapshot.sliding_npu_hashes, snapshot.sliding_host_hashes
+        npu_hashes = snapshot.hashes(Tier.NPU, self.cache_type)
+        host_hashes = snapshot.hashes(Tier.HOST, self.cache_type)
         for block_hash in npu_hashes:
             npu, host = self._decode(self._holders.get(block_hash, 0))
             if not npu & bit:
