@@ -14,7 +14,7 @@ from replicas.config import EngineConfig, torch_dtype
 from replicas.engine_core import EngineCore
 from replicas.executor import ModelExecutor
 from replicas.host_memory import check_host_capacity
-from replicas.kv_cache_manager import KVCacheManager
+from replicas.kv_cache_manager import KVCacheManager, ReloadCosts
 from replicas.kv_cache_types import CacheStats, CacheTypeSpec, CacheTypeUsage
 from replicas.kv_capacity import plan_cache
 
@@ -59,6 +59,7 @@ class EngineStats:
     steps: StepTimes = field(default_factory=StepTimes)
     retention: dict[str, RetentionStats] = field(default_factory=dict)  # with a host tier
     disk: "dict[str, DiskStats]" = field(default_factory=dict)  # with a disk tier
+    reload_costs: "ReloadCosts | None" = None  # the disk cost rule's inputs (with a disk tier)
 
 
 def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
@@ -386,6 +387,7 @@ class Engine:
             steps=dataclasses.replace(self._step_times),
             retention=self.kv_cache.retention_stats(),
             disk={c: store.stats() for c, store in (self.disk or {}).items()},
+            reload_costs=self.kv_cache.reload_costs(),
         )
 
     def reset_prefix_cache(self, tier: str = "all") -> None:

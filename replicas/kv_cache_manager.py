@@ -70,6 +70,7 @@ them is in flight, so host eviction never takes them.
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from replicas.block_pool import BlockPool
 from replicas.hashing import BlockHash
@@ -110,6 +111,15 @@ ONBOARD_TIMEOUT_MIN_S = 2.0
 ONBOARD_TIMEOUT_FACTOR = 8.0
 """A waiting request stops waiting for its disk reads after ``max(ONBOARD_TIMEOUT_MIN_S,
 ONBOARD_TIMEOUT_FACTOR x their predicted time)``."""
+
+
+class ReloadCosts(NamedTuple):
+    """The cost rule's inputs, seconds per block (``recompute_s`` 0 until measured, when the rule
+    reads every disk prefix)."""
+
+    recompute_s: float
+    host_load_s: float
+    disk_read_s: float
 
 
 def reload_pays(
@@ -295,6 +305,7 @@ class KVCacheManager:
             if cache_type.name not in disk:
                 raise ValueError(f"the disk tier has no store for cache type {cache_type.name!r}")
             cache_type.add_tier(TierLevel(Tier.DISK, store=disk[cache_type.name]))
+            cache_type.retention.behind_disk = True
         self._disk_stores: list[DiskCopy] = []
         self._disk_loads: list[DiskCopy] = []
         self._onboarding: dict[str, _Onboarding] = {}
@@ -501,7 +512,7 @@ class KVCacheManager:
         """Plan a copy of an NPU block to a new host block; False if every host block is locked."""
         if cache_type.host.num_free == 0:
             return False
-        if cache_type.disk is not None and self.write_back:
+        if cache_type.disk is not None:
             self._write_back_to_disk(cache_type)
         (host_id,), evicted = cache_type.host.allocate(1)  # locked until the store lands
         for _, old_hash in evicted:
@@ -514,13 +525,23 @@ class KVCacheManager:
         return True
 
     def _write_back_to_disk(self, cache_type: _CacheType) -> None:
-        """Before host allocation evicts its next block, store that block to disk. The copy
-        runs first in the plan, so it reads the block before this plan's store overwrites it."""
+        """Before host allocation evicts its next block, store that block to disk: always with
+        write-back, as the adaptive policy decides with ``retention="adaptive"``, never else.
+        The copy runs first in the plan, so it reads the block before this plan's store
+        overwrites it."""
+        if not (self.write_back or self.retention == "adaptive"):
+            return
         host = cache_type.host
         host_id = host.next_to_allocate()
         block_hash = host.blocks[host_id].block_hash if host_id is not None else None
-        if block_hash is not None and not cache_type.disk.contains(block_hash):
-            self._disk_stores.append(DiskCopy(host_id, block_hash, cache_type.name, locked=False))
+        if block_hash is None or cache_type.disk.contains(block_hash):
+            return
+        if not self.write_back:
+            disk_read_s = cache_type.disk.read_seconds_per_block()
+            if not cache_type.retention.disk_write_back_pays(disk_read_s):
+                self.stats.disk_write_back_skips += 1
+                return
+        self._disk_stores.append(DiskCopy(host_id, block_hash, cache_type.name, locked=False))
 
     # ---- the disk tier -------------------------------------------------------------------------
     @property
@@ -577,8 +598,7 @@ class KVCacheManager:
                 key = (cache_type.name, block_hash)
                 inflight = self._inflight.get(key)
                 if inflight is None:
-                    if self.write_back:
-                        self._write_back_to_disk(cache_type)
+                    self._write_back_to_disk(cache_type)
                     (host_id,), evicted = cache_type.host.allocate(1)
                     for _, old_hash in evicted:
                         self.stats.count_host_eviction(cache_type.name)
@@ -905,6 +925,15 @@ class KVCacheManager:
             for c in self._cache_types
             if c.retention is not None
         }
+
+    def reload_costs(self) -> ReloadCosts | None:
+        """What ``reload_pays`` weighs now (None without a disk tier)."""
+        disk = self._cache_types[0].disk
+        if disk is None:
+            return None
+        return ReloadCosts(
+            self._recompute_s or 0.0, self._host_load_s, disk.read_seconds_per_block()
+        )
 
     def set_block_costs(self, costs: BlockCosts) -> None:
         """Measured seconds per block (recompute, reload, store), for the adaptive policy."""

@@ -194,6 +194,7 @@ class CacheStats:
     disk_reloads: int = 0  # waiting requests whose disk prefix was loaded (the cost rule's yes)
     disk_recomputes: int = 0  # ... whose disk prefix was recomputed instead (the rule's no)
     disk_load_timeouts: int = 0  # requests admitted without a disk load that took too long
+    disk_write_back_skips: int = 0  # host evictions the adaptive policy did not store to disk
     by_cache_type: dict[str, CacheTypeStats] = field(default_factory=dict)
 
     def hits_by_tier(self) -> dict[Tier, int]:

@@ -180,8 +180,17 @@ def _bounded_put(ghosts: OrderedDict, key: BlockHash, value: object, bound: int)
         ghosts.popitem(last=False)
 
 
+DISK_WARMUP_EVICTIONS = 64
+"""Host evictions the adaptive policy stores to a disk tier before it decides by their reuse."""
+
+
 class RetentionTracker:
-    """Ghost records, shadow host tiers and the adaptive policy of one cache type."""
+    """Ghost records, shadow host tiers and the adaptive policy of one cache type.
+
+    With a disk tier behind the host tier (``behind_disk``), the adaptive policy also decides
+    whether a block the host tier evicts is stored to disk: after ``DISK_WARMUP_EVICTIONS``,
+    when the reuse of host-evicted blocks (ghost hits, and disk hits of blocks host evicted)
+    beats ``store / (recompute - reload - disk read)``."""
 
     def __init__(
         self,
@@ -207,6 +216,8 @@ class RetentionTracker:
         self._reused = [0.0] * NUM_BUCKETS
         self._host_evictions = 0.0
         self._host_ghost_hits = 0.0
+        self._num_host_evictions_seen = 0  # not halved: the disk decision's warm-up
+        self.behind_disk = False  # set by the manager when a disk tier is on
         self._window = max(MIN_WINDOW, 2 * num_host_blocks)
         self._window_index = 0  # counts halve at the end of each window
         self._num_evictions = 0
@@ -236,6 +247,9 @@ class RetentionTracker:
                 eviction = self._kept.pop(hashes[served], None)
                 if eviction is not None:
                     self._reuse(hashes[served], eviction)
+                if self.behind_disk and hashes[served] in self._host_evicted:
+                    self._host_evicted.pop(hashes[served])  # back from disk: a reuse
+                    self._host_ghost_hits += 1
             served += 1
         for index in range(served, num_blocks):
             block_hash = hashes[index]
@@ -310,7 +324,18 @@ class RetentionTracker:
         else:
             self.stats.adaptive_skips += 1
 
+    def disk_write_back_pays(self, disk_read_s: float) -> bool:
+        """Whether the block the host tier evicts next is stored to disk (adaptive policy)."""
+        if self._num_host_evictions_seen < DISK_WARMUP_EVICTIONS:
+            return True
+        recompute, reload, store = self.costs
+        gain = recompute - reload - disk_read_s
+        if gain <= 0:
+            return False
+        return self._host_ghost_hits / (self._host_evictions + 1.0) > store / gain
+
     def host_evicted(self, block_hash: BlockHash) -> None:
+        self._num_host_evictions_seen += 1
         self._host_evictions += 1
         _bounded_put(
             self._host_evicted, block_hash, self._kept.pop(block_hash, None), self._ghost_bound

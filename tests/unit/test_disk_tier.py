@@ -405,3 +405,66 @@ def test_a_read_landing_while_the_step_schedules_is_not_a_stall(tmp_path, cold, 
     assert output.token_ids == run(cold, prompt).token_ids
     assert output.num_cached_tokens == 16 * PREFIX_BLOCKS
     restarted.close()
+
+
+def adaptive_engine(disk_path, threshold: int) -> Engine:
+    return Engine(
+        EngineConfig(
+            model="tiny",
+            num_npu_blocks=12,
+            scheduler_config=SchedulerConfig(
+                kv_offload_config=KVOffloadConfig(
+                    enabled=True,
+                    host_memory_ratio=1.0,
+                    write_through_threshold=threshold,
+                    retention="adaptive",
+                    disk_path=str(disk_path),
+                    disk_bytes=256 * 64 * 2**10,
+                )
+            ),
+        )
+    )
+
+
+def test_adaptive_retention_stores_host_evictions_to_disk_while_they_come_back(tmp_path, cold):
+    rng = random.Random(15)
+    prefixes = [[rng.randrange(256) for _ in range(96)] for _ in range(8)]  # 48 blocks
+    adaptive = adaptive_engine(tmp_path / "reused", 1)
+    for round_ in range(6):
+        for i, prefix in enumerate(prefixes):
+            prompt = [*prefix, 200 + i]
+            output = run(adaptive, prompt, f"r{round_}-{i}")
+            if round_ == 5:
+                assert output.token_ids == run(cold, prompt, f"c{i}").token_ids
+    stats = adaptive.stats().cache
+    assert stats.disk_blocks_stored > 0 and stats.disk_hits > 0
+    assert stats.disk_write_back_skips < stats.disk_blocks_stored  # reuse keeps it storing
+    adaptive.close()
+
+    # Promoted to host at their second request, never reloaded from host: only the adaptive
+    # choice at host eviction sends them to disk.
+    one_off = adaptive_engine(tmp_path / "one-off", 1)
+    for i in range(40):  # 240 blocks, each prompt seen twice in a row, then never again
+        prompt = [rng.randrange(256) for _ in range(96)] + [i]
+        run(one_off, prompt, f"a{i}")
+        run(one_off, prompt, f"b{i}")
+    stats = one_off.stats().cache
+    assert stats.disk_write_back_skips > stats.disk_blocks_stored / 2  # it learnt to stop
+    assert stats.disk_hits == 0
+    one_off.close()
+
+
+def test_the_cost_rules_inputs_are_in_the_stats(tmp_path):
+    seen, prompt = prompt_pair(16)
+    warm_disk(tmp_path, seen)
+    restarted = engine(tmp_path)
+    costs = restarted.stats().reload_costs
+    assert costs.recompute_s == 0.0 and costs.disk_read_s > 0  # nothing measured yet
+    restarted.kv_cache.set_block_costs(BlockCosts(0.5, 0.01, 0.01))
+    costs = restarted.stats().reload_costs
+    assert (costs.recompute_s, costs.host_load_s) == (0.5, 0.01)
+    run(restarted, prompt)
+    measured = restarted.stats().reload_costs.disk_read_s
+    disk = restarted.disk["full"].stats()
+    assert measured == pytest.approx(disk.read_seconds / disk.blocks_read)
+    restarted.close()
