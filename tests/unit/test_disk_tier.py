@@ -195,14 +195,19 @@ def test_the_engine_recomputes_a_disk_prefix_that_costs_more_to_read(tmp_path, c
     restarted.close()
 
 
-def test_a_disk_that_fails_to_write_leaves_a_two_tier_cache(tmp_path, cold, monkeypatch, caplog):
+@pytest.mark.parametrize(
+    ("errno", "message"), [(28, "No space left on device"), (30, "Read-only file system")]
+)
+def test_a_disk_that_fails_to_write_leaves_a_two_tier_cache(
+    tmp_path, cold, monkeypatch, caplog, errno, message
+):
     seen, prompt = prompt_pair(7)
     failing = engine(tmp_path)
 
-    def full_disk(fd, data, offset):
-        raise OSError(28, "No space left on device")
+    def failing_disk(fd, data, offset):
+        raise OSError(errno, message)
 
-    monkeypatch.setattr(kv_disk.os, "pwrite", full_disk)
+    monkeypatch.setattr(kv_disk.os, "pwrite", failing_disk)
     with caplog.at_level(logging.WARNING, logger="replicas.kv_disk"):
         run(failing, seen, "a")
         failing.disk["full"].flush()
@@ -211,7 +216,7 @@ def test_a_disk_that_fails_to_write_leaves_a_two_tier_cache(tmp_path, cold, monk
     assert output.num_cached_tokens == 16 * PREFIX_BLOCKS  # from the NPU tier
     assert not failing.disk["full"].enabled
     warnings = [r for r in caplog.records if "disk tier off" in r.getMessage()]
-    assert len(warnings) == 1 and "No space left" in warnings[0].getMessage()
+    assert len(warnings) == 1 and message in warnings[0].getMessage()
     failing.close()
 
 
