@@ -16,12 +16,23 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks.churn import fit_prefix, serve_in_turns, unbounded_hit_rate, zipf_sequence
-from benchmarks.report import Report, new_figure
-from benchmarks.workload import BLOCK_SIZE, DEFAULT_MODEL, build_llm, prompt_vocab, random_tokens
+from benchmarks.churn import (
+    _plot,
+    fit_prefix,
+    serve_in_turns,
+    unbounded_hit_rate,
+    zipf_sequence,
+)
+from benchmarks.report import Report
+from benchmarks.workload import (
+    BLOCK_SIZE,
+    DEFAULT_MODEL,
+    build_llm,
+    kv_block_bytes,
+    prompt_vocab,
+    random_tokens,
+)
 from cluster import KVOffloadConfig
-from replicas.kv_capacity import kv_cache_specs
-from replicas.model import load_model_info
 
 NAME = "churn-disk"
 VARIANTS = ("host", "host+disk")
@@ -49,8 +60,7 @@ def run(
     settings = fit_prefix(QUICK if quick else Settings(), model)
     num_npu_blocks = settings.npu_tier_prefixes * settings.prefix_len // BLOCK_SIZE
     max_model_len = settings.prefix_len + settings.suffix_len + 8
-    args, _ = load_model_info(model, None)
-    block_bytes = sum(s.block_bytes(BLOCK_SIZE) for s in kv_cache_specs(args, "float32").values())
+    block_bytes = kv_block_bytes(model, "float32")
     output_dir.mkdir(parents=True, exist_ok=True)
     disk_dir = tempfile.mkdtemp(prefix="disk-tier-", dir=output_dir)
     working_set_blocks = settings.num_prefixes * settings.prefix_len // BLOCK_SIZE
@@ -132,22 +142,7 @@ def run(
         ["ratio", "value", "target", "met"],
         [["host+disk mean TTFT / host", ratio, f"<= {DISK_OVER_HOST_MEAN_TARGET}", met]],
     )
-    figure, (left, right) = new_figure(2)
-    for name, values in ttfts.items():
-        ordered = sorted(1e3 * v for v in values)
-        left.plot(ordered, [(k + 1) / len(ordered) for k in range(len(ordered))], label=name)
-    left.set_xscale("log")
-    left.set_xlabel("TTFT (ms, log)")
-    left.set_ylabel("fraction of requests")
-    left.legend()
-    names = list(configs)
-    npu = [configs[n]["npu_hit_rate"] for n in names]
-    right.bar(names, npu, label="npu hits")
-    right.bar(names, [configs[n]["host_hit_rate"] for n in names], bottom=npu, label="host hits")
-    right.axhline(unbounded, linestyle="--", color="black", linewidth=0.8, label="unbounded")
-    right.set_ylabel("token hit rate")
-    right.legend()
-    report.figures["churn_disk.png"] = figure
+    report.figures["churn_disk.png"] = _plot(settings, configs, ttfts, unbounded)
     report.results = {
         "model": model,
         "settings": asdict(settings),

@@ -27,6 +27,7 @@ from benchmarks.workload import (
     DEFAULT_MODEL,
     build_llm,
     fit_length,
+    kv_block_bytes,
     median,
     model_context_len,
     prompt_vocab,
@@ -36,8 +37,6 @@ from benchmarks.workload import (
     timed_request,
 )
 from cluster import LLM, KVOffloadConfig
-from replicas.kv_capacity import kv_cache_specs
-from replicas.model import load_model_info
 
 NAME = "reload-vs-recompute"
 MODES = ("cold", "npu", "host", "disk", "disk_dropped")
@@ -101,12 +100,6 @@ def _measure(
     return samples
 
 
-def _block_bytes(model: str, dtype: str) -> int:
-    """One KV block of every cache type of ``model``, from its config (no weights)."""
-    args, _ = load_model_info(model, None)
-    return sum(spec.block_bytes(BLOCK_SIZE) for spec in kv_cache_specs(args, dtype).values())
-
-
 def run(
     output_dir: Path,
     *,
@@ -130,7 +123,7 @@ def run(
     num_npu_blocks = -(-max_len // BLOCK_SIZE) + 2 * BLOCK_SIZE
     output_dir.mkdir(parents=True, exist_ok=True)
     disk_dir = tempfile.mkdtemp(prefix="disk-tier-", dir=output_dir)
-    block_bytes = _block_bytes(model, dtypes[0] if dtypes else "float32")
+    block_bytes = kv_block_bytes(model, dtypes[0] if dtypes else "float32")
     offload = KVOffloadConfig(
         enabled=True,
         host_memory_ratio=settings.host_memory_ratio,

@@ -13,6 +13,7 @@ from typing import TypeVar
 import numpy as np
 
 from cluster import LLM, KVOffloadConfig, PrefixCacheConfig, SamplingParams, SchedulerConfig
+from replicas.kv_capacity import kv_cache_specs
 from replicas.model import ByteTokenizer, load_model_info
 from replicas.outputs import RequestOutput
 
@@ -44,6 +45,12 @@ def model_context_len(model: str) -> int:
     """The most positions ``model`` takes (its config only; no weights are loaded)."""
     args, _ = load_model_info(model)
     return args.max_position_embeddings
+
+
+def kv_block_bytes(model: str, dtype: str) -> int:
+    """One KV block of every cache type of ``model`` in ``dtype`` (its config only)."""
+    args, _ = load_model_info(model)
+    return sum(spec.block_bytes(BLOCK_SIZE) for spec in kv_cache_specs(args, dtype).values())
 
 
 def fit_length(num_tokens: int, limit: int) -> int:

@@ -102,9 +102,13 @@ def replica_host_bytes(host_memory_bytes: int, data_parallel_size: int, block_by
     ``block_bytes`` is one block of every cache type; raises ``ValueError`` when the share is
     smaller.
     """
-    share = host_memory_bytes // data_parallel_size
+    return _replica_share(host_memory_bytes, data_parallel_size, block_bytes, HOST_GB_OPTION)
+
+
+def _replica_share(budget: int, data_parallel_size: int, block_bytes: int, option: str) -> int:
+    share = budget // data_parallel_size
     if share < block_bytes:
-        raise _share_error(HOST_GB_OPTION, share, data_parallel_size, block_bytes)
+        raise _share_error(option, share, data_parallel_size, block_bytes)
     return share
 
 
@@ -122,10 +126,9 @@ def plan_replica_offload(
             offload.host_memory_bytes, data_parallel_size, block_bytes
         )
     if offload.disk_bytes is not None:
-        share = offload.disk_bytes // data_parallel_size
-        if share < block_bytes:
-            raise _share_error(DISK_GB_OPTION, share, data_parallel_size, block_bytes)
-        update["disk_bytes"] = share
+        update["disk_bytes"] = _replica_share(
+            offload.disk_bytes, data_parallel_size, block_bytes, DISK_GB_OPTION
+        )
     return offload.model_copy(update=update) if update else offload
 
 
@@ -183,20 +186,28 @@ def plan_host_blocks(
         plan = {g: _ratio_blocks(offload.host_memory_ratio, n) for g, n in num_npu_blocks.items()}
         option = f"{HOST_RATIO_OPTION}={offload.host_memory_ratio}"
     else:
-        npu_bytes = {g: n * block_bytes[g] for g, n in num_npu_blocks.items()}
-        total = sum(npu_bytes.values())
-        plan = {
-            g: offload.host_memory_bytes * npu_bytes[g] // total // block_bytes[g]
-            for g in num_npu_blocks
-        }
+        plan = _split_bytes(offload.host_memory_bytes, num_npu_blocks, block_bytes)
         option = f"{HOST_GB_OPTION} (host_memory_bytes)"
+    _check_every_type(plan, option, "host")
+    return plan
+
+
+def _split_bytes(
+    budget: int, num_npu_blocks: dict[str, int], block_bytes: dict[str, int]
+) -> dict[str, int]:
+    """Whole blocks per cache type of a byte budget split in proportion to NPU KV bytes."""
+    npu_bytes = {g: n * block_bytes[g] for g, n in num_npu_blocks.items()}
+    total = sum(npu_bytes.values())
+    return {g: budget * npu_bytes[g] // total // block_bytes[g] for g in npu_bytes}
+
+
+def _check_every_type(plan: dict[str, int], option: str, tier: str) -> None:
     empty = [g for g, n in plan.items() if n < 1]
     if empty:
         raise ValueError(
-            f"{option} leaves the replica no host block for cache type {empty[0]!r} "
+            f"{option} leaves the replica no {tier} block for cache type {empty[0]!r} "
             f"({plan}); it needs at least one per type"
         )
-    return plan
 
 
 def plan_disk_blocks(
@@ -206,15 +217,8 @@ def plan_disk_blocks(
     budget of the host tier is (in proportion to NPU KV memory); empty without a disk tier."""
     if not offload.has_disk:
         return {}
-    npu_bytes = {g: n * block_bytes[g] for g, n in num_npu_blocks.items()}
-    total = sum(npu_bytes.values())
-    plan = {g: offload.disk_bytes * npu_bytes[g] // total // block_bytes[g] for g in npu_bytes}
-    empty = [g for g, n in plan.items() if n < 1]
-    if empty:
-        raise ValueError(
-            f"{DISK_GB_OPTION} (disk_bytes) leaves the replica no disk block for cache type "
-            f"{empty[0]!r} ({plan}); it needs at least one per type"
-        )
+    plan = _split_bytes(offload.disk_bytes, num_npu_blocks, block_bytes)
+    _check_every_type(plan, f"{DISK_GB_OPTION} (disk_bytes)", "disk")
     return plan
 
 

@@ -244,17 +244,10 @@ class DiskStore:
         self._io.submit(self._write, slot, key, self._generation, block)
         return evicted
 
-    def load(self, key: BlockHash, out: torch.Tensor) -> "Future[bool]":
-        """Read ``key`` into ``out`` (a contiguous CPU tensor of one block, which must stay
-        untouched until the future is done); the future says whether ``out`` holds the block."""
-        future: Future[bool] = Future()
-        many = self.load_many([key], [out])
-        many.add_done_callback(lambda f: _pass_on(f, future, lambda results: results[0]))
-        return future
-
     def load_many(self, keys: list[BlockHash], outs: list[torch.Tensor]) -> "Future[list[bool]]":
-        """``load`` for several blocks in one task of the IO thread (one hand-over instead of
-        one per block); the future holds one result per key, in order."""
+        """Read each key into its ``out`` (a contiguous CPU tensor of one block, untouched until
+        the future is done), in one task of the IO thread; the future holds, per key in order,
+        whether its ``out`` holds the block."""
         locations = []
         for key in keys:
             location = self._locate(key)
@@ -509,14 +502,6 @@ class DiskStore:
             if not own:
                 os.close(index_fd)
                 os.close(slab_fd)
-
-
-def _pass_on(source: Future, target: Future, transform) -> None:
-    error = source.exception()
-    if error is not None:
-        target.set_exception(error)
-    else:
-        target.set_result(transform(source.result()))
 
 
 def _read_all(fd: int) -> bytes:

@@ -101,10 +101,17 @@ def random_trace(num_requests: int, seed: int) -> list[TraceRecord]:
     return out
 
 
+COUNTERS = ("queries", "hits", "npu_hits", "host_hits")
+
+
 def real_engine_counters(
-    requests: list[TraceRequest], num_npu_blocks: int, model: str = "tiny"
+    requests: list[TraceRequest],
+    num_npu_blocks: int,
+    model: str = "tiny",
+    offload: KVOffloadConfig | None = None,
+    names: tuple[str, ...] = COUNTERS,
 ) -> dict[str, int]:
-    offload = KVOffloadConfig(enabled=True, host_memory_ratio=1.0, write_back=True)
+    offload = offload or KVOffloadConfig(enabled=True, host_memory_ratio=1.0, write_back=True)
     with LLM(
         model,
         block_size=BLOCK,
@@ -117,7 +124,7 @@ def real_engine_counters(
             llm.generate(request.prompt_token_ids, params)
         llm.check_integrity()
         stats = llm.stats().cache
-        counters = {k: getattr(stats, k) for k in ("queries", "hits", "npu_hits", "host_hits")}
+        counters = {k: getattr(stats, k) for k in names}
         by_type = {name: asdict(c) for name, c in stats.by_cache_type.items()}
         return {**counters, "by_cache_type": by_type, "usage": llm.stats().cache_types}
 
@@ -189,19 +196,9 @@ def test_simulator_and_real_engine_count_the_same_disk_hits(tmp_path):
         disk_path=str(tmp_path),
         disk_bytes=disk_bytes,
     )
-    names = ("queries", "hits", "npu_hits", "host_hits", "disk_hits", "disk_blocks_loaded")
-    with LLM(
-        "tiny",
-        block_size=BLOCK,
-        num_npu_blocks=12,
-        max_model_len=12 * BLOCK,
-        scheduler_config=SchedulerConfig(kv_offload_config=offload),
-    ) as llm:
-        for request in requests:
-            params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=True)
-            llm.generate(request.prompt_token_ids, params)
-        llm.check_integrity()
-        real = {k: getattr(llm.stats().cache, k) for k in names}
+    names = (*COUNTERS, "disk_hits", "disk_blocks_loaded")
+    counters = real_engine_counters(requests, 12, offload=offload, names=names)
+    real = {k: counters[k] for k in names}
     sim = simulate(
         requests,
         data_parallel_size=1,
