@@ -221,6 +221,7 @@ class KVCacheManager:
     loop mutates it."""
 
     __slots__ = (
+        "_by_name",
         "_cache_types",
         "_disk_loads",
         "_disk_stores",
@@ -280,6 +281,7 @@ class KVCacheManager:
             )
             for spec in specs
         ]
+        self._by_name = {c.name: c for c in self._cache_types}
         has_host = all(c.host is not None for c in self._cache_types)
         if any(c.host is not None for c in self._cache_types) and not has_host:
             raise ValueError("every cache type needs host blocks when the host tier is on")
@@ -512,17 +514,23 @@ class KVCacheManager:
         """Plan a copy of an NPU block to a new host block; False if every host block is locked."""
         if cache_type.host.num_free == 0:
             return False
-        if cache_type.disk is not None:
-            self._write_back_to_disk(cache_type)
-        (host_id,), evicted = cache_type.host.allocate(1)  # locked until the store lands
-        for _, old_hash in evicted:
-            self.stats.count_host_eviction(cache_type.name)
-            self._emit(cache_type, KVEventKind.REMOVED, Tier.HOST, old_hash)
-            cache_type.retention.host_evicted(old_hash)
+        host_id = self._allocate_host(cache_type)  # locked until the store lands
         cache_type.host.cache(host_id, block_hash)
         self._stores.append(BlockCopy(npu_id, host_id, cache_type.name))
         self._emit(cache_type, KVEventKind.STORED, Tier.HOST, block_hash)
         return True
+
+    def _allocate_host(self, cache_type: _CacheType) -> int:
+        """One host block (ref count 1), evicting the least recently used cached one if
+        needed, after planning its write-back to disk when a disk tier is on."""
+        if cache_type.disk is not None:
+            self._write_back_to_disk(cache_type)
+        (host_id,), evicted = cache_type.host.allocate(1)
+        for _, old_hash in evicted:
+            self.stats.count_host_eviction(cache_type.name)
+            self._emit(cache_type, KVEventKind.REMOVED, Tier.HOST, old_hash)
+            cache_type.retention.host_evicted(old_hash)
+        return host_id
 
     def _write_back_to_disk(self, cache_type: _CacheType) -> None:
         """Before host allocation evicts its next block, store that block to disk: always with
@@ -598,12 +606,7 @@ class KVCacheManager:
                 key = (cache_type.name, block_hash)
                 inflight = self._inflight.get(key)
                 if inflight is None:
-                    self._write_back_to_disk(cache_type)
-                    (host_id,), evicted = cache_type.host.allocate(1)
-                    for _, old_hash in evicted:
-                        self.stats.count_host_eviction(cache_type.name)
-                        self._emit(cache_type, KVEventKind.REMOVED, Tier.HOST, old_hash)
-                        cache_type.retention.host_evicted(old_hash)
+                    host_id = self._allocate_host(cache_type)
                     cache_type.host.touch([host_id])  # the read's reference and the waiter's
                     inflight = self._inflight[key] = (host_id, set())
                     self._disk_loads.append(DiskCopy(host_id, block_hash, cache_type.name))
@@ -645,7 +648,7 @@ class KVCacheManager:
     def complete_disk_loads(self, results: list[tuple[DiskCopy, bool]]) -> None:
         """Record disk reads that ended: a valid block is cached in its host block; a miss frees
         the host block and the disk forgets the block."""
-        by_name = {c.name: c for c in self._cache_types}
+        by_name = self._by_name
         for copy, ok in results:
             cache_type = by_name[copy.cache_type]
             key = (copy.cache_type, copy.block_hash)
@@ -668,7 +671,7 @@ class KVCacheManager:
         onboarding = self._onboarding.pop(request_id, None)
         if onboarding is None:
             return
-        by_name = {c.name: c for c in self._cache_types}
+        by_name = self._by_name
         for name, host_id in onboarding.held:
             by_name[name].host.free([host_id])
         for key in onboarding.waiting:
@@ -821,7 +824,7 @@ class KVCacheManager:
 
     def complete_transfer(self, plan: TransferPlan) -> None:
         """Unlock the host blocks of a transfer that has landed."""
-        by_name = {c.name: c for c in self._cache_types}
+        by_name = self._by_name
         for copy in plan.disk_stores:
             self.stats.disk_blocks_stored += 1
             if copy.locked:

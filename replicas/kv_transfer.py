@@ -48,10 +48,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from replicas.kv_disk import DiskStore
 from replicas.host_memory import allocate_host_tensor
 from replicas.kv_cache_types import BlockCopy, DiskCopy, TransferPlan
+
+if TYPE_CHECKING:
+    from replicas.kv_disk import DiskStore
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +220,7 @@ class KVTransfer:
             self._run_cpu(plan)
             self._pending.append(_Pending(plan, _Landed(), landed=True))
         for cache_type, store in self.disk.items():
-            loads = [c for c in plan.disk_loads if c.cache_type == cache_type]
+            loads = _of_cache_type(plan.disk_loads, cache_type)
             if loads:
                 host = self.host_caches[cache_type]
                 outs = [host[c.host_id] for c in loads]
@@ -248,7 +249,7 @@ class KVTransfer:
     def _store_to_disk(self, copies: tuple[DiskCopy, ...]) -> None:
         """Hand copies of host blocks to the disk stores (a host block's own store lands first)."""
         for cache_type, store in self.disk.items():
-            selected = [c for c in copies if c.cache_type == cache_type]
+            selected = _of_cache_type(copies, cache_type)
             if not selected:
                 continue
             host = self.host_caches[cache_type]
@@ -416,7 +417,9 @@ def _copy_blocks(destinations: list[torch.Tensor], sources: list[torch.Tensor]) 
     torch._foreach_copy_(destinations, sources)
 
 
-def _of_cache_type(copies: list[BlockCopy], cache_type: str) -> list[BlockCopy]:
+def _of_cache_type(
+    copies: "list[BlockCopy] | tuple[DiskCopy, ...]", cache_type: str
+) -> "list[BlockCopy] | list[DiskCopy]":
     return [c for c in copies if c.cache_type == cache_type]
 
 
