@@ -137,6 +137,22 @@ def zipf_sequence(settings: Settings, rng: random.Random) -> list[int]:
     return rng.choices(range(settings.num_prefixes), weights, k=settings.num_requests)
 
 
+def add_ttft_table(
+    report: Report, num_requests: int, prompt_len: int, unbounded: float, configs: dict
+) -> None:
+    """Each engine's TTFT and hit rates (``serve_in_turns``' summaries) as one report table."""
+    report.add_table(
+        f"{num_requests} sequential requests of {prompt_len} tokens "
+        f"(unbounded-cache hit rate {unbounded:.3f})",
+        ["config", "mean TTFT (ms)", "p50 (ms)", "p99 (ms)", "hit rate", "npu hits", "host hits"],
+        [
+            [name, *(1e3 * c[f"{k}_ttft_s"] for k in ("mean", "p50", "p99"))]
+            + [c["hit_rate"], c["npu_hit_rate"], c["host_hit_rate"]]
+            for name, c in configs.items()
+        ],
+    )
+
+
 def unbounded_hit_rate(sequence: list[int], prefix_len: int, prompt_len: int) -> float:
     """Token hit rate of a cache that never evicts: every repeat of a prefix hits in full."""
     seen: set[int] = set()
@@ -212,16 +228,7 @@ def run(
         quick,
         __doc__.split("\n\n", 1)[1].strip(),
     )
-    report.add_table(
-        f"{settings.num_requests} sequential requests of {prompt_len} tokens "
-        f"(unbounded-cache hit rate {unbounded:.3f})",
-        ["config", "mean TTFT (ms)", "p50 (ms)", "p99 (ms)", "hit rate", "npu hits", "host hits"],
-        [
-            [name, *(1e3 * c[f"{k}_ttft_s"] for k in ("mean", "p50", "p99"))]
-            + [c["hit_rate"], c["npu_hit_rate"], c["host_hit_rate"]]
-            for name, c in configs.items()
-        ],
-    )
+    add_ttft_table(report, settings.num_requests, prompt_len, unbounded, configs)
     counter_names = [
         "npu_evictions",
         "host_evictions",

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from benchmarks.churn import (
     _plot,
+    add_ttft_table,
     fit_prefix,
     serve_in_turns,
     unbounded_hit_rate,
@@ -121,16 +122,7 @@ def run(
         quick,
         __doc__.split("\n\n", 1)[1].strip(),
     )
-    report.add_table(
-        f"{settings.num_requests} sequential requests of {prompt_len} tokens "
-        f"(unbounded-cache hit rate {unbounded:.3f})",
-        ["config", "mean TTFT (ms)", "p50 (ms)", "p99 (ms)", "hit rate", "npu hits", "host hits"],
-        [
-            [name, *(1e3 * c[f"{k}_ttft_s"] for k in ("mean", "p50", "p99"))]
-            + [c["hit_rate"], c["npu_hit_rate"], c["host_hit_rate"]]
-            for name, c in configs.items()
-        ],
-    )
+    add_ttft_table(report, settings.num_requests, prompt_len, unbounded, configs)
     report.add_table(
         "Disk tier counters (host hits include the disk's: its blocks reach NPU through host)",
         list(disk),

@@ -357,25 +357,29 @@ def test_metrics_show_the_disk_tier(tmp_path):
     restarted.close()
 
 
-def test_write_back_moves_host_evictions_to_disk_and_outputs_stay_correct(tmp_path, cold):
-    rng = random.Random(13)
-    prefixes = [[rng.randrange(256) for _ in range(96)] for _ in range(8)]  # 48 blocks
-    small = Engine(
+def small_engine(disk_path, **policy) -> Engine:
+    """12 NPU blocks, 12 host blocks and 256 disk blocks of the tiny model."""
+    offload = KVOffloadConfig(
+        enabled=True,
+        host_memory_ratio=1.0,
+        disk_path=str(disk_path),
+        disk_bytes=256 * 64 * 2**10,
+        **policy,
+    )
+    return Engine(
         EngineConfig(
             model="tiny",
             num_npu_blocks=12,
-            scheduler_config=SchedulerConfig(
-                kv_offload_config=KVOffloadConfig(
-                    enabled=True,
-                    host_memory_ratio=1.0,  # 12 host blocks: most of the set lives on disk
-                    write_through_threshold=None,
-                    write_back=True,
-                    disk_path=str(tmp_path),
-                    disk_bytes=128 * 64 * 2**10,
-                )
-            ),
+            scheduler_config=SchedulerConfig(kv_offload_config=offload),
         )
     )
+
+
+def test_write_back_moves_host_evictions_to_disk_and_outputs_stay_correct(tmp_path, cold):
+    rng = random.Random(13)
+    prefixes = [[rng.randrange(256) for _ in range(96)] for _ in range(8)]  # 48 blocks
+    # 12 host blocks: most of the set lives on disk
+    small = small_engine(tmp_path, write_through_threshold=None, write_back=True)
     for round_ in range(2):
         for i, prefix in enumerate(prefixes):
             prompt = [*prefix, 200 + i]
@@ -413,22 +417,7 @@ def test_a_read_landing_while_the_step_schedules_is_not_a_stall(tmp_path, cold, 
 
 
 def adaptive_engine(disk_path, threshold: int) -> Engine:
-    return Engine(
-        EngineConfig(
-            model="tiny",
-            num_npu_blocks=12,
-            scheduler_config=SchedulerConfig(
-                kv_offload_config=KVOffloadConfig(
-                    enabled=True,
-                    host_memory_ratio=1.0,
-                    write_through_threshold=threshold,
-                    retention="adaptive",
-                    disk_path=str(disk_path),
-                    disk_bytes=256 * 64 * 2**10,
-                )
-            ),
-        )
-    )
+    return small_engine(disk_path, write_through_threshold=threshold, retention="adaptive")
 
 
 def test_adaptive_retention_stores_host_evictions_to_disk_while_they_come_back(tmp_path, cold):
