@@ -23,6 +23,9 @@ from replicas.sampling_params import SamplingParams
 # defaults: 3 s * 5); shorter here so that the test takes seconds, not half a minute.
 SYSTEM_CONFIG = {"health_check_period_ms": 500, "health_check_failure_threshold": 4}
 REQUEST_TIMEOUT_S = 120.0
+LONG_TOKENS = 1000
+"""Tokens of each request in flight when the node dies: enough that they are still streaming
+2 s in on an idle machine (300 sometimes all finished first, and nothing was lost)."""
 RESTART_TIMEOUT_S = 180.0
 
 
@@ -57,7 +60,7 @@ async def wait_unreachable(replica, incarnation: str) -> None:
 
 
 async def scenario(backend: RayBackend, cluster: Cluster, worker, doomed: int) -> dict:
-    in_flight = [asyncio.ensure_future(one(backend, f"long-{i}", 300)) for i in range(8)]
+    in_flight = [asyncio.ensure_future(one(backend, f"long-{i}", LONG_TOKENS)) for i in range(8)]
     await asyncio.sleep(2.0)
     cluster.remove_node(worker, allow_graceful=False)
     await wait_unreachable(backend.replicas[doomed], backend.health.incarnations[doomed])
