@@ -42,7 +42,7 @@ from replicas.model import ModelArgs, load_model_info
 from replicas.outputs import RequestOutput
 from replicas.prompt import check_prompt_length
 from replicas.sampling_params import SamplingParams
-from router.actor import RouterActor
+from router.actor import RouterActor, measured_ttft_costs
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,13 @@ class RayBackend:
                 max_restarts=config.ray.replica_max_restarts,
                 max_task_retries=0,
                 **self.placement.actor_options(i),
-            ).remote(i, engine_config, self.router, config.server.max_waiting_requests)
+            ).remote(
+                i,
+                engine_config,
+                self.router,
+                config.server.max_waiting_requests,
+                measure_costs=config.routing.needs_ttft_costs,
+            )
             for i in range(size)
         ]
         try:
@@ -99,6 +105,11 @@ class RayBackend:
         except RayActorError as error:
             self._release()
             raise ReplicaStartError(f"a replica could not start: {_last_line(error)}") from None
+        if config.routing.needs_ttft_costs:
+            measured = ray.get([replica.step_costs.remote() for replica in self.replicas])
+            costs = measured_ttft_costs(measured)
+            ray.get(self.router.set_ttft_costs.remote(costs))
+            logger.info("the ttft profile prices with the replicas' measured costs: %s", costs)
         # Replicas of one node read each other's disk blocks: the router credits them all.
         ray.get(self.router.set_nodes.remote([str(i["node_id"]) for i in self.replica_infos]))
         incarnations = ray.get([replica.ready.remote() for replica in self.replicas])

@@ -7,7 +7,9 @@ the cost of the transport does not grow with the number of requests in a batch. 
 engine step the actor reports to the router (fire-and-forget, in order): the step's KV events
 with this replica's sequence numbers, the tokens each request generated, and the requests that
 ended. A restarted actor starts with an empty cache and sequence 0; the router resynchronises
-from ``snapshot()`` on any gap.
+from ``snapshot()`` on any gap. When the router's ttft profile has no cost profile, each replica
+times its own engine steps when it starts (``replicas.calibration``), before it records any KV
+event.
 """
 
 import asyncio
@@ -21,6 +23,7 @@ import ray
 import torch
 
 from replicas.async_engine import AsyncEngine
+from replicas.calibration import StepCosts, measure_step_costs
 from replicas.config import EngineConfig
 from replicas.engine import Engine, EngineStats
 from replicas.kv_events import KVEventBatch, KVSnapshot
@@ -116,6 +119,7 @@ class ReplicaActor:
         engine_config: EngineConfig,
         router: Any = None,
         max_waiting_requests: int | None = None,
+        measure_costs: bool = False,
     ) -> None:
         self.replica_index = replica_index
         _log_to_the_driver()
@@ -123,6 +127,8 @@ class ReplicaActor:
         if device != engine_config.device:
             engine_config = engine_config.model_copy(update={"device": device})
         self.engine = Engine(engine_config)
+        # Before any KV event is recorded: the samples' blocks never reach the router.
+        self._step_costs = measure_step_costs(self.engine) if measure_costs else None
         self.engine.kv_cache.enable_events()
         self.async_engine = AsyncEngine(
             self.engine,
@@ -276,6 +282,11 @@ class ReplicaActor:
             await self.async_engine.between_steps()
             self._report([])
         return self.incarnation
+
+    async def step_costs(self) -> StepCosts | None:
+        """What this replica's engine steps cost, measured when it started (None unless the
+        deployment asked: the router's ttft profile without a configured cost profile)."""
+        return self._step_costs
 
     async def stats(self) -> EngineStats:
         return self.engine.stats()

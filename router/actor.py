@@ -13,14 +13,25 @@ from collections.abc import Collection, Sequence
 
 import ray
 
+from replicas.calibration import StepCosts, median_costs
 from replicas.hashing import BlockHash
 from replicas.kv_events import KVEventBatch
-from router.config import RoutingConfig
+from router.config import RoutingConfig, TTFTCosts
 from router.policies import RouteDecision
 from router.router import NoLiveReplicaError, Router
 from router.stats import RouterStats
 
 logger = logging.getLogger(__name__)
+
+PRICING_TIMEOUT_S = 60.0
+"""How long routing waits for the ttft profile's measured costs before it fails."""
+PRICING_ATTEMPTS = 30
+"""Rounds (1 s apart) in which a restarted router asks the replicas for their step costs."""
+
+
+def measured_ttft_costs(measured: Sequence[StepCosts]) -> TTFTCosts:
+    """The ttft profile's costs from the replicas' start-up measurements: each one's median."""
+    return TTFTCosts(**median_costs(measured).ttft_costs())
 
 
 class RouterActor:
@@ -35,6 +46,10 @@ class RouterActor:
         self.router = Router(num_replicas, block_size, config, sliding_window)
         self.replica_name_prefix = replica_name_prefix
         self._resyncing: set[int] = set()
+        # Routing waits for the ttft profile's costs when the deployment measures them.
+        self._priced = asyncio.Event()
+        if not config.needs_ttft_costs:
+            self._priced.set()
         with warnings.catch_warnings():  # Ray's own property uses a deprecated accessor
             warnings.simplefilter("ignore", DeprecationWarning)
             restarted = ray.get_runtime_context().was_current_actor_reconstructed
@@ -43,6 +58,8 @@ class RouterActor:
             for index in range(num_replicas):
                 self.router.request_resync(index)
                 self._schedule_resync(index)
+            if config.needs_ttft_costs and replica_name_prefix is not None:
+                asyncio.get_event_loop().create_task(self._fetch_ttft_costs(num_replicas))
 
     async def route(
         self,
@@ -51,6 +68,7 @@ class RouterActor:
         block_hashes: Sequence[BlockHash],
         exclude: Collection[int] = (),
     ) -> RouteDecision:
+        await self._wait_priced()
         return self.router.route(request_id, num_prompt_tokens, block_hashes, exclude)
 
     async def route_many(
@@ -58,6 +76,7 @@ class RouterActor:
     ) -> list[RouteDecision | NoLiveReplicaError]:
         """``route`` for each of several requests, in order, in one call: each request's
         decision, or the ``NoLiveReplicaError`` it got (the others are routed regardless)."""
+        await self._wait_priced()
         decisions: list[RouteDecision | NoLiveReplicaError] = []
         for request in requests:
             try:
@@ -96,6 +115,45 @@ class RouterActor:
     async def set_nodes(self, node_ids: Sequence[str]) -> None:
         """Which node each replica runs on (replicas of one node share its disk tier)."""
         self.router.set_nodes(node_ids)
+
+    async def set_ttft_costs(self, costs: TTFTCosts) -> None:
+        """The ttft profile's costs, measured on the replicas at start-up."""
+        self.router.set_ttft_costs(costs)
+        self._priced.set()
+
+    async def ttft_costs(self) -> TTFTCosts | None:
+        """The ttft profile's cost profile in effect (None: another profile, or not yet set)."""
+        return self.router.config.ttft_costs
+
+    async def _wait_priced(self) -> None:
+        if self._priced.is_set():
+            return
+        try:
+            await asyncio.wait_for(self._priced.wait(), PRICING_TIMEOUT_S)
+        except TimeoutError:
+            raise RuntimeError(
+                f"the ttft profile got no cost profile within {PRICING_TIMEOUT_S:g} s"
+            ) from None
+
+    async def _fetch_ttft_costs(self, num_replicas: int) -> None:
+        """After a restart of the router: the costs the replicas measured when they started."""
+        for _ in range(PRICING_ATTEMPTS):
+            measured = []
+            for index in range(num_replicas):
+                try:
+                    replica = ray.get_actor(f"{self.replica_name_prefix}-replica-{index}")
+                    costs = await replica.step_costs.remote()
+                except Exception as error:  # dead or restarting: the others may answer
+                    logger.warning("replica %d has no step costs: %s", index, error)
+                    continue
+                if costs is not None:
+                    measured.append(costs)
+            if measured:
+                self.router.set_ttft_costs(measured_ttft_costs(measured))
+                self._priced.set()
+                return
+            await asyncio.sleep(1.0)
+        logger.error("no replica reported step costs: the ttft profile cannot route")
 
     async def live_replicas(self) -> list[int]:
         return self.router.live_replicas()

@@ -88,10 +88,12 @@ class RoutingConfig(BaseModel):
         DEFAULT_SCORING_PROFILE,
         description="--data-parallel-scoring-profile: prefix/load weights balanced 0.55/0.45, "
         "locality 0.90/0.10, load 0.10/0.90, or custom (set both weights); or ttft: the "
-        "lowest predicted time to first token (needs ttft_costs).",
+        "lowest predicted time to first token, priced with ttft_costs.",
     )
     ttft_costs: TTFTCosts | None = Field(
-        None, description="The cost profile of the ttft scoring profile."
+        None,
+        description="The cost profile of the ttft scoring profile; without one, a deployment "
+        "measures it on its replicas at start-up (replicas.calibration).",
     )
     prefix_weight: float | None = Field(
         None,
@@ -134,10 +136,6 @@ class RoutingConfig(BaseModel):
             )
         if self.scoring_profile == "custom":
             _check_custom_weights(self.prefix_weight, self.load_weight)
-        if self.scoring_profile == "ttft" and self.ttft_costs is None:
-            raise ValueError(
-                "--data-parallel-scoring-profile ttft needs a cost profile (routing.ttft_costs)"
-            )
         if not (0.0 <= self.disk_hit_weight <= 1.0):
             raise ValueError(
                 f"--data-parallel-disk-hit-weight must be between 0 and 1, "
@@ -149,6 +147,17 @@ class RoutingConfig(BaseModel):
                 f"got {self.host_hit_weight}"
             )
         return self
+
+    @property
+    def needs_ttft_costs(self) -> bool:
+        """The ttft profile is in effect but has no cost profile yet: the deployment measures
+        one at start-up and hands it to the router (``Router.set_ttft_costs``)."""
+        return (
+            self.policy == "scoring"
+            and self.scoring_profile == "ttft"
+            and self.enable_prefix_caching
+            and self.ttft_costs is None
+        )
 
     @property
     def weights(self) -> tuple[float, float]:

@@ -272,7 +272,11 @@ class TTFTPolicy(ScoringPolicy):
 
     @classmethod
     def from_config(cls, config: RoutingConfig, block_size: int) -> "TTFTPolicy":
-        assert config.ttft_costs is not None  # RoutingConfig checks it
+        if config.ttft_costs is None:
+            raise ValueError(
+                "the ttft scoring profile has no cost profile: set routing.ttft_costs or let "
+                "the deployment measure one at start-up"
+            )
         return cls(block_size, config.host_hit_weight, config.ttft_costs)
 
     def predicted_ttft_s(

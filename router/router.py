@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from replicas.hashing import BlockHash
 from replicas.kv_events import SLIDING, KVEventBatch, KVSnapshot, safe_prefix_length
-from router.config import RoutingConfig
+from router.config import RoutingConfig, TTFTCosts
 from router.disk_index import NodeDiskIndex
 from router.load import LoadTracker
 from router.pending import PendingPrompts
@@ -69,7 +69,9 @@ class Router:
         self.block_size = block_size
         self.config = config
         self.sliding_window = sliding_window
-        self._policy = make_policy(config, block_size)
+        # Without its cost profile the ttft policy waits for set_ttft_costs (a deployment
+        # measures the profile on its replicas before it serves).
+        self._policy = None if config.needs_ttft_costs else make_policy(config, block_size)
         self._index = PrefixIndex(num_replicas)
         self._indexes = [self._index]
         self._sliding_index: PrefixIndex | None = None
@@ -82,6 +84,16 @@ class Router:
         self._sync = [_ReplicaSync() for _ in range(num_replicas)]
         self._counters = [RoutingCounters() for _ in range(num_replicas)]
         self._live: list[int] = list(range(num_replicas))  # ascending; rebuilt on liveness change
+
+    def set_ttft_costs(self, costs: TTFTCosts) -> None:
+        """Price the ttft profile with ``costs`` from now on (the profile a deployment measured
+        at start-up), in place of any it had."""
+        if self.config.scoring_profile != "ttft":
+            raise ValueError(
+                f"set_ttft_costs needs the ttft scoring profile, not {self.config.scoring_profile}"
+            )
+        self.config = self.config.model_copy(update={"ttft_costs": costs})
+        self._policy = make_policy(self.config, self.block_size)
 
     def route(
         self,
@@ -102,6 +114,8 @@ class Router:
                 f"no live replica among {self.num_replicas} to route to"
                 + (f" but {sorted(exclude)}, which turned the request away" if exclude else "")
             )
+        if self._policy is None:
+            raise RuntimeError("the router's ttft profile has no cost profile yet")
         load = self._load
         matches = self._matches(block_hashes)  # score
         queues = ReplicaQueues(load.queued_tokens, load.num_requests)

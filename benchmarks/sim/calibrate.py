@@ -27,6 +27,7 @@ import torch
 
 from benchmarks.sim.cost_model import HardwareProfile
 from cluster import LLM, KVOffloadConfig, SamplingParams, SchedulerConfig
+from replicas.calibration import fit_step_costs
 
 BLOCK_SIZE = 16
 FIRST_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -128,34 +129,21 @@ def load_samples(rng: random.Random) -> list[tuple[int, float]]:
     return samples
 
 
+PROFILE_NAMES = {
+    "step_s": "step_fixed_s",
+    "prefill_s_per_token": "prefill_per_token_s",
+    "prefill_s_per_token_context": "prefill_per_token_context_s",
+    "decode_s_per_seq": "decode_per_seq_s",
+    "decode_s_per_context_token": "decode_per_context_token_s",
+}
+
+
 def fit_compute(prefill: list, decode: list) -> tuple[dict[str, float], float]:
-    """Least squares of every step sample; returns the constants and the median relative
+    """The replicas' least-squares step fit (``replicas.calibration.fit_step_costs``) over every
+    step sample, under the profile's names; returns the constants and the median relative
     error of the fit."""
-    rows, times = [], []
-    for n, context, seconds in prefill:
-        rows.append([1.0, n, n * (context + n / 2), 0.0, 0.0])
-        times.append(seconds)
-    for num_seqs, total_context, seconds in decode:
-        rows.append([1.0, 0.0, 0.0, num_seqs, total_context])
-        times.append(seconds)
-    a, b = np.asarray(rows), np.asarray(times)
-    keep = list(range(a.shape[1]))
-    while True:
-        coef, *_ = np.linalg.lstsq(a[:, keep], b, rcond=None)
-        if (coef >= 0).all():
-            break
-        keep.pop(int(np.argmin(coef)))
-    full = np.zeros(a.shape[1])
-    full[keep] = coef
-    relative = np.abs(a @ full - b) / b
-    names = (
-        "step_fixed_s",
-        "prefill_per_token_s",
-        "prefill_per_token_context_s",
-        "decode_per_seq_s",
-        "decode_per_context_token_s",
-    )
-    return dict(zip(names, map(float, full))), float(np.median(relative))
+    fitted, error = fit_step_costs(prefill, decode)
+    return {PROFILE_NAMES[k]: v for k, v in fitted.items()}, error
 
 
 def fit_loads(samples: list[tuple[int, float]], block_bytes: int) -> tuple[float, float]:

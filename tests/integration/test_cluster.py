@@ -1,6 +1,7 @@
 """The Ray deployment: routing by locality and load, scaling by config, replica faults."""
 
 import asyncio
+import statistics
 import time
 
 import pytest
@@ -88,15 +89,26 @@ def test_locality_keeps_a_shared_prefix_on_one_replica_and_load_spreads(deploy):
             assert report == {"npu_blocks_used": 0, "host_blocks_used": 0, "num_unfinished": 0}
 
 
-@pytest.mark.parametrize("dp", [2, 3])
-def test_data_parallel_size_sets_the_number_of_replica_actors(deploy, ray_session, dp):
-    backend = deploy(make_config(dp=dp), f"t-dp{dp}")
+@pytest.mark.parametrize("dp, profile", [(2, "balanced"), (3, "ttft")])
+def test_data_parallel_size_sets_the_number_of_replica_actors(deploy, ray_session, dp, profile):
+    """Also: the ttft profile without a configured cost profile routes with the median of the
+    step costs each replica measured at start-up."""
+    backend = deploy(make_config(dp=dp, profile=profile), f"t-dp{dp}")
     names = ray_session.util.list_named_actors()
     replicas = {n for n in names if n.startswith(f"t-dp{dp}-replica-")}
     assert replicas == {f"t-dp{dp}-replica-{i}" for i in range(dp)}
     assert run(backend.num_live_replicas()) == dp
     outputs = [run(run_one(backend, f"dp-{i}", [5, 6, 7, i])) for i in range(dp)]
     assert all(o.finish_reason == "length" for o in outputs)
+    costs = ray_session.get(backend.router.ttft_costs.remote())
+    measured = ray_session.get([r.step_costs.remote() for r in backend.replicas])
+    if profile != "ttft":
+        assert costs is None and measured == [None] * dp
+        return
+    assert all(m.prefill_s_per_token > 0 for m in measured)
+    for name, value in costs.model_dump().items():
+        if name not in ("slack", "forfeit_weight"):
+            assert value == statistics.median(getattr(m, name) for m in measured), name
 
 
 def test_killing_a_replica_fails_only_its_requests_and_it_rejoins(deploy, ray_session):

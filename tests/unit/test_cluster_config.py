@@ -197,7 +197,6 @@ def test_prefix_caching_off_routes_by_load():
         ),
         (["--data-parallel-prefix-weight", "0.3"], "--data-parallel-scoring-profile custom"),
         (["--quantization", "fp8"], "model.quantization"),
-        (["--data-parallel-scoring-profile", "ttft"], "routing.ttft_costs"),
         (["--prefix-reservation-share", "1.5"], "reservation_share"),
     ],
 )
@@ -284,6 +283,9 @@ def test_yaml_ttft_profile_and_reservations(tmp_path):
     )
     config = ClusterConfig.from_yaml(path)
     assert config.routing.ttft_costs.forfeit_weight == 6
+    assert not config.routing.needs_ttft_costs
+    # Without a cost profile the deployment measures one at start-up.
+    assert parse("--data-parallel-scoring-profile", "ttft").routing.needs_ttft_costs
     assert config.engine_config().scheduler_config.prefix_cache_config.reservation_share == 0.2
     assert (
         parse(
