@@ -1,4 +1,5 @@
-"""routing: round-robin vs the scoring profiles on dp 2 with a multi-tenant shared-prefix load.
+"""routing: round-robin vs the scoring profiles on dp 2 with a multi-tenant shared-prefix load
+(``--quick`` runs round-robin, balanced and ttft with reservations).
 
 Tenants each own a long system prompt; every request is one tenant's prompt plus a short
 unique question, with tenants drawn Zipf-skewed. Requests go through the real deployment (the
@@ -23,12 +24,17 @@ from cluster.deploy import RayBackend
 from replicas.sampling_params import SamplingParams
 
 NAME = "routing"
-POLICIES = [
-    ("round-robin", {"policy": "round-robin"}),
-    ("balanced", {"scoring_profile": "balanced"}),
-    ("locality", {"scoring_profile": "locality"}),
-    ("load", {"scoring_profile": "load"}),
-]
+RESERVED = {"prefix_cache_config": {"reservation_share": 0.2}}
+POLICIES: dict[str, tuple[dict, dict]] = {  # name: (routing, scheduler overrides)
+    "round-robin": ({"policy": "round-robin"}, {}),
+    "balanced": ({"scoring_profile": "balanced"}, {}),
+    "locality": ({"scoring_profile": "locality"}, {}),
+    "load": ({"scoring_profile": "load"}, {}),
+    # The ttft profile priced with the step costs the replicas measure at start-up.
+    "ttft": ({"scoring_profile": "ttft"}, {}),
+    "ttft-reserved": ({"scoring_profile": "ttft"}, RESERVED),
+}
+QUICK_POLICIES = ("round-robin", "balanced", "ttft-reserved")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,32 +43,41 @@ class Settings:
     prefix_len: int = 512
     question_len: int = 24
     num_requests: int = 96
-    concurrency: int = 4
+    concurrency: int = 10
     max_tokens: int = 8
     zipf_s: float = 0.8
     num_npu_blocks: int = 160  # per replica: about half of the tenants' prompts
+    rounds: int = 3  # each a new workload (seed + round) served by every policy in turn
     seed: int = 0
 
 
-QUICK = Settings(num_tenants=4, prefix_len=128, num_requests=16, num_npu_blocks=40)
+QUICK = Settings(num_tenants=4, prefix_len=128, num_requests=16, num_npu_blocks=40, rounds=1)
+
+
+def _prompts(settings: Settings, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefixes = [random_tokens(rng, settings.prefix_len) for _ in range(settings.num_tenants)]
+    weights = [1 / (k + 1) ** settings.zipf_s for k in range(settings.num_tenants)]
+    tenants = rng.choices(range(settings.num_tenants), weights, k=settings.num_requests)
+    return [prefixes[t] + random_tokens(rng, settings.question_len) for t in tenants]
 
 
 def run(output_dir: Path, *, quick: bool, command: str) -> dict[str, object]:
     settings = QUICK if quick else Settings()
-    rng = random.Random(settings.seed)
-    prefixes = [random_tokens(rng, settings.prefix_len) for _ in range(settings.num_tenants)]
-    weights = [1 / (k + 1) ** settings.zipf_s for k in range(settings.num_tenants)]
-    tenants = rng.choices(range(settings.num_tenants), weights, k=settings.num_requests)
-    prompts = [prefixes[t] + random_tokens(rng, settings.question_len) for t in tenants]
-
+    names = QUICK_POLICIES if quick else tuple(POLICIES)
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
     try:
-        results = {name: _run_policy(name, r, settings, prompts) for name, r in POLICIES}
+        for round_index in range(settings.rounds):
+            prompts = _prompts(settings, settings.seed + round_index)
+            for name in names:
+                runs[name].append(_run_policy(name, *POLICIES[name], settings, prompts))
     finally:
         if started_ray:
             ray.shutdown()
+    results = {name: _pooled(r) for name, r in runs.items()}
 
     report = Report(
         NAME,
@@ -72,8 +87,9 @@ def run(output_dir: Path, *, quick: bool, command: str) -> dict[str, object]:
         __doc__.split("\n\n", 1)[1].strip(),
     )
     report.add_table(
-        f"{settings.num_requests} requests, {settings.num_tenants} tenants x "
-        f"{settings.prefix_len}-token prompts, concurrency {settings.concurrency}",
+        f"{settings.rounds} x {settings.num_requests} requests, {settings.num_tenants} tenants x "
+        f"{settings.prefix_len}-token prompts, concurrency {settings.concurrency} (rounds "
+        "pooled; throughput: mean of rounds)",
         [
             "policy",
             "hit rate",
@@ -83,6 +99,7 @@ def run(output_dir: Path, *, quick: bool, command: str) -> dict[str, object]:
             "requests/replica",
             "max/mean requests",
             "throughput (req/s)",
+            "reservations (dropped)",
         ],
         [
             [
@@ -94,6 +111,7 @@ def run(output_dir: Path, *, quick: bool, command: str) -> dict[str, object]:
                 " / ".join(map(str, r["requests_per_replica"])),
                 r["request_imbalance"],
                 r["throughput_rps"],
+                f"{r['reservations']} ({r['reservations_dropped']})",
             ]
             for name, r in results.items()
         ],
@@ -103,7 +121,9 @@ def run(output_dir: Path, *, quick: bool, command: str) -> dict[str, object]:
         f"Highest hit rate: **{best}**. Round-robin and `load` scatter each tenant over both "
         "replicas, so each replica's pool must hold every tenant's prompt and evicts; "
         "`locality` keeps tenants on one replica at the cost of balance; `balanced` trades "
-        "between the two."
+        "between the two; `ttft` routes to the lowest time to first token predicted with the "
+        "step costs each replica measured at start-up, and `ttft-reserved` also holds a "
+        "waiting request's cached prefix (up to 20% of a replica's NPU blocks)."
     )
     figure, (left, right) = new_figure(2, width=11)
     names = list(results)
@@ -123,7 +143,9 @@ def run(output_dir: Path, *, quick: bool, command: str) -> dict[str, object]:
     return report.write(output_dir)
 
 
-def _run_policy(name: str, routing: dict, settings: Settings, prompts: list[list[int]]) -> dict:
+def _run_policy(
+    name: str, routing: dict, scheduler: dict, settings: Settings, prompts: list[list[int]]
+) -> dict:
     config = ClusterConfig.model_validate(
         {
             "data_parallel_size": 2,
@@ -132,6 +154,7 @@ def _run_policy(name: str, routing: dict, settings: Settings, prompts: list[list
                 "num_npu_blocks": settings.num_npu_blocks,
                 "max_model_len": settings.num_npu_blocks * 16,
             },
+            "scheduler": scheduler,
             "routing": routing,
             "ray": {"cpus_per_replica": 1.0},
         }
@@ -170,13 +193,33 @@ async def _drive(backend: RayBackend, settings: Settings, prompts: list[list[int
     for report in await backend.check_integrity():
         if report["npu_blocks_used"] or report["num_unfinished"]:
             raise RuntimeError(f"blocks left in use after the run: {report}")
+    stats = await backend.stats()
+    caches = [r.engine.cache for r in stats.replicas if r.engine is not None]
     return {
-        "hit_rate": cached / prompt_tokens,
+        "reservations": sum(c.reservations for c in caches),
+        "reservations_dropped": sum(c.reservations_dropped for c in caches),
+        "cached_tokens": cached,
+        "prompt_tokens": prompt_tokens,
+        "requests_per_replica": served,
+        "throughput_rps": len(prompts) / elapsed,
+        "ttfts_s": ttfts,
+    }
+
+
+def _pooled(runs: list[dict]) -> dict:
+    """One policy's rounds together: every request's TTFT, hit rate over all prompt tokens."""
+    ttfts = [t for r in runs for t in r["ttfts_s"]]
+    served = [sum(counts) for counts in zip(*(r["requests_per_replica"] for r in runs))]
+    return {
+        "hit_rate": sum(r["cached_tokens"] for r in runs) / sum(r["prompt_tokens"] for r in runs),
         "ttft_mean_s": sum(ttfts) / len(ttfts),
         "ttft_p50_s": median(ttfts),
         "ttft_p99_s": percentile(ttfts, 99),
         "requests_per_replica": served,
         "request_imbalance": max(served) / (sum(served) / len(served)),
-        "throughput_rps": len(prompts) / elapsed,
+        "throughput_rps": sum(r["throughput_rps"] for r in runs) / len(runs),
+        "reservations": sum(r["reservations"] for r in runs),
+        "reservations_dropped": sum(r["reservations_dropped"] for r in runs),
         "ttfts_s": ttfts,
+        "rounds": [{k: v for k, v in r.items() if k != "ttfts_s"} for r in runs],
     }

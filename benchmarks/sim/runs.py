@@ -69,6 +69,7 @@ SWEEPS: dict[str, SweepKind] = {
     "npu-blocks": SweepKind("num_npu_blocks", int),
     "speedup": SweepKind("arrival_speedup", float),
     "profile": SweepKind("scoring_profile", str, ("balanced", "locality", "load")),
+    "reservation": SweepKind("reservation_share", float, ("0", "0.2")),
     "retention": SweepKind("", _retention, tuple(RETENTIONS)),  # sets two fields
 }
 

@@ -74,9 +74,11 @@ EXPECTED = {
     ],
     "routing": [
         "policies.round-robin.hit_rate",
-        "policies.locality.ttft_p50_s",
+        "policies.balanced.ttft_p50_s",
         "policies.balanced.throughput_rps",
-        "policies.load.request_imbalance",
+        "policies.round-robin.request_imbalance",
+        "policies.ttft-reserved.hit_rate",
+        "policies.ttft-reserved.ttft_p50_s",
     ],
     "http-load": ["served", "requests_per_s", "tokens_per_s", "ttft.p50", "e2e.p99"],
     "http-overhead": [
