@@ -8,7 +8,8 @@ from pathlib import Path
 
 from benchmarks.report import Report
 from benchmarks.sim import report as sim_report
-from benchmarks.sim.cost_model import HardwareProfile
+from benchmarks.sim.cost_model import CostModel, HardwareProfile
+from benchmarks.sim.metrics import ideal_ttft_s, ttft_figures
 from benchmarks.sim.peers import PEERS
 from benchmarks.sim.runs import execute, parse_sweep, plan_runs
 from benchmarks.sim.simulator import STRATA, SimConfig
@@ -251,6 +252,14 @@ def build_report(
         ),
     )
     report.add_table("Runs", sim_report.RUN_HEADERS, sim_report.run_rows(results))
+    cost_model = CostModel(profile, args.block_size, first["token_scale"])
+    ideal = ttft_figures(ideal_ttft_s(records, cost_model))
+    report.sections.append(
+        f"**Ideal bound** (no queueing, an unbounded prefix cache: `metrics.ideal_ttft_s`): "
+        f"TTFT p50 {ideal['ttft_p50_s']:.3g} s, p99 {ideal['ttft_p99_s']:.3g} s. No routing "
+        "policy can go below it; a policy's TTFT over it is queueing plus the prefixes its "
+        "cache lost."
+    )
     summary_rows = None
     if any(r["seed"] for r in results):
         summary_rows = sim_report.add_replicate_table(report, results)
@@ -261,6 +270,7 @@ def build_report(
         "trace": {"path": str(args.trace), **summary},
         "hardware_profile": profile.name,
         "records": results,
+        "ideal": {k: v for k, v in ideal.items() if k != "ttft_quantiles_s"},
         "replicate_summary": summary_rows,
         "policy_sources": sim_report.POLICY_SOURCES,
     }

@@ -16,6 +16,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from benchmarks.sim.cost_model import CostModel
+from benchmarks.sim.trace import TRACE_TOKENS_PER_HASH_ID, TraceRecord, unbounded_cached_blocks
+
 
 class LoadMeter:
     """Outstanding tokens per replica over simulated time (piecewise constant)."""
@@ -80,3 +83,20 @@ def hit_rates(queries: int, hits: int, npu_hits: int, host_hits: int) -> dict[st
         "npu_hit_rate": npu_hits / queries,
         "host_hit_rate": host_hits / queries,
     }
+
+
+def ideal_ttft_s(records: Sequence[TraceRecord], cost_model: CostModel) -> list[float]:
+    """Each request's time to first token with nothing ahead of it and an unbounded prefix
+    cache (every block whose whole prefix was seen before is cached, wherever it lands): one
+    step that prefills the uncached suffix after the cached prefix, in trace tokens. No policy
+    can beat it; requests the profile's context cannot hold are skipped, as in a run."""
+    cached_blocks, _ = unbounded_cached_blocks(records)
+    profile = cost_model.profile
+    times = []
+    for record, num_cached in zip(records, cached_blocks):
+        length = record.input_length
+        if length > profile.max_model_len:
+            continue
+        cached = min(num_cached * TRACE_TOKENS_PER_HASH_ID, length - 1)
+        times.append(profile.step_fixed_s + cost_model.prefill_s(length - cached, cached))
+    return times

@@ -391,6 +391,15 @@ class Simulator:
             "num_preemptions": sum(e.num_preemptions for e in self.engines),
             "blocks_loaded": sum(s.blocks_loaded for s in stats),
             "blocks_stored": sum(s.blocks_stored for s in stats),
+            **{
+                counter: sum(getattr(s, counter) for s in stats)
+                for counter in (
+                    "reservations",
+                    "reservations_dropped",
+                    "prefetched_blocks",
+                    "prefetched_blocks_used",
+                )
+            },
             "host_hit_rate_estimates": self._curve(stats),
             "cache_hits_tokens": sum(s.hits for s in stats),
             "cache_queries_tokens": sum(s.queries for s in stats),

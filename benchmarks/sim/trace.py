@@ -16,7 +16,7 @@ so requests sharing their first k ids share their first k*T prompt tokens exactl
 
 import json
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,29 +104,38 @@ def expand(
     return requests
 
 
-def trace_summary(records: list[TraceRecord]) -> dict[str, float]:
-    """Size of a trace and the block hit rate of an unbounded prefix cache: a block hits when
-    the request's whole prefix up to and including it was seen before (KV is prefix-exact)."""
+def unbounded_cached_blocks(records: Sequence[TraceRecord]) -> tuple[list[int], int]:
+    """Per record, the leading blocks an unbounded prefix cache would hold at its arrival (a
+    block hits when the request's whole prefix up to and including it was seen before: KV is
+    prefix-exact); and the number of distinct prefixes (blocks with their whole prefix)."""
     nodes: dict[tuple[int, int], int] = {}  # (parent node, hash id) -> node: a prefix trie
-    distinct: set[int] = set()
-    num_refs = num_prefix_hits = 0
+    cached = []
     for record in records:
-        parent, matching = -1, True
+        parent, num_leading, matching = -1, 0, True
         for hash_id in record.hash_ids:
-            num_refs += 1
-            distinct.add(hash_id)
             node = nodes.get((parent, hash_id))
             if node is None:
                 node = nodes[(parent, hash_id)] = len(nodes)
                 matching = False
-            num_prefix_hits += matching
+            num_leading += matching
             parent = node
+        cached.append(num_leading)
+    return cached, len(nodes)
+
+
+def trace_summary(records: list[TraceRecord]) -> dict[str, float]:
+    """Size of a trace and the block hit rate of an unbounded prefix cache
+    (``unbounded_cached_blocks``)."""
+    num_refs = sum(len(r.hash_ids) for r in records)
+    distinct = {hash_id for r in records for hash_id in r.hash_ids}
+    cached, num_prefix_blocks = unbounded_cached_blocks(records)
+    num_prefix_hits = sum(cached)
     span = (records[-1].timestamp_ms - records[0].timestamp_ms) / 1000.0 if records else 0.0
     return {
         "num_requests": len(records),
         "num_block_refs": num_refs,
         "num_distinct_blocks": len(distinct),
-        "num_distinct_prefix_blocks": len(nodes),
+        "num_distinct_prefix_blocks": num_prefix_blocks,
         "unbounded_prefix_hit_rate": num_prefix_hits / num_refs if num_refs else 0.0,
         "duration_s": span,
     }

@@ -10,9 +10,10 @@ from dataclasses import asdict
 import pytest
 
 from benchmarks.sim.cost_model import CostModel, HardwareProfile
+from benchmarks.sim.metrics import ideal_ttft_s
 from benchmarks.sim.peers import PEERS
 from benchmarks.sim.simulator import STRATA, SimConfig, Simulator
-from benchmarks.sim.trace import TraceRecord, TraceRequest, expand
+from benchmarks.sim.trace import TraceRecord, TraceRequest, expand, unbounded_cached_blocks
 from cluster import LLM, KVOffloadConfig, SamplingParams, SchedulerConfig
 
 BLOCK = 16
@@ -69,6 +70,28 @@ def test_hand_made_trace_gives_hand_computed_hits(sequential: bool):
     )
     assert sim.record["hit_rate"] == HAND_HITS / HAND_QUERIES
     assert sim.record["num_finished"] == len(HAND_TRACE)
+
+
+def test_ideal_bound_prefills_each_prompt_after_its_unbounded_cached_prefix():
+    trace = records(HAND_TRACE + [((7, 2), 1024)])  # block 2 after another parent: a miss
+    cached, num_prefixes = unbounded_cached_blocks(trace)
+    assert cached == [0, 2, 3, 0, 3, 0]
+    assert num_prefixes == 8  # 1, 1-2, 1-2-3, 1-2-4, 1-2-3-5, 6, 7, 7-2
+    cost = CostModel(PROFILE, BLOCK, 1.0)
+    p = PROFILE
+    # Trace tokens: the cached prefix is capped one token short of the prompt.
+    expected = [
+        (1536, 0),
+        (1536 - 1024, 1024),
+        (1792 - 1536, 1536),
+        (512, 0),
+        (1, 1535),
+        (1024, 0),
+    ]
+    times = ideal_ttft_s(trace, cost)
+    assert times == pytest.approx([p.step_fixed_s + cost.prefill_s(n, c) for n, c in expected])
+    long = records([((8,), p.max_model_len + 1)])
+    assert ideal_ttft_s(long, cost) == []  # skipped, as a run skips it
 
 
 def test_strata_routes_by_the_kv_events_of_the_replicas():
