@@ -253,7 +253,7 @@ def build_report(
     )
     report.add_table("Runs", sim_report.RUN_HEADERS, sim_report.run_rows(results))
     cost_model = CostModel(profile, args.block_size, first["token_scale"])
-    ideal = ttft_figures(ideal_ttft_s(records, cost_model))
+    ideal = ttft_figures(ideal_ttft_s(records, cost_model, args.tokens_per_hash_id))
     report.sections.append(
         f"**Ideal bound** (no queueing, an unbounded prefix cache: `metrics.ideal_ttft_s`): "
         f"TTFT p50 {ideal['ttft_p50_s']:.3g} s, p99 {ideal['ttft_p99_s']:.3g} s. No routing "

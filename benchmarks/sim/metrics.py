@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from benchmarks.sim.cost_model import CostModel
-from benchmarks.sim.trace import TRACE_TOKENS_PER_HASH_ID, TraceRecord, unbounded_cached_blocks
+from benchmarks.sim.trace import TraceRecord, scaled_length, unbounded_cached_blocks
 
 
 class LoadMeter:
@@ -85,18 +85,23 @@ def hit_rates(queries: int, hits: int, npu_hits: int, host_hits: int) -> dict[st
     }
 
 
-def ideal_ttft_s(records: Sequence[TraceRecord], cost_model: CostModel) -> list[float]:
+def ideal_ttft_s(
+    records: Sequence[TraceRecord], cost_model: CostModel, tokens_per_hash_id: int
+) -> list[float]:
     """Each request's time to first token with nothing ahead of it and an unbounded prefix
     cache (every block whose whole prefix was seen before is cached, wherever it lands): one
-    step that prefills the uncached suffix after the cached prefix, in trace tokens. No policy
-    can beat it; requests the profile's context cannot hold are skipped, as in a run."""
+    step that prefills the uncached suffix after the cached prefix. Lengths are the simulated
+    ones (``trace.scaled_length``), priced in trace tokens like a run's steps, so no run of the
+    same trace can give a request a lower TTFT; requests the profile's context cannot hold are
+    skipped, as in a run."""
     cached_blocks, _ = unbounded_cached_blocks(records)
-    profile = cost_model.profile
+    profile, scale = cost_model.profile, cost_model.token_scale
     times = []
     for record, num_cached in zip(records, cached_blocks):
-        length = record.input_length
-        if length > profile.max_model_len:
+        if record.input_length > profile.max_model_len:
             continue
-        cached = min(num_cached * TRACE_TOKENS_PER_HASH_ID, length - 1)
-        times.append(profile.step_fixed_s + cost_model.prefill_s(length - cached, cached))
+        length = scaled_length(record.input_length, tokens_per_hash_id)
+        cached = min(num_cached * tokens_per_hash_id, length - 1)
+        suffix = (length - cached) * scale
+        times.append(profile.step_fixed_s + cost_model.prefill_s(suffix, cached * scale))
     return times

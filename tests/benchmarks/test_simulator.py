@@ -77,21 +77,17 @@ def test_ideal_bound_prefills_each_prompt_after_its_unbounded_cached_prefix():
     cached, num_prefixes = unbounded_cached_blocks(trace)
     assert cached == [0, 2, 3, 0, 3, 0]
     assert num_prefixes == 8  # 1, 1-2, 1-2-3, 1-2-4, 1-2-3-5, 6, 7, 7-2
-    cost = CostModel(PROFILE, BLOCK, 1.0)
+    # One hash id = 16 simulated tokens, each standing for 32 trace tokens.
+    cost = CostModel(PROFILE, BLOCK, 32.0)
     p = PROFILE
-    # Trace tokens: the cached prefix is capped one token short of the prompt.
-    expected = [
-        (1536, 0),
-        (1536 - 1024, 1024),
-        (1792 - 1536, 1536),
-        (512, 0),
-        (1, 1535),
-        (1024, 0),
-    ]
-    times = ideal_ttft_s(trace, cost)
-    assert times == pytest.approx([p.step_fixed_s + cost.prefill_s(n, c) for n, c in expected])
+    # Simulated tokens (the cached prefix is capped one token short of the prompt).
+    expected = [(48, 0), (16, 32), (8, 48), (16, 0), (1, 47), (32, 0)]
+    times = ideal_ttft_s(trace, cost, BLOCK)
+    assert times == pytest.approx(
+        [p.step_fixed_s + cost.prefill_s(32 * n, 32 * c) for n, c in expected]
+    )
     long = records([((8,), p.max_model_len + 1)])
-    assert ideal_ttft_s(long, cost) == []  # skipped, as a run skips it
+    assert ideal_ttft_s(long, cost, BLOCK) == []  # skipped, as a run skips it
 
 
 def test_strata_routes_by_the_kv_events_of_the_replicas():
