@@ -16,7 +16,8 @@ fixed cost (``benchmarks/sim/cost_model.py`` has the same shape)::
     decode step  = step_s + decode_s_per_seq x d + decode_s_per_context_token x (sum of contexts)
 
 A coefficient that comes out negative is dropped (set to 0) and the rest refitted. Each point is
-the median of its repeats. The blocks the samples cached are forgotten afterwards (NPU and host).
+the median of its repeats. The blocks the samples cached are forgotten afterwards (NPU and host),
+and the engine's counters zeroed.
 """
 
 import logging
@@ -123,6 +124,7 @@ def measure_step_costs(engine: "Engine", seed: int = 0) -> StepCosts:
     engine.reset_prefix_cache("npu")
     if engine.transfer is not None:
         engine.reset_prefix_cache("host")
+    engine.reset_counters()
     fitted, error = fit_step_costs(prefill, decode)
     reload = _reload_s_per_block(engine)
     disk = 0.0
@@ -200,7 +202,7 @@ class _Sampler:
     def decode_samples(self) -> list[tuple[int, int, float]]:
         samples = []
         for num_seqs, context_blocks in DECODE:
-            context = min(context_blocks * self.block_size, self.engine.max_model_len - 8)
+            context = max(1, min(context_blocks * self.block_size, self.engine.max_model_len - 8))
             requests = [
                 self._add(self._tokens(context), max_tokens=REPEATS + 2) for _ in range(num_seqs)
             ]

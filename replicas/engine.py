@@ -390,6 +390,15 @@ class Engine:
             reload_costs=self.kv_cache.reload_costs(),
         )
 
+    def reset_counters(self) -> None:
+        """Zero the prefix cache's counters and the step times (the engine must be idle): after
+        the start-up measurement, so that a replica's stats count the traffic it served."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("reset_counters needs an idle engine")
+        self.kv_cache.stats = CacheStats()
+        self._step_times = StepTimes()
+        self._busy_since = None
+
     def reset_prefix_cache(self, tier: str = "all") -> None:
         """Forget cached blocks nobody uses, in ``tier`` ("all", "npu", "host", "disk")."""
         self.core.reset_prefix_cache(tier)

@@ -81,6 +81,9 @@ def test_measure_on_a_real_engine_leaves_it_idle_and_empty():
     assert all(v >= 0 for v in costs.ttft_costs().values())
     assert not engine.has_unfinished_requests()
     engine.check_integrity()
+    stats = engine.stats()
+    assert stats.cache.queries == stats.cache.hits == 0  # the samples are not served traffic
+    assert stats.steps.num_steps == 0
     for usage in engine.kv_cache.usage().values():
         assert usage.num_npu_blocks_used == usage.num_npu_blocks_cached == 0
         assert usage.num_host_blocks_used == usage.num_host_blocks_cached == 0
@@ -95,7 +98,7 @@ def test_router_without_a_cost_profile_routes_once_given_one():
     config = RoutingConfig(scoring_profile="ttft")
     assert config.needs_ttft_costs
     assert not RoutingConfig(scoring_profile="ttft", enable_prefix_caching=False).needs_ttft_costs
-    with pytest.raises(ValueError, match="routing.ttft_costs"):
+    with pytest.raises(ValueError, match=r"routing\.ttft_costs"):
         make_policy(config, 16)
     router = Router(2, 16, config)
     with pytest.raises(RuntimeError, match="no cost profile"):
