@@ -44,6 +44,9 @@ compute)::
     give way              before a running request is preempted, and before a waiting request
                           is refused its blocks, the newest reservation is dropped (newest first)
 
+``reservation_prefetch=False`` (an ablation the simulator measures) holds only the prefix's
+leading NPU-resident blocks and loads nothing.
+
 A reservation never holds a block a running request needs: dropping every reservation restores
 exactly the free blocks there would be without them.
 
@@ -237,6 +240,7 @@ class KVCacheManager:
         "block_size",
         "enable_prefix_caching",
         "onboard_timeout",
+        "reservation_prefetch",
         "reservation_share",
         "retention",
         "stats",
@@ -259,6 +263,7 @@ class KVCacheManager:
         reservation_share: float = 0.0,
         disk: dict[str, DiskIndex] | None = None,
         onboard_timeout: bool = True,
+        reservation_prefetch: bool = True,
     ) -> None:
         if not 0.0 <= reservation_share <= 1.0:
             raise ValueError(f"reservation_share must be in [0, 1], got {reservation_share}")
@@ -300,6 +305,7 @@ class KVCacheManager:
         self._stores: list[BlockCopy] = []
         self._loads: list[BlockCopy] = []
         self.reservation_share = reservation_share if enable_prefix_caching else 0.0
+        self.reservation_prefetch = reservation_prefetch  # off: hold NPU blocks only
         self._reservations: dict[str, _Reservation] = {}  # oldest first
         if disk and not has_host:
             raise ValueError("the disk tier needs the host tier: disk blocks load through it")
@@ -692,6 +698,8 @@ class KVCacheManager:
         if any(request.request_id in c.blocks for c in self._cache_types):
             raise ValueError(f"request {request.request_id} holds blocks: it is not waiting")
         match = self.match_prefix(request)
+        while not self.reservation_prefetch and _npu_run(match) < match.num_blocks:
+            match = self.match_prefix(request, _npu_run(match))
         while match.num_blocks and not self._fits(match):
             match = self.match_prefix(request, match.num_blocks // 2)
         if not match.num_blocks:
@@ -1012,3 +1020,12 @@ class KVCacheManager:
                     f"{cache_type.npu.name} block {block.block_id} ref_count {block.ref_count} but "
                     f"held {held.get(block.block_id, 0)} times"
                 )
+
+
+def _npu_run(match: PrefixMatch) -> int:
+    """Leading blocks of ``match`` before the first one some cache type holds on host only."""
+    run = match.num_blocks
+    for part in match.cache_types.values():
+        if None in part.npu_block_ids:
+            run = min(run, part.first_block + part.npu_block_ids.index(None))
+    return run

@@ -158,7 +158,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KIND[=V1,V2,...]",
         help="dp=, host-gb=, host-ratio=, threshold=, write-back, npu-blocks=, speedup=, "
-        "profile, retention, reservation= (repeatable; one parameter at a time)",
+        "profile, retention, reservation=, prefetch (reservations without or with prefetch) "
+        "(repeatable; one parameter at a time)",
     )
     add("--jobs", type=int, default=1, help="worker processes (default 1)")
     add("--quiet", action="store_true", help="no progress bars")

@@ -70,6 +70,7 @@ SWEEPS: dict[str, SweepKind] = {
     "speedup": SweepKind("arrival_speedup", float),
     "profile": SweepKind("scoring_profile", str, ("balanced", "locality", "load")),
     "reservation": SweepKind("reservation_share", float, ("0", "0.2")),
+    "prefetch": SweepKind("reservation_prefetch", _switch, ("off", "on")),
     "retention": SweepKind("", _retention, tuple(RETENTIONS)),  # sets two fields
 }
 

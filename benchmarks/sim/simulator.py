@@ -79,6 +79,7 @@ class SimConfig:
     write_back: bool = False
     retention: str = "fixed"  # or "adaptive" (KVOffloadConfig.retention)
     reservation_share: float = 0.0  # PrefixCacheConfig.reservation_share
+    reservation_prefetch: bool = True  # False: reservations hold NPU blocks only (an ablation)
     ttft_slack: float = 0.0  # TTFTCosts.slack of the ttft scoring profile
     ttft_forfeit_weight: float = 0.0  # TTFTCosts.forfeit_weight
     max_num_seqs: int = 64
@@ -261,6 +262,7 @@ class Simulator:
             retention=self.config.retention,
             record_events=True,
             reservation_share=self.config.reservation_share,
+            reservation_prefetch=self.config.reservation_prefetch,
             disk=disk,
             onboard_timeout=False,  # simulated reads always land; the wall clock is not theirs
         )

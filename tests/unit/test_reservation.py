@@ -118,6 +118,30 @@ def test_prefetched_blocks_are_exactly_the_host_only_matched_ones():
     manager.check_integrity()
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_without_prefetch_a_reservation_holds_the_leading_npu_blocks_only(prefetch):
+    manager = KVCacheManager(
+        16,
+        BS,
+        num_host_blocks=8,
+        write_through_threshold=0,
+        reservation_share=0.5,
+        reservation_prefetch=prefetch,
+    )
+    cached_run(manager, [*P, 0], "p")  # stored to host at once (threshold 0)
+    manager.reset_prefix_cache("npu")
+    cached_run(manager, [*P[:BS], 0], "p0")  # P's first block back on NPU; blocks 2-3 host-only
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64), manager)
+    scheduler.add(Request("r", list(range(300, 320)), SamplingParams(max_tokens=3), BS))
+    scheduler.add(Request("q", [*P, 7], SamplingParams(max_tokens=1), BS))
+    output = scheduler.schedule()  # R admitted, Q reserved
+    prefetches = [c for c in output.transfer.loads if c.prefetch]
+    assert manager.stats.reserved_blocks == (3 if prefetch else 1)
+    assert len(prefetches) == manager.stats.prefetched_blocks == (2 if prefetch else 0)
+    manager.complete_transfer(output.transfer)
+    manager.check_integrity()
+
+
 def test_aborting_a_reserved_request_releases_its_reservation():
     manager, scheduler, _, queued = queue_behind_a_long_request(0.5)
     step(scheduler)
