@@ -109,6 +109,11 @@ def test_data_parallel_size_sets_the_number_of_replica_actors(deploy, ray_sessio
     for name, value in costs.model_dump().items():
         if name not in ("slack", "forfeit_weight"):
             assert value == statistics.median(getattr(m, name) for m in measured), name
+    # A restarted router asks the replicas for their measurements again, and routes with them.
+    ray_session.kill(backend.router, no_restart=False)
+    output = run(run_one(backend, "after-restart", [5, 6, 7, 8]))
+    assert output.finish_reason == "length"
+    assert ray_session.get(backend.router.ttft_costs.remote()) == costs
 
 
 def test_killing_a_replica_fails_only_its_requests_and_it_rejoins(deploy, ray_session):
