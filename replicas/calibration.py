@@ -15,9 +15,10 @@ fixed cost (``benchmarks/sim/cost_model.py`` has the same shape)::
     prefill step = step_s + prefill_s_per_token x n + prefill_s_per_token_context x n (ctx + n/2)
     decode step  = step_s + decode_s_per_seq x d + decode_s_per_context_token x (sum of contexts)
 
-A coefficient that comes out negative is dropped (set to 0) and the rest refitted. Each point is
-the median of its repeats. The blocks the samples cached are forgotten afterwards (NPU and host),
-and the engine's counters zeroed.
+A coefficient that comes out negative is dropped (set to 0) and the rest refitted; the per-token
+prefill cost is never dropped (the fixed cost and the context term give way to it). Each point
+is the fastest of its repeats (the one least disturbed by other processes). The blocks the
+samples cached are forgotten afterwards (NPU and host), and the engine's counters zeroed.
 """
 
 import logging
@@ -53,6 +54,7 @@ FIT_NAMES = (
     "decode_s_per_seq",
     "decode_s_per_context_token",
 )
+STEP, PER_TOKEN, CONTEXT = 0, 1, 2  # their columns in the fit
 
 
 class StepCosts(NamedTuple):
@@ -99,14 +101,21 @@ def fit_step_costs(
         times.append(seconds)
     a, b = np.asarray(rows, dtype=float), np.asarray(times, dtype=float)
     keep = list(range(a.shape[1]))
-    while keep:
+    while True:
         coef, *_ = np.linalg.lstsq(a[:, keep], b, rcond=None)
-        if (coef >= 0).all():
+        negative = {column: c for column, c in zip(keep, coef) if c < 0}
+        if not negative:
             break
-        keep.pop(int(np.argmin(coef)))
+        # The per-token prefill cost is what a TTFT prediction needs most: the other terms give
+        # way first, then those a noisy fit lets absorb it (the fixed cost, the context term),
+        # until it is fitted through the origin on the prefill samples alone (positive).
+        others = {column: c for column, c in negative.items() if column != PER_TOKEN}
+        if others:
+            keep.remove(min(others, key=others.__getitem__))
+        else:
+            keep.remove(next(c for c in (STEP, CONTEXT) if c in keep))
     full = np.zeros(a.shape[1])
-    if keep:
-        full[keep] = coef
+    full[keep] = coef
     relative = np.abs(a @ full - b) / np.maximum(b, 1e-12)
     return dict(zip(FIT_NAMES, map(float, full))), float(np.median(relative))
 
@@ -178,7 +187,7 @@ class _Sampler:
         return len(prompt) - cached, cached, seconds
 
     def prefill_samples(self) -> list[tuple[int, int, float]]:
-        """Medians per (new tokens, cached context) point."""
+        """The fastest run per (new tokens, cached context) point."""
         runs: dict[tuple[int, int], list[float]] = {}
 
         def add(sample: tuple[int, int, float]) -> None:
@@ -197,7 +206,7 @@ class _Sampler:
                 prefix = self._tokens(context)
                 add(self.prefill(prefix + self._tokens(1)))  # caches the prefix's full blocks
                 add(self.prefill(prefix + self._tokens(n)))
-        return [(n, ctx, statistics.median(times)) for (n, ctx), times in runs.items()]
+        return [(n, ctx, min(times)) for (n, ctx), times in runs.items()]
 
     def decode_samples(self) -> list[tuple[int, int, float]]:
         samples = []
@@ -216,7 +225,7 @@ class _Sampler:
                 times.append((total, time.perf_counter() - begin))
             measured = times[:REPEATS]
             total_context = round(statistics.mean(c for c, _ in measured))
-            samples.append((num_seqs, total_context, statistics.median(t for _, t in measured)))
+            samples.append((num_seqs, total_context, min(t for _, t in measured)))
         return samples
 
 
@@ -243,4 +252,4 @@ def _reload_s_per_block(engine: "Engine") -> float:
         if engine.device.type == "cuda":
             torch.cuda.synchronize(engine.device)
         times.append(time.perf_counter() - begin)
-    return statistics.median(times[1:]) / RELOAD_BLOCKS
+    return min(times[1:]) / RELOAD_BLOCKS

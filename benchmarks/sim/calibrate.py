@@ -11,7 +11,8 @@ the cost model's constants (``cost_model.py``) by least squares:
   taken to run at the same bandwidth (on CPU both are memory copies) and are synchronous.
 
 One fit over all prefill and decode samples shares the step's fixed cost; a coefficient that
-comes out negative is dropped (set to 0) and the rest refitted. Medians of repeated samples,
+comes out negative is dropped (set to 0) and the rest refitted, the per-token prefill cost last
+(``replicas.calibration.fit_step_costs``). Medians of repeated samples,
 on one torch thread.
 """
 

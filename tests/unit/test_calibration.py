@@ -52,6 +52,24 @@ def test_fit_drops_a_negative_coefficient_and_refits_the_rest():
     assert all(v >= 0 for v in fitted.values())
 
 
+def test_fit_keeps_the_per_token_prefill_cost_when_noise_would_drop_it():
+    # Contended timings: the longer prefill measured faster than the shorter one.
+    # Dropping the most negative coefficient each time would drop the per-token cost here.
+    prefill = [(32, 0, 0.050), (128, 0, 0.045), (128, 256, 0.047)]
+    decode = [(1, 64, 0.050), (4, 256, 0.051)]
+    fitted, _ = fit_step_costs(prefill, decode)
+    assert fitted["prefill_s_per_token"] > 0
+    assert fitted["step_s"] == 0  # the fixed cost gave way instead
+    assert all(v >= 0 for v in fitted.values())
+    # Without the fixed cost the context term absorbs the prefill time: it gives way too, and
+    # the per-token cost is fitted through the origin on the cold samples.
+    prefill = [(32, 0, 0.010), (128, 0, 0.005), (32, 256, 0.060)]
+    fitted, _ = fit_step_costs(prefill, decode)
+    assert fitted["step_s"] == fitted["prefill_s_per_token_context"] == 0
+    expected = (32 * 0.010 + 128 * 0.005 + 32 * 0.060) / (32**2 + 128**2 + 32**2)
+    assert fitted["prefill_s_per_token"] == pytest.approx(expected)
+
+
 def test_median_costs_takes_each_fields_median():
     def costs(x: float, tokens: int) -> StepCosts:
         return StepCosts(x, 2 * x, 0.0, x, x, x, 0.0, tokens, 0.01, 1.0)
