@@ -109,8 +109,17 @@ def test_data_parallel_size_sets_the_number_of_replica_actors(deploy, ray_sessio
     for name, value in costs.model_dump().items():
         if name not in ("slack", "forfeit_weight"):
             assert value == statistics.median(getattr(m, name) for m in measured), name
+
     # A restarted router asks the replicas for their measurements again, and routes with them.
+    def resyncs() -> list[int]:
+        return [r.num_resyncs for r in ray_session.get(backend.router.stats.remote()).replicas]
+
+    before = resyncs()
     ray_session.kill(backend.router, no_restart=False)
+    deadline = time.monotonic() + 60
+    while (counts := resyncs()) == before or not any(counts):  # a restarted router resyncs
+        assert time.monotonic() < deadline, "the router was not restarted"
+        time.sleep(0.2)  # the killed router may answer until it is gone
     output = run(run_one(backend, "after-restart", [5, 6, 7, 8]))
     assert output.finish_reason == "length"
     assert ray_session.get(backend.router.ttft_costs.remote()) == costs
