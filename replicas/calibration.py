@@ -212,21 +212,32 @@ class _Sampler:
         samples = []
         for num_seqs, context_blocks in DECODE:
             context = max(1, min(context_blocks * self.block_size, self.engine.max_model_len - 8))
-            requests = [
-                self._add(self._tokens(context), max_tokens=REPEATS + 2) for _ in range(num_seqs)
-            ]
-            while any(r.first_token_time is None for r in requests):
-                self.engine.step()
-            times = []
-            while self.engine.has_unfinished_requests():
-                total = sum(r.num_tokens - 1 for r in requests if not r.is_finished)
-                begin = time.perf_counter()
-                self.engine.step()
-                times.append((total, time.perf_counter() - begin))
-            measured = times[:REPEATS]
+            prompts = [self._tokens(context) for _ in range(num_seqs)]
+            self._next_id += 1
+            name = f"calibration-{self._next_id}"
+            measured = decode_step_times(self.engine, prompts, REPEATS, name)
             total_context = round(statistics.mean(c for c, _ in measured))
             samples.append((num_seqs, total_context, min(t for _, t in measured)))
         return samples
+
+
+def decode_step_times(
+    engine: "Engine", prompts: Sequence[list[int]], num_steps: int, id_prefix: str
+) -> list[tuple[int, float]]:
+    """Run ``prompts`` together on the idle ``engine`` until each has its first token, then time
+    ``num_steps`` pure decode steps: ``(total context of the running requests, seconds)`` per
+    step. The requests run to their end."""
+    params = SamplingParams(max_tokens=num_steps + 2, ignore_eos=True)
+    requests = [engine.add_request(f"{id_prefix}-{i}", p, params) for i, p in enumerate(prompts)]
+    while any(r.first_token_time is None for r in requests):
+        engine.step()
+    times = []
+    while engine.has_unfinished_requests():
+        total = sum(r.num_tokens - 1 for r in requests if not r.is_finished)
+        begin = time.perf_counter()
+        engine.step()
+        times.append((total, time.perf_counter() - begin))
+    return times[:num_steps]
 
 
 def _reload_s_per_block(engine: "Engine") -> float:

@@ -698,8 +698,8 @@ class KVCacheManager:
         if any(request.request_id in c.blocks for c in self._cache_types):
             raise ValueError(f"request {request.request_id} holds blocks: it is not waiting")
         match = self.match_prefix(request)
-        while not self.reservation_prefetch and _npu_run(match) < match.num_blocks:
-            match = self.match_prefix(request, _npu_run(match))
+        while not self.reservation_prefetch and (run := _npu_run(match)) < match.num_blocks:
+            match = self.match_prefix(request, run)
         while match.num_blocks and not self._fits(match):
             match = self.match_prefix(request, match.num_blocks // 2)
         if not match.num_blocks:

@@ -28,7 +28,7 @@ import torch
 
 from benchmarks.sim.cost_model import HardwareProfile
 from cluster import LLM, KVOffloadConfig, SamplingParams, SchedulerConfig
-from replicas.calibration import fit_step_costs
+from replicas.calibration import decode_step_times, fit_step_costs
 
 BLOCK_SIZE = 16
 FIRST_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -88,23 +88,10 @@ def prefill_samples(llm: LLM, rng: random.Random) -> list[tuple[int, int, float]
 
 def decode_samples(llm: LLM, rng: random.Random) -> list[tuple[int, int, float]]:
     """(running requests, their total context, seconds of one decode step)."""
-    engine = llm.engine
     samples = []
     for num_seqs, context in DECODE:
-        params = SamplingParams(max_tokens=REPEATS + 3, ignore_eos=True)
-        requests = [
-            engine.add_request(f"decode-{num_seqs}-{context}-{i}", _tokens(rng, context), params)
-            for i in range(num_seqs)
-        ]
-        while any(r.first_token_time is None for r in requests):
-            engine.step()
-        times = []
-        while engine.has_unfinished_requests():
-            total = sum(r.num_tokens - 1 for r in requests if not r.is_finished)
-            start = time.perf_counter()
-            engine.step()
-            times.append((total, time.perf_counter() - start))
-        measured = times[:REPEATS]
+        prompts = [_tokens(rng, context) for _ in range(num_seqs)]
+        measured = decode_step_times(llm.engine, prompts, REPEATS, f"decode-{num_seqs}-{context}")
         context_total = round(statistics.mean(c for c, _ in measured))
         samples.append((num_seqs, context_total, statistics.median(t for _, t in measured)))
     return samples
