@@ -23,8 +23,13 @@ One ``RetentionTracker`` per cache type of a manager with a host tier, fed by th
   threshold is not moved: at 1 it promoted every block requested twice, one-off ones included).
   Every block the NPU tier evicts falls in a bucket by its hits while on the NPU tier (0, 1, 2,
   3 or more) and whether it was reused after an earlier eviction, and its reuse is watched (a
-  later hit on its host copy, or a ghost hit). A block with no host copy is stored when its
-  bucket's observed reuse probability ``p`` pays for the copy::
+  later hit on its host copy, or a ghost hit). An eviction counts in its bucket once it is
+  *resolved*: reused, or not reused within a horizon of ``HORIZON_FACTOR`` (0.5) x the host
+  capacity in later NPU evictions (at write-back's rate of stores, halfway through a stored
+  block's host lifetime); until then it counts nothing, so a kind of block is not judged by
+  evictions too recent to have come back (a reuse after the horizon still counts as a reuse).
+  A block with no host copy is stored when its bucket's observed reuse probability ``p`` pays
+  for the copy::
 
       p - z * se(p) > store / (recompute - reload)      while the host tier has room
       p > store / (recompute - reload) + q + bar        once a store would evict a host block
@@ -34,23 +39,24 @@ One ``RetentionTracker`` per cache type of a manager with a host tier, fed by th
   ``z`` = ``CONFIDENCE_Z`` (0.5: a kind seen reused once in a hundred evictions is not stored
   on that alone), ``q`` the reuse probability of what the host
   tier evicts to make room (its ghost hits per eviction) and ``bar`` a margin that starts at
-  ``MIN_REUSE`` (0.3) and follows the shadows: every ``CONTROL_PERIOD`` (256) evictions it
+  ``MIN_REUSE`` (0.4) and follows the shadows: every ``CONTROL_PERIOD`` (256) evictions it
   rises by 0.05 when the 1x shadow without write-back (the same promotion, no store at
   eviction) served more host blocks than the policy did, and falls by 0.05 when the one with
   write-back (a store at every eviction) did; so the policy sits between the two fixed ones
   and moves toward the better. Counts halve every ``max(256, 2 x capacity)`` evictions (a
-  reuse counts with the weight its eviction has by then), so it follows changing traffic.
+  reuse or an expiry counts with the weight its eviction has by then), so it follows changing
+  traffic.
 
-Memory: one tracked hash costs about ``BYTES_PER_TRACKED_BLOCK`` (160) bytes. The ghost lists,
-the policy's reuse watch and its record of reused blocks hold at most 4 x capacity hashes each,
-and the shadows 8.5 x capacity (0.5 + 1 + 1 + 2 + 4; 9.5 with adaptive). Shadows are kept
-smallest first while they fit in ``MAX_SHADOW_BLOCKS`` hashes per cache type (2M, about
-320 MiB: every shadow up to 220k host blocks); a larger one is not kept and its estimate is
-absent.
+Memory: one tracked hash costs about ``BYTES_PER_TRACKED_BLOCK`` (160) bytes. The ghost lists, the
+policy's reuse watch and its record of reused blocks hold at most 4 x capacity hashes each, the
+open evictions 0.5 x capacity records (about 150 bytes each, no hash), and the shadows 8.5 x
+capacity (0.5 + 1 + 1 + 2 + 4; 9.5 with adaptive). Shadows are kept smallest first while they fit
+in ``MAX_SHADOW_BLOCKS`` hashes per cache type (2M, about 320 MiB: every shadow up to 220k host
+blocks); a larger one is not kept and its estimate is absent.
 """
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -71,11 +77,14 @@ NUM_BUCKETS = 2 * HIT_CLASSES  # ... and whether the block was reused after an e
 GHOST_FACTOR = 4
 """Each ghost list (and the policy's reuse watch) holds this many times the host capacity: a
 block stored to host may outlive that many stores when the policy stores few."""
-MIN_REUSE = 0.3
-"""The bar's starting value: a block must be reused three times in ten to be stored until the
+MIN_REUSE = 0.4
+"""The bar's starting value: a block must be reused four times in ten to be stored until the
 shadows show that storing more (or less) would have served more."""
 MIN_WINDOW = 256
 CONFIDENCE_Z = 0.5  # standard errors taken off a reuse estimate while the host tier has room
+HORIZON_FACTOR = 0.5
+"""An eviction counts in its bucket once it is reused or once this many host capacities of NPU
+evictions have passed without a reuse; until then it is open and counts nothing."""
 CONTROL_PERIOD = 256  # NPU evictions between two looks at the shadows
 BAR_STEP, BAR_MAX = 0.05, 1.0
 
@@ -121,6 +130,7 @@ class RetentionStats:
 class _Eviction(NamedTuple):
     bucket: int
     window_index: int
+    index: int  # the tracker's count of NPU evictions before this one
 
 
 class ShadowHostTier:
@@ -212,8 +222,11 @@ class RetentionTracker:
         self._host_evicted: OrderedDict[BlockHash, _Eviction | None] = OrderedDict()
         self._kept: OrderedDict[BlockHash, _Eviction] = OrderedDict()  # copy on host
         self._proven: OrderedDict[BlockHash, None] = OrderedDict()  # reused after an eviction
-        self._evicted = [0.0] * NUM_BUCKETS
+        self._evicted = [0.0] * NUM_BUCKETS  # resolved: reused, or unused past the horizon
         self._reused = [0.0] * NUM_BUCKETS
+        self._horizon = max(1, int(HORIZON_FACTOR * num_host_blocks))
+        self._open: deque[_Eviction] = deque()  # evictions younger than the horizon
+        self._unresolved: set[int] = set()  # indices of those not reused yet
         self._host_evictions = 0.0
         self._host_ghost_hits = 0.0
         self._num_host_evictions_seen = 0  # not halved: the disk decision's warm-up
@@ -292,30 +305,45 @@ class RetentionTracker:
     def _reuse(self, block_hash: BlockHash, eviction: "_Eviction") -> None:
         """A block evicted earlier was requested again: it counts in its bucket with the weight
         its eviction has now (halved at every window's end, like the eviction counts)."""
-        bucket, window_index = eviction
-        self._reused[bucket] += 0.5 ** (self._window_index - window_index)
+        bucket, window_index, index = eviction
+        weight = 0.5 ** (self._window_index - window_index)
+        self._reused[bucket] += weight
+        if index in self._unresolved:  # reused within the horizon: resolved now
+            self._unresolved.remove(index)
+            self._evicted[bucket] += weight
         _bounded_put(self._proven, block_hash, None, self._ghost_bound)
+
+    def _resolve_expired(self) -> None:
+        """Evictions followed by ``horizon`` more and not reused count as not reused."""
+        oldest = self._num_evictions - self._horizon
+        while self._open and self._open[0].index < oldest:
+            bucket, window_index, index = self._open.popleft()
+            if index in self._unresolved:
+                self._unresolved.remove(index)
+                self._evicted[bucket] += 0.5 ** (self._window_index - window_index)
 
     def npu_evicted(self, block_hash: BlockHash, num_hits: int, kept: bool) -> None:
         """The NPU tier evicted a cached block; ``kept``: it has a host copy now."""
         bucket = self._bucket(block_hash, num_hits)
         if self.adaptive:  # as should_store decided, for a full and a roomy shadow
             pays = {True: self._pays(bucket, True), False: self._pays(bucket, False)}
-        eviction = _Eviction(bucket, self._window_index)
+        eviction = _Eviction(bucket, self._window_index, self._num_evictions)
+        self._open.append(eviction)
+        self._unresolved.add(eviction.index)
         if kept:
             _bounded_put(self._kept, block_hash, eviction, self._ghost_bound)
         else:
             _bounded_put(self._dropped, block_hash, eviction, self._ghost_bound)
-        self._evicted[bucket] += 1
         for shadow in self._shadows.values():
             if shadow.write_back == ON or (
                 shadow.write_back == ADAPTIVE and pays[len(shadow) >= shadow.capacity]
             ):
                 shadow.store(block_hash)
         self._num_evictions += 1
+        self._resolve_expired()
         if self.adaptive and self._num_evictions % CONTROL_PERIOD == 0:
             self._follow_shadows()
-        if sum(self._evicted) >= self._window:
+        if self._num_evictions % self._window == 0:
             self._end_window()
 
     def adaptive_decision(self, stored: bool) -> None:
@@ -360,15 +388,15 @@ class RetentionTracker:
         return (self._reused[bucket] + 0.5) / (self._evicted[bucket] + 1.0)
 
     def _confident_reuse(self, bucket: int) -> float:
-        """The reuse probability less two standard errors: a store must pay even if the bucket
-        reuses somewhat less than observed so far."""
+        """The reuse probability less ``CONFIDENCE_Z`` standard errors: a store must pay even if
+        the bucket reuses somewhat less than observed so far."""
         p = self.reuse_probability(bucket)
         return p - CONFIDENCE_Z * math.sqrt(p * (1 - p) / (self._evicted[bucket] + 1.0))
 
     def _pays(self, bucket: int, host_full: bool) -> bool:
         """Whether storing a block of ``bucket`` pays. While the host tier has room, a store
-        displaces nothing: its reuse (less two standard errors, so that a kind seen a few times
-        is not stored on luck) must beat the copy's cost. Once a store would evict a host
+        displaces nothing: its reuse (less ``CONFIDENCE_Z`` standard errors, so that a kind seen a
+        few times is not stored on luck) must beat the copy's cost. Once a store would evict a host
         block, the observed reuse must also beat that block's and the bar, which the shadows
         steer."""
         recompute, reload, store = self.costs

@@ -16,6 +16,7 @@ from replicas.engine import Engine
 from replicas.kv_cache_manager import KVCacheManager
 from replicas.kv_retention import (
     GHOST_FACTOR,
+    HORIZON_FACTOR,
     OFF,
     ON,
     BlockCosts,
@@ -226,6 +227,34 @@ def test_adaptive_stores_blocks_that_return_after_eviction():
     # the default policy, which loses every prefix evicted before its second hit
     assert host_hit_rate(adaptive) >= host_hit_rate(write_back) - 0.05
     assert host_hit_rate(adaptive) > host_hit_rate(default) + 0.2
+
+
+def test_an_eviction_counts_against_its_kind_only_once_reused_or_past_the_horizon():
+    tracker = RetentionTracker(num_host_blocks=100, write_back=False, adaptive=True)
+    horizon = int(HORIZON_FACTOR * 100)
+    hashes = [bytes([n]) * 16 for n in range(60)]
+    for block_hash in hashes[: horizon - 10]:
+        tracker.npu_evicted(block_hash, num_hits=0, kept=False)
+    assert tracker.reuse_probability(0) == 0.5  # nothing resolved: the prior alone
+    for block_hash in hashes[horizon - 10 :]:
+        tracker.npu_evicted(block_hash, num_hits=0, kept=False)
+    expired = len(hashes) - horizon  # evictions older than the horizon, none reused
+    assert tracker.reuse_probability(0) == pytest.approx(0.5 / (expired + 1))
+    tracker.admitted([hashes[0]], [False], [False])  # a reuse after the horizon: one more reuse
+    assert tracker.reuse_probability(0) == pytest.approx(1.5 / (expired + 1))
+    tracker.admitted([hashes[-1]], [False], [False])  # an open one: reused and now resolved
+    assert tracker.reuse_probability(0) == pytest.approx(2.5 / (expired + 2))
+
+
+def test_adaptive_stores_a_kind_whose_reuse_is_still_pending():
+    # 16 prefixes cycle through an NPU tier of 6 and a host tier that holds them all: each
+    # block returns 10 prefixes after its eviction, later than the first evictions' decisions.
+    prefixes = [[p] * (5 * BS) for p in range(16)]
+    requests = [prefixes[n % 16] + [n % 7 + 500] for n in range(320)]
+    adaptive = replay(requests, 120, retention="adaptive")
+    write_back = replay(requests, 120, write_back=True)
+    assert host_hit_rate(write_back) > 0.5
+    assert host_hit_rate(adaptive) >= host_hit_rate(write_back) - 0.01
 
 
 def test_adaptive_never_stores_when_a_reload_costs_more_than_a_recompute():
