@@ -49,9 +49,10 @@ One ``RetentionTracker`` per cache type of a manager with a host tier, fed by th
 
 Memory: one tracked hash costs about ``BYTES_PER_TRACKED_BLOCK`` (160) bytes. The ghost lists, the
 policy's reuse watch and its record of reused blocks hold at most 4 x capacity hashes each, the
-open evictions 0.5 x capacity records (about 150 bytes each, no hash), and the shadows 8.5 x
-capacity (0.5 + 1 + 1 + 2 + 4; 9.5 with adaptive). Shadows are kept smallest first while they fit
-in ``MAX_SHADOW_BLOCKS`` hashes per cache type (2M, about 320 MiB: every shadow up to 220k host
+open evictions 0.5 x capacity records (about 80 bytes each: a queue slot and a set entry with its
+index; the record itself is shared with the ghost lists), and the shadows 8.5 x capacity (0.5 + 1 +
+1 + 2 + 4; 9.5 with adaptive). Shadows are kept smallest first while they fit in
+``MAX_SHADOW_BLOCKS`` hashes per cache type (2M, about 320 MiB: every shadow up to 220k host
 blocks); a larger one is not kept and its estimate is absent.
 """
 
