@@ -49,7 +49,7 @@ One ``RetentionTracker`` per cache type of a manager with a host tier, fed by th
 
 Memory: one tracked hash costs about ``BYTES_PER_TRACKED_BLOCK`` (160) bytes. The ghost lists, the
 policy's reuse watch and its record of reused blocks hold at most 4 x capacity hashes each, the
-open evictions 0.5 x capacity records (about 80 bytes each: a queue slot and a set entry with its
+open evictions 0.5 x capacity records (about 105 bytes each: an ordered-dict entry keyed by its
 index; the record itself is shared with the ghost lists), and the shadows 8.5 x capacity (0.5 + 1 +
 1 + 2 + 4; 9.5 with adaptive). Shadows are kept smallest first while they fit in
 ``MAX_SHADOW_BLOCKS`` hashes per cache type (2M, about 320 MiB: every shadow up to 220k host
@@ -57,7 +57,7 @@ blocks); a larger one is not kept and its estimate is absent.
 """
 
 import math
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -226,8 +226,7 @@ class RetentionTracker:
         self._evicted = [0.0] * NUM_BUCKETS  # resolved: reused, or unused past the horizon
         self._reused = [0.0] * NUM_BUCKETS
         self._horizon = max(1, int(HORIZON_FACTOR * num_host_blocks))
-        self._open: deque[_Eviction] = deque()  # evictions younger than the horizon
-        self._unresolved: set[int] = set()  # indices of those not reused yet
+        self._open: OrderedDict[int, _Eviction] = OrderedDict()  # by index: not yet resolved
         self._host_evictions = 0.0
         self._host_ghost_hits = 0.0
         self._num_host_evictions_seen = 0  # not halved: the disk decision's warm-up
@@ -309,19 +308,16 @@ class RetentionTracker:
         bucket, window_index, index = eviction
         weight = 0.5 ** (self._window_index - window_index)
         self._reused[bucket] += weight
-        if index in self._unresolved:  # reused within the horizon: resolved now
-            self._unresolved.remove(index)
+        if self._open.pop(index, None) is not None:  # reused within the horizon: resolved now
             self._evicted[bucket] += weight
         _bounded_put(self._proven, block_hash, None, self._ghost_bound)
 
     def _resolve_expired(self) -> None:
         """Evictions followed by ``horizon`` more and not reused count as not reused."""
         oldest = self._num_evictions - self._horizon
-        while self._open and self._open[0].index < oldest:
-            bucket, window_index, index = self._open.popleft()
-            if index in self._unresolved:
-                self._unresolved.remove(index)
-                self._evicted[bucket] += 0.5 ** (self._window_index - window_index)
+        while self._open and next(iter(self._open)) < oldest:
+            bucket, window_index, _ = self._open.popitem(last=False)[1]
+            self._evicted[bucket] += 0.5 ** (self._window_index - window_index)
 
     def npu_evicted(self, block_hash: BlockHash, num_hits: int, kept: bool) -> None:
         """The NPU tier evicted a cached block; ``kept``: it has a host copy now."""
@@ -329,8 +325,7 @@ class RetentionTracker:
         if self.adaptive:  # as should_store decided, for a full and a roomy shadow
             pays = {True: self._pays(bucket, True), False: self._pays(bucket, False)}
         eviction = _Eviction(bucket, self._window_index, self._num_evictions)
-        self._open.append(eviction)
-        self._unresolved.add(eviction.index)
+        self._open[eviction.index] = eviction
         if kept:
             _bounded_put(self._kept, block_hash, eviction, self._ghost_bound)
         else:
