@@ -12,7 +12,7 @@ from benchmarks.sim.cost_model import CostModel, HardwareProfile
 from benchmarks.sim.metrics import ideal_ttft_s, ttft_figures
 from benchmarks.sim.peers import PEERS
 from benchmarks.sim.runs import execute, parse_sweep, plan_runs
-from benchmarks.sim.simulator import STRATA, SimConfig
+from benchmarks.sim.simulator import CLAIRVOYANT, STRATA, SimConfig
 from benchmarks.sim.trace import (
     TRACE_TOKENS_PER_HASH_ID,
     TraceRecord,
@@ -86,10 +86,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--write-back", action="store_true", help="store evicted NPU-only blocks to host")
     add(
         "--retention",
-        choices=("fixed", "adaptive"),
+        choices=("fixed", "adaptive", CLAIRVOYANT),
         default="fixed",
         help="host retention policy (KVOffloadConfig.retention; default fixed); adaptive "
-        "excludes --write-back",
+        "excludes --write-back; clairvoyant is a bound that reads the trace's future: it stores "
+        "a block the NPU tier evicts when it is requested again within --clairvoyant-window-s",
+    )
+    add(
+        "--clairvoyant-window-s",
+        type=float,
+        default=300.0,
+        help="with --retention clairvoyant: store blocks requested again this soon (default 300)",
     )
     add(
         "--reservation-share",
@@ -171,8 +178,14 @@ def base_config(args: argparse.Namespace) -> SimConfig:
             f"--tokens-per-hash-id {args.tokens_per_hash_id} must be a multiple of "
             f"--block-size {args.block_size}"
         )
-    if args.retention == "adaptive" and args.write_back:
-        raise SystemExit("--retention adaptive decides write-back per block; drop --write-back")
+    if args.retention != "fixed" and args.write_back:
+        raise SystemExit(
+            f"--retention {args.retention} decides write-back per block; drop --write-back"
+        )
+    if args.clairvoyant_window_s <= 0:
+        raise SystemExit(
+            f"--clairvoyant-window-s must be positive, got {args.clairvoyant_window_s}"
+        )
     if args.write_through_threshold < 0:
         raise SystemExit("--write-through-threshold must be >= 0 (0 disables promotion)")
     if args.sliding_window is not None and args.sliding_window < 1:
@@ -195,6 +208,7 @@ def base_config(args: argparse.Namespace) -> SimConfig:
         write_through_threshold=args.write_through_threshold or None,
         write_back=args.write_back,
         retention=args.retention,
+        clairvoyant_window_s=args.clairvoyant_window_s,
         reservation_share=args.reservation_share,
         ttft_slack=args.ttft_slack,
         ttft_forfeit_weight=args.ttft_forfeit_weight,

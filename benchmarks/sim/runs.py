@@ -8,8 +8,9 @@ A sweep varies one parameter of the base configuration at a time (not a cross pr
                        (CLI semantics: 0 disables) write-back[=off,on]  write_back
     npu-blocks=512,... num_npu_blocks              speedup=1,2,4        arrival_speedup
     profile[=balanced,locality,load]  Strata's scoring profile (Strata runs only)
-    retention[=default,write-back,adaptive]   host retention: the base config's threshold
-                       without write-back, with write-back, or adaptive (write_back, retention)
+    retention[=default,write-back,adaptive,clairvoyant]   host retention: the base config's
+                       threshold without write-back, with write-back, adaptive, or the
+                       clairvoyant bound (write_back, retention)
 
 Replicate k > 0 of every run jitters arrivals and seeds the peers' tie-breaks with k
 (``SimConfig.seed``); replicate 0 is the trace as recorded.
@@ -23,7 +24,7 @@ from typing import NamedTuple
 from tqdm import tqdm
 
 from benchmarks.sim.cost_model import CostModel, HardwareProfile
-from benchmarks.sim.simulator import STRATA, SimConfig, Simulator
+from benchmarks.sim.simulator import CLAIRVOYANT, STRATA, SimConfig, Simulator
 from benchmarks.sim.trace import TraceRequest
 
 
@@ -38,6 +39,7 @@ RETENTIONS = {
     "default": {"write_back": False, "retention": "fixed"},
     "write-back": {"write_back": True, "retention": "fixed"},
     "adaptive": {"write_back": False, "retention": "adaptive"},
+    CLAIRVOYANT: {"write_back": False, "retention": CLAIRVOYANT},  # a bound: reads the future
 }
 
 

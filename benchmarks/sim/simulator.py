@@ -35,6 +35,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.sim.agents import ClusterView, RoutingAgent, StrataAgent
+from benchmarks.sim.clairvoyant import ClairvoyantTracker, arrivals_by_block
 from benchmarks.sim.cost_model import CostModel
 from benchmarks.sim.disk import NodeDisk
 from benchmarks.sim.engine import SimulatedEngine, StepReport
@@ -42,6 +43,7 @@ from benchmarks.sim.metrics import LoadMeter, hit_rates, ttft_figures
 from benchmarks.sim.peers import PEERS
 from benchmarks.sim.trace import TraceRequest
 from replicas.config import EngineConfig, KVOffloadConfig, SchedulerConfig
+from replicas.hashing import block_hashes
 from replicas.kv_cache_manager import KVCacheManager
 from replicas.kv_cache_types import CacheStats, CacheTypeSpec
 from replicas.kv_capacity import (
@@ -60,6 +62,9 @@ STRATA = "strata"
 FULL, SLIDING = "full", "sliding"
 ARRIVAL, STEP_END, DELIVER, WAKE = 0, 1, 2, 3
 JITTER_S = 0.01
+CLAIRVOYANT = (
+    "clairvoyant"  # a retention that reads the trace's future (benchmarks.sim.clairvoyant)
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +82,8 @@ class SimConfig:
     disk_memory_gb: float = 0.0  # process-wide disk tier, split among replicas (0: none)
     write_through_threshold: int | None = 2
     write_back: bool = False
-    retention: str = "fixed"  # or "adaptive" (KVOffloadConfig.retention)
+    retention: str = "fixed"  # "adaptive" (KVOffloadConfig.retention), or CLAIRVOYANT (a bound)
+    clairvoyant_window_s: float = 300.0  # CLAIRVOYANT stores what is requested again this soon
     reservation_share: float = 0.0  # PrefixCacheConfig.reservation_share
     reservation_prefetch: bool = True  # False: reservations hold NPU blocks only (an ablation)
     ttft_slack: float = 0.0  # TTFTCosts.slack of the ttft scoring profile
@@ -157,6 +163,12 @@ class Simulator:
         self.max_model_len = self._max_model_len()
         self.cache_types = self._plan_cache_types()
         self.num_host_blocks = self.cache_types[0].num_host_blocks
+        self.requests = [
+            t for t in requests if len(t.prompt_token_ids) + t.max_tokens <= self.max_model_len
+        ]
+        self.num_skipped = len(requests) - len(self.requests)
+        self._now = 0.0  # the time of the event being handled
+        self._arrivals = self._future_arrivals() if config.retention == CLAIRVOYANT else None
         disks = self._disk_views()
         self.engines = [
             SimulatedEngine(
@@ -170,10 +182,6 @@ class Simulator:
             for r in range(config.data_parallel_size)
         ]
         self.agent = make_agent(config, ClusterView(self.engines), cost_model)
-        self.requests = [
-            t for t in requests if len(t.prompt_token_ids) + t.max_tokens <= self.max_model_len
-        ]
-        self.num_skipped = len(requests) - len(self.requests)
         self.meter = LoadMeter(config.data_parallel_size)
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
@@ -187,6 +195,20 @@ class Simulator:
         npu_tokens = self.num_npu_blocks * self.config.block_size
         model_tokens = self.cost_model.profile.max_model_len / self.config.token_scale
         return int(min(npu_tokens, model_tokens))
+
+    def _future_arrivals(self) -> dict:
+        """For the clairvoyant bound: each prompt block's arrival times (the trace's future)."""
+        if self.config.sequential:
+            raise ValueError(
+                "the clairvoyant bound needs the trace's arrival times, not sequential"
+            )
+        if self.config.sliding_window is not None:
+            raise ValueError("the clairvoyant bound covers global attention only")
+        size = self.config.block_size
+        return arrivals_by_block(
+            (arrival_s, block_hashes(t.prompt_token_ids, size))
+            for arrival_s, t in zip(self._arrival_times(), self.requests, strict=True)
+        )
 
     def _arrival_times(self) -> list[float]:
         speedup = self.config.arrival_speedup
@@ -259,13 +281,23 @@ class Simulator:
             cache_types=self.cache_types,
             write_through_threshold=self.config.write_through_threshold,
             write_back=self.config.write_back,
-            retention=self.config.retention,
+            retention="adaptive" if self.config.retention == CLAIRVOYANT else self.config.retention,
             record_events=True,
             reservation_share=self.config.reservation_share,
             reservation_prefetch=self.config.reservation_prefetch,
             disk=disk,
             onboard_timeout=False,  # simulated reads always land; the wall clock is not theirs
         )
+        if self._arrivals is not None:
+            for cache_type in manager._cache_types:  # the same manager, deciding from the future
+                tracker = ClairvoyantTracker(
+                    cache_type.spec.num_host_blocks,
+                    self._arrivals,
+                    lambda: self._now,
+                    self.config.clairvoyant_window_s,
+                )
+                tracker.behind_disk = cache_type.retention.behind_disk
+                cache_type.retention = tracker
         cost = self.cost_model
         recompute_s = cost.prefill_s(self.config.block_size * self.config.token_scale, 0.0)
         manager.set_block_costs(BlockCosts(recompute_s, cost.load_s(1), cost.store_s(1)))
@@ -286,6 +318,7 @@ class Simulator:
         bar = tqdm(total=len(self.requests), disable=not progress, desc=self.label, leave=False)
         while self._events:
             now, _, kind, payload = heapq.heappop(self._events)
+            self._now = now
             if kind == ARRIVAL:
                 self._arrive(payload, now)
                 bar.update()

@@ -5,14 +5,15 @@ No timing is asserted. Traces use one token block per hash id (T = block size = 
 """
 
 import random
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 
+from benchmarks.sim.clairvoyant import ClairvoyantTracker
 from benchmarks.sim.cost_model import CostModel, HardwareProfile
 from benchmarks.sim.metrics import ideal_ttft_s
 from benchmarks.sim.peers import PEERS
-from benchmarks.sim.simulator import STRATA, SimConfig, Simulator
+from benchmarks.sim.simulator import CLAIRVOYANT, STRATA, SimConfig, Simulator
 from benchmarks.sim.trace import TraceRecord, TraceRequest, expand, unbounded_cached_blocks
 from cluster import LLM, KVOffloadConfig, SamplingParams, SchedulerConfig
 
@@ -230,3 +231,39 @@ def test_simulator_and_real_engine_count_the_same_disk_hits(tmp_path):
     simulated = {k: getattr(sim.engines[0].kv_cache.stats, k) for k in names}
     assert simulated == real
     assert real["disk_hits"] > 0
+
+
+def test_clairvoyant_tracker_stores_what_the_trace_requests_again_within_its_window():
+    now = [0.5]
+    tracker = ClairvoyantTracker(8, {b"a": [1.0, 5.0]}, lambda: now[0], window_s=1.0)
+    assert tracker.should_store(b"a", 0, host_full=True)  # next at 1.0: 0.5 s ahead
+    now[0] = 2.0
+    assert not tracker.should_store(b"a", 0, host_full=False)  # next at 5.0: 3 s ahead
+    tracker.window_s = 3.0
+    assert tracker.should_store(b"a", 0, host_full=True)
+    now[0] = 5.0
+    assert not tracker.should_store(b"a", 3, host_full=False)  # never again
+    assert not tracker.should_store(b"b", 3, host_full=False)  # in no prompt (decoded tokens)
+    with pytest.raises(ValueError, match="window"):
+        ClairvoyantTracker(8, {}, lambda: 0.0, window_s=0.0)
+
+
+def test_clairvoyant_bound_serves_what_write_back_serves_with_fewer_stores():
+    # One request a second; 12 NPU blocks, a host tier that never evicts. With a window longer
+    # than the trace the bound stores every evicted block that is requested again, so it serves
+    # from host what write-back serves, storing fewer; with a window shorter than any gap
+    # between requests it stores at eviction nothing, as the default policy does.
+    trace = [replace(r, timestamp_ms=1000.0 * i) for i, r in enumerate(random_trace(60, seed=5))]
+    requests = expand(trace, BLOCK)
+
+    def run(**options: object) -> dict:
+        options = {"num_npu_blocks": 12, "host_memory_ratio": 8.0, **options}
+        return simulate(requests, data_parallel_size=1, **options).engines[0].kv_cache.stats
+
+    write_back, default = run(write_back=True), run()
+    assert write_back.host_evictions == 0 and write_back.write_backs > 0
+    bound = run(retention=CLAIRVOYANT, clairvoyant_window_s=1e6)
+    assert bound.host_hits == write_back.host_hits > default.host_hits
+    assert 0 < bound.blocks_stored < write_back.blocks_stored
+    blind = run(retention=CLAIRVOYANT, clairvoyant_window_s=0.5)
+    assert (blind.write_backs, blind.host_hits) == (0, default.host_hits)

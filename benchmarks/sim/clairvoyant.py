@@ -1,0 +1,55 @@
+"""A clairvoyant host retention policy: a bound for the adaptive one, not a policy to run.
+
+``retention="clairvoyant"`` stores a block leaving the NPU tier (with no host copy) exactly when
+the trace requests it again within ``window_s`` seconds of the eviction: it reads the future,
+which no replica can. Promotion, the host tier's LRU eviction and every other rule stay as in
+the real manager (the tracker is the manager's own, with only its decision replaced), so a
+run shows how many hits a store decision could buy at most with a given number of stores, and
+so whether a shortfall of the adaptive policy lies in its prediction of reuse or elsewhere. It
+keeps no shadow host tiers (they would follow the adaptive rule), so a run has no curve.
+"""
+
+import bisect
+from collections.abc import Callable, Iterable
+
+from replicas.hashing import BlockHash
+from replicas.kv_retention import RetentionTracker
+
+
+def arrivals_by_block(requests: Iterable[tuple[float, list[BlockHash]]]) -> dict[BlockHash, list]:
+    """Block hash -> the sorted arrival times of the requests whose prompts hold it."""
+    arrivals: dict[BlockHash, list[float]] = {}
+    for arrival_s, hashes in requests:
+        for block_hash in hashes:
+            arrivals.setdefault(block_hash, []).append(arrival_s)
+    for times in arrivals.values():
+        times.sort()
+    return arrivals
+
+
+class ClairvoyantTracker(RetentionTracker):
+    """The manager's retention tracker with the store decision read from the trace's future."""
+
+    def __init__(
+        self,
+        num_host_blocks: int,
+        arrivals: dict[BlockHash, list[float]],
+        clock: Callable[[], float],
+        window_s: float,
+    ) -> None:
+        if window_s <= 0:
+            raise ValueError(f"the clairvoyant window must be positive, got {window_s}")
+        # adaptive: the manager asks should_store for every NPU-only block it evicts
+        super().__init__(num_host_blocks, write_back=False, adaptive=True)
+        self._arrivals = arrivals
+        self._clock = clock
+        self.window_s = window_s
+        self._shadows.clear()  # they would follow the adaptive rule: no curve for a bound
+
+    def should_store(self, block_hash: BlockHash, num_hits: int, host_full: bool) -> bool:
+        times = self._arrivals.get(block_hash)
+        if not times:
+            return False  # decoded tokens, or a prompt block no request holds
+        now = self._clock()
+        later = bisect.bisect_right(times, now)
+        return later < len(times) and times[later] - now <= self.window_s
