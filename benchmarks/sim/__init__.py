@@ -15,6 +15,9 @@ place of the model forward pass::
     report.py         tables and plots of run records
     cli.py            ``python -m benchmarks simulate``
     calibrate.py      ``python -m benchmarks calibrate``: fit a profile to the real engine
+    clairvoyant.py    a host retention bound that reads the trace's future (``--retention``)
+    reuse.py          ``python -m benchmarks.sim.reuse``: how often a trace's blocks come back,
+                      split by what a replica knows of them
 
 Scenarios (``python -m benchmarks run NAME``): ``sim-acceptance`` (acceptance.py),
 ``sim-sweeps`` (sweeps_scenario.py), both on the configuration of scenarios.py;

@@ -13,6 +13,7 @@ from benchmarks.sim.clairvoyant import ClairvoyantTracker
 from benchmarks.sim.cost_model import CostModel, HardwareProfile
 from benchmarks.sim.metrics import ideal_ttft_s
 from benchmarks.sim.peers import PEERS
+from benchmarks.sim.reuse import reuse_by_split
 from benchmarks.sim.simulator import CLAIRVOYANT, STRATA, SimConfig, Simulator
 from benchmarks.sim.trace import TraceRecord, TraceRequest, expand, unbounded_cached_blocks
 from cluster import LLM, KVOffloadConfig, SamplingParams, SchedulerConfig
@@ -267,3 +268,17 @@ def test_clairvoyant_bound_serves_what_write_back_serves_with_fewer_stores():
     assert 0 < bound.blocks_stored < write_back.blocks_stored
     blind = run(retention=CLAIRVOYANT, clairvoyant_window_s=0.5)
     assert (blind.write_backs, blind.host_hits) == (0, default.host_hits)
+
+
+def test_reuse_splits_count_each_new_block_once_with_its_next_request():
+    trace = [
+        TraceRecord(0.0, 1536, 8, (1, 2, 3)),
+        TraceRecord(10_000.0, 1536, 8, (1, 2, 4)),  # shares 1, 2: block 4 is its only new one
+        TraceRecord(1_000_000.0, 1536, 8, (1, 2, 3)),  # all seen: no new block
+    ]
+    # Blocks 1 and 1-2 come back 10 s later, 1-2-3 after 1000 s, 1-2-4 never.
+    within_300 = reuse_by_split(trace, window_s=300.0)
+    assert within_300["blocks from the prompt's end"] == {0: (2, 0.0), 1: (1, 1.0), 2: (1, 1.0)}
+    assert within_300["follow-up (shares more than block 0)"] == {False: (3, 2 / 3), True: (1, 0.0)}
+    within_1000 = reuse_by_split(trace, window_s=1000.0)
+    assert within_1000["blocks from the prompt's end"][0] == (2, 0.5)
