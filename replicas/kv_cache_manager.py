@@ -27,8 +27,9 @@ Host retention policies (DESIGN section 4), per cache type:
     and it has no host copy, it is stored to host. Threshold 0 stores every block when it is
     first written; ``None`` disables promotion.
   * write-back: when allocation evicts an NPU-only cached block, it is stored to host first.
-  * adaptive (``retention="adaptive"``): promotion as set, write-back decided per block from the
-    reuse observed after eviction and the measured costs (``replicas.kv_retention``).
+  * adaptive (``retention="adaptive"``): every store made at NPU eviction: a block that reached
+    the promotion threshold is stored then (not when it reached it), any other when the reuse
+    observed after eviction pays for it at the measured costs (``replicas.kv_retention``).
 Every cache type with a host tier also keeps ghost records and shadow host tiers
 (``RetentionTracker``): ghost hits and the miss-ratio curve, whatever the policy.
 
@@ -298,6 +299,7 @@ class KVCacheManager:
                 cache_type.spec.num_host_blocks,
                 self.write_back,
                 adaptive=retention == "adaptive",
+                promotion_threshold=self.write_through_threshold,
             )
         self._record_events = record_events  # see enable_events
         self.stats = CacheStats()
@@ -490,8 +492,11 @@ class KVCacheManager:
         self._disk_stores.append(DiskCopy(host_id, block_hash, cache_type.name))
 
     def _promote(self, cache_type: _CacheType, npu_id: int, block_hash: BlockHash) -> None:
-        if cache_type.retention is not None:
-            cache_type.retention.promotion_candidate(block_hash)
+        tracker = cache_type.retention
+        if tracker is not None:
+            tracker.promotion_candidate(block_hash)
+            if tracker.adaptive:
+                return  # stored when the NPU tier evicts it (RetentionTracker.should_store)
         if not cache_type.on_host(block_hash) and self._store(cache_type, npu_id, block_hash):
             self.stats.count_write_through_promotion(cache_type.name)
 

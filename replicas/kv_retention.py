@@ -19,17 +19,22 @@ One ``RetentionTracker`` per cache type of a manager with a host tier, fed by th
   The 1x shadow of the running policy equals the real tier; the tests check it. A shadow sees
   one replica's traffic as it was routed: in a cluster, a host tier of another size would also
   change where the router sends requests, which no per-replica estimate captures.
-* **The adaptive policy** (``retention="adaptive"``): promotion stays as configured (the
-  threshold is not moved: at 1 it promoted every block requested twice, one-off ones included).
-  Every block the NPU tier evicts falls in a bucket by its hits while on the NPU tier (0, 1, 2,
-  3 or more) and whether it was reused after an earlier eviction, and its reuse is watched (a
-  later hit on its host copy, or a ghost hit). An eviction counts in its bucket once it is
-  *resolved*: reused, or not reused within a horizon of ``HORIZON_FACTOR`` (0.5) x the host
-  capacity in later NPU evictions (at write-back's rate of stores, halfway through a stored
-  block's host lifetime); until then it counts nothing, so a kind of block is not judged by
-  evictions too recent to have come back (a reuse after the horizon still counts as a reuse).
-  A block with no host copy is stored when its bucket's observed reuse probability ``p`` pays
-  for the copy::
+* **The adaptive policy** (``retention="adaptive"``): every store is made when the NPU tier
+  evicts a block, none before. A block that reaches the promotion threshold is not copied then
+  but marked (its hit count), and stored when the NPU tier evicts it: a block that stays on the
+  NPU tier to the end costs no store, and every other promoted block is stored as promotion
+  would have stored it, one eviction later (a host copy serves only once the NPU copy is gone).
+  The threshold itself is not moved (at 1 it promoted every block requested twice, one-off
+  ones included). Every block the NPU tier evicts falls in a bucket by its hits while on the
+  NPU tier (0, 1, 2, 3 or more) and whether it was reused after an earlier eviction, and its
+  reuse is watched (a later hit on its host copy, or a ghost hit). An eviction counts in its
+  bucket once it is *resolved*: reused, or not reused within a horizon of ``HORIZON_FACTOR``
+  (0.5) x the host capacity in later NPU evictions (at write-back's rate of stores, halfway
+  through a stored block's host lifetime); until then it counts nothing, so a kind of block is
+  not judged by evictions too recent to have come back (a reuse after the horizon still counts
+  as a reuse).
+  A block with no host copy, short of the promotion threshold, is stored when its bucket's
+  observed reuse probability ``p`` pays for the copy::
 
       p - z * se(p) > store / (recompute - reload)      while the host tier has room
       p > store / (recompute - reload) + q + bar        once a store would evict a host block
@@ -209,10 +214,12 @@ class RetentionTracker:
         write_back: bool,
         adaptive: bool = False,
         max_shadow_blocks: int = MAX_SHADOW_BLOCKS,
+        promotion_threshold: int | None = None,
     ) -> None:
         if num_host_blocks < 1:
             raise ValueError("a retention tracker needs a host tier")
         self.capacity = num_host_blocks
+        self.promotion_threshold = promotion_threshold  # adaptive: stored at eviction from there
         self._ghost_bound = GHOST_FACTOR * num_host_blocks
         self.adaptive = adaptive
         self.write_back = write_back and not adaptive
@@ -287,16 +294,27 @@ class RetentionTracker:
                     break
 
     def promotion_candidate(self, block_hash: BlockHash) -> None:
-        """A block on the NPU tier reached the promotion threshold (or was written, at 0)."""
+        """A block on the NPU tier reached the promotion threshold (or was written, at 0): the
+        shadows of the fixed policies store it now; the adaptive ones when it is evicted."""
         for shadow in self._shadows.values():
-            shadow.store(block_hash)
+            if shadow.write_back != ADAPTIVE:
+                shadow.store(block_hash)
 
     def should_store(self, block_hash: BlockHash, num_hits: int, host_full: bool) -> bool:
         """Whether a block the NPU tier evicts, with no host copy, is stored to host;
         ``host_full``: every host block holds a cached block (a store would evict one)."""
         if not self.adaptive:
             return self.write_back
-        return self._pays(self._bucket(block_hash, num_hits), host_full)
+        return self._adaptive_stores(self._bucket(block_hash, num_hits), num_hits, host_full)
+
+    def _adaptive_stores(self, bucket: int, num_hits: int, host_full: bool) -> bool:
+        """The adaptive decision: a promoted block (its hits at the threshold) is stored whenever
+        a reload beats a recompute; any other when its bucket's reuse pays (``_pays``)."""
+        threshold = self.promotion_threshold
+        if threshold is not None and num_hits >= threshold:
+            recompute, reload, _ = self.costs
+            return recompute > reload
+        return self._pays(bucket, host_full)
 
     def _bucket(self, block_hash: BlockHash, num_hits: int) -> int:
         proven = HIT_CLASSES if block_hash in self._proven else 0
@@ -323,7 +341,7 @@ class RetentionTracker:
         """The NPU tier evicted a cached block; ``kept``: it has a host copy now."""
         bucket = self._bucket(block_hash, num_hits)
         if self.adaptive:  # as should_store decided, for a full and a roomy shadow
-            pays = {True: self._pays(bucket, True), False: self._pays(bucket, False)}
+            pays = {full: self._adaptive_stores(bucket, num_hits, full) for full in (True, False)}
         eviction = _Eviction(bucket, self._window_index, self._num_evictions)
         self._open[eviction.index] = eviction
         if kept:

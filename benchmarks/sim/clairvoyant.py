@@ -2,10 +2,11 @@
 
 ``retention="clairvoyant"`` stores a block leaving the NPU tier (with no host copy) exactly when
 the trace requests it again within ``window_s`` seconds of the eviction: it reads the future,
-which no replica can. Promotion, the host tier's LRU eviction and every other rule stay as in
-the real manager (the tracker is the manager's own, with only its decision replaced), so a
-run shows how many hits a store decision could buy at most with a given number of stores, and
-so whether a shortfall of the adaptive policy lies in its prediction of reuse or elsewhere. It
+which no replica can. As under the adaptive policy every store is decided at eviction (none at
+the promotion threshold); the host tier's LRU eviction and every other rule stay as in the real
+manager (the tracker is the manager's own, with only its decision replaced), so a run shows how
+many hits a store decision could buy at most with a given number of stores, and so whether a
+shortfall of the adaptive policy lies in its prediction of reuse or elsewhere. It
 keeps no shadow host tiers (they would follow the adaptive rule), so a run has no curve.
 """
 

@@ -267,16 +267,41 @@ def test_adaptive_never_stores_when_a_reload_costs_more_than_a_recompute():
     assert manager.stats.blocks_stored == 0
 
 
-def test_adaptive_promotes_at_the_configured_threshold_and_decides_the_rest_at_eviction():
+def test_adaptive_stores_a_promoted_block_when_evicted_and_decides_the_rest_at_eviction():
     requests = workload(4, n=800)
     adaptive = replay(requests, 40, retention="adaptive")
     default = replay(requests, 40)
-    assert adaptive.stats.write_through_promotions > 0
+    assert default.stats.write_through_promotions > 0 and default.stats.write_backs == 0
     stats, retention = adaptive.stats, adaptive.retention_stats()["full"]
-    assert stats.blocks_stored == stats.write_through_promotions + stats.write_backs
-    assert retention.adaptive_stores == stats.write_backs > 0
+    assert stats.write_through_promotions == 0  # every store is made at eviction
+    assert stats.blocks_stored == stats.write_backs == retention.adaptive_stores > 0
     assert retention.adaptive_skips > 0
-    assert default.stats.write_backs == 0
+
+
+def adaptive_store_pays_never(**options: object) -> KVCacheManager:
+    """A store costs nearly a recompute: no bucket's reuse pays for it."""
+    manager = KVCacheManager(24, BS, num_host_blocks=80, **options)
+    manager.set_block_costs(BlockCosts(recompute_s=1.0, reload_s=0.05, store_s=0.9))
+    return manager
+
+
+def test_adaptive_defers_promotion_to_eviction():
+    # Prefix A (5 blocks) is requested three times: every block reaches the threshold (2 hits).
+    # The default policy copies it then; the adaptive one stores it only when the NPU tier
+    # evicts it, whatever its bucket's reuse (here a store pays for no bucket).
+    prefix = [1] * (5 * BS)
+    default = adaptive_store_pays_never(write_through_threshold=2)
+    adaptive = adaptive_store_pays_never(write_through_threshold=2, retention="adaptive")
+    for manager in (default, adaptive):
+        for n in range(3):
+            run(manager, prefix + [900 + n])
+    assert default.stats.blocks_stored == 5
+    assert adaptive.stats.blocks_stored == 0  # still on the NPU tier: no copy yet
+    for n in range(12):  # one-off prompts push A out of the NPU tier
+        run(adaptive, [100 + n] * (5 * BS) + [7])
+    assert adaptive.stats.blocks_stored == adaptive.stats.write_backs == 5  # A, and only A
+    again = run(adaptive, prefix + [950])
+    assert adaptive.stats.host_hits == 5 * BS and again.num_cached_tokens == 5 * BS
 
 
 def test_defaults_are_unchanged():
