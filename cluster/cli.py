@@ -188,9 +188,10 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
         help=field_help(
             KVOffloadConfig,
             "retention",
-            "fixed: write-through promotion and write-back as set; adaptive: promotion as set, "
-            "and each other block the NPU tier evicts is stored when the reuse observed for its "
-            "kind pays for the copy. Needs a host capacity; exclusive with write-back.",
+            "fixed: write-through promotion and write-back as set; adaptive: every store made "
+            "when the NPU tier evicts a block: one that reached the write-through threshold is "
+            "stored then, any other when the reuse observed for its kind pays for the copy. "
+            "Needs a host capacity; exclusive with write-back.",
         ),
     )
     a(

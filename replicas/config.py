@@ -107,9 +107,10 @@ class KVOffloadConfig(_Config):
     )
     retention: Literal["fixed", "adaptive"] = Field(
         "fixed",
-        description="fixed: write-through promotion and write-back as set; adaptive: promotion "
-        "as set, and each other block the NPU tier evicts is stored when the reuse observed "
-        "for its kind pays for the copy (exclusive with write_back).",
+        description="fixed: write-through promotion and write-back as set; adaptive: every "
+        "store made when the NPU tier evicts a block: one that reached the write-through "
+        "threshold is stored then, any other when the reuse observed for its kind pays for the "
+        "copy (exclusive with write_back).",
     )
     disk_path: str | None = Field(
         None,

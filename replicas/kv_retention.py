@@ -14,7 +14,8 @@ One ``RetentionTracker`` per cache type of a manager with a host tier, fed by th
   sees the events the real tier sees (promotion candidates, NPU evictions, each new request's
   prompt and the landing of each step's transfers) and applies the same rules (LRU by last
   store or load, a step's stores before its loads; a block already present is not stored
-  again; write-back stores an NPU-only block the NPU tier evicts), so the host blocks each
+  again; write-back stores an NPU-only block the NPU tier evicts; an adaptive shadow stores a
+  promotion candidate when it is evicted, as the policy does), so the host blocks each
   would have served are the miss-ratio curve (``RetentionStats.estimated_host_hit_tokens``).
   The 1x shadow of the running policy equals the real tier; the tests check it. A shadow sees
   one replica's traffic as it was routed: in a cluster, a host tier of another size would also
