@@ -3,7 +3,9 @@
 Replicas report to it fire-and-forget after each engine step; the HTTP front asks it for a
 replica per request (``route_many``: the requests that arrived together, in one call). It is
 not on the token path. On an event gap it asks the replica for a
-snapshot; after a restart of the router itself, it rebuilds every replica's index the same way.
+snapshot; after a restart of the router itself, it rebuilds every replica's index the same way,
+and asks the replicas again for what the deployment told it at start-up (their nodes, and the
+ttft profile's measured costs).
 """
 
 import asyncio
@@ -27,6 +29,8 @@ PRICING_TIMEOUT_S = 60.0
 """How long routing waits for the ttft profile's measured costs before it fails."""
 PRICING_ATTEMPTS = 30
 """Rounds (1 s apart) in which a restarted router asks the replicas for their step costs."""
+NODE_ATTEMPTS = 30
+"""Rounds (1 s apart) in which a restarted router asks the replicas which node each runs on."""
 
 
 def measured_ttft_costs(measured: Sequence[StepCosts]) -> TTFTCosts:
@@ -46,6 +50,7 @@ class RouterActor:
         self.router = Router(num_replicas, block_size, config, sliding_window)
         self.replica_name_prefix = replica_name_prefix
         self._resyncing: set[int] = set()
+        self._node_ids: list[str] | None = None  # set_nodes' (None: each replica its own node)
         # Routing waits for the ttft profile's costs when the deployment measures them.
         self._priced = asyncio.Event()
         if not config.needs_ttft_costs:
@@ -58,8 +63,12 @@ class RouterActor:
             for index in range(num_replicas):
                 self.router.request_resync(index)
                 self._schedule_resync(index)
-            if config.needs_ttft_costs and replica_name_prefix is not None:
-                asyncio.get_event_loop().create_task(self._fetch_ttft_costs(num_replicas))
+            if replica_name_prefix is not None:
+                loop = asyncio.get_event_loop()
+                fetches = [self._fetch_nodes(num_replicas)]
+                if config.needs_ttft_costs:
+                    fetches.append(self._fetch_ttft_costs(num_replicas))
+                self._fetching = [loop.create_task(fetch) for fetch in fetches]  # kept: not GC'd
 
     async def route(
         self,
@@ -115,6 +124,36 @@ class RouterActor:
     async def set_nodes(self, node_ids: Sequence[str]) -> None:
         """Which node each replica runs on (replicas of one node share its disk tier)."""
         self.router.set_nodes(node_ids)
+        self._node_ids = list(node_ids)
+
+    async def nodes(self) -> list[str] | None:
+        """The node of each replica, as last set (None: not set; each counts as its own)."""
+        return self._node_ids
+
+    async def _fetch_nodes(self, num_replicas: int) -> None:
+        """After a restart of the router: each replica's node, asked of the replicas (one that
+        does not answer within ``NODE_ATTEMPTS`` rounds counts as a node of its own)."""
+        nodes: dict[int, str] = {}
+        for _ in range(NODE_ATTEMPTS):
+            for index in range(num_replicas):
+                if index in nodes:
+                    continue
+                try:
+                    replica = ray.get_actor(f"{self.replica_name_prefix}-replica-{index}")
+                    nodes[index] = str((await replica.info.remote())["node_id"])
+                except Exception as error:  # dead or restarting: asked again next round
+                    logger.warning("replica %d did not say its node: %s", index, error)
+            if len(nodes) == num_replicas:
+                break
+            await asyncio.sleep(1.0)
+        else:
+            logger.error(
+                "replicas %s did not say their nodes: the router credits their disk blocks to "
+                "them alone",
+                sorted(set(range(num_replicas)) - set(nodes)),
+            )
+        if self._node_ids is None:  # unless the deployment set them meanwhile
+            await self.set_nodes([nodes.get(i, f"unknown-{i}") for i in range(num_replicas)])
 
     async def set_ttft_costs(self, costs: TTFTCosts) -> None:
         """The ttft profile's costs, measured on the replicas at start-up."""

@@ -123,6 +123,12 @@ def test_data_parallel_size_sets_the_number_of_replica_actors(deploy, ray_sessio
     output = run(run_one(backend, "after-restart", [5, 6, 7, 8]))
     assert output.finish_reason == "length"
     assert ray_session.get(backend.router.ttft_costs.remote()) == costs
+    # ... and which node each runs on (replicas of one node read each other's disk blocks).
+    nodes = [str(r["node_id"]) for r in backend.replica_infos]
+    while (known := ray_session.get(backend.router.nodes.remote())) is None:
+        assert time.monotonic() < deadline, "the restarted router never learned the nodes"
+        time.sleep(0.2)
+    assert known == nodes
 
 
 def test_killing_a_replica_fails_only_its_requests_and_it_rejoins(deploy, ray_session):
