@@ -206,8 +206,13 @@ def test_a_full_replica_passes_the_request_to_the_next_best_one(deploy):
     async def scenario():
         first = backend.generate("a", [*prefix, 1], long)
         running = await anext(first)  # replica 0 runs it now
-        queued = asyncio.ensure_future(run_one(backend, "b", [*prefix, 2], long))
+        # b must follow a's prefix to replica 0: wait until replica 0's report of it (sent
+        # after the step, fire-and-forget) is in the router's index, else b goes by load alone.
         deadline = time.monotonic() + 30
+        while (await backend.router.stats.remote()).num_indexed_hashes < len(prefix) // 16:
+            assert time.monotonic() < deadline, "the router never indexed request a's prefix"
+            await asyncio.sleep(0.01)
+        queued = asyncio.ensure_future(run_one(backend, "b", [*prefix, 2], long))
         while (await backend.replicas[0].stats.remote()).num_waiting < 1:
             assert time.monotonic() < deadline, "request b never queued on replica 0"
             await asyncio.sleep(0.01)
