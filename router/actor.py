@@ -139,7 +139,7 @@ class RouterActor:
                 if index in nodes:
                     continue
                 try:
-                    replica = ray.get_actor(f"{self.replica_name_prefix}-replica-{index}")
+                    replica = self._replica(index)
                     nodes[index] = str((await replica.info.remote())["node_id"])
                 except Exception as error:  # dead or restarting: asked again next round
                     logger.warning("replica %d did not say its node: %s", index, error)
@@ -180,7 +180,7 @@ class RouterActor:
             measured = []
             for index in range(num_replicas):
                 try:
-                    replica = ray.get_actor(f"{self.replica_name_prefix}-replica-{index}")
+                    replica = self._replica(index)
                     costs = await replica.step_costs.remote()
                 except Exception as error:  # dead or restarting: the others may answer
                     logger.warning("replica %d has no step costs: %s", index, error)
@@ -200,6 +200,11 @@ class RouterActor:
     async def stats(self) -> RouterStats:
         return self.router.stats()
 
+    def _replica(self, index: int) -> ray.actor.ActorHandle:
+        """Replica ``index``'s actor, by the name the deployment gave it (raises while it is
+        gone)."""
+        return ray.get_actor(f"{self.replica_name_prefix}-replica-{index}")
+
     def _schedule_resync(self, replica_index: int) -> None:
         if replica_index in self._resyncing or self.replica_name_prefix is None:
             return
@@ -208,7 +213,7 @@ class RouterActor:
 
     async def _resync(self, replica_index: int) -> None:
         try:
-            replica = ray.get_actor(f"{self.replica_name_prefix}-replica-{replica_index}")
+            replica = self._replica(replica_index)
             snapshot = await replica.snapshot.remote()
             self.router.resync(snapshot)
         except Exception as error:  # the replica may be dead or restarting; routing goes on

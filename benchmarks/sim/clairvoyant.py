@@ -16,10 +16,13 @@ from collections.abc import Callable, Iterable
 from replicas.hashing import BlockHash
 from replicas.kv_retention import RetentionTracker
 
+Arrivals = dict[BlockHash, list[float]]
+"""Block hash -> the sorted arrival times of the requests whose prompts hold it."""
 
-def arrivals_by_block(requests: Iterable[tuple[float, list[BlockHash]]]) -> dict[BlockHash, list]:
-    """Block hash -> the sorted arrival times of the requests whose prompts hold it."""
-    arrivals: dict[BlockHash, list[float]] = {}
+
+def arrivals_by_block(requests: Iterable[tuple[float, list[BlockHash]]]) -> Arrivals:
+    """The ``Arrivals`` of ``(arrival time, prompt block hashes)`` pairs."""
+    arrivals: Arrivals = {}
     for arrival_s, hashes in requests:
         for block_hash in hashes:
             arrivals.setdefault(block_hash, []).append(arrival_s)
@@ -34,7 +37,7 @@ class ClairvoyantTracker(RetentionTracker):
     def __init__(
         self,
         num_host_blocks: int,
-        arrivals: dict[BlockHash, list[float]],
+        arrivals: Arrivals,
         clock: Callable[[], float],
         window_s: float,
     ) -> None:

@@ -35,7 +35,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.sim.agents import ClusterView, RoutingAgent, StrataAgent
-from benchmarks.sim.clairvoyant import ClairvoyantTracker, arrivals_by_block
+from benchmarks.sim.clairvoyant import Arrivals, ClairvoyantTracker, arrivals_by_block
 from benchmarks.sim.cost_model import CostModel
 from benchmarks.sim.disk import NodeDisk
 from benchmarks.sim.engine import SimulatedEngine, StepReport
@@ -62,9 +62,8 @@ STRATA = "strata"
 FULL, SLIDING = "full", "sliding"
 ARRIVAL, STEP_END, DELIVER, WAKE = 0, 1, 2, 3
 JITTER_S = 0.01
-CLAIRVOYANT = (
-    "clairvoyant"  # a retention that reads the trace's future (benchmarks.sim.clairvoyant)
-)
+# A retention that reads the trace's future (benchmarks.sim.clairvoyant): a bound, not a policy.
+CLAIRVOYANT = "clairvoyant"
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,7 +195,7 @@ class Simulator:
         model_tokens = self.cost_model.profile.max_model_len / self.config.token_scale
         return int(min(npu_tokens, model_tokens))
 
-    def _future_arrivals(self) -> dict:
+    def _future_arrivals(self) -> Arrivals:
         """For the clairvoyant bound: each prompt block's arrival times (the trace's future)."""
         if self.config.sequential:
             raise ValueError(
