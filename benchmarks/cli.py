@@ -99,10 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--dtype",
         nargs="+",
-        choices=["float32", "bfloat16", "float16"],
+        choices=["auto", "float32", "bfloat16", "float16"],
         default=None,
         help="dtypes the decode scenario measures (default: float32 and bfloat16); one dtype "
-        "for reload-vs-recompute and engine-vs-llamacpp (default: float32)",
+        "for reload-vs-recompute (default: float32); engine-vs-llamacpp measures each with "
+        "each --quantization, auto only with auto (default: auto, float32, bfloat16)",
     )
     run.add_argument(
         "--quantization",

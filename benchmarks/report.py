@@ -18,12 +18,18 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from replicas.model.autotune import cpu_facts
+
 
 def machine_info() -> dict[str, object]:
-    """Where the numbers come from: CPU, threads, library versions and the date."""
+    """Where the numbers come from: CPU (model, flags, what torch dispatches to), threads,
+    library versions and the date."""
+    cpu = cpu_facts()
     return {
         "cpu_count": os.cpu_count(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu["model"],
+        "cpu_flags": cpu["flags"],
+        "torch_cpu_capability": cpu["torch_capability"],
         "torch_version": torch.__version__,
         "torch_num_threads": torch.get_num_threads(),
         "cuda_available": torch.cuda.is_available(),
@@ -32,17 +38,6 @@ def machine_info() -> dict[str, object]:
         "platform": platform.platform(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
     }
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def fmt(value: object) -> str:

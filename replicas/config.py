@@ -36,6 +36,20 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def planning_dtype(name: str) -> str:
+    """The dtype that sizes KV memory before a replica has resolved ``auto``: the widest
+    candidate (float32), so that a byte budget's checks hold whatever the replica chooses."""
+    return "float32" if name == "auto" else name
+
+
+def dtype_name_of(dtype: torch.dtype) -> str:
+    """The config name of a torch dtype; ``ValueError`` for one Strata does not run."""
+    for name, candidate in TORCH_DTYPES.items():
+        if candidate == dtype:
+            return name
+    raise ValueError(f"dtype must be {_one_of(TORCH_DTYPES)}, got {dtype}")
+
+
 def _one_of(names: Iterable[str]) -> str:
     """``"a, b or c"``."""
     *head, last = names
@@ -250,13 +264,18 @@ class ReplicaModelConfig(_Config):
         None, description="Hub branch, tag or commit of a hub id; None: the default branch."
     )
     seed: int = Field(0, description="Seed of built-in weights and of unseeded sampling.")
-    dtype: str = Field("float32", description=f"Weights and KV dtype: {_one_of(TORCH_DTYPES)}.")
+    dtype: str = Field(
+        "auto",
+        description=f"Weights and KV dtype: {_one_of(TORCH_DTYPES)} or auto (the faster of "
+        "float32 and bfloat16, measured on this machine at start-up; bfloat16 only where it "
+        "is faster in prefill and decode both; float32 for the built-in test models).",
+    )
     quantization: Literal["auto", "none", "int8", "int4"] = Field(
         "auto",
         description="How linear weights are kept: none (in dtype), int8 (per output channel), "
         "int4 (groups of 32; a GGUF file's Q4_0/Q4_1 codes as stored, its 5- to 8-bit tensors "
-        "at int8) or auto (int4 for a quantized GGUF file on a CPU with native bfloat16, "
-        "else none).",
+        "at int8) or auto (for a quantized GGUF file on a CPU, the fastest of none, int8 and "
+        "int4 measured on this machine at start-up; else none).",
     )
     device: str = Field(
         "auto", description="auto (cuda if available, else cpu), cpu, cuda or cuda:N."
@@ -282,7 +301,8 @@ class ReplicaModelConfig(_Config):
 
     @model_validator(mode="after")
     def _check_model(self) -> "ReplicaModelConfig":
-        torch_dtype(self.dtype)
+        if self.dtype != "auto":
+            torch_dtype(self.dtype)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         return self

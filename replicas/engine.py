@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from replicas.config import EngineConfig, torch_dtype
+from replicas.config import EngineConfig, dtype_name_of
 from replicas.engine_core import EngineCore
 from replicas.executor import ModelExecutor
 from replicas.host_memory import check_host_capacity
@@ -95,14 +95,18 @@ class Engine:
         self.device = resolve_device(config.device)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        dtype = torch_dtype(config.dtype)
         self.loaded = loaded or load_model(
             config.model,
             self.device,
-            dtype,
+            config.dtype,
             seed=config.seed,
             revision=config.revision,
             quantization=config.quantization,
+        )
+        dtype = self.loaded.dtype
+        # What ``auto`` resolved to, so that everything after reads the dtype the engine runs.
+        self.config = config = config.model_copy(
+            update={"dtype": dtype_name_of(dtype), "quantization": self.loaded.quantization}
         )
         self.tokenizer = self.loaded.tokenizer
         self.block_size = config.block_size
@@ -161,9 +165,10 @@ class Engine:
         )
         self._last_hint = time.monotonic()
         logger.info(
-            "engine: model %s on %s (weights: %s), block size %d, max_model_len %d",
+            "engine: model %s on %s (%s, weights: %s), block size %d, max_model_len %d",
             self.loaded.name,
             self.device,
+            config.dtype,
             self.loaded.quantization,
             self.block_size,
             self.max_model_len,

@@ -27,6 +27,7 @@ from replicas.config import (
     EngineConfig,
     KVOffloadConfig,
     check_one_host_capacity,
+    planning_dtype,
     torch_dtype,
 )
 from replicas.model import KVCacheSpec, ModelArgs
@@ -49,10 +50,11 @@ class CachePlan(NamedTuple):
 
 def kv_cache_specs(args: ModelArgs, dtype: str) -> dict[str, KVCacheSpec]:
     """The model's KV cache specs without its weights: ``kv_cache_specs`` of the model built on
-    the meta device, which allocates no memory."""
+    the meta device, which allocates no memory. ``auto`` plans with the widest candidate
+    (``replicas.config.planning_dtype``)."""
     with torch.device("meta"):
         model = build_model(args)
-    return model.kv_cache_specs(torch_dtype(dtype))
+    return model.kv_cache_specs(torch_dtype(planning_dtype(dtype)))
 
 
 def _blocks_per_request(spec: KVCacheSpec, num_tokens: int, chunk: int, block_size: int) -> int:

@@ -2,11 +2,21 @@
 ``replicas.model.hf``) or a GGUF file (see ``replicas.model.gguf``), building the model class
 that the architecture's registry entry names (see ``replicas.model.registry``)."""
 
+import logging
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from replicas.config import dtype_name_of, torch_dtype
+from replicas.model.autotune import (
+    Candidate,
+    Choice,
+    cache_key,
+    cache_path,
+    candidates,
+    tune,
+)
 from replicas.model.builtin import BUILTIN_MODEL_ARGS, build_builtin_model
 from replicas.model.config import ModelArgs
 from replicas.model.gguf import (
@@ -19,11 +29,13 @@ from replicas.model.gguf import (
     read_gguf_info,
 )
 from replicas.model.hf import load_safetensors, read_hf_info
-from replicas.model.quant import QUANTIZATIONS, default_quantization, quantize_model
+from replicas.model.quant import QUANTIZATIONS, quantize_model
 from replicas.model.registry import build_model
 from replicas.model.resolve import resolve_model
 from replicas.model.tokenizer import ByteTokenizer, Tokenizer
 from replicas.model.transformer import Transformer
+
+logger = logging.getLogger(__name__)
 
 
 class LoadedModel(NamedTuple):
@@ -32,12 +44,33 @@ class LoadedModel(NamedTuple):
     model: Transformer
     tokenizer: Tokenizer
     quantization: str = "none"  # how the linear weights are kept (replicas.model.quant)
+    auto: Choice | None = None  # how ``auto`` was resolved, where it was measured
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the model computes in (its embedding's, never quantized), and its KV's."""
+        return self.model.tok_embeddings.weight.dtype
+
+
+class _Weights(NamedTuple):
+    """A checkpoint loaded in one dtype, before its linear weights are quantized."""
+
+    name: str
+    net: Transformer
+    tokenizer: Tokenizer
+    files: list[str]  # what the checkpoint was read from (the choice cache's key)
+    int4_groups: dict  # stored int4 codes by parameter name (a GGUF file's Q4 tensors)
+    stored_bits: dict  # bits per weight as stored
+
+    @property
+    def is_quantized(self) -> bool:
+        return any(bits <= 8 for bits in self.stored_bits.values())
 
 
 def load_model(
     model: str,
     device: torch.device,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     seed: int = 0,
     revision: str | None = None,
     quantization: str = "none",
@@ -45,41 +78,88 @@ def load_model(
     """A built-in model by name (seeded random weights), a packaged model, a local Hugging
     Face directory or a hub id (see ``resolve_model``).
 
-    ``quantization``: ``none`` (weights in ``dtype``), ``int8``, ``int4`` or ``auto``
-    (``replicas.model.quant.default_quantization``). The model comes back in eval mode with
-    gradients off.
+    ``dtype``: a torch dtype, its name, or ``auto``; ``quantization``: ``none`` (weights in
+    ``dtype``), ``int8``, ``int4`` or ``auto``. What ``auto`` means is measured on this machine
+    (``replicas.model.autotune``), except for the built-in models, whose random weights exist to
+    test the engine: ``float32`` and ``none`` there, the reference. The model comes back in eval
+    mode with gradients off.
     """
     if quantization != "auto" and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be auto, none, int8 or int4, got {quantization!r}")
-    name = model
-    model = resolve_model(model, revision)
-    int4_groups, stored_bits = {}, {}
+    dtype_name = dtype if isinstance(dtype, str) else dtype_name_of(dtype)
+    if dtype_name != "auto":
+        torch_dtype(dtype_name)  # a ValueError naming the choices
+    resolved = resolve_model(model, revision)
+    if resolved in BUILTIN_MODEL_ARGS:
+        dtype_name = "float32" if dtype_name == "auto" else dtype_name
+        quantization = "none" if quantization == "auto" else quantization
+    load_dtype = "float32" if dtype_name == "auto" else dtype_name
+    weights = _load_weights(model, resolved, device, torch_dtype(load_dtype), seed)
+    options = candidates(dtype_name, quantization, weights.is_quantized, device)
+    choice = tune(
+        options,
+        lambda candidate: _finish(weights, candidate, device, copy=True),
+        cache_key(weights.files, device, options),
+        cache_path(),
+    )
+    if dtype_name == "auto" or quantization == "auto":
+        logger.info("auto: %s chose %s", weights.name, choice.describe())
+    net = _finish(weights, choice.candidate, device, copy=False)
+    return LoadedModel(
+        net.args.name,
+        net.args,
+        net,
+        weights.tokenizer,
+        choice.candidate.quantization,
+        choice if choice.source != "fixed" else None,
+    )
+
+
+def _load_weights(
+    name: str, model: str, device: torch.device, dtype: torch.dtype, seed: int
+) -> _Weights:
+    """The weights of resolved ``model`` in ``dtype``, with the int4 codes a GGUF file stores."""
     if is_gguf_file(model):
         reader = open_gguf(model)
         args, tokenizer = gguf_model_info(reader, name)
         net = _empty_model(args, device, dtype)
         load_gguf_weights(net, reader, model)
-        stored_bits = gguf_weight_bits(net, reader)
-        if quantization == "auto":
-            is_quantized = any(bits <= 8 for bits in stored_bits.values())
-            quantization = default_quantization(device, is_quantized)
-        if quantization == "int4":
-            int4_groups = gguf_int4_groups(net, reader)
+        return _Weights(
+            name,
+            net,
+            tokenizer,
+            [model],
+            gguf_int4_groups(net, reader),
+            gguf_weight_bits(net, reader),
+        )
+    args, tokenizer = _model_info(model, name)
+    if model in BUILTIN_MODEL_ARGS:
+        net = build_builtin_model(model, seed).to(device=device, dtype=dtype)
+        return _Weights(name, net, tokenizer, [], {}, {})
+    net = _empty_model(args, device, dtype)
+    load_safetensors(net, Path(model))
+    files = sorted(str(p) for p in Path(model).glob("*") if p.is_file())
+    return _Weights(name, net, tokenizer, files, {}, {})
+
+
+def _finish(
+    weights: _Weights, candidate: Candidate, device: torch.device, copy: bool
+) -> Transformer:
+    """The model of ``weights`` in ``candidate``'s dtype and quantization, in eval mode with
+    gradients off: built on a copy of the weights (a candidate to time, cast as it is copied) or
+    on the weights themselves."""
+    dtype = torch_dtype(candidate.dtype)
+    if copy:
+        net = _empty_model(weights.net.args, device, dtype)
+        net.load_state_dict(weights.net.state_dict())
     else:
-        args, tokenizer = _model_info(model, name)
-        if model in BUILTIN_MODEL_ARGS:
-            net = build_builtin_model(model, seed).to(device=device, dtype=dtype)
-        else:
-            net = _empty_model(args, device, dtype)
-            load_safetensors(net, Path(model))
-    if quantization == "auto":  # not a GGUF file: a float checkpoint
-        quantization = default_quantization(device, is_quantized_checkpoint=False)
-    if quantization != "none":
-        quantize_model(net, quantization, int4_groups, stored_bits)
+        net = weights.net.to(dtype)
+    if candidate.quantization != "none":
+        quantize_model(net, candidate.quantization, weights.int4_groups, weights.stored_bits)
         net.to(device)
     net.eval()
     net.requires_grad_(False)
-    return LoadedModel(net.args.name, net.args, net, tokenizer, quantization)
+    return net
 
 
 def load_model_info(model: str, revision: str | None = None) -> tuple[ModelArgs, Tokenizer]:

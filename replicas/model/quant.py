@@ -2,9 +2,12 @@
 
 A decode step multiplies a few activation rows by every weight of the model, so its time is the
 bytes of weights read: int8 reads a quarter of float32's bytes, int4 an eighth. The products use
-torch's packed CPU kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``), which are
-fast only with bfloat16 activations: the layer multiplies in bfloat16 (float32 accumulation
-inside the kernel) and returns the caller's dtype.
+torch's packed CPU kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``), which take
+bfloat16 activations: the layer multiplies in bfloat16 (float32 accumulation inside the kernel)
+and returns the caller's dtype. How fast they are against a dense GEMM differs from one CPU to
+the next, so ``quantization: auto`` measures them on the machine (``replicas.model.autotune``);
+how torch packs the int4 nibbles differs too, so nothing here assumes one packing
+(``_unpack_int4`` reads codes back through the kernel itself).
 
 The packed kernels run at every row count, prefill chunks included, although past a few dozen
 rows a dense bfloat16 GEMM over the weight dequantized for the call is faster: a packed kernel
@@ -44,34 +47,11 @@ class Int4Groups(NamedTuple):
 
 
 QUANTIZATIONS = ("none", "int8", "int4")
-"""What ``replicas.config`` accepts besides ``auto`` (see ``default_quantization``)."""
+"""What ``replicas.config`` accepts besides ``auto`` (``replicas.model.autotune``)."""
 
 GROUP_SIZE = 32
 COMPUTE_DTYPE = torch.bfloat16
-_INT4_TILE_ROWS = 64  # the CPU int4 kernel packs output rows in tiles of 64
-
-
-def has_fast_bfloat16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX), which the packed
-    kernels need to be faster than a dense float32 GEMM."""
-    return bool(
-        torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
-
-
-def default_quantization(device: torch.device, is_quantized_checkpoint: bool) -> str:
-    """What ``quantization: auto`` means: ``int4`` for a checkpoint stored quantized (a GGUF file
-    of 4- to 8-bit tensors) on a CPU with native bfloat16, so that each tensor is served at the
-    precision its file stores (Q4 codes as stored, 5- to 8-bit tensors at int8); otherwise the
-    weights as loaded, so a float checkpoint is never quantized unasked.
-
-    int4 over int8 for such files: through the engine it decodes faster at small batches, with
-    the file's own perplexity (``engine-vs-llamacpp`` in benchmarks/README.md), although the two
-    kernels are level at one row on cache-resident weights.
-    """
-    if device.type == "cpu" and is_quantized_checkpoint and has_fast_bfloat16():
-        return "int4"
-    return "none"
+_INT4_TILE_ROWS = 64  # output sizes the CPU int4 kernels take: multiples of their widest tile
 
 
 class QuantizedLinear(nn.Module):
@@ -191,12 +171,19 @@ def _check_int4_shape(n: int, k: int) -> None:
 
 
 def _unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Codes [N, K] from the CPU int4 kernel's packing: tiles of 64 output rows, each byte of
-    tile row ``j`` holding row ``j`` (low nibble) and row ``j + 32`` (high nibble) of one input
-    column. ``tests/unit/model/test_quant.py`` checks this against torch's packing."""
-    tiles = packed.reshape(n // _INT4_TILE_ROWS, k, _INT4_TILE_ROWS // 2)
-    codes = torch.cat((tiles & 15, tiles >> 4), dim=-1)  # [N / 64, K, 64]
-    return codes.permute(0, 2, 1).reshape(n, k)
+    """Codes [N, K] (uint8) from the CPU int4 kernel's packing, read through the kernel itself.
+
+    How torch packs the nibbles depends on the CPU it runs on (AVX-512, AVX2 and the portable
+    build each have their own layout), so nothing here assumes one: the kernel multiplies the
+    identity by the packed weight with every scale 1 and zero 8, which gives each code
+    ``(q - 8) * 1 + 8 = q`` exactly (integers below 16 are exact in bfloat16)."""
+    device = packed.device
+    eye = torch.eye(k, dtype=COMPUTE_DTYPE)
+    unit = torch.tensor([1.0, 8.0], dtype=COMPUTE_DTYPE).expand(k // GROUP_SIZE, n, 2)
+    codes_t = torch._weight_int4pack_mm_for_cpu(
+        eye, packed.cpu(), GROUP_SIZE, unit.contiguous()
+    )  # [K, N]
+    return codes_t.t().to(torch.uint8).to(device)
 
 
 def quantize_model(

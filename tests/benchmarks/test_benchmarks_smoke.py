@@ -123,6 +123,7 @@ EXPECTED = {
         "strata.*.chunks.*.computed_tokens",
         "strata.*.decode.*.decode_tokens_per_s",
         "strata.*.largest_batch_over_batch_1",
+        "strata.*.request_s",
     ],
     "api-fields": [
         "choices.n.prompt_tokens_computed",
@@ -184,6 +185,11 @@ def test_quick_run_writes_report(
         assert "llama-cpp-python is not installed" in report
         assert 'pip install -e ".[peers]"' in report
         assert [r["batch_size"] for r in document["strata"][0]["decode"]] == [1, 8, 32]
+        # The default's start-up choice and the timings it was made from are in the report.
+        auto = document["strata"][0]
+        assert auto["dtype"] == "auto" and auto["auto"]["chose"] == auto["runs"]
+        assert len(auto["auto"]["timings"]) == 6
+        assert "What auto chose" in report and "torch_cpu_capability" in report
 
 
 @NEEDS_SMOLLM2

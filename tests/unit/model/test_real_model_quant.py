@@ -11,7 +11,7 @@ import torch
 from replicas.model import load_model
 from replicas.model.gguf import gguf_int4_groups, gguf_weight_bits, open_gguf
 from replicas.model.perplexity import perplexity
-from replicas.model.quant import QuantizedLinear, has_fast_bfloat16, quantize_model
+from replicas.model.quant import QuantizedLinear, quantize_model
 from replicas.model.resolve import DEFAULT_MODEL, packaged_model_path
 from tests.unit.model.conftest import SMOLLM2_PROMPTS, engine_greedy
 
@@ -19,8 +19,6 @@ try:
     SMOLLM2 = packaged_model_path(DEFAULT_MODEL)
 except ValueError as missing:
     pytest.skip(str(missing), allow_module_level=True)
-if not has_fast_bfloat16():
-    pytest.skip("this CPU has no native bfloat16 for the packed kernels", allow_module_level=True)
 
 TEXT = (Path(__file__).parents[2] / "data" / "perplexity.txt").read_text()
 WINDOW = 512

@@ -1,0 +1,277 @@
+"""What ``auto`` means on this machine: the dtype and the way of keeping linear weights that
+run this model fastest here, chosen by timing them at start-up, never by a CPU-flag rule.
+
+Machines differ: the packed int4 and int8 kernels are the fastest decode on one CPU and the
+slowest prefill on another; bfloat16 doubles one CPU's prefill and divides another's by six.
+So each candidate is built from the loaded weights and timed on this CPU, with this process's
+threads, for a fraction of a second:
+
+* prefill: one forward of ``PREFILL_TOKENS`` fresh tokens, per token;
+* decode: one forward of a single token after ``DECODE_CONTEXT_TOKENS`` of context.
+
+Each figure is the fastest of ``REPEATS`` runs (the one least disturbed by other processes).
+The candidates are priced by the time of one representative request (``PROMPT_TOKENS`` of
+prefill and ``OUTPUT_TOKENS`` of decode) and the cheapest wins, with one more rule: a candidate
+in a narrower dtype than float32 is eligible only where it measured faster than float32 with the
+same weights in prefill and in decode both (a narrower dtype costs precision, so it must pay in
+both phases). A weighted sum of the two times never picks a candidate that another eligible
+one beat in both.
+
+The candidates: both dtypes (``CANDIDATE_DTYPES``) where ``dtype`` is ``auto``; ``none``,
+``int8`` and ``int4`` where ``quantization`` is ``auto`` and the checkpoint is stored quantized
+(a GGUF file of 4- to 8-bit tensors), else ``none`` (a float checkpoint is never quantized
+unasked, and on CUDA, where there are no packed kernels, neither is a quantized one). An
+explicit ``dtype`` or ``quantization`` fixes that half of the choice.
+
+The choice is kept in a small JSON file per machine (``cache_path``), keyed by the CPU's model
+name and flags, torch's version and CPU capability, the thread count, the device, the model's
+files and the candidates, so a restart does not measure again; ``STRATA_AUTOTUNE_CACHE`` names
+another file, or ``off`` for none. ``benchmarks/engine_vs_llamacpp.py`` reports the choice and the
+timings it was made from beside every configuration measured.
+"""
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from replicas.config import torch_dtype
+from replicas.model.batch import ForwardBatch
+from replicas.model.transformer import Transformer
+
+logger = logging.getLogger(__name__)
+
+CANDIDATE_DTYPES = ("float32", "bfloat16")
+QUANTIZED_CANDIDATES = ("none", "int8", "int4")
+PROMPT_TOKENS = 256
+"""Prompt tokens computed by the representative request (what prefix caching leaves to do)."""
+OUTPUT_TOKENS = 128
+PREFILL_TOKENS = 64
+DECODE_CONTEXT_TOKENS = 64
+REPEATS = 3
+CACHE_ENV = "STRATA_AUTOTUNE_CACHE"
+_BLOCK_SIZE = 16
+
+
+class Candidate(NamedTuple):
+    dtype: str  # a name of replicas.config.TORCH_DTYPES
+    quantization: str  # none, int8 or int4 (replicas.model.quant)
+
+    def __str__(self) -> str:
+        return f"{self.dtype}/{self.quantization}"
+
+
+class Timing(NamedTuple):
+    candidate: Candidate
+    prefill_s_per_token: float
+    decode_s: float  # one decode step of one sequence
+
+    @property
+    def request_s(self) -> float:
+        """The time of the representative request: what candidates are priced by."""
+        return PROMPT_TOKENS * self.prefill_s_per_token + OUTPUT_TOKENS * self.decode_s
+
+
+class Choice(NamedTuple):
+    """What ``auto`` resolved to, and why: ``source`` is ``measured``, ``cached`` (measured by
+    an earlier start on this machine) or ``fixed`` (nothing to choose)."""
+
+    candidate: Candidate
+    timings: tuple[Timing, ...]
+    source: str
+
+    def describe(self) -> str:
+        """One log line: the choice, where it came from and every candidate's timings."""
+        if not self.timings:
+            return f"{self.candidate} ({self.source})"
+        rows = ", ".join(
+            f"{t.candidate} prefill {1e3 * t.prefill_s_per_token:.2f} ms/token decode "
+            f"{1e3 * t.decode_s:.1f} ms/step request {t.request_s:.2f} s"
+            for t in self.timings
+        )
+        return f"{self.candidate} ({self.source}; {rows})"
+
+
+def candidates(
+    dtype: str, quantization: str, is_quantized_checkpoint: bool, device: torch.device
+) -> list[Candidate]:
+    """The configurations ``auto`` chooses among (see the module docstring)."""
+    dtypes = CANDIDATE_DTYPES if dtype == "auto" else (dtype,)
+    if quantization != "auto":
+        quantizations: Sequence[str] = (quantization,)
+    elif is_quantized_checkpoint and device.type == "cpu":
+        quantizations = QUANTIZED_CANDIDATES
+    else:
+        quantizations = ("none",)
+    return [Candidate(d, q) for d in dtypes for q in quantizations]
+
+
+def choose(timings: Sequence[Timing]) -> Candidate:
+    """The cheapest eligible candidate by ``Timing.request_s`` (see the module docstring)."""
+    float32 = {t.candidate.quantization: t for t in timings if t.candidate.dtype == "float32"}
+
+    def eligible(t: Timing) -> bool:
+        twin = float32.get(t.candidate.quantization)
+        if t.candidate.dtype == "float32" or twin is None:
+            return True
+        return t.prefill_s_per_token < twin.prefill_s_per_token and t.decode_s < twin.decode_s
+
+    return min(filter(eligible, timings), key=lambda t: t.request_s).candidate
+
+
+@torch.inference_mode()
+def time_model(
+    model: Transformer, dtype: torch.dtype, timer: Callable[[], float] = time.perf_counter
+) -> tuple[float, float]:
+    """(prefill seconds per token, decode seconds per step) of ``model`` (see the module
+    docstring), on random token ids over a block KV cache of ``dtype``."""
+    device = model.tok_embeddings.weight.device
+    num_tokens = max(PREFILL_TOKENS, DECODE_CONTEXT_TOKENS) + 1
+    num_blocks = -(-num_tokens // _BLOCK_SIZE)
+    caches = {
+        g: torch.zeros(s.shape(num_blocks, _BLOCK_SIZE), dtype=dtype, device=device)
+        for g, s in model.kv_cache_specs(dtype).items()
+    }
+    gen = torch.Generator().manual_seed(0)
+    token_ids = torch.randint(0, model.args.vocab_size, (num_tokens,), generator=gen)
+
+    def forward(start: int, end: int) -> None:
+        positions = torch.arange(start, end, device=device)
+        batch = ForwardBatch(
+            input_ids=token_ids[start:end].to(device),
+            positions=positions,
+            query_start_loc=[0, end - start],
+            seq_lens=[end],
+            block_tables={g: torch.arange(num_blocks, device=device)[None, :] for g in caches},
+            slot_mapping={g: positions for g in caches},
+            logits_indices=torch.tensor([end - start - 1], device=device),
+        )
+        model.compute_logits(model(batch, caches))
+
+    def fastest(start: int, end: int) -> float:
+        forward(start, end)  # warm-up: first-touch of the cache and the kernels' set-up
+        times = []
+        for _ in range(REPEATS):
+            begin = timer()
+            forward(start, end)
+            times.append(timer() - begin)
+        return min(times)
+
+    prefill = fastest(0, PREFILL_TOKENS) / PREFILL_TOKENS
+    return prefill, fastest(DECODE_CONTEXT_TOKENS, DECODE_CONTEXT_TOKENS + 1)
+
+
+def tune(
+    options: Sequence[Candidate],
+    build: Callable[[Candidate], Transformer],
+    key: str,
+    cache_file: Path | None,
+    timer: Callable[[], float] = time.perf_counter,
+) -> Choice:
+    """The choice among ``options``: from ``cache_file`` under ``key`` when an earlier start
+    measured it, else by timing the model ``build`` makes of each (built and dropped one at a
+    time) and stored there."""
+    if len(options) == 1:
+        return Choice(options[0], (), "fixed")
+    cached = _read_cache(cache_file).get(key) if cache_file else None
+    if cached is not None:
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            return _choice_from_json(cached, options)
+    timings = []
+    for candidate in options:
+        model = build(candidate)
+        timings.append(Timing(candidate, *time_model(model, torch_dtype(candidate.dtype), timer)))
+        del model
+    choice = Choice(choose(timings), tuple(timings), "measured")
+    if cache_file is not None:
+        _write_cache(cache_file, key, choice)
+    return choice
+
+
+def cache_path() -> Path | None:
+    """The per-machine choice cache: ``STRATA_AUTOTUNE_CACHE`` (``off``: none), else
+    ``$XDG_CACHE_HOME/strata/autotune.json`` (``~/.cache`` by default)."""
+    configured = os.environ.get(CACHE_ENV)
+    if configured:
+        return None if configured.lower() in ("off", "0", "none") else Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "strata" / "autotune.json"
+
+
+def cpu_facts() -> dict[str, str]:
+    """The CPU as the choice depends on it: model name, flags (Linux), torch's capability."""
+    facts = {"model": platform.processor() or platform.machine(), "flags": ""}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            name = name.strip()
+            if name == "model name" and facts["model"] in ("", platform.processor()):
+                facts["model"] = value.strip()
+            elif name in ("flags", "Features") and not facts["flags"]:
+                facts["flags"] = value.strip()
+    facts["torch_capability"] = torch.backends.cpu.get_cpu_capability()
+    return facts
+
+
+def cache_key(
+    model_files: Sequence[Path | str], device: torch.device, options: Sequence[Candidate]
+) -> str:
+    """The key of a choice: this CPU, torch, the threads, the device, the model's files (path,
+    size and modification time) and the candidates."""
+    files = []
+    for name in model_files:
+        path = Path(name)
+        stat = path.stat() if path.exists() else None
+        files.append([str(path), stat.st_size if stat else 0, stat.st_mtime_ns if stat else 0])
+    facts = {
+        "cpu": cpu_facts(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "device": str(device),
+        "model": files,
+        "candidates": [list(c) for c in options],
+    }
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_cache(path: Path, key: str, choice: Choice) -> None:
+    """Add ``choice`` under ``key``, atomically (replicas starting together may race: the last
+    writer's file wins whole, and a lost entry is measured again at the next start)."""
+    data = _read_cache(path)
+    data[key] = {
+        "choice": list(choice.candidate),
+        "timings": [[*t.candidate, t.prefill_s_per_token, t.decode_s] for t in choice.timings],
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as f:
+            json.dump(data, f, indent=1)
+        os.replace(f.name, path)
+    except OSError as error:
+        logger.warning("auto: could not write the choice cache %s: %s", path, error)
+
+
+def _choice_from_json(entry: dict, options: Sequence[Candidate]) -> Choice:
+    candidate = Candidate(*entry["choice"])
+    timings = tuple(Timing(Candidate(d, q), float(p), float(s)) for d, q, p, s in entry["timings"])
+    if candidate not in options:
+        raise ValueError(f"cached choice {candidate} is not a candidate")
+    return Choice(candidate, timings, "cached")

@@ -1,0 +1,217 @@
+"""What ``auto`` resolves to: the rule over measured timings, the measurement (with a stub
+timer), the per-machine cache, and a real quantized file loaded with ``auto``."""
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from replicas.model import autotune, load_model
+from replicas.model.autotune import Candidate, Timing, choose, tune
+
+F32_NONE, F32_INT4 = Candidate("float32", "none"), Candidate("float32", "int4")
+BF16_NONE, BF16_INT4 = Candidate("bfloat16", "none"), Candidate("bfloat16", "int4")
+
+
+def timing(candidate: Candidate, prefill_ms: float, decode_ms: float) -> Timing:
+    return Timing(candidate, prefill_ms / 1e3, decode_ms / 1e3)
+
+
+def test_the_cheapest_request_wins():
+    timings = [timing(F32_NONE, 2.0, 60), timing(F32_INT4, 5.0, 20)]
+    # 256 x 2 + 128 x 60 = 8.2 s against 256 x 5 + 128 x 20 = 3.8 s
+    assert choose(timings) == F32_INT4
+    timings = [timing(F32_NONE, 1.0, 30), timing(F32_INT4, 5.0, 25)]
+    assert choose(timings) == F32_NONE
+
+
+def test_bfloat16_only_where_it_is_faster_in_prefill_and_decode_both():
+    # Cheaper overall (prefill 6x faster) but slower to decode than float32: not eligible.
+    timings = [timing(F32_NONE, 6.0, 20), timing(BF16_NONE, 1.0, 21)]
+    assert choose(timings) == F32_NONE
+    timings = [timing(F32_NONE, 6.0, 20), timing(BF16_NONE, 5.9, 19.9)]
+    assert choose(timings) == BF16_NONE
+    # Its twin is the float32 candidate with the same weights, not any float32 candidate.
+    timings = [
+        timing(F32_NONE, 2.0, 60),
+        timing(F32_INT4, 5.0, 20),
+        timing(BF16_NONE, 1.0, 55),
+        timing(BF16_INT4, 4.0, 21),
+    ]
+    assert choose(timings) == F32_INT4
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_never_a_candidate_another_eligible_one_beat_in_both(seed):
+    gen = torch.Generator().manual_seed(seed)
+    options = autotune.candidates("auto", "auto", True, torch.device("cpu"))
+    timings = [
+        timing(c, *(float(v) for v in torch.rand(2, generator=gen) * 50 + 1)) for c in options
+    ]
+    chosen = next(t for t in timings if t.candidate == choose(timings))
+    for other in timings:
+        beats = (
+            other.prefill_s_per_token < chosen.prefill_s_per_token
+            and other.decode_s < chosen.decode_s
+        )
+        twin = next(t for t in timings if t.candidate == Candidate("float32", other.candidate[1]))
+        eligible = other.candidate.dtype == "float32" or (
+            other.prefill_s_per_token < twin.prefill_s_per_token and other.decode_s < twin.decode_s
+        )
+        assert not (beats and eligible), (other, chosen)
+
+
+def test_candidates_follow_what_is_fixed_and_what_the_checkpoint_stores():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert autotune.candidates("auto", "auto", True, cpu) == [
+        Candidate(d, q) for d in ("float32", "bfloat16") for q in ("none", "int8", "int4")
+    ]
+    assert autotune.candidates("auto", "auto", False, cpu) == [F32_NONE, BF16_NONE]
+    assert autotune.candidates("auto", "auto", True, cuda) == [F32_NONE, BF16_NONE]
+    assert autotune.candidates("float32", "auto", True, cpu) == [
+        F32_NONE,
+        Candidate("float32", "int8"),
+        F32_INT4,
+    ]
+    assert autotune.candidates("bfloat16", "int4", True, cpu) == [BF16_INT4]
+
+
+class StubClock:
+    """A clock that advances ``cost[candidate]`` seconds per forward timed: two reads of the
+    clock bracket one forward."""
+
+    def __init__(self, cost: dict[Candidate, float]) -> None:
+        self.cost = cost
+        self.current: Candidate | None = None
+        self.now = 0.0
+        self._reads = itertools.count()
+
+    def __call__(self) -> float:
+        if next(self._reads) % 2:  # the end of a forward
+            self.now += self.cost[self.current]
+        return self.now
+
+
+def tiny_builder(clock: StubClock):
+    def build(candidate: Candidate):
+        clock.current = candidate
+        return load_model("tiny", torch.device("cpu"), candidate.dtype).model
+
+    return build
+
+
+def test_tune_measures_each_candidate_and_picks_the_stub_clocks_fastest(tmp_path):
+    options = [F32_NONE, BF16_NONE]
+    clock = StubClock({F32_NONE: 0.010, BF16_NONE: 0.004})
+    choice = tune(options, tiny_builder(clock), "key", tmp_path / "c.json", timer=clock)
+    assert choice.source == "measured" and choice.candidate == BF16_NONE
+    by_candidate = {t.candidate: t for t in choice.timings}
+    # Every forward costs the stub's time: decode one step, prefill per token.
+    assert by_candidate[F32_NONE].decode_s == pytest.approx(0.010)
+    assert by_candidate[F32_NONE].prefill_s_per_token == pytest.approx(
+        0.010 / autotune.PREFILL_TOKENS
+    )
+    # Slower bfloat16 (in both phases) is never chosen, whatever the price.
+    clock = StubClock({F32_NONE: 0.004, BF16_NONE: 0.005})
+    assert tune(options, tiny_builder(clock), "other", None, timer=clock).candidate == F32_NONE
+
+
+def test_a_restart_takes_the_cached_choice_and_a_new_key_measures_again(tmp_path):
+    options = [F32_NONE, BF16_NONE]
+    path = tmp_path / "choices.json"
+    clock = StubClock({F32_NONE: 0.003, BF16_NONE: 0.008})
+    first = tune(options, tiny_builder(clock), "machine-a", path, timer=clock)
+
+    def never(candidate):
+        raise AssertionError("a cached choice is not measured again")
+
+    again = tune(options, never, "machine-a", path)
+    assert again.source == "cached" and again.candidate == first.candidate == F32_NONE
+    assert again.timings == first.timings
+    # Another machine, torch or model (another key) measures, and both entries are kept.
+    clock = StubClock({F32_NONE: 0.008, BF16_NONE: 0.003})
+    other = tune(options, tiny_builder(clock), "machine-b", path, timer=clock)
+    assert other.source == "measured" and other.candidate == BF16_NONE
+    assert set(json.loads(path.read_text())) == {"machine-a", "machine-b"}
+    # A damaged file is measured over, not trusted.
+    path.write_text("{not json")
+    clock = StubClock({F32_NONE: 0.003, BF16_NONE: 0.008})
+    assert tune(options, tiny_builder(clock), "machine-a", path, timer=clock).source == "measured"
+
+
+def test_the_cache_key_follows_the_threads_and_the_model_files(tmp_path):
+    cpu = torch.device("cpu")
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"1")
+    key = autotune.cache_key([model], cpu, [F32_NONE, BF16_NONE])
+    assert autotune.cache_key([model], cpu, [F32_NONE, BF16_NONE]) == key
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(before + 1)
+        assert autotune.cache_key([model], cpu, [F32_NONE, BF16_NONE]) != key
+    finally:
+        torch.set_num_threads(before)
+    model.write_bytes(b"22")
+    assert autotune.cache_key([model], cpu, [F32_NONE, BF16_NONE]) != key
+
+
+def test_cache_path_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv(autotune.CACHE_ENV, "off")
+    assert autotune.cache_path() is None
+    monkeypatch.setenv(autotune.CACHE_ENV, str(tmp_path / "x.json"))
+    assert autotune.cache_path() == tmp_path / "x.json"
+    monkeypatch.delenv(autotune.CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert autotune.cache_path() == tmp_path / "strata" / "autotune.json"
+
+
+def test_built_in_models_resolve_auto_to_the_float32_reference():
+    loaded = load_model("tiny", torch.device("cpu"), "auto", quantization="auto")
+    assert loaded.dtype == torch.float32 and loaded.quantization == "none"
+    assert loaded.auto is None
+
+
+def test_a_quantized_file_loads_as_measured_and_the_engine_runs_it(monkeypatch, tmp_path):
+    """SmolLM2's Q4_1 file with dtype and quantization auto: every candidate is built and
+    timed (here by a stub timing per candidate), and the model and the engine run the one the
+    rule picks."""
+    from replicas.config import EngineConfig
+    from replicas.engine import Engine
+    from replicas.model.resolve import DEFAULT_MODEL, packaged_model_path
+
+    try:
+        path = packaged_model_path(DEFAULT_MODEL)
+    except ValueError as missing:
+        pytest.skip(str(missing))
+    stub = {
+        Candidate("float32", "none"): (2.0, 60.0),
+        Candidate("float32", "int8"): (5.0, 25.0),
+        Candidate("float32", "int4"): (5.0, 24.0),
+        Candidate("bfloat16", "none"): (1.0, 55.0),
+        Candidate("bfloat16", "int8"): (4.9, 23.0),  # 4.20 s a request, the cheapest eligible
+        # The cheapest request (3.65 s) but slower to decode than its float32 twin: ineligible.
+        Candidate("bfloat16", "int4"): (2.0, 24.5),
+    }
+    built = []
+
+    def stub_time(model, dtype, timer=None):
+        quantized = type(model.layers[0].attention.wqkv).__name__ == "QuantizedLinear"
+        scheme = model.layers[0].attention.wqkv.scheme if quantized else "none"
+        candidate = Candidate({torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype], scheme)
+        built.append(candidate)
+        prefill_ms, decode_ms = stub[candidate]
+        return prefill_ms / 1e3, decode_ms / 1e3
+
+    monkeypatch.setattr(autotune, "time_model", stub_time)
+    monkeypatch.setenv(autotune.CACHE_ENV, str(tmp_path / "choices.json"))
+    loaded = load_model(str(path), torch.device("cpu"), "auto", quantization="auto")
+    assert sorted(built) == sorted(stub)
+    assert (loaded.dtype, loaded.quantization) == (torch.bfloat16, "int8")
+    assert loaded.auto.source == "measured"
+    assert loaded.model.layers[0].attention.wqkv.scheme == "int8"
+    built.clear()
+    engine = Engine(EngineConfig(model=str(path), device="cpu", num_npu_blocks=16))
+    assert built == []  # the engine's start took the cached choice
+    assert (engine.config.dtype, engine.config.quantization) == ("bfloat16", "int8")
+    assert engine.runner.kv_caches[next(iter(engine.runner.kv_caches))].dtype == torch.bfloat16
