@@ -409,6 +409,40 @@ def measure(sides: list[Side], s: Settings, vocab: int) -> Samples:
     return samples
 
 
+PRODUCTS = ("_weight_int4pack_mm", "_weight_int8pack_mm", "aten::mm", "aten::addmm")
+ATTENTION = ("scaled_dot_product_attention", "index_select", "index_copy", "aten::bmm")
+
+
+def profile_decode(llm: LLM, s: Settings, vocab: int) -> dict[str, float]:
+    """Where a batch-1 decode step's time goes (``torch.profiler``, after the measurement): the
+    ops' own CPU time by kind (linear products, attention, every other op) and what is in no
+    op (Python and dispatch), in milliseconds per step and as shares of the profiled step. The
+    profiler's own cost per op inflates the last share somewhat; ratios, not absolutes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rng = random.Random(s.seed + 1)
+    warmup, prompt = (random_tokens(rng, s.decode_prompt_len, vocab) for _ in range(2))
+    steps = max(s.output_len, 2)
+    with torch.inference_mode():
+        run_strata(llm, [warmup], 2)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            run_strata(llm, [prompt], steps)
+            wall_s = time.perf_counter() - start
+    kinds = {"products": 0.0, "attention": 0.0, "other ops": 0.0}
+    for event in prof.key_averages():
+        seconds = event.self_cpu_time_total / 1e6
+        if any(name in event.key for name in PRODUCTS):
+            kinds["products"] += seconds
+        elif any(name in event.key for name in ATTENTION):
+            kinds["attention"] += seconds
+        elif event.key.startswith("aten::"):
+            kinds["other ops"] += seconds
+    kinds["python and dispatch"] = max(wall_s - sum(kinds.values()), 0.0)
+    result = {f"{kind} ms/step": 1e3 * t / steps for kind, t in kinds.items()}
+    return result | {f"{kind} share": t / wall_s for kind, t in kinds.items()}
+
+
 def summary(name: str, samples: Samples, s: Settings, text_perplexity: float) -> dict:
     """One side's medians (``results.json`` holds the samples too)."""
     prefill = samples.prefill_s[name]
@@ -491,6 +525,7 @@ def run(
     samples = measure(sides, s, prompt_vocab(strata[0].llm))
     for side in strata:
         side.llm.check_integrity()
+    profiles = {x.name: profile_decode(x.llm, s, prompt_vocab(x.llm)) for x in strata}
     text_ids = strata[0].llm.tokenizer.encode(TEXT.read_text())
     num_windows = len(text_ids) // s.perplexity_window
     if s.perplexity_max_windows is not None:
@@ -505,6 +540,7 @@ def run(
         entry = {"dtype": d, "quantization": q, "runs": side.runs}
         entry |= {"computes_with": side.computes_with, "auto": _auto(side)}
         entry |= summary(side.name, samples, s, perplexities[side.name])
+        entry["decode_profile"] = profiles[side.name]
         entry["request_s"] = (
             PROMPT_TOKENS / entry["cold_prefill"]["tokens_per_s"]
             + OUTPUT_TOKENS / entry["decode"][0]["decode_tokens_per_s"]
@@ -527,6 +563,7 @@ def run(
     )
     _tables(report, s, runs, llama, threads)
     _auto_table(report, runs)
+    _profile_table(report, runs)
     report.add_table(
         "Targets",
         ["engine", "measure", "value", "target", "verdict"],
@@ -701,6 +738,20 @@ def _auto_table(report: Report, runs: list[dict]) -> None:
         ["engine", "runs", "request s"],
         [[r["name"], r["runs"], r["request_s"]] for r in runs],
     )
+
+
+def _profile_table(report: Report, runs: list[dict]) -> None:
+    kinds = [k.removesuffix(" share") for k in runs[0]["decode_profile"] if k.endswith("share")]
+    report.add_table(
+        "Where a batch-1 decode step goes (torch.profiler: the ops' own CPU time, and what is "
+        "in no op: Python and dispatch; ms per step, share of the profiled step)",
+        ["engine", *kinds],
+        [[r["name"]] + [_ms_and_share(r["decode_profile"], k) for k in kinds] for r in runs],
+    )
+
+
+def _ms_and_share(profile: dict[str, float], kind: str) -> str:
+    return f"{profile[f'{kind} ms/step']:.2f} ({profile[f'{kind} share']:.0%})"
 
 
 def _notes(s: Settings, peer_note: str | None) -> str:

@@ -124,6 +124,8 @@ EXPECTED = {
         "strata.*.decode.*.decode_tokens_per_s",
         "strata.*.largest_batch_over_batch_1",
         "strata.*.request_s",
+        "strata.*.decode_profile.products ms/step",
+        "strata.*.decode_profile.python and dispatch share",
     ],
     "api-fields": [
         "choices.n.prompt_tokens_computed",
