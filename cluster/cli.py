@@ -21,6 +21,7 @@ from replicas.config import (
     HOST_GB_OPTION,
     HOST_RATIO_OPTION,
     RETENTION_OPTION,
+    SPECULATIVE_NGRAM_OPTION,
     WRITE_BACK_OPTION,
     WRITE_THROUGH_OPTION,
     KVOffloadConfig,
@@ -128,6 +129,12 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         metavar="TOKENS",
         help=field_help(SchedulerConfig, "max_num_batched_tokens"),
+    )
+    a(
+        SPECULATIVE_NGRAM_OPTION,
+        type=int,
+        metavar="K",
+        help=field_help(SchedulerConfig, "speculative_ngram"),
     )
 
     a = group["host tier"].add_argument
@@ -328,6 +335,7 @@ def _build_config(args: argparse.Namespace) -> ClusterConfig:
         put(f"model.{field}", getattr(args, field))
     put("scheduler.max_num_seqs", args.max_num_seqs)
     put("scheduler.max_num_batched_tokens", args.max_num_batched_tokens)
+    put("scheduler.speculative_ngram", args.speculative_ngram)
     if args.no_enable_prefix_caching:
         put("scheduler.prefix_cache_config.enabled", False)
     put("scheduler.prefix_cache_config.reservation_share", args.prefix_reservation_share)

@@ -81,6 +81,12 @@ _COUNTERS: list[tuple[str, str, Callable[[EngineStats], float]]] = [
     ("strata_engine_gap_seconds",
      "Time between engine steps while requests were unfinished (serving-layer overhead).",
      lambda s: s.steps.gap_seconds),
+    ("strata_spec_decode_draft_tokens",
+     "Draft tokens (n-gram speculative decoding) verified by the model.",
+     lambda s: s.spec_decode.num_draft_tokens),
+    ("strata_spec_decode_accepted_tokens",
+     "Draft tokens the model confirmed (each saved a decode step).",
+     lambda s: s.spec_decode.num_accepted_tokens),
 ]  # fmt: skip
 
 _GAUGES: list[tuple[str, str, Callable[[EngineStats], float]]] = [

@@ -26,6 +26,7 @@ WRITE_BACK_OPTION = "--experimental-kv-offload-write-back"
 RETENTION_OPTION = "--experimental-kv-offload-retention"
 DISK_PATH_OPTION = "--experimental-kv-offload-disk-path"
 DISK_GB_OPTION = "--experimental-kv-offload-disk-gb"
+SPECULATIVE_NGRAM_OPTION = "--speculative-ngram"
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -240,9 +241,23 @@ class SchedulerConfig(_Config):
     )
     prefix_cache_config: PrefixCacheConfig = Field(default_factory=PrefixCacheConfig)
     kv_offload_config: KVOffloadConfig = Field(default_factory=KVOffloadConfig)
+    speculative_ngram: int = Field(
+        0,
+        ge=0,
+        description="Draft tokens per decode step proposed by n-gram prompt lookup (the tokens "
+        "that followed the last earlier occurrence of the sequence's last tokens) and verified "
+        "in the same forward pass, for greedy requests without logprobs or logits processing; "
+        "outputs are unchanged. 0 turns speculative decoding off.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "SchedulerConfig":
+        if self.speculative_ngram >= self.max_num_batched_tokens:
+            raise ValueError(
+                f"speculative_ngram ({SPECULATIVE_NGRAM_OPTION}) must be below "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}): a step verifies a "
+                "decode token and its drafts together"
+            )
         if self.kv_offload_config.is_active and not self.prefix_cache_config.enabled:
             raise ValueError(
                 "kv_offload_config (the host KV tier) needs prefix caching; it cannot be used "

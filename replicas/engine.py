@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from replicas.config import EngineConfig, dtype_name_of
-from replicas.engine_core import EngineCore
+from replicas.engine_core import EngineCore, SpecDecodeStats
 from replicas.executor import ModelExecutor
 from replicas.host_memory import check_host_capacity
 from replicas.kv_cache_manager import KVCacheManager, ReloadCosts
@@ -60,6 +60,7 @@ class EngineStats:
     retention: dict[str, RetentionStats] = field(default_factory=dict)  # with a host tier
     disk: "dict[str, DiskStats]" = field(default_factory=dict)  # with a disk tier
     reload_costs: "ReloadCosts | None" = None  # the disk cost rule's inputs (with a disk tier)
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
 
 
 def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
@@ -393,6 +394,7 @@ class Engine:
             retention=self.kv_cache.retention_stats(),
             disk={c: store.stats() for c, store in (self.disk or {}).items()},
             reload_costs=self.kv_cache.reload_costs(),
+            spec_decode=dataclasses.replace(self.core.spec_decode),
         )
 
     def reset_counters(self) -> None:
@@ -401,6 +403,7 @@ class Engine:
         if self.has_unfinished_requests():
             raise RuntimeError("reset_counters needs an idle engine")
         self.kv_cache.stats = CacheStats()
+        self.core.spec_decode = SpecDecodeStats()
         self._step_times = StepTimes()
         self._busy_since = None
 

@@ -10,12 +10,27 @@
                    string (asked of the text processor, when there is one), max_tokens or
                    max_model_len; submit the stores planned while caching
 
+Speculative decoding (``SchedulerConfig.speculative_ngram``): a decode scheduled with draft
+tokens computes its last token and the drafts at once; the executor returns, after its sampled
+token, one more token per accepted draft token (``StepResult.extra_token_ids``). The update
+counts only the last token as computed at first, then, per extra token, the accepted draft
+token before it, and appends and checks each token in turn, exactly as one decode step each::
+
+    before   tokens |... t|            computed |...|        (t: the last token, not computed)
+    step     computes t d1 d2 d3; model: g0 after t, g1 after d1, g2 after d2, g3 after d3
+    d1 = g0, d2 = g1, d3 != g2  ->  tokens |... t g0 g1 g2|   computed |... t g0 g1|
+
+The KV written for rejected drafts lies past ``num_computed_tokens``: the next step overwrites
+it, and only blocks full of computed tokens are ever cached. Blocks allocated for the drafts
+stay with the request for its next tokens.
+
 Two executors exist: ``replicas.executor.ModelExecutor`` (the model runner and the sampler) and
 the simulator's cost model (``benchmarks/sim/engine.py``), which also splits a step in simulated
 time between ``begin_step`` and ``end_step``. Whatever executes it, the update is this code.
 """
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from replicas.config import SchedulerConfig
@@ -37,12 +52,23 @@ soon as they have all landed)."""
 
 class StepResult(NamedTuple):
     """What an executor returns: the requests that got a token this step, in batch order, with
-    each token's logprob where the request asked for them, and the prompt scores computed."""
+    each token's logprob where the request asked for them, and the prompt scores computed;
+    with draft tokens, per request the tokens after its sampled one (see the module
+    docstring; None: no drafts were verified)."""
 
     requests: list[Request]
     token_ids: list[int]
     logprobs: "list[TokenLogprob | None] | None" = None
     prompt_scores: "tuple[PromptScores, ...] | list[PromptScores]" = ()
+    extra_token_ids: list[list[int]] | None = None
+
+
+@dataclass(slots=True)
+class SpecDecodeStats:
+    """Draft tokens scheduled for verification, and those the model confirmed."""
+
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class Executor(Protocol):
@@ -101,6 +127,7 @@ class EngineCore:
             scheduler_config,
             kv_cache,
             prefix_limit=self._prefix_limit if prompt_scores is not None else None,
+            max_model_len=max_model_len,
         )
         self.executor = executor
         self.transfer = transfer
@@ -109,6 +136,7 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids
         self._requests: dict[str, Request] = {}
         self.num_scheduled_tokens = 0  # every step's new tokens, since start
+        self.spec_decode = SpecDecodeStats()
 
     # ---- requests ----------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -191,14 +219,18 @@ class EngineCore:
         ``first_token_time`` first tokens; both default to the clock."""
         now = time.monotonic() if now is None else now
         first_token_time = now if first_token_time is None else first_token_time
-        for request, num_new, *_ in step.output.scheduled:
-            request.num_computed_tokens += num_new
+        for request, num_new, *_, drafts in step.output.scheduled:
+            request.num_computed_tokens += num_new - len(drafts)  # drafts: once accepted
             self.kv_cache.cache_blocks(request)
+            self.spec_decode.num_draft_tokens += len(drafts)
         result = step.result
         for scores in result.prompt_scores:
             self._add_prompt_scores(step.output.scheduled[scores.index].request, scores)
         logprobs = result.logprobs or [None] * len(result.requests)
-        for request, token_id, logprob in zip(result.requests, result.token_ids, logprobs):
+        extra = result.extra_token_ids or [()] * len(result.requests)
+        for request, token_id, logprob, more in zip(
+            result.requests, result.token_ids, logprobs, extra
+        ):
             if request.first_token_time is None:
                 request.first_token_time = first_token_time
             if request.sampling_params.max_tokens == 0:  # the prompt is scored: done
@@ -206,6 +238,9 @@ class EngineCore:
             else:
                 request.append_output_token(token_id, logprob)
                 status = self._check_stop(request, token_id)
+            if more:
+                self.spec_decode.num_accepted_tokens += len(more)
+                status = self._append_accepted(request, more, status)
             if status is not None:
                 self.scheduler.finish(request, status)
                 self.executor.release(request.request_id)
@@ -213,6 +248,21 @@ class EngineCore:
                 request.finish_time = now
         self.run_transfers(self.kv_cache.take_transfer_plan())  # stores of blocks written now
         return result.requests
+
+    def _append_accepted(
+        self, request: Request, token_ids: list[int], status: RequestStatus | None
+    ) -> RequestStatus | None:
+        """Append the tokens an accepted draft gave, one at a time: each makes the draft token
+        before it (the request's last token) computed; stop as a decode step would, at the
+        first token that ends the request. Then cache the blocks the accepted drafts filled."""
+        for token_id in token_ids:
+            if status is not None:
+                break
+            request.num_computed_tokens += 1
+            request.append_output_token(token_id)
+            status = self._check_stop(request, token_id)
+        self.kv_cache.cache_blocks(request)
+        return status
 
     def _add_prompt_scores(self, request: Request, scores: "PromptScores") -> None:
         """Append the scores of positions not scored yet (a recomputed prefix has them)."""

@@ -17,9 +17,14 @@ class ModelExecutor:
 
     def execute(self, output: SchedulerOutput) -> StepResult:
         logits, sampled, prompt_scores = self.runner.execute(output.scheduled, self.vocab_size)
+        logits = logits[:, : self.vocab_size]
         requests = [output.scheduled[i].request for i in sampled]
-        token_ids, logprobs = self.sampler.sample(logits[:, : self.vocab_size], requests)
-        return StepResult(requests, token_ids, logprobs, prompt_scores)
+        token_ids, logprobs = self.sampler.sample(logits[: len(sampled)], requests)
+        drafts = [output.scheduled[i].draft_token_ids for i in sampled]
+        extra = None
+        if any(drafts):
+            extra = self.sampler.verify_drafts(logits[len(sampled) :], token_ids, drafts)
+        return StepResult(requests, token_ids, logprobs, prompt_scores, extra)
 
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)

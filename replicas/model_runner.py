@@ -5,6 +5,7 @@ from typing import NamedTuple
 import torch
 
 from replicas.model import ForwardBatch, LoadedModel
+from replicas.request import Request
 from replicas.sampling_params import MAX_TOP_LOGPROBS
 from replicas.scheduler import ScheduledRequest
 
@@ -60,10 +61,13 @@ class ModelRunner:
     def execute(
         self, scheduled: list[ScheduledRequest], vocab_size: int | None = None
     ) -> tuple[torch.Tensor, list[int], list[PromptScores]]:
-        """Forward the scheduled tokens. Returns the logits ``[S, vocab]`` of the ``S`` requests
-        whose context is complete after this step (to be sampled), their batch indices, and the
-        scores of the prompt tokens this step's positions predict for requests that asked for
-        prompt logprobs (the first ``vocab_size`` logits only)."""
+        """Forward the scheduled tokens. Returns the logits ``[S + D, vocab]``: first one row
+        for each of the ``S`` requests whose context is complete after this step (to be
+        sampled: the position after its last token), then one row per draft token of those
+        requests, in batch order (the position after each draft token, to verify the drafts);
+        the sampled requests' batch indices; and the scores of the prompt tokens this step's
+        positions predict for requests that asked for prompt logprobs (the first
+        ``vocab_size`` logits only)."""
         batch, sampled = self._build_batch(scheduled)
         hidden = self.model(batch, self.kv_caches)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
@@ -96,41 +100,64 @@ class ModelRunner:
         return PromptScores(index, start + 1, logprobs, top_ids, top_logprobs)
 
     def _build_batch(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch, list[int]]:
+        """The batch of the scheduled tokens, sequence ``i`` being ``scheduled[i]``. A request
+        with draft tokens is its last token there, and each draft token is a sequence of its
+        own after all of them (position after position, on the same blocks), so that it
+        attends as the decode it stands for does; the model writes every new token's KV before
+        any attends, so each draft token sees those before it."""
         block_size = self.block_size
         input_ids: list[int] = []
-        positions: list[torch.Tensor] = []
+        positions: list[int] = []
         query_start_loc = [0]
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         sampled: list[int] = []
         groups = list(self.kv_caches)
-        slot_mapping: dict[str, list[torch.Tensor]] = {g: [] for g in groups}
-        max_blocks = max(len(s.block_ids) for s in scheduled)
-        tables = {g: torch.zeros((len(scheduled), max_blocks), dtype=torch.long) for g in groups}
-        for i, (request, num_new, _, block_tables) in enumerate(scheduled):
+        block_rows: list[dict[str, list[int]]] = []
+        rows: list[int] = []  # the batch sequence of each token
+        drafted: list[tuple[Request, tuple[int, ...], dict[str, list[int]]]] = []
+
+        def add(token_ids: list[int] | tuple[int, ...], start: int, blocks: dict) -> None:
+            input_ids.extend(token_ids)
+            positions.extend(range(start, start + len(token_ids)))
+            rows.extend([len(seq_lens)] * len(token_ids))
+            query_start_loc.append(query_start_loc[-1] + len(token_ids))
+            seq_lens.append(start + len(token_ids))
+            block_rows.append(blocks)
+
+        for i, item in enumerate(scheduled):
+            request, drafts = item.request, item.draft_token_ids
             start = request.num_computed_tokens
-            end = start + num_new
-            input_ids.extend(request.all_token_ids[start:end])
-            pos = torch.arange(start, end, dtype=torch.long)
-            positions.append(pos)
-            for group in groups:
-                blocks = torch.tensor([b or 0 for b in block_tables[group]], dtype=torch.long)
-                tables[group][i, : len(blocks)] = blocks
-                slot_mapping[group].append(
-                    blocks[pos // block_size] * block_size + pos % block_size
-                )
-            query_start_loc.append(query_start_loc[-1] + num_new)
-            seq_lens.append(end)
-            if end == request.num_tokens:
+            end = start + item.num_new_tokens - len(drafts)
+            blocks = {g: [b or 0 for b in item.block_tables[g]] for g in groups}
+            add(request.all_token_ids[start:end], start, blocks)
+            if item.is_sampled:
                 logits_indices.append(query_start_loc[-1] - 1)
                 sampled.append(i)
+            if drafts:
+                drafted.append((request, drafts, blocks))
+        for request, drafts, blocks in drafted:
+            for j, token_id in enumerate(drafts):
+                add([token_id], request.num_tokens + j, blocks)
+                logits_indices.append(query_start_loc[-1] - 1)
+
+        pos = torch.tensor(positions, dtype=torch.long)
+        seq_of_token = torch.tensor(rows, dtype=torch.long)
+        max_blocks = max(len(b) for blocks in block_rows for b in blocks.values())
+        tables, slot_mapping = {}, {}
+        for group in groups:
+            padded = [b[group] + [0] * (max_blocks - len(b[group])) for b in block_rows]
+            table = torch.tensor(padded, dtype=torch.long)
+            tables[group] = table.to(self.device)
+            slots = table[seq_of_token, pos // block_size] * block_size + pos % block_size
+            slot_mapping[group] = slots.to(self.device)
         batch = ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            positions=torch.cat(positions).to(self.device),
+            positions=pos.to(self.device),
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
-            block_tables={g: t.to(self.device) for g, t in tables.items()},
-            slot_mapping={g: torch.cat(s).to(self.device) for g, s in slot_mapping.items()},
+            block_tables=tables,
+            slot_mapping=slot_mapping,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=self.device),
         )
         return batch, sampled

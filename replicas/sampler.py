@@ -74,6 +74,39 @@ class Sampler:
                 matcher.accept(tokens[row])
         return SampleResult(tokens, self._logprobs(logits, requests, tokens))
 
+    def verify_drafts(
+        self,
+        logits: torch.Tensor,
+        token_ids: list[int],
+        draft_token_ids: list[tuple[int, ...]],
+    ) -> list[list[int]]:
+        """Greedy verification of draft tokens (requests that ``can_speculate`` only).
+
+        ``token_ids[i]`` is request i's sampled token, ``draft_token_ids[i]`` the draft that
+        followed its last token in the batch, and ``logits`` [D, vocab] has one row per draft
+        token, in order (the model's scores after that token). A draft token is accepted while
+        it equals the model's choice at its position; each accepted one yields the model's
+        choice after it. Returns, per request, the tokens after ``token_ids[i]``: one per
+        accepted draft token, the last being the model's own token after the accepted prefix::
+
+            drafts    d1  d2  d3          model's argmax after: last token g0, d1 g1, d2 g2, ...
+            accepted  d1 = g0, d2 = g1, d3 != g2   ->  tokens g0 (token_ids[i]), g1, g2
+        """
+        choices = logits.argmax(dim=-1).tolist() if logits.shape[0] else []
+        out: list[list[int]] = []
+        row = 0
+        for token_id, drafts in zip(token_ids, draft_token_ids, strict=True):
+            tokens: list[int] = []
+            previous = token_id
+            for j, draft in enumerate(drafts):
+                if draft != previous:
+                    break
+                previous = choices[row + j]
+                tokens.append(previous)
+            out.append(tokens)
+            row += len(drafts)
+        return out
+
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
         self._matchers.pop(request_id, None)

@@ -142,6 +142,14 @@ class SamplingParams:
         )
 
     @property
+    def can_speculate(self) -> bool:
+        """Whether this request may decode with draft tokens (speculative decoding): greedy,
+        without logprobs and with nothing processing the logits, so that each of its tokens is
+        the model's argmax after the tokens before it, which is what a draft is checked
+        against."""
+        return self.is_greedy and self.logprobs is None and not self.processes_logits
+
+    @property
     def processes_logits(self) -> bool:
         """Whether anything changes the logits before sampling (see the class docstring)."""
         return (

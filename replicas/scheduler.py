@@ -14,6 +14,13 @@ With a disk tier, a waiting request whose prefix continues on disk first has tho
 into host blocks (``KVCacheManager.onboard``); it keeps its place in the queue meanwhile and the
 requests behind it are admitted past it (at most ``RESERVE_LOOKAHEAD`` of them wait so).
 
+With ``speculative_ngram`` K > 0, a running request in decode whose sampling parameters allow
+it (``SamplingParams.can_speculate``) is scheduled with up to K draft tokens after its last
+token (``replicas.ngram_proposer``), bounded by the step's budget (one token is kept for each
+running request after it), ``max_tokens`` and ``max_model_len``; its blocks cover the drafts
+too. A request short of blocks for its drafts decodes without them rather than preempt anyone.
+The update (``replicas.engine_core``) keeps what the model confirmed.
+
 When the NPU tier cannot give a running request its next block, the most recently admitted
 running request is preempted: its blocks are released (its cached prefix usually survives) and
 it goes back to the front of the queue, to be recomputed later with its outputs kept.
@@ -31,6 +38,7 @@ from typing import NamedTuple
 from replicas.config import SchedulerConfig
 from replicas.kv_cache_manager import KVCacheManager, PrefixMatch
 from replicas.kv_cache_types import TransferPlan
+from replicas.ngram_proposer import NgramProposer
 from replicas.request import Request, RequestStatus
 
 RESERVE_LOOKAHEAD = 16
@@ -39,9 +47,17 @@ RESERVE_LOOKAHEAD = 16
 
 class ScheduledRequest(NamedTuple):
     request: Request
-    num_new_tokens: int  # computed this step, after request.num_computed_tokens
+    num_new_tokens: int  # computed this step, after request.num_computed_tokens (drafts too)
     block_ids: list[int]  # the request's NPU blocks of the primary cache type, in token order
     block_tables: dict[str, list[int | None]]  # per cache type (None: released sliding block)
+    draft_token_ids: tuple[int, ...] = ()  # guessed tokens after the last one, to verify
+
+    @property
+    def is_sampled(self) -> bool:
+        """Whether this step completes the request's context, so that it gets a token (read
+        before the step's update)."""
+        request = self.request
+        return request.num_computed_tokens + self.num_new_tokens >= request.num_tokens
 
 
 @dataclass(slots=True)
@@ -54,17 +70,25 @@ class SchedulerOutput:
 
 class Scheduler:
     """``prefix_limit(request)``, when given, bounds the cached blocks a request may start
-    after (``replicas.prompt_logprobs``: a prompt being scored needs its prefix's scores)."""
+    after (``replicas.prompt_logprobs``: a prompt being scored needs its prefix's scores).
+    ``max_model_len`` bounds draft tokens (none without it)."""
 
     def __init__(
         self,
         config: SchedulerConfig,
         kv_cache: KVCacheManager,
         prefix_limit: Callable[[Request], int | None] | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.prefix_limit = prefix_limit
+        self.max_model_len = max_model_len
+        self.proposer = (
+            NgramProposer(config.speculative_ngram)
+            if config.speculative_ngram and max_model_len is not None
+            else None
+        )
         self._gave_way: set[str] = set()  # waiting requests whose reservation was dropped
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -86,6 +110,10 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            drafts = self._drafts(request, budget - (len(self.running) - index))
+            if drafts and not self.kv_cache.allocate_slots(request, num_new + len(drafts)):
+                drafts = []  # drafts are not worth a preemption
+            num_new += len(drafts)
             while not self.kv_cache.allocate_slots(request, num_new):
                 if self._give_way():  # reservations give way first
                     continue
@@ -95,7 +123,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled.append(self._scheduled(request, num_new))
+                scheduled.append(self._scheduled(request, num_new, drafts))
                 budget -= num_new
                 index += 1
                 continue
@@ -184,9 +212,27 @@ class Scheduler:
         self._gave_way.add(dropped)
         return True
 
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """Draft tokens for a running request in decode, at most ``budget`` of them, none
+        past ``max_tokens`` or ``max_model_len`` (the token after the drafts counts too)."""
+        if (
+            self.proposer is None
+            or request.num_tokens - request.num_computed_tokens != 1
+            or not request.sampling_params.can_speculate
+        ):
+            return []
+        room = min(
+            budget,
+            request.sampling_params.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
+        return self.proposer.propose(request.request_id, request.all_token_ids, room)
+
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request (stopped, length or aborted) and release its blocks."""
         self._gave_way.discard(request.request_id)
+        if self.proposer is not None:
+            self.proposer.release(request.request_id)
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif not request.is_finished:
@@ -194,13 +240,16 @@ class Scheduler:
         request.status = status
         self.kv_cache.free(request)
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(
+        self, request: Request, num_new: int, drafts: list[int] | None = None
+    ) -> ScheduledRequest:
         request_id = request.request_id
         return ScheduledRequest(
             request,
             num_new,
             self.kv_cache.block_ids(request_id),
             self.kv_cache.block_tables(request_id),
+            tuple(drafts or ()),
         )
 
     def _preempt(self, request: Request) -> None:

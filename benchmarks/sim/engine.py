@@ -54,11 +54,7 @@ class CostModelExecutor:
 
     def execute(self, output: SchedulerOutput) -> StepResult:
         self.last_timing = self.cost_model.step_timing(output.scheduled, output.transfer)
-        requests = [
-            s.request
-            for s in output.scheduled
-            if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens
-        ]
+        requests = [s.request for s in output.scheduled if s.is_sampled]
         return StepResult(requests, [OUTPUT_TOKEN_ID] * len(requests))
 
     def release(self, request_id: str) -> None:

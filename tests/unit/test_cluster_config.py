@@ -164,6 +164,8 @@ def test_flags_override_the_file():
         "0",
     )
     assert off.scheduler.kv_offload_config.write_through_threshold is None
+    assert parse("--speculative-ngram", "4").scheduler.speculative_ngram == 4
+    assert parse().scheduler.speculative_ngram == 0
 
 
 def test_prefix_caching_off_routes_by_load():
@@ -198,6 +200,8 @@ def test_prefix_caching_off_routes_by_load():
         (["--data-parallel-prefix-weight", "0.3"], "--data-parallel-scoring-profile custom"),
         (["--quantization", "fp8"], "model.quantization"),
         (["--prefix-reservation-share", "1.5"], "reservation_share"),
+        (["--speculative-ngram", "-1"], "speculative_ngram"),
+        (["--speculative-ngram", "4", "--max-num-batched-tokens", "4"], "--speculative-ngram"),
     ],
 )
 def test_serve_rejects_bad_combinations_before_starting(argv, needle, capsys):

@@ -81,6 +81,17 @@ def test_host_tier_needs_prefix_caching():
         )
 
 
+def test_speculative_ngram_is_off_by_default_and_fits_a_step():
+    assert SchedulerConfig().speculative_ngram == 0
+    with pytest.raises(ValidationError, match="greater than or equal to 0"):
+        SchedulerConfig(speculative_ngram=-1)
+    with pytest.raises(
+        ValidationError, match=r"speculative_ngram \(--speculative-ngram\) must be below"
+    ):
+        SchedulerConfig(speculative_ngram=8, max_num_batched_tokens=8)
+    assert SchedulerConfig(speculative_ngram=7, max_num_batched_tokens=8).speculative_ngram == 7
+
+
 def test_byte_budget_below_one_block_is_a_startup_error():
     offload = KVOffloadConfig(enabled=True, host_memory_bytes=1000)
     with pytest.raises(ValueError, match=r"host-memory-gb.*less than one KV block"):

@@ -7,6 +7,7 @@ from cluster.api import create_app
 from cluster.backend import ClusterStats, ReplicaStats
 from cluster.metrics import StrataMetrics, router_metric_families
 from replicas.engine import EngineStats
+from replicas.engine_core import SpecDecodeStats
 from replicas.kv_cache_types import CacheStats, CacheTypeStats, CacheTypeUsage
 from replicas.kv_transfer import TransferStats
 from tests.unit.api.conftest import ScriptedBackend
@@ -37,7 +38,7 @@ def engine_stats(scale: int) -> EngineStats:
     )  # fmt: skip
     return EngineStats(
         cache=cache, transfer=transfer, num_running=2 * scale, num_waiting=scale,
-        num_preemptions=scale,
+        num_preemptions=scale, spec_decode=SpecDecodeStats(12 * scale, 7 * scale),
         cache_types={
             "full": CacheTypeUsage(128, 10 * scale, 20 * scale, 64, 9 * scale, 30 * scale),
             "sliding": CacheTypeUsage(32, 3 * scale, 4 * scale, 16, scale, 2 * scale),
@@ -72,6 +73,8 @@ def test_replica_stats_are_exported_per_replica():
         assert value("strata_kv_bytes_stored_total", replica=replica) == 7168 * scale
         assert value("strata_kv_transfer_seconds_total", replica=replica) == 0.5 * scale
         assert value("strata_num_preemptions_total", replica=replica) == scale
+        assert value("strata_spec_decode_draft_tokens_total", replica=replica) == 12 * scale
+        assert value("strata_spec_decode_accepted_tokens_total", replica=replica) == 7 * scale
         assert value("strata_kv_reserved_blocks", replica=replica) == 6 * scale
         assert value("strata_kv_reservations_total", replica=replica) == 8 * scale
         assert value("strata_kv_prefetched_blocks_total", replica=replica) == 9 * scale

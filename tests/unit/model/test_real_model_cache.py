@@ -22,6 +22,10 @@ QUESTIONS = [
     "What is a good first novel for a ten-year-old reader?",
     "How should I care for an old paperback?",
 ]
+QUOTE = (
+    "Repeat this sentence exactly: The old lighthouse keeper climbed the spiral stairs every "
+    "evening, trimmed the wick and wrote the weather in his leather logbook."
+)
 # About 200 tokens each, distinct from their first token: 13 blocks apiece, 78 in all.
 FILLERS = [f"Note {n}. " + "The quick brown fox jumps over the lazy dog. " * 20 for n in range(6)]
 
@@ -88,3 +92,24 @@ def test_chat_renders_the_template_and_answers(cold_outputs):
         assert "Paris" in both[1].text, both[1].text
         with pytest.raises(ValueError, match="role"):
             llm.chat([{"content": "no role"}])
+
+
+def test_speculative_decoding_gives_the_outputs_without_it():
+    """Draft tokens verified in the forward pass change no token, and a quote accepts them.
+    The packed int4 products compute each row alone, so the draft rows add no rounding to the
+    linear layers; each prompt runs alone (batching decodes together changes the attention's
+    rounding, drafts or not)."""
+    weights = {"dtype": "float32", "quantization": "int4"}
+    off = SchedulerConfig(prefix_cache_config=PrefixCacheConfig(enabled=False))
+    with LLM(DEFAULT_MODEL, scheduler_config=off, **weights) as cold:
+        prompts = chats(cold, [*QUESTIONS, QUOTE])
+        expected = [cold.generate(p, GREEDY).token_ids for p in prompts]
+    spec = SchedulerConfig(speculative_ngram=4)
+    with LLM(DEFAULT_MODEL, scheduler_config=spec, **weights) as llm:
+        accepted = []
+        for prompt, tokens in zip(prompts, expected, strict=True):
+            before = llm.stats().spec_decode.num_accepted_tokens
+            assert llm.generate(prompt, GREEDY).token_ids == tokens
+            accepted.append(llm.stats().spec_decode.num_accepted_tokens - before)
+        assert accepted[-1] >= 8, accepted  # the quote
+        llm.check_integrity()
