@@ -60,7 +60,7 @@ from benchmarks.workload import (
     rotated,
     timed_request,
 )
-from cluster import LLM
+from cluster import LLM, SamplingParams
 from replicas.model.autotune import OUTPUT_TOKENS, PROMPT_TOKENS
 from replicas.model.perplexity import perplexity
 from replicas.model.quant import QUANTIZATIONS
@@ -88,6 +88,14 @@ DECODE_TARGET = 1.0  # batch-1 decode tokens/s >= this x llama.cpp's
 CHUNK_TARGET = 1.0  # cached-prefix chunk time <= this x llama.cpp's, at every prefix length
 PREFILL_TARGET = 2.0  # cold prefill tokens/s >= this x llama.cpp's
 AUTO_TARGET = 1.05  # auto's representative request time <= this x the fastest variant's
+SPEC_COPY_TARGET = 1.5  # speculative decode tokens/s >= this x plain where outputs copy prompts
+SPEC_FREE_TARGET = 0.95  # and >= this x plain where they do not
+# Speculative rows: chat prompts whose answer copies spans of the prompt, and one whose does not.
+# The passage is a part of the shipped perplexity text (held out from nothing: it is only read).
+SPEC_WORKLOADS = {
+    "quote": "Repeat the following text exactly, word for word:\n\n{passage}",
+    "free": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+}
 BATCH_TARGET = 4.0  # Strata's aggregate decode at its largest batch >= this x its batch 1
 PERPLEXITY_TARGET = 1.01  # GGUF_4_BIT variants: perplexity <= this x llama.cpp's
 
@@ -108,6 +116,9 @@ class Settings:
     repeats: int = 5
     warmup_repeats: int = 1  # whole rounds run first and not recorded
     seed: int = 0
+    speculative_ngram: int = 4  # draft tokens of the speculative rows (0: no such rows)
+    speculative_output_len: int = 128
+    passage_chars: int = 600
 
 
 QUICK = Settings(
@@ -119,6 +130,8 @@ QUICK = Settings(
     perplexity_max_windows=2,
     repeats=1,
     warmup_repeats=0,
+    speculative_output_len=16,
+    passage_chars=200,
 )
 
 
@@ -443,6 +456,61 @@ def profile_decode(llm: LLM, s: Settings, vocab: int) -> dict[str, float]:
     return result | {f"{kind} share": t / wall_s for kind, t in kinds.items()}
 
 
+def measure_speculative(
+    base: StrataSide, s: Settings, num_blocks: int, max_model_len: int, model: str
+) -> list[dict]:
+    """Decode tokens/s of ``base`` (the first variant, Strata's default) against the same
+    configuration with ``speculative_ngram`` drafts, on each of ``SPEC_WORKLOADS`` (greedy,
+    EOS ignored, the prefix cache emptied before each run), side by side in every repetition;
+    and whether the two gave the same tokens."""
+    if not s.speculative_ngram:
+        return []
+    spec = build_llm(
+        num_npu_blocks=num_blocks,
+        max_model_len=max_model_len,
+        model=model,
+        dtype=base.llm.engine.config.dtype,
+        quantization=base.llm.engine.config.quantization,
+        speculative_ngram=s.speculative_ngram,
+    )
+    passage = TEXT.read_text()[: s.passage_chars]
+    params = SamplingParams(max_tokens=s.speculative_output_len, temperature=0, ignore_eos=True)
+    rows = []
+    for workload, content in SPEC_WORKLOADS.items():
+        prompt = base.llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": content.format(passage=passage)}]
+        )
+        rates: dict[str, list[float]] = {"plain": [], "speculative": []}
+        tokens: dict[str, list[int]] = {}
+        drafts = [spec.engine.stats().spec_decode]
+        for rep in range(-s.warmup_repeats, s.repeats):
+            for name, llm in rotated([("plain", base.llm), ("speculative", spec)], rep):
+                llm.reset_prefix_cache("all")
+                output = llm.generate(prompt, params)
+                end = time.monotonic()
+                tokens[name] = list(output.token_ids)
+                if rep >= 0:
+                    rate = (len(output.token_ids) - 1) / (end - output.first_token_time)
+                    rates[name].append(rate)
+        drafts.append(spec.engine.stats().spec_decode)
+        plain, fast = median(rates["plain"]), median(rates["speculative"])
+        rows.append(
+            {
+                "workload": workload,
+                "prompt_tokens": len(base.llm.tokenizer.encode(prompt)),
+                "plain_tokens_per_s": plain,
+                "speculative_tokens_per_s": fast,
+                "speedup": fast / plain,
+                "draft_tokens": drafts[1].num_draft_tokens - drafts[0].num_draft_tokens,
+                "accepted_tokens": drafts[1].num_accepted_tokens - drafts[0].num_accepted_tokens,
+                "same_tokens": tokens["plain"] == tokens["speculative"],
+                "samples": rates,
+            }
+        )
+    spec.shutdown()
+    return rows
+
+
 def summary(name: str, samples: Samples, s: Settings, text_perplexity: float) -> dict:
     """One side's medians (``results.json`` holds the samples too)."""
     prefill = samples.prefill_s[name]
@@ -526,6 +594,7 @@ def run(
     for side in strata:
         side.llm.check_integrity()
     profiles = {x.name: profile_decode(x.llm, s, prompt_vocab(x.llm)) for x in strata}
+    speculative = measure_speculative(strata[0], s, num_blocks, max_model_len, model)
     text_ids = strata[0].llm.tokenizer.encode(TEXT.read_text())
     num_windows = len(text_ids) // s.perplexity_window
     if s.perplexity_max_windows is not None:
@@ -552,7 +621,7 @@ def run(
         if llama:
             entry["over_llama_cpp"] = _ratios(entry, llama)
         runs.append(entry)
-    targets = _targets(s, runs)
+    targets = _targets(s, runs) + _speculative_targets(speculative)
 
     report = Report(
         NAME,
@@ -564,6 +633,7 @@ def run(
     _tables(report, s, runs, llama, threads)
     _auto_table(report, runs)
     _profile_table(report, runs)
+    _speculative_table(report, s, speculative)
     report.add_table(
         "Targets",
         ["engine", "measure", "value", "target", "verdict"],
@@ -583,6 +653,7 @@ def run(
         "strata": runs,
         "llama_cpp": llama,
         "targets": targets,
+        "speculative": speculative,
     }
     return report.write(output_dir)
 
@@ -737,6 +808,38 @@ def _auto_table(report: Report, runs: list[dict]) -> None:
         f"prefill rate, {OUTPUT_TOKENS} tokens at its batch-1 decode rate)",
         ["engine", "runs", "request s"],
         [[r["name"], r["runs"], r["request_s"]] for r in runs],
+    )
+
+
+def _speculative_targets(rows: list[dict]) -> list[dict[str, object]]:
+    bounds = {"quote": SPEC_COPY_TARGET, "free": SPEC_FREE_TARGET}
+    return [
+        {
+            "engine": f"Strata speculative, {r['workload']}",
+            "measure": "decode tok/s / without drafts (same tokens)",
+            "value": r["speedup"],
+            "target": f">= {bounds[r['workload']]:g}",
+            "passed": r["speedup"] >= bounds[r["workload"]] and r["same_tokens"],
+        }
+        for r in rows
+    ]
+
+
+def _speculative_table(report: Report, s: Settings, rows: list[dict]) -> None:
+    if not rows:
+        return
+    report.add_table(
+        f"Speculative decoding (n-gram drafts, --speculative-ngram {s.speculative_ngram}) on "
+        f"the default variant: chat prompts, {s.speculative_output_len} greedy tokens, "
+        f"median decode tokens/s of {s.repeats}",
+        ["workload", "prompt tokens", "plain tok/s", "speculative tok/s", "speedup"]
+        + ["drafts accepted", "same tokens"],
+        [
+            [r["workload"], r["prompt_tokens"], r["plain_tokens_per_s"]]
+            + [r["speculative_tokens_per_s"], r["speedup"]]
+            + [f"{r['accepted_tokens']} of {r['draft_tokens']}", r["same_tokens"]]
+            for r in rows
+        ],
     )
 
 

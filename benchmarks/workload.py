@@ -65,6 +65,7 @@ def build_llm(
     prefix_caching: bool = True,
     offload: KVOffloadConfig | None = None,
     model: str = DEFAULT_MODEL,
+    speculative_ngram: int = 0,
     **engine_options: object,
 ) -> LLM:
     """``model`` (by default the built-in ``tiny``) with an explicit NPU pool, warmed up so that
@@ -73,6 +74,7 @@ def build_llm(
     scheduler_config = SchedulerConfig(
         prefix_cache_config=PrefixCacheConfig(enabled=prefix_caching),
         kv_offload_config=offload or KVOffloadConfig(),
+        speculative_ngram=speculative_ngram,
     )
     llm = LLM(
         model,

@@ -126,6 +126,8 @@ EXPECTED = {
         "strata.*.request_s",
         "strata.*.decode_profile.products ms/step",
         "strata.*.decode_profile.python and dispatch share",
+        "speculative.*.plain_tokens_per_s",
+        "speculative.*.speculative_tokens_per_s",
     ],
     "api-fields": [
         "choices.n.prompt_tokens_computed",
@@ -192,6 +194,10 @@ def test_quick_run_writes_report(
         assert auto["dtype"] == "auto" and auto["auto"]["chose"] == auto["runs"]
         assert len(auto["auto"]["timings"]) == 6
         assert "What auto chose" in report and "torch_cpu_capability" in report
+        # Speculative rows: both workloads, and drafting changes no token.
+        spec = document["speculative"]
+        assert [r["workload"] for r in spec] == ["quote", "free"]
+        assert all(r["same_tokens"] for r in spec)
 
 
 @NEEDS_SMOLLM2
