@@ -56,12 +56,16 @@ class Server:
 
 @contextlib.contextmanager
 def default_model_server() -> Iterator[Server]:
-    """A server of the default real model (SmolLM2) on one torch thread."""
+    """A server of the default real model (SmolLM2) on one torch thread, in float32 (the
+    dtype its tests' reference scores are computed in; the weights as auto chooses)."""
     from replicas.model.resolve import DEFAULT_MODEL
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    engine = Engine(EngineConfig(model=DEFAULT_MODEL, num_npu_blocks=256, max_model_len=1024))
+    config = EngineConfig(
+        model=DEFAULT_MODEL, dtype="float32", num_npu_blocks=256, max_model_len=1024
+    )
+    engine = Engine(config)
     try:
         with Server(engine) as running:
             yield running

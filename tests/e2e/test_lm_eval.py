@@ -84,7 +84,7 @@ def test_lm_eval_accuracy_equals_strata_in_process_logprobs(server, tmp_path):
     # The same (context, continuation) pairs scored in process, without the harness.
     tokenizer = server.engine.tokenizer
     correct = 0
-    with LLM(DEFAULT_MODEL) as llm:
+    with LLM(DEFAULT_MODEL, dtype="float32") as llm:  # as the server runs it
         for sample in samples:
             scores = []
             for context, continuation in sample["arguments"]:

@@ -26,6 +26,9 @@ QUOTE = (
     "Repeat this sentence exactly: The old lighthouse keeper climbed the spiral stairs every "
     "evening, trimmed the wick and wrote the weather in his leather logbook."
 )
+# The weights' dtype is pinned to float32, the reference these outputs are compared in; how the
+# linear weights are kept stays auto (measured on the machine; every choice is batch-invariant).
+DTYPE = "float32"
 # About 200 tokens each, distinct from their first token: 13 blocks apiece, 78 in all.
 FILLERS = [f"Note {n}. " + "The quick brown fox jumps over the lazy dog. " * 20 for n in range(6)]
 
@@ -43,6 +46,7 @@ def chats(llm: LLM, questions: list[str]) -> list[str]:
 def cold_outputs():
     cold = LLM(
         DEFAULT_MODEL,
+        dtype=DTYPE,
         scheduler_config=SchedulerConfig(prefix_cache_config=PrefixCacheConfig(enabled=False)),
     )
     try:
@@ -54,6 +58,7 @@ def cold_outputs():
 def test_cached_and_host_reloaded_prefixes_give_the_cold_outputs(cold_outputs):
     llm = LLM(
         DEFAULT_MODEL,
+        dtype=DTYPE,
         num_npu_blocks=24,
         scheduler_config=SchedulerConfig(
             kv_offload_config=KVOffloadConfig(
@@ -79,7 +84,7 @@ def test_cached_and_host_reloaded_prefixes_give_the_cold_outputs(cold_outputs):
 
 
 def test_chat_renders_the_template_and_answers(cold_outputs):
-    with LLM(DEFAULT_MODEL) as llm:
+    with LLM(DEFAULT_MODEL, dtype=DTYPE) as llm:
         conversation = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ""}]
         conversation[1]["content"] = QUESTIONS[0]
         single = llm.chat(conversation, GREEDY)

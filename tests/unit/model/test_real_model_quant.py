@@ -116,8 +116,8 @@ def test_int8_greedy_continuation_equals_float32_up_to_near_ties(dense, quantize
     assert sum(n == 16 for n in num_equal) >= 2
 
 
-def test_auto_serves_the_files_own_4_bit_codes(quantized):
-    loaded = load_model(str(SMOLLM2), torch.device("cpu"), quantization="auto")
+def test_int4_serves_the_files_own_4_bit_codes(quantized):
+    loaded = load_model(str(SMOLLM2), torch.device("cpu"), quantization="int4")
     assert loaded.quantization == "int4"
     for ours, expected in zip(loaded.model.layers, quantized["int4"].layers, strict=True):
         assert torch.equal(ours.attention.wqkv.weight, expected.attention.wqkv.weight)
