@@ -209,15 +209,14 @@ def cache_path() -> Path | None:
 
 def cpu_facts() -> dict[str, str]:
     """The CPU as the choice depends on it: model name, flags (Linux), torch's capability."""
-    facts = {"model": platform.processor() or platform.machine(), "flags": ""}
+    facts = {"model": "", "flags": ""}
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             name, _, value = line.partition(":")
-            name = name.strip()
-            if name == "model name" and facts["model"] in ("", platform.processor()):
-                facts["model"] = value.strip()
-            elif name in ("flags", "Features") and not facts["flags"]:
-                facts["flags"] = value.strip()
+            key = {"model name": "model", "flags": "flags", "Features": "flags"}.get(name.strip())
+            if key and not facts[key]:
+                facts[key] = value.strip()
+    facts["model"] = facts["model"] or platform.processor() or platform.machine()
     facts["torch_capability"] = torch.backends.cpu.get_cpu_capability()
     return facts
 
