@@ -103,8 +103,9 @@ class ModelRunner:
         """The batch of the scheduled tokens, sequence ``i`` being ``scheduled[i]``. A request
         with draft tokens is its last token there, and each draft token is a sequence of its
         own after all of them (position after position, on the same blocks), so that it
-        attends as the decode it stands for does; the model writes every new token's KV before
-        any attends, so each draft token sees those before it."""
+        attends as the decode it stands for does: alone (``ForwardBatch.num_solo_seqs``), so that
+        it neither pads the decodes' group nor is padded by it; the model writes every new
+        token's KV before any attends, so each draft token sees those before it."""
         block_size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -159,5 +160,6 @@ class ModelRunner:
             block_tables=tables,
             slot_mapping=slot_mapping,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=self.device),
+            num_solo_seqs=sum(len(drafts) for _, drafts, _ in drafted),
         )
         return batch, sampled

@@ -31,8 +31,11 @@ has neither an SDPA that returns the log-sum-exp nor a bfloat16 GEMM with float3
 chunks are used for long contexts only.
 
 All decodes (one new token each) attend as one group, each prefill chunk (several new tokens)
-as its own. Decodes are sorted by span, so chunk ``c`` holds only the leading sequences that
-still have keys there, padded to the longest. A prefill's chunk ``c`` is computed only for the
+as its own, and so does each of the batch's last ``num_solo_seqs`` sequences (draft tokens being
+verified: a row padded to a longer row's keys rounds differently from the same row alone, so a
+draft token attends alone, exactly as the decode it stands for would, and pads no other row).
+Decodes are sorted by span, so chunk ``c`` holds only the leading sequences that still have
+keys there, padded to the longest. A prefill's chunk ``c`` is computed only for the
 query rows that see one of its keys (causal: the later rows; window: the earlier ones). So
 every row a chunk computes sees a key and its ``m_c`` is finite; the partials a chunk does
 not compute stay neutral (``m = -inf``, ``l = o = 0``).
@@ -139,9 +142,13 @@ class AttentionMetadata:
         table = batch.block_tables[group]  # [B, max_blocks]
         slots = batch.slot_mapping[group]  # [T]
         decodes, groups = [], []
+        first_solo = batch.num_seqs - batch.num_solo_seqs
         for i, seq_len in enumerate(batch.seq_lens):
             start, end = batch.query_start_loc[i], batch.query_start_loc[i + 1]
-            if end - start == 1:
+            if end - start == 1 and i >= first_solo:
+                seq = _Seq(i, start, seq_len, 1, block_size, sliding_window)
+                groups.append(_build_group(table, slots, [seq], block_size, sliding_window))
+            elif end - start == 1:
                 decodes.append(_Seq(i, start, seq_len, 1, block_size, sliding_window))
             elif end > start:
                 seq = _Seq(i, start, seq_len, end - start, block_size, sliding_window)

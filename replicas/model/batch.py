@@ -31,6 +31,10 @@ class ForwardBatch:
     block_tables: dict[str, torch.Tensor]  # group -> [B, max_blocks] int64
     slot_mapping: dict[str, torch.Tensor]  # group -> [T] int64 flat slot of each new token
     logits_indices: torch.Tensor  # [B'] int64 rows of the hidden states to turn into logits
+    # The last ``num_solo_seqs`` sequences (one new token each: draft tokens being verified)
+    # attend each alone over exactly its keys, as the decode it stands for would when alone,
+    # not padded into the group of the other decodes (padding changes the rounding).
+    num_solo_seqs: int = 0
 
     @property
     def num_seqs(self) -> int:

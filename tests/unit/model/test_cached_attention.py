@@ -235,3 +235,31 @@ def test_writes_land_in_the_cache_and_nowhere_else(make_batch, chunk):
     assert cache[3, LAYER, 0, :, 0, 0].tolist() == [1, 2, 3, 4]
     assert cache[17, LAYER, 1, :2, 0, 0].tolist() == [-5, -6]
     assert cache.count_nonzero() == 2 * 6 * KV_HEADS * HEAD_DIM
+
+
+def test_solo_sequences_attend_alone_and_bitwise_as_if_decoded_alone(make_batch, chunk):
+    """Draft tokens (the batch's last ``num_solo_seqs`` sequences) get a group each, and the
+    decode before them attends exactly as it does alone: no row of it is padded by theirs."""
+    gen = torch.Generator().manual_seed(3)
+    shape = (NUM_BLOCKS, LAYERS, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    cache = torch.randn(shape, generator=gen)
+    lens = (40, 41, 42)  # a decode at position 39 and its two drafts after it
+    table = list(range(NUM_BLOCKS - 1, NUM_BLOCKS - 1 - -(-max(lens) // BLOCK_SIZE), -1))
+    q = torch.randn(len(lens), HEADS, HEAD_DIM, generator=gen)
+    k, v = (torch.randn(len(lens), KV_HEADS, HEAD_DIM, generator=gen) for _ in range(2))
+
+    def attend(seq_lens: tuple[int, ...], num_solo: int) -> tuple[torch.Tensor, int]:
+        chunks = [chunk(list(range(n)), n - 1, 1, {"g": table}) for n in seq_lens]
+        batch = make_batch(chunks, BLOCK_SIZE)
+        batch.num_solo_seqs = num_solo
+        meta = AttentionMetadata.build(batch, "g", BLOCK_SIZE, None)
+        rows = len(seq_lens)
+        out = cached_attention(q[:rows], k[:rows], v[:rows], cache.clone(), LAYER, meta)
+        return out, len(meta.groups)
+
+    alone, _ = attend(lens[:1], 0)
+    with_drafts, num_groups = attend(lens, 2)
+    assert num_groups == 3
+    assert torch.equal(with_drafts[0], alone[0])
+    padded, num_groups = attend(lens, 0)
+    assert num_groups == 1 and padded.shape == with_drafts.shape

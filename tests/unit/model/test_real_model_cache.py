@@ -29,6 +29,7 @@ QUOTE = (
 # The weights' dtype is pinned to float32, the reference these outputs are compared in; how the
 # linear weights are kept stays auto (measured on the machine; every choice is batch-invariant).
 DTYPE = "float32"
+STORY = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 # About 200 tokens each, distinct from their first token: 13 blocks apiece, 78 in all.
 FILLERS = [f"Note {n}. " + "The quick brown fox jumps over the lazy dog. " * 20 for n in range(6)]
 
@@ -102,13 +103,18 @@ def test_chat_renders_the_template_and_answers(cold_outputs):
 def test_speculative_decoding_gives_the_outputs_without_it():
     """Draft tokens verified in the forward pass change no token, and a quote accepts them.
     The packed int4 products compute each row alone, so the draft rows add no rounding to the
-    linear layers; each prompt runs alone (batching decodes together changes the attention's
-    rounding, drafts or not)."""
+    linear layers, and each draft token attends alone, so it pads no other row; each prompt
+    runs alone (batching decodes together changes the attention's rounding, drafts or not).
+    The story is 128 tokens of free text that left plain decoding's tokens at token 44 while
+    draft rows were padded into the group of the request's own decode."""
     weights = {"dtype": "float32", "quantization": "int4"}
     off = SchedulerConfig(prefix_cache_config=PrefixCacheConfig(enabled=False))
     with LLM(DEFAULT_MODEL, scheduler_config=off, **weights) as cold:
         prompts = chats(cold, [*QUESTIONS, QUOTE])
         expected = [cold.generate(p, GREEDY).token_ids for p in prompts]
+        story = cold.tokenizer.apply_chat_template([{"role": "user", "content": STORY}])
+        long = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
+        expected_story = cold.generate(story, long).token_ids
     spec = SchedulerConfig(speculative_ngram=4)
     with LLM(DEFAULT_MODEL, scheduler_config=spec, **weights) as llm:
         accepted = []
@@ -117,4 +123,5 @@ def test_speculative_decoding_gives_the_outputs_without_it():
             assert llm.generate(prompt, GREEDY).token_ids == tokens
             accepted.append(llm.stats().spec_decode.num_accepted_tokens - before)
         assert accepted[-1] >= 8, accepted  # the quote
+        assert llm.generate(story, long).token_ids == expected_story
         llm.check_integrity()
