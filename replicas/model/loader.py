@@ -4,7 +4,7 @@ that the architecture's registry entry names (see ``replicas.model.registry``)."
 
 import logging
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -59,8 +59,9 @@ class _Weights(NamedTuple):
     net: Transformer
     tokenizer: Tokenizer
     files: list[str]  # what the checkpoint was read from (the choice cache's key)
-    int4_groups: dict  # stored int4 codes by parameter name (a GGUF file's Q4 tensors)
     stored_bits: dict  # bits per weight as stored
+    gguf_reader: Any = None  # a GGUF file's, to read its int4 codes where a candidate needs them
+    int4_groups: dict | None = None  # stored int4 codes by parameter name (GGUF Q4 tensors)
 
     @property
     def is_quantized(self) -> bool:
@@ -96,6 +97,8 @@ def load_model(
     load_dtype = "float32" if dtype_name == "auto" else dtype_name
     weights = _load_weights(model, resolved, device, torch_dtype(load_dtype), seed)
     options = candidates(dtype_name, quantization, weights.is_quantized, device)
+    if weights.gguf_reader is not None and any(c.quantization == "int4" for c in options):
+        weights = weights._replace(int4_groups=gguf_int4_groups(weights.net, weights.gguf_reader))
     choice = tune(
         options,
         lambda candidate: _finish(weights, candidate, device, copy=True),
@@ -118,28 +121,22 @@ def load_model(
 def _load_weights(
     name: str, model: str, device: torch.device, dtype: torch.dtype, seed: int
 ) -> _Weights:
-    """The weights of resolved ``model`` in ``dtype``, with the int4 codes a GGUF file stores."""
+    """The weights of resolved ``model`` in ``dtype`` (a GGUF file's int4 codes are read later,
+    only where a candidate keeps its weights at int4)."""
     if is_gguf_file(model):
         reader = open_gguf(model)
         args, tokenizer = gguf_model_info(reader, name)
         net = _empty_model(args, device, dtype)
         load_gguf_weights(net, reader, model)
-        return _Weights(
-            name,
-            net,
-            tokenizer,
-            [model],
-            gguf_int4_groups(net, reader),
-            gguf_weight_bits(net, reader),
-        )
+        return _Weights(name, net, tokenizer, [model], gguf_weight_bits(net, reader), reader)
     args, tokenizer = _model_info(model, name)
     if model in BUILTIN_MODEL_ARGS:
         net = build_builtin_model(model, seed).to(device=device, dtype=dtype)
-        return _Weights(name, net, tokenizer, [], {}, {})
+        return _Weights(name, net, tokenizer, [], {})
     net = _empty_model(args, device, dtype)
     load_safetensors(net, Path(model))
     files = sorted(str(p) for p in Path(model).glob("*") if p.is_file())
-    return _Weights(name, net, tokenizer, files, {}, {})
+    return _Weights(name, net, tokenizer, files, {})
 
 
 def _finish(
