@@ -32,6 +32,7 @@ from cluster.api.protocol import (
     ModelList,
     ResetPrefixCacheRequest,
     TokenizeRequest,
+    ignored_fields,
 )
 from cluster.api.serving import Serving
 from cluster.backend import Backend
@@ -62,9 +63,18 @@ async def read_body(request: Request, model: type[B]) -> B:
             "the request body holds an unpaired UTF-16 surrogate escape, which is not valid text"
         ) from None
     try:
-        return model.model_validate(data)
+        body = model.model_validate(data)
     except ValidationError as error:
         raise describe_validation_error(error) from None
+    ignored = ignored_fields(body)
+    if ignored:
+        logger.warning(
+            "%s %s: ignoring fields this server does not know: %s",
+            request.method,
+            request.url.path,
+            ", ".join(ignored),
+        )
+    return body
 
 
 def create_app(

@@ -1,13 +1,17 @@
 """Bodies of the OpenAI-compatible API: requests validated here, responses built here.
 
-Requests reject unknown fields with a 400, as OpenAI does; tool calling (``tools``) is not
-served. Supported beyond the basics: ``n`` and ``best_of`` (choices share their prompt's
+Fields a body does not declare are ignored and logged by name (vLLM's behaviour: clients
+written for other servers send extensions of their own); fields Strata knows but cannot honour
+(``audio``, ``prediction``, ``functions``...) are refused with a 400 naming them; fields that
+change nothing here (``user``, ``metadata``, ``store``, ``service_tier``, ``reasoning_effort``)
+are accepted. Supported beyond the basics: ``n`` and ``best_of`` (choices share their prompt's
 prefill), ``logprobs`` / ``top_logprobs`` (at most 20), ``echo`` with prompt logprobs,
 ``presence_penalty`` / ``frequency_penalty`` (in [-2, 2]), ``logit_bias`` (token id -> bias in
 [-100, 100]), a list of prompts in completions, ``stream_options.include_usage`` and
 ``response_format`` (``text``, ``json_object``, ``json_schema``).
 
 Extensions beyond OpenAI: ``top_k``, ``min_tokens``, ``repetition_penalty``,
+``stream_options.continuous_usage_stats`` (vLLM's: the usage so far on every chunk),
 ``stop_token_ids``, ``ignore_eos``, ``cache_salt`` (a per-tenant salt of the prefix-cache block
 hashes: requests reuse cached KV only from requests with the same salt) and, named as vLLM names
 them, ``structured_outputs`` (``{"json": schema}``, ``{"regex": ...}``, ``{"choice": [...]}``,
@@ -21,6 +25,8 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
     SerializerFunctionWrapHandler,
     ValidationInfo,
     field_validator,
@@ -33,10 +39,47 @@ MAX_COMPLETION_LOGPROBS = 5  # the legacy completions endpoint's bound
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    """A request body (or a part of one). Fields it does not declare are dropped, and their
+    names kept for ``ignored_fields`` (the app logs them), as vLLM does: clients written for
+    other servers send extensions of their own, which must not fail a request."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    _ignored: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_ignored(cls, data: Any, handler: ModelWrapValidatorHandler) -> Any:
+        body = handler(data)
+        if isinstance(data, dict) and isinstance(body, _Body):
+            known = _known_names(cls)
+            body._ignored = tuple(str(key) for key in data if key not in known)
+        return body
+
+
+def _known_names(model: type[BaseModel]) -> frozenset[str]:
+    names = set(model.model_fields)
+    names.update(f.alias for f in model.model_fields.values() if f.alias is not None)
+    return frozenset(names)
+
+
+def ignored_fields(body: BaseModel, where: str = "") -> list[str]:
+    """Dotted names of every field of ``body`` (and of the bodies inside it) that was given
+    but is not served, e.g. ``["messages.0.audio", "foo"]``."""
+    found = [f"{where}{name}" for name in getattr(body, "_ignored", ())]
+    for name in type(body).model_fields:
+        value = getattr(body, name)
+        items = enumerate(value) if isinstance(value, list) else [(None, value)]
+        for index, item in items:
+            if isinstance(item, BaseModel):
+                path = name if index is None else f"{name}.{index}"
+                found += ignored_fields(item, f"{where}{path}.")
+    return found
 
 
 class ResetPrefixCacheRequest(_Body):
+    # An admin action: a misspelt field must not widen what it forgets to every tier.
+    model_config = ConfigDict(extra="forbid")
+
     tier: Literal["all", "npu", "host", "disk"] = Field(
         "all", description="Which tier's unreferenced cached blocks to forget."
     )
@@ -61,6 +104,9 @@ class StreamOptions(_Body):
     include_usage: bool = Field(False, description="Send a last chunk with the usage.")
     include_obfuscation: bool | None = Field(
         None, description="Accepted for compatibility; chunks are never padded."
+    )
+    continuous_usage_stats: bool = Field(
+        False, description="Extension (vLLM's): every chunk carries the usage so far."
     )
 
 
@@ -109,6 +155,10 @@ class GenerationRequest(_Body):
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS.")
     n: int = Field(1, description="Choices per prompt; they share the prompt's prefill.")
     user: str | None = Field(None, description="End-user id; accepted and ignored.")
+    safety_identifier: str | None = Field(None, description="Accepted and ignored.")
+    metadata: dict[str, str] | None = Field(None, description="Accepted and ignored.")
+    store: bool | None = Field(None, description="Accepted; chat completions are not stored.")
+    service_tier: str | None = Field(None, description="Accepted; every request is served alike.")
     cache_salt: str | None = Field(
         None, min_length=1, description="Extension: per-tenant salt of prefix-cache hashes."
     )
@@ -150,6 +200,10 @@ class GenerationRequest(_Body):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     def structured(self) -> tuple[dict[str, Any] | None, str | None]:
         """The output constraint as ``StructuredOutputs`` keyword arguments, and the body
@@ -285,6 +339,36 @@ class ChatCompletionRequest(GenerationRequest):
     top_logprobs: int | None = Field(
         None, description="Alternatives per token (at most 20); needs logprobs=true."
     )
+    reasoning_effort: str | None = Field(
+        None, description="Accepted and ignored: the served models do not reason apart."
+    )
+    verbosity: str | None = Field(None, description="Accepted and ignored.")
+    modalities: list[str] | None = Field(None, description='Only ["text"] is served.')
+    # Known, and not served: a request that sets one is refused rather than answered wrongly.
+    audio: dict[str, Any] | None = Field(None, description="Not served (no audio output).")
+    prediction: dict[str, Any] | None = Field(None, description="Not served.")
+    web_search_options: dict[str, Any] | None = Field(None, description="Not served.")
+    functions: list[Any] | None = Field(None, description="Not served; use tools.")
+    function_call: str | dict[str, Any] | None = Field(
+        None, description="Not served; use tool_choice."
+    )
+
+    @field_validator("audio", "prediction", "web_search_options", "functions", "function_call")
+    @classmethod
+    def _refuse(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            hint = {"functions": "; use tools", "function_call": "; use tool_choice"}
+            raise ValueError(
+                f"{info.field_name} is not supported by this server{hint.get(info.field_name, '')}"
+            )
+        return value
+
+    @field_validator("modalities")
+    @classmethod
+    def _check_modalities(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and any(m != "text" for m in value):
+            raise ValueError(f'modalities {value} are not served; only ["text"] is')
+        return value
 
     @field_validator("top_logprobs")
     @classmethod

@@ -53,6 +53,22 @@ def usage_of(outputs: Sequence[RequestOutput], num_choices_per_prompt: int = 1) 
     )
 
 
+def running_usage(latest: dict[int, RequestOutput], num_choices_per_prompt: int = 1) -> Usage:
+    """Usage so far of a streamed request, from each choice's latest output (choice ``i`` of
+    prompt ``p`` at index ``p * n + i``): vLLM's ``continuous_usage_stats``."""
+    prompts = [o for index, o in latest.items() if index % num_choices_per_prompt == 0]
+    num_prompt = sum(len(o.prompt_token_ids) for o in prompts)
+    num_completion = sum(len(o.token_ids) for o in latest.values())
+    return Usage(
+        prompt_tokens=num_prompt,
+        completion_tokens=num_completion,
+        total_tokens=num_prompt + num_completion,
+        prompt_tokens_details=PromptTokensDetails(
+            cached_tokens=sum(o.num_cached_tokens for o in prompts)
+        ),
+    )
+
+
 class Renderer(ABC):
     id_prefix: str
 

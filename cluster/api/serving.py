@@ -19,7 +19,13 @@ from starlette.responses import Response
 
 from cluster.api.errors import APIError, from_backend_error, internal_error
 from cluster.api.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
-from cluster.api.renderers import ChatRenderer, CompletionRenderer, Renderer, usage_of
+from cluster.api.renderers import (
+    ChatRenderer,
+    CompletionRenderer,
+    Renderer,
+    running_usage,
+    usage_of,
+)
 from cluster.api.streaming import (
     DONE,
     ClientDisconnected,
@@ -53,6 +59,7 @@ class Generation:
     include_usage: bool
     renderer: Renderer
     prompt_param: str  # the body field holding the prompt: "prompt" or "messages"
+    continuous_usage: bool = False  # every chunk carries the usage so far
 
 
 class Serving:
@@ -227,6 +234,7 @@ class Serving:
             body.include_usage,
             renderer,
             prompt_param,
+            continuous_usage=body.continuous_usage,
         )
 
     # ---- generation: Generation -> answer ----------------------------------------------------
@@ -308,6 +316,7 @@ class Serving:
         renderer = generation.renderer
         num_choices = len(generation.prompts) * generation.sampling_params.n
         finals: dict[int, RequestOutput] = {}
+        latest: dict[int, RequestOutput] = {}  # each choice's last output so far
         finish_reason = "abort"  # unless the stream reaches its end
         try:
             async with contextlib.aclosing(outputs):
@@ -319,8 +328,11 @@ class Serving:
                     index = renderer.choice_index(prompt_index, sequence_index)
                     if index == 0:
                         tracker.observe(output)
+                    latest[index] = output
                     chunk = renderer.chunk(index, output)
                     if chunk is not None:
+                        if generation.continuous_usage:
+                            chunk.usage = running_usage(latest, generation.sampling_params.n)
                         yield sse(chunk)
                     if output.finished:
                         finals[index] = output

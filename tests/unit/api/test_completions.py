@@ -83,6 +83,25 @@ def test_stream_usage_chunk(client):
     assert last["usage"]["total_tokens"] == 13
 
 
+def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(client):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"prompt": "count me", "max_tokens": 4, "stream": True, **GREEDY}
+    events = parse_sse(client.post("/v1/completions", json={**body, "stream_options": options}))
+    *chunks, last = events
+    assert all(c["usage"]["prompt_tokens"] == 9 for c in chunks)
+    completion = [c["usage"]["completion_tokens"] for c in chunks]
+    assert completion == sorted(completion) and completion[-1] == 4
+    for chunk in chunks:  # each chunk's count is the tokens streamed up to it
+        usage = chunk["usage"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert last["usage"]["completion_tokens"] == 4 and last["choices"] == []
+    chat = {"messages": MESSAGES, "max_tokens": 3, "stream": True, **GREEDY}
+    events = parse_sse(
+        client.post("/v1/chat/completions", json={**chat, "stream_options": options})
+    )
+    assert events[-2]["usage"]["completion_tokens"] == 3
+
+
 def test_repeated_prompt_reports_cached_tokens(client, engine):
     prompt = "A long shared system prompt about caching. " * 3  # 129 bytes + BOS
     body = {"prompt": prompt, "max_tokens": 2, **GREEDY}

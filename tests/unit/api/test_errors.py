@@ -85,7 +85,6 @@ BAD_COMPLETIONS = [
     ),
     (b'{"prompt": "x", "stream": "yes"}', "stream", "stream"),
     (b'{"prompt": "x", "stream_options": {"include_usage": true}}', "stream_options", "stream"),
-    (b'{"prompt": "x", "frobnicate": 1}', "frobnicate", "frobnicate"),
     (b'{"prompt": "x", "presence_penalty": -3}', "presence_penalty", "presence_penalty"),
     (b'{"prompt": "x", "cache_salt": ""}', "cache_salt", "cache_salt"),
     (b'{"prompt": [300]}', "prompt", "vocabulary"),
@@ -101,6 +100,24 @@ def test_bad_completion_body_is_400(client, raw, param, word):
     error = assert_error(response, 400, param)
     assert error["type"] == "invalid_request_error"
     assert word in error["message"]
+
+
+def test_unknown_fields_are_ignored_and_logged_by_name(client, caplog):
+    body = {**OK_BODY, "frobnicate": 1, "stream": True}
+    body["stream_options"] = {"include_usage": True, "chunk_size": 3}
+    with caplog.at_level("WARNING", logger="cluster.api.app"):
+        response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    warnings = [r.getMessage() for r in caplog.records if "ignoring fields" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "frobnicate" in warnings[0] and "stream_options.chunk_size" in warnings[0]
+    chat = {"messages": [{"role": "user", "content": "hi", "audio_ref": 1}], "max_tokens": 2}
+    with caplog.at_level("WARNING", logger="cluster.api.app"):
+        response = client.post("/v1/chat/completions", json={**chat, "metadata": {"a": "b"}})
+    assert response.status_code == 200, response.text
+    assert "messages.0.audio_ref" in caplog.records[-1].getMessage()
+    assert "metadata" not in caplog.records[-1].getMessage()  # known, and changes nothing
+    assert_still_serving(client)
 
 
 def test_neutral_values_of_optional_parameters_are_accepted(client):
@@ -131,6 +148,10 @@ def test_neutral_values_of_optional_parameters_are_accepted(client):
             "top_logprobs",
         ),
         ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
+        ({"messages": [{"role": "user", "content": "hi"}], "audio": {"voice": "x"}}, "audio"),
+        ({"messages": [{"role": "user", "content": "hi"}], "functions": [{}]}, "functions"),
+        ({"messages": [{"role": "user", "content": "hi"}], "prediction": {}}, "prediction"),
+        ({"messages": [{"role": "user", "content": "hi"}], "modalities": ["audio"]}, "modalities"),
         (
             {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},
             "response_format",
