@@ -41,6 +41,12 @@ class ServerConfig(_Section):
     max_waiting_requests: int = Field(
         256, ge=1, description="Requests queued per replica before new ones get HTTP 429."
     )
+    watchdog_stall_s: float | None = Field(
+        2.0,
+        gt=0,
+        description="An HTTP event loop that does not answer for this long is logged with "
+        "every thread's stack and counted in /health; None turns the watchdog off.",
+    )
 
 
 class RayConfig(_Section):

@@ -31,6 +31,7 @@ def build_app(config: ClusterConfig, name: str = "strata") -> tuple["FastAPI", "
         max_request_body_bytes=server.max_request_body_bytes,
         max_tokens_limit=server.max_tokens_limit,
         metrics_public=server.metrics_public,
+        watchdog_stall_s=server.watchdog_stall_s,
     )
     return app, backend
 

@@ -12,9 +12,12 @@ Request path: APIKeyGuard (401) -> BodySizeLimit (413) -> route: parse the JSON 
 ``Serving`` checks and generates. Every error is OpenAI-shaped (``cluster.api.errors``).
 """
 
+import asyncio
+import contextlib
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
@@ -35,6 +38,7 @@ from cluster.api.protocol import (
     ignored_fields,
 )
 from cluster.api.serving import Serving
+from cluster.api.watchdog import LoopWatchdog
 from cluster.backend import Backend
 from cluster.metrics import CONTENT_TYPE, StrataMetrics
 
@@ -84,12 +88,15 @@ def create_app(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     max_tokens_limit: int | None = None,
     metrics_public: bool = True,
+    watchdog_stall_s: float | None = 2.0,
 ) -> FastAPI:
     """The HTTP app serving ``backend``. The caller owns the backend (and shuts it down).
 
     ``max_tokens_limit`` caps max_tokens (default: the backend's ``max_model_len``); with
     ``api_key`` set, every path except /health (and /metrics when ``metrics_public``) needs
-    ``Authorization: Bearer <api_key>``."""
+    ``Authorization: Bearer <api_key>``. ``watchdog_stall_s``: an event loop that does not
+    answer for this long is logged with every thread's stack (``cluster.api.watchdog``);
+    None turns the watchdog off."""
     if max_request_body_bytes < 1:
         raise ValueError(f"max_request_body_bytes must be positive, got {max_request_body_bytes}")
     if max_tokens_limit is not None and max_tokens_limit < 1:
@@ -97,7 +104,22 @@ def create_app(
     metrics = StrataMetrics()
     serving = Serving(backend, metrics, max_tokens_limit or backend.max_model_len)
     created = int(time.time())
-    app = FastAPI(title="Strata", summary="OpenAI-compatible API of a Strata deployment")
+    watchdog = LoopWatchdog(watchdog_stall_s) if watchdog_stall_s is not None else None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if watchdog is not None:
+            watchdog.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            if watchdog is not None:
+                watchdog.stop()
+
+    app = FastAPI(
+        title="Strata", summary="OpenAI-compatible API of a Strata deployment", lifespan=lifespan
+    )
+    app.state.watchdog = watchdog
     app.state.backend = backend
     app.state.metrics = metrics
     install_error_handlers(app)
@@ -155,6 +177,7 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        loop = {"event_loop": watchdog.health().as_dict()} if watchdog is not None else {}
         try:
             num_live = await backend.num_live_replicas()
         except Exception:
@@ -164,9 +187,9 @@ def create_app(
             error = APIError(
                 503, "no replica is alive", type="server_error", code="no_live_replica"
             )
-            body = {"status": "unavailable", "live_replicas": 0, **error.body()}
+            body = {"status": "unavailable", "live_replicas": 0, **loop, **error.body()}
             return JSONResponse(body, status_code=503)
-        return JSONResponse({"status": "ok", "live_replicas": num_live})
+        return JSONResponse({"status": "ok", "live_replicas": num_live, **loop})
 
     @app.post("/v1/admin/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> JSONResponse:

@@ -162,4 +162,6 @@ def test_models_and_health(client):
     models = client.get("/v1/models").json()
     assert models["object"] == "list"
     assert [(m["id"], m["object"]) for m in models["data"]] == [("tiny", "model")]
-    assert client.get("/health").json() == {"status": "ok", "live_replicas": 1}
+    health = client.get("/health").json()
+    assert (health["status"], health["live_replicas"]) == ("ok", 1)
+    assert health["event_loop"] == {"stalls": 0, "longest_stall_s": 0.0, "blocked_s": 0.0}
