@@ -1,9 +1,10 @@
 """Structured outputs: constrained decoding as a token mask applied to the logits at sampling.
 
-A request's ``StructuredOutputs`` (a JSON schema, any JSON object, a regex or one of a list of
-strings) is compiled once per tokenizer by ``GrammarCompiler`` (cached); each sequence then gets
-a ``GrammarMatcher``, whose ``apply_mask`` sets the logits of the tokens that cannot continue a
-valid output to -inf before sampling and whose ``accept`` advances it by the sampled token.
+A request's ``StructuredOutputs`` (a JSON schema, any JSON object, a regex, one of a list of
+strings or a Lark grammar, which may embed JSON schemas written by ``lark_json``) is compiled
+once per tokenizer by ``GrammarCompiler`` (cached); each sequence then gets a ``GrammarMatcher``,
+whose ``apply_mask`` sets the logits of the tokens that cannot continue a valid output to -inf
+before sampling and whose ``accept`` advances it by the sampled token.
 
 The grammar library is llguidance, chosen by measurement (``python -m benchmarks.grammar_overhead
 --repeats 10``: SmolLM2-135M's tokenizer, CPU, four runs on a shared 2-core machine; mean µs per
@@ -47,11 +48,12 @@ from replicas.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 PACKAGE = "llguidance"  # pip name; pyproject pins the version
 CACHE_SIZE = 256  # compiled grammars kept per GrammarCompiler (least recently used dropped)
-_FIELDS = ("json", "json_object", "regex", "choice")
+_FIELDS = ("json", "json_object", "regex", "choice", "grammar")
 # One line, json.dumps' separators; strings take every JSON escape ("\u00e9" too, not only "\n").
 _JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", "}
 _JSON_OPTIONS |= {"key_separator": ": ", "json_allow_general_unicode_escapes": True}
 _PROBLEMS = {"json": "is not a valid JSON schema", "regex": "is not a valid regular expression"}
+_PROBLEMS["grammar"] = "is not a valid Lark grammar"
 _REGEX_META = set("\\.^$|?*+()[]{}")
 _ERROR_PREFIX = re.compile(r"^(at \d+\(\d+\): |error: )")  # llguidance's "at 1(8): "
 # Keywords whose value is a schema (or a list of schemas), and those mapping names to schemas.
@@ -73,13 +75,15 @@ class StructuredOutputs:
 
     ``json`` is a JSON schema as a JSON text (an object); ``json_object`` asks for any JSON
     object; ``regex`` must match the whole output; ``choice`` lists the strings the output may be
-    (exactly). Hashable, so it keys the compiled-grammar cache.
+    (exactly); ``grammar`` is a grammar in llguidance's Lark dialect that the whole output must
+    match (tool calls use it). Hashable, so it keys the compiled-grammar cache.
     """
 
     json: str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.choice, list):
@@ -103,6 +107,8 @@ class StructuredOutputs:
             raise ValueError("structured_outputs.json_object must be a boolean")
         if self.regex is not None and not isinstance(self.regex, str):
             raise ValueError("structured_outputs.regex must be a string")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ValueError("structured_outputs.grammar must be a Lark grammar as a string")
         if self.choice is not None:
             if not isinstance(self.choice, tuple) or not self.choice:
                 raise ValueError("structured_outputs.choice must be a non-empty list of strings")
@@ -111,7 +117,8 @@ class StructuredOutputs:
 
     @property
     def kind(self) -> str:
-        """``"json"``, ``"json_object"``, ``"regex"`` or ``"choice"``: the field that is set."""
+        """``"json"``, ``"json_object"``, ``"regex"``, ``"choice"`` or ``"grammar"``: the field
+        that is set."""
         return next(f for f in _FIELDS if getattr(self, f) not in (None, False))
 
 
@@ -140,6 +147,12 @@ def _closed(schema: Any, close: bool = True) -> Any:
     if close and isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN):
         out["additionalProperties"] = False
     return out
+
+
+def lark_json(schema: dict[str, Any]) -> str:
+    """``schema`` as a ``%json {...}`` item of a Lark grammar, generated with the same layout
+    and object closing as a ``json`` constraint (see the invariants above)."""
+    return "%json " + json.dumps({**_closed(schema), "x-guidance": _JSON_OPTIONS})
 
 
 class _ByteVocabulary:
@@ -226,6 +239,8 @@ class GrammarCompiler:
             if kind in ("json", "json_object"):
                 schema = _closed(json.loads(spec.json)) if kind == "json" else {"type": "object"}
                 grammar = lm.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
+            elif kind == "grammar":
+                grammar = lm.grammar_from_lark(spec.grammar)
             else:
                 regex = spec.regex if spec.regex is not None else _choice_regex(spec.choice or ())
                 grammar = lm.grammar_from_regex(regex)

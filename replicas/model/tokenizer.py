@@ -1,5 +1,6 @@
 """Tokenizers: a byte-level one for the built-in models and a wrapper of Hugging Face's."""
 
+import functools
 import json
 from abc import ABC, abstractmethod
 from datetime import datetime
@@ -27,7 +28,15 @@ class Tokenizer(ABC):
 
     @abstractmethod
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt text for a chat, ending where the assistant's reply begins."""
+        """The prompt text for a chat, ending where the assistant's reply begins. A tokenizer
+        whose ``chat_template_takes_tools`` is true also takes ``tools=`` (OpenAI's function
+        tools), which its template renders."""
+
+    @property
+    def chat_template_takes_tools(self) -> bool:
+        """Whether the chat template renders a ``tools`` variable (else tool definitions must
+        be written into the messages by the caller)."""
+        return False
 
     def info(self) -> dict[str, Any]:
         """What ``GET /tokenizer_info`` tells clients that tokenize for themselves."""
@@ -177,7 +186,13 @@ class HFTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+    @property
+    def chat_template_takes_tools(self) -> bool:
+        return self.chat_template is not None and _takes_tools(self.chat_template)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
         if self.chat_template is None:
             raise ValueError("this model has no chat template; send a plain completion instead")
         from jinja2.exceptions import TemplateError
@@ -197,7 +212,18 @@ class HFTokenizer(Tokenizer):
             add_generation_prompt=True,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
+            **({} if tools is None else {"tools": tools}),
         )
+
+
+@functools.lru_cache(maxsize=8)
+def _takes_tools(template: str) -> bool:
+    """Whether ``template`` reads a ``tools`` variable (parsed once per template)."""
+    from jinja2 import meta
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    parsed = ImmutableSandboxedEnvironment().parse(template)
+    return "tools" in meta.find_undeclared_variables(parsed)
 
 
 def _pick_chat_template(template: Any, directory: Path) -> str | None:
