@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from replicas.async_engine import AsyncEngine, EngineDeadError
 from replicas.async_engine import OverloadedError as OverloadedError  # HTTP 429
+from replicas.cache_hints import CacheHints
 from replicas.engine import Engine, EngineStats
 from replicas.model import Tokenizer
 from replicas.outputs import RequestOutput
@@ -65,12 +66,14 @@ class Backend(Protocol):
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         cache_salt: str | None = None,
+        cache_hints: CacheHints | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs (cumulative text and tokens, plus this step's delta) until finished.
 
         Raises before the first output: ``ValueError`` for a prompt the model can never serve,
         ``NoLiveReplicaError`` or ``OverloadedError``. Raises ``ReplicaFailedError`` mid-stream
-        if the serving replica dies. Closing the iterator early aborts the request."""
+        if the serving replica dies. Closing the iterator early aborts the request.
+        ``cache_hints``: the router's key and the prefix to retain (``replicas.cache_hints``)."""
         ...
 
     async def abort(self, request_id: str) -> None: ...
@@ -110,9 +113,10 @@ class LocalBackend:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         cache_salt: str | None = None,
+        cache_hints: CacheHints | None = None,
     ) -> AsyncIterator[RequestOutput]:
         stream = self.async_engine.generate(
-            request_id, prompt_token_ids, sampling_params, cache_salt
+            request_id, prompt_token_ids, sampling_params, cache_salt, cache_hints
         )
         try:
             async for output in stream:

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import NamedTuple
 
 from cluster.backend import Backend, ReplicaFailedError
+from replicas.cache_hints import CacheHints
 from replicas.outputs import RequestOutput
 from replicas.sampling_params import SamplingParams
 
@@ -56,6 +57,7 @@ async def generate_sequences(
     prompts: Sequence[list[int]],
     params: SamplingParams,
     cache_salt: str | None = None,
+    cache_hints: CacheHints | None = None,
 ) -> AsyncIterator[SequenceOutput]:
     """Every output of every sequence, as they come. A failure of any sequence ends the
     iteration with its error; closing the iterator aborts every sequence still running."""
@@ -71,7 +73,11 @@ async def generate_sequences(
         )
         try:
             async for output in backend.generate(
-                sequence_id, prompts[prompt_index], sequence_params(params, index), cache_salt
+                sequence_id,
+                prompts[prompt_index],
+                sequence_params(params, index),
+                cache_salt,
+                cache_hints,
             ):
                 queue.put_nowait((prompt_index, index, output))
         except Exception as error:

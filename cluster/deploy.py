@@ -34,6 +34,7 @@ from cluster.replica_link import ReplicaLink, StreamLostError
 from cluster.router_calls import RouterCalls
 from replicas.actor import ReplicaActor, ReplicaUnavailableError
 from replicas.async_engine import EngineDeadError
+from replicas.cache_hints import CacheHints
 from replicas.config import EngineConfig
 from replicas.hashing import BlockHash, block_hashes
 from replicas.host_memory import check_host_capacity
@@ -132,6 +133,7 @@ class RayBackend:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         cache_salt: str | None = None,
+        cache_hints: CacheHints | None = None,
     ) -> AsyncIterator[RequestOutput]:
         self.health.ensure_running()
         check_prompt_length(len(prompt_token_ids), self.max_model_len)  # before routing
@@ -148,7 +150,8 @@ class RayBackend:
             is_last = attempt == num_attempts - 1
             if released is not None:
                 await released  # an async actor may run calls out of order: wait for it
-            index = await self._route(request_id, len(prompt_token_ids), hashes, full)
+            key = cache_hints.key if cache_hints is not None else None
+            index = await self._route(request_id, len(prompt_token_ids), hashes, full, key)
             if not (self.health.is_alive(index) or is_last):
                 # The router has not heard of the loss yet (one that Ray restarted believes every
                 # replica live): tell it again and route again, before any call to the replica.
@@ -156,7 +159,7 @@ class RayBackend:
                 released = self.router_calls.release(request_id)
                 continue
             stream = self.links[index].generate(
-                request_id, prompt_token_ids, sampling_params, cache_salt
+                request_id, prompt_token_ids, sampling_params, cache_salt, cache_hints
             )
             started = finished = False
             try:
@@ -201,14 +204,21 @@ class RayBackend:
         raise OverloadedError(f"replicas {sorted(full)} turned the request away; retry later")
 
     async def _route(
-        self, request_id: str, num_prompt_tokens: int, hashes: list[BlockHash], full: set[int]
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        hashes: list[BlockHash],
+        full: set[int],
+        cache_key: str | None = None,
     ) -> int:
         """The replica the router picks, not one of ``full`` (their waiting queues turned the
         request away). Calls to a router that Ray is restarting wait for it
         (``max_task_retries=-1``) rather than fail."""
         start = time.perf_counter()
         try:
-            decision = await self.router_calls.route(request_id, num_prompt_tokens, hashes, full)
+            decision = await self.router_calls.route(
+                request_id, num_prompt_tokens, hashes, full, cache_key
+            )
         except NoLiveReplicaError:
             if full:
                 raise OverloadedError(

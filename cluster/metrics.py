@@ -147,6 +147,12 @@ def _replica_families(replicas: list[ReplicaStats]) -> list[Metric]:
         "KV blocks of the pool, by tier and cache type.",
         labels=["replica", "tier", "cache_type"],
     )
+    retained = GaugeMetricFamily(
+        "strata_kv_retained_blocks",
+        "Cached blocks kept ahead of ordinary ones for a prompt-cache lifetime, by tier (host, "
+        "disk) and cache type.",
+        labels=["replica", "tier", "cache_type"],
+    )
     per_type = CounterMetricFamily(
         "strata_kv_cache_type_blocks",
         "Block events per cache type: npu_eviction, host_eviction, write_through_promotion, "
@@ -193,6 +199,8 @@ def _replica_families(replicas: list[ReplicaStats]) -> list[Metric]:
                     used.add_metric([label, tier, cache_type], num_used)
                 cached.add_metric([label, tier, cache_type], num_cached)
                 capacity.add_metric([label, tier, cache_type], num_blocks)
+            for tier, num_retained in usage.retained_by_tier().items():
+                retained.add_metric([label, tier, cache_type], num_retained)
         retention.add(label, stats)
     return [
         up,
@@ -203,6 +211,7 @@ def _replica_families(replicas: list[ReplicaStats]) -> list[Metric]:
         used,
         cached,
         capacity,
+        retained,
         disk_events,
         *gauges,
         *retention.families(),
@@ -297,6 +306,11 @@ def router_metric_families(router_stats: RouterStats | None) -> list[Metric]:
     resyncs = CounterMetricFamily(
         "strata_router_resyncs", "Index rebuilds from a snapshot.", labels=["replica"]
     )
+    by_key = CounterMetricFamily(
+        "strata_router_key_affinity",
+        "Requests sent to the replica because it served their prompt_cache_key last.",
+        labels=["replica"],
+    )
     for replica in router_stats.replicas:
         label = str(replica.replica_index)
         routed.add_metric([label], replica.num_requests_routed)
@@ -318,7 +332,8 @@ def router_metric_families(router_stats: RouterStats | None) -> list[Metric]:
             indexed.add_metric([label, Tier.DISK], replica.num_indexed_disk_blocks)
         gaps.add_metric([label], replica.num_event_gaps)
         resyncs.add_metric([label], replica.num_resyncs)
-    return [routed, matched, fraction, load, live, indexed, gaps, resyncs]
+        by_key.add_metric([label], replica.num_key_affinity_routes)
+    return [routed, matched, fraction, load, live, indexed, gaps, resyncs, by_key]
 
 
 # (name without _total, help, value) of the serving front's counters (Ray deployments).

@@ -25,6 +25,7 @@ from typing import Any
 from ray.exceptions import RayTaskError
 
 from cluster.health import ACTOR_LOST
+from replicas.cache_hints import CacheHints
 from replicas.outputs import OutputAccumulator, OutputDelta, RequestOutput
 from replicas.sampling_params import SamplingParams
 
@@ -55,6 +56,7 @@ class ReplicaLink:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         cache_salt: str | None,
+        cache_hints: CacheHints | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's outputs until one is finished. Raises what the replica raised:
         ``RayTaskError`` (turned away or invalid, its ``cause`` says which), an error the
@@ -65,7 +67,13 @@ class ReplicaLink:
         self._queues[request_id] = queue
         ack = asyncio.ensure_future(
             self._submit(
-                self._subscriber, queue, request_id, prompt_token_ids, sampling_params, cache_salt
+                self._subscriber,
+                queue,
+                request_id,
+                prompt_token_ids,
+                sampling_params,
+                cache_salt,
+                cache_hints,
             )
         )
         try:
@@ -89,10 +97,11 @@ class ReplicaLink:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         cache_salt: str | None,
+        cache_hints: CacheHints | None,
     ) -> None:
         try:
             await self.replica.submit.remote(
-                subscriber, request_id, prompt_token_ids, sampling_params, cache_salt
+                subscriber, request_id, prompt_token_ids, sampling_params, cache_salt, cache_hints
             )
         except (RayTaskError, *ACTOR_LOST) as error:  # never queued there
             queue.put_nowait(error)

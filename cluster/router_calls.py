@@ -83,9 +83,12 @@ class RouterCalls:
         num_prompt_tokens: int,
         block_hashes: Sequence[BlockHash],
         exclude: Collection[int] = (),
+        cache_key: str | None = None,
     ) -> "asyncio.Future[RouteDecision]":
         """The router's decision; raises what ``Router.route`` raised for this request."""
-        return self._routes.add((request_id, num_prompt_tokens, block_hashes, sorted(exclude)))
+        return self._routes.add(
+            (request_id, num_prompt_tokens, block_hashes, sorted(exclude), cache_key)
+        )
 
     def release(self, request_id: str) -> asyncio.Future:
         """Done once the router has released the request (idempotent on its side), or failed

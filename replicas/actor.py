@@ -23,6 +23,7 @@ import ray
 import torch
 
 from replicas.async_engine import AsyncEngine
+from replicas.cache_hints import CacheHints
 from replicas.calibration import StepCosts, measure_step_costs
 from replicas.config import EngineConfig
 from replicas.engine import Engine, EngineStats
@@ -150,12 +151,13 @@ class ReplicaActor:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         cache_salt: str | None = None,
+        cache_hints: CacheHints | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streaming generator (call with ``num_returns="streaming"``); ``OverloadedError``
         when the waiting queue is full."""
         self._check_engine()
         stream = self.async_engine.generate(
-            request_id, prompt_token_ids, sampling_params, cache_salt
+            request_id, prompt_token_ids, sampling_params, cache_salt, cache_hints
         )
         try:
             async for output in stream:
@@ -170,6 +172,7 @@ class ReplicaActor:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         cache_salt: str | None = None,
+        cache_hints: CacheHints | None = None,
     ) -> None:
         """Queue a request whose outputs go to ``subscriber``'s ``outputs`` stream. Raises, with
         nothing queued: ``OverloadedError`` (waiting queue full), ``ValueError`` (bad request),
@@ -177,7 +180,9 @@ class ReplicaActor:
         self._check_engine()
         channel = self._subscriber(subscriber)
         await self.async_engine.released(request_id)  # aborted here before it was routed back
-        self.async_engine.submit(request_id, prompt_token_ids, sampling_params, cache_salt, channel)
+        self.async_engine.submit(
+            request_id, prompt_token_ids, sampling_params, cache_salt, channel, cache_hints
+        )
         channel.request_ids.add(request_id)
 
     async def outputs(self, subscriber: str) -> AsyncIterator[list[StreamItem]]:

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple, Protocol
 
+from replicas.cache_hints import CacheHints
 from replicas.engine import Engine
 from replicas.outputs import RequestOutput
 from replicas.sampling_params import SamplingParams
@@ -54,6 +55,7 @@ class _Add(NamedTuple):
     sampling_params: SamplingParams
     cache_salt: str | None
     sink: OutputSink
+    cache_hints: CacheHints | None = None
 
 
 class OverloadedError(RuntimeError):
@@ -118,12 +120,13 @@ class AsyncEngine:
         prompt: str | list[int],
         sampling_params: SamplingParams,
         cache_salt: str | None = None,
+        cache_hints: CacheHints | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (stamped with ``replica_index``) until it finishes.
         Validation errors (``ValueError``) and ``OverloadedError``, when
         ``max_waiting_requests`` are waiting already, are raised before anything is yielded."""
         sink = _QueueSink()
-        self.submit(request_id, prompt, sampling_params, cache_salt, sink)
+        self.submit(request_id, prompt, sampling_params, cache_salt, sink, cache_hints)
         finished = False
         try:
             while True:
@@ -146,6 +149,7 @@ class AsyncEngine:
         sampling_params: SamplingParams,
         cache_salt: str | None,
         sink: OutputSink,
+        cache_hints: CacheHints | None = None,
     ) -> None:
         """Queue a request whose outputs (stamped with ``replica_index``) go to ``sink`` until
         one is finished, or an error ends it. Raises, with nothing queued, what ``generate``
@@ -161,7 +165,9 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.engine.validate_prompt(prompt)
         self._sinks[request_id] = sink
-        self._adds.append(_Add(request_id, token_ids, sampling_params, cache_salt, sink))
+        self._adds.append(
+            _Add(request_id, token_ids, sampling_params, cache_salt, sink, cache_hints)
+        )
         self._ensure_loop()
 
     async def between_steps(self) -> None:
@@ -237,6 +243,7 @@ class AsyncEngine:
                     add.prompt_token_ids,
                     add.sampling_params,
                     cache_salt=add.cache_salt,
+                    cache_hints=add.cache_hints,
                 )
             except ValueError as error:
                 if self._sinks.pop(add.request_id, None) is not None:

@@ -16,9 +16,25 @@ they are used before any cached block is evicted; released cached blocks go to t
 
 A request releases its blocks deepest first (``free(reversed(blocks))``), so among its blocks the
 deepest are evicted before their parents and a surviving prefix stays a prefix.
+
+**Retention** (a priority class in eviction; the host tier's, DESIGN section 4). A cached block
+may be *retained until* a deadline (``retain``): released, it waits in a second LRU queue that
+allocation takes from only when the ordinary queue is empty, so every ordinary block is evicted
+before any retained one. At most ``max_retained`` blocks are retained at once (the tier's
+``retained_share``), so ordinary traffic always has the rest. When its deadline passes, a
+block is ordinary again and re-enters the ordinary queue at the back, as if just released::
+
+    ordinary queue:  | free ... | cached, least recently released ... just released |  <- first
+    retained queue:  | retained, least recently released ... just released |         <- then
+
+Deadlines read ``clock`` (seconds, ``time.monotonic`` by default); expired retentions are
+cleared before each allocation and by ``expire``.
 """
 
+import heapq
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from replicas.hashing import BlockHash
@@ -30,29 +46,44 @@ class Block:
     ref_count: int = 0
     block_hash: BlockHash | None = None
     num_hits: int = 0  # new requests that matched it since it was cached (kept after eviction)
+    retained_until: float = 0.0  # a deadline on ``clock`` while retained, else 0
 
 
 class BlockPool:
     """Owns the blocks of one tier. Not thread-safe: one engine loop mutates it."""
 
-    def __init__(self, num_blocks: int, name: str = "npu") -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        name: str = "npu",
+        *,
+        max_retained: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"{name} pool needs at least one block, got {num_blocks}")
+        if not 0 <= max_retained <= num_blocks:
+            raise ValueError(f"{name} pool: max_retained must be in [0, {num_blocks}]")
         self.name = name
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
+        self.max_retained = max_retained
+        self.clock = clock
+        self.num_retained = 0  # blocks with a deadline, referenced or not
+        self._retained_queue: OrderedDict[int, None] = OrderedDict()  # unreferenced, retained
+        self._deadlines: list[tuple[float, int]] = []  # heap; stale entries skipped
 
     # ---- queries (no mutation) ---------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        """Blocks that can be allocated now (empty or evictable cached)."""
-        return len(self._free_queue)
+        """Blocks that can be allocated now (empty or evictable cached, retained included)."""
+        return len(self._free_queue) + len(self._retained_queue)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free_queue)
+        return self.num_blocks - self.num_free
 
     @property
     def num_cached(self) -> int:
@@ -66,12 +97,12 @@ class BlockPool:
         return list(self._cached)
 
     def eviction_order(self) -> list[int]:
-        """Block ids in the order allocation would take them."""
-        return list(self._free_queue)
+        """Block ids in the order allocation would take them (as of the last expiry)."""
+        return [*self._free_queue, *self._retained_queue]
 
     def next_to_allocate(self) -> int | None:
         """The block id allocation would take next (None when none is free)."""
-        return next(iter(self._free_queue), None)
+        return next(iter(self._free_queue), next(iter(self._retained_queue), None))
 
     # ---- mutation ----------------------------------------------------------------------------
     def allocate(self, num_blocks: int) -> tuple[list[int], list[tuple[int, BlockHash]]]:
@@ -81,14 +112,17 @@ class BlockPool:
         room (the caller may still read those blocks' old contents before it overwrites them).
         Raises ``MemoryError`` if fewer blocks are free; check ``num_free`` first.
         """
-        if num_blocks > len(self._free_queue):
+        if num_blocks > self.num_free:
             raise MemoryError(
-                f"{self.name} pool: {num_blocks} blocks requested, {len(self._free_queue)} free"
+                f"{self.name} pool: {num_blocks} blocks requested, {self.num_free} free"
             )
+        if self.num_retained:
+            self.expire()
         block_ids: list[int] = []
         evicted: list[tuple[int, BlockHash]] = []
         for _ in range(num_blocks):
-            block_id, _ = self._free_queue.popitem(last=False)
+            queue = self._free_queue or self._retained_queue  # ordinary blocks first
+            block_id, _ = queue.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 evicted.append((block_id, block.block_hash))
@@ -102,7 +136,7 @@ class BlockPool:
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_count == 0:
-                del self._free_queue[block_id]
+                self._queue_of(block).pop(block_id)
             block.ref_count += 1
 
     def free(self, block_ids: "list[int]") -> None:
@@ -114,7 +148,7 @@ class BlockPool:
                 raise RuntimeError(f"{self.name} block {block_id} freed with ref_count 0")
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._free_queue[block_id] = None
+                self._queue_of(block)[block_id] = None
                 if block.block_hash is None:
                     self._free_queue.move_to_end(block_id, last=False)
 
@@ -129,6 +163,59 @@ class BlockPool:
         self._cached[block_hash] = block_id
         return True
 
+    def retain(self, block_id: int, until: float) -> bool:
+        """Keep the cached block ahead of ordinary ones until ``until`` (on ``clock``; a later
+        deadline extends it). False, changing nothing, when ``max_retained`` blocks are
+        retained already or the block holds no hash."""
+        block = self.blocks[block_id]
+        if block.block_hash is None:
+            return False
+        if block.retained_until:
+            block.retained_until = max(block.retained_until, until)  # its heap entry follows
+            return True
+        if self.num_retained >= self.max_retained:
+            return False
+        self.num_retained += 1
+        if block.ref_count == 0:
+            del self._free_queue[block_id]
+            self._retained_queue[block_id] = None
+        block.retained_until = until
+        heapq.heappush(self._deadlines, (until, block_id))
+        if len(self._deadlines) > 2 * self.num_retained + 16:  # entries of evicted blocks
+            self._deadlines = [
+                (self.blocks[b].retained_until, b)
+                for b in {b for _, b in self._deadlines if self.blocks[b].retained_until}
+            ]
+            heapq.heapify(self._deadlines)
+        return True
+
+    def expire(self) -> int:
+        """Make every block whose deadline has passed ordinary again (mutates): an
+        unreferenced one re-enters the ordinary queue at the back. Returns how many."""
+        now = self.clock()
+        num_expired = 0
+        while self._deadlines and self._deadlines[0][0] <= now:
+            until, block_id = heapq.heappop(self._deadlines)
+            block = self.blocks[block_id]
+            if not block.retained_until:  # evicted since: no longer retained
+                continue
+            if block.retained_until > until:  # extended: one entry per block, moved on
+                heapq.heappush(self._deadlines, (block.retained_until, block_id))
+                continue
+            if block.ref_count == 0:
+                del self._retained_queue[block_id]
+                self._free_queue[block_id] = None
+            self._unretain(block)
+            num_expired += 1
+        return num_expired
+
+    def _unretain(self, block: Block) -> None:
+        block.retained_until = 0.0
+        self.num_retained -= 1
+
+    def _queue_of(self, block: Block) -> OrderedDict:
+        return self._retained_queue if block.retained_until else self._free_queue
+
     def record_hit(self, block_id: int) -> int:
         """Count one more new request matching the cached block; returns its hits so far."""
         block = self.blocks[block_id]
@@ -138,38 +225,52 @@ class BlockPool:
     def evict_all_cached(self) -> list[tuple[int, BlockHash]]:
         """Forget every cached block nobody references (used to reset the prefix cache)."""
         evicted = []
-        for block_id in list(self._free_queue):
+        for block_id in [*self._retained_queue, *self._free_queue]:
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 evicted.append((block_id, block.block_hash))
                 self._uncache(block)
+                self._free_queue[block_id] = None
                 self._free_queue.move_to_end(block_id, last=False)
+        self._retained_queue.clear()
         return evicted
 
     def _uncache(self, block: Block) -> None:
         del self._cached[block.block_hash]
         block.block_hash = None  # num_hits stays until the block is cached again
+        if block.retained_until:
+            self._unretain(block)
 
     # ---- accounting --------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Raise AssertionError unless free + cached + in-use = total and all maps agree."""
-        in_use = 0
+        in_use = num_retained = 0
         for block in self.blocks:
             assert block.ref_count >= 0, f"{self.name} block {block.block_id} ref_count < 0"
+            queued = block.block_id in self._free_queue, block.block_id in self._retained_queue
             if block.ref_count > 0:
                 in_use += 1
-                assert block.block_id not in self._free_queue, (
+                assert not any(queued), (
                     f"{self.name} block {block.block_id} in use but queued as free"
                 )
             else:
-                assert block.block_id in self._free_queue, (
-                    f"{self.name} block {block.block_id} unreferenced but not queued"
+                assert queued == (not block.retained_until, bool(block.retained_until)), (
+                    f"{self.name} block {block.block_id} unreferenced but not in its queue"
+                )
+            if block.retained_until:
+                num_retained += 1
+                assert block.block_hash is not None, (
+                    f"{self.name} block {block.block_id} retained without a hash"
                 )
             if block.block_hash is not None:
                 assert self._cached.get(block.block_hash) == block.block_id, (
                     f"{self.name} block {block.block_id} hash not mapped to it"
                 )
-        assert in_use + len(self._free_queue) == self.num_blocks, f"{self.name} blocks lost"
+        assert in_use + self.num_free == self.num_blocks, f"{self.name} blocks lost"
+        assert num_retained == self.num_retained <= self.max_retained, (
+            f"{self.name} retained {num_retained} blocks, counted {self.num_retained}, "
+            f"at most {self.max_retained}"
+        )
         assert len(self._cached) <= self.num_blocks, f"{self.name} hash map over capacity"
         for block_hash, block_id in self._cached.items():
             assert self.blocks[block_id].block_hash == block_hash, (

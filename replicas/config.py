@@ -4,6 +4,7 @@ Each rule names the option it checks, so a bad configuration fails with one sent
 what to change. ``cluster.config.ClusterConfig`` composes these models.
 """
 
+import math
 import warnings
 from collections.abc import Iterable
 from typing import Literal
@@ -24,6 +25,7 @@ HOST_RATIO_OPTION = "--experimental-kv-offload-host-memory-ratio"
 WRITE_THROUGH_OPTION = "--experimental-kv-offload-write-through-threshold"
 WRITE_BACK_OPTION = "--experimental-kv-offload-write-back"
 RETENTION_OPTION = "--experimental-kv-offload-retention"
+RETAINED_SHARE_OPTION = "--experimental-kv-offload-retained-share"
 DISK_PATH_OPTION = "--experimental-kv-offload-disk-path"
 DISK_GB_OPTION = "--experimental-kv-offload-disk-gb"
 SPECULATIVE_NGRAM_OPTION = "--speculative-ngram"
@@ -137,9 +139,20 @@ class KVOffloadConfig(_Config):
         description="Process-wide disk KV budget in bytes, divided equally among DP replicas; "
         "positive, and set exactly when disk_path is.",
     )
+    retained_share: float = Field(
+        0.25,
+        description="Share (0 to 1) of each host and disk tier that prefixes retained by the "
+        "API's prompt-cache lifetimes (prompt_cache_options.ttl, prompt_cache_retention, "
+        "prompt_cache_breakpoint) may hold ahead of ordinary blocks; 0 retains nothing.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "KVOffloadConfig":
+        if not (math.isfinite(self.retained_share) and 0.0 <= self.retained_share <= 1.0):
+            raise ValueError(
+                f"kv_offload_config.retained_share ({RETAINED_SHARE_OPTION}) must be a number "
+                f"from 0 to 1, got {self.retained_share}"
+            )
         num_bytes = self.host_memory_bytes
         if num_bytes is not None and num_bytes <= 0:
             raise ValueError(

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from replicas.cache_hints import CacheHints
 from replicas.config import EngineConfig, dtype_name_of
 from replicas.engine_core import EngineCore, SpecDecodeStats
 from replicas.executor import ModelExecutor
@@ -137,6 +138,7 @@ class Engine:
             write_back=offload.write_back,
             retention=offload.retention,
             disk=self.disk,
+            retained_share=offload.retained_share,
         )
         self.transfer = (
             KVTransfer(self.runner.kv_caches, plan.num_host_blocks, disk=self.disk)
@@ -194,6 +196,9 @@ class Engine:
                 tuple(self.runner.kv_caches[cache_type].shape[1:]),
                 self.runner.kv_caches[cache_type].dtype,
                 num_slots,
+                max_retained=int(
+                    self.config.scheduler_config.kv_offload_config.retained_share * num_slots
+                ),
             )
             for cache_type, num_slots in num_disk_blocks.items()
         }
@@ -217,8 +222,10 @@ class Engine:
         *,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        cache_hints: CacheHints | None = None,
     ) -> Request:
-        """Queue a request. Raises ``ValueError`` for a prompt the engine can never serve."""
+        """Queue a request. Raises ``ValueError`` for a prompt the engine can never serve.
+        ``cache_hints``: the prefix to retain in the host and disk tiers, and for how long."""
         params = sampling_params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.validate_prompt(prompt)
@@ -231,6 +238,7 @@ class Engine:
             cache_salt=cache_salt,
             prompt=text,
             arrival_time=arrival_time,
+            cache_hints=cache_hints,
         )
         self.core.add(request)
         self.output_processor.add(request)

@@ -185,6 +185,7 @@ class EngineCore:
         """Schedule, transfer and execute; None when nothing could be scheduled."""
         if self.kv_cache.has_disk:
             self._complete_disk_loads(0.0)  # reads landed since the last step: admit them now
+        self.kv_cache.expire_retained()
         output = self.scheduler.schedule()
         # Counted before this step's transfers: a read landing while they run leaves its
         # request unscheduled this step, which is progress, not a stall.

@@ -73,6 +73,7 @@ them is in flight, so host eviction never takes them.
 """
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -168,6 +169,7 @@ class _CacheType:
     retention: RetentionTracker | None = None  # with a host tier
     blocks: dict[str, list[int | None]] = field(default_factory=dict)  # None: released
     num_cached: dict[str, int] = field(default_factory=dict)  # leading blocks hashed
+    num_retained: dict[str, int] = field(default_factory=dict)  # leading blocks retained
     # Derived from ``tiers`` (kept in step by __post_init__ and add_tier), read on hot paths:
     pools: list[BlockPool] = field(init=False)  # the pooled tiers', in order
     npu: BlockPool = field(init=False)
@@ -217,7 +219,15 @@ class _CacheType:
         counts = {level.tier: level.counts() for level in self.tiers}
         none = (0, 0, 0)
         disk = counts.get(Tier.DISK, none)
-        return CacheTypeUsage(*counts[Tier.NPU], *counts.get(Tier.HOST, none), disk[0], disk[2])
+        retained = {level.tier: level.num_retained() for level in self.tiers[1:]}
+        return CacheTypeUsage(
+            *counts[Tier.NPU],
+            *counts.get(Tier.HOST, none),
+            disk[0],
+            disk[2],
+            retained.get(Tier.HOST, 0),
+            retained.get(Tier.DISK, 0),
+        )
 
 
 class KVCacheManager:
@@ -227,6 +237,7 @@ class KVCacheManager:
     __slots__ = (
         "_by_name",
         "_cache_types",
+        "_clock",
         "_disk_loads",
         "_disk_stores",
         "_events",
@@ -243,6 +254,7 @@ class KVCacheManager:
         "onboard_timeout",
         "reservation_prefetch",
         "reservation_share",
+        "retained_share",
         "retention",
         "stats",
         "write_back",
@@ -265,7 +277,11 @@ class KVCacheManager:
         disk: dict[str, DiskIndex] | None = None,
         onboard_timeout: bool = True,
         reservation_prefetch: bool = True,
+        retained_share: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if not 0.0 <= retained_share <= 1.0:
+            raise ValueError(f"retained_share must be in [0, 1], got {retained_share}")
         if not 0.0 <= reservation_share <= 1.0:
             raise ValueError(f"reservation_share must be in [0, 1], got {reservation_share}")
         if retention not in RETENTION_POLICIES:
@@ -275,12 +291,24 @@ class KVCacheManager:
             raise ValueError("the first cache type must be global attention")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.retained_share = retained_share
+        self._clock = clock
         self._cache_types = [
             _CacheType(
                 spec,
                 [TierLevel(Tier.NPU, BlockPool(spec.num_npu_blocks, f"npu[{spec.name}]"))]
                 + (
-                    [TierLevel(Tier.HOST, BlockPool(spec.num_host_blocks, f"host[{spec.name}]"))]
+                    [
+                        TierLevel(
+                            Tier.HOST,
+                            BlockPool(
+                                spec.num_host_blocks,
+                                f"host[{spec.name}]",
+                                max_retained=int(retained_share * spec.num_host_blocks),
+                                clock=clock,
+                            ),
+                        )
+                    ]
                     if spec.num_host_blocks > 0
                     else []
                 ),
@@ -483,13 +511,31 @@ class KVCacheManager:
         if threshold and num_hits >= threshold:
             self._store_to_disk(cache_type, host_id, cache_type.host.blocks[host_id].block_hash)
 
-    def _store_to_disk(self, cache_type: _CacheType, host_id: int, block_hash: BlockHash) -> None:
+    def _store_to_disk(
+        self,
+        cache_type: _CacheType,
+        host_id: int,
+        block_hash: BlockHash,
+        retained_until: float = 0.0,
+    ) -> None:
         """Plan a copy of a host block to disk, unless the disk holds it; the host block stays
-        locked until the copy has read it (``complete_transfer``)."""
+        locked until the copy has read it (``complete_transfer``). A retained block is kept
+        on disk until ``retained_until``."""
         if block_hash is None or cache_type.disk.contains(block_hash):
             return
         cache_type.host.touch([host_id])
-        self._disk_stores.append(DiskCopy(host_id, block_hash, cache_type.name))
+        copy = DiskCopy(host_id, block_hash, cache_type.name, retained_until=retained_until)
+        self._disk_stores.append(copy)
+
+    def _retain_on_disk(
+        self, cache_type: _CacheType, host_id: int, block_hash: BlockHash, until: float
+    ) -> None:
+        """Retain a block on disk too: the disk's own copy, else a new one from its (landed)
+        host block. A block another replica wrote stays that replica's to keep."""
+        if cache_type.disk.contains(block_hash):
+            cache_type.disk.retain(block_hash, until)
+        else:
+            self._store_to_disk(cache_type, host_id, block_hash, until)
 
     def _promote(self, cache_type: _CacheType, npu_id: int, block_hash: BlockHash) -> None:
         tracker = cache_type.retention
@@ -551,6 +597,7 @@ class KVCacheManager:
         if not (self.write_back or self.retention == "adaptive"):
             return
         host = cache_type.host
+        host.expire()  # as allocation will: the block it takes next
         host_id = host.next_to_allocate()
         block_hash = host.blocks[host_id].block_hash if host_id is not None else None
         if block_hash is None or cache_type.disk.contains(block_hash):
@@ -798,8 +845,42 @@ class KVCacheManager:
                     if self.write_through_threshold == 0:
                         self._promote(cache_type, blocks[i], block_hash)
             cache_type.num_cached[request.request_id] = max(start, num_full)
+            if request.num_retained_blocks and cache_type.host is not None:
+                self._retain_prefix(cache_type, request, blocks)
             if cache_type.spec.sliding_window is not None:
                 self._release_out_of_window(cache_type, request, blocks)
+
+    def _retain_prefix(
+        self, cache_type: _CacheType, request: Request, blocks: list[int | None]
+    ) -> None:
+        """Keep the request's retained prefix (``Request.num_retained_blocks``) in the host
+        tier, and the disk tier when on, ahead of ordinary blocks for its lifetime from now:
+        each newly cached block of it is stored to host if it has no host copy, and its host
+        block is retained (a deadline already later is kept). Past the tier's
+        ``retained_share``, the rest of the prefix stays ordinary."""
+        rid = request.request_id
+        start = cache_type.num_retained.get(rid, 0)
+        end = min(request.num_retained_blocks, cache_type.num_cached.get(rid, 0))
+        if end <= start:
+            return
+        until = self._clock() + request.retention_ttl_s
+        host = cache_type.host
+        # Host blocks whose store from NPU has not landed: their disk copy waits for it
+        # (complete_transfer), since a plan's disk stores run before its NPU -> host stores.
+        landing = {c.dst for c in self._stores if c.cache_type == cache_type.name}
+        for i in range(start, end):
+            npu_id = blocks[i] if i < len(blocks) else None
+            block_hash = request.block_hashes[i]
+            host_id = host.lookup(block_hash)
+            if host_id is None and (npu_id is None or host.num_retained >= host.max_retained):
+                continue  # nothing to store, or the share is full: it would stay ordinary
+            if host_id is None and self._store(cache_type, npu_id, block_hash):
+                host_id = host.lookup(block_hash)
+                landing.add(host_id)
+            if host_id is not None and host.retain(host_id, until):
+                if cache_type.disk is not None and host_id not in landing:
+                    self._retain_on_disk(cache_type, host_id, block_hash, until)
+        cache_type.num_retained[rid] = end
 
     def _release_out_of_window(
         self, cache_type: _CacheType, request: Request, blocks: list[int | None]
@@ -822,7 +903,16 @@ class KVCacheManager:
         for cache_type in self._cache_types:
             blocks = cache_type.blocks.pop(request.request_id, [])
             cache_type.num_cached.pop(request.request_id, None)
+            cache_type.num_retained.pop(request.request_id, None)
             cache_type.npu.free([b for b in reversed(blocks) if b is not None])
+
+    def expire_retained(self) -> None:
+        """End the prompt-cache retentions whose lifetime has passed, in the host and disk
+        tiers (mutates; once per engine step): their blocks are ordinary again, and the
+        retained counts (``usage``) read this."""
+        for cache_type in self._cache_types:
+            for level in cache_type.tiers[1:]:
+                level.expire_retained()
 
     def take_transfer_plan(self) -> TransferPlan:
         """The copies planned since the last call; the caller must run them, then call
@@ -846,7 +936,11 @@ class KVCacheManager:
             self.stats.count_block_stored(copy.cache_type)
             cache_type = by_name[copy.cache_type]
             cache_type.host.free([copy.dst])
-            if cache_type.disk is not None and self.write_through_threshold == 0:
+            host_block = cache_type.host.blocks[copy.dst]
+            if cache_type.disk is not None and host_block.retained_until:
+                until = host_block.retained_until
+                self._retain_on_disk(cache_type, copy.dst, host_block.block_hash, until)
+            elif cache_type.disk is not None and self.write_through_threshold == 0:
                 block_hash = cache_type.host.blocks[copy.dst].block_hash
                 self._store_to_disk(cache_type, copy.dst, block_hash)
         for copy in plan.loads:

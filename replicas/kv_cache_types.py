@@ -99,6 +99,7 @@ class DiskCopy(NamedTuple):
     block_hash: bytes
     cache_type: str = "full"
     locked: bool = True
+    retained_until: float = 0.0  # a store of a retained block: the disk keeps it until then
 
 
 class TransferPlan(NamedTuple):
@@ -132,6 +133,17 @@ class CacheTypeUsage(NamedTuple):
     num_host_blocks_cached: int
     num_disk_blocks: int = 0  # this replica's own disk slots (other replicas' are readable too)
     num_disk_blocks_cached: int = 0
+    num_host_blocks_retained: int = 0  # kept ahead of ordinary blocks (prompt-cache retention)
+    num_disk_blocks_retained: int = 0
+
+    def retained_by_tier(self) -> dict[Tier, int]:
+        """Retained blocks per tier that can retain (host, disk) and is on."""
+        tiers = {}
+        if self.num_host_blocks:
+            tiers[Tier.HOST] = self.num_host_blocks_retained
+        if self.num_disk_blocks:
+            tiers[Tier.DISK] = self.num_disk_blocks_retained
+        return tiers
 
     def by_tier(self) -> dict[Tier, tuple[int, int, int]]:
         """(capacity, in use, cached) per tier that is on, nearest to compute first."""

@@ -29,11 +29,15 @@ missing file is a miss, never a wrong block. Every failure to write (a full or r
 turns the store off with one warning: the replica goes on as a two-tier cache.
 
 A replica's own slots are LRU within its share of the byte budget; other slabs are read-only to
-it and learned by re-reading their index files (at most every ``PEER_REFRESH_S``).
+it and learned by re-reading their index files (at most every ``PEER_REFRESH_S``). Up to
+``max_retained`` own blocks may be *retained* until a deadline (``retain``): eviction skips them
+(each skipped one moves to the back) while an ordinary block is left, and an expired one is
+ordinary again. Deadlines live in memory only: after a restart every block is ordinary.
 """
 
 import fcntl
 import hashlib
+import heapq
 import logging
 import os
 import struct
@@ -41,6 +45,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -115,9 +120,16 @@ class DiskStore:
         block_shape: tuple[int, ...],
         dtype: torch.dtype,
         num_slots: int,
+        *,
+        max_retained: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"a disk store needs at least one slot, got {num_slots}")
+        self.max_retained = max_retained
+        self.clock = clock
+        self._retained: dict[BlockHash, float] = {}  # own key -> deadline on ``clock``
+        self._deadlines: list[tuple[float, BlockHash]] = []  # heap; stale entries skipped
         self.block_shape = block_shape
         self.dtype = dtype
         item_bytes = torch.empty((), dtype=dtype).element_size()
@@ -221,19 +233,25 @@ class DiskStore:
         location = self._peers.get(key)
         return location is not None and location not in self._bad
 
-    def store(self, key: BlockHash, block: torch.Tensor) -> BlockHash | None:
+    def store(
+        self, key: BlockHash, block: torch.Tensor, retained_until: float = 0.0
+    ) -> BlockHash | None:
         """Write ``block`` (a CPU tensor this store may keep until written) as ``key`` into an
-        own slot, the least recently used one when none is free; returns the key it replaced."""
+        own slot, the least recently used ordinary one when none is free, and retain it until
+        ``retained_until`` if given; returns the key it replaced."""
         if self._disabled is not None:
             return None
         if key in self._own:
             self._own.move_to_end(key)
+            self.retain(key, retained_until)
             return None
         evicted = None
         if self._free:
             slot = self._free.pop()
         else:
-            evicted, slot = self._own.popitem(last=False)
+            evicted = self._evictee()
+            slot = self._own.pop(evicted)
+            self._retained.pop(evicted, None)
             self._note(False, evicted)
             with self._stat_lock:
                 self._counts["evicted"] += 1
@@ -242,7 +260,55 @@ class DiskStore:
         self._slot_keys[slot] = key
         self._generation += 1
         self._io.submit(self._write, slot, key, self._generation, block)
+        self.retain(key, retained_until)
         return evicted
+
+    def retain(self, key: BlockHash, until: float) -> bool:
+        """Keep an own block ahead of ordinary ones until ``until`` (a later deadline extends
+        it); False when it is not an own block or ``max_retained`` are retained already."""
+        if until <= 0.0 or key not in self._own:
+            return False
+        if key in self._retained:
+            self._retained[key] = max(self._retained[key], until)  # its heap entry follows
+            return True
+        self.expire()
+        if len(self._retained) >= self.max_retained:
+            return False
+        self._retained[key] = until
+        heapq.heappush(self._deadlines, (until, key))
+        if len(self._deadlines) > 2 * len(self._retained) + 16:  # entries of evicted blocks
+            self._deadlines = [(until, k) for k, until in self._retained.items()]
+            heapq.heapify(self._deadlines)
+        return True
+
+    @property
+    def num_retained(self) -> int:
+        """Own blocks retained (as of the last expiry)."""
+        return len(self._retained)
+
+    def expire(self) -> None:
+        """Make every own block whose deadline has passed ordinary again (mutates)."""
+        now = self.clock()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            until, key = heapq.heappop(self._deadlines)
+            current = self._retained.get(key)
+            if current is not None and current > until:  # extended: its entry moves on
+                heapq.heappush(self._deadlines, (current, key))
+            elif current is not None:
+                del self._retained[key]
+
+    def _evictee(self) -> BlockHash:
+        """The own block a store replaces: the least recently used ordinary one; retained ones
+        met on the way move to the back. Only when every own block is retained, the least
+        recently used of them."""
+        if self._retained:
+            self.expire()
+        for _ in range(len(self._own)):
+            key = next(iter(self._own))
+            if key not in self._retained:
+                return key
+            self._own.move_to_end(key)
+        return next(iter(self._own))
 
     def load_many(self, keys: list[BlockHash], outs: list[torch.Tensor]) -> "Future[list[bool]]":
         """Read each key into its ``out`` (a contiguous CPU tensor of one block, untouched until
@@ -259,6 +325,7 @@ class DiskStore:
     def discard(self, key: BlockHash) -> None:
         """Forget ``key`` after a failed read, so that it is not asked for again."""
         slot = self._own.pop(key, None)
+        self._retained.pop(key, None)
         if slot is not None:
             self._note(False, key)
             self._slot_keys[slot] = None
@@ -331,6 +398,7 @@ class DiskStore:
         for key in self._own:
             self._note(False, key)
         self._own.clear()
+        self._retained.clear()
         self._slot_keys = [None] * self.num_slots
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._io.submit(self._clear_all)

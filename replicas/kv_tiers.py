@@ -37,6 +37,19 @@ class DiskIndex(Protocol):
 
     def read_seconds_per_block(self) -> float: ...
 
+    def retain(self, block_hash: BlockHash, until: float) -> bool:
+        """Keep an own block ahead of ordinary ones until ``until``; False if it cannot."""
+        ...
+
+    def expire(self) -> None:
+        """Make own blocks whose retention ended ordinary again."""
+        ...
+
+    @property
+    def num_retained(self) -> int:
+        """Own blocks retained now."""
+        ...
+
 
 @dataclass(slots=True)
 class TierLevel:
@@ -75,6 +88,17 @@ class TierLevel:
             return 0, 0, 0
         disk = stats()
         return disk.num_slots, 0, disk.num_cached
+
+    def num_retained(self) -> int:
+        """Blocks kept ahead of ordinary ones, as of the tier's last expiry (no mutation: the
+        engine thread expires them, ``KVCacheManager.expire_retained``)."""
+        keeper = self.pool if self.pool is not None else self.store
+        return keeper.num_retained
+
+    def expire_retained(self) -> None:
+        """End the retentions whose deadline has passed (mutates; the engine thread only)."""
+        keeper = self.pool if self.pool is not None else self.store
+        keeper.expire()
 
     def cached_hashes(self) -> list[BlockHash]:
         if self.pool is not None:

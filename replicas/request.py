@@ -16,6 +16,7 @@ cache. After a preemption ``num_computed_tokens`` drops to zero and the request 
 import enum
 import time
 
+from replicas.cache_hints import CacheHints
 from replicas.hashing import BlockHash, extend_block_hashes
 from replicas.sampling_params import SamplingParams
 
@@ -48,6 +49,7 @@ class Request:
         cache_salt: str | None = None,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        cache_hints: CacheHints | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -55,6 +57,11 @@ class Request:
         self.sampling_params = sampling_params
         self.cache_salt = cache_salt
         self.block_size = block_size
+        # Leading prompt blocks the KV cache keeps ahead of ordinary ones, and for how long.
+        hints = cache_hints or CacheHints()
+        self.cache_key = hints.key  # the routing key it came with (for the simulator's router)
+        self.num_retained_blocks = hints.retained_blocks(block_size, len(self.prompt_token_ids))
+        self.retention_ttl_s = hints.ttl_s if self.num_retained_blocks else 0.0
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
 
         self.output_token_ids: list[int] = []

@@ -76,12 +76,14 @@ class RouterActor:
         num_prompt_tokens: int,
         block_hashes: Sequence[BlockHash],
         exclude: Collection[int] = (),
+        cache_key: str | None = None,
     ) -> RouteDecision:
         await self._wait_priced()
-        return self.router.route(request_id, num_prompt_tokens, block_hashes, exclude)
+        return self.router.route(request_id, num_prompt_tokens, block_hashes, exclude, cache_key)
 
     async def route_many(
-        self, requests: Sequence[tuple[str, int, Sequence[BlockHash], Collection[int]]]
+        self,
+        requests: Sequence[tuple[str, int, Sequence[BlockHash], Collection[int], str | None]],
     ) -> list[RouteDecision | NoLiveReplicaError]:
         """``route`` for each of several requests, in order, in one call: each request's
         decision, or the ``NoLiveReplicaError`` it got (the others are routed regardless)."""

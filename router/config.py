@@ -31,6 +31,12 @@ host and the load from there took 1.4-2.0x a host hit's time on ``reload-vs-reco
 small fraction of recomputing (``benchmarks/README.md``, the disk columns)."""
 
 
+DEFAULT_KEY_OVERLOAD_FACTOR = 2.0
+"""A key's replica keeps the key's requests until it carries twice the least loaded replica's
+active tokens (each with the new prompt added): the prompt's own size is the floor, so two
+concurrent requests of one key stay together on an otherwise idle cluster."""
+
+
 class TTFTCosts(BaseModel):
     """What the ``ttft`` scoring profile predicts a request's time to first token from, in
     seconds per unit of the router's tokens and blocks (the shape of the simulator's cost
@@ -120,6 +126,17 @@ class RoutingConfig(BaseModel):
         description="Whether replicas cache prefixes (--no-enable-prefix-caching turns it off); "
         "when off, scoring uses the load profile whatever the profile says.",
     )
+    key_overload_factor: float = Field(
+        DEFAULT_KEY_OVERLOAD_FACTOR,
+        description="routing.key_overload_factor: requests with one prompt_cache_key stay on "
+        "the key's replica until its active tokens (this prompt added) exceed this many times "
+        "the least loaded live replica's (this prompt added); at least 1.",
+    )
+    max_cache_keys: int = Field(
+        65536,
+        description="routing.max_cache_keys: prompt_cache_key values the router remembers "
+        "(least recently used forgotten first); 0 ignores keys.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "RoutingConfig":
@@ -140,6 +157,14 @@ class RoutingConfig(BaseModel):
             raise ValueError(
                 f"--data-parallel-disk-hit-weight must be between 0 and 1, "
                 f"got {self.disk_hit_weight}"
+            )
+        if not (math.isfinite(self.key_overload_factor) and self.key_overload_factor >= 1.0):
+            raise ValueError(
+                f"routing.key_overload_factor must be at least 1, got {self.key_overload_factor}"
+            )
+        if self.max_cache_keys < 0:
+            raise ValueError(
+                f"routing.max_cache_keys must be non-negative, got {self.max_cache_keys}"
             )
         if not (0.0 <= self.host_hit_weight <= 1.0):
             raise ValueError(

@@ -12,6 +12,7 @@ from typing import ClassVar, NamedTuple
 
 from router.config import (
     DEFAULT_DISK_HIT_WEIGHT,
+    DEFAULT_KEY_OVERLOAD_FACTOR,
     DEFAULT_SCORING_PROFILE,
     SCORING_PROFILES,
     RoutingConfig,
@@ -38,6 +39,9 @@ class RouteDecision(NamedTuple):
     """Prompt tokens cached on the chosen replica in any tier (unweighted), at most the prompt."""
     num_npu_matched_tokens: int
     num_host_matched_tokens: int
+    is_key_affinity: bool = False
+    """Whether the chosen replica is the request's ``prompt_cache_key`` replica, credited as
+    caching the whole prompt (it was not overloaded)."""
 
 
 class RoutingPolicy(ABC):
@@ -67,6 +71,7 @@ class RoutingPolicy(ABC):
 
     name: ClassVar[str]
     disk_hit_weight: float = DEFAULT_DISK_HIT_WEIGHT  # make_policy sets the config's
+    key_overload_factor: float = DEFAULT_KEY_OVERLOAD_FACTOR  # make_policy sets the config's
 
     def __init__(self, block_size: int, host_hit_weight: float) -> None:
         if block_size <= 0:
@@ -86,10 +91,27 @@ class RoutingPolicy(ABC):
         load_tokens: Sequence[int],
         num_prompt_tokens: int,
         queues: "ReplicaQueues | None" = None,
+        key_replica: int | None = None,
     ) -> RouteDecision:
         """Pick one of ``live`` (non-empty, ascending replica indices). ``matches``,
-        ``load_tokens`` and ``queues`` are indexed by replica index. Does not charge
-        anything."""
+        ``load_tokens`` and ``queues`` are indexed by replica index; ``key_replica`` is the
+        replica that served the request's ``prompt_cache_key`` last (a live one, or None).
+        Does not charge anything."""
+
+    def is_overloaded(
+        self, replica: int, live: Sequence[int], load_tokens: Sequence[int], num_prompt_tokens: int
+    ) -> bool:
+        """The load rule that bounds ``prompt_cache_key`` affinity: whether ``replica``'s
+        active tokens, this prompt added, exceed ``key_overload_factor`` times the least
+        loaded live replica's, this prompt added::
+
+            load[r] + P > key_overload_factor * (min(load[j] for live j) + P)
+
+        The prompt added on both sides makes its size the floor: on an idle cluster a key
+        keeps ``key_overload_factor`` of its concurrent prompts together."""
+        least = min(load_tokens[r] for r in live)
+        num = num_prompt_tokens
+        return load_tokens[replica] + num > self.key_overload_factor * (least + num)
 
     def prefix_score(self, match: IndexMatch, num_prompt_tokens: int) -> float:
         if num_prompt_tokens <= 0:
@@ -114,11 +136,19 @@ class RoutingPolicy(ABC):
         load_score: float,
         score: float,
         num_prompt_tokens: int,
+        is_key_affinity: bool = False,
     ) -> RouteDecision:
         num_npu = min(match.num_npu_blocks * self.block_size, num_prompt_tokens)
         num_matched = min(match.num_blocks * self.block_size, num_prompt_tokens)
         return RouteDecision(
-            replica, prefix_score, load_score, score, num_matched, num_npu, num_matched - num_npu
+            replica,
+            prefix_score,
+            load_score,
+            score,
+            num_matched,
+            num_npu,
+            num_matched - num_npu,
+            is_key_affinity,
         )
 
 
@@ -137,6 +167,11 @@ class ScoringPolicy(RoutingPolicy):
     figures: ``benchmarks/README.md``, section "Strata's scoring policy: a changed tie rule").
     Like the round-robin cursor, the churn count is the policy's own state: ``choose`` updates
     it for the replica it returns.
+
+    ``prompt_cache_key``: the replica that served the request's key last scores
+    ``prefix_score = 1`` (as if it cached the whole prompt) unless ``is_overloaded`` says it
+    carries too much; then every replica is scored as without a key. (The ``ttft`` profile
+    prices only what the index holds, so a key does not move its prediction.)
     """
 
     name = "scoring"
@@ -162,13 +197,21 @@ class ScoringPolicy(RoutingPolicy):
         load_tokens: Sequence[int],
         num_prompt_tokens: int,
         queues: ReplicaQueues | None = None,
+        key_replica: int | None = None,
     ) -> RouteDecision:
         self._level_joined(live)
         total_live_load = sum(load_tokens[replica] for replica in live)
+        if key_replica is not None and (
+            key_replica not in live
+            or self.is_overloaded(key_replica, live, load_tokens, num_prompt_tokens)
+        ):
+            key_replica = None  # the load rule wins: scored as if the request had no key
         best_score = -math.inf
         tied: list[tuple[int, float, float]] = []  # (replica, prefix_score, load_score)
         for replica in live:
             prefix_score = self.prefix_score(matches[replica], num_prompt_tokens)
+            if replica == key_replica:
+                prefix_score = 1.0  # the key's earlier requests: counted as the whole prompt
             load_score = self.load_score(load_tokens[replica], total_live_load, num_prompt_tokens)
             score = self.score(
                 replica, prefix_score, load_score, matches, load_tokens, num_prompt_tokens, queues
@@ -181,7 +224,13 @@ class ScoringPolicy(RoutingPolicy):
         churn = self._uncached_tokens
         replica, prefix_score, load_score = min(tied, key=lambda t: (churn[t[0]], t[0]))
         decision = self._decision(
-            replica, matches[replica], prefix_score, load_score, best_score, num_prompt_tokens
+            replica,
+            matches[replica],
+            prefix_score,
+            load_score,
+            best_score,
+            num_prompt_tokens,
+            replica == key_replica,
         )
         churn[replica] += num_prompt_tokens - decision.num_matched_tokens
         return decision
@@ -233,6 +282,7 @@ class RoundRobinPolicy(RoutingPolicy):
         load_tokens: Sequence[int],
         num_prompt_tokens: int,
         queues: ReplicaQueues | None = None,
+        key_replica: int | None = None,
     ) -> RouteDecision:
         replica = next((r for r in live if r >= self._next_replica), live[0])
         self._next_replica = replica + 1
@@ -308,6 +358,7 @@ class TTFTPolicy(ScoringPolicy):
         load_tokens: Sequence[int],
         num_prompt_tokens: int,
         queues: ReplicaQueues | None = None,
+        key_replica: int | None = None,
     ) -> RouteDecision:
         # The forfeit term's reference: the best-cached live replica, found once per request.
         self._best_blocks = max(matches[r].num_blocks for r in live)
@@ -319,6 +370,7 @@ class TTFTPolicy(ScoringPolicy):
             close = [r for r in live if cost[r] <= bound]
             longest = max(matches[r].num_blocks for r in close)
             live = [r for r in close if matches[r].num_blocks == longest]
+        # The prediction prices what the index holds: a key does not move it.
         return super().choose(live, matches, load_tokens, num_prompt_tokens, queues)
 
     def cost_s(
@@ -376,4 +428,5 @@ def make_policy(config: RoutingConfig, block_size: int) -> RoutingPolicy:
     else:
         policy = POLICIES[config.policy].from_config(config, block_size)
     policy.disk_hit_weight = config.disk_hit_weight
+    policy.key_overload_factor = config.key_overload_factor
     return policy

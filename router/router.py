@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from replicas.hashing import BlockHash
 from replicas.kv_events import SLIDING, KVEventBatch, KVSnapshot, safe_prefix_length
+from router.affinity import KeyAffinity
 from router.config import RoutingConfig, TTFTCosts
 from router.disk_index import NodeDiskIndex
 from router.load import LoadTracker
@@ -80,6 +81,7 @@ class Router:
             self._indexes.append(self._sliding_index)
         self._disk = NodeDiskIndex(num_replicas)
         self._pending = PendingPrompts()
+        self._affinity = KeyAffinity(config.max_cache_keys)
         self._load = LoadTracker(num_replicas)
         self._sync = [_ReplicaSync() for _ in range(num_replicas)]
         self._counters = [RoutingCounters() for _ in range(num_replicas)]
@@ -101,12 +103,16 @@ class Router:
         num_prompt_tokens: int,
         block_hashes: Sequence[BlockHash],
         exclude: Collection[int] = (),
+        cache_key: str | None = None,
     ) -> RouteDecision:
         """Pick a live replica for a new request and charge its prompt tokens there (mutates).
 
         ``block_hashes`` are the prompt's full-block hashes; replicas in ``exclude`` (those that
-        turned the request away) are not candidates. Raises NoLiveReplicaError when no live
-        replica is left, ValueError when ``request_id`` is already routed and not released.
+        turned the request away) are not candidates. Requests with one ``cache_key`` (the API's
+        ``prompt_cache_key``) go to the replica that served the key last while it is not
+        overloaded (``router.affinity``); the key then follows the chosen replica. Raises
+        NoLiveReplicaError when no live replica is left, ValueError when ``request_id`` is
+        already routed and not released.
         """
         live = [r for r in self._live if r not in exclude] if exclude else self._live
         if not live:
@@ -119,14 +125,22 @@ class Router:
         load = self._load
         matches = self._matches(block_hashes)  # score
         queues = ReplicaQueues(load.queued_tokens, load.num_requests)
-        decision = self._policy.choose(live, matches, load.load_tokens, num_prompt_tokens, queues)
+        key_replica = self._affinity.replica_of(cache_key)
+        if key_replica not in live:
+            key_replica = None
+        decision = self._policy.choose(
+            live, matches, load.load_tokens, num_prompt_tokens, queues, key_replica
+        )
+        self._affinity.record(cache_key, decision.replica_index)
         uncached = num_prompt_tokens - decision.num_matched_tokens
         load.charge(request_id, decision.replica_index, num_prompt_tokens, uncached)  # charge
         if self.config.enable_prefix_caching:
             self._pending.add(request_id, decision.replica_index, block_hashes)
-        self._counters[decision.replica_index].record_route(
+        counters = self._counters[decision.replica_index]
+        counters.record_route(
             decision.num_matched_tokens, decision.num_npu_matched_tokens, num_prompt_tokens
         )
+        counters.num_key_affinity_routes += int(decision.is_key_affinity)
         return decision
 
     def _matches(self, block_hashes: Sequence[BlockHash]) -> list[IndexMatch]:
@@ -231,6 +245,7 @@ class Router:
             index.clear_replica(replica)
         self._pending.clear_replica(replica)
         self._load.clear_replica(replica)
+        self._affinity.clear_replica(replica)
         self._live = [i for i, s in enumerate(self._sync) if s.is_live]
 
     def mark_alive(self, replica: int, next_seq: int = 0) -> None:
@@ -278,6 +293,7 @@ class Router:
                     num_event_gaps=counters.num_event_gaps,
                     num_resyncs=counters.num_resyncs,
                     num_indexed_disk_blocks=self._disk.num_blocks(i),
+                    num_key_affinity_routes=counters.num_key_affinity_routes,
                 )
             )
         return RouterStats(replicas=tuple(replicas), num_indexed_hashes=len(self._index))

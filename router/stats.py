@@ -32,6 +32,7 @@ class ReplicaRoutingStats:
     num_event_gaps: int
     num_resyncs: int
     num_indexed_disk_blocks: int = 0  # written by the replica to its node's disk tier
+    num_key_affinity_routes: int = 0  # decisions that followed the request's prompt_cache_key
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,7 @@ class RoutingCounters:
     matched_fraction_sum: float = 0.0
     num_event_gaps: int = 0
     num_resyncs: int = 0
+    num_key_affinity_routes: int = 0
     bucket_counts: list[int] = field(default_factory=lambda: [0] * len(MATCHED_FRACTION_BUCKETS))
     """Decisions per matched-fraction bucket, not cumulative: ``bucket_counts[k]`` counts
     fractions in ``(MATCHED_FRACTION_BUCKETS[k - 1], MATCHED_FRACTION_BUCKETS[k]]``."""

@@ -83,7 +83,10 @@ class StrataAgent(RoutingAgent):
 
     def route(self, request: Request, now: float) -> int:
         decision = self.router.route(
-            request.request_id, request.num_prompt_tokens, request.block_hashes
+            request.request_id,
+            request.num_prompt_tokens,
+            request.block_hashes,
+            cache_key=request.cache_key,
         )
         return decision.replica_index
 

@@ -103,6 +103,15 @@ class DiskView:
     def own_keys(self) -> list[BlockHash]:
         return list(self._own)
 
+    # Traces carry no prompt-cache hints: the simulated disk retains nothing.
+    def retain(self, block_hash: BlockHash, until: float) -> bool:
+        return False
+
+    def expire(self) -> None:
+        return None
+
+    num_retained = 0
+
     def stats(self) -> SimDiskStats:
         return SimDiskStats(self.disk.slots_per_writer, len(self._own), self._evictions)
 

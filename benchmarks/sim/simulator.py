@@ -42,6 +42,7 @@ from benchmarks.sim.engine import SimulatedEngine, StepReport
 from benchmarks.sim.metrics import LoadMeter, hit_rates, ttft_figures
 from benchmarks.sim.peers import PEERS
 from benchmarks.sim.trace import TraceRequest
+from replicas.cache_hints import CacheHints
 from replicas.config import EngineConfig, KVOffloadConfig, SchedulerConfig
 from replicas.hashing import block_hashes
 from replicas.kv_cache_manager import KVCacheManager
@@ -87,6 +88,7 @@ class SimConfig:
     reservation_prefetch: bool = True  # False: reservations hold NPU blocks only (an ablation)
     ttft_slack: float = 0.0  # TTFTCosts.slack of the ttft scoring profile
     ttft_forfeit_weight: float = 0.0  # TTFTCosts.forfeit_weight
+    key_overload_factor: float = 2.0  # RoutingConfig.key_overload_factor (keyed requests only)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     event_delay_s: float = 0.001
@@ -136,7 +138,11 @@ def make_agent(
         if config.scoring_profile == "ttft":
             assert cost_model is not None, "the ttft profile prices with the cost model"
             costs = ttft_costs(config, cost_model)
-        routing = RoutingConfig(scoring_profile=config.scoring_profile, ttft_costs=costs)
+        routing = RoutingConfig(
+            scoring_profile=config.scoring_profile,
+            ttft_costs=costs,
+            key_overload_factor=config.key_overload_factor,
+        )
         return StrataAgent(
             view, config.block_size, config.token_scale, routing, config.sliding_window
         )
@@ -348,6 +354,7 @@ class Simulator:
             params,
             self.config.block_size,
             arrival_time=now,
+            cache_hints=CacheHints(key=trace.cache_key) if trace.cache_key else None,
         )
         self.meter.sample()
         cached = [e.kv_cache.match_prefix(request).num_blocks for e in self.engines]

@@ -41,6 +41,7 @@ class TraceRequest:
     prompt_token_ids: list[int]
     max_tokens: int
     hash_ids: tuple[int, ...]
+    cache_key: str | None = None  # the API's prompt_cache_key (Mooncake traces carry none)
 
 
 def load_trace(path: Path, max_requests: int | None = None) -> list[TraceRecord]:

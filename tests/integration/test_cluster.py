@@ -10,6 +10,8 @@ from cluster.backend import ReplicaFailedError
 from cluster.config import ClusterConfig
 from cluster.deploy import RayBackend
 from cluster.llm import LLM
+from replicas.cache_hints import CacheHints
+from replicas.config import KVOffloadConfig
 from replicas.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -274,3 +276,32 @@ def test_outputs_of_concurrent_requests_share_one_message_per_step(deploy):
     assert front.num_stream_messages == link.num_messages and front.stream_seconds > 0
     assert front.num_routes == 8
     assert front.num_route_calls < front.num_routes  # requests that arrived together: one call
+
+
+def test_prompt_cache_key_keeps_a_session_on_one_replica_and_retains_its_prefix(deploy):
+    config = make_config(routing={"scoring_profile": "load"})
+    offload = KVOffloadConfig(enabled=True, host_memory_ratio=1.0)
+    config = config.model_copy(
+        update={"scheduler": config.scheduler.model_copy(update={"kv_offload_config": offload})}
+    )
+    backend = deploy(config, "t-cache-key")
+    retain = CacheHints(key="session", retain_tokens=64, ttl_s=300.0)
+
+    async def session(hints: CacheHints | None, tag: str) -> list[int]:
+        replicas = []
+        for i in range(4):  # unrelated prompts: only the key ties them together
+            tokens = [(7 * i + j) % 250 + 1 for j in range(70)]
+            final = None
+            async for output in backend.generate(f"{tag}-{i}", tokens, PARAMS, None, hints):
+                final = output
+            replicas.append(final.replica_index)
+        return replicas
+
+    assert len(set(run(session(None, "plain")))) == 2  # the load profile alternates idle ties
+    keyed = run(session(retain, "keyed"))
+    assert len(set(keyed)) == 1, keyed
+    stats = run(backend.stats())
+    usage = stats.replicas[keyed[0]].engine.cache_types["full"]
+    assert usage.num_host_blocks_retained == 4 * 4  # 64 tokens: 4 blocks of each prompt
+    for report in run(backend.check_integrity()):
+        assert report["npu_blocks_used"] == 0 and report["num_unfinished"] == 0

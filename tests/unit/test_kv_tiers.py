@@ -35,6 +35,14 @@ class Disk:
     def read_seconds_per_block(self):
         return 1e-6
 
+    num_retained = 0  # a fixed set: nothing is retained
+
+    def retain(self, block_hash, until):
+        return False
+
+    def expire(self):
+        pass
+
 
 def test_levels_are_ordered_nearest_to_compute_first_and_checked():
     npu, host = TierLevel(Tier.NPU, BlockPool(4)), TierLevel(Tier.HOST, BlockPool(4))

@@ -26,7 +26,7 @@ class FakeRouter:
             raise ConnectionError("router gone")
         return [
             NoLiveReplicaError("none") if rid == "nobody" else SimpleNamespace(replica_index=n % 3)
-            for rid, n, _, _ in requests
+            for rid, n, *_ in requests
         ]
 
     async def _release_many(self, request_ids):
@@ -53,7 +53,7 @@ def test_requests_of_one_turn_share_one_call_and_get_their_own_answers():
     assert [a.replica_index for a in answers] == [n % 3 for n in range(10)]
     assert later.replica_index == 11 % 3
     assert [len(call) for call in router.route_calls] == [11, 1]
-    assert router.route_calls[0][0] == ("r0", 0, [], [1, 2])  # exclude sent sorted
+    assert router.route_calls[0][0] == ("r0", 0, [], [1, 2], None)  # exclude sent sorted
     assert router.release_calls == [["r1", "r2"]]
 
 

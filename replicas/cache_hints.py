@@ -1,0 +1,63 @@
+"""A request's prompt-cache hints: where to route it, and which prefix to keep for how long.
+
+The HTTP API reads them from OpenAI's fields (``prompt_cache_key``, ``prompt_cache_options``,
+``prompt_cache_retention`` and a text part's ``prompt_cache_breakpoint``) and they travel with
+the request: the router reads ``key`` (requests sharing a key stay on one replica while it is not
+overloaded), the replica's KV cache reads ``retain_tokens`` and ``ttl_s`` (the prompt's first
+``retain_tokens`` tokens, in whole blocks, are kept ahead of ordinary blocks in the host and disk
+tiers until ``ttl_s`` seconds after the request was admitted; DESIGN section 4, "Retention").
+"""
+
+import math
+from dataclasses import dataclass
+
+RETENTION_TTLS_S: dict[str, float] = {
+    "5m": 300.0,
+    "30m": 1800.0,
+    "1h": 3600.0,
+    "12h": 43200.0,
+    "24h": 86400.0,
+}
+"""The lifetimes Strata offers, by the strings the API accepts; the longest is 24 hours."""
+
+DEFAULT_TTL = "30m"
+"""The lifetime of a breakpoint whose request names none (OpenAI's default)."""
+
+
+def parse_ttl(value: str, field: str) -> float:
+    """Seconds of an offered lifetime; raises ``ValueError`` naming ``field`` otherwise."""
+    seconds = RETENTION_TTLS_S.get(value) if isinstance(value, str) else None
+    if seconds is None:
+        offered = ", ".join(RETENTION_TTLS_S)
+        raise ValueError(f"{field} {value!r} is not a lifetime this server offers ({offered})")
+    return seconds
+
+
+@dataclass(frozen=True, slots=True)
+class CacheHints:
+    """What a request asks of the prefix cache beyond plain reuse (all optional)."""
+
+    key: str | None = None
+    """``prompt_cache_key``: requests with one key go to one replica while it is not
+    overloaded."""
+    retain_tokens: int = 0
+    """Leading prompt tokens to keep for ``ttl_s`` (only whole blocks count)."""
+    ttl_s: float = 0.0
+    """Seconds the retained prefix outlives ordinary blocks, from the request's admission."""
+
+    def __post_init__(self) -> None:
+        if self.retain_tokens < 0:
+            raise ValueError(f"retain_tokens must be non-negative, got {self.retain_tokens}")
+        if not (math.isfinite(self.ttl_s) and 0.0 <= self.ttl_s <= max(RETENTION_TTLS_S.values())):
+            raise ValueError(f"ttl_s must be in [0, 86400], got {self.ttl_s}")
+
+    @property
+    def retains(self) -> bool:
+        """Whether the request asks for a prefix to be kept."""
+        return self.retain_tokens > 0 and self.ttl_s > 0
+
+    def retained_blocks(self, block_size: int, num_prompt_tokens: int) -> int:
+        """Whole blocks of the prompt the request retains."""
+        if not self.retains:
+            return 0
+        return min(self.retain_tokens, num_prompt_tokens) // block_size
