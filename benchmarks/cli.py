@@ -10,7 +10,9 @@ from pathlib import Path
 import torch
 
 from benchmarks import (
+    agent_session,
     api_fields,
+    cache_key,
     churn,
     churn_disk,
     decode,
@@ -37,6 +39,7 @@ SCENARIOS = {
         one_off,
         transfer,
         routing,
+        cache_key,
         http_load,
         http_overhead,
         router_micro,
@@ -46,6 +49,7 @@ SCENARIOS = {
         decode,
         engine_vs_llamacpp,
         api_fields,
+        agent_session,
     )
 }
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "out"

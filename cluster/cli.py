@@ -20,6 +20,7 @@ from replicas.config import (
     DISK_PATH_OPTION,
     HOST_GB_OPTION,
     HOST_RATIO_OPTION,
+    RETAINED_SHARE_OPTION,
     RETENTION_OPTION,
     SPECULATIVE_NGRAM_OPTION,
     WRITE_BACK_OPTION,
@@ -202,6 +203,20 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
         ),
     )
     a(
+        RETAINED_SHARE_OPTION,
+        type=float,
+        default=None,
+        dest="retained_share",
+        metavar="S",
+        help=field_help(
+            KVOffloadConfig,
+            "retained_share",
+            "Share (0 to 1) of each host and disk tier that prefixes kept for a prompt-cache "
+            "lifetime (prompt_cache_options.ttl, prompt_cache_retention, "
+            "prompt_cache_breakpoint) may hold ahead of ordinary blocks.",
+        ),
+    )
+    a(
         DISK_PATH_OPTION,
         dest="disk_path",
         metavar="DIR",
@@ -273,7 +288,18 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     a = group["server"].add_argument
     a("--host", help=field_help(ServerConfig, "host"))
     a("--port", type=int, help=field_help(ServerConfig, "port"))
-    a("--api-key", metavar="KEY", help=field_help(ServerConfig, "api_key"))
+    a(
+        "--api-key",
+        metavar="KEY",
+        action="append",
+        help=field_help(
+            ServerConfig,
+            "api_key",
+            "Bearer key required on every endpoint but /health (and /metrics when "
+            "metrics_public); repeat the flag for several keys (stored responses are kept "
+            "per key).",
+        ),
+    )
 
     a = group["Ray"].add_argument
     a("--address", help=field_help(RayConfig, "address"))
@@ -348,7 +374,8 @@ def _build_config(args: argparse.Namespace) -> ClusterConfig:
     put("routing.disk_hit_weight", args.disk_hit_weight)
     put("server.host", args.host)
     put("server.port", args.port)
-    put("server.api_key", args.api_key)
+    if args.api_key is not None:  # one flag: one key, as before; several: a list
+        put("server.api_key", args.api_key[0] if len(args.api_key) == 1 else args.api_key)
     put("ray.address", args.address)
     put("ray.num_cpus", args.num_cpus)
     put("ray.cpus_per_replica", args.cpus_per_replica)
@@ -373,6 +400,8 @@ def _put_offload(args: argparse.Namespace, data: dict[str, Any]) -> None:
         offload["write_back"] = True
     if args.retention is not None:
         offload["retention"] = args.retention
+    if args.retained_share is not None:
+        offload["retained_share"] = args.retained_share
     if args.disk_path is not None:
         offload["disk_path"] = args.disk_path
     if args.disk_bytes is not None:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from replicas.config import EngineConfig, ReplicaModelConfig, SchedulerConfig
 from replicas.kv_capacity import kv_cache_specs, plan_replica_offload
@@ -27,13 +27,30 @@ class ModelConfig(ReplicaModelConfig):
     served_model_name: str | None = Field(None, description="Name in the API; None: the model.")
 
 
+class ResponseStoreConfig(_Section):
+    """Bounds of the responses ``/v1/responses`` keeps (``cluster.api.responses.store``)."""
+
+    max_responses: int = Field(
+        4096, ge=0, description="Most stored responses over all API keys (0: store none)."
+    )
+    max_bytes: int = Field(
+        256 * 2**20, ge=0, description="Most bytes of stored responses over all API keys."
+    )
+    ttl_s: float = Field(
+        3600.0, gt=0, description="Seconds a stored response lives after it was created."
+    )
+
+
 class ServerConfig(_Section):
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 picks a free one).")
-    api_key: str | None = Field(
+    api_key: str | list[str] | None = Field(
         None,
-        description="Bearer key required on every endpoint "
-        "but /health (and /metrics when metrics_public).",
+        description="Bearer key (or list of keys) required on every endpoint "
+        "but /health (and /metrics when metrics_public); stored responses are kept per key.",
+    )
+    responses: ResponseStoreConfig = Field(
+        default_factory=ResponseStoreConfig, description="Stored responses of /v1/responses."
     )
     metrics_public: bool = Field(True, description="Serve /metrics without the API key.")
     max_request_body_bytes: int = Field(1 * 2**20, ge=1024, description="Largest request body.")
@@ -47,6 +64,16 @@ class ServerConfig(_Section):
         description="An HTTP event loop that does not answer for this long is logged with "
         "every thread's stack and counted in /health; None turns the watchdog off.",
     )
+
+    @field_validator("api_key")
+    @classmethod
+    def _check_api_keys(cls, value: str | list[str] | None) -> str | list[str] | None:
+        keys = [value] if isinstance(value, str) else value or []
+        if isinstance(value, list) and not value:
+            raise ValueError("api_key: give at least one key, or none (null) for an open server")
+        if any(not key for key in keys):
+            raise ValueError("api_key: a key must not be empty")
+        return value
 
 
 class RayConfig(_Section):

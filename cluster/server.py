@@ -32,6 +32,7 @@ def build_app(config: ClusterConfig, name: str = "strata") -> tuple["FastAPI", "
         max_tokens_limit=server.max_tokens_limit,
         metrics_public=server.metrics_public,
         watchdog_stall_s=server.watchdog_stall_s,
+        response_store=server.responses,
     )
     return app, backend
 

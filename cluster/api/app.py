@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP app over any ``Backend`` (DESIGN sections 3, 7 and 10).
 
     POST /v1/completions        POST /v1/chat/completions       (JSON, or SSE with stream=true)
+    POST /v1/responses          GET|DELETE /v1/responses/{id}   (OpenAI's Responses API, stored
+                                per API key: ``cluster.api.responses``)
     GET  /v1/models             GET  /v1/models/{model}
     GET  /health                200 while a replica is alive, else 503 (never needs the key)
     GET  /metrics               Prometheus text (needs the key unless metrics_public)
@@ -17,7 +19,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
@@ -36,6 +38,12 @@ from cluster.api.protocol import (
     ResetPrefixCacheRequest,
     TokenizeRequest,
     ignored_fields,
+)
+from cluster.api.responses import (
+    ResponsesAPI,
+    ResponsesRequest,
+    ResponseStore,
+    ResponseStoreConfig,
 )
 from cluster.api.serving import Serving
 from cluster.api.watchdog import LoopWatchdog
@@ -84,19 +92,21 @@ async def read_body(request: Request, model: type[B]) -> B:
 def create_app(
     backend: Backend,
     *,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     max_tokens_limit: int | None = None,
     metrics_public: bool = True,
     watchdog_stall_s: float | None = 2.0,
+    response_store: ResponseStoreConfig | None = None,
 ) -> FastAPI:
     """The HTTP app serving ``backend``. The caller owns the backend (and shuts it down).
 
     ``max_tokens_limit`` caps max_tokens (default: the backend's ``max_model_len``); with
-    ``api_key`` set, every path except /health (and /metrics when ``metrics_public``) needs
-    ``Authorization: Bearer <api_key>``. ``watchdog_stall_s``: an event loop that does not
-    answer for this long is logged with every thread's stack (``cluster.api.watchdog``);
-    None turns the watchdog off."""
+    ``api_key`` set (one key or several), every path except /health (and /metrics when
+    ``metrics_public``) needs ``Authorization: Bearer <key>``; stored responses belong to the
+    key that created them. ``response_store``: bounds of the stored responses.
+    ``watchdog_stall_s``: an event loop that does not answer for this long is logged with
+    every thread's stack (``cluster.api.watchdog``); None turns the watchdog off."""
     if max_request_body_bytes < 1:
         raise ValueError(f"max_request_body_bytes must be positive, got {max_request_body_bytes}")
     if max_tokens_limit is not None and max_tokens_limit < 1:
@@ -126,7 +136,8 @@ def create_app(
     app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
     if api_key is not None:
         public_paths = {"/health", "/metrics"} if metrics_public else {"/health"}
-        app.add_middleware(APIKeyGuard, api_key=api_key, public_paths=public_paths)
+        app.add_middleware(APIKeyGuard, api_keys=api_key, public_paths=public_paths)
+    responses = ResponsesAPI(serving, ResponseStore(response_store or ResponseStoreConfig()))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -137,6 +148,19 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         body = await read_body(request, ChatCompletionRequest)
         return await serving.respond(request, serving.chat(body))
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        body = await read_body(request, ResponsesRequest)
+        return await responses.create(request, body)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(request: Request, response_id: str) -> Response:
+        return responses.retrieve(request, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str) -> Response:
+        return responses.delete(request, response_id)
 
     def model_card() -> ModelCard:
         return ModelCard(

@@ -4,6 +4,7 @@ Both are plain ASGI middleware, so they never buffer a streaming response and an
 OpenAI error shape without reaching the app.
 """
 
+import hashlib
 import secrets
 from collections.abc import Collection
 
@@ -11,13 +12,33 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cluster.api.errors import APIError
 
+API_KEY_ID = "api_key_id"  # the ASGI scope state entry naming the key a request used
+
+
+def key_id(api_key: str) -> str:
+    """A name for a key that does not reveal it: what logs and per-key state may hold."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:16]
+
+
+def api_key_id(scope: Scope) -> str | None:
+    """The ``key_id`` of the key the request was let in with; None when no key is required."""
+    return scope.get("state", {}).get(API_KEY_ID)
+
 
 class APIKeyGuard:
-    """Requires ``Authorization: Bearer <api_key>`` on every path but ``public_paths``."""
+    """Requires ``Authorization: Bearer <key>``, with any of ``api_keys``, on every path but
+    ``public_paths``, and records which key it was in the scope's state (``api_key_id``):
+    state kept per key (stored responses) is partitioned by it."""
 
-    def __init__(self, app: ASGIApp, api_key: str, public_paths: Collection[str]) -> None:
+    def __init__(
+        self, app: ASGIApp, api_keys: str | Collection[str], public_paths: Collection[str]
+    ) -> None:
+        if isinstance(api_keys, str):
+            api_keys = [api_keys]
+        if not api_keys:
+            raise ValueError("APIKeyGuard needs at least one key")
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = [(f"Bearer {key}".encode(), key_id(key)) for key in api_keys]
         self.public_paths = frozenset(public_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -25,9 +46,13 @@ class APIKeyGuard:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization")
-        if given is not None and secrets.compare_digest(given, self._expected):
-            await self.app(scope, receive, send)
-            return
+        if given is not None:
+            # Every key is compared, so that the time taken does not tell which one matched.
+            matches = [i for e, i in self._expected if secrets.compare_digest(given, e)]
+            if matches:
+                scope.setdefault("state", {})[API_KEY_ID] = matches[0]
+                await self.app(scope, receive, send)
+                return
         message = (
             "Missing API key: send it as 'Authorization: Bearer <key>'"
             if given is None

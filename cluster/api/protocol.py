@@ -7,8 +7,12 @@ change nothing here (``user``, ``metadata``, ``store``, ``service_tier``, ``reas
 are accepted. Supported beyond the basics: ``n`` and ``best_of`` (choices share their prompt's
 prefill), ``logprobs`` / ``top_logprobs`` (at most 20), ``echo`` with prompt logprobs,
 ``presence_penalty`` / ``frequency_penalty`` (in [-2, 2]), ``logit_bias`` (token id -> bias in
-[-100, 100]), a list of prompts in completions, ``stream_options.include_usage`` and
-``response_format`` (``text``, ``json_object``, ``json_schema``).
+[-100, 100]), a list of prompts in completions, ``stream_options.include_usage``,
+``response_format`` (``text``, ``json_object``, ``json_schema``) and function ``tools`` with
+``tool_choice`` and ``parallel_tool_calls`` (checked and served by ``cluster.api.tools``),
+and the prompt-cache fields ``prompt_cache_key``, ``prompt_cache_options`` (``mode``, ``ttl``),
+``prompt_cache_retention`` and a chat text part's ``prompt_cache_breakpoint``, read into one
+``CacheHints`` (``GenerationRequest.cache_hints``; lifetimes: ``replicas.cache_hints``).
 
 Extensions beyond OpenAI: ``top_k``, ``min_tokens``, ``repetition_penalty``,
 ``stream_options.continuous_usage_stats`` (vLLM's: the usage so far on every chunk),
@@ -33,6 +37,8 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
+
+from replicas.cache_hints import DEFAULT_TTL, RETENTION_TTLS_S, CacheHints, parse_ttl
 
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions endpoint's bound
@@ -141,6 +147,27 @@ class StructuredOutputsParams(_Body):
     json_object: bool | None = Field(None, description="Any JSON object.")
 
 
+class PromptCacheOptions(_Body):
+    """OpenAI's ``prompt_cache_options``: with ``ttl``, the prompt (implicit mode) or the prefix
+    up to each breakpoint is kept at least that long (``replicas.cache_hints``)."""
+
+    mode: Literal["implicit", "explicit"] = Field(
+        "implicit",
+        description="implicit: the whole prompt is a breakpoint too; explicit: only the "
+        "content parts marked with prompt_cache_breakpoint are.",
+    )
+    ttl: str | None = Field(
+        None, description="Least lifetime of the request's breakpoints: 5m, 30m, 1h, 12h or 24h."
+    )
+
+    @field_validator("ttl")
+    @classmethod
+    def _check_ttl(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_ttl(value, "prompt_cache_options.ttl")
+        return value
+
+
 class GenerationRequest(_Body):
     """Fields shared by completions and chat completions."""
 
@@ -161,6 +188,15 @@ class GenerationRequest(_Body):
     service_tier: str | None = Field(None, description="Accepted; every request is served alike.")
     cache_salt: str | None = Field(
         None, min_length=1, description="Extension: per-tenant salt of prefix-cache hashes."
+    )
+    prompt_cache_key: str | None = Field(
+        None, description="Requests with one key go to one replica while it is not overloaded."
+    )
+    prompt_cache_options: PromptCacheOptions | None = Field(
+        None, description="mode (implicit or explicit) and ttl of the request's breakpoints."
+    )
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(
+        None, description="24h keeps the prompt (or its breakpoints' prefix) for 24 hours."
     )
     stream: bool = Field(False, description="Stream server-sent events.")
     stream_options: StreamOptions | None = Field(None, description="Only with stream=true.")
@@ -200,6 +236,33 @@ class GenerationRequest(_Body):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def cache_hints(
+        self, num_prompt_tokens: int, breakpoints: list[tuple[int, float | None]] = ()
+    ) -> CacheHints | None:
+        """The request's prompt-cache hints for a prompt of ``num_prompt_tokens`` tokens whose
+        breakpoints end after ``(tokens, ttl_s or None)``; None when it gives none.
+
+        Retained: the prefix up to the last breakpoint, and the whole prompt in implicit mode
+        when ``prompt_cache_options.ttl`` or ``prompt_cache_retention="24h"`` is given; for the
+        longest lifetime any of them asks, so every breakpoint's least lifetime is met. A
+        breakpoint without a ttl takes the request's (``DEFAULT_TTL`` without one); explicit
+        mode without a breakpoint retains nothing."""
+        options = self.prompt_cache_options or PromptCacheOptions()
+        request_ttl = parse_ttl(options.ttl, "ttl") if options.ttl is not None else None
+        if self.prompt_cache_retention == "24h":
+            request_ttl = max(request_ttl or 0.0, RETENTION_TTLS_S["24h"])
+        spans = [
+            (tokens, ttl or request_ttl or RETENTION_TTLS_S[DEFAULT_TTL])
+            for tokens, ttl in breakpoints
+        ]
+        if options.mode == "implicit" and request_ttl is not None:
+            spans.append((num_prompt_tokens, request_ttl))
+        retain_tokens = max((tokens for tokens, _ in spans), default=0)
+        ttl_s = max((ttl for _, ttl in spans), default=0.0)
+        if self.prompt_cache_key is None and not retain_tokens:
+            return None
+        return CacheHints(self.prompt_cache_key, retain_tokens, ttl_s if retain_tokens else 0.0)
 
     @property
     def continuous_usage(self) -> bool:
@@ -296,12 +359,79 @@ def _is_token_ids(value: Any) -> bool:
     )
 
 
+class FunctionDefinition(_Body):
+    name: str = Field(..., description="The function's name: letters, digits, _ and -.")
+    description: str | None = Field(None, description="What it does, shown to the model.")
+    parameters: dict[str, Any] | None = Field(
+        None, description="A JSON schema of its arguments (an object); omitted: none."
+    )
+    strict: bool | None = Field(None, description="Accepted; arguments always follow the schema.")
+
+
+class ChatTool(_Body):
+    type: str = Field("function", description='Only "function" tools are served.')
+    function: FunctionDefinition | None = Field(None, description="The function offered.")
+
+
+class NamedFunction(_Body):
+    name: str = Field(..., description="The function to call.")
+
+
+class NamedToolChoice(_Body):
+    type: str = Field("function", description='"function".')
+    function: NamedFunction = Field(..., description="The function the model must call.")
+
+
+class FunctionCall(_Body):
+    name: str = Field(..., description="The called function.")
+    arguments: str = Field("", description="Its arguments as a JSON text.")
+
+
+class ToolCall(_Body):
+    """A tool call, in an assistant message of the history and in answers."""
+
+    id: str = Field("", description="The call's id, echoed by the tool message answering it.")
+    type: Literal["function"] = Field("function", description='"function".')
+    function: FunctionCall = Field(..., description="What was called, with which arguments.")
+
+    def to_template(self) -> dict[str, Any]:
+        try:
+            arguments: Any = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):  # templates read an object's keys; else the text
+            arguments = self.function.arguments
+        function = {"name": self.function.name, "arguments": arguments}
+        return {"id": self.id, "type": "function", "function": function}
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
         "user", description="Who speaks."
     )
     content: str | None = Field(None, description="Text, or a list of text parts.")
     name: str | None = Field(None, description="Speaker name, passed to the chat template.")
+    tool_calls: list[ToolCall] | None = Field(
+        None, description="An assistant message's tool calls (its content may then be null)."
+    )
+    tool_call_id: str | None = Field(None, description="The call a tool message answers.")
+    _cache_breakpoints: tuple[tuple[int, float | None], ...] = PrivateAttr(default=())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _find_breakpoints(cls, data: Any, handler: ModelWrapValidatorHandler) -> Any:
+        """Where in ``content`` each text part marked with ``prompt_cache_breakpoint`` ends."""
+        message = handler(data)
+        parts = data.get("content") if isinstance(data, dict) else None
+        if isinstance(message, ChatMessage) and isinstance(parts, list):
+            message._cache_breakpoints = _content_breakpoints(parts)
+        return message
+
+    @property
+    def cache_breakpoints(self) -> tuple[tuple[int, float | None], ...]:
+        """``(end, ttl_s)`` per breakpoint: the offset in ``content`` where its part ends, and
+        its own lifetime (None: the request's)."""
+        return self._cache_breakpoints
 
     @field_validator("content", mode="before")
     @classmethod
@@ -318,11 +448,43 @@ class ChatMessage(_Body):
             '({"type": "text", "text": ...}); other content types are not supported'
         )
 
+    @model_validator(mode="after")
+    def _check_tool_fields(self) -> "ChatMessage":
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls are only allowed in assistant messages, not {self.role}")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
+
     def to_template(self) -> dict[str, Any]:
+        """The message as chat templates read it; tool calls in Hugging Face's shape (their
+        arguments parsed when they are a JSON object)."""
         message: dict[str, Any] = {"role": self.role, "content": self.content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.to_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+def _content_breakpoints(parts: list[dict]) -> tuple[tuple[int, float | None], ...]:
+    found: list[tuple[int, float | None]] = []
+    end = 0
+    for part in parts:
+        text = part.get("text") if isinstance(part, dict) else None
+        end += len(text) if isinstance(text, str) else 0
+        marker = part.get("prompt_cache_breakpoint") if isinstance(part, dict) else None
+        if marker is None:
+            continue
+        if not isinstance(marker, dict) or marker.get("mode", "explicit") != "explicit":
+            raise ValueError(
+                'prompt_cache_breakpoint must be {"mode": "explicit"} with an optional ttl'
+            )
+        ttl = marker.get("ttl")
+        found.append((end, None if ttl is None else parse_ttl(ttl, "prompt_cache_breakpoint.ttl")))
+    return tuple(found)
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -338,6 +500,14 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool = Field(False, description="Return each output token's logprob.")
     top_logprobs: int | None = Field(
         None, description="Alternatives per token (at most 20); needs logprobs=true."
+    )
+    tools: list[ChatTool] | None = Field(None, description="Functions the model may call.")
+    tool_choice: str | NamedToolChoice | None = Field(
+        None,
+        description="none, auto (the default with tools), required, or one named function.",
+    )
+    parallel_tool_calls: bool = Field(
+        True, description="Whether one answer may hold several calls."
     )
     reasoning_effort: str | None = Field(
         None, description="Accepted and ignored: the served models do not reason apart."
@@ -423,8 +593,19 @@ class CompletionResponse(BaseModel):
 
 
 class AssistantMessage(BaseModel):
+    """The answer's message; ``tool_calls`` is left out when there are none, as OpenAI does,
+    and ``content`` is null when the model only called tools."""
+
     role: Literal["assistant"] = "assistant"
-    content: str = ""
+    content: str | None = ""
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        message = handler(self)
+        if message.get("tool_calls") is None:
+            message.pop("tool_calls", None)
+        return message
 
 
 class TopLogprob(BaseModel):
@@ -459,11 +640,35 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class _DropNone(BaseModel):
+    """A chunk's part: fields with nothing to add are left out, as OpenAI does."""
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaFunction(_DropNone):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_DropNone):
+    """A tool call's part in a chunk: its first carries ``id``, ``type`` and the name, the next
+    ones fragments of ``arguments`` (clients concatenate them)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction | None = None
+
+
 class DeltaMessage(BaseModel):
     """What a chunk adds; fields with nothing to add are left out, as OpenAI does."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -3,7 +3,9 @@
 A stream is ``first_chunks``, then one ``chunk`` per output that added text or tokens (the last
 of a choice carries its ``finish_reason``), then ``usage_chunk`` when the client asked for usage,
 then ``data: [DONE]``. A non-streaming answer is one ``response`` built from every choice's final
-output. Choice ``i`` of prompt ``p`` has index ``p * n + i``.
+output. Choice ``i`` of prompt ``p`` has index ``p * n + i``. A renderer frames its own stream
+(``encode``, ``error_payload``, ``stream_end``): the Responses renderer
+(``cluster.api.responses``) sends named events and no ``[DONE]``.
 
 Logprobs are rendered with each token's text (``Tokenizer.decode`` of that token alone) in
 OpenAI's shapes: completions' parallel lists (with ``echo``, the prompt's tokens first, the first
@@ -17,6 +19,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel
 
+from cluster.api.errors import APIError
 from cluster.api.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -33,6 +36,7 @@ from cluster.api.protocol import (
     TopLogprob,
     Usage,
 )
+from cluster.api.streaming import DONE, sse
 from replicas.model import Tokenizer
 from replicas.outputs import RequestOutput, TokenLogprob
 
@@ -101,6 +105,17 @@ class Renderer(ABC):
 
     def first_chunks(self, num_prompts: int) -> list[BaseModel]:
         return []
+
+    # A stream's framing: each chunk as ``data: <json>``, then ``data: [DONE]``.
+    stream_end: bytes = DONE
+
+    def encode(self, chunk: BaseModel | dict) -> bytes:
+        """The bytes of one chunk (or of the error payload) in this endpoint's stream."""
+        return sse(chunk)
+
+    def error_payload(self, error: APIError) -> BaseModel | dict:
+        """What a stream sends when it fails after it started."""
+        return error.body()
 
     @abstractmethod
     def chunk(self, index: int, output: RequestOutput) -> BaseModel | None:

@@ -17,6 +17,7 @@ from fastapi import Request
 from jinja2.exceptions import TemplateError
 from starlette.responses import Response
 
+from cluster.api.cache_breakpoints import breakpoint_tokens
 from cluster.api.errors import APIError, from_backend_error, internal_error
 from cluster.api.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from cluster.api.renderers import (
@@ -27,15 +28,21 @@ from cluster.api.renderers import (
     usage_of,
 )
 from cluster.api.streaming import (
-    DONE,
     ClientDisconnected,
     EventStreamResponse,
-    sse,
     until_disconnected,
+)
+from cluster.api.tools import (
+    DEFAULT_FORMAT,
+    ToolChatRenderer,
+    plan_tools,
+    render_chat_prompt,
+    tool_format,
 )
 from cluster.backend import Backend, NoLiveReplicaError, OverloadedError, ReplicaFailedError
 from cluster.choices import SequenceOutput, best_of, generate_sequences
 from cluster.metrics import RequestMetrics, StrataMetrics
+from replicas.cache_hints import CacheHints
 from replicas.outputs import RequestOutput
 from replicas.prompt import check_prompt_length
 from replicas.sampling_params import SamplingParams
@@ -59,6 +66,7 @@ class Generation:
     include_usage: bool
     renderer: Renderer
     prompt_param: str  # the body field holding the prompt: "prompt" or "messages"
+    cache_hints: CacheHints | None = None  # prompt_cache_key and retention, when given
     continuous_usage: bool = False  # every chunk carries the usage so far
 
 
@@ -108,8 +116,14 @@ class Serving:
     def chat(self, body: ChatCompletionRequest) -> Generation:
         self.check_model(body.model)
         messages = [message.to_template() for message in body.messages]
+        tools = plan_tools(body, self._grammar)
         try:
-            text = self.backend.tokenizer.apply_chat_template(messages)
+            text = render_chat_prompt(
+                self.backend.tokenizer,
+                messages,
+                list(tools.tools) if tools is not None else None,
+                tools.format if tools is not None else tool_format(DEFAULT_FORMAT),
+            )
         except (ValueError, TemplateError) as error:
             raise APIError.bad_request(str(error), "messages") from None
         token_ids = self.backend.tokenizer.encode(text)
@@ -117,14 +131,49 @@ class Serving:
         if requested is None:
             requested, param = body.max_tokens, "max_tokens"
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        renderer = ChatRenderer(
-            self.backend.model_name,
-            self.backend.tokenizer,
-            num_choices=body.n,
-            logprobs=logprobs,
-        )
+        if tools is not None and tools.parses_calls:
+            renderer: ChatRenderer = ToolChatRenderer(
+                self.backend.model_name,
+                self.backend.tokenizer,
+                num_choices=body.n,
+                logprobs=logprobs,
+                tool_format=tools.format,
+            )
+        else:
+            renderer = ChatRenderer(
+                self.backend.model_name,
+                self.backend.tokenizer,
+                num_choices=body.n,
+                logprobs=logprobs,
+            )
         extra = {"n": body.n, "logprobs": logprobs}
-        return self._generation(body, [token_ids], requested, None, param, renderer, extra)
+        marked = [
+            (i, end, ttl) for i, m in enumerate(body.messages) for end, ttl in m.cache_breakpoints
+        ]
+        tokenizer = self.backend.tokenizer
+        breakpoints = breakpoint_tokens(
+            lambda marked_messages: render_chat_prompt(
+                tokenizer,
+                marked_messages,
+                list(tools.tools) if tools is not None else None,
+                tools.format if tools is not None else tool_format(DEFAULT_FORMAT),
+            ),
+            tokenizer.encode,
+            messages,
+            marked,
+            token_ids,
+        )
+        return self._generation(
+            body,
+            [token_ids],
+            requested,
+            None,
+            param,
+            renderer,
+            extra,
+            breakpoints=breakpoints,
+            constraint=tools.constraint if tools is not None else None,
+        )
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.backend.model_name:
@@ -145,6 +194,9 @@ class Serving:
         max_tokens_param: str,
         renderer: Renderer,
         extra: dict,
+        *,
+        breakpoints: list[tuple[int, float | None]] = (),
+        constraint: StructuredOutputs | None = None,
     ) -> Generation:
         """``requested`` is the client's max_tokens (None: not given); without it, generate up
         to ``default`` tokens (None: as many as fit), shortened to fit the context of the
@@ -167,8 +219,8 @@ class Serving:
         except ValueError as error:
             raise APIError.bad_request(str(error), "response_format") from None
         try:
-            constraint = StructuredOutputs(**structured) if structured is not None else None
-            if constraint is not None:
+            if structured is not None:  # else the endpoint's own constraint (tool calls)
+                constraint = StructuredOutputs(**structured)
                 self._grammar().validate(constraint)
         except ValueError as error:
             raise APIError.bad_request(str(error), structured_param) from None
@@ -235,6 +287,7 @@ class Serving:
             renderer,
             prompt_param,
             continuous_usage=body.continuous_usage,
+            cache_hints=body.cache_hints(num_prompt, breakpoints),
         )
 
     # ---- generation: Generation -> answer ----------------------------------------------------
@@ -246,6 +299,7 @@ class Serving:
             generation.prompts,
             generation.sampling_params,
             generation.cache_salt,
+            generation.cache_hints,
         )
         if generation.stream:
             work = self._first(outputs)
@@ -321,7 +375,7 @@ class Serving:
         try:
             async with contextlib.aclosing(outputs):
                 for chunk in renderer.first_chunks(len(generation.prompts)):
-                    yield sse(chunk)
+                    yield renderer.encode(chunk)
                 item: SequenceOutput | None = first
                 while item is not None:
                     prompt_index, sequence_index, output = item
@@ -333,7 +387,7 @@ class Serving:
                     if chunk is not None:
                         if generation.continuous_usage:
                             chunk.usage = running_usage(latest, generation.sampling_params.n)
-                        yield sse(chunk)
+                        yield renderer.encode(chunk)
                     if output.finished:
                         finals[index] = output
                         if len(finals) == num_choices:
@@ -345,14 +399,15 @@ class Serving:
                 if generation.include_usage:
                     ordered = [finals[i] for i in range(num_choices)]
                     usage = usage_of(ordered, generation.sampling_params.n)
-                    yield sse(renderer.usage_chunk(usage))
+                    yield renderer.encode(renderer.usage_chunk(usage))
         except Exception as error:
             finish_reason = "error"
             api_error = from_backend_error(error)
             if api_error is None:
                 logger.exception("request %s failed mid-stream", renderer.request_id)
                 api_error = internal_error()
-            yield sse(api_error.body())
+            yield renderer.encode(renderer.error_payload(api_error))
         finally:
             tracker.finish(finish_reason)
-        yield DONE
+        if renderer.stream_end:
+            yield renderer.stream_end

@@ -80,6 +80,12 @@ EXPECTED = {
         "policies.ttft-reserved.hit_rate",
         "policies.ttft-reserved.ttft_p50_s",
     ],
+    "cache-key": [
+        "results.key.hit_rate",
+        "results.no key.hit_rate",
+        "results.key.ttft_p50_s",
+        "results.no key.ttft_p99_s",
+    ],
     "http-load": ["served", "requests_per_s", "tokens_per_s", "ttft.p50", "e2e.p99"],
     "http-overhead": [
         "dps.*.threads",
@@ -135,6 +141,13 @@ EXPECTED = {
         "choices.n.ttft_mean_s",
         "ratios.n_over_separate_prompt_tokens",
         "ratios.eval_speedup_caching_on",
+    ],
+    "agent-session": [
+        "per_index.resend.1.ttft_s",
+        "per_index.previous_response_id.1.ttft_s",
+        "per_index.no-cache.0.prompt_tokens",
+        "ratios.resend_over_no_cache_ttft",
+        "ratios.previous_id_over_resend_ttft",
     ],
 }
 PEER_EXPECTED = [

@@ -9,6 +9,7 @@ import jsonschema
 import openai
 import pytest
 
+from cluster.api.cache_breakpoints import breakpoint_tokens
 from replicas.engine import Engine
 from replicas.model.resolve import DEFAULT_MODEL, packaged_model_path
 from tests.e2e.test_http_local import Server, default_model_server
@@ -272,3 +273,56 @@ def test_max_tokens_zero_with_echo_scores_the_prompt_only(client, model_name):
     with pytest.raises(openai.BadRequestError) as raised:
         client.completions.create(model=model_name, prompt=PROMPT, max_tokens=0)
     assert raised.value.body["param"] == "max_tokens"
+
+
+def test_prompt_cache_fields_through_the_official_client(client, model_name, server):
+    system = "You answer questions about the history of printing. " * 3
+    answer = client.chat.completions.create(
+        model=model_name,
+        messages=[
+            {
+                "role": "system",
+                "content": [
+                    {
+                        "type": "text",
+                        "text": system,
+                        "prompt_cache_breakpoint": {"mode": "explicit", "ttl": "12h"},
+                    }
+                ],
+            },
+            {"role": "user", "content": "Who printed first?"},
+        ],
+        prompt_cache_key="printing-session",
+        prompt_cache_options={"mode": "explicit", "ttl": "30m"},
+        prompt_cache_retention="24h",
+        max_tokens=4,
+        **GREEDY,
+    )
+    assert answer.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(
+            model=model_name,
+            prompt=PROMPT,
+            max_tokens=2,
+            extra_body={"prompt_cache_options": {"ttl": "3d"}},
+        )
+    assert error.value.body["param"] == "prompt_cache_options"
+
+
+def test_a_breakpoint_position_under_the_real_chat_template(server):
+    tokenizer = server.engine.tokenizer
+    system = "You answer questions about the history of printing. " * 3
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Who?"}]
+    token_ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
+    ((position, ttl),) = breakpoint_tokens(
+        tokenizer.apply_chat_template,
+        tokenizer.encode,
+        messages,
+        [(0, len(system), 60.0)],
+        token_ids,
+    )
+    text = tokenizer.apply_chat_template(messages)
+    before = text[: text.index(system) + len(system)]
+    assert position == len(tokenizer.encode(before)) and ttl == 60.0
+    assert token_ids[:position] == tokenizer.encode(before)  # a prefix of the prompt's tokens
+    assert 0 < position < len(token_ids)

@@ -178,6 +178,10 @@ PROMPTS = st.one_of(
     st.lists(TEXT, max_size=2),
     JSON_VALUES,
 )
+TTLS = st.one_of(st.sampled_from(["5m", "30m", "1h", "12h", "24h"]), TEXT, JSON_VALUES)
+BREAKPOINTS = st.one_of(
+    st.fixed_dictionaries({"mode": st.just("explicit")}, optional={"ttl": TTLS}), JSON_VALUES
+)
 SAMPLING_FIELDS = {
     "model": st.one_of(st.just("tiny"), TEXT, JSON_VALUES),
     "max_tokens": st.one_of(NUMBERS, JSON_VALUES),
@@ -194,6 +198,14 @@ SAMPLING_FIELDS = {
         st.fixed_dictionaries({"include_usage": st.booleans()}), JSON_VALUES
     ),
     "cache_salt": st.one_of(TEXT, JSON_VALUES),
+    "prompt_cache_key": st.one_of(TEXT, JSON_VALUES),
+    "prompt_cache_options": st.one_of(
+        st.fixed_dictionaries(
+            {}, optional={"mode": st.one_of(st.just("explicit"), TEXT), "ttl": TTLS}
+        ),
+        JSON_VALUES,
+    ),
+    "prompt_cache_retention": st.one_of(st.sampled_from(["in_memory", "24h"]), TEXT, JSON_VALUES),
     "user": st.one_of(TEXT, JSON_VALUES),
     "presence_penalty": NUMBERS,
     "frequency_penalty": NUMBERS,
@@ -215,7 +227,12 @@ MESSAGES = st.one_of(
                 "content": st.one_of(
                     TEXT,
                     st.text(min_size=500, max_size=2000),
-                    st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT})),
+                    st.lists(
+                        st.fixed_dictionaries(
+                            {"type": st.just("text"), "text": TEXT},
+                            optional={"prompt_cache_breakpoint": BREAKPOINTS},
+                        )
+                    ),
                     JSON_VALUES,
                 ),
                 "name": st.one_of(TEXT, JSON_VALUES),

@@ -8,6 +8,7 @@ from fastapi.testclient import TestClient
 
 from cluster.api import create_app
 from cluster.backend import ClusterStats, LocalBackend, ReplicaStats
+from replicas.cache_hints import CacheHints
 from replicas.config import EngineConfig
 from replicas.engine import Engine
 from replicas.model.tokenizer import ByteTokenizer
@@ -81,6 +82,7 @@ class ScriptedBackend:
         self.fail_before: Exception | None = None
         self.fail_after: Exception | None = None
         self.num_live = 1
+        self.cache_hints: CacheHints | None = None  # the last request's
 
     async def generate(
         self,
@@ -88,7 +90,9 @@ class ScriptedBackend:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         cache_salt: str | None = None,
+        cache_hints: CacheHints | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        self.cache_hints = cache_hints
         if self.fail_before is not None:
             raise self.fail_before
         yield _output(prompt_token_ids, [ord("a")], finished=False)

@@ -16,34 +16,31 @@ def block_the_loop_for(seconds: float) -> None:
 
 
 def test_a_blocked_loop_is_logged_with_its_stack_and_reported_by_health(caplog):
-    app = create_app(ScriptedBackend(), watchdog_stall_s=0.2)
+    app = create_app(ScriptedBackend(), watchdog_stall_s=0.4)
 
     @app.get("/block")
     async def block() -> dict:
-        block_the_loop_for(0.8)
+        block_the_loop_for(2.0)
         return {}
 
-    with caplog.at_level("WARNING", logger="cluster.api.watchdog"):
-        with TestClient(app) as client:
-            assert client.get("/health").json()["event_loop"]["stalls"] == 0
-            assert client.get("/block").status_code == 200
-            health = client.get("/health").json()
-            time.sleep(0.3)  # a heartbeat after the stall
-            again = client.get("/health").json()
-    assert health["event_loop"]["stalls"] == 1
-    assert again["event_loop"]["stalls"] == 1  # one stall, logged once
-    assert 0.6 <= again["event_loop"]["longest_stall_s"] < 5
-    assert again["event_loop"]["blocked_s"] == 0.0
-    stalls = [r for r in caplog.records if "has not answered" in r.getMessage()]
-    assert len(stalls) == 1
+    with caplog.at_level("WARNING", logger="cluster.api.watchdog"), TestClient(app) as client:
+        before = client.get("/health").json()["event_loop"]["stalls"]
+        assert client.get("/block").status_code == 200
+        time.sleep(0.5)  # a heartbeat after the stall
+        health = client.get("/health").json()["event_loop"]
+    # One stall for the blocking call (a loaded machine may add short ones of its own).
+    assert health["stalls"] >= before + 1
+    assert 1.5 <= health["longest_stall_s"] < 10
+    assert health["blocked_s"] == 0.0
+    stalls = [r.getMessage() for r in caplog.records if "has not answered" in r.getMessage()]
+    assert len(stalls) == health["stalls"]  # each stall logged once
     # The loop's own stack names the blocking call.
-    assert "block_the_loop_for" in stalls[0].getMessage()
-    assert "time.sleep(seconds)" in stalls[0].getMessage()
+    assert any("block_the_loop_for" in m and "time.sleep(seconds)" in m for m in stalls)
     assert any("answered again after" in r.getMessage() for r in caplog.records)
 
 
 def test_a_live_loop_is_never_reported():
-    app = create_app(ScriptedBackend(), watchdog_stall_s=0.2)
+    app = create_app(ScriptedBackend(), watchdog_stall_s=2.0)
     with TestClient(app) as client:
         for _ in range(5):
             time.sleep(0.1)
