@@ -93,7 +93,8 @@ class ToolFormat(ABC):
     ) -> str:
         """A Lark grammar (llguidance's dialect) of an output calling ``functions`` (name,
         parameters schema): calls only when ``is_required``, else text or calls; several calls
-        only when ``is_parallel``."""
+        only when ``is_parallel``. With no functions (``tool_choice: none``): text that holds
+        no call's markup."""
 
     @abstractmethod
     def stream(self) -> ToolCallStream:

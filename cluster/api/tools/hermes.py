@@ -188,6 +188,10 @@ class HermesFormat(ToolFormat):
         body = lark_json(calls[0] if len(calls) == 1 else {"anyOf": calls})
         more = ' ("\\n" call)*' if is_parallel else ""
         rules = ["%llguidance {}"]
+        if not functions:  # tool_choice none: any text but a call's tag
+            rules.append("start: TEXT")
+            rules.append(r"TEXT: /(.|\n)+/ & ~/(.|\n)*<tool_call>(.|\n)*/")
+            return "\n".join(rules) + "\n"
         if is_required:
             rules.append(f"start: call{more}")
         else:  # free text, or text (maybe none) ending in the first call's tag, then calls

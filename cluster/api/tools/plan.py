@@ -5,7 +5,7 @@ or a 400 naming the bad field (OpenAI's ``tools[0].function.parameters`` style).
 ``constraint`` makes every call valid by construction:
 
     tool_choice   grammar of the output                           calls parsed
-    none          none (tools are still shown to the model)       no
+    none          text without call markup (tools still shown)    no
     auto          free text, or text then calls                   yes
     required      one call or more                                yes
     named         one call of that function                       yes
@@ -48,7 +48,7 @@ class ToolPlan:
     @property
     def parses_calls(self) -> bool:
         """Whether outputs are split into content and tool calls."""
-        return self.constraint is not None
+        return self.constraint is not None and self.choice != "none"
 
 
 def plan_tools(
@@ -78,8 +78,12 @@ def plan_tools(
         )
     fmt = tool_format(format_name)
     constraint = None
-    if choice != "none" and constrained_by is None:
-        called = [(n, p) for n, p in functions if choice != "function" or n == function_name]
+    if constrained_by is None:  # none: text that holds no call's markup
+        called = [
+            (n, p)
+            for n, p in functions
+            if choice != "none" and (choice != "function" or n == function_name)
+        ]
         # A named function is called once, as OpenAI and vLLM do: a small model left free to
         # go on would repeat the call until max_tokens.
         is_parallel = body.parallel_tool_calls and choice != "function"

@@ -317,6 +317,15 @@ def test_auto_grammar_allows_text_or_calls(compiler):
     assert not accepts(compiler, single, f"{CALL_WEATHER}\n{CALL_TIME}")
 
 
+def test_none_grammar_allows_text_without_call_markup(compiler):
+    grammar = HERMES.grammar([], is_required=False, is_parallel=True)
+    assert accepts(compiler, grammar, "The weather is fine <tool_c, no call.")
+    assert accepts(compiler, grammar, "<tool_response> is a tag, and so is </tool_call>.")
+    assert not accepts(compiler, grammar, CALL_WEATHER)
+    assert not accepts(compiler, grammar, f"Text first {CALL_WEATHER}")
+    assert not accepts(compiler, grammar, "I'll write <tool_call> anyway")
+
+
 # ---- the renderer ----------------------------------------------------------------------------
 
 

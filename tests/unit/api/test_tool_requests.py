@@ -8,9 +8,13 @@ import pytest
 from fastapi.testclient import TestClient
 
 from cluster.api import create_app
+from cluster.api.protocol import ChatCompletionRequest
+from cluster.api.tools import plan_tools
 from cluster.backend import LocalBackend
 from replicas.config import EngineConfig
 from replicas.engine import Engine
+from replicas.model.tokenizer import ByteTokenizer
+from replicas.structured_output import GrammarCompiler
 from tests.unit.api.conftest import assert_engine_clean
 
 PING = {"type": "function", "function": {"name": "ping", "description": "Checks the line."}}
@@ -160,3 +164,28 @@ def test_a_tool_conversation_renders_and_is_answered(client):
     )
     # The tools block, the call written as text and the result make the prompt longer.
     assert data["usage"]["prompt_tokens"] > len(prompt) + 300
+
+
+@pytest.mark.parametrize(
+    ("choice", "parses"), [("none", False), ("auto", True), ("required", True)]
+)
+def test_every_tool_choice_constrains_the_output_and_none_parses_no_calls(choice, parses):
+    compiler = GrammarCompiler(ByteTokenizer(), ByteTokenizer().vocab_size)
+    body = ChatCompletionRequest.model_validate(
+        {"messages": MESSAGES, "tools": [PING, WEATHER], "tool_choice": choice}
+    )
+    plan = plan_tools(body, lambda: compiler)
+    assert plan.parses_calls is parses
+    matcher = compiler.matcher(plan.constraint)
+    # The call's tag is never allowed under none, always reachable under the others.
+    for token in b"Sure. ":
+        if choice == "required":
+            break
+        matcher.accept(token)
+    allowed = True
+    try:
+        for token in b"<tool_call>":
+            matcher.accept(token)
+    except ValueError:
+        allowed = False
+    assert allowed is (choice != "none")
