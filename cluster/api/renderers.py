@@ -44,25 +44,20 @@ from replicas.outputs import RequestOutput, TokenLogprob
 def usage_of(outputs: Sequence[RequestOutput], num_choices_per_prompt: int = 1) -> Usage:
     """Usage of a request: each prompt counted once (its choices share it), every choice's
     output; cached tokens as the prompt's first sequence found them."""
-    prompts = outputs[::num_choices_per_prompt]
-    num_prompt = sum(len(o.prompt_token_ids) for o in prompts)
-    num_completion = sum(len(o.token_ids) for o in outputs)
-    return Usage(
-        prompt_tokens=num_prompt,
-        completion_tokens=num_completion,
-        total_tokens=num_prompt + num_completion,
-        prompt_tokens_details=PromptTokensDetails(
-            cached_tokens=sum(o.num_cached_tokens for o in prompts)
-        ),
-    )
+    return _usage(outputs[::num_choices_per_prompt], outputs)
 
 
 def running_usage(latest: dict[int, RequestOutput], num_choices_per_prompt: int = 1) -> Usage:
     """Usage so far of a streamed request, from each choice's latest output (choice ``i`` of
     prompt ``p`` at index ``p * n + i``): vLLM's ``continuous_usage_stats``."""
     prompts = [o for index, o in latest.items() if index % num_choices_per_prompt == 0]
+    return _usage(prompts, list(latest.values()))
+
+
+def _usage(prompts: Sequence[RequestOutput], outputs: Sequence[RequestOutput]) -> Usage:
+    """``prompts``: one output of each prompt (its first choice's)."""
     num_prompt = sum(len(o.prompt_token_ids) for o in prompts)
-    num_completion = sum(len(o.token_ids) for o in latest.values())
+    num_completion = sum(len(o.token_ids) for o in outputs)
     return Usage(
         prompt_tokens=num_prompt,
         completion_tokens=num_completion,
