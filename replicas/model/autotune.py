@@ -23,6 +23,12 @@ The candidates: both dtypes (``CANDIDATE_DTYPES``) where ``dtype`` is ``auto``; 
 unasked, and on CUDA, where there are no packed kernels, neither is a quantized one). An
 explicit ``dtype`` or ``quantization`` fixes that half of the choice.
 
+A measurement taken while another process competed for the CPU is a guess about a quieter
+machine: while the candidates are timed, ``CPUShare`` compares this process's CPU time with the
+wall time its threads had. Below ``MIN_CPU_SHARE`` (another process took the cores: measured on
+a 2-core EPYC, 0.99 alone and 0.49 beside two busy loops) the choice serves this start only, is
+logged as measured on a busy machine, and is not cached, so the next start measures again.
+
 The choice is kept in a small JSON file per machine (``cache_path``), keyed by the CPU's model
 name and flags, torch's version and CPU capability, the thread count, the device, the model's
 files and the candidates, so a restart does not measure again; ``STRATA_AUTOTUNE_CACHE`` names
@@ -58,6 +64,8 @@ OUTPUT_TOKENS = 128
 PREFILL_TOKENS = 64
 DECODE_CONTEXT_TOKENS = 64
 REPEATS = 3
+MIN_CPU_SHARE = 0.8
+"""Below this share of its threads' wall time on a CPU, a measurement is not cached."""
 CACHE_ENV = "STRATA_AUTOTUNE_CACHE"
 _BLOCK_SIZE = 16
 
@@ -82,8 +90,9 @@ class Timing(NamedTuple):
 
 
 class Choice(NamedTuple):
-    """What ``auto`` resolved to, and why: ``source`` is ``measured``, ``cached`` (measured by
-    an earlier start on this machine) or ``fixed`` (nothing to choose)."""
+    """What ``auto`` resolved to, and why: ``source`` is ``measured``, ``measured on a busy
+    machine`` (not cached), ``cached`` (measured by an earlier start on this machine) or
+    ``fixed`` (nothing to choose)."""
 
     candidate: Candidate
     timings: tuple[Timing, ...]
@@ -170,6 +179,19 @@ def time_model(
     return prefill, fastest(DECODE_CONTEXT_TOKENS, DECODE_CONTEXT_TOKENS + 1)
 
 
+class CPUShare:
+    """From its creation on: the CPU time this process used, as a share of the wall time its
+    ``torch.get_num_threads()`` threads had (1: nothing else ran on their cores)."""
+
+    def __init__(self) -> None:
+        self._wall = time.perf_counter()
+        self._cpu = time.process_time()
+
+    def fraction(self) -> float:
+        wall = (time.perf_counter() - self._wall) * torch.get_num_threads()
+        return (time.process_time() - self._cpu) / wall if wall > 0 else 1.0
+
+
 def tune(
     options: Sequence[Candidate],
     build: Callable[[Candidate], Transformer],
@@ -179,7 +201,7 @@ def tune(
 ) -> Choice:
     """The choice among ``options``: from ``cache_file`` under ``key`` when an earlier start
     measured it, else by timing the model ``build`` makes of each (built and dropped one at a
-    time) and stored there."""
+    time) and stored there, unless the machine was busy meanwhile (``CPUShare``)."""
     if len(options) == 1:
         return Choice(options[0], (), "fixed")
     cached = _read_cache(cache_file).get(key) if cache_file else None
@@ -187,10 +209,20 @@ def tune(
         with contextlib.suppress(KeyError, TypeError, ValueError):
             return _choice_from_json(cached, options)
     timings = []
+    share = CPUShare()
     for candidate in options:
         model = build(candidate)
         timings.append(Timing(candidate, *time_model(model, torch_dtype(candidate.dtype), timer)))
         del model
+    fraction = share.fraction()
+    if fraction < MIN_CPU_SHARE:
+        logger.warning(
+            "auto: this process had %.0f%% of its threads' CPU time while timing the "
+            "candidates (another process was busy); the choice serves this start only and is "
+            "measured again at the next",
+            100 * fraction,
+        )
+        return Choice(choose(timings), tuple(timings), "measured on a busy machine")
     choice = Choice(choose(timings), tuple(timings), "measured")
     if cache_file is not None:
         _write_cache(cache_file, key, choice)

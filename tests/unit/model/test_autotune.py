@@ -3,6 +3,7 @@ timer), the per-machine cache, and a real quantized file loaded with ``auto``.""
 
 import itertools
 import json
+import time
 
 import pytest
 import torch
@@ -12,6 +13,22 @@ from replicas.model.autotune import Candidate, Timing, choose, tune
 
 F32_NONE, F32_INT4 = Candidate("float32", "none"), Candidate("float32", "int4")
 BF16_NONE, BF16_INT4 = Candidate("bfloat16", "none"), Candidate("bfloat16", "int4")
+
+
+class FixedShare:
+    """A ``CPUShare`` that reports ``fraction``: the stub-clock tests must not depend on what
+    else the test machine runs."""
+
+    fraction_value = 1.0
+
+    def fraction(self) -> float:
+        return self.fraction_value
+
+
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch):
+    monkeypatch.setattr(autotune, "CPUShare", FixedShare)
+    monkeypatch.setattr(FixedShare, "fraction_value", 1.0)
 
 
 def timing(candidate: Candidate, prefill_ms: float, decode_ms: float) -> Timing:
@@ -138,6 +155,43 @@ def test_a_restart_takes_the_cached_choice_and_a_new_key_measures_again(tmp_path
     path.write_text("{not json")
     clock = StubClock({F32_NONE: 0.003, BF16_NONE: 0.008})
     assert tune(options, tiny_builder(clock), "machine-a", path, timer=clock).source == "measured"
+
+
+def test_a_measurement_on_a_busy_machine_serves_one_start_and_is_not_cached(
+    tmp_path, monkeypatch, caplog
+):
+    options = [F32_NONE, BF16_NONE]
+    path = tmp_path / "choices.json"
+    monkeypatch.setattr(FixedShare, "fraction_value", 0.45)
+    clock = StubClock({F32_NONE: 0.003, BF16_NONE: 0.008})
+    with caplog.at_level("WARNING", logger="replicas.model.autotune"):
+        busy = tune(options, tiny_builder(clock), "machine-a", path, timer=clock)
+    assert busy.source == "measured on a busy machine" and busy.candidate == F32_NONE
+    assert not path.exists()  # nothing cached: the next start measures again
+    assert "45% of its threads' CPU time" in caplog.text
+    monkeypatch.setattr(FixedShare, "fraction_value", 0.95)
+    clock = StubClock({F32_NONE: 0.003, BF16_NONE: 0.008})
+    quiet = tune(options, tiny_builder(clock), "machine-a", path, timer=clock)
+    assert quiet.source == "measured" and set(json.loads(path.read_text())) == {"machine-a"}
+
+
+def test_cpu_share_tells_a_busy_thread_from_one_that_waits(monkeypatch):
+    monkeypatch.undo()  # the real CPUShare
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        share = autotune.CPUShare()
+        end = time.process_time() + 0.2
+        while time.process_time() < end:
+            pass
+        working = share.fraction()
+        share = autotune.CPUShare()
+        time.sleep(0.2)
+        waiting = share.fraction()
+    finally:
+        torch.set_num_threads(threads)
+    assert working > 0.5  # the core was this thread's most of the time (a busy CI may share it)
+    assert waiting < 0.2
 
 
 def test_the_cache_key_follows_the_threads_and_the_model_files(tmp_path):
