@@ -2,7 +2,7 @@
 
 With the real tokenizer of the default model (SmolLM2-135M-Instruct, read from its packaged GGUF
 file) and a token mask as wide as the model's logits, for xgrammar, llguidance, outlines-core and
-``strata`` (``replicas.structured_output``: llguidance behind Strata's own calls, whose per-token
+``strata`` (``replicas.engine.structured_output``: llguidance behind Strata's own calls, whose per-token
 cost also covers writing the mask into a float32 logits row, ``apply_mask``'s whole work):
 
 * setup: building the library's view of the tokenizer (once per model);
@@ -355,19 +355,19 @@ class OutlinesCore(Adapter):
 
 
 class Strata(Adapter):
-    """``replicas.structured_output`` (llguidance): its compiler and matcher; ``fill`` is
+    """``replicas.engine.structured_output`` (llguidance): its compiler and matcher; ``fill`` is
     ``apply_mask`` on a float32 logits row, with the matcher's bitmask being the walk's."""
 
     name = "strata"
 
     def setup(self, tokenizer: Any, width: int) -> None:
-        from replicas.structured_output import GrammarCompiler
+        from replicas.engine.structured_output import GrammarCompiler
 
         self.compiler = GrammarCompiler(tokenizer, width)
         self.row = torch.randn(width, generator=torch.Generator().manual_seed(0))
 
     def compile(self, kind: str, spec: Any) -> Any:
-        from replicas.structured_output import StructuredOutputs
+        from replicas.engine.structured_output import StructuredOutputs
 
         if kind == "json":
             spec = StructuredOutputs(json=json.dumps(spec))

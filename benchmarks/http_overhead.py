@@ -51,8 +51,8 @@ from benchmarks.report import Report, fmt, new_figure
 from benchmarks.workload import median, rotated
 from cluster import LLM, SamplingParams
 from cluster.config import ClusterConfig, ModelConfig
-from replicas.async_engine import AsyncEngine
-from replicas.engine import Engine, StepTimes
+from replicas.engine.async_engine import AsyncEngine
+from replicas.engine.engine import Engine, StepTimes
 
 NAME = "http-overhead"
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,8 +21,8 @@ import torch
 
 from benchmarks.report import Report, new_figure
 from benchmarks.workload import BLOCK_SIZE, median, rotated
-from replicas.kv_cache_types import BlockCopy, TransferPlan
-from replicas.kv_transfer import KVTransfer
+from replicas.kv.records import BlockCopy, TransferPlan
+from replicas.kv.transfer import KVTransfer
 from replicas.model import load_model
 
 NAME = "transfer"

@@ -13,7 +13,7 @@ from typing import TypeVar
 import numpy as np
 
 from cluster import LLM, KVOffloadConfig, PrefixCacheConfig, SamplingParams, SchedulerConfig
-from replicas.kv_capacity import kv_cache_specs
+from replicas.kv.capacity import kv_cache_specs
 from replicas.model import ByteTokenizer, load_model_info
 from replicas.outputs import RequestOutput
 

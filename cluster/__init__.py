@@ -4,7 +4,7 @@ from cluster.llm import LLM
 from replicas.config import KVOffloadConfig, PrefixCacheConfig, SchedulerConfig
 from replicas.outputs import RequestOutput, TokenLogprob
 from replicas.sampling_params import SamplingParams
-from replicas.structured_output import StructuredOutputs
+from replicas.engine.structured_output import StructuredOutputs
 
 __all__ = [
     "LLM",

@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from replicas.async_engine import AsyncEngine, EngineDeadError
-from replicas.async_engine import OverloadedError as OverloadedError  # HTTP 429
+from replicas.engine.async_engine import AsyncEngine, EngineDeadError
+from replicas.engine.async_engine import OverloadedError as OverloadedError  # HTTP 429
 from replicas.cache_hints import CacheHints
-from replicas.engine import Engine, EngineStats
+from replicas.engine.engine import Engine, EngineStats
 from replicas.model import Tokenizer
 from replicas.outputs import RequestOutput
 from replicas.sampling_params import SamplingParams

@@ -11,7 +11,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from replicas.config import EngineConfig, ReplicaModelConfig, SchedulerConfig
-from replicas.kv_capacity import kv_cache_specs, plan_replica_offload
+from replicas.kv.capacity import kv_cache_specs, plan_replica_offload
 from replicas.model import load_model_info
 from router.config import RoutingConfig
 

@@ -33,12 +33,12 @@ from cluster.placement import init_ray, is_embedded, place_replicas
 from cluster.replica_link import ReplicaLink, StreamLostError
 from cluster.router_calls import RouterCalls
 from replicas.actor import ReplicaActor, ReplicaUnavailableError
-from replicas.async_engine import EngineDeadError
+from replicas.engine.async_engine import EngineDeadError
 from replicas.cache_hints import CacheHints
 from replicas.config import EngineConfig
-from replicas.hashing import BlockHash, block_hashes
-from replicas.host_memory import check_host_capacity
-from replicas.kv_capacity import deployment_host_bytes
+from replicas.kv.hashing import BlockHash, block_hashes
+from replicas.kv.host_memory import check_host_capacity
+from replicas.kv.capacity import deployment_host_bytes
 from replicas.model import ModelArgs, load_model_info
 from replicas.outputs import RequestOutput
 from replicas.prompt import check_prompt_length

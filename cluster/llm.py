@@ -20,7 +20,7 @@ from cluster.backend import LocalBackend, ReplicaFailedError, ReplicaStats
 from cluster.choices import generate_choices
 from cluster.config import ClusterConfig, ModelConfig
 from replicas.config import SchedulerConfig
-from replicas.engine import Engine, EngineStats, sum_stats
+from replicas.engine.engine import Engine, EngineStats, sum_stats
 from replicas.model.resolve import DEFAULT_MODEL
 from replicas.outputs import RequestOutput
 from replicas.sampling_params import SamplingParams

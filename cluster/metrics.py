@@ -30,10 +30,10 @@ from prometheus_client.core import (
 )
 
 from cluster.backend import ClusterStats, FrontStats, ReplicaStats
-from replicas.engine import EngineStats
-from replicas.kv_cache_types import CacheTypeStats
-from replicas.kv_events import Tier
-from replicas.kv_retention import estimated_hit_rates
+from replicas.engine.engine import EngineStats
+from replicas.kv.records import CacheTypeStats
+from replicas.kv.events import Tier
+from replicas.kv.retention import estimated_hit_rates
 from replicas.outputs import RequestOutput
 from router.stats import MATCHED_FRACTION_BUCKETS, RouterStats
 

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
-from replicas.hashing import BlockHash
+from replicas.kv.hashing import BlockHash
 from router.policies import RouteDecision
 
 

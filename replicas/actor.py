@@ -22,12 +22,12 @@ from typing import Any
 import ray
 import torch
 
-from replicas.async_engine import AsyncEngine
+from replicas.engine.async_engine import AsyncEngine
 from replicas.cache_hints import CacheHints
 from replicas.calibration import StepCosts, measure_step_costs
 from replicas.config import EngineConfig
-from replicas.engine import Engine, EngineStats
-from replicas.kv_events import KVEventBatch, KVSnapshot
+from replicas.engine.engine import Engine, EngineStats
+from replicas.kv.events import KVEventBatch, KVSnapshot
 from replicas.outputs import OutputDelta, RequestOutput
 from replicas.sampling_params import SamplingParams
 

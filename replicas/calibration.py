@@ -34,7 +34,7 @@ import torch
 from replicas.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from replicas.engine import Engine
+    from replicas.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from replicas.structured_output import StructuredOutputs
+    from replicas.engine.structured_output import StructuredOutputs
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MIN_TOP_P = 1e-6  # smaller values keep only the likeliest token anyway; they underflow float32
@@ -39,7 +39,7 @@ class SamplingParams:
     request, and ``cluster.choices`` fans a request out into its choices.
 
     ``structured_outputs`` constrains the output to a JSON schema, any JSON object, a regular
-    expression or one of several strings (``replicas.structured_output``).
+    expression or one of several strings (``replicas.engine.structured_output``).
     """
 
     max_tokens: int = 16
@@ -117,7 +117,7 @@ class SamplingParams:
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
             )
         if self.structured_outputs is not None:
-            from replicas.structured_output import StructuredOutputs
+            from replicas.engine.structured_output import StructuredOutputs
 
             if not isinstance(self.structured_outputs, StructuredOutputs):
                 raise ValueError("structured_outputs must be a StructuredOutputs")

@@ -16,8 +16,8 @@ from collections.abc import Collection, Sequence
 import ray
 
 from replicas.calibration import StepCosts, median_costs
-from replicas.hashing import BlockHash
-from replicas.kv_events import KVEventBatch
+from replicas.kv.hashing import BlockHash
+from replicas.kv.events import KVEventBatch
 from router.config import RoutingConfig, TTFTCosts
 from router.policies import RouteDecision
 from router.router import NoLiveReplicaError, Router

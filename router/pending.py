@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from itertools import islice
 from typing import NamedTuple
 
-from replicas.hashing import BlockHash
+from replicas.kv.hashing import BlockHash
 
 MAX_COMPARED = 64
 """Pending prompts compared per look-up, newest first: when a hot prefix has thousands of requests

@@ -1,7 +1,7 @@
 """The router's virtual prefix index: which replica holds which block, in which tier.
 
-Fed only by the replicas' KV events and snapshots (``replicas.kv_events``); it never sees a
-replica's blocks, only their hashes. Because block hashes chain (``replicas.hashing``), a prompt's
+Fed only by the replicas' KV events and snapshots (``replicas.kv.events``); it never sees a
+replica's blocks, only their hashes. Because block hashes chain (``replicas.kv.hashing``), a prompt's
 cached prefix on a replica is the leading run of its block hashes that the replica holds.
 """
 
@@ -11,8 +11,8 @@ from collections.abc import Iterable, Sequence
 from itertools import repeat, takewhile
 from typing import NamedTuple
 
-from replicas.hashing import BlockHash
-from replicas.kv_events import FULL, KVEventBatch, KVEventKind, KVSnapshot, Tier
+from replicas.kv.hashing import BlockHash
+from replicas.kv.events import FULL, KVEventBatch, KVEventKind, KVSnapshot, Tier
 
 _LANE_BITS = 8
 """Replicas per lane: ``match`` scans one byte per block and lane with C-level bytes methods."""

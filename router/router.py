@@ -4,8 +4,8 @@
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from replicas.hashing import BlockHash
-from replicas.kv_events import SLIDING, KVEventBatch, KVSnapshot, safe_prefix_length
+from replicas.kv.hashing import BlockHash
+from replicas.kv.events import SLIDING, KVEventBatch, KVSnapshot, safe_prefix_length
 from router.affinity import KeyAffinity
 from router.config import RoutingConfig, TTFTCosts
 from router.disk_index import NodeDiskIndex

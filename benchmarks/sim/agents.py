@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from benchmarks.sim.engine import SimulatedEngine, StepReport
-from replicas.request import Request
+from replicas.engine.request import Request
 from router.config import RoutingConfig
 from router.router import Router
 

@@ -13,8 +13,8 @@ keeps no shadow host tiers (they would follow the adaptive rule), so a run has n
 import bisect
 from collections.abc import Callable, Iterable
 
-from replicas.hashing import BlockHash
-from replicas.kv_retention import RetentionTracker
+from replicas.kv.hashing import BlockHash
+from replicas.kv.retention import RetentionTracker
 
 Arrivals = dict[BlockHash, list[float]]
 """Block hash -> the sorted arrival times of the requests whose prompts hold it."""

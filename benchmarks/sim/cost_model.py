@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import NamedTuple
 
-from replicas.kv_cache_manager import TransferPlan
-from replicas.scheduler import ScheduledRequest
+from replicas.kv.manager import TransferPlan
+from replicas.engine.scheduler import ScheduledRequest
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 

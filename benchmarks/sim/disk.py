@@ -1,4 +1,4 @@
-"""The simulator's disk tier: ``replicas.kv_disk.DiskStore`` without files.
+"""The simulator's disk tier: ``replicas.kv.disk.DiskStore`` without files.
 
 One ``NodeDisk`` stands for the local disk of the node every simulated replica runs on; each
 replica writes through its own ``DiskView`` into its own LRU share of slots (a slab), and reads
@@ -10,7 +10,7 @@ is the hardware profile's disk latency plus bytes over its disk bandwidth
 from collections import OrderedDict
 from typing import NamedTuple
 
-from replicas.hashing import BlockHash
+from replicas.kv.hashing import BlockHash
 
 
 class SimDiskStats(NamedTuple):

@@ -1,4 +1,4 @@
-"""One simulated replica: the real ``replicas.engine_core.EngineCore`` with a cost model for
+"""One simulated replica: the real ``replicas.engine.core.EngineCore`` with a cost model for
 an executor and transfers that land at once.
 
 A step is split where simulated time passes::
@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 
 from benchmarks.sim.cost_model import CostModel, StepTiming
 from replicas.config import SchedulerConfig
-from replicas.engine_core import EngineCore, StepInFlight, StepResult
-from replicas.kv_cache_manager import KVCacheManager
-from replicas.kv_cache_types import DiskCopy, TransferPlan
-from replicas.kv_events import KVEventBatch
-from replicas.request import Request
-from replicas.scheduler import SchedulerOutput
+from replicas.engine.core import EngineCore, StepInFlight, StepResult
+from replicas.kv.manager import KVCacheManager
+from replicas.kv.records import DiskCopy, TransferPlan
+from replicas.kv.events import KVEventBatch
+from replicas.engine.request import Request
+from replicas.engine.scheduler import SchedulerOutput
 
 OUTPUT_TOKEN_ID = 0
 """The token every simulated output is (the real engine's outputs are the model's argmax)."""

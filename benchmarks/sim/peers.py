@@ -16,7 +16,7 @@ from collections import Counter
 from benchmarks.sim.agents import ClusterView, PeerAgent
 from benchmarks.sim.engine import StepReport
 from benchmarks.sim.prefix_tree import ApproxPrefixTree, make_tenant_tree
-from replicas.request import Request
+from replicas.engine.request import Request
 from router.prefix_index import PrefixIndex
 
 CHARS_PER_TOKEN = 4

@@ -7,7 +7,7 @@ random 16-byte hashes; each timed prompt follows one stored chain for half its b
 leaves it, so the index scans a real match on one replica and misses on the others. Decisions
 are released right after (no load build-up); the points take turns in 5 rounds. Target:
 p50 <= 100 us for an 8k-token prompt with 1M indexed blocks at dp 8. Hashing the prompt
-(``replicas.hashing``) is timed for reference.
+(``replicas.kv.hashing``) is timed for reference.
 """
 
 import random
@@ -18,8 +18,8 @@ from pathlib import Path
 
 from benchmarks.report import Report, new_figure
 from benchmarks.workload import percentile
-from replicas.hashing import block_hashes
-from replicas.kv_events import KVEvent, KVEventBatch
+from replicas.kv.hashing import block_hashes
+from replicas.kv.events import KVEvent, KVEventBatch
 from router.config import RoutingConfig
 from router.router import Router
 

@@ -28,7 +28,7 @@ from benchmarks.sim.simulator import SimConfig, Simulator
 from benchmarks.sim.trace import TraceRequest, expand, load_trace
 from benchmarks.workload import median
 from cluster import LLM, KVOffloadConfig, SamplingParams, SchedulerConfig
-from replicas.kv_events import KVEventBatch
+from replicas.kv.events import KVEventBatch
 from replicas.model.builtin import BUILTIN_MODEL_ARGS
 from router.config import RoutingConfig
 from router.router import Router
@@ -101,7 +101,7 @@ def run_real(
 
 
 def _hashes(llm: LLM, prompt: list[int]) -> list[bytes]:
-    from replicas.hashing import block_hashes  # the app computes them once per request
+    from replicas.kv.hashing import block_hashes  # the app computes them once per request
 
     return block_hashes(prompt, BLOCK_SIZE)
 

@@ -2,7 +2,7 @@
 
 Events, in time order (ties in the order they were scheduled)::
 
-    arrival(i)      build the Request (its block hashes come from replicas.hashing), sample
+    arrival(i)      build the Request (its block hashes come from replicas.kv.hashing), sample
                     the load imbalance, route it, queue it on the replica; start a step there
                     if the replica is idle
     step_end(r)     SimulatedEngine.end_step: tokens, completions, KV events; the report
@@ -44,18 +44,18 @@ from benchmarks.sim.peers import PEERS
 from benchmarks.sim.trace import TraceRequest
 from replicas.cache_hints import CacheHints
 from replicas.config import EngineConfig, KVOffloadConfig, SchedulerConfig
-from replicas.hashing import block_hashes
-from replicas.kv_cache_manager import KVCacheManager
-from replicas.kv_cache_types import CacheStats, CacheTypeSpec
-from replicas.kv_capacity import (
+from replicas.kv.hashing import block_hashes
+from replicas.kv.manager import KVCacheManager
+from replicas.kv.records import CacheStats, CacheTypeSpec
+from replicas.kv.capacity import (
     host_blocks_per_replica,
     plan_host_blocks,
     plan_npu_blocks,
     replica_host_bytes,
 )
-from replicas.kv_retention import BlockCosts
+from replicas.kv.retention import BlockCosts
 from replicas.model import KVCacheSpec
-from replicas.request import Request
+from replicas.engine.request import Request
 from replicas.sampling_params import SamplingParams
 from router.config import RoutingConfig, TTFTCosts
 
@@ -225,7 +225,7 @@ class Simulator:
 
     def _plan_cache_types(self) -> list[CacheTypeSpec]:
         """One global cache type; a hybrid model adds a sliding one, its NPU blocks planned by
-        the engine's rule (``replicas.kv_capacity``) from the global type's count, and each
+        the engine's rule (``replicas.kv.capacity``) from the global type's count, and each
         type's host blocks by the engine's rule too, its block bytes the fraction of the KV
         held by its layers."""
         c = self.config

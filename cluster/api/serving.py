@@ -46,7 +46,7 @@ from replicas.cache_hints import CacheHints
 from replicas.outputs import RequestOutput
 from replicas.prompt import check_prompt_length
 from replicas.sampling_params import SamplingParams
-from replicas.structured_output import GrammarCompiler, StructuredOutputs
+from replicas.engine.structured_output import GrammarCompiler, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster.api import create_app
 from cluster.backend import LocalBackend
 from replicas.config import EngineConfig
-from replicas.engine import Engine
+from replicas.engine.engine import Engine
 
 MODEL = "tiny"
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}

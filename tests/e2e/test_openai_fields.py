@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from cluster.api.cache_breakpoints import breakpoint_tokens
-from replicas.engine import Engine
+from replicas.engine.engine import Engine
 from replicas.model.resolve import DEFAULT_MODEL, packaged_model_path
 from tests.e2e.test_http_local import Server, default_model_server
 from tests.unit.sampling.conftest import reference_scores

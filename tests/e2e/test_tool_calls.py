@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from replicas.config import EngineConfig
-from replicas.engine import Engine
+from replicas.engine.engine import Engine
 from replicas.model.resolve import DEFAULT_MODEL, packaged_model_path
 from tests.e2e.test_http_local import Server
 

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from replicas.kv_cache_types import BlockCopy, TransferPlan
-from replicas.kv_transfer import KVTransfer
+from replicas.kv.records import BlockCopy, TransferPlan
+from replicas.kv.transfer import KVTransfer
 from tests.gpu.devices import CUDA_ONLY, DEVICES, HAS_CUDA, synchronize
 
 CACHE_TYPES = {"full": (64, 96), "sliding": (32, 48)}  # NPU blocks, host blocks

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cluster import LLM, KVOffloadConfig, PrefixCacheConfig, SamplingParams, SchedulerConfig
-from replicas.hashing import block_hashes
+from replicas.kv.hashing import block_hashes
 from tests.gpu.devices import DEVICES, SLOW_ON_CPU
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)

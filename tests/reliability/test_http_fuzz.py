@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster.api import create_app
 from cluster.backend import LocalBackend
 from replicas.config import EngineConfig
-from replicas.engine import Engine
+from replicas.engine.engine import Engine
 from tests.reliability.conftest import assert_openai_error
 
 MAX_TOKENS_LIMIT = 8

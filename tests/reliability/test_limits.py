@@ -14,7 +14,7 @@ from cluster.backend import LocalBackend
 from cluster.config import ClusterConfig
 from cluster.server import build_app
 from replicas.config import EngineConfig
-from replicas.engine import Engine
+from replicas.engine.engine import Engine
 from tests.reliability.conftest import ROOT, assert_openai_error
 
 

@@ -15,7 +15,7 @@ from cluster.api import create_app
 from cluster.backend import LocalBackend
 from cluster.config import ClusterConfig
 from replicas.config import EngineConfig, SchedulerConfig
-from replicas.engine import Engine
+from replicas.engine.engine import Engine
 from tests.reliability.conftest import (
     UvicornThread,
     figures,

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from cluster.api import create_app
 from cluster.backend import LocalBackend
 from replicas.config import EngineConfig
-from replicas.engine import Engine
-from replicas.hashing import block_hashes, hash_block
+from replicas.engine.engine import Engine
+from replicas.kv.hashing import block_hashes, hash_block
 from tests.reliability.conftest import UvicornThread
 
 BLOCK_SIZE = 16

@@ -1,6 +1,6 @@
 import pytest
 
-from replicas.block_pool import BlockPool
+from replicas.kv.block_pool import BlockPool
 
 
 def h(i: int) -> bytes:

@@ -5,7 +5,7 @@ import pytest
 
 from replicas.calibration import StepCosts, fit_step_costs, measure_step_costs, median_costs
 from replicas.config import EngineConfig, KVOffloadConfig, SchedulerConfig
-from replicas.engine import Engine
+from replicas.engine.engine import Engine
 from router.actor import measured_ttft_costs
 from router.config import RoutingConfig, TTFTCosts
 from router.policies import TTFTPolicy, make_policy

@@ -9,8 +9,8 @@ from pydantic import ValidationError
 from cluster.cli import build_config, build_parser, main
 from cluster.config import ClusterConfig
 from replicas.config import KVOffloadConfig
-from replicas.engine import Engine
-from replicas.kv_capacity import deployment_host_bytes, kv_cache_specs, plan_replica_offload
+from replicas.engine.engine import Engine
+from replicas.kv.capacity import deployment_host_bytes, kv_cache_specs, plan_replica_offload
 from replicas.model import load_model_info
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

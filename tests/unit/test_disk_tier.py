@@ -10,13 +10,14 @@ import pytest
 
 from cluster import KVOffloadConfig, PrefixCacheConfig, SamplingParams, SchedulerConfig
 from cluster.cli import build_config, build_parser
-from replicas import kv_cache_manager, kv_disk
+from replicas.kv import disk as kv_disk
+from replicas.kv import manager as kv_cache_manager
 from replicas.config import EngineConfig
-from replicas.engine import Engine
-from replicas.hashing import block_hashes
-from replicas.kv_cache_manager import reload_pays
-from replicas.kv_events import KVEventBatch, KVEventKind, Tier
-from replicas.kv_retention import BlockCosts
+from replicas.engine.engine import Engine
+from replicas.kv.hashing import block_hashes
+from replicas.kv.manager import reload_pays
+from replicas.kv.events import KVEventBatch, KVEventKind, Tier
+from replicas.kv.retention import BlockCosts
 from router.config import RoutingConfig
 from router.router import Router
 
@@ -208,7 +209,7 @@ def test_a_disk_that_fails_to_write_leaves_a_two_tier_cache(
         raise OSError(errno, message)
 
     monkeypatch.setattr(kv_disk.os, "pwrite", failing_disk)
-    with caplog.at_level(logging.WARNING, logger="replicas.kv_disk"):
+    with caplog.at_level(logging.WARNING, logger="replicas.kv.disk"):
         run(failing, seen, "a")
         failing.disk["full"].flush()
         output = run(failing, prompt, "b")
@@ -224,7 +225,7 @@ def test_a_disk_path_that_cannot_be_created_leaves_a_two_tier_cache(tmp_path, co
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     seen, prompt = prompt_pair(8)
-    with caplog.at_level(logging.WARNING, logger="replicas.kv_disk"):
+    with caplog.at_level(logging.WARNING, logger="replicas.kv.disk"):
         unusable = engine(blocker / "kv")
     assert not unusable.disk["full"].enabled
     run(unusable, seen, "a")

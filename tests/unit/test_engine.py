@@ -6,7 +6,7 @@ import random
 import pytest
 
 from cluster import LLM, PrefixCacheConfig, SamplingParams, SchedulerConfig
-from replicas.engine import sum_stats
+from replicas.engine.engine import sum_stats
 
 BS = 16
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)

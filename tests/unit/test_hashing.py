@@ -1,4 +1,4 @@
-from replicas.hashing import DIGEST_SIZE, block_hashes, extend_block_hashes, hash_block
+from replicas.kv.hashing import DIGEST_SIZE, block_hashes, extend_block_hashes, hash_block
 
 
 def test_only_full_blocks_are_hashed():

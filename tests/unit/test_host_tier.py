@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cluster import LLM, KVOffloadConfig, PrefixCacheConfig, SamplingParams, SchedulerConfig
-from replicas.engine import Engine
-from replicas.hashing import block_hashes
+from replicas.engine.engine import Engine
+from replicas.kv.hashing import block_hashes
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 

@@ -8,11 +8,11 @@ import torch
 
 from cluster import LLM, KVOffloadConfig, PrefixCacheConfig, SamplingParams, SchedulerConfig
 from replicas.config import EngineConfig
-from replicas.kv_cache_manager import KVCacheManager
-from replicas.kv_cache_types import CacheTypeSpec
-from replicas.kv_capacity import plan_host_blocks, plan_npu_blocks, plan_replica_offload
+from replicas.kv.manager import KVCacheManager
+from replicas.kv.records import CacheTypeSpec
+from replicas.kv.capacity import plan_host_blocks, plan_npu_blocks, plan_replica_offload
 from replicas.model import load_model
-from replicas.request import Request
+from replicas.engine.request import Request
 
 BS = 4
 WINDOW = 8  # a token at position p sees p-7 .. p: the window spans the last two blocks

@@ -4,10 +4,10 @@ import itertools
 
 import pytest
 
-from replicas.kv_cache_manager import KVCacheManager
-from replicas.kv_cache_types import CacheTypeUsage
-from replicas.kv_events import KVEventKind, KVSnapshot, Tier
-from replicas.request import Request
+from replicas.kv.manager import KVCacheManager
+from replicas.kv.records import CacheTypeUsage
+from replicas.kv.events import KVEventKind, KVSnapshot, Tier
+from replicas.engine.request import Request
 from replicas.sampling_params import SamplingParams
 
 BS = 4

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from replicas.config import TORCH_DTYPES, EngineConfig, torch_dtype
-from replicas.kv_capacity import host_blocks_per_replica, replica_host_bytes
+from replicas.kv.capacity import host_blocks_per_replica, replica_host_bytes
 from replicas.prompt import check_prompt_length
 
 

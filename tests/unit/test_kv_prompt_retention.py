@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from cluster.cli import build_config, build_parser, main
-from replicas.block_pool import BlockPool
+from replicas.kv.block_pool import BlockPool
 from replicas.cache_hints import CacheHints
 from replicas.config import KVOffloadConfig
-from replicas.kv_cache_manager import KVCacheManager
-from replicas.kv_disk import DiskStore
-from replicas.request import Request
+from replicas.kv.manager import KVCacheManager
+from replicas.kv.disk import DiskStore
+from replicas.engine.request import Request
 from replicas.sampling_params import SamplingParams
 
 BS = 4

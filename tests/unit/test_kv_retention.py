@@ -12,9 +12,9 @@ import random
 import pytest
 
 from replicas.config import EngineConfig, KVOffloadConfig, SchedulerConfig
-from replicas.engine import Engine
-from replicas.kv_cache_manager import KVCacheManager
-from replicas.kv_retention import (
+from replicas.engine.engine import Engine
+from replicas.kv.manager import KVCacheManager
+from replicas.kv.retention import (
     GHOST_FACTOR,
     HORIZON_FACTOR,
     OFF,
@@ -25,7 +25,7 @@ from replicas.kv_retention import (
     estimated_hit_rates,
     tuning_hint,
 )
-from replicas.request import Request
+from replicas.engine.request import Request
 from replicas.sampling_params import SamplingParams
 
 BS = 4
@@ -355,7 +355,7 @@ def test_the_engine_logs_its_hint_periodically(caplog):
     )
     engine = Engine(config)
     engine.tuning_hint_interval_s = 0.0
-    with caplog.at_level(logging.INFO, logger="replicas.engine"):
+    with caplog.at_level(logging.INFO, logger="replicas.engine.engine"):
         engine.add_request("a", list(range(40)), SamplingParams(max_tokens=2))
         while engine.has_unfinished_requests():
             engine.step()
@@ -399,9 +399,9 @@ def test_a_replica_process_sends_its_info_records_to_stderr():
 
     code = (
         "import logging; from replicas.actor import _log_to_the_driver; _log_to_the_driver(); "
-        "logging.getLogger('replicas.engine').info('host tier [full]: a hint')"
+        "logging.getLogger('replicas.engine.engine').info('host tier [full]: a hint')"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
-    assert "replicas.engine host tier [full]: a hint" in result.stderr
+    assert "replicas.engine.engine host tier [full]: a hint" in result.stderr

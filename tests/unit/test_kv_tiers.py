@@ -3,10 +3,10 @@ stats and snapshots agree with the named fields they read."""
 
 import pytest
 
-from replicas.block_pool import BlockPool
-from replicas.hashing import block_hashes
-from replicas.kv_cache_manager import KVCacheManager
-from replicas.kv_cache_types import (
+from replicas.kv.block_pool import BlockPool
+from replicas.kv.hashing import block_hashes
+from replicas.kv.manager import KVCacheManager
+from replicas.kv.records import (
     BlockCopy,
     CacheStats,
     CacheTypeMatch,
@@ -14,9 +14,9 @@ from replicas.kv_cache_types import (
     DiskCopy,
     TransferPlan,
 )
-from replicas.kv_events import KVSnapshot, Tier
-from replicas.kv_tiers import TierLevel, order_tiers
-from replicas.request import Request
+from replicas.kv.events import KVSnapshot, Tier
+from replicas.kv.tiers import TierLevel, order_tiers
+from replicas.engine.request import Request
 from replicas.sampling_params import SamplingParams
 
 

@@ -3,8 +3,8 @@ import random
 import torch
 
 from cluster import LLM, KVOffloadConfig, SamplingParams, SchedulerConfig
-from replicas.kv_cache_types import BlockCopy, TransferPlan
-from replicas.kv_transfer import KVTransfer
+from replicas.kv.records import BlockCopy, TransferPlan
+from replicas.kv.transfer import KVTransfer
 
 
 def test_batched_copies_move_exactly_the_planned_blocks_per_cache_type():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from replicas.ngram_proposer import NGRAM_MAX_LEN, NGRAM_MIN_LEN, NgramProposer
+from replicas.engine.ngram_proposer import NGRAM_MAX_LEN, NGRAM_MIN_LEN, NgramProposer
 
 
 def propose(token_ids: list[int], k: int = 4, max_tokens: int = 100) -> list[int]:

@@ -5,7 +5,7 @@ text as one stream per request."""
 import asyncio
 
 from replicas.actor import ReplicaActor
-from replicas.async_engine import OverloadedError
+from replicas.engine.async_engine import OverloadedError
 from replicas.config import EngineConfig
 from replicas.outputs import OutputAccumulator, OutputDelta
 from replicas.sampling_params import SamplingParams

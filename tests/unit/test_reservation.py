@@ -7,10 +7,10 @@ import pytest
 
 from benchmarks.sim.cost_model import CostModel, HardwareProfile
 from cluster import LLM, KVOffloadConfig, PrefixCacheConfig, SamplingParams, SchedulerConfig
-from replicas.kv_cache_manager import KVCacheManager
-from replicas.kv_cache_types import BlockCopy, TransferPlan
-from replicas.request import Request, RequestStatus
-from replicas.scheduler import Scheduler
+from replicas.kv.manager import KVCacheManager
+from replicas.kv.records import BlockCopy, TransferPlan
+from replicas.engine.request import Request, RequestStatus
+from replicas.engine.scheduler import Scheduler
 
 BS = 4
 P = list(range(100, 112))  # the prefix a waiting request will reuse: 3 blocks

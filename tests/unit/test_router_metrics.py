@@ -2,7 +2,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.metrics import router_metric_families
-from replicas.kv_events import KVEvent, KVEventBatch
+from replicas.kv.events import KVEvent, KVEventBatch
 from router import Router, RoutingConfig
 
 

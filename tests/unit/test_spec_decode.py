@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from cluster import LLM, KVOffloadConfig, PrefixCacheConfig, SamplingParams, SchedulerConfig
-from replicas.engine_core import EngineCore, StepResult
-from replicas.kv_cache_manager import KVCacheManager
-from replicas.request import Request
-from replicas.sampler import Sampler
-from replicas.scheduler import SchedulerOutput
+from replicas.engine.core import EngineCore, StepResult
+from replicas.kv.manager import KVCacheManager
+from replicas.engine.request import Request
+from replicas.engine.sampler import Sampler
+from replicas.engine.scheduler import SchedulerOutput
 
 BS = 4
 VOCAB = 64

@@ -14,7 +14,7 @@ import torch
 
 from replicas.model import ByteTokenizer, Tokenizer, load_model_info
 from replicas.model.resolve import DEFAULT_MODEL, packaged_model_path
-from replicas.structured_output import GrammarCompiler, StructuredOutputs
+from replicas.engine.structured_output import GrammarCompiler, StructuredOutputs
 from tests.gpu.devices import CUDA
 
 pytest.importorskip(
@@ -534,7 +534,7 @@ def test_byte_tokenizer():
 
 
 def test_compiled_grammars_are_cached_and_bounded(compiler, monkeypatch):
-    import replicas.structured_output as module
+    import replicas.engine.structured_output as module
 
     monkeypatch.setattr(module, "CACHE_SIZE", 2)
     specs = [StructuredOutputs(regex=f"a{{{n}}}") for n in range(1, 4)]
@@ -560,5 +560,5 @@ def test_unsupported_tokenizer_and_missing_library(tokenizer, monkeypatch):
 
 
 def test_importing_the_module_does_not_import_the_library():
-    code = "import sys, replicas.structured_output; assert 'llguidance' not in sys.modules"
+    code = "import sys, replicas.engine.structured_output; assert 'llguidance' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])

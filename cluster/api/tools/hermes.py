@@ -18,7 +18,7 @@ import re
 from typing import Any
 
 from cluster.api.tools.format import CallDelta, StreamPiece, ToolCallStream, ToolFormat, register
-from replicas.structured_output import lark_json
+from replicas.engine.structured_output import lark_json
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"

@@ -25,7 +25,7 @@ from typing import Any
 from cluster.api.errors import APIError
 from cluster.api.protocol import ChatCompletionRequest, ChatTool
 from cluster.api.tools.format import ToolFormat, tool_format
-from replicas.structured_output import GrammarCompiler, StructuredOutputs
+from replicas.engine.structured_output import GrammarCompiler, StructuredOutputs
 
 DEFAULT_FORMAT = "hermes"
 CHOICES = ("none", "auto", "required")

@@ -10,7 +10,7 @@ from cluster.api import create_app
 from cluster.backend import ClusterStats, LocalBackend, ReplicaStats
 from replicas.cache_hints import CacheHints
 from replicas.config import EngineConfig
-from replicas.engine import Engine
+from replicas.engine.engine import Engine
 from replicas.model.tokenizer import ByteTokenizer
 from replicas.outputs import RequestOutput
 from replicas.sampling_params import SamplingParams

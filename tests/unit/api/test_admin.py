@@ -7,7 +7,7 @@ from fastapi.testclient import TestClient
 from cluster.api import create_app
 from cluster.backend import LocalBackend
 from replicas.config import EngineConfig, KVOffloadConfig, SchedulerConfig
-from replicas.engine import Engine
+from replicas.engine.engine import Engine
 from tests.unit.api.test_errors import assert_error
 
 PATH = "/v1/admin/reset_prefix_cache"

@@ -6,10 +6,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster.api import create_app
 from cluster.backend import ClusterStats, ReplicaStats
 from cluster.metrics import StrataMetrics, router_metric_families
-from replicas.engine import EngineStats
-from replicas.engine_core import SpecDecodeStats
-from replicas.kv_cache_types import CacheStats, CacheTypeStats, CacheTypeUsage
-from replicas.kv_transfer import TransferStats
+from replicas.engine.engine import EngineStats
+from replicas.engine.core import SpecDecodeStats
+from replicas.kv.records import CacheStats, CacheTypeStats, CacheTypeUsage
+from replicas.kv.transfer import TransferStats
 from tests.unit.api.conftest import ScriptedBackend
 
 
@@ -121,7 +121,7 @@ def test_app_observes_request_latencies():
 
 
 def test_the_miss_ratio_curve_and_ghost_records_are_exported():
-    from replicas.kv_retention import RetentionStats, ShadowKey
+    from replicas.kv.retention import RetentionStats, ShadowKey
 
     stats = engine_stats(1)  # 100 prompt tokens
     stats.retention = {

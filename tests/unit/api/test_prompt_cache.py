@@ -11,8 +11,8 @@ from cluster.backend import LocalBackend
 from cluster.metrics import StrataMetrics
 from replicas.cache_hints import CacheHints
 from replicas.config import EngineConfig, KVOffloadConfig, SchedulerConfig
-from replicas.engine import Engine
-from replicas.hashing import block_hashes
+from replicas.engine.engine import Engine
+from replicas.kv.hashing import block_hashes
 
 SYSTEM = "You are a careful assistant. " * 4  # 116 characters
 

@@ -28,7 +28,7 @@ from cluster.api.responses.store import ResponseStoreConfig, StoredResponse
 from cluster.api.responses.translate import chat_body, continuation_ids, input_messages
 from cluster.backend import LocalBackend, ReplicaFailedError
 from replicas.config import EngineConfig
-from replicas.engine import Engine
+from replicas.engine.engine import Engine
 from replicas.model.tokenizer import ByteTokenizer
 from replicas.outputs import RequestOutput
 from tests.unit.api.conftest import BLOCK_SIZE, ScriptedBackend, assert_engine_clean

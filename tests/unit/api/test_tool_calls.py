@@ -12,7 +12,7 @@ from cluster.api.tools import ToolChatRenderer, messages_with_tools_as_text, too
 from cluster.api.tools.prompt import render_chat_prompt
 from replicas.model.tokenizer import ByteTokenizer, HFTokenizer
 from replicas.outputs import RequestOutput
-from replicas.structured_output import GrammarCompiler, StructuredOutputs, lark_json
+from replicas.engine.structured_output import GrammarCompiler, StructuredOutputs, lark_json
 
 HERMES = tool_format("hermes")
 WEATHER = {

@@ -12,9 +12,9 @@ from cluster.api.protocol import ChatCompletionRequest
 from cluster.api.tools import plan_tools
 from cluster.backend import LocalBackend
 from replicas.config import EngineConfig
-from replicas.engine import Engine
+from replicas.engine.engine import Engine
 from replicas.model.tokenizer import ByteTokenizer
-from replicas.structured_output import GrammarCompiler
+from replicas.engine.structured_output import GrammarCompiler
 from tests.unit.api.conftest import assert_engine_clean
 
 PING = {"type": "function", "function": {"name": "ping", "description": "Checks the line."}}

@@ -82,7 +82,7 @@ def engine_greedy(loaded, prompts: list[list[int]], **params) -> list[list[int]]
     """The output token ids of ``prompts`` run together through a CPU ``Engine`` on ``loaded``,
     greedy (``SamplingParams(temperature=0, **params)``)."""
     from replicas.config import EngineConfig
-    from replicas.engine import Engine
+    from replicas.engine.engine import Engine
     from replicas.sampling_params import SamplingParams
 
     config = EngineConfig(model=loaded.args.name, device="cpu", num_npu_blocks=64)

@@ -231,7 +231,7 @@ def test_a_quantized_file_loads_as_measured_and_the_engine_runs_it(monkeypatch, 
     timed (here by a stub timing per candidate), and the model and the engine run the one the
     rule picks."""
     from replicas.config import EngineConfig
-    from replicas.engine import Engine
+    from replicas.engine.engine import Engine
     from replicas.model.resolve import DEFAULT_MODEL, packaged_model_path
 
     try:

@@ -1,8 +1,8 @@
 """The router credits a node's disk blocks to every live replica on that node, after its
 NPU/host run, weighted below host hits; snapshots and restarts rebuild it."""
 
-from replicas.hashing import block_hashes
-from replicas.kv_events import KVEvent, KVEventBatch, KVEventKind, KVSnapshot, Tier
+from replicas.kv.hashing import block_hashes
+from replicas.kv.events import KVEvent, KVEventBatch, KVEventKind, KVSnapshot, Tier
 from router.config import RoutingConfig
 from router.router import Router
 

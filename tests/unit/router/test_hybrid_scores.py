@@ -3,10 +3,10 @@ router follows the sliding blocks too and applies the same rule (``safe_prefix_l
 
 import random
 
-from replicas.kv_cache_manager import KVCacheManager
-from replicas.kv_cache_types import CacheTypeSpec
-from replicas.kv_events import KVEventBatch, KVEventKind, Tier
-from replicas.request import Request
+from replicas.kv.manager import KVCacheManager
+from replicas.kv.records import CacheTypeSpec
+from replicas.kv.events import KVEventBatch, KVEventKind, Tier
+from replicas.engine.request import Request
 from replicas.sampling_params import SamplingParams
 from router.config import RoutingConfig
 from router.router import Router

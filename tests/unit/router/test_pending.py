@@ -2,8 +2,8 @@ import random
 
 import pytest
 
-from replicas.hashing import block_hashes
-from replicas.kv_events import KVEvent, KVEventBatch
+from replicas.kv.hashing import block_hashes
+from replicas.kv.events import KVEvent, KVEventBatch
 from router.config import RoutingConfig
 from router.pending import MAX_COMPARED, PendingPrompts
 from router.router import Router

@@ -2,8 +2,8 @@ import random
 
 import pytest
 
-from replicas.hashing import block_hashes
-from replicas.kv_events import KVEvent, KVEventBatch, KVSnapshot
+from replicas.kv.hashing import block_hashes
+from replicas.kv.events import KVEvent, KVEventBatch, KVSnapshot
 from router.prefix_index import IndexMatch, PrefixIndex
 
 

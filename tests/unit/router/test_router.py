@@ -1,7 +1,7 @@
 import pytest
 
-from replicas.hashing import block_hashes
-from replicas.kv_events import KVEvent, KVEventBatch, KVSnapshot
+from replicas.kv.hashing import block_hashes
+from replicas.kv.events import KVEvent, KVEventBatch, KVSnapshot
 from router.config import RoutingConfig
 from router.router import NoLiveReplicaError, Router
 from router.stats import MATCHED_FRACTION_BUCKETS

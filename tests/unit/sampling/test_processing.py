@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from cluster import LLM, SamplingParams
-from replicas.request import Request
-from replicas.sampler import Sampler
+from replicas.engine.request import Request
+from replicas.engine.sampler import Sampler
 from tests.unit.sampling.conftest import reference_logits
 
 EOS = 0

@@ -4,7 +4,7 @@ stats."""
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from replicas.kv_events import Tier, window_start
+from replicas.kv.events import Tier, window_start
 
 COPY_PATHS: dict[tuple[Tier, Tier], str] = {
     (Tier.HOST, Tier.NPU): "loads",

@@ -17,7 +17,7 @@ import enum
 import time
 
 from replicas.cache_hints import CacheHints
-from replicas.hashing import BlockHash, extend_block_hashes
+from replicas.kv.hashing import BlockHash, extend_block_hashes
 from replicas.sampling_params import SamplingParams
 
 

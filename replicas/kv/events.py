@@ -1,6 +1,6 @@
 """Messages a replica publishes about its cache, for the router's virtual prefix index.
 
-Together with ``replicas.hashing`` this is the whole contract between replicas and the router:
+Together with ``replicas.kv.hashing`` this is the whole contract between replicas and the router:
 the router imports nothing else from ``replicas``. Every batch carries the replica's sequence
 numbers, so a router that sees a gap knows its index missed events and asks for a snapshot.
 
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from enum import StrEnum
 from typing import NamedTuple
 
-from replicas.hashing import BlockHash
+from replicas.kv.hashing import BlockHash
 
 
 class Tier(StrEnum):

@@ -6,11 +6,11 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from replicas.outputs import TokenLogprob
-from replicas.request import Request
+from replicas.engine.request import Request
 from replicas.sampling_params import MIN_TOP_P
 
 if TYPE_CHECKING:
-    from replicas.structured_output import GrammarCompiler, GrammarMatcher
+    from replicas.engine.structured_output import GrammarCompiler, GrammarMatcher
 
 
 class SampleResult(NamedTuple):
@@ -27,7 +27,7 @@ class Sampler:
     Rows whose parameters process logits (``SamplingParams.processes_logits``) are processed on a
     copy, in the order ``SamplingParams`` documents; logprobs are always those of the model's
     logits. A request with structured outputs has a grammar matcher here (from ``grammar()``,
-    which returns the ``replicas.structured_output.GrammarCompiler`` of the tokenizer), advanced
+    which returns the ``replicas.engine.structured_output.GrammarCompiler`` of the tokenizer), advanced
     by every token it is given.
     """
 

@@ -67,7 +67,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from replicas.hashing import BlockHash
+from replicas.kv.hashing import BlockHash
 
 CAPACITY_FACTORS = (0.5, 2.0, 4.0)
 """Host capacities, as multiples of the real one, estimated under the running policy."""

@@ -18,17 +18,17 @@ walks the list; the rules that move a block between two tiers live in ``KVCacheM
 from dataclasses import dataclass
 from typing import Protocol
 
-from replicas.block_pool import BlockPool
-from replicas.hashing import BlockHash
-from replicas.kv_cache_types import COPY_PATHS
-from replicas.kv_events import Tier
+from replicas.kv.block_pool import BlockPool
+from replicas.kv.hashing import BlockHash
+from replicas.kv.records import COPY_PATHS
+from replicas.kv.events import Tier
 
 TIER_ORDER = (Tier.NPU, Tier.HOST, Tier.DISK)
 """Nearest to compute first."""
 
 
 class DiskIndex(Protocol):
-    """What the manager asks of a disk store (``replicas.kv_disk.DiskStore``): which blocks it
+    """What the manager asks of a disk store (``replicas.kv.disk.DiskStore``): which blocks it
     holds, what a read costs, and to forget a block that failed to read."""
 
     def contains(self, block_hash: BlockHash) -> bool: ...

@@ -5,9 +5,9 @@ from typing import NamedTuple
 import torch
 
 from replicas.model import ForwardBatch, LoadedModel
-from replicas.request import Request
+from replicas.engine.request import Request
 from replicas.sampling_params import MAX_TOP_LOGPROBS
-from replicas.scheduler import ScheduledRequest
+from replicas.engine.scheduler import ScheduledRequest
 
 SCORE_ROWS = 64  # prompt positions turned into logits at a time (a row is vocab floats)
 

@@ -1,9 +1,9 @@
 """Runs a step on the model: the forward pass of the model runner, then the sampler."""
 
-from replicas.engine_core import StepResult
-from replicas.model_runner import ModelRunner
-from replicas.sampler import Sampler
-from replicas.scheduler import SchedulerOutput
+from replicas.engine.core import StepResult
+from replicas.engine.model_runner import ModelRunner
+from replicas.engine.sampler import Sampler
+from replicas.engine.scheduler import SchedulerOutput
 
 
 class ModelExecutor:

@@ -23,9 +23,9 @@ from typing import NamedTuple
 
 import torch
 
-from replicas.hashing import BlockHash
+from replicas.kv.hashing import BlockHash
 from replicas.outputs import TokenLogprob
-from replicas.request import Request
+from replicas.engine.request import Request
 
 DEFAULT_CAPACITY_TOKENS = 1 << 16
 

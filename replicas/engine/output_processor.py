@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from replicas.model import Tokenizer
 from replicas.outputs import RequestOutput
-from replicas.request import Request
+from replicas.engine.request import Request
 
 
 @dataclass(slots=True)

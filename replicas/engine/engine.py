@@ -12,25 +12,25 @@ import torch
 
 from replicas.cache_hints import CacheHints
 from replicas.config import EngineConfig, dtype_name_of
-from replicas.engine_core import EngineCore, SpecDecodeStats
-from replicas.executor import ModelExecutor
-from replicas.host_memory import check_host_capacity
-from replicas.kv_cache_manager import KVCacheManager, ReloadCosts
-from replicas.kv_cache_types import CacheStats, CacheTypeSpec, CacheTypeUsage
-from replicas.kv_capacity import plan_cache
+from replicas.engine.core import EngineCore, SpecDecodeStats
+from replicas.engine.executor import ModelExecutor
+from replicas.kv.host_memory import check_host_capacity
+from replicas.kv.manager import KVCacheManager, ReloadCosts
+from replicas.kv.records import CacheStats, CacheTypeSpec, CacheTypeUsage
+from replicas.kv.capacity import plan_cache
 
 if TYPE_CHECKING:
-    from replicas.kv_disk import DiskStats, DiskStore
-from replicas.kv_retention import ADAPTIVE, OFF, ON, BlockCosts, RetentionStats, tuning_hint
-from replicas.kv_transfer import KVTransfer, TransferStats
+    from replicas.kv.disk import DiskStats, DiskStore
+from replicas.kv.retention import ADAPTIVE, OFF, ON, BlockCosts, RetentionStats, tuning_hint
+from replicas.kv.transfer import KVTransfer, TransferStats
 from replicas.model import LoadedModel, load_model
-from replicas.model_runner import ModelRunner
-from replicas.output_processor import OutputProcessor
+from replicas.engine.model_runner import ModelRunner
+from replicas.engine.output_processor import OutputProcessor
 from replicas.outputs import RequestOutput
 from replicas.prompt import check_prompt_length
-from replicas.prompt_logprobs import PromptLogprobsCache
-from replicas.request import Request
-from replicas.sampler import Sampler
+from replicas.engine.prompt_logprobs import PromptLogprobsCache
+from replicas.engine.request import Request
+from replicas.engine.sampler import Sampler
 from replicas.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -180,7 +180,7 @@ class Engine:
     def _open_disk(self, num_disk_blocks: dict[str, int]) -> "dict[str, DiskStore]":
         """One disk store per cache type under the configured path, keyed by this model's
         fingerprint (a store that cannot open its files is off, with a warning)."""
-        from replicas.kv_disk import DiskStore, model_fingerprint
+        from replicas.kv.disk import DiskStore, model_fingerprint
 
         loaded = self.loaded
         architecture = f"{type(loaded.model).__name__}|{loaded.args!r}|{loaded.quantization}"
@@ -380,10 +380,10 @@ class Engine:
             self._compiler(params.structured_outputs)
 
     def _compiler(self, spec=None):
-        """The grammar compiler (``replicas.structured_output``), built on first use; with a
+        """The grammar compiler (``replicas.engine.structured_output``), built on first use; with a
         ``spec``, that spec is compiled (cached) or rejected."""
         if self._grammar is None:
-            from replicas.structured_output import GrammarCompiler
+            from replicas.engine.structured_output import GrammarCompiler
 
             self._grammar = GrammarCompiler(self.tokenizer, self.tokenizer.vocab_size)
         if spec is not None:

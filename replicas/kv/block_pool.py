@@ -37,7 +37,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from replicas.hashing import BlockHash
+from replicas.kv.hashing import BlockHash
 
 
 @dataclass(slots=True)

@@ -16,10 +16,10 @@ requests behind it are admitted past it (at most ``RESERVE_LOOKAHEAD`` of them w
 
 With ``speculative_ngram`` K > 0, a running request in decode whose sampling parameters allow
 it (``SamplingParams.can_speculate``) is scheduled with up to K draft tokens after its last
-token (``replicas.ngram_proposer``), bounded by the step's budget (one token is kept for each
+token (``replicas.engine.ngram_proposer``), bounded by the step's budget (one token is kept for each
 running request after it), ``max_tokens`` and ``max_model_len``; its blocks cover the drafts
 too. A request short of blocks for its drafts decodes without them rather than preempt anyone.
-The update (``replicas.engine_core``) keeps what the model confirmed.
+The update (``replicas.engine.core``) keeps what the model confirmed.
 
 When the NPU tier cannot give a running request its next block, the most recently admitted
 running request is preempted: its blocks are released (its cached prefix usually survives) and
@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from replicas.config import SchedulerConfig
-from replicas.kv_cache_manager import KVCacheManager, PrefixMatch
-from replicas.kv_cache_types import TransferPlan
-from replicas.ngram_proposer import NgramProposer
-from replicas.request import Request, RequestStatus
+from replicas.kv.manager import KVCacheManager, PrefixMatch
+from replicas.kv.records import TransferPlan
+from replicas.engine.ngram_proposer import NgramProposer
+from replicas.engine.request import Request, RequestStatus
 
 RESERVE_LOOKAHEAD = 16
 """Waiting requests, from the front of the queue, whose prefixes a step tries to reserve."""
@@ -70,7 +70,7 @@ class SchedulerOutput:
 
 class Scheduler:
     """``prefix_limit(request)``, when given, bounds the cached blocks a request may start
-    after (``replicas.prompt_logprobs``: a prompt being scored needs its prefix's scores).
+    after (``replicas.engine.prompt_logprobs``: a prompt being scored needs its prefix's scores).
     ``max_model_len`` bounds draft tokens (none without it)."""
 
     def __init__(

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple, Protocol
 
 from replicas.cache_hints import CacheHints
-from replicas.engine import Engine
+from replicas.engine.engine import Engine
 from replicas.outputs import RequestOutput
 from replicas.sampling_params import SamplingParams
 

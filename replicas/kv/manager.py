@@ -29,7 +29,7 @@ Host retention policies (DESIGN section 4), per cache type:
   * write-back: when allocation evicts an NPU-only cached block, it is stored to host first.
   * adaptive (``retention="adaptive"``): every store made at NPU eviction: a block that reached
     the promotion threshold is stored then (not when it reached it), any other when the reuse
-    observed after eviction pays for it at the measured costs (``replicas.kv_retention``).
+    observed after eviction pays for it at the measured costs (``replicas.kv.retention``).
 Every cache type with a host tier also keeps ghost records and shadow host tiers
 (``RetentionTracker``): ghost hits and the miss-ratio curve, whatever the policy.
 
@@ -51,7 +51,7 @@ leading NPU-resident blocks and loads nothing.
 A reservation never holds a block a running request needs: dropping every reservation restores
 exactly the free blocks there would be without them.
 
-Disk tier (``disk`` stores per cache type, behind the host tier; ``replicas.kv_disk``): blocks
+Disk tier (``disk`` stores per cache type, behind the host tier; ``replicas.kv.disk``): blocks
 leave host for disk by the rules that move them from NPU to host (a host block whose hits reach
 ``write_through_threshold`` is stored, every host block at threshold 0; with write-back, a
 host-only block that host eviction takes is stored first). A prefix match never waits on disk:
@@ -77,9 +77,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from replicas.block_pool import BlockPool
-from replicas.hashing import BlockHash
-from replicas.kv_cache_types import (
+from replicas.kv.block_pool import BlockPool
+from replicas.kv.hashing import BlockHash
+from replicas.kv.records import (
     EMPTY_MATCH,
     EMPTY_PART,
     BlockCopy,
@@ -91,7 +91,7 @@ from replicas.kv_cache_types import (
     PrefixMatch,
     TransferPlan,
 )
-from replicas.kv_events import (
+from replicas.kv.events import (
     SLIDING,
     KVEvent,
     KVEventKind,
@@ -99,9 +99,9 @@ from replicas.kv_events import (
     Tier,
     safe_prefix_length,
 )
-from replicas.kv_retention import BlockCosts, RetentionStats, RetentionTracker
-from replicas.kv_tiers import DiskIndex, TierLevel, order_tiers
-from replicas.request import Request
+from replicas.kv.retention import BlockCosts, RetentionStats, RetentionTracker
+from replicas.kv.tiers import DiskIndex, TierLevel, order_tiers
+from replicas.engine.request import Request
 
 __all__ = ["EMPTY_MATCH", "CacheStats", "KVCacheManager", "PrefixMatch", "TransferPlan"]
 
@@ -110,7 +110,7 @@ ALL_TIERS = "all"
 
 RETENTION_POLICIES = ("fixed", "adaptive")
 """``fixed``: the write-through threshold and write-back as configured; ``adaptive``: see
-``replicas.kv_retention``."""
+``replicas.kv.retention``."""
 
 ONBOARD_TIMEOUT_MIN_S = 2.0
 ONBOARD_TIMEOUT_FACTOR = 8.0
@@ -160,7 +160,7 @@ class _Reservation:
 
 @dataclass(slots=True)
 class _CacheType:
-    """One cache type: its tiers as an ordered list (``replicas.kv_tiers``: NPU, then host and
+    """One cache type: its tiers as an ordered list (``replicas.kv.tiers``: NPU, then host and
     disk when on), and each request's blocks. ``npu``, ``host`` and ``disk`` name the levels for
     the rules that move blocks between two particular tiers."""
 

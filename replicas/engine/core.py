@@ -24,7 +24,7 @@ The KV written for rejected drafts lies past ``num_computed_tokens``: the next s
 it, and only blocks full of computed tokens are ever cached. Blocks allocated for the drafts
 stay with the request for its next tokens.
 
-Two executors exist: ``replicas.executor.ModelExecutor`` (the model runner and the sampler) and
+Two executors exist: ``replicas.engine.executor.ModelExecutor`` (the model runner and the sampler) and
 the simulator's cost model (``benchmarks/sim/engine.py``), which also splits a step in simulated
 time between ``begin_step`` and ``end_step``. Whatever executes it, the update is this code.
 """
@@ -34,15 +34,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from replicas.config import SchedulerConfig
-from replicas.kv_cache_manager import KVCacheManager
-from replicas.kv_cache_types import DiskCopy, TransferPlan
+from replicas.kv.manager import KVCacheManager
+from replicas.kv.records import DiskCopy, TransferPlan
 from replicas.outputs import TokenLogprob
-from replicas.prompt_logprobs import PromptLogprobsCache
-from replicas.request import Request, RequestStatus
-from replicas.scheduler import Scheduler, SchedulerOutput
+from replicas.engine.prompt_logprobs import PromptLogprobsCache
+from replicas.engine.request import Request, RequestStatus
+from replicas.engine.scheduler import Scheduler, SchedulerOutput
 
 if TYPE_CHECKING:
-    from replicas.model_runner import PromptScores
+    from replicas.engine.model_runner import PromptScores
 
 
 DISK_WAIT_S = 0.02
@@ -81,7 +81,7 @@ class Executor(Protocol):
 
 
 class TransferQueue(Protocol):
-    """Copies between tiers (``replicas.kv_transfer.KVTransfer``): plans go in, landed plans
+    """Copies between tiers (``replicas.kv.transfer.KVTransfer``): plans go in, landed plans
     come out; the core tells the cache manager which landed."""
 
     def submit(self, plan: TransferPlan) -> None: ...
@@ -94,7 +94,7 @@ class TransferQueue(Protocol):
 
 
 class TextProcessor(Protocol):
-    """The stop-string half of ``replicas.output_processor.OutputProcessor``."""
+    """The stop-string half of ``replicas.engine.output_processor.OutputProcessor``."""
 
     def update(self, request: Request) -> None: ...
 

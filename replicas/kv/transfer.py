@@ -28,7 +28,7 @@ On CPU the copies run synchronously. On CUDA they run on a side stream:
   * a load that reads a host block whose store has not landed yet lands that store first, and
     staging blocks are reused only after the copy that used them last has landed.
 
-With a disk tier (``disk``: a ``replicas.kv_disk.DiskStore`` per cache type), a plan's disk
+With a disk tier (``disk``: a ``replicas.kv.disk.DiskStore`` per cache type), a plan's disk
 stores run first: each host block is copied out (so that this plan's stores may overwrite it)
 and handed to the store's IO thread. Its disk loads are handed to that thread after the plan's
 copies, reading straight into their (locked) host blocks; ``poll_disk`` reports the reads that
@@ -48,11 +48,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from replicas.host_memory import allocate_host_tensor
-from replicas.kv_cache_types import BlockCopy, DiskCopy, TransferPlan
+from replicas.kv.host_memory import allocate_host_tensor
+from replicas.kv.records import BlockCopy, DiskCopy, TransferPlan
 
 if TYPE_CHECKING:
-    from replicas.kv_disk import DiskStore
+    from replicas.kv.disk import DiskStore
 
 logger = logging.getLogger(__name__)
 

@@ -51,7 +51,7 @@ from typing import NamedTuple
 
 import torch
 
-from replicas.hashing import DIGEST_SIZE, BlockHash
+from replicas.kv.hashing import DIGEST_SIZE, BlockHash
 
 logger = logging.getLogger(__name__)
 
