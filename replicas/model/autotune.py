@@ -26,8 +26,17 @@ explicit ``dtype`` or ``quantization`` fixes that half of the choice.
 A measurement taken while another process competed for the CPU is a guess about a quieter
 machine: while the candidates are timed, ``CPUShare`` compares this process's CPU time with the
 wall time its threads had. Below ``MIN_CPU_SHARE`` (another process took the cores: measured on
-a 2-core EPYC, 0.99 alone and 0.49 beside two busy loops) the choice serves this start only, is
-logged as measured on a busy machine, and is not cached, so the next start measures again.
+a 2-core EPYC, 0.99 alone and 0.49 beside two busy loops) the choice is logged as measured on a
+busy machine and kept only for this start's scope (``SCOPE_ENV``: the replica actor sets it to
+its deployment's Ray job, so the other replicas of the deployment and their restarts take the
+same choice, even after a quieter start elsewhere measured another); any other start measures
+again.
+
+Every replica of a deployment must run the same choice: a greedy request must give the same
+tokens whichever replica serves it (or resumes it). So the measurement is taken under an
+exclusive lock on the cache file (``<cache>.lock``): replicas starting together on one node
+measure one at a time, and each reads the cache again once it holds the lock, so the first
+one's choice is every other's. Replicas on other nodes measure their own CPU.
 
 The choice is kept in a small JSON file per machine (``cache_path``), keyed by the CPU's model
 name and flags, torch's version and CPU capability, the thread count, the device, the model's
@@ -37,6 +46,7 @@ timings it was made from beside every configuration measured.
 """
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -67,6 +77,8 @@ REPEATS = 3
 MIN_CPU_SHARE = 0.8
 """Below this share of its threads' wall time on a CPU, a measurement is not cached."""
 CACHE_ENV = "STRATA_AUTOTUNE_CACHE"
+SCOPE_ENV = "STRATA_AUTOTUNE_SCOPE"
+"""Names the deployment a start belongs to; a busy machine's choice is reused within it only."""
 _BLOCK_SIZE = 16
 
 
@@ -91,8 +103,8 @@ class Timing(NamedTuple):
 
 class Choice(NamedTuple):
     """What ``auto`` resolved to, and why: ``source`` is ``measured``, ``measured on a busy
-    machine`` (not cached), ``cached`` (measured by an earlier start on this machine) or
-    ``fixed`` (nothing to choose)."""
+    machine`` (cached for this scope only), ``cached`` (measured by an earlier start on this
+    machine, or by another replica of this deployment) or ``fixed`` (nothing to choose)."""
 
     candidate: Candidate
     timings: tuple[Timing, ...]
@@ -201,13 +213,66 @@ def tune(
 ) -> Choice:
     """The choice among ``options``: from ``cache_file`` under ``key`` when an earlier start
     measured it, else by timing the model ``build`` makes of each (built and dropped one at a
-    time) and stored there, unless the machine was busy meanwhile (``CPUShare``)."""
+    time) and stored there; a busy machine's choice (``CPUShare``) is stored for this start's
+    scope only. Measuring holds the cache's lock, so starts on one machine measure in turn."""
     if len(options) == 1:
         return Choice(options[0], (), "fixed")
-    cached = _read_cache(cache_file).get(key) if cache_file else None
+    scope = os.environ.get(SCOPE_ENV) or None
+    if cache_file is None:
+        return _measure(options, build, timer)
+    cached = _cached_choice(cache_file, key, options, scope)
     if cached is not None:
+        return cached
+    with _locked(cache_file):
+        cached = _cached_choice(cache_file, key, options, scope)  # measured while we waited
+        if cached is not None:
+            return cached
+        choice = _measure(options, build, timer)
+        if choice.source == "measured":
+            _write_cache(cache_file, key, choice)
+        elif scope is not None:
+            _write_cache(cache_file, _scoped(key, scope), choice)
+    return choice
+
+
+def _cached_choice(
+    cache_file: Path, key: str, options: Sequence[Candidate], scope: str | None
+) -> Choice | None:
+    """This scope's own choice first (a busy machine's, which its replicas keep even after a
+    quieter start measured), then the machine's."""
+    data = _read_cache(cache_file)
+    for name in ([_scoped(key, scope)] if scope else []) + [key]:
         with contextlib.suppress(KeyError, TypeError, ValueError):
-            return _choice_from_json(cached, options)
+            return _choice_from_json(data[name], options)
+    return None
+
+
+def _scoped(key: str, scope: str) -> str:
+    return f"{key}@{scope}"
+
+
+@contextlib.contextmanager
+def _locked(cache_file: Path):
+    """An exclusive lock beside ``cache_file`` (none where the folder cannot be written)."""
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(cache_file.with_name(cache_file.name + ".lock"), "a")  # noqa: SIM115
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _measure(
+    options: Sequence[Candidate],
+    build: Callable[[Candidate], Transformer],
+    timer: Callable[[], float],
+) -> Choice:
     timings = []
     share = CPUShare()
     for candidate in options:
@@ -218,15 +283,12 @@ def tune(
     if fraction < MIN_CPU_SHARE:
         logger.warning(
             "auto: this process had %.0f%% of its threads' CPU time while timing the "
-            "candidates (another process was busy); the choice serves this start only and is "
-            "measured again at the next",
+            "candidates (another process was busy); the choice serves this deployment only and "
+            "is measured again by the next",
             100 * fraction,
         )
         return Choice(choose(timings), tuple(timings), "measured on a busy machine")
-    choice = Choice(choose(timings), tuple(timings), "measured")
-    if cache_file is not None:
-        _write_cache(cache_file, key, choice)
-    return choice
+    return Choice(choose(timings), tuple(timings), "measured")
 
 
 def cache_path() -> Path | None:
@@ -283,8 +345,8 @@ def _read_cache(path: Path) -> dict:
 
 
 def _write_cache(path: Path, key: str, choice: Choice) -> None:
-    """Add ``choice`` under ``key``, atomically (replicas starting together may race: the last
-    writer's file wins whole, and a lost entry is measured again at the next start)."""
+    """Add ``choice`` under ``key``, atomically (the file is replaced whole; writers hold the
+    lock)."""
     data = _read_cache(path)
     data[key] = {
         "choice": list(choice.candidate),

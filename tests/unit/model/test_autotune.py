@@ -3,6 +3,7 @@ timer), the per-machine cache, and a real quantized file loaded with ``auto``.""
 
 import itertools
 import json
+import threading
 import time
 
 import pytest
@@ -29,6 +30,7 @@ class FixedShare:
 def quiet_machine(monkeypatch):
     monkeypatch.setattr(autotune, "CPUShare", FixedShare)
     monkeypatch.setattr(FixedShare, "fraction_value", 1.0)
+    monkeypatch.delenv(autotune.SCOPE_ENV, raising=False)
 
 
 def timing(candidate: Candidate, prefill_ms: float, decode_ms: float) -> Timing:
@@ -175,6 +177,69 @@ def test_a_measurement_on_a_busy_machine_serves_one_start_and_is_not_cached(
     assert quiet.source == "measured" and set(json.loads(path.read_text())) == {"machine-a"}
 
 
+def test_a_busy_machines_choice_is_kept_for_its_deployment_only(tmp_path, monkeypatch):
+    """The replicas of one deployment (one scope) run one choice, even when it was measured on
+    a busy machine and a quieter start elsewhere measured another since."""
+    options = [F32_NONE, BF16_NONE]
+    path = tmp_path / "choices.json"
+    monkeypatch.setattr(FixedShare, "fraction_value", 0.45)
+    monkeypatch.setenv(autotune.SCOPE_ENV, "deployment-1")
+    # Busy: bfloat16 looked faster in both phases.
+    clock = StubClock({F32_NONE: 0.008, BF16_NONE: 0.003})
+    busy = tune(options, tiny_builder(clock), "k", path, timer=clock)
+    assert (busy.source, busy.candidate) == ("measured on a busy machine", BF16_NONE)
+
+    def never(candidate):
+        raise AssertionError("a replica of the deployment measured again")
+
+    assert tune(options, never, "k", path) == busy._replace(source="cached")
+    # Another deployment does not take a busy guess: it measures (quietly, float32 wins) ...
+    monkeypatch.setattr(FixedShare, "fraction_value", 0.95)
+    monkeypatch.setenv(autotune.SCOPE_ENV, "deployment-2")
+    clock = StubClock({F32_NONE: 0.003, BF16_NONE: 0.008})
+    quiet = tune(options, tiny_builder(clock), "k", path, timer=clock)
+    assert (quiet.source, quiet.candidate) == ("measured", F32_NONE)
+    # ... and deployment 1's restarted replicas keep its choice; a new one takes the quiet one.
+    monkeypatch.setenv(autotune.SCOPE_ENV, "deployment-1")
+    assert tune(options, never, "k", path).candidate == BF16_NONE
+    monkeypatch.setenv(autotune.SCOPE_ENV, "deployment-3")
+    assert tune(options, never, "k", path).candidate == F32_NONE
+
+
+def test_replicas_starting_together_measure_in_turn_and_share_the_first_choice(tmp_path):
+    """The second start waits on the cache's lock while the first measures, then reads its
+    choice instead of measuring beside it."""
+    options = [F32_NONE, BF16_NONE]
+    path = tmp_path / "choices.json"
+    measuring, release = threading.Event(), threading.Event()
+    clock = StubClock({F32_NONE: 0.003, BF16_NONE: 0.008})
+    build = tiny_builder(clock)
+
+    def slow_build(candidate):
+        measuring.set()
+        assert release.wait(30)
+        return build(candidate)
+
+    def never(candidate):
+        raise AssertionError("the second start measured beside the first")
+
+    results = {}
+    first = threading.Thread(
+        target=lambda: results.update(a=tune(options, slow_build, "k", path, timer=clock))
+    )
+    first.start()
+    assert measuring.wait(30)
+    second = threading.Thread(target=lambda: results.update(b=tune(options, never, "k", path)))
+    second.start()
+    second.join(0.3)
+    assert second.is_alive()  # waiting on the lock
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert results["a"].source == "measured"
+    assert results["b"] == results["a"]._replace(source="cached")
+
+
 def test_cpu_share_tells_a_busy_thread_from_one_that_waits(monkeypatch):
     monkeypatch.undo()  # the real CPUShare
     threads = torch.get_num_threads()
@@ -190,8 +255,9 @@ def test_cpu_share_tells_a_busy_thread_from_one_that_waits(monkeypatch):
         waiting = share.fraction()
     finally:
         torch.set_num_threads(threads)
-    assert working > 0.5  # the core was this thread's most of the time (a busy CI may share it)
-    assert waiting < 0.2
+    # The core was this thread's for much of the time (a busy machine shares it), and a
+    # sleeping thread's share is near nothing.
+    assert working > 0.25 and waiting < 0.1
 
 
 def test_the_cache_key_follows_the_threads_and_the_model_files(tmp_path):
