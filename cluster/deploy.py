@@ -8,13 +8,16 @@ the HTTP API and the offline ``LLM`` use to reach them.
 
 ``cluster.placement`` decides where the replicas run and ``cluster.health`` watches them; this
 module wires the actors together and serves requests, routing one again when its replica is
-lost before it started.
+lost before it started, and resuming it on another replica when its replica is lost after it
+started (``replicas.resume``).
 """
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
@@ -33,15 +36,16 @@ from cluster.placement import init_ray, is_embedded, place_replicas
 from cluster.replica_link import ReplicaLink, StreamLostError
 from cluster.router_calls import RouterCalls
 from replicas.actor import ReplicaActor, ReplicaUnavailableError
-from replicas.engine.async_engine import EngineDeadError
 from replicas.cache_hints import CacheHints
 from replicas.config import EngineConfig
+from replicas.engine.async_engine import EngineDeadError
+from replicas.kv.capacity import deployment_host_bytes
 from replicas.kv.hashing import BlockHash, block_hashes
 from replicas.kv.host_memory import check_host_capacity
-from replicas.kv.capacity import deployment_host_bytes
 from replicas.model import ModelArgs, load_model_info
 from replicas.outputs import RequestOutput
 from replicas.prompt import check_prompt_length
+from replicas.resume import resumed_params
 from replicas.sampling_params import SamplingParams
 from router.actor import RouterActor, measured_ttft_costs
 
@@ -61,19 +65,7 @@ class RayBackend:
         init_ray(config.ray)
         size = config.data_parallel_size
         self.placement = place_replicas(config.ray, engine_config.device, size)
-        # One torch thread per reserved CPU: replicas sharing a node must not oversubscribe it.
-        threads = max(1, int(self.placement.num_cpus))
-        engine_config = engine_config.model_copy(update={"num_threads": threads})
-        logger.info(
-            "each of %d replicas reserves %g CPUs%s and computes with %d torch threads%s",
-            size,
-            self.placement.num_cpus,
-            f" and {self.placement.num_gpus:g} GPUs" if self.placement.num_gpus else "",
-            threads,
-            ""
-            if config.ray.cpus_per_replica is not None
-            else " (ray.cpus_per_replica unset: the available CPUs shared among the replicas)",
-        )
+        engine_config = self._with_threads(engine_config)
         self.router = (
             ray.remote(RouterActor)
             .options(name=f"{name}-router", num_cpus=0, max_restarts=-1, max_task_retries=-1)
@@ -85,10 +77,44 @@ class RayBackend:
                 sliding_window=args.sliding_window if "sliding" in args.layer_types else None,
             )
         )
+        self.replicas = self._start_replicas(engine_config)
+        incarnations = self._introduce_replicas()
+        self.links = [ReplicaLink(replica) for replica in self.replicas]
+        self.router_calls = RouterCalls(self.router)
+        self._num_routes = 0
+        self._route_seconds = 0.0
+        self.health = HealthMonitor(self.replicas, self.router, incarnations)
+        self.num_rerouted = 0  # requests routed again because their replica was lost first
+        self.num_overload_reroutes = 0  # requests a full replica turned away, offered elsewhere
+        self.num_resumed = 0  # requests resumed elsewhere after their replica was lost
+        self.max_resumes = config.server.max_resumes
+        self.max_model_len = int(self.replica_infos[0]["max_model_len"])
+        self.block_size = engine_config.block_size
+        self.model_name = config.served_model_name
+        logger.info("deployed %d replicas of %s: %s", size, config.model.model, self.replica_infos)
+
+    def _with_threads(self, engine_config: EngineConfig) -> EngineConfig:
+        """One torch thread per reserved CPU: replicas sharing a node must not oversubscribe
+        it."""
+        threads = max(1, int(self.placement.num_cpus))
+        logger.info(
+            "each of %d replicas reserves %g CPUs%s and computes with %d torch threads%s",
+            self.config.data_parallel_size,
+            self.placement.num_cpus,
+            f" and {self.placement.num_gpus:g} GPUs" if self.placement.num_gpus else "",
+            threads,
+            ""
+            if self.config.ray.cpus_per_replica is not None
+            else " (ray.cpus_per_replica unset: the available CPUs shared among the replicas)",
+        )
+        return engine_config.model_copy(update={"num_threads": threads})
+
+    def _start_replicas(self, engine_config: EngineConfig) -> list:
         replica_cls = ray.remote(ReplicaActor)
-        self.replicas = [
+        config = self.config
+        return [
             replica_cls.options(
-                name=f"{name}-replica-{i}",
+                name=f"{self.name}-replica-{i}",
                 max_restarts=config.ray.replica_max_restarts,
                 max_task_retries=0,
                 **self.placement.actor_options(i),
@@ -99,32 +125,25 @@ class RayBackend:
                 config.server.max_waiting_requests,
                 measure_costs=config.routing.needs_ttft_costs,
             )
-            for i in range(size)
+            for i in range(config.data_parallel_size)
         ]
+
+    def _introduce_replicas(self) -> list[str]:
+        """Wait for the replicas to start, tell the router what it needs of them (their
+        nodes, their measured step costs for the ttft profile); their incarnations."""
         try:
             self.replica_infos = ray.get([replica.info.remote() for replica in self.replicas])
         except RayActorError as error:
             self._release()
             raise ReplicaStartError(f"a replica could not start: {_last_line(error)}") from None
-        if config.routing.needs_ttft_costs:
+        if self.config.routing.needs_ttft_costs:
             measured = ray.get([replica.step_costs.remote() for replica in self.replicas])
             costs = measured_ttft_costs(measured)
             ray.get(self.router.set_ttft_costs.remote(costs))
             logger.info("the ttft profile prices with the replicas' measured costs: %s", costs)
         # Replicas of one node read each other's disk blocks: the router credits them all.
         ray.get(self.router.set_nodes.remote([str(i["node_id"]) for i in self.replica_infos]))
-        incarnations = ray.get([replica.ready.remote() for replica in self.replicas])
-        self.links = [ReplicaLink(replica) for replica in self.replicas]
-        self.router_calls = RouterCalls(self.router)
-        self._num_routes = 0
-        self._route_seconds = 0.0
-        self.health = HealthMonitor(self.replicas, self.router, incarnations)
-        self.num_rerouted = 0  # requests routed again because their replica was lost first
-        self.num_overload_reroutes = 0  # requests a full replica turned away, offered elsewhere
-        self.max_model_len = int(self.replica_infos[0]["max_model_len"])
-        self.block_size = engine_config.block_size
-        self.model_name = config.served_model_name
-        logger.info("deployed %d replicas of %s: %s", size, config.model.model, self.replica_infos)
+        return ray.get([replica.ready.remote() for replica in self.replicas])
 
     # ---- serving -----------------------------------------------------------------------------
     async def generate(
@@ -135,31 +154,84 @@ class RayBackend:
         cache_salt: str | None = None,
         cache_hints: CacheHints | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        """A replica lost after the request's first output, when it is not the replica's
+        engine that failed, is replaced: the request is resumed on the best live replica from
+        the output sent so far (``replicas.resume``), at most ``max_resumes`` times; the
+        outputs continue as if nothing happened. Past that, or with no live replica to take
+        it, the request fails with ``ReplicaFailedError``."""
         self.health.ensure_running()
         check_prompt_length(len(prompt_token_ids), self.max_model_len)  # before routing
-        hashes = block_hashes(prompt_token_ids, self.block_size, cache_salt)
-        # A replica lost before the request's first output, or turning it away because its
-        # engine failed, never ran it: the request is routed again, away from that replica.
-        # Once outputs have reached the client, a loss fails the request. A replica whose
-        # waiting queue is full turns it away too: the router offers it to the next best
-        # replica, and only when every live replica is full does the client get 429.
+        request = _Request(request_id, prompt_token_ids, cache_salt, cache_hints)
+        last: RequestOutput | None = None  # the last output sent, once there is one
+        lost: _LostMidStream | None = None  # the loss that made it resume
+        num_resumes = 0
+        counted = True  # the current run is counted in num_resumed (or is not a resume)
+        while True:
+            params = (
+                sampling_params if last is None else resumed_params(sampling_params, num_resumes)
+            )
+            try:  # closed at once when the caller stops early: its finally aborts the run
+                async with contextlib.aclosing(self._serve(request, params, last)) as outputs:
+                    async for output in outputs:
+                        if last is not None and not counted:  # a resumed run goes on
+                            self.num_resumed += 1
+                            counted = True
+                        last = output
+                        yield output
+                return
+            except _LostMidStream as error:
+                if num_resumes >= self.max_resumes:
+                    raise
+                lost = error
+            except (NoLiveReplicaError, OverloadedError):
+                if lost is None:
+                    raise  # nothing ran: the client may retry
+                raise lost from None  # no live replica can take the resumed request
+            num_resumes += 1
+            counted = False
+            logger.warning(
+                "replica %s was lost after request %s had %d output tokens; resuming it "
+                "elsewhere (resume %d of at most %d)",
+                last.replica_index,
+                request_id,
+                len(last.token_ids),
+                num_resumes,
+                self.max_resumes,
+            )
+
+    async def _serve(
+        self, request: "_Request", params: SamplingParams, resumed: RequestOutput | None
+    ) -> AsyncIterator[RequestOutput]:
+        """One run of the request to its end (continuing ``resumed``, when given). A replica
+        lost before the run's first output, or turning it away because its engine failed,
+        never ran it: the run is routed again, away from that replica. A replica whose waiting
+        queue is full turns it away too: the router offers it to the next best replica, and
+        only when every live replica is full does the client get 429. Once the run has
+        output, a loss raises ``_LostMidStream``."""
+        request_id = request.request_id
+        token_ids = request.prompt_token_ids + (resumed.token_ids if resumed else [])
+        hashes = block_hashes(token_ids, self.block_size, request.cache_salt)
+        key = request.cache_hints.key if request.cache_hints is not None else None
         num_attempts = 2 * len(self.replicas)
         full: set[int] = set()
-        released = None  # the last attempt's release: routed again only once it is done
         for attempt in range(num_attempts):
             is_last = attempt == num_attempts - 1
-            if released is not None:
-                await released  # an async actor may run calls out of order: wait for it
-            key = cache_hints.key if cache_hints is not None else None
-            index = await self._route(request_id, len(prompt_token_ids), hashes, full, key)
+            if request.released is not None:
+                await request.released
+            index = await self._route(request_id, len(token_ids), hashes, full, key)
             if not (self.health.is_alive(index) or is_last):
                 # The router has not heard of the loss yet (one that Ray restarted believes every
                 # replica live): tell it again and route again, before any call to the replica.
                 self.health.mark_lost(index)
-                released = self.router_calls.release(request_id)
+                request.released = self.router_calls.release(request_id)
                 continue
             stream = self.links[index].generate(
-                request_id, prompt_token_ids, sampling_params, cache_salt, cache_hints
+                request_id,
+                request.prompt_token_ids,
+                params,
+                request.cache_salt,
+                request.cache_hints,
+                resumed,
             )
             started = finished = False
             try:
@@ -167,41 +239,42 @@ class RayBackend:
                     started, finished = True, output.finished
                     yield output
                 return
-            except (
-                RayTaskError,
-                *ACTOR_LOST,
-                StreamLostError,
-                EngineDeadError,
-                ValueError,
-            ) as error:
-                cause = error.cause if isinstance(error, RayTaskError) else error
-                if isinstance(cause, OverloadedError) and not started:
-                    finished = True  # never queued there: nothing to abort
+            except _REPLICA_ERRORS as error:
+                finished = self._after_failure(error, index, started, is_last, request_id)
+                if finished:
                     full.add(index)
-                    self.num_overload_reroutes += 1
-                    continue
-                if isinstance(cause, (ValueError, EngineDeadError)) or (
-                    isinstance(error, RayTaskError)
-                    and not isinstance(cause, ReplicaUnavailableError)
-                ):
-                    raise _unwrap(cause, index) from None
-                self.health.mark_lost(index)
-                if started or is_last:
-                    raise ReplicaFailedError(
-                        f"replica {index} failed while serving the request: {type(error).__name__}"
-                    ) from None
-                self.num_rerouted += 1
-                logger.warning(
-                    "replica %d was lost before request %s started; routing it again",
-                    index,
-                    request_id,
-                )
             finally:
                 await stream.aclose()
                 if not finished:  # also after a loss: a restarted replica may have it queued
                     self.replicas[index].abort.remote(request_id)
-                released = self.router_calls.release(request_id)
+                request.released = self.router_calls.release(request_id)
         raise OverloadedError(f"replicas {sorted(full)} turned the request away; retry later")
+
+    def _after_failure(
+        self, error: Exception, index: int, started: bool, is_last: bool, request_id: str
+    ) -> bool:
+        """What a failure of replica ``index`` does to a request: True when the replica's
+        waiting queue was full (it never queued the request); False when the request is to be
+        routed again; otherwise raises the error that ends this run of it."""
+        cause = error.cause if isinstance(error, RayTaskError) else error
+        if isinstance(cause, OverloadedError) and not started:
+            self.num_overload_reroutes += 1
+            return True
+        if isinstance(cause, (ValueError, EngineDeadError)) or (
+            isinstance(error, RayTaskError) and not isinstance(cause, ReplicaUnavailableError)
+        ):
+            raise _unwrap(cause, index) from None
+        self.health.mark_lost(index)
+        message = f"replica {index} failed while serving the request: {type(error).__name__}"
+        if started:
+            raise _LostMidStream(message) from None
+        if is_last:
+            raise ReplicaFailedError(message) from None
+        self.num_rerouted += 1
+        logger.warning(
+            "replica %d was lost before request %s started; routing it again", index, request_id
+        )
+        return False
 
     async def _route(
         self,
@@ -258,6 +331,7 @@ class RayBackend:
             num_stream_messages=sum(link.num_messages for link in self.links),
             num_stream_items=sum(link.num_items for link in self.links),
             stream_seconds=sum(link.seconds for link in self.links),
+            num_resumed=self.num_resumed,
         )
 
     # ---- admin -------------------------------------------------------------------------------
@@ -280,6 +354,27 @@ class RayBackend:
         for actor in [*self.replicas, self.router]:
             ray.kill(actor, no_restart=True)
         self.placement.remove()
+
+
+@dataclass(slots=True)
+class _Request:
+    """What the backend keeps of a request to run it again, and the router's release of its
+    last attempt (routed again only once it is done: an async actor may run calls out of
+    order)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    cache_salt: str | None
+    cache_hints: CacheHints | None
+    released: asyncio.Future | None = None
+
+
+class _LostMidStream(ReplicaFailedError):
+    """The replica serving a request was lost after the request's first output."""
+
+
+_REPLICA_ERRORS = (RayTaskError, *ACTOR_LOST, StreamLostError, EngineDeadError, ValueError)
+"""What a replica link raises for a request (``ReplicaLink.generate``)."""
 
 
 class ReplicaStartError(RuntimeError):

@@ -27,6 +27,7 @@ from ray.exceptions import RayTaskError
 from cluster.health import ACTOR_LOST
 from replicas.cache_hints import CacheHints
 from replicas.outputs import OutputAccumulator, OutputDelta, RequestOutput
+from replicas.resume import ResumeState
 from replicas.sampling_params import SamplingParams
 
 
@@ -57,12 +58,16 @@ class ReplicaLink:
         sampling_params: SamplingParams,
         cache_salt: str | None,
         cache_hints: CacheHints | None = None,
+        resumed: RequestOutput | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's outputs until one is finished. Raises what the replica raised:
         ``RayTaskError`` (turned away or invalid, its ``cause`` says which), an error the
-        engine ended the request with, or a loss (``ACTOR_LOST``, ``StreamLostError``)."""
+        engine ended the request with, or a loss (``ACTOR_LOST``, ``StreamLostError``).
+        ``resumed``: the request's last output from a replica that was lost; the replica
+        continues it (``replicas.resume``) and the outputs continue from it."""
         self._ensure_pump()
-        outputs = OutputAccumulator(prompt_token_ids)
+        outputs = OutputAccumulator(prompt_token_ids, resumed)
+        state = ResumeState.of(resumed) if resumed is not None else None
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         ack = asyncio.ensure_future(
@@ -74,6 +79,7 @@ class ReplicaLink:
                 sampling_params,
                 cache_salt,
                 cache_hints,
+                state,
             )
         )
         try:
@@ -98,10 +104,17 @@ class ReplicaLink:
         sampling_params: SamplingParams,
         cache_salt: str | None,
         cache_hints: CacheHints | None,
+        resumed: ResumeState | None,
     ) -> None:
         try:
             await self.replica.submit.remote(
-                subscriber, request_id, prompt_token_ids, sampling_params, cache_salt, cache_hints
+                subscriber,
+                request_id,
+                prompt_token_ids,
+                sampling_params,
+                cache_salt,
+                cache_hints,
+                resumed,
             )
         except (RayTaskError, *ACTOR_LOST) as error:  # never queued there
             queue.put_nowait(error)

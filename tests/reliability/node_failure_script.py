@@ -102,6 +102,7 @@ async def scenario(backend: RayBackend, cluster: Cluster, worker, doomed: int) -
         "rejoined": rejoined,
         "final_ok": all(getattr(r, "finished", False) for _, r in final),
         "rerouted": backend.num_rerouted,
+        "resumed": backend.num_resumed,
     }
 
 

@@ -1,7 +1,7 @@
 """A whole node dies under load (``ray.cluster_utils.Cluster`` on this machine, in a separate
-process so that the session's shared Ray instance is untouched): only the requests streaming
-from the replica on that node fail, new ones go to the surviving replica, and the lost replica
-comes back when a node joins."""
+process so that the session's shared Ray instance is untouched): the requests streaming from
+the replica on that node are resumed on the surviving replica, new ones go there too, and the
+lost replica comes back when a node joins."""
 
 import json
 import os
@@ -13,7 +13,7 @@ SCRIPT = Path(__file__).with_name("node_failure_script.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_losing_a_node_fails_only_its_requests_and_the_replica_returns():
+def test_losing_a_node_loses_no_request_and_the_replica_returns():
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     run = subprocess.run(
         [sys.executable, str(SCRIPT)],
@@ -29,8 +29,7 @@ def test_losing_a_node_fails_only_its_requests_and_the_replica_returns():
     print(f"\nFIGURES node_failure {result}", flush=True)
     survivor = 1 - result["doomed"]
     assert result["errors"] == []  # no hang, no unexpected error
-    assert result["lost"] >= 1 and result["lost_on"] == [result["doomed"]]  # only its requests
-    assert result["lost_sent_before_kill"]  # ... already in flight when it died
+    assert result["lost"] == 0 and result["resumed"] >= 1  # its streams went on elsewhere
     assert result["num_served_after_kill"] == result["num_sent_after_kill"]  # all re-routed
     assert result["served_after_kill_by"] == [survivor]
     assert result["live_after_kill"] == 1  # dropped from routing

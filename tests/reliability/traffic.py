@@ -38,6 +38,9 @@ class Outcome:
     detail: str = ""
     status: int = 0
     message: str = ""  # the error message of a rejected or failed request
+    body: dict | None = None  # the request
+    text: str = ""  # a served answer's text (a stream's deltas joined)
+    tokens: list[tuple[str, float]] | None = None  # (token, logprob) when asked for logprobs
 
 
 @dataclass
@@ -72,7 +75,10 @@ class Tally:
         )
 
 
-def request_body(rng: random.Random, *, stream: bool, max_tokens: int, chat: bool) -> dict:
+def request_body(
+    rng: random.Random, *, stream: bool, max_tokens: int, chat: bool, logprobs: bool = False
+) -> dict:
+    """A request; with ``logprobs``, greedy ones ask for each token's logprob."""
     prompt = rng.choice(SHARED_PREFIXES) + f"Question {rng.randrange(10**6)}?"
     body: dict = {"max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
     body["temperature"] = rng.choice([0.0, 0.7])
@@ -80,6 +86,8 @@ def request_body(rng: random.Random, *, stream: bool, max_tokens: int, chat: boo
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
         body["prompt"] = prompt
+    if logprobs and body["temperature"] == 0.0:
+        body["logprobs"] = True if chat else 1
     if stream:
         body["stream_options"] = {"include_usage": True}
     return body
@@ -120,7 +128,24 @@ async def _read_stream(response: httpx.Response, body: dict, tally: Tally) -> Ou
     if finish[-1:] != ["length"] or usage.get("completion_tokens") != body["max_tokens"]:
         return Outcome("error", f"incomplete stream: finish {finish[-1:]}, usage {usage}", 200)
     tally.num_completion_tokens += usage["completion_tokens"]
-    return Outcome("served", status=200)
+    text, tokens = _answer([c for p in payloads for c in p.get("choices", [])], stream=True)
+    return Outcome("served", status=200, text=text, tokens=tokens)
+
+
+def _answer(choices: list[dict], *, stream: bool) -> tuple[str, list[tuple[str, float]] | None]:
+    """The text of one choice's chunks (or answer), and its (token, logprob) pairs if any."""
+    text, tokens = "", None
+    for choice in choices:
+        message = choice.get("delta" if stream else "message")
+        text += choice["text"] if message is None else message.get("content") or ""
+        logprobs = choice.get("logprobs")
+        if logprobs:
+            tokens = tokens or []
+            if "content" in logprobs:
+                tokens += [(e["token"], e["logprob"]) for e in logprobs["content"]]
+            else:
+                tokens += list(zip(logprobs["tokens"], logprobs["token_logprobs"]))
+    return text, tokens
 
 
 async def send(client: httpx.AsyncClient, body: dict, tally: Tally) -> Outcome:
@@ -138,14 +163,17 @@ async def send(client: httpx.AsyncClient, body: dict, tally: Tally) -> Outcome:
             if usage.get("completion_tokens") != body["max_tokens"]:
                 return Outcome("error", f"incomplete answer: {answer}", 200)
             tally.num_completion_tokens += usage["completion_tokens"]
-            return Outcome("served", status=200)
+            text, tokens = _answer(answer["choices"], stream=False)
+            return Outcome("served", status=200, text=text, tokens=tokens)
 
     try:
-        return await asyncio.wait_for(exchange(), REQUEST_TIMEOUT_S)
+        outcome = await asyncio.wait_for(exchange(), REQUEST_TIMEOUT_S)
     except TimeoutError:
-        return Outcome("error", f"no answer within {REQUEST_TIMEOUT_S} s (a hang): {body}")
+        outcome = Outcome("error", f"no answer within {REQUEST_TIMEOUT_S} s (a hang): {body}")
     except (httpx.HTTPError, OSError, ValueError) as error:
-        return Outcome("error", f"{type(error).__name__}: {error}")
+        outcome = Outcome("error", f"{type(error).__name__}: {error}")
+    outcome.body = body
+    return outcome
 
 
 def client_pool(url: str, num_clients: int) -> httpx.AsyncClient:
@@ -162,9 +190,11 @@ async def run_clients(
     stream_fraction: float = 0.9,
     chat_fraction: float = 0.25,
     max_tokens: tuple[int, int] = (4, 24),
+    logprobs: bool = False,
 ) -> Tally:
     """``num_clients`` concurrent clients, each sending one request after another until
-    ``duration_s`` has passed; a client that is rejected backs off briefly."""
+    ``duration_s`` has passed; a client that is rejected backs off briefly. With
+    ``logprobs``, greedy requests ask for their tokens' logprobs."""
     tally = Tally()
     deadline = time.monotonic() + duration_s
     start = time.monotonic()
@@ -179,6 +209,7 @@ async def run_clients(
                 stream=rng.random() < stream_fraction,
                 max_tokens=rng.randint(*max_tokens),
                 chat=rng.random() < chat_fraction,
+                logprobs=logprobs,
             )
             sent = time.monotonic()
             outcome = await send(client, body, tally)
