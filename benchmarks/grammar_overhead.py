@@ -2,8 +2,8 @@
 
 With the real tokenizer of the default model (SmolLM2-135M-Instruct, read from its packaged GGUF
 file) and a token mask as wide as the model's logits, for xgrammar, llguidance, outlines-core and
-``strata`` (``replicas.engine.structured_output``: llguidance behind Strata's own calls, whose per-token
-cost also covers writing the mask into a float32 logits row, ``apply_mask``'s whole work):
+``strata`` (``replicas.engine.structured_output``: llguidance behind Strata's own calls, whose
+per-token cost also covers writing the mask into a float32 logits row, ``apply_mask``'s whole work):
 
 * setup: building the library's view of the tokenizer (once per model);
 * compile: compiling each case (three JSON schemas, any JSON object, a regex, a choice list),

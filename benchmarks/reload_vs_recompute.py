@@ -2,17 +2,17 @@
 host vs read from disk.
 
 Each prompt is a shared prefix of ``prefix_len`` tokens plus a few fresh tokens. The host tier
-runs with ``write_through_threshold=0``, so every block is stored to host when first written.
-Per repetition: *cold* resets the whole prefix cache and computes everything; *npu* finds the
-prefix on the NPU tier; *host* first drops the NPU tier (``reset_prefix_cache("npu")``), so the
-prefix is found on host only and reloaded; *disk* drops the NPU and host tiers, so the prefix is
-read from the disk tier (a directory under the output folder, stored at first write too) into
-host and loaded; *disk, dropped* also has the kernel drop the slab file's cached pages first
-(``posix_fadvise(DONTNEED)`` after ``fdatasync``), so the reads come from the device. Cold runs
-first (it writes the prefix and resets every tier, disk included); the others then take turns
-in rotating order. An idle engine step after each request lands its planned stores, and the
-disk writes are waited for, so no measured request pays for an earlier one's copies.
-"""
+runs with ``write_through_threshold="immediate"``, so every block is stored to host when first
+written. Per repetition: *cold* resets the whole prefix cache and computes everything; *npu*
+finds the prefix on the NPU tier; *host* first drops the NPU tier
+(``reset_prefix_cache("npu")``), so the prefix is found on host only and reloaded; *disk* drops
+the NPU and host tiers, so the prefix is read from the disk tier (a directory under the output
+folder, stored at first write too) into host and loaded; *disk, dropped* also has the kernel
+drop the slab file's cached pages first (``posix_fadvise(DONTNEED)`` after ``fdatasync``), so
+the reads come from the device. Cold runs first (it writes the prefix and resets every tier,
+disk included); the others then take turns in rotating order. An idle engine step after each
+request lands its planned stores, and the disk writes are waited for, so no measured request
+pays for an earlier one's copies."""
 
 import random
 import shutil
@@ -37,6 +37,7 @@ from benchmarks.workload import (
     timed_request,
 )
 from cluster import LLM, KVOffloadConfig
+from replicas.kv.events import Tier
 
 NAME = "reload-vs-recompute"
 MODES = ("cold", "npu", "host", "disk", "disk_dropped")
@@ -85,10 +86,10 @@ def _measure(
                 store.flush()
             found = {
                 "cold": output.num_cached_tokens,
-                "npu": output.num_npu_cached_tokens,
-                "host": output.num_host_cached_tokens,
-                "disk": output.num_host_cached_tokens,
-                "disk_dropped": output.num_host_cached_tokens,
+                "npu": output.num_cached_tokens_in(Tier.NPU),
+                "host": output.num_cached_tokens_in(Tier.HOST),
+                "disk": output.num_cached_tokens_in(Tier.HOST),  # disk blocks load through host
+                "disk_dropped": output.num_cached_tokens_in(Tier.HOST),
             }[mode]
             expected = 0 if mode == "cold" else prefix_len
             if found != expected or (mode != "cold" and output.num_cached_tokens != prefix_len):
@@ -127,7 +128,7 @@ def run(
     offload = KVOffloadConfig(
         enabled=True,
         host_memory_ratio=settings.host_memory_ratio,
-        write_through_threshold=0,
+        write_through_threshold="immediate",
         disk_path=disk_dir,
         disk_bytes=2 * num_npu_blocks * block_bytes,
     )

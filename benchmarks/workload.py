@@ -4,7 +4,6 @@ The machine is small and shared, so no single timing means much. Scenarios inter
 variants they compare (``rotated``), repeat, and report medians and ratios.
 """
 
-import dataclasses
 import random
 import statistics
 from collections.abc import Sequence
@@ -128,9 +127,7 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def cache_counters(llm: LLM) -> dict[str, int]:
     """A copy of the engine's integer cache counters (the engine mutates its own in place)."""
-    stats = llm.stats().cache
-    values = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
-    return {name: value for name, value in values.items() if isinstance(value, int)}
+    return llm.stats().cache.counters()
 
 
 def counters_delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:

@@ -2,9 +2,9 @@
 
 from cluster.llm import LLM
 from replicas.config import KVOffloadConfig, PrefixCacheConfig, SchedulerConfig
+from replicas.engine.structured_output import StructuredOutputs
 from replicas.outputs import RequestOutput, TokenLogprob
 from replicas.sampling_params import SamplingParams
-from replicas.engine.structured_output import StructuredOutputs
 
 __all__ = [
     "LLM",

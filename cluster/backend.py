@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from replicas.cache_hints import CacheHints
 from replicas.engine.async_engine import AsyncEngine, EngineDeadError
 from replicas.engine.async_engine import OverloadedError as OverloadedError  # HTTP 429
-from replicas.cache_hints import CacheHints
 from replicas.engine.engine import Engine, EngineStats
 from replicas.model import Tokenizer
 from replicas.outputs import RequestOutput
@@ -38,7 +38,8 @@ class FrontStats:
     in ``num_route_calls`` coalesced calls) and reading the replicas' output streams
     (``num_stream_messages`` messages of ``num_stream_items`` outputs, ``stream_seconds`` from
     a message being announced to its outputs reaching their requests: fetching and
-    deserializing it, dispatching it, and waiting for the event loop in between)."""
+    deserializing it, dispatching it, and waiting for the event loop in between), and the
+    requests resumed on another replica after theirs was lost mid-stream (``num_resumed``)."""
 
     num_routes: int = 0
     num_route_calls: int = 0
@@ -46,6 +47,7 @@ class FrontStats:
     num_stream_messages: int = 0
     num_stream_items: int = 0
     stream_seconds: float = 0.0
+    num_resumed: int = 0
 
 
 @dataclass(slots=True)
@@ -72,7 +74,8 @@ class Backend(Protocol):
 
         Raises before the first output: ``ValueError`` for a prompt the model can never serve,
         ``NoLiveReplicaError`` or ``OverloadedError``. Raises ``ReplicaFailedError`` mid-stream
-        if the serving replica dies. Closing the iterator early aborts the request.
+        if the serving replica dies (and the request cannot be resumed elsewhere). Closing the
+        iterator early aborts the request.
         ``cache_hints``: the router's key and the prefix to retain (``replicas.cache_hints``)."""
         ...
 

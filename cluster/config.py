@@ -58,6 +58,12 @@ class ServerConfig(_Section):
     max_waiting_requests: int = Field(
         256, ge=1, description="Requests queued per replica before new ones get HTTP 429."
     )
+    max_resumes: int = Field(
+        2,
+        ge=0,
+        description="Times a request whose replica is lost after its first output is resumed "
+        "on a live replica from the output already sent (0: it fails with replica_failed).",
+    )
     watchdog_stall_s: float | None = Field(
         2.0,
         gt=0,

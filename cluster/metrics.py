@@ -31,11 +31,11 @@ from prometheus_client.core import (
 
 from cluster.backend import ClusterStats, FrontStats, ReplicaStats
 from replicas.engine.engine import EngineStats
+from replicas.kv.events import TIERS, Tier
 from replicas.kv.records import CacheTypeStats
-from replicas.kv.events import Tier
 from replicas.kv.retention import estimated_hit_rates
 from replicas.outputs import RequestOutput
-from router.stats import MATCHED_FRACTION_BUCKETS, RouterStats
+from router.stats import MATCHED_FRACTION_BUCKETS, ReplicaRoutingStats, RouterStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -123,48 +123,7 @@ def _replica_families(replicas: list[ReplicaStats]) -> list[Metric]:
     up = GaugeMetricFamily("strata_replica_up", "1 while the replica is alive.", labels=["replica"])
     counters = [CounterMetricFamily(n, h, labels=["replica"]) for n, h, _ in _COUNTERS]
     gauges = [GaugeMetricFamily(n, h, labels=["replica"]) for n, h, _ in _GAUGES]
-    hits_by_tier = CounterMetricFamily(
-        "strata_prefix_cache_hits_by_tier",
-        "Prompt tokens served from the prefix cache, by the tier they came from.",
-        labels=["replica", "tier"],
-    )
-    evictions = CounterMetricFamily(
-        "strata_kv_evictions", "Cached blocks evicted, by tier.", labels=["replica", "tier"]
-    )
-    used = GaugeMetricFamily(
-        "strata_kv_blocks_used",
-        "KV blocks held by requests or transfers (neither free nor evictable), by tier and "
-        "cache type.",
-        labels=["replica", "tier", "cache_type"],
-    )
-    cached = GaugeMetricFamily(
-        "strata_kv_blocks_cached",
-        "KV blocks holding a reusable cached prefix (in use or evictable), by tier and cache type.",
-        labels=["replica", "tier", "cache_type"],
-    )
-    capacity = GaugeMetricFamily(
-        "strata_kv_blocks_capacity",
-        "KV blocks of the pool, by tier and cache type.",
-        labels=["replica", "tier", "cache_type"],
-    )
-    retained = GaugeMetricFamily(
-        "strata_kv_retained_blocks",
-        "Cached blocks kept ahead of ordinary ones for a prompt-cache lifetime, by tier (host, "
-        "disk) and cache type.",
-        labels=["replica", "tier", "cache_type"],
-    )
-    per_type = CounterMetricFamily(
-        "strata_kv_cache_type_blocks",
-        "Block events per cache type: npu_eviction, host_eviction, write_through_promotion, "
-        "write_back, loaded, stored, released_out_of_window.",
-        labels=["replica", "cache_type", "event"],
-    )
-    disk_events = CounterMetricFamily(
-        "strata_kv_disk_tier",
-        "Disk tier events (replicas with one): blocks_loaded, load_failures, blocks_stored, "
-        "reloads and recomputes (the cost rule's choices per waiting request), load_timeouts.",
-        labels=["replica", "event"],
-    )
+    cache = _CacheFamilies()
     retention = _RetentionFamilies()
     for replica in replicas:
         label = str(replica.replica_index)
@@ -176,46 +135,100 @@ def _replica_families(replicas: list[ReplicaStats]) -> list[Metric]:
             family.add_metric([label], value(stats))
         for family, (_, _, value) in zip(gauges, _GAUGES):
             family.add_metric([label], value(stats))
-        has_disk = any(u.num_disk_blocks for u in stats.cache_types.values())
+        cache.add(label, stats)
+        retention.add(label, stats)
+    return [up, *counters, *cache.families(), *gauges, *retention.families()]
+
+
+class _CacheFamilies:
+    """Hits, evictions and blocks by tier and cache type, and the disk tier's events."""
+
+    def __init__(self) -> None:
+        by_type = ["replica", "tier", "cache_type"]
+        self.hits_by_tier = CounterMetricFamily(
+            "strata_prefix_cache_hits_by_tier",
+            "Prompt tokens served from the prefix cache, by the tier they came from.",
+            labels=["replica", "tier"],
+        )
+        self.evictions = CounterMetricFamily(
+            "strata_kv_evictions", "Cached blocks evicted, by tier.", labels=["replica", "tier"]
+        )
+        self.used = GaugeMetricFamily(
+            "strata_kv_blocks_used",
+            "KV blocks held by requests or transfers (neither free nor evictable), by tier and "
+            "cache type.",
+            labels=by_type,
+        )
+        self.cached = GaugeMetricFamily(
+            "strata_kv_blocks_cached",
+            "KV blocks holding a reusable cached prefix (in use or evictable), by tier and cache "
+            "type.",
+            labels=by_type,
+        )
+        self.capacity = GaugeMetricFamily(
+            "strata_kv_blocks_capacity",
+            "KV blocks of the pool, by tier and cache type.",
+            labels=by_type,
+        )
+        self.retained = GaugeMetricFamily(
+            "strata_kv_retained_blocks",
+            "Cached blocks kept ahead of ordinary ones for a prompt-cache lifetime, by tier "
+            "(host, disk) and cache type.",
+            labels=by_type,
+        )
+        self.per_type = CounterMetricFamily(
+            "strata_kv_cache_type_blocks",
+            "Block events per cache type: npu_eviction, host_eviction, write_through_promotion, "
+            "write_back, loaded, stored, released_out_of_window.",
+            labels=["replica", "cache_type", "event"],
+        )
+        self.disk_events = CounterMetricFamily(
+            "strata_kv_disk_tier",
+            "Disk tier events (replicas with one): blocks_loaded, load_failures, blocks_stored, "
+            "reloads and recomputes (the cost rule's choices per waiting request), "
+            "load_timeouts.",
+            labels=["replica", "event"],
+        )
+
+    def add(self, label: str, stats: EngineStats) -> None:
+        has_disk = any(u.of(Tier.DISK).num_blocks for u in stats.cache_types.values())
         hits = stats.cache.hits_by_tier()
         if has_disk:
             hits.setdefault(Tier.DISK, 0)
         for tier, value in hits.items():
-            hits_by_tier.add_metric([label, tier], value)
-        evictions.add_metric([label, Tier.NPU], stats.cache.npu_evictions)
-        evictions.add_metric([label, Tier.HOST], stats.cache.host_evictions)
+            self.hits_by_tier.add_metric([label, tier], value)
+        self.evictions.add_metric([label, Tier.NPU], stats.cache.npu_evictions)
+        self.evictions.add_metric([label, Tier.HOST], stats.cache.host_evictions)
         if has_disk:
-            evictions.add_metric([label, Tier.DISK], sum(d.evictions for d in stats.disk.values()))
+            num_disk_evictions = sum(d.evictions for d in stats.disk.values())
+            self.evictions.add_metric([label, Tier.DISK], num_disk_evictions)
             for event, value in _DISK_EVENTS:
-                disk_events.add_metric([label, event], value(stats.cache))
+                self.disk_events.add_metric([label, event], value(stats.cache))
         for cache_type, counts in stats.cache.by_cache_type.items():
             for event, value in _PER_TYPE_EVENTS:
-                per_type.add_metric([label, cache_type, event], value(counts))
+                self.per_type.add_metric([label, cache_type, event], value(counts))
         for cache_type, usage in stats.cache_types.items():
             tiers = usage.by_tier()
             tiers.setdefault(Tier.HOST, (0, 0, 0))  # host series exist with the tier off too
             for tier, (num_blocks, num_used, num_cached) in tiers.items():
                 if tier != Tier.DISK:  # disk slots are never held by a request
-                    used.add_metric([label, tier, cache_type], num_used)
-                cached.add_metric([label, tier, cache_type], num_cached)
-                capacity.add_metric([label, tier, cache_type], num_blocks)
+                    self.used.add_metric([label, tier, cache_type], num_used)
+                self.cached.add_metric([label, tier, cache_type], num_cached)
+                self.capacity.add_metric([label, tier, cache_type], num_blocks)
             for tier, num_retained in usage.retained_by_tier().items():
-                retained.add_metric([label, tier, cache_type], num_retained)
-        retention.add(label, stats)
-    return [
-        up,
-        *counters,
-        hits_by_tier,
-        evictions,
-        per_type,
-        used,
-        cached,
-        capacity,
-        retained,
-        disk_events,
-        *gauges,
-        *retention.families(),
-    ]
+                self.retained.add_metric([label, tier, cache_type], num_retained)
+
+    def families(self) -> list[Metric]:
+        return [
+            self.hits_by_tier,
+            self.evictions,
+            self.per_type,
+            self.used,
+            self.cached,
+            self.capacity,
+            self.retained,
+            self.disk_events,
+        ]
 
 
 class _RetentionFamilies:
@@ -314,26 +327,29 @@ def router_metric_families(router_stats: RouterStats | None) -> list[Metric]:
     for replica in router_stats.replicas:
         label = str(replica.replica_index)
         routed.add_metric([label], replica.num_requests_routed)
-        matched.add_metric([label, Tier.NPU], replica.num_npu_matched_tokens)
-        matched.add_metric([label, Tier.HOST], replica.num_host_matched_tokens)
-        buckets = [
-            (str(bound), count)
-            for bound, count in zip(
-                MATCHED_FRACTION_BUCKETS, replica.matched_fraction_bucket_counts
-            )
-        ]
-        buckets.append(("+Inf", replica.matched_fraction_count))
-        fraction.add_metric([label], buckets, replica.matched_fraction_sum)
+        num_npu_matched = replica.num_matched_tokens_in(Tier.NPU)
+        matched.add_metric([label, Tier.NPU], num_npu_matched)
+        # The host series counts every matched token past the NPU (disk tier included).
+        matched.add_metric([label, Tier.HOST], replica.num_matched_tokens - num_npu_matched)
+        fraction.add_metric([label], _fraction_buckets(replica), replica.matched_fraction_sum)
         load.add_metric([label], replica.load_tokens)
         live.add_metric([label], 1.0 if replica.is_live else 0.0)
-        indexed.add_metric([label, Tier.NPU], replica.num_indexed_npu_blocks)
-        indexed.add_metric([label, Tier.HOST], replica.num_indexed_host_blocks)
-        if replica.num_indexed_disk_blocks:
-            indexed.add_metric([label, Tier.DISK], replica.num_indexed_disk_blocks)
+        for tier, num_blocks in zip(TIERS, replica.num_indexed_blocks_by_tier):
+            if num_blocks or tier in (Tier.NPU, Tier.HOST):  # a deeper tier's once it has blocks
+                indexed.add_metric([label, tier], num_blocks)
         gaps.add_metric([label], replica.num_event_gaps)
         resyncs.add_metric([label], replica.num_resyncs)
         by_key.add_metric([label], replica.num_key_affinity_routes)
     return [routed, matched, fraction, load, live, indexed, gaps, resyncs, by_key]
+
+
+def _fraction_buckets(replica: ReplicaRoutingStats) -> list[tuple[str, int]]:
+    """The cumulative buckets of a replica's matched-fraction histogram, ``+Inf`` last."""
+    buckets = [
+        (str(bound), count)
+        for bound, count in zip(MATCHED_FRACTION_BUCKETS, replica.matched_fraction_bucket_counts)
+    ]
+    return [*buckets, ("+Inf", replica.matched_fraction_count)]
 
 
 # (name without _total, help, value) of the serving front's counters (Ray deployments).
@@ -351,6 +367,9 @@ _FRONT_COUNTERS: list[tuple[str, str, Callable[[FrontStats], float]]] = [
      "Time from a stream message being announced to its outputs reaching their requests "
      "(fetch, deserialization, dispatch, event-loop waits).",
      lambda f: f.stream_seconds),
+    ("strata_requests_resumed",
+     "Requests resumed on a live replica after theirs was lost mid-stream.",
+     lambda f: f.num_resumed),
 ]  # fmt: skip
 
 

@@ -12,24 +12,30 @@ times its own engine steps when it starts (``replicas.calibration``), before it 
 event.
 """
 
+from __future__ import annotations
+
 import asyncio
 import logging
 import os
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
-import torch
 
-from replicas.engine.async_engine import AsyncEngine
 from replicas.cache_hints import CacheHints
-from replicas.calibration import StepCosts, measure_step_costs
-from replicas.config import EngineConfig
-from replicas.engine.engine import Engine, EngineStats
-from replicas.kv.events import KVEventBatch, KVSnapshot
+from replicas.kv.events import KVEventBatch, KVSnapshot, Tier
 from replicas.outputs import OutputDelta, RequestOutput
+from replicas.resume import ResumeState
 from replicas.sampling_params import SamplingParams
+from replicas.step_costs import StepCosts
+
+# The engine (and torch) are imported where a replica starts, not with this module: every
+# process that deserializes a replica's actor handle imports this module (Ray loads the actor's
+# class to know its methods), the router among them, which must stay free of torch.
+if TYPE_CHECKING:
+    from replicas.config import EngineConfig
+    from replicas.engine.engine import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -122,11 +128,18 @@ class ReplicaActor:
         max_waiting_requests: int | None = None,
         measure_costs: bool = False,
     ) -> None:
+        from replicas.calibration import measure_step_costs
+        from replicas.engine.async_engine import AsyncEngine
+        from replicas.engine.engine import Engine
+        from replicas.model.autotune import SCOPE_ENV
+
         self.replica_index = replica_index
         _log_to_the_driver()
         device = placed_device(engine_config.device)
         if device != engine_config.device:
             engine_config = engine_config.model_copy(update={"device": device})
+        # The deployment's replicas (and their restarts) share one job: and so one ``auto`` choice.
+        os.environ[SCOPE_ENV] = f"ray-job-{ray.get_runtime_context().get_job_id()}"
         self.engine = Engine(engine_config)
         # Before any KV event is recorded: the samples' blocks never reach the router.
         self._step_costs = measure_step_costs(self.engine) if measure_costs else None
@@ -173,15 +186,17 @@ class ReplicaActor:
         sampling_params: SamplingParams,
         cache_salt: str | None = None,
         cache_hints: CacheHints | None = None,
+        resumed: ResumeState | None = None,
     ) -> None:
         """Queue a request whose outputs go to ``subscriber``'s ``outputs`` stream. Raises, with
         nothing queued: ``OverloadedError`` (waiting queue full), ``ValueError`` (bad request),
-        ``ReplicaUnavailableError`` (this replica's engine failed)."""
+        ``ReplicaUnavailableError`` (this replica's engine failed). ``resumed``: the output a
+        lost replica generated for it (``replicas.resume``)."""
         self._check_engine()
         channel = self._subscriber(subscriber)
         await self.async_engine.released(request_id)  # aborted here before it was routed back
         self.async_engine.submit(
-            request_id, prompt_token_ids, sampling_params, cache_salt, channel, cache_hints
+            request_id, prompt_token_ids, sampling_params, cache_salt, channel, cache_hints, resumed
         )
         channel.request_ids.add(request_id)
 
@@ -266,6 +281,8 @@ class ReplicaActor:
 
     # ---- introspection -----------------------------------------------------------------------
     async def info(self) -> dict[str, int | str]:
+        import torch
+
         return {
             "replica_index": self.replica_index,
             "max_model_len": self.engine.max_model_len,
@@ -302,8 +319,8 @@ class ReplicaActor:
         self.engine.check_integrity()
         primary = next(iter(self.engine.kv_cache.usage().values()))
         return {
-            "npu_blocks_used": primary.num_npu_blocks_used,
-            "host_blocks_used": primary.num_host_blocks_used,
+            "npu_blocks_used": primary.of(Tier.NPU).num_used,
+            "host_blocks_used": primary.of(Tier.HOST).num_used,
             "num_unfinished": self.engine.num_unfinished,
         }
 

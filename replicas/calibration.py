@@ -1,5 +1,7 @@
 """A replica's step costs, measured on its own engine: what the router's ``ttft`` profile
 predicts a time to first token from (``router.config.TTFTCosts``) when the config gives none.
+The record the replica reports, ``StepCosts``, lives in ``replicas.step_costs`` (the router
+imports it without torch or the engine).
 
 ``measure_step_costs`` times engine steps on random prompts, before the replica serves:
 
@@ -26,12 +28,13 @@ import random
 import statistics
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from replicas.sampling_params import SamplingParams
+from replicas.step_costs import StepCosts
 
 if TYPE_CHECKING:
     from replicas.engine.engine import Engine
@@ -55,35 +58,6 @@ FIT_NAMES = (
     "decode_s_per_context_token",
 )
 STEP, PER_TOKEN, CONTEXT = 0, 1, 2  # their columns in the fit
-
-
-class StepCosts(NamedTuple):
-    """Seconds of one engine step's parts (names as ``router.config.TTFTCosts``)."""
-
-    step_s: float
-    prefill_s_per_token: float
-    prefill_s_per_token_context: float
-    decode_s_per_seq: float
-    decode_s_per_context_token: float
-    reload_s_per_block: float
-    disk_reload_s_per_block: float
-    max_num_batched_tokens: int
-    fit_error: float  # median relative error of the fit over its samples
-    seconds: float  # how long the measurement took
-
-    def ttft_costs(self) -> dict[str, float | int]:
-        """The fields ``TTFTCosts`` takes."""
-        return {k: v for k, v in self._asdict().items() if k not in ("fit_error", "seconds")}
-
-
-def median_costs(costs: Sequence[StepCosts]) -> StepCosts:
-    """Each field's median over several replicas' measurements."""
-    fields = zip(*costs)
-    values = [statistics.median(f) for f in fields]
-    values[StepCosts._fields.index("max_num_batched_tokens")] = min(
-        c.max_num_batched_tokens for c in costs
-    )
-    return StepCosts(*values)
 
 
 def fit_step_costs(

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -29,6 +29,9 @@ RETAINED_SHARE_OPTION = "--experimental-kv-offload-retained-share"
 DISK_PATH_OPTION = "--experimental-kv-offload-disk-path"
 DISK_GB_OPTION = "--experimental-kv-offload-disk-gb"
 SPECULATIVE_NGRAM_OPTION = "--speculative-ngram"
+
+IMMEDIATE_PROMOTION = "immediate"
+"""The ``write_through_threshold`` that copies every block to host when it is first written."""
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -100,17 +103,19 @@ class KVOffloadConfig(_Config):
     enabled: bool = Field(False, description="Turn the host tier on (must be explicit).")
     host_memory_bytes: int | None = Field(
         None,
-        description="Process-wide host KV budget in bytes, divided equally among DP replicas; "
-        "positive when set.",
+        description="Host KV budget in bytes for the whole deployment, divided equally among "
+        "the replicas; positive when set, exclusive with host_memory_ratio.",
     )
     host_memory_ratio: float = Field(
         0.0,
-        description="Host blocks per NPU block, per replica and cache type (floor); 0: no ratio.",
+        description="Host blocks per NPU block, per replica and cache type (floor); 0: no ratio. "
+        "Exclusive with host_memory_bytes.",
     )
-    write_through_threshold: int | None = Field(
+    write_through_threshold: int | Literal["immediate"] = Field(
         2,
-        description="Copy an NPU block to host when its hit count reaches this; None disables, "
-        "0 copies at first write.",
+        description="Copy an NPU block to host when its hits (later requests matching it) reach "
+        "this many; 0 disables write-through; 'immediate' copies every block when it is first "
+        "written.",
     )
     write_back: bool = Field(
         False, description="Copy NPU-only cached blocks to host when NPU pressure evicts them."
@@ -129,15 +134,26 @@ class KVOffloadConfig(_Config):
         "threshold is stored then, any other when the reuse observed for its kind pays for the "
         "copy (exclusive with write_back).",
     )
+    miss_ratio_curve_sample_rate: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Share of block hashes (0 < rate <= 1) the miss-ratio curve's ghost records "
+        "and shadow host tiers track, per cache type (spatial sampling; the tuning hint and the "
+        "host hit rate estimates read the curve); 1.0: exact shadows, every hash (up to 17.5x "
+        "the host capacity in hashes); None: about 1% of the host capacity in hashes, with at "
+        "least 1024 sampled blocks in the 1x shadow (every hash below 1024 host blocks).",
+    )
     disk_path: str | None = Field(
         None,
-        description="Directory of the disk KV tier (behind the host tier), shared by the "
-        "replicas of one node and kept across restarts; None: no disk tier.",
+        description="Directory of the disk KV tier behind the host tier: blocks leave host for "
+        "it by the host tier's rules, survive restarts and are read by every replica of the "
+        "node; needs disk_bytes. None: no disk tier.",
     )
     disk_bytes: int | None = Field(
         None,
-        description="Process-wide disk KV budget in bytes, divided equally among DP replicas; "
-        "positive, and set exactly when disk_path is.",
+        description="Disk KV budget in bytes for the whole deployment, divided equally among "
+        "the replicas; positive, and set exactly when disk_path is.",
     )
     retained_share: float = Field(
         0.25,
@@ -146,8 +162,26 @@ class KVOffloadConfig(_Config):
         "prompt_cache_breakpoint) may hold ahead of ordinary blocks; 0 retains nothing.",
     )
 
+    @field_validator("write_through_threshold", mode="before")
+    @classmethod
+    def _none_is_off(cls, value: object) -> object:
+        """``None``, the Python API's former spelling of "off", reads as 0."""
+        return 0 if value is None else value
+
     @model_validator(mode="after")
     def _check(self) -> "KVOffloadConfig":
+        self._check_values()
+        self._check_disk()
+        self._check_capacity()
+        self._warn_without_capacity()
+        return self
+
+    @property
+    def _has_capacity(self) -> bool:
+        return self.host_memory_bytes is not None or self.host_memory_ratio > 0
+
+    def _check_values(self) -> None:
+        """Each host-tier value on its own, and the one pair of policies that excludes itself."""
         if not (math.isfinite(self.retained_share) and 0.0 <= self.retained_share <= 1.0):
             raise ValueError(
                 f"kv_offload_config.retained_share ({RETAINED_SHARE_OPTION}) must be a number "
@@ -164,16 +198,20 @@ class KVOffloadConfig(_Config):
                 f"kv_offload_config.host_memory_ratio ({HOST_RATIO_OPTION}) must be non-negative "
                 f"(0: no ratio), got {self.host_memory_ratio}"
             )
-        if self.write_through_threshold is not None and self.write_through_threshold < 0:
+        threshold = self.write_through_threshold
+        if threshold != IMMEDIATE_PROMOTION and threshold < 0:
             raise ValueError(
                 f"kv_offload_config.write_through_threshold ({WRITE_THROUGH_OPTION}) must be "
-                f">= 0 or None, got {self.write_through_threshold}"
+                f">= 0 (0 disables) or '{IMMEDIATE_PROMOTION}', got {threshold}"
             )
         if self.retention == "adaptive" and self.write_back:
             raise ValueError(
                 f"kv_offload_config.retention='adaptive' ({RETENTION_OPTION} adaptive) decides "
                 f"write-back per block; it cannot be combined with write_back ({WRITE_BACK_OPTION})"
             )
+
+    def _check_disk(self) -> None:
+        """The disk tier: a positive budget and a non-empty path, given together."""
         if self.disk_bytes is not None and self.disk_bytes <= 0:
             raise ValueError(
                 f"kv_offload_config.disk_bytes ({DISK_GB_OPTION}) must be positive, got "
@@ -188,54 +226,65 @@ class KVOffloadConfig(_Config):
             raise ValueError(f"kv_offload_config.{given} needs {missing} too")
         if self.disk_path is not None and not self.disk_path.strip():
             raise ValueError(f"kv_offload_config.disk_path ({DISK_PATH_OPTION}) is empty")
-        has_bytes = num_bytes is not None
-        has_ratio = self.host_memory_ratio > 0
+
+    def _check_capacity(self) -> None:
+        """One host capacity, given exactly when the tier is on; the disk tier needs it."""
         check_one_host_capacity(
-            has_bytes,
-            has_ratio,
+            self.host_memory_bytes is not None,
+            self.host_memory_ratio > 0,
             f"kv_offload_config.host_memory_bytes ({HOST_GB_OPTION})",
             f"kv_offload_config.host_memory_ratio ({HOST_RATIO_OPTION})",
         )
-        if self.disk_path is not None and not (self.enabled and (has_bytes or has_ratio)):
+        if self.disk_path is not None and not (self.enabled and self._has_capacity):
             raise ValueError(
                 f"kv_offload_config.disk_path ({DISK_PATH_OPTION}) needs the host tier: disk "
                 f"blocks load through it; set enabled=True and {HOST_GB_OPTION} or "
                 f"{HOST_RATIO_OPTION}"
             )
-        if self.enabled and not (has_bytes or has_ratio):
+        if self.enabled and not self._has_capacity:
             raise ValueError(
                 "kv_offload_config.enabled=True needs a positive host_memory_bytes or "
                 "host_memory_ratio"
             )
-        if not self.enabled and (has_bytes or has_ratio):
+        if not self.enabled and self._has_capacity:
             warnings.warn(
                 "kv_offload_config sets a host capacity but enabled=False: the host KV tier "
                 "stays off; pass enabled=True to turn it on",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
+
+    def _warn_without_capacity(self) -> None:
+        """Write options given without a host capacity cannot take effect: say so."""
         ignored = []
         if self.retention == "adaptive":
             ignored.append(f"retention='adaptive' ({RETENTION_OPTION})")
         if self.write_back:
             ignored.append(f"write_back ({WRITE_BACK_OPTION})")
-        if self.write_through_threshold is not None and (
+        if self.write_through_threshold != 0 and (
             "write_through_threshold" in self.model_fields_set
         ):
             ignored.append(f"write_through_threshold ({WRITE_THROUGH_OPTION})")
-        if ignored and not (has_bytes or has_ratio):
+        if ignored and not self._has_capacity:
             warnings.warn(
                 f"kv_offload_config sets {' and '.join(ignored)} but no host capacity "
                 f"({HOST_GB_OPTION} or {HOST_RATIO_OPTION}): the host KV tier stays off and "
                 f"{'they have' if len(ignored) > 1 else 'it has'} no effect",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-        return self
+
+    @property
+    def promotion_threshold(self) -> int | None:
+        """``write_through_threshold`` as the cache manager takes it
+        (``KVCacheManager(write_through_threshold=...)``): None off, 0 at first write, else
+        the number of hits."""
+        threshold = self.write_through_threshold
+        return 0 if threshold == IMMEDIATE_PROMOTION else threshold or None
 
     @property
     def is_active(self) -> bool:
-        return self.enabled and (self.host_memory_bytes is not None or self.host_memory_ratio > 0)
+        return self.enabled and self._has_capacity
 
     @property
     def has_disk(self) -> bool:

@@ -4,6 +4,8 @@ import operator
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from replicas.kv.events import Tier, tier_count
+
 
 class TokenLogprob(NamedTuple):
     """A token's log-probability under the model, and the likeliest tokens at its position
@@ -19,8 +21,10 @@ class RequestOutput:
     """The state of one request after an engine step. ``text`` and ``token_ids`` are cumulative;
     ``new_token_ids`` and ``new_text`` are what this step added (for streaming).
 
-    ``num_cached_tokens`` prompt tokens were served from the prefix cache at admission, split by
-    the tier they came from (``num_npu_cached_tokens + num_host_cached_tokens``).
+    ``num_cached_tokens`` prompt tokens were served from the prefix cache at admission;
+    ``num_cached_tokens_by_tier`` splits them by the tier they came from (a per-tier tuple in
+    ``replicas.kv.events.TIERS`` order; a disk block reaches the NPU through the host tier and
+    counts as host).
 
     ``logprobs`` (one per token of ``token_ids``) and ``prompt_logprobs`` (one per prompt token,
     ``None`` for the first) are set when the sampling parameters asked for them; ``new_logprobs``
@@ -36,8 +40,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     num_cached_tokens: int
-    num_npu_cached_tokens: int
-    num_host_cached_tokens: int
+    num_cached_tokens_by_tier: tuple[int, ...]
     arrival_time: float
     first_token_time: float | None
     finish_time: float | None
@@ -51,6 +54,9 @@ class RequestOutput:
     new_prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first output only
     cumulative_logprob: float | None = None
     index: int = 0
+
+    def num_cached_tokens_in(self, tier: Tier) -> int:
+        return tier_count(self.num_cached_tokens_by_tier, tier)
 
     @property
     def ttft_s(self) -> float | None:
@@ -73,8 +79,7 @@ class OutputDelta(NamedTuple):
     finished: bool
     finish_reason: str | None
     num_cached_tokens: int
-    num_npu_cached_tokens: int
-    num_host_cached_tokens: int
+    num_cached_tokens_by_tier: tuple[int, ...]
     arrival_time: float
     first_token_time: float | None
     finish_time: float | None
@@ -94,16 +99,30 @@ class OutputDelta(NamedTuple):
 _DELTA_VALUES = operator.attrgetter(*OutputDelta._fields)
 
 
+_PROGRESS_FIELDS = frozenset(
+    ("request_id", "new_token_ids", "new_text", "finished", "finish_reason", "finish_time")
+    + ("replica_index", "new_logprobs", "new_prompt_logprobs", "cumulative_logprob")
+)
+"""The fields of an ``OutputDelta`` a resumed request takes from its new replica."""
+
+
 class OutputAccumulator:
     """One request's ``RequestOutput``s rebuilt from its ``OutputDelta``s, in order: the tokens
-    and text so far are the sum of every delta's new ones."""
+    and text so far are the sum of every delta's new ones. A request resumed on another
+    replica (``replicas.resume``) continues from its last output before the loss, ``resumed``,
+    and keeps that output's arrival, first token and prompt cache figures: the client's."""
 
-    def __init__(self, prompt_token_ids: list[int]) -> None:
+    def __init__(self, prompt_token_ids: list[int], resumed: RequestOutput | None = None) -> None:
         self.prompt_token_ids = prompt_token_ids
-        self.token_ids: list[int] = []
-        self.text = ""
-        self.logprobs: list[TokenLogprob] | None = None
-        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        self.token_ids: list[int] = list(resumed.token_ids) if resumed else []
+        self.text = resumed.text if resumed else ""
+        self.logprobs = list(resumed.logprobs) if resumed and resumed.logprobs else None
+        self.prompt_logprobs = resumed.prompt_logprobs if resumed else None
+        self._kept = (
+            {f: getattr(resumed, f) for f in OutputDelta._fields if f not in _PROGRESS_FIELDS}
+            if resumed
+            else {}
+        )
 
     def add(self, delta: OutputDelta) -> RequestOutput:
         self.token_ids += delta.new_token_ids
@@ -112,7 +131,7 @@ class OutputAccumulator:
             self.logprobs = (self.logprobs or []) + delta.new_logprobs
         if delta.new_prompt_logprobs is not None:
             self.prompt_logprobs = delta.new_prompt_logprobs
-        fields = delta._asdict()
+        fields = delta._asdict() | self._kept
         return RequestOutput(
             prompt_logprobs=self.prompt_logprobs,
             prompt_token_ids=self.prompt_token_ids,

@@ -15,9 +15,9 @@ from collections.abc import Collection, Sequence
 
 import ray
 
-from replicas.calibration import StepCosts, median_costs
-from replicas.kv.hashing import BlockHash
 from replicas.kv.events import KVEventBatch
+from replicas.kv.hashing import BlockHash
+from replicas.step_costs import StepCosts, median_costs
 from router.config import RoutingConfig, TTFTCosts
 from router.policies import RouteDecision
 from router.router import NoLiveReplicaError, Router

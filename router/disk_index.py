@@ -2,7 +2,7 @@
 which replicas share a node (and so read each other's disk blocks).
 
 A replica publishes ``stored`` / ``removed`` events of tier ``disk`` for the blocks of its own
-slab (``replicas.kv.disk``), and a snapshot's ``disk_hashes``; a restarted replica announces
+slab (``replicas.kv.disk``), and a snapshot's disk hashes; a restarted replica announces
 the blocks it took back from its slab as its first events. Any replica on the writer's node can
 read a block, so a prompt's disk run on replica r is the run of blocks, right after its NPU/host
 match, that some replica on r's node wrote::
@@ -18,8 +18,8 @@ a hybrid model's disk blocks are not credited (its sliding window would need the
 
 from collections.abc import Sequence
 
-from replicas.kv.hashing import BlockHash
 from replicas.kv.events import FULL, KVEventBatch, KVEventKind, KVSnapshot, Tier
+from replicas.kv.hashing import BlockHash
 
 
 class NodeDiskIndex:

@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import ClassVar, NamedTuple
 
+from replicas.kv.events import TIERS, Tier, tier_count
 from router.config import (
     DEFAULT_DISK_HIT_WEIGHT,
     DEFAULT_KEY_OVERLOAD_FACTOR,
@@ -19,6 +20,9 @@ from router.config import (
     TTFTCosts,
 )
 from router.prefix_index import IndexMatch
+
+_NPU, _HOST, _DISK = (TIERS.index(tier) for tier in (Tier.NPU, Tier.HOST, Tier.DISK))
+"""Where each tier's count sits in a per-tier tuple (scoring reads them for every replica)."""
 
 
 class ReplicaQueues(NamedTuple):
@@ -37,11 +41,15 @@ class RouteDecision(NamedTuple):
     score: float
     num_matched_tokens: int
     """Prompt tokens cached on the chosen replica in any tier (unweighted), at most the prompt."""
-    num_npu_matched_tokens: int
-    num_host_matched_tokens: int
+    num_matched_tokens_by_tier: tuple[int, ...]
+    """``num_matched_tokens`` per tier (``replicas.kv.events.TIERS`` order): the match's blocks
+    in tier order, cut at the prompt's end."""
     is_key_affinity: bool = False
     """Whether the chosen replica is the request's ``prompt_cache_key`` replica, credited as
     caching the whole prompt (it was not overloaded)."""
+
+    def num_matched_tokens_in(self, tier: Tier) -> int:
+        return tier_count(self.num_matched_tokens_by_tier, tier)
 
 
 class RoutingPolicy(ABC):
@@ -116,10 +124,11 @@ class RoutingPolicy(ABC):
     def prefix_score(self, match: IndexMatch, num_prompt_tokens: int) -> float:
         if num_prompt_tokens <= 0:
             return 0.0
+        blocks = match.num_blocks_by_tier
         weighted_blocks = (
-            match.num_npu_blocks
-            + self.host_hit_weight * match.num_host_blocks
-            + self.disk_hit_weight * match.num_disk_blocks
+            blocks[_NPU]
+            + self.host_hit_weight * blocks[_HOST]
+            + self.disk_hit_weight * blocks[_DISK]
         )
         return min(1.0, weighted_blocks * self.block_size / num_prompt_tokens)
 
@@ -138,16 +147,20 @@ class RoutingPolicy(ABC):
         num_prompt_tokens: int,
         is_key_affinity: bool = False,
     ) -> RouteDecision:
-        num_npu = min(match.num_npu_blocks * self.block_size, num_prompt_tokens)
-        num_matched = min(match.num_blocks * self.block_size, num_prompt_tokens)
+        num_by_tier = []
+        num_matched = num_blocks = 0
+        for num_tier_blocks in match.num_blocks_by_tier:
+            num_blocks += num_tier_blocks
+            end = min(num_blocks * self.block_size, num_prompt_tokens)
+            num_by_tier.append(end - num_matched)
+            num_matched = end
         return RouteDecision(
             replica,
             prefix_score,
             load_score,
             score,
             num_matched,
-            num_npu,
-            num_matched - num_npu,
+            tuple(num_by_tier),
             is_key_affinity,
         )
 
@@ -348,8 +361,9 @@ class TTFTPolicy(ScoringPolicy):
         decode = steps * (
             c.step_s + c.decode_s_per_seq * num_requests + c.decode_s_per_context_token * running
         )
-        reload = c.reload_s_per_block * match.num_host_blocks
-        return prefill + decode + reload + c.disk_reload_s_per_block * match.num_disk_blocks
+        blocks = match.num_blocks_by_tier
+        reload = c.reload_s_per_block * blocks[_HOST]
+        return prefill + decode + reload + c.disk_reload_s_per_block * blocks[_DISK]
 
     def choose(
         self,

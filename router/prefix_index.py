@@ -1,18 +1,27 @@
 """The router's virtual prefix index: which replica holds which block, in which tier.
 
 Fed only by the replicas' KV events and snapshots (``replicas.kv.events``); it never sees a
-replica's blocks, only their hashes. Because block hashes chain (``replicas.kv.hashing``), a prompt's
-cached prefix on a replica is the leading run of its block hashes that the replica holds.
+replica's blocks, only their hashes. Because block hashes chain (``replicas.kv.hashing``), a
+prompt's cached prefix on a replica is the leading run of its block hashes that the replica holds.
 """
 
 import sys
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from itertools import repeat, takewhile
 from typing import NamedTuple
 
+from replicas.kv.events import (
+    FULL,
+    TIERS,
+    KVEventBatch,
+    KVEventKind,
+    KVSnapshot,
+    Tier,
+    per_tier,
+    tier_count,
+)
 from replicas.kv.hashing import BlockHash
-from replicas.kv.events import FULL, KVEventBatch, KVEventKind, KVSnapshot, Tier
 
 _LANE_BITS = 8
 """Replicas per lane: ``match`` scans one byte per block and lane with C-level bytes methods."""
@@ -21,19 +30,37 @@ _BIT_TABLES = tuple(bytes((x >> bit) & 1 for x in range(256)) for bit in range(_
 
 
 class IndexMatch(NamedTuple):
-    """The cached prefix of one prompt on one replica, in blocks per tier.
+    """The cached prefix of one prompt on one replica, in blocks per tier: a per-tier tuple
+    (``replicas.kv.events.TIERS`` order, one entry per tier).
 
-    A block held in both tiers counts as NPU (it is reusable without a reload). Disk blocks
-    (``router.disk_index``) continue the prefix after the NPU/host run.
+    A block held in both NPU and host counts as NPU (it is reusable without a reload). Disk
+    blocks (``router.disk_index``) continue the prefix after the NPU/host run.
     """
 
-    num_npu_blocks: int
-    num_host_blocks: int
-    num_disk_blocks: int = 0
+    num_blocks_by_tier: tuple[int, ...]
+
+    @classmethod
+    def of(cls, num_blocks: Mapping[Tier, int]) -> "IndexMatch":
+        """The match of ``num_blocks`` per tier (0 for the tiers it lacks)."""
+        return cls(per_tier(num_blocks))
 
     @property
     def num_blocks(self) -> int:
-        return self.num_npu_blocks + self.num_host_blocks + self.num_disk_blocks
+        return sum(self.num_blocks_by_tier)
+
+    def num_blocks_in(self, tier: Tier) -> int:
+        return tier_count(self.num_blocks_by_tier, tier)
+
+    def with_blocks_in(self, tier: Tier, num_blocks: int) -> "IndexMatch":
+        """This match with ``num_blocks`` in ``tier`` instead."""
+        num_blocks_by_tier = list(self.num_blocks_by_tier)
+        num_blocks_by_tier[TIERS.index(tier)] = num_blocks
+        return IndexMatch(tuple(num_blocks_by_tier))
+
+
+_PAST_HOST = (0,) * (len(TIERS) - 2)
+"""A ``PrefixIndex`` match's entries for the tiers after NPU and host, which it does not hold."""
+NO_MATCH = IndexMatch.of({})
 
 
 class PrefixIndex:
@@ -153,7 +180,7 @@ class PrefixIndex:
         """Cached prefix of a prompt on each replica (read-only).
 
         Returns one ``IndexMatch`` per replica index (``num_replicas`` of them); replicas not in
-        ``replicas`` get ``(0, 0)``. A replica's match is the longest leading run of
+        ``replicas`` get ``NO_MATCH``. A replica's match is the longest leading run of
         ``block_hashes`` it holds in any tier, counted per tier.
 
         One pass of dict look-ups stops at the first hash no replica holds; the entries are then
@@ -168,7 +195,7 @@ class PrefixIndex:
         entries = list(takewhile(bool, map(self._holders.get, block_hashes, repeat(0))))
         raw, stride = self._entry_bytes(entries)
         num_lanes = self._num_lanes
-        matches = [IndexMatch(0, 0)] * self.num_replicas
+        matches = [NO_MATCH] * self.num_replicas
         for lane in range(num_lanes):
             still = (candidates >> (lane * _LANE_BITS)) & 0xFF
             if not still:
@@ -182,10 +209,11 @@ class PrefixIndex:
                 if pos < 0:
                     pos = len(entries)
                 held = any_bytes[pos] if pos < len(entries) else 0
-                if pos:  # replicas dropping out at block 0 keep their (0, 0)
+                if pos:  # replicas dropping out at block 0 keep their NO_MATCH
                     for bit in _bits(still & ~held):
                         num_host = host_only_bytes[:pos].translate(_BIT_TABLES[bit]).count(1)
-                        matches[lane * _LANE_BITS + bit] = IndexMatch(pos - num_host, num_host)
+                        num_blocks = (pos - num_host, num_host, *_PAST_HOST)
+                        matches[lane * _LANE_BITS + bit] = IndexMatch(num_blocks)
                 still &= held
         return matches
 
@@ -200,7 +228,7 @@ class PrefixIndex:
         bit = 1 << replica << self._field_bits
         get = self._holders.get
         num_host = sum(1 for h in block_hashes if get(h, 0) & bit)
-        return IndexMatch(len(block_hashes) - num_host, num_host)
+        return IndexMatch((len(block_hashes) - num_host, num_host, *_PAST_HOST))
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless every entry is well formed and the counts agree."""

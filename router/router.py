@@ -4,8 +4,15 @@
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from replicas.kv.events import (
+    SLIDING,
+    KVEventBatch,
+    KVSnapshot,
+    Tier,
+    per_tier,
+    safe_prefix_length,
+)
 from replicas.kv.hashing import BlockHash
-from replicas.kv.events import SLIDING, KVEventBatch, KVSnapshot, safe_prefix_length
 from router.affinity import KeyAffinity
 from router.config import RoutingConfig, TTFTCosts
 from router.disk_index import NodeDiskIndex
@@ -137,9 +144,7 @@ class Router:
         if self.config.enable_prefix_caching:
             self._pending.add(request_id, decision.replica_index, block_hashes)
         counters = self._counters[decision.replica_index]
-        counters.record_route(
-            decision.num_matched_tokens, decision.num_npu_matched_tokens, num_prompt_tokens
-        )
+        counters.record_route(decision.num_matched_tokens_by_tier, num_prompt_tokens)
         counters.num_key_affinity_routes += int(decision.is_key_affinity)
         return decision
 
@@ -154,10 +159,10 @@ class Router:
                 match = matches[replica]
                 num_disk = self._disk.extend(block_hashes, match.num_blocks, replica)
                 if num_disk:
-                    matches[replica] = match._replace(num_disk_blocks=num_disk)
+                    matches[replica] = match.with_blocks_in(Tier.DISK, num_disk)
         for replica, num_blocks in self._pending.runs(block_hashes).items():
             if num_blocks > matches[replica].num_blocks:
-                matches[replica] = IndexMatch(num_blocks, 0)
+                matches[replica] = IndexMatch.of({Tier.NPU: num_blocks})
         return matches
 
     def _safe(
@@ -282,17 +287,20 @@ class Router:
                     needs_resync=sync.needs_resync,
                     num_requests_routed=counters.num_requests_routed,
                     num_matched_tokens=counters.num_matched_tokens,
-                    num_npu_matched_tokens=counters.num_npu_matched_tokens,
-                    num_host_matched_tokens=counters.num_host_matched_tokens,
+                    num_matched_tokens_by_tier=tuple(counters.num_matched_tokens_by_tier),
                     matched_fraction_sum=counters.matched_fraction_sum,
                     matched_fraction_count=buckets[-1],
                     matched_fraction_bucket_counts=buckets,
                     load_tokens=self._load.load_tokens[i],
-                    num_indexed_npu_blocks=self._index.num_npu_blocks(i),
-                    num_indexed_host_blocks=self._index.num_host_blocks(i),
+                    num_indexed_blocks_by_tier=per_tier(
+                        {
+                            Tier.NPU: self._index.num_npu_blocks(i),
+                            Tier.HOST: self._index.num_host_blocks(i),
+                            Tier.DISK: self._disk.num_blocks(i),
+                        }
+                    ),
                     num_event_gaps=counters.num_event_gaps,
                     num_resyncs=counters.num_resyncs,
-                    num_indexed_disk_blocks=self._disk.num_blocks(i),
                     num_key_affinity_routes=counters.num_key_affinity_routes,
                 )
             )

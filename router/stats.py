@@ -3,6 +3,8 @@
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
+from replicas.kv.events import TIERS, Tier, tier_count
+
 MATCHED_FRACTION_BUCKETS: tuple[float, ...] = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 """Upper bounds (``le``) of the matched-fraction histogram buckets."""
 
@@ -14,6 +16,7 @@ class ReplicaRoutingStats:
     ``matched_fraction_bucket_counts[k]`` counts decisions whose matched fraction (matched prompt
     tokens in any tier / prompt tokens) is at most ``MATCHED_FRACTION_BUCKETS[k]``: cumulative,
     as a Prometheus histogram wants it, so the last bucket equals ``matched_fraction_count``.
+    The ``*_by_tier`` counts are per-tier tuples (``replicas.kv.events.TIERS`` order).
     """
 
     replica_index: int
@@ -21,18 +24,21 @@ class ReplicaRoutingStats:
     needs_resync: bool
     num_requests_routed: int
     num_matched_tokens: int
-    num_npu_matched_tokens: int
-    num_host_matched_tokens: int
+    num_matched_tokens_by_tier: tuple[int, ...]
     matched_fraction_sum: float
     matched_fraction_count: int
     matched_fraction_bucket_counts: tuple[int, ...]
     load_tokens: int
-    num_indexed_npu_blocks: int
-    num_indexed_host_blocks: int
+    num_indexed_blocks_by_tier: tuple[int, ...]  # disk: written by the replica to its node's disk
     num_event_gaps: int
     num_resyncs: int
-    num_indexed_disk_blocks: int = 0  # written by the replica to its node's disk tier
     num_key_affinity_routes: int = 0  # decisions that followed the request's prompt_cache_key
+
+    def num_matched_tokens_in(self, tier: Tier) -> int:
+        return tier_count(self.num_matched_tokens_by_tier, tier)
+
+    def num_indexed_blocks_in(self, tier: Tier) -> int:
+        return tier_count(self.num_indexed_blocks_by_tier, tier)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +59,7 @@ class RoutingCounters:
 
     num_requests_routed: int = 0
     num_matched_tokens: int = 0
-    num_npu_matched_tokens: int = 0
-    num_host_matched_tokens: int = 0
+    num_matched_tokens_by_tier: list[int] = field(default_factory=lambda: [0] * len(TIERS))
     matched_fraction_sum: float = 0.0
     num_event_gaps: int = 0
     num_resyncs: int = 0
@@ -64,14 +69,15 @@ class RoutingCounters:
     fractions in ``(MATCHED_FRACTION_BUCKETS[k - 1], MATCHED_FRACTION_BUCKETS[k]]``."""
 
     def record_route(
-        self, num_matched_tokens: int, num_npu_tokens: int, num_prompt_tokens: int
+        self, num_matched_tokens_by_tier: tuple[int, ...], num_prompt_tokens: int
     ) -> None:
-        """Count one decision for this replica (mutates)."""
+        """Count one decision for this replica (mutates): its matched tokens per tier."""
+        num_matched_tokens = sum(num_matched_tokens_by_tier)
         fraction = num_matched_tokens / num_prompt_tokens if num_prompt_tokens > 0 else 0.0
         self.num_requests_routed += 1
         self.num_matched_tokens += num_matched_tokens
-        self.num_npu_matched_tokens += num_npu_tokens
-        self.num_host_matched_tokens += num_matched_tokens - num_npu_tokens
+        for i, num_tokens in enumerate(num_matched_tokens_by_tier):
+            self.num_matched_tokens_by_tier[i] += num_tokens
         self.matched_fraction_sum += fraction
         self.bucket_counts[bisect_left(MATCHED_FRACTION_BUCKETS, fraction)] += 1
 

@@ -14,6 +14,7 @@ from typing import ClassVar
 
 from benchmarks.sim.engine import SimulatedEngine, StepReport
 from replicas.engine.request import Request
+from replicas.kv.events import Tier
 from router.config import RoutingConfig
 from router.router import Router
 
@@ -37,7 +38,8 @@ class ClusterView:
     def npu_usage(self, replica: int) -> float:
         """Fraction of NPU blocks referenced by running requests (vLLM's KV cache usage)."""
         usage = next(iter(self._engines[replica].kv_cache.usage().values()))
-        return usage.num_npu_blocks_used / usage.num_npu_blocks
+        npu = usage.of(Tier.NPU)
+        return npu.num_used / npu.num_blocks
 
 
 class RoutingAgent(ABC):

@@ -99,7 +99,9 @@ def decode_samples(llm: LLM, rng: random.Random) -> list[tuple[int, int, float]]
 
 def load_samples(rng: random.Random) -> list[tuple[int, float]]:
     """(blocks loaded from host, seconds): host-hit TTFT minus NPU-hit TTFT of one prompt."""
-    offload = KVOffloadConfig(enabled=True, host_memory_ratio=2.0, write_through_threshold=0)
+    offload = KVOffloadConfig(
+        enabled=True, host_memory_ratio=2.0, write_through_threshold="immediate"
+    )
     llm = _llm(offload)
     samples = []
     for num_blocks in LOAD_BLOCKS:

@@ -3,18 +3,20 @@
 ``retention="clairvoyant"`` stores a block leaving the NPU tier (with no host copy) exactly when
 the trace requests it again within ``window_s`` seconds of the eviction: it reads the future,
 which no replica can. As under the adaptive policy every store is decided at eviction (none at
-the promotion threshold); the host tier's LRU eviction and every other rule stay as in the real
-manager (the tracker is the manager's own, with only its decision replaced), so a run shows how
-many hits a store decision could buy at most with a given number of stores, and so whether a
-shortfall of the adaptive policy lies in its prediction of reuse or elsewhere. It
-keeps no shadow host tiers (they would follow the adaptive rule), so a run has no curve.
+the promotion threshold), and a disk tier's stores are decided as the adaptive policy decides
+them; the host tier's LRU eviction and every other rule stay as in the real manager, so a run
+shows how many hits a store decision could buy at most with a given number of stores, and so
+whether a shortfall of the adaptive policy lies in its prediction of reuse or elsewhere. The
+miss-ratio curve's shadows follow the bound too (``ShadowKey(f, "clairvoyant")``).
 """
 
 import bisect
 from collections.abc import Callable, Iterable
 
 from replicas.kv.hashing import BlockHash
-from replicas.kv.retention import RetentionTracker
+from replicas.kv.retention import AdaptivePolicy, PolicyContext, PolicyFactory
+
+CLAIRVOYANT = "clairvoyant"
 
 Arrivals = dict[BlockHash, list[float]]
 """Block hash -> the sorted arrival times of the requests whose prompts hold it."""
@@ -31,24 +33,25 @@ def arrivals_by_block(requests: Iterable[tuple[float, list[BlockHash]]]) -> Arri
     return arrivals
 
 
-class ClairvoyantTracker(RetentionTracker):
-    """The manager's retention tracker with the store decision read from the trace's future."""
+class ClairvoyantPolicy(AdaptivePolicy):
+    """The adaptive policy with its store decision at NPU eviction read from the trace's
+    future."""
+
+    curve_name = CLAIRVOYANT
 
     def __init__(
         self,
-        num_host_blocks: int,
+        context: PolicyContext,
         arrivals: Arrivals,
         clock: Callable[[], float],
         window_s: float,
     ) -> None:
         if window_s <= 0:
             raise ValueError(f"the clairvoyant window must be positive, got {window_s}")
-        # adaptive: the manager asks should_store for every NPU-only block it evicts
-        super().__init__(num_host_blocks, write_back=False, adaptive=True)
+        super().__init__(context)
         self._arrivals = arrivals
         self._clock = clock
         self.window_s = window_s
-        self._shadows.clear()  # they would follow the adaptive rule: no curve for a bound
 
     def should_store(self, block_hash: BlockHash, num_hits: int, host_full: bool) -> bool:
         times = self._arrivals.get(block_hash)
@@ -57,3 +60,10 @@ class ClairvoyantTracker(RetentionTracker):
         now = self._clock()
         later = bisect.bisect_right(times, now)
         return later < len(times) and times[later] - now <= self.window_s
+
+
+def clairvoyant(arrivals: Arrivals, clock: Callable[[], float], window_s: float) -> PolicyFactory:
+    """A factory the manager takes as its ``retention``: a bound per cache type."""
+    if window_s <= 0:
+        raise ValueError(f"the clairvoyant window must be positive, got {window_s}")
+    return lambda context: ClairvoyantPolicy(context, arrivals, clock, window_s)

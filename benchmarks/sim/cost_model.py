@@ -12,6 +12,10 @@ s - 1 further decode sub-steps::
                + stores * block_bytes / d2h_bandwidth + latency  (unless stores overlap compute)
     tail     = (s - 1) * sub_step                                          (if any decode)
 
+``loads`` counts every load of the step's plan, a waiting request's prefetch loads included:
+``replicas.kv.transfer.KVTransfer`` makes the forward pass wait for the whole plan, so a
+prefetch costs the step what any load costs (it saves its request the load at admission).
+
 ``n`` and ``ctx`` are counted in trace tokens (simulated tokens x s): prefill is linear in its
 tokens plus an attention term in tokens x context; a decode step is a fixed cost plus a
 per-sequence and a per-context-token (KV read) cost. ``block_bytes`` is the KV of one simulated
@@ -25,8 +29,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import NamedTuple
 
-from replicas.kv.manager import TransferPlan
 from replicas.engine.scheduler import ScheduledRequest
+from replicas.kv.manager import TransferPlan
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 
@@ -123,13 +127,8 @@ class CostModel:
 
     def transfer_s(self, plan: TransferPlan) -> float:
         """The copies a step's forward pass waits for: stores (unless they overlap compute)
-        and the loads of its own batch; a waiting request's prefetch loads overlap it."""
-        num_loads = sum(1 for copy in plan.loads if not copy.prefetch)
-        return self.load_s(num_loads) + self.store_s(len(plan.stores))
-
-    def prefetch_s(self, plan: TransferPlan) -> float:
-        """The copy time of a plan's prefetch loads (on the side stream, beside compute)."""
-        return self.load_s(sum(1 for copy in plan.loads if copy.prefetch))
+        and every load, prefetch loads included (the engine waits for the whole plan)."""
+        return self.load_s(len(plan.loads)) + self.store_s(len(plan.stores))
 
     def step_timing(
         self, scheduled: Sequence[ScheduledRequest], plan: TransferPlan
@@ -156,9 +155,6 @@ class CostModel:
         first = fixed + prefill + decode + self.transfer_s(plan)
         sub_step = fixed + decode if num_decodes else 0.0
         tail = (s - 1) * sub_step
-        # The step ends once its prefetch loads have landed too: a request scheduled next
-        # never reads a block still loading.
-        first += max(0.0, self.prefetch_s(plan) - first - tail)
         return StepTiming(first, sub_step, tail)
 
 

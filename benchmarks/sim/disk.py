@@ -11,6 +11,7 @@ from collections import OrderedDict
 from typing import NamedTuple
 
 from replicas.kv.hashing import BlockHash
+from replicas.kv.records import TierUsage
 
 
 class SimDiskStats(NamedTuple):
@@ -42,15 +43,14 @@ class NodeDisk:
 
 
 class DiskView:
-    """One replica's side of a ``NodeDisk``: what ``KVCacheManager`` and the simulated transfer
-    ask of a disk store."""
+    """One replica's side of a ``NodeDisk``: what ``KVCacheManager`` asks of a disk store (a
+    ``replicas.kv.tiers.DiskIndex``) and what the simulated transfer asks."""
 
     def __init__(self, disk: NodeDisk, writer: int, read_s_per_block: float) -> None:
         self.disk = disk
         self.writer = writer
         self._read_s = read_s_per_block
         self._evictions = 0
-        self._changes: list[tuple[bool, BlockHash]] | None = None
 
     @property
     def _own(self) -> OrderedDict[BlockHash, None]:
@@ -63,7 +63,6 @@ class DiskView:
         if block_hash in self._own:
             del self._own[block_hash]
             self.disk._drop(block_hash)
-            self._note(False, block_hash)
 
     def read_seconds_per_block(self) -> float:
         return self._read_s
@@ -77,10 +76,8 @@ class DiskView:
             evicted, _ = own.popitem(last=False)
             self.disk._drop(evicted)
             self._evictions += 1
-            self._note(False, evicted)
         own[block_hash] = None
         self.disk._add(block_hash)
-        self._note(True, block_hash)
 
     def touch(self, block_hash: BlockHash) -> None:
         if block_hash in self._own:
@@ -90,18 +87,23 @@ class DiskView:
         for block_hash in list(self._own):
             self.discard(block_hash)
 
+    # The simulated replicas announce no disk blocks: the simulated router credits NPU and host
+    # blocks only, so changes are never tracked.
     def track_changes(self) -> None:
-        if self._changes is None:
-            self._changes = [(True, h) for h in self._own]
+        return None
 
     def drain_changes(self) -> list[tuple[bool, BlockHash]]:
-        if self._changes is None:
-            return []
-        changes, self._changes = self._changes, []
-        return changes
+        return []
 
-    def own_keys(self) -> list[BlockHash]:
+    def cached_hashes(self) -> list[BlockHash]:
         return list(self._own)
+
+    def usage(self) -> TierUsage:
+        return TierUsage(self.disk.slots_per_writer, 0, len(self._own), 0)
+
+    def reset(self) -> list[BlockHash]:
+        self.clear()  # announced through drain_changes
+        return []
 
     # Traces carry no prompt-cache hints: the simulated disk retains nothing.
     def retain(self, block_hash: BlockHash, until: float) -> bool:
@@ -114,7 +116,3 @@ class DiskView:
 
     def stats(self) -> SimDiskStats:
         return SimDiskStats(self.disk.slots_per_writer, len(self._own), self._evictions)
-
-    def _note(self, stored: bool, block_hash: BlockHash) -> None:
-        if self._changes is not None:
-            self._changes.append((stored, block_hash))

@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from benchmarks.sim.cost_model import CostModel, StepTiming
 from replicas.config import SchedulerConfig
 from replicas.engine.core import EngineCore, StepInFlight, StepResult
-from replicas.kv.manager import KVCacheManager
-from replicas.kv.records import DiskCopy, TransferPlan
-from replicas.kv.events import KVEventBatch
 from replicas.engine.request import Request
 from replicas.engine.scheduler import SchedulerOutput
+from replicas.kv.events import KVEventBatch
+from replicas.kv.manager import KVCacheManager
+from replicas.kv.records import DiskCopy, TransferPlan
 
 OUTPUT_TOKEN_ID = 0
 """The token every simulated output is (the real engine's outputs are the model's argmax)."""

@@ -17,6 +17,7 @@ from benchmarks.sim.agents import ClusterView, PeerAgent
 from benchmarks.sim.engine import StepReport
 from benchmarks.sim.prefix_tree import ApproxPrefixTree, make_tenant_tree
 from replicas.engine.request import Request
+from replicas.kv.events import Tier
 from router.prefix_index import PrefixIndex
 
 CHARS_PER_TOKEN = 4
@@ -151,7 +152,8 @@ class DynamoKvPeer(PeerAgent):
         partial = num_request_blocks - len(hashes)
         costs, new_prefill = [], []
         for replica, match in enumerate(matches):
-            overlap = match.num_npu_blocks + self.host_credit * match.num_host_blocks
+            npu, host = match.num_blocks_in(Tier.NPU), match.num_blocks_in(Tier.HOST)
+            overlap = npu + self.host_credit * host
             prefill_tokens = max(num_prompt - overlap * block, 0.0)
             active = self.active_blocks[replica]
             fresh = sum(1 for h in hashes if h not in active) + partial

@@ -18,8 +18,8 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from replicas.kv.hashing import BlockHash
 from replicas.engine.request import Request
+from replicas.kv.hashing import BlockHash
 
 RAY_PREFIX_TREE_MODULE = "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree"
 

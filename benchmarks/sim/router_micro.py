@@ -18,8 +18,8 @@ from pathlib import Path
 
 from benchmarks.report import Report, new_figure
 from benchmarks.workload import percentile
-from replicas.kv.hashing import block_hashes
 from replicas.kv.events import KVEvent, KVEventBatch
+from replicas.kv.hashing import block_hashes
 from router.config import RoutingConfig
 from router.router import Router
 

@@ -35,7 +35,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.sim.agents import ClusterView, RoutingAgent, StrataAgent
-from benchmarks.sim.clairvoyant import Arrivals, ClairvoyantTracker, arrivals_by_block
+from benchmarks.sim.clairvoyant import CLAIRVOYANT, Arrivals, arrivals_by_block, clairvoyant
 from benchmarks.sim.cost_model import CostModel
 from benchmarks.sim.disk import NodeDisk
 from benchmarks.sim.engine import SimulatedEngine, StepReport
@@ -44,18 +44,18 @@ from benchmarks.sim.peers import PEERS
 from benchmarks.sim.trace import TraceRequest
 from replicas.cache_hints import CacheHints
 from replicas.config import EngineConfig, KVOffloadConfig, SchedulerConfig
-from replicas.kv.hashing import block_hashes
-from replicas.kv.manager import KVCacheManager
-from replicas.kv.records import CacheStats, CacheTypeSpec
+from replicas.engine.request import Request
 from replicas.kv.capacity import (
     host_blocks_per_replica,
     plan_host_blocks,
     plan_npu_blocks,
     replica_host_bytes,
 )
-from replicas.kv.retention import BlockCosts
+from replicas.kv.hashing import block_hashes
+from replicas.kv.manager import KVCacheManager, ReservationPolicy
+from replicas.kv.records import CacheStats, CacheTypeSpec
+from replicas.kv.retention import BlockCosts, PolicyFactory
 from replicas.model import KVCacheSpec
-from replicas.engine.request import Request
 from replicas.sampling_params import SamplingParams
 from router.config import RoutingConfig, TTFTCosts
 
@@ -63,8 +63,12 @@ STRATA = "strata"
 FULL, SLIDING = "full", "sliding"
 ARRIVAL, STEP_END, DELIVER, WAKE = 0, 1, 2, 3
 JITTER_S = 0.01
-# A retention that reads the trace's future (benchmarks.sim.clairvoyant): a bound, not a policy.
-CLAIRVOYANT = "clairvoyant"
+
+
+def _stopped_clock() -> float:
+    """The managers' clock: their deadlines never pass, since simulated disk reads always land
+    (and traces carry no prompt-cache retention, the clock's other reader)."""
+    return 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,27 +290,25 @@ class Simulator:
             cache_types=self.cache_types,
             write_through_threshold=self.config.write_through_threshold,
             write_back=self.config.write_back,
-            retention="adaptive" if self.config.retention == CLAIRVOYANT else self.config.retention,
-            record_events=True,
-            reservation_share=self.config.reservation_share,
-            reservation_prefetch=self.config.reservation_prefetch,
+            retention=self._retention(),
+            reservations=ReservationPolicy(
+                self.config.reservation_share, self.config.reservation_prefetch
+            ),
             disk=disk,
-            onboard_timeout=False,  # simulated reads always land; the wall clock is not theirs
+            clock=_stopped_clock,
         )
-        if self._arrivals is not None:
-            for cache_type in manager._cache_types:  # the same manager, deciding from the future
-                tracker = ClairvoyantTracker(
-                    cache_type.spec.num_host_blocks,
-                    self._arrivals,
-                    lambda: self._now,
-                    self.config.clairvoyant_window_s,
-                )
-                tracker.behind_disk = cache_type.retention.behind_disk
-                cache_type.retention = tracker
+        manager.enable_events()
         cost = self.cost_model
         recompute_s = cost.prefill_s(self.config.block_size * self.config.token_scale, 0.0)
         manager.set_block_costs(BlockCosts(recompute_s, cost.load_s(1), cost.store_s(1)))
         return manager
+
+    def _retention(self) -> "str | PolicyFactory":
+        """The config's policy name, or for the clairvoyant bound (a retention that reads the
+        trace's future: a bound, not a policy) its factory."""
+        if self._arrivals is None:
+            return self.config.retention
+        return clairvoyant(self._arrivals, lambda: self._now, self.config.clairvoyant_window_s)
 
     def _push(self, when: float, kind: int, payload: Any) -> None:
         heapq.heappush(self._events, (when, next(self._seq), kind, payload))

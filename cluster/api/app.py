@@ -113,8 +113,21 @@ def create_app(
         raise ValueError(f"max_tokens_limit must be positive, got {max_tokens_limit}")
     metrics = StrataMetrics()
     serving = Serving(backend, metrics, max_tokens_limit or backend.max_model_len)
-    created = int(time.time())
     watchdog = LoopWatchdog(watchdog_stall_s) if watchdog_stall_s is not None else None
+    app = _app(backend, metrics, watchdog)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
+    if api_key is not None:
+        public_paths = {"/health", "/metrics"} if metrics_public else {"/health"}
+        app.add_middleware(APIKeyGuard, api_keys=api_key, public_paths=public_paths)
+    responses = ResponsesAPI(serving, ResponseStore(response_store or ResponseStoreConfig()))
+    _add_generation_routes(app, serving, responses)
+    _add_model_routes(app, backend, serving)
+    _add_operation_routes(app, backend, metrics, watchdog)
+    return app
+
+
+def _app(backend: Backend, metrics: StrataMetrics, watchdog: LoopWatchdog | None) -> FastAPI:
+    """The bare app: its state, error handlers and the watchdog's life with the event loop."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -133,11 +146,11 @@ def create_app(
     app.state.backend = backend
     app.state.metrics = metrics
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
-    if api_key is not None:
-        public_paths = {"/health", "/metrics"} if metrics_public else {"/health"}
-        app.add_middleware(APIKeyGuard, api_keys=api_key, public_paths=public_paths)
-    responses = ResponsesAPI(serving, ResponseStore(response_store or ResponseStoreConfig()))
+    return app
+
+
+def _add_generation_routes(app: FastAPI, serving: Serving, responses: ResponsesAPI) -> None:
+    """Completions, chat completions and the Responses API."""
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -161,6 +174,11 @@ def create_app(
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(request: Request, response_id: str) -> Response:
         return responses.delete(request, response_id)
+
+
+def _add_model_routes(app: FastAPI, backend: Backend, serving: Serving) -> None:
+    """The served model and its tokenizer: models, tokenizer info, tokenize, detokenize."""
+    created = int(time.time())
 
     def model_card() -> ModelCard:
         return ModelCard(
@@ -198,6 +216,12 @@ def create_app(
         if any(not 0 <= t < vocab_size for t in body.tokens):
             raise APIError.bad_request(f"tokens must be ids below {vocab_size}", "tokens")
         return JSONResponse({"prompt": backend.tokenizer.decode(body.tokens)})
+
+
+def _add_operation_routes(
+    app: FastAPI, backend: Backend, metrics: StrataMetrics, watchdog: LoopWatchdog | None
+) -> None:
+    """What operators call: health, the prefix-cache reset and the Prometheus metrics."""
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -238,5 +262,3 @@ def create_app(
             logger.warning("metrics: the backend's stats are unavailable", exc_info=True)
             stats = None
         return Response(metrics.render(stats), media_type=CONTENT_TYPE)
-
-    return app

@@ -35,6 +35,7 @@ from cluster.api.streaming import (
 from cluster.api.tools import (
     DEFAULT_FORMAT,
     ToolChatRenderer,
+    ToolPlan,
     plan_tools,
     render_chat_prompt,
     tool_format,
@@ -43,10 +44,10 @@ from cluster.backend import Backend, NoLiveReplicaError, OverloadedError, Replic
 from cluster.choices import SequenceOutput, best_of, generate_sequences
 from cluster.metrics import RequestMetrics, StrataMetrics
 from replicas.cache_hints import CacheHints
+from replicas.engine.structured_output import GrammarCompiler, StructuredOutputs
 from replicas.outputs import RequestOutput
 from replicas.prompt import check_prompt_length
 from replicas.sampling_params import SamplingParams
-from replicas.engine.structured_output import GrammarCompiler, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -146,12 +147,31 @@ class Serving:
                 num_choices=body.n,
                 logprobs=logprobs,
             )
-        extra = {"n": body.n, "logprobs": logprobs}
+        return self._generation(
+            body,
+            [token_ids],
+            requested,
+            None,
+            param,
+            renderer,
+            {"n": body.n, "logprobs": logprobs},
+            breakpoints=self._chat_breakpoints(body, messages, tools, token_ids),
+            constraint=tools.constraint if tools is not None else None,
+        )
+
+    def _chat_breakpoints(
+        self,
+        body: ChatCompletionRequest,
+        messages: list[dict],
+        tools: ToolPlan | None,
+        token_ids: list[int],
+    ) -> list[tuple[int, float | None]]:
+        """The prompt's ``prompt_cache_breakpoint`` positions in tokens, with their lifetimes."""
         marked = [
             (i, end, ttl) for i, m in enumerate(body.messages) for end, ttl in m.cache_breakpoints
         ]
         tokenizer = self.backend.tokenizer
-        breakpoints = breakpoint_tokens(
+        return breakpoint_tokens(
             lambda marked_messages: render_chat_prompt(
                 tokenizer,
                 marked_messages,
@@ -162,17 +182,6 @@ class Serving:
             messages,
             marked,
             token_ids,
-        )
-        return self._generation(
-            body,
-            [token_ids],
-            requested,
-            None,
-            param,
-            renderer,
-            extra,
-            breakpoints=breakpoints,
-            constraint=tools.constraint if tools is not None else None,
         )
 
     def check_model(self, model: str | None) -> None:
@@ -214,63 +223,10 @@ class Serving:
             max_tokens = min(room, self.max_tokens_limit, default or room)
         else:
             max_tokens = requested
-        try:
-            structured, structured_param = body.structured()
-        except ValueError as error:
-            raise APIError.bad_request(str(error), "response_format") from None
-        try:
-            if structured is not None:  # else the endpoint's own constraint (tool calls)
-                constraint = StructuredOutputs(**structured)
-                self._grammar().validate(constraint)
-        except ValueError as error:
-            raise APIError.bad_request(str(error), structured_param) from None
-        vocab_size = self.backend.tokenizer.vocab_size
-        for token in body.logit_bias or ():
-            if token.isdigit() and int(token) >= vocab_size:
-                raise APIError.bad_request(
-                    f"logit_bias: token id {token} is not below the vocabulary size {vocab_size}",
-                    "logit_bias",
-                )
-        try:
-            params = SamplingParams(
-                max_tokens=max_tokens,
-                temperature=body.temperature,
-                top_p=body.top_p,
-                top_k=body.top_k,
-                seed=body.seed,
-                stop=body.stop,
-                stop_token_ids=list(body.stop_token_ids or []),
-                ignore_eos=body.ignore_eos,
-                presence_penalty=body.presence_penalty,
-                frequency_penalty=body.frequency_penalty,
-                repetition_penalty=body.repetition_penalty,
-                logit_bias=body.logit_bias,
-                min_tokens=body.min_tokens,
-                structured_outputs=constraint,
-                **extra,
-            )
-        except ValueError as error:
-            name = str(error).split(" ", 1)[0].split("[", 1)[0]
-            param = max_tokens_param if name == "max_tokens" else name
-            if name == "logprobs" and isinstance(renderer, ChatRenderer):
-                param = "top_logprobs"
-            raise APIError.bad_request(
-                str(error), param if name in _SAMPLING_FIELDS else None
-            ) from None
-        if max_tokens > self.max_tokens_limit:
-            raise APIError.bad_request(
-                f"{max_tokens_param}={max_tokens} is more than this server allows "
-                f"({self.max_tokens_limit})",
-                max_tokens_param,
-            )
-        if max_tokens > room:
-            raise APIError.bad_request(
-                f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-                f"{num_prompt} tokens and {max_tokens_param} is {max_tokens} "
-                f"({num_prompt + max_tokens} in total). Lower {max_tokens_param} or shorten "
-                "the prompt.",
-                max_tokens_param,
-            )
+        constraint = self._constraint(body, constraint)
+        self._check_logit_bias(body)
+        params = _sampling_params(body, max_tokens, max_tokens_param, renderer, constraint, extra)
+        self._check_budget(max_tokens, max_tokens_param, num_prompt)
         num_sequences = len(prompts) * params.num_sequences
         if num_sequences > MAX_SEQUENCES:
             raise APIError.bad_request(
@@ -289,6 +245,50 @@ class Serving:
             continuous_usage=body.continuous_usage,
             cache_hints=body.cache_hints(num_prompt, breakpoints),
         )
+
+    def _constraint(
+        self, body: GenerationRequest, constraint: StructuredOutputs | None
+    ) -> StructuredOutputs | None:
+        """The request's structured output (``response_format`` and the like), checked against
+        the grammar compiler; without one, the endpoint's own ``constraint`` (tool calls)."""
+        try:
+            structured, structured_param = body.structured()
+        except ValueError as error:
+            raise APIError.bad_request(str(error), "response_format") from None
+        try:
+            if structured is not None:
+                constraint = StructuredOutputs(**structured)
+                self._grammar().validate(constraint)
+        except ValueError as error:
+            raise APIError.bad_request(str(error), structured_param) from None
+        return constraint
+
+    def _check_logit_bias(self, body: GenerationRequest) -> None:
+        vocab_size = self.backend.tokenizer.vocab_size
+        for token in body.logit_bias or ():
+            if token.isdigit() and int(token) >= vocab_size:
+                raise APIError.bad_request(
+                    f"logit_bias: token id {token} is not below the vocabulary size {vocab_size}",
+                    "logit_bias",
+                )
+
+    def _check_budget(self, max_tokens: int, max_tokens_param: str, num_prompt: int) -> None:
+        """``max_tokens`` within the server's limit and, with the longest prompt, the context."""
+        max_model_len = self.backend.max_model_len
+        if max_tokens > self.max_tokens_limit:
+            raise APIError.bad_request(
+                f"{max_tokens_param}={max_tokens} is more than this server allows "
+                f"({self.max_tokens_limit})",
+                max_tokens_param,
+            )
+        if max_tokens > max_model_len - num_prompt:
+            raise APIError.bad_request(
+                f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+                f"{num_prompt} tokens and {max_tokens_param} is {max_tokens} "
+                f"({num_prompt + max_tokens} in total). Lower {max_tokens_param} or shorten "
+                "the prompt.",
+                max_tokens_param,
+            )
 
     # ---- generation: Generation -> answer ----------------------------------------------------
     async def respond(self, request: Request, generation: Generation) -> Response:
@@ -411,3 +411,40 @@ class Serving:
             tracker.finish(finish_reason)
         if renderer.stream_end:
             yield renderer.stream_end
+
+
+def _sampling_params(
+    body: GenerationRequest,
+    max_tokens: int,
+    max_tokens_param: str,
+    renderer: Renderer,
+    constraint: StructuredOutputs | None,
+    extra: dict,
+) -> SamplingParams:
+    """The request's sampling parameters; a 400 naming the field the client sent otherwise."""
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            seed=body.seed,
+            stop=body.stop,
+            stop_token_ids=list(body.stop_token_ids or []),
+            ignore_eos=body.ignore_eos,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            logit_bias=body.logit_bias,
+            min_tokens=body.min_tokens,
+            structured_outputs=constraint,
+            **extra,
+        )
+    except ValueError as error:
+        name = str(error).split(" ", 1)[0].split("[", 1)[0]
+        param = max_tokens_param if name == "max_tokens" else name
+        if name == "logprobs" and isinstance(renderer, ChatRenderer):
+            param = "top_logprobs"
+        raise APIError.bad_request(
+            str(error), param if name in _SAMPLING_FIELDS else None
+        ) from None

@@ -22,6 +22,7 @@ from typing import NamedTuple, Protocol
 from replicas.cache_hints import CacheHints
 from replicas.engine.engine import Engine
 from replicas.outputs import RequestOutput
+from replicas.resume import ResumeState
 from replicas.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class _Add(NamedTuple):
     cache_salt: str | None
     sink: OutputSink
     cache_hints: CacheHints | None = None
+    resumed: ResumeState | None = None
 
 
 class OverloadedError(RuntimeError):
@@ -150,10 +152,12 @@ class AsyncEngine:
         cache_salt: str | None,
         sink: OutputSink,
         cache_hints: CacheHints | None = None,
+        resumed: ResumeState | None = None,
     ) -> None:
         """Queue a request whose outputs (stamped with ``replica_index``) go to ``sink`` until
         one is finished, or an error ends it. Raises, with nothing queued, what ``generate``
-        raises before its first output."""
+        raises before its first output. ``resumed``: the output a lost replica generated for
+        it (``replicas.resume``)."""
         if self._error is not None:
             raise EngineDeadError(f"engine loop failed: {self._error}")
         limit = self.max_waiting_requests
@@ -166,7 +170,7 @@ class AsyncEngine:
         token_ids = self.engine.validate_prompt(prompt)
         self._sinks[request_id] = sink
         self._adds.append(
-            _Add(request_id, token_ids, sampling_params, cache_salt, sink, cache_hints)
+            _Add(request_id, token_ids, sampling_params, cache_salt, sink, cache_hints, resumed)
         )
         self._ensure_loop()
 
@@ -244,6 +248,7 @@ class AsyncEngine:
                     add.sampling_params,
                     cache_salt=add.cache_salt,
                     cache_hints=add.cache_hints,
+                    resumed=add.resumed,
                 )
             except ValueError as error:
                 if self._sinks.pop(add.request_id, None) is not None:

@@ -24,9 +24,10 @@ The KV written for rejected drafts lies past ``num_computed_tokens``: the next s
 it, and only blocks full of computed tokens are ever cached. Blocks allocated for the drafts
 stay with the request for its next tokens.
 
-Two executors exist: ``replicas.engine.executor.ModelExecutor`` (the model runner and the sampler) and
-the simulator's cost model (``benchmarks/sim/engine.py``), which also splits a step in simulated
-time between ``begin_step`` and ``end_step``. Whatever executes it, the update is this code.
+Two executors exist: ``replicas.engine.executor.ModelExecutor`` (the model runner and the
+sampler) and the simulator's cost model (``benchmarks/sim/engine.py``), which also splits a step
+in simulated time between ``begin_step`` and ``end_step``. Whatever executes it, the update is
+this code.
 """
 
 import time
@@ -34,12 +35,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from replicas.config import SchedulerConfig
-from replicas.kv.manager import KVCacheManager
-from replicas.kv.records import DiskCopy, TransferPlan
-from replicas.outputs import TokenLogprob
 from replicas.engine.prompt_logprobs import PromptLogprobsCache
 from replicas.engine.request import Request, RequestStatus
 from replicas.engine.scheduler import Scheduler, SchedulerOutput
+from replicas.kv.manager import KVCacheManager
+from replicas.kv.records import DiskCopy, TransferPlan
+from replicas.outputs import TokenLogprob
 
 if TYPE_CHECKING:
     from replicas.engine.model_runner import PromptScores

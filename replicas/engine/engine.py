@@ -14,23 +14,24 @@ from replicas.cache_hints import CacheHints
 from replicas.config import EngineConfig, dtype_name_of
 from replicas.engine.core import EngineCore, SpecDecodeStats
 from replicas.engine.executor import ModelExecutor
+from replicas.kv.capacity import CachePlan, plan_cache
 from replicas.kv.host_memory import check_host_capacity
-from replicas.kv.manager import KVCacheManager, ReloadCosts
+from replicas.kv.manager import KVCacheManager, ReloadCosts, ReservationPolicy
 from replicas.kv.records import CacheStats, CacheTypeSpec, CacheTypeUsage
-from replicas.kv.capacity import plan_cache
 
 if TYPE_CHECKING:
     from replicas.kv.disk import DiskStats, DiskStore
-from replicas.kv.retention import ADAPTIVE, OFF, ON, BlockCosts, RetentionStats, tuning_hint
-from replicas.kv.transfer import KVTransfer, TransferStats
-from replicas.model import LoadedModel, load_model
 from replicas.engine.model_runner import ModelRunner
 from replicas.engine.output_processor import OutputProcessor
-from replicas.outputs import RequestOutput
-from replicas.prompt import check_prompt_length
 from replicas.engine.prompt_logprobs import PromptLogprobsCache
 from replicas.engine.request import Request
 from replicas.engine.sampler import Sampler
+from replicas.kv.retention import ADAPTIVE, OFF, ON, BlockCosts, RetentionStats, tuning_hint
+from replicas.kv.transfer import KVTransfer, TransferStats
+from replicas.model import KVCacheSpec, LoadedModel, load_model
+from replicas.outputs import RequestOutput
+from replicas.prompt import check_prompt_length
+from replicas.resume import ResumeState
 from replicas.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,6 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
-        self.config = config
         self.device = resolve_device(config.device)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
@@ -121,25 +121,8 @@ class Engine:
         self.runner = ModelRunner(
             self.loaded, plan.num_npu_blocks, self.block_size, self.device, dtype
         )
-        sched = config.scheduler_config
-        offload = sched.kv_offload_config
         self.disk = self._open_disk(plan.num_disk_blocks) if plan.num_disk_blocks else None
-        self.kv_cache = KVCacheManager(
-            block_size=self.block_size,
-            cache_types=[
-                CacheTypeSpec(
-                    g, plan.num_npu_blocks[g], plan.num_host_blocks.get(g, 0), spec.sliding_window
-                )
-                for g, spec in specs.items()
-            ],
-            enable_prefix_caching=sched.prefix_cache_config.enabled,
-            reservation_share=sched.prefix_cache_config.reservation_share,
-            write_through_threshold=offload.write_through_threshold,
-            write_back=offload.write_back,
-            retention=offload.retention,
-            disk=self.disk,
-            retained_share=offload.retained_share,
-        )
+        self.kv_cache = self._kv_cache_manager(specs, plan)
         self.transfer = (
             KVTransfer(self.runner.kv_caches, plan.num_host_blocks, disk=self.disk)
             if plan.num_host_blocks
@@ -150,21 +133,14 @@ class Engine:
         self.sampler = Sampler(
             config.seed, self.device, self.tokenizer.eos_token_ids, grammar=self._compiler
         )
-        self.core = EngineCore(
-            sched,
-            self.kv_cache,
-            ModelExecutor(self.runner, self.sampler, self.tokenizer.vocab_size),
-            max_model_len=self.max_model_len,
-            eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
-            transfer=self.transfer,
-            text=self.output_processor,
-            prompt_scores=PromptLogprobsCache(self.block_size),
-        )
+        self.core = self._engine_core()
         self._step_times = StepTimes()
         self._busy_since: float | None = None  # end of the last step, while work remained
         self._compute = _ComputeTime()  # per token, from steps with a prefill's worth of tokens
         self.tuning_hint_interval_s = (
-            offload.tuning_hint_interval_s if plan.num_host_blocks else None
+            config.scheduler_config.kv_offload_config.tuning_hint_interval_s
+            if plan.num_host_blocks
+            else None
         )
         self._last_hint = time.monotonic()
         logger.info(
@@ -175,6 +151,42 @@ class Engine:
             self.loaded.quantization,
             self.block_size,
             self.max_model_len,
+        )
+
+    def _kv_cache_manager(self, specs: dict[str, KVCacheSpec], plan: CachePlan) -> KVCacheManager:
+        """The replica's KV cache: one cache type per KV spec, sized by ``plan``, with the
+        configured prefix-cache and host-tier policies."""
+        sched = self.config.scheduler_config
+        offload = sched.kv_offload_config
+        return KVCacheManager(
+            block_size=self.block_size,
+            cache_types=[
+                CacheTypeSpec(
+                    g, plan.num_npu_blocks[g], plan.num_host_blocks.get(g, 0), spec.sliding_window
+                )
+                for g, spec in specs.items()
+            ],
+            enable_prefix_caching=sched.prefix_cache_config.enabled,
+            reservations=ReservationPolicy(sched.prefix_cache_config.reservation_share),
+            write_through_threshold=offload.promotion_threshold,
+            write_back=offload.write_back,
+            retention=offload.retention,
+            curve_sample_rate=offload.miss_ratio_curve_sample_rate,
+            disk=self.disk,
+            retained_share=offload.retained_share,
+        )
+
+    def _engine_core(self) -> EngineCore:
+        """The step loop over this engine's scheduler config, cache, executor and transfer."""
+        return EngineCore(
+            self.config.scheduler_config,
+            self.kv_cache,
+            ModelExecutor(self.runner, self.sampler, self.tokenizer.vocab_size),
+            max_model_len=self.max_model_len,
+            eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
+            transfer=self.transfer,
+            text=self.output_processor,
+            prompt_scores=PromptLogprobsCache(self.block_size),
         )
 
     def _open_disk(self, num_disk_blocks: dict[str, int]) -> "dict[str, DiskStore]":
@@ -223,13 +235,17 @@ class Engine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         cache_hints: CacheHints | None = None,
+        resumed: ResumeState | None = None,
     ) -> Request:
         """Queue a request. Raises ``ValueError`` for a prompt the engine can never serve.
-        ``cache_hints``: the prefix to retain in the host and disk tiers, and for how long."""
+        ``cache_hints``: the prefix to retain in the host and disk tiers, and for how long.
+        ``resumed``: the output a lost replica generated for it (``replicas.resume``)."""
         params = sampling_params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.validate_prompt(prompt)
         self.validate_params(params)
+        if resumed is not None:
+            self.validate_resumed(len(token_ids), params, resumed)
         request = Request(
             request_id,
             token_ids,
@@ -239,9 +255,10 @@ class Engine:
             prompt=text,
             arrival_time=arrival_time,
             cache_hints=cache_hints,
+            resumed=resumed,
         )
         self.core.add(request)
-        self.output_processor.add(request)
+        self.output_processor.add(request, resumed.num_emitted_chars if resumed else 0)
         return request
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -364,6 +381,24 @@ class Engine:
                 f"{sched.max_num_batched_tokens}, and chunked prefill is disabled"
             )
         return token_ids
+
+    def validate_resumed(
+        self, num_prompt_tokens: int, params: SamplingParams, resumed: ResumeState
+    ) -> None:
+        """Raise ``ValueError`` unless ``resumed`` can continue: fewer output tokens than
+        ``max_tokens`` and, with the prompt, than ``max_model_len``, all in the vocabulary, one
+        logprob each when the request asks for them, and no prompt to score."""
+        num_output = resumed.num_output_tokens
+        if num_output >= params.max_tokens or num_prompt_tokens + num_output >= self.max_model_len:
+            raise ValueError(f"a resumed request with {num_output} output tokens is complete")
+        vocab_size = self.loaded.args.vocab_size
+        if any(not 0 <= t < vocab_size for t in resumed.output_token_ids):
+            raise ValueError("a resumed output token is outside the vocabulary")
+        num_logprobs = len(resumed.logprobs) if resumed.logprobs is not None else None
+        if params.logprobs is not None and num_logprobs != num_output:
+            raise ValueError("a resumed request asking for logprobs needs one per output token")
+        if params.prompt_logprobs is not None:
+            raise ValueError("a resumed request cannot score its prompt again")
 
     # ---- introspection -----------------------------------------------------------------------
     def validate_params(self, params: SamplingParams) -> None:

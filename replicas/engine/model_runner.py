@@ -4,10 +4,10 @@ from typing import NamedTuple
 
 import torch
 
-from replicas.model import ForwardBatch, LoadedModel
 from replicas.engine.request import Request
-from replicas.sampling_params import MAX_TOP_LOGPROBS
 from replicas.engine.scheduler import ScheduledRequest
+from replicas.model import ForwardBatch, LoadedModel
+from replicas.sampling_params import MAX_TOP_LOGPROBS
 
 SCORE_ROWS = 64  # prompt positions turned into logits at a time (a row is vocab floats)
 
@@ -106,7 +106,6 @@ class ModelRunner:
         attends as the decode it stands for does: alone (``ForwardBatch.num_solo_seqs``), so that
         it neither pads the decodes' group nor is padded by it; the model writes every new
         token's KV before any attends, so each draft token sees those before it."""
-        block_size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         query_start_loc = [0]
@@ -143,15 +142,7 @@ class ModelRunner:
                 logits_indices.append(query_start_loc[-1] - 1)
 
         pos = torch.tensor(positions, dtype=torch.long)
-        seq_of_token = torch.tensor(rows, dtype=torch.long)
-        max_blocks = max(len(b) for blocks in block_rows for b in blocks.values())
-        tables, slot_mapping = {}, {}
-        for group in groups:
-            padded = [b[group] + [0] * (max_blocks - len(b[group])) for b in block_rows]
-            table = torch.tensor(padded, dtype=torch.long)
-            tables[group] = table.to(self.device)
-            slots = table[seq_of_token, pos // block_size] * block_size + pos % block_size
-            slot_mapping[group] = slots.to(self.device)
+        tables, slot_mapping = self._block_tables(block_rows, rows, pos)
         batch = ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
             positions=pos.to(self.device),
@@ -163,3 +154,20 @@ class ModelRunner:
             num_solo_seqs=sum(len(drafts) for _, drafts, _ in drafted),
         )
         return batch, sampled
+
+    def _block_tables(
+        self, block_rows: list[dict[str, list[int]]], rows: list[int], pos: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Per cache type: the batch's block table (one row per sequence, padded with block 0)
+        and each token's KV slot (``rows``: the sequence of each token, ``pos`` its position)."""
+        block_size = self.block_size
+        seq_of_token = torch.tensor(rows, dtype=torch.long)
+        max_blocks = max(len(b) for blocks in block_rows for b in blocks.values())
+        tables, slot_mapping = {}, {}
+        for group in self.kv_caches:
+            padded = [b[group] + [0] * (max_blocks - len(b[group])) for b in block_rows]
+            table = torch.tensor(padded, dtype=torch.long)
+            tables[group] = table.to(self.device)
+            slots = table[seq_of_token, pos // block_size] * block_size + pos % block_size
+            slot_mapping[group] = slots.to(self.device)
+        return tables, slot_mapping

@@ -19,9 +19,10 @@ forming, and by any trailing U+FFFD; a finished request's text is final.
 
 from dataclasses import dataclass
 
+from replicas.engine.request import Request
+from replicas.kv.events import Tier, per_tier
 from replicas.model import Tokenizer
 from replicas.outputs import RequestOutput
-from replicas.engine.request import Request
 
 
 @dataclass(slots=True)
@@ -43,8 +44,17 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._states: dict[str, _TextState] = {}
 
-    def add(self, request: Request) -> None:
-        self._states[request.request_id] = _TextState()
+    def add(self, request: Request, num_emitted_chars: int = 0) -> None:
+        """Start a request's text. A resumed request (``replicas.resume``) comes with output
+        tokens: their text is decoded now, all of it searched for stop strings already, and
+        its first ``num_emitted_chars`` characters received by the client; the rest (held
+        back) goes out with the next output."""
+        state = self._states[request.request_id] = _TextState()
+        if request.output_token_ids:
+            self._decode(state, request.output_token_ids, final=False)
+            state.num_searched_chars = len(state.text)
+            state.num_emitted_chars = num_emitted_chars
+            state.num_emitted_tokens = request.num_output_tokens
 
     def release(self, request_id: str) -> None:
         self._states.pop(request_id, None)
@@ -112,8 +122,9 @@ class OutputProcessor:
             finished=request.is_finished,
             finish_reason=request.finish_reason,
             num_cached_tokens=request.num_cached_tokens or 0,
-            num_npu_cached_tokens=request.num_npu_cached_tokens,
-            num_host_cached_tokens=request.num_host_cached_tokens,
+            num_cached_tokens_by_tier=per_tier(
+                {Tier.NPU: request.num_npu_cached_tokens, Tier.HOST: request.num_host_cached_tokens}
+            ),
             cached_tokens_by_cache_type=dict(request.cached_tokens_by_cache_type),
             arrival_time=request.arrival_time,
             first_token_time=request.first_token_time,

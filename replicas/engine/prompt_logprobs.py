@@ -23,9 +23,9 @@ from typing import NamedTuple
 
 import torch
 
+from replicas.engine.request import Request
 from replicas.kv.hashing import BlockHash
 from replicas.outputs import TokenLogprob
-from replicas.engine.request import Request
 
 DEFAULT_CAPACITY_TOKENS = 1 << 16
 

@@ -18,6 +18,7 @@ import time
 
 from replicas.cache_hints import CacheHints
 from replicas.kv.hashing import BlockHash, extend_block_hashes
+from replicas.resume import ResumeState
 from replicas.sampling_params import SamplingParams
 
 
@@ -50,6 +51,7 @@ class Request:
         prompt: str | None = None,
         arrival_time: float | None = None,
         cache_hints: CacheHints | None = None,
+        resumed: ResumeState | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -87,6 +89,10 @@ class Request:
         self.prompt_logprobs: list | None = (
             [None] if sampling_params.prompt_logprobs is not None else None
         )
+        if resumed is not None:  # output generated elsewhere counts as this request's own
+            logprobs = resumed.logprobs or (None,) * resumed.num_output_tokens
+            for token_id, logprob in zip(resumed.output_token_ids, logprobs, strict=True):
+                self.append_output_token(token_id, logprob)
 
     @property
     def num_tokens(self) -> int:

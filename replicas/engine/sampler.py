@@ -5,8 +5,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from replicas.outputs import TokenLogprob
 from replicas.engine.request import Request
+from replicas.outputs import TokenLogprob
 from replicas.sampling_params import MIN_TOP_P
 
 if TYPE_CHECKING:
@@ -27,8 +27,8 @@ class Sampler:
     Rows whose parameters process logits (``SamplingParams.processes_logits``) are processed on a
     copy, in the order ``SamplingParams`` documents; logprobs are always those of the model's
     logits. A request with structured outputs has a grammar matcher here (from ``grammar()``,
-    which returns the ``replicas.engine.structured_output.GrammarCompiler`` of the tokenizer), advanced
-    by every token it is given.
+    which returns the ``replicas.engine.structured_output.GrammarCompiler`` of the tokenizer),
+    advanced by every token it is given.
     """
 
     def __init__(

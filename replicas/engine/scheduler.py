@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from replicas.config import SchedulerConfig
-from replicas.kv.manager import KVCacheManager, PrefixMatch
-from replicas.kv.records import TransferPlan
 from replicas.engine.ngram_proposer import NgramProposer
 from replicas.engine.request import Request, RequestStatus
+from replicas.kv.manager import KVCacheManager, PrefixMatch
+from replicas.kv.records import TransferPlan
 
 RESERVE_LOOKAHEAD = 16
 """Waiting requests, from the front of the queue, whose prefixes a step tries to reserve."""
@@ -105,7 +105,18 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
+        budget = self._schedule_running(budget, scheduled, preempted)
+        if not preempted:  # admitting new requests in a step that had to preempt would thrash
+            self._schedule_waiting(budget, scheduled)
+            self._reserve_waiting()  # and so would reserving in a step short of blocks
+            self._onboard_waiting()
+        return SchedulerOutput(scheduled, self.kv_cache.take_transfer_plan())
 
+    def _schedule_running(
+        self, budget: int, scheduled: list[ScheduledRequest], preempted: list[Request]
+    ) -> int:
+        """Schedule the running requests in order (with their draft tokens where they fit),
+        preempting from the newest when blocks run out; returns the budget left."""
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -128,10 +139,13 @@ class Scheduler:
                 index += 1
                 continue
             break  # the request preempted itself: nothing after it can run either
+        return budget
 
-        # Admitting new requests in a step that had to preempt would only thrash.
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+        """Admit waiting requests in order while the budget, ``max_num_seqs`` and the blocks
+        allow; one whose disk reads are under way is passed over (up to RESERVE_LOOKAHEAD)."""
         position = 0  # waiting requests ahead of it wait for disk reads
-        while len(self.waiting) > position and budget > 0 and not preempted:
+        while len(self.waiting) > position and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[position]
@@ -158,11 +172,6 @@ class Scheduler:
                 budget -= num_new
                 continue
             break
-
-        if not preempted:  # reserving in a step short of blocks would only thrash
-            self._reserve_waiting()
-            self._onboard_waiting()
-        return SchedulerOutput(scheduled, self.kv_cache.take_transfer_plan())
 
     def _admit(
         self,

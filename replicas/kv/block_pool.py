@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from replicas.kv.hashing import BlockHash
+from replicas.kv.records import TierUsage
 
 
 @dataclass(slots=True)
@@ -50,7 +51,8 @@ class Block:
 
 
 class BlockPool:
-    """Owns the blocks of one tier. Not thread-safe: one engine loop mutates it."""
+    """Owns the blocks of one tier (a ``replicas.kv.tiers.TierStore``). Not thread-safe: one
+    engine loop mutates it."""
 
     def __init__(
         self,
@@ -93,8 +95,14 @@ class BlockPool:
         """Block id holding ``block_hash``, or None."""
         return self._cached.get(block_hash)
 
+    def contains(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._cached
+
     def cached_hashes(self) -> list[BlockHash]:
         return list(self._cached)
+
+    def usage(self) -> TierUsage:
+        return TierUsage(self.num_blocks, self.num_used, self.num_cached, self.num_retained)
 
     def eviction_order(self) -> list[int]:
         """Block ids in the order allocation would take them (as of the last expiry)."""
@@ -234,6 +242,10 @@ class BlockPool:
                 self._free_queue.move_to_end(block_id, last=False)
         self._retained_queue.clear()
         return evicted
+
+    def reset(self) -> list[BlockHash]:
+        """``evict_all_cached``'s hashes (the ``TierStore`` reset: the caller announces them)."""
+        return [block_hash for _, block_hash in self.evict_all_cached()]
 
     def _uncache(self, block: Block) -> None:
         del self._cached[block.block_hash]

@@ -52,6 +52,7 @@ from typing import NamedTuple
 import torch
 
 from replicas.kv.hashing import DIGEST_SIZE, BlockHash
+from replicas.kv.records import TierUsage
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class _Location(NamedTuple):
 
 class DiskStore:
     """The disk blocks of one cache type, as one replica sees them: its own slab (read and
-    written) and every other slab of the directory (read).
+    written) and every other slab of the directory (read). A ``replicas.kv.tiers.DiskIndex``.
 
     ``contains``, ``store``, ``load`` and ``discard`` are called by the engine thread only;
     the IO runs on the store's thread, in submission order."""
@@ -351,9 +352,19 @@ class DiskStore:
         changes, self._changes = self._changes, []
         return changes
 
-    def own_keys(self) -> list[BlockHash]:
-        """The keys of this store's own slab, least recently used first."""
+    def cached_hashes(self) -> list[BlockHash]:
+        """The keys of this store's own slab, least recently used first: the blocks this
+        replica announces (other slabs' are their writers')."""
         return list(self._own) if self.enabled else []
+
+    def usage(self) -> TierUsage:
+        """The own slab: slots, none in use (a read copies out at once), cached, retained."""
+        return TierUsage(self.num_slots, 0, len(self._own), len(self._retained))
+
+    def reset(self) -> list[BlockHash]:
+        """``clear``; its removals are announced through ``drain_changes``, so none returned."""
+        self.clear()
+        return []
 
     def _note(self, stored: bool, key: BlockHash) -> None:
         if self._changes is not None:

@@ -1,14 +1,15 @@
 """Messages a replica publishes about its cache, for the router's virtual prefix index.
 
-Together with ``replicas.kv.hashing`` this is the whole contract between replicas and the router:
-the router imports nothing else from ``replicas``. Every batch carries the replica's sequence
-numbers, so a router that sees a gap knows its index missed events and asks for a snapshot.
+Together with ``replicas.kv.hashing`` and ``replicas.step_costs`` this is the whole contract
+between replicas and the router: the router imports nothing else from ``replicas``. Every batch
+carries the replica's sequence numbers, so a router that sees a gap knows its index missed events
+and asks for a snapshot.
 
 ``KVEventKind`` and ``Tier`` are string enums: each member equals (and serialises as) its plain
 string value, so events, metric labels and JSON read the same as plain strings.
 """
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import NamedTuple
 
@@ -22,6 +23,25 @@ class Tier(StrEnum):
     NPU = "npu"
     HOST = "host"
     DISK = "disk"
+
+
+TIERS: tuple[Tier, ...] = tuple(Tier)
+"""Every tier, nearest first: the order of a per-tier tuple, whose entry i counts ``TIERS[i]``.
+Records that count per tier (a router's match, a request's cached tokens) carry such a tuple, so
+a new tier adds an entry, not a field."""
+_TIER_INDEX = {tier: i for i, tier in enumerate(TIERS)}
+
+
+def per_tier(counts: Mapping[Tier, int]) -> tuple[int, ...]:
+    """``counts`` as a per-tier tuple: one entry per tier of ``TIERS``, 0 where ``counts`` has
+    none."""
+    return tuple(counts.get(tier, 0) for tier in TIERS)
+
+
+def tier_count(counts: Sequence[int], tier: Tier) -> int:
+    """The entry of the per-tier tuple ``counts`` for ``tier`` (0 past its end)."""
+    i = _TIER_INDEX[tier]
+    return counts[i] if i < len(counts) else 0
 
 
 class KVEventKind(StrEnum):
@@ -84,25 +104,14 @@ class KVEventBatch(NamedTuple):
 
 
 class KVSnapshot(NamedTuple):
-    """Every cached hash of one replica per tier, as of just before event ``next_seq``; the
-    ``sliding_*`` hashes are a hybrid model's sliding cache type's."""
+    """Every cached hash of one replica, per cache type and tier, as of just before event
+    ``next_seq``: ``block_hashes[cache_type][tier]`` (a hybrid model's ``sliding`` cache type beside
+    the global ``full`` one; a tier the replica lacks is absent)."""
 
     replica_index: int
     next_seq: int
-    npu_hashes: tuple[BlockHash, ...]
-    host_hashes: tuple[BlockHash, ...]
-    sliding_npu_hashes: tuple[BlockHash, ...] = ()
-    sliding_host_hashes: tuple[BlockHash, ...] = ()
-    disk_hashes: tuple[BlockHash, ...] = ()  # written by this replica (the node's disk tier)
+    block_hashes: Mapping[str, Mapping[Tier, tuple[BlockHash, ...]]]
 
     def hashes(self, tier: Tier, cache_type: str = FULL) -> tuple[BlockHash, ...]:
-        """The hashes one tier of one cache type holds (a hybrid model's sliding cache type
-        publishes its NPU and host tiers; only the global one has a disk tier)."""
-        fields = {
-            (FULL, Tier.NPU): self.npu_hashes,
-            (FULL, Tier.HOST): self.host_hashes,
-            (FULL, Tier.DISK): self.disk_hashes,
-            (SLIDING, Tier.NPU): self.sliding_npu_hashes,
-            (SLIDING, Tier.HOST): self.sliding_host_hashes,
-        }
-        return fields.get((cache_type, Tier(tier)), ())
+        """The hashes one tier of one cache type holds (none for a tier it lacks)."""
+        return self.block_hashes.get(cache_type, {}).get(Tier(tier), ())

@@ -1,10 +1,10 @@
 """Records the KV cache manager hands out: cache types, prefix matches, transfer plans, usage and
 stats."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
-from replicas.kv.events import Tier, window_start
+from replicas.kv.events import TIERS, Tier, window_start
 
 COPY_PATHS: dict[tuple[Tier, Tier], str] = {
     (Tier.HOST, Tier.NPU): "loads",
@@ -34,54 +34,70 @@ class CacheTypeSpec(NamedTuple):
 
 class CacheTypeMatch(NamedTuple):
     """A cache type's part of a prefix match: entries for blocks ``first_block .. num_blocks -
-    1``; ``npu_block_ids[i]`` is None when that block is host-only (``host_block_ids[i]``)."""
+    1`` per pooled tier, nearest to compute first; ``block_ids(tier)[i]`` is the tier's block
+    holding block i, None if it has none. A block comes from the nearest tier holding it (from
+    host when its NPU entry is None). Disk blocks are never matched: they are read into host
+    blocks first."""
 
     first_block: int
-    npu_block_ids: list[int | None]
-    host_block_ids: list[int | None]
+    tier_block_ids: dict[Tier, list[int | None]]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.tier_block_ids[Tier.NPU])
 
     def block_ids(self, tier: Tier) -> list[int | None]:
-        """The matched blocks' ids in one pooled tier (None where that tier lacks the block).
-        Disk blocks are never matched: they are read into host blocks first."""
-        if tier == Tier.NPU:
-            return self.npu_block_ids
-        if tier == Tier.HOST:
-            return self.host_block_ids
-        raise ValueError(f"a prefix match holds NPU and host blocks, not {tier!r}")
+        """The matched blocks' ids in one pooled tier (all None for a pooled tier this cache
+        type lacks)."""
+        ids = self.tier_block_ids.get(tier)
+        if ids is not None:
+            return ids
+        if tier not in POOLED_TIERS:
+            raise ValueError(f"a prefix match holds NPU and host blocks, not {tier!r}")
+        return [None] * self.num_blocks
+
+    def num_blocks_by_source(self) -> dict[Tier, int]:
+        """Matched blocks per tier they come from (the nearest holding each)."""
+        counts = {}
+        remaining = range(self.num_blocks)
+        for tier, ids in self.tier_block_ids.items():
+            counts[tier] = sum(1 for i in remaining if ids[i] is not None)
+            remaining = [i for i in remaining if ids[i] is None]
+        return counts
 
 
-EMPTY_PART = CacheTypeMatch(0, [], [])
+POOLED_TIERS = (Tier.NPU, Tier.HOST)
+"""The tiers whose blocks a prefix match adopts (through a load for any but the first)."""
+
+EMPTY_PART = CacheTypeMatch(0, {Tier.NPU: []})
 
 
 class PrefixMatch(NamedTuple):
     """The longest *safe* cached prefix of a request: ``num_blocks`` leading blocks whose global
     KV exists for all of them and whose sliding-window KV exists for the window ending there.
-    The NPU/host split counts the primary (first, global) cache type's blocks."""
+    ``num_blocks_by_tier`` splits the primary (first, global) cache type's blocks by the nearest
+    tier holding each."""
 
     num_blocks: int
-    num_npu_blocks: int
-    num_host_blocks: int
+    num_blocks_by_tier: dict[Tier, int]
     cache_types: dict[str, CacheTypeMatch]
 
     @property
     def primary(self) -> CacheTypeMatch:
-        return next(iter(self.cache_types.values()))
+        return next(iter(self.cache_types.values()), EMPTY_PART)
 
-    @property
-    def npu_block_ids(self) -> list[int | None]:
-        return self.primary.npu_block_ids
-
-    @property
-    def host_block_ids(self) -> list[int | None]:
-        return self.primary.host_block_ids
+    def num_blocks_in(self, tier: Tier) -> int:
+        """Blocks of the primary cache type that come from ``tier``."""
+        return self.num_blocks_by_tier.get(tier, 0)
 
 
-EMPTY_MATCH = PrefixMatch(0, 0, 0, {})
+EMPTY_MATCH = PrefixMatch(0, {}, {})
 
 
 class BlockCopy(NamedTuple):
     """One block to copy between tiers within one cache type. A ``prefetch`` load is for a
-    request still waiting (a reservation), not for this step's batch: it may overlap compute."""
+    request still waiting (a reservation), not for this step's batch; it is copied, and waited
+    for, like any other load of the step's plan."""
 
     src: int
     dst: int
@@ -120,73 +136,102 @@ class TransferPlan(NamedTuple):
         return getattr(self, COPY_PATHS[(Tier(src), Tier(dst))])
 
 
-class CacheTypeUsage(NamedTuple):
-    """Blocks of one cache type per tier: capacity, in use (held by requests or transfers) and
-    cached (holding a reusable prefix, in use or evictable). Host counts are 0 without a host
-    tier."""
+class PlannedCopies:
+    """The copies planned since the last ``take``, by the manager and its collaborators, in
+    the fields of the ``TransferPlan`` they go to."""
 
-    num_npu_blocks: int
-    num_npu_blocks_used: int
-    num_npu_blocks_cached: int
-    num_host_blocks: int
-    num_host_blocks_used: int
-    num_host_blocks_cached: int
-    num_disk_blocks: int = 0  # this replica's own disk slots (other replicas' are readable too)
-    num_disk_blocks_cached: int = 0
-    num_host_blocks_retained: int = 0  # kept ahead of ordinary blocks (prompt-cache retention)
-    num_disk_blocks_retained: int = 0
+    __slots__ = ("disk_loads", "disk_stores", "loads", "stores")
+
+    def __init__(self) -> None:
+        self.stores: list[BlockCopy] = []
+        self.loads: list[BlockCopy] = []
+        self.disk_stores: list[DiskCopy] = []
+        self.disk_loads: list[DiskCopy] = []
+
+    def take(self) -> TransferPlan:
+        """The planned copies as one plan; nothing is planned after."""
+        plan = TransferPlan(
+            self.stores, self.loads, tuple(self.disk_stores), tuple(self.disk_loads)
+        )
+        self.stores, self.loads = [], []
+        self.disk_stores.clear()
+        self.disk_loads.clear()
+        return plan
+
+
+class TierUsage(NamedTuple):
+    """Blocks of one tier of one cache type: capacity, in use (held by requests or transfers),
+    cached (holding a reusable prefix, in use or evictable) and retained (kept ahead of
+    ordinary blocks: prompt-cache retention). A shared tier (disk) counts its own blocks."""
+
+    num_blocks: int = 0
+    num_used: int = 0
+    num_cached: int = 0
+    num_retained: int = 0
+
+
+NO_USAGE = TierUsage()
+
+
+@dataclass(frozen=True, slots=True)
+class CacheTypeUsage:
+    """Blocks of one cache type per tier, nearest to compute first; a tier that is off is
+    absent (``of`` reads it as zeros)."""
+
+    tiers: dict[Tier, TierUsage]
+
+    def of(self, tier: Tier) -> TierUsage:
+        return self.tiers.get(tier, NO_USAGE)
 
     def retained_by_tier(self) -> dict[Tier, int]:
-        """Retained blocks per tier that can retain (host, disk) and is on."""
-        tiers = {}
-        if self.num_host_blocks:
-            tiers[Tier.HOST] = self.num_host_blocks_retained
-        if self.num_disk_blocks:
-            tiers[Tier.DISK] = self.num_disk_blocks_retained
-        return tiers
+        """Retained blocks per tier that can retain (every tier behind the NPU) and is on."""
+        return {t: u.num_retained for t, u in self.by_tier_usage().items() if t != Tier.NPU}
 
     def by_tier(self) -> dict[Tier, tuple[int, int, int]]:
         """(capacity, in use, cached) per tier that is on, nearest to compute first."""
-        tiers = {
-            Tier.NPU: (self.num_npu_blocks, self.num_npu_blocks_used, self.num_npu_blocks_cached)
-        }
-        if self.num_host_blocks:
-            tiers[Tier.HOST] = (
-                self.num_host_blocks,
-                self.num_host_blocks_used,
-                self.num_host_blocks_cached,
-            )
-        if self.num_disk_blocks:
-            tiers[Tier.DISK] = (self.num_disk_blocks, 0, self.num_disk_blocks_cached)
-        return tiers
+        tiers = self.by_tier_usage()
+        return {t: (u.num_blocks, u.num_used, u.num_cached) for t, u in tiers.items()}
+
+    def by_tier_usage(self) -> dict[Tier, TierUsage]:
+        """The usage of every tier that is on (the NPU tier always; another with capacity)."""
+        return {t: u for t, u in self.tiers.items() if t == Tier.NPU or u.num_blocks}
 
 
 @dataclass(slots=True)
 class CacheTypeStats:
-    """Block counters of one cache type."""
+    """Block counters of one cache type (``npu_evictions`` and ``host_evictions`` read
+    ``evictions``, the names the metrics and reports use)."""
 
-    npu_evictions: int = 0
-    host_evictions: int = 0
+    evictions: dict[Tier, int] = field(default_factory=dict)  # cached blocks evicted, per tier
     write_through_promotions: int = 0
     write_backs: int = 0
     blocks_loaded: int = 0
     blocks_stored: int = 0
     blocks_freed_out_of_window: int = 0
 
+    @property
+    def npu_evictions(self) -> int:
+        return self.evictions.get(Tier.NPU, 0)
+
+    @property
+    def host_evictions(self) -> int:
+        return self.evictions.get(Tier.HOST, 0)
+
 
 @dataclass(slots=True)
 class CacheStats:
     """Monotonic counters of one replica's prefix cache. Tokens for queries and hits (the safe
-    prefix, split by the tier of its global KV); blocks, summed over cache types, for the rest,
-    with the split per cache type in ``by_cache_type``. The ``count_*`` methods move a total and
-    its cache type's share together."""
+    prefix; ``hits_by_source`` splits it by the tier its global KV came from); blocks, summed
+    over cache types, for the rest, with the split per cache type in ``by_cache_type``. The
+    ``count_*`` methods move a total and its cache type's share together. The per-tier counts
+    live in mappings keyed by tier; ``npu_hits``, ``host_hits`` (disk hits included: they reach
+    NPU through host), ``disk_hits``, ``npu_evictions`` and ``host_evictions`` read them under
+    the names the metrics, ``LLM.stats()`` and the reports use."""
 
     queries: int = 0
     hits: int = 0
-    npu_hits: int = 0
-    host_hits: int = 0
-    npu_evictions: int = 0
-    host_evictions: int = 0
+    hits_by_source: dict[Tier, int] = field(default_factory=dict)  # tokens, by where they came from
+    evictions: dict[Tier, int] = field(default_factory=dict)  # cached blocks evicted, per tier
     write_through_promotions: int = 0
     write_backs: int = 0
     blocks_loaded: int = 0
@@ -198,8 +243,7 @@ class CacheStats:
     prefetched_blocks: int = 0  # host-only blocks loaded into NPU blocks while their request waited
     prefetched_blocks_used: int = 0  # of those, adopted by their request at admission
     reservations_dropped: int = 0  # given way to running requests (or to an earlier arrival)
-    # The disk tier (blocks of every cache type; tokens for disk_hits):
-    disk_hits: int = 0  # tokens of admitted prompts whose KV came from disk (within host_hits)
+    # The disk tier (blocks of every cache type):
     disk_blocks_loaded: int = 0  # disk -> host copies that landed with a valid block
     disk_load_failures: int = 0  # disk reads that missed (checksum, changed slot, missing file)
     disk_blocks_stored: int = 0  # host -> disk copies handed to the disk store
@@ -209,21 +253,56 @@ class CacheStats:
     disk_write_back_skips: int = 0  # host evictions the adaptive policy did not store to disk
     by_cache_type: dict[str, CacheTypeStats] = field(default_factory=dict)
 
+    @property
+    def npu_hits(self) -> int:
+        return self.hits_by_source.get(Tier.NPU, 0)
+
+    @property
+    def host_hits(self) -> int:
+        """Hit tokens loaded from host, those read from disk into host first included."""
+        return sum(n for tier, n in self.hits_by_source.items() if tier != Tier.NPU)
+
+    @property
+    def disk_hits(self) -> int:
+        return self.hits_by_source.get(Tier.DISK, 0)
+
+    @property
+    def npu_evictions(self) -> int:
+        return self.evictions.get(Tier.NPU, 0)
+
+    @property
+    def host_evictions(self) -> int:
+        return self.evictions.get(Tier.HOST, 0)
+
+    def counters(self) -> dict[str, int]:
+        """Every counter under the flat name the reports use: the integer fields, and the
+        per-tier counts as ``npu_hits``, ``host_hits``, ``disk_hits``, ``npu_evictions`` and
+        ``host_evictions``."""
+        flat = {f.name: getattr(self, f.name) for f in fields(self)}
+        flat = {name: value for name, value in flat.items() if isinstance(value, int)}
+        for name in ("npu_hits", "host_hits", "disk_hits", "npu_evictions", "host_evictions"):
+            flat[name] = getattr(self, name)
+        return flat
+
     def hits_by_tier(self) -> dict[Tier, int]:
-        """Hit tokens by the tier their global KV came from, nearest to compute first (a disk
-        hit reaches NPU through host: ``host_hits`` counts it too, this view does not)."""
-        hits = {Tier.NPU: self.npu_hits, Tier.HOST: self.host_hits - self.disk_hits}
-        if self.disk_hits:
-            hits[Tier.DISK] = self.disk_hits
-        return hits
+        """Hit tokens by the tier their global KV came from, nearest to compute first: NPU and
+        host always, a deeper tier once it served some (a disk hit reaches NPU through host:
+        ``host_hits`` counts it too, this view does not)."""
+        hits = self.hits_by_source
+        return {
+            tier: hits.get(tier, 0)
+            for tier in TIERS
+            if tier in (Tier.NPU, Tier.HOST) or hits.get(tier, 0)
+        }
 
-    def count_npu_eviction(self, cache_type: str) -> None:
-        self.npu_evictions += 1
-        self._of(cache_type).npu_evictions += 1
+    def count_hits(self, tier: Tier, num_tokens: int) -> None:
+        """Count hit tokens that came from ``tier`` (a new request's, at admission)."""
+        self.hits_by_source[tier] = self.hits_by_source.get(tier, 0) + num_tokens
 
-    def count_host_eviction(self, cache_type: str) -> None:
-        self.host_evictions += 1
-        self._of(cache_type).host_evictions += 1
+    def count_eviction(self, cache_type: str, tier: Tier) -> None:
+        self.evictions[tier] = self.evictions.get(tier, 0) + 1
+        per_type = self._of(cache_type).evictions
+        per_type[tier] = per_type.get(tier, 0) + 1
 
     def count_write_through_promotion(self, cache_type: str) -> None:
         self.write_through_promotions += 1

@@ -12,26 +12,54 @@ from the tier above and below)::
 
 A block is reusable at once from the NPU tier, after one load from host, after a read into host
 and a load from disk. What is generic over tiers (residency, usage, reset, snapshots, integrity)
-walks the list; the rules that move a block between two tiers live in ``KVCacheManager``.
+walks the list through ``TierStore``, the one interface every tier's store implements; the rules
+that move a block between two tiers live in ``KVCacheManager`` and its collaborators. A store of
+blocks a request cannot adopt directly (the disk tier's) implements ``DiskIndex`` too.
 """
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from replicas.kv.block_pool import BlockPool
-from replicas.kv.hashing import BlockHash
-from replicas.kv.records import COPY_PATHS
 from replicas.kv.events import Tier
+from replicas.kv.hashing import BlockHash
+from replicas.kv.records import COPY_PATHS, TierUsage
 
 TIER_ORDER = (Tier.NPU, Tier.HOST, Tier.DISK)
 """Nearest to compute first."""
 
 
-class DiskIndex(Protocol):
-    """What the manager asks of a disk store (``replicas.kv.disk.DiskStore``): which blocks it
-    holds, what a read costs, and to forget a block that failed to read."""
+@runtime_checkable
+class TierStore(Protocol):
+    """What every tier's store answers (``BlockPool`` for NPU and host, a disk store for disk):
+    residency, usage, retention expiry, the hashes it holds and a reset."""
 
     def contains(self, block_hash: BlockHash) -> bool: ...
+
+    def usage(self) -> TierUsage:
+        """Capacity, in use, cached and retained blocks (as of the last expiry; no mutation).
+        A shared store counts its own blocks."""
+        ...
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """The hashes this store holds (its own, for a shared one)."""
+        ...
+
+    def expire(self) -> object:
+        """Make blocks whose retention ended ordinary again (mutates; the engine thread)."""
+        ...
+
+    def reset(self) -> list[BlockHash]:
+        """Forget every cached block nobody references; returns the hashes forgotten whose
+        removal the caller announces (a store that announces its own changes returns none)."""
+        ...
+
+
+@runtime_checkable
+class DiskIndex(TierStore, Protocol):
+    """A tier store whose blocks are read into the tier above before use
+    (``replicas.kv.disk.DiskStore``): what a read costs, retention by hash, forgetting a block
+    that failed to read, and the changes it announces itself."""
 
     def discard(self, block_hash: BlockHash) -> None: ...
 
@@ -41,13 +69,13 @@ class DiskIndex(Protocol):
         """Keep an own block ahead of ordinary ones until ``until``; False if it cannot."""
         ...
 
-    def expire(self) -> None:
-        """Make own blocks whose retention ended ordinary again."""
+    def track_changes(self) -> None:
+        """Record own blocks stored and removed from now on (those held already count as
+        stored now), for ``drain_changes``."""
         ...
 
-    @property
-    def num_retained(self) -> int:
-        """Own blocks retained now."""
+    def drain_changes(self) -> list[tuple[bool, BlockHash]]:
+        """(stored, hash) per change since the last call, in order; none until tracked."""
         ...
 
 
@@ -70,41 +98,27 @@ class TierLevel:
         return self.pool is not None
 
     @property
+    def keeper(self) -> TierStore:
+        """The tier's store, whichever kind it is."""
+        return self.pool if self.pool is not None else self.store
+
+    @property
     def copy_paths(self) -> list[str]:
         """The ``TransferPlan`` fields that fill this tier."""
         return [field for (_, dst), field in COPY_PATHS.items() if dst == self.tier]
 
     def holds(self, block_hash: BlockHash) -> bool:
-        if self.pool is not None:
-            return self.pool.lookup(block_hash) is not None
-        return self.store.contains(block_hash)
+        return self.keeper.contains(block_hash)
 
-    def counts(self) -> tuple[int, int, int]:
-        """(capacity, in use, cached) in blocks; a disk store's are its own slots."""
-        if self.pool is not None:
-            return self.pool.num_blocks, self.pool.num_used, self.pool.num_cached
-        stats = getattr(self.store, "stats", None)
-        if stats is None:
-            return 0, 0, 0
-        disk = stats()
-        return disk.num_slots, 0, disk.num_cached
-
-    def num_retained(self) -> int:
-        """Blocks kept ahead of ordinary ones, as of the tier's last expiry (no mutation: the
-        engine thread expires them, ``KVCacheManager.expire_retained``)."""
-        keeper = self.pool if self.pool is not None else self.store
-        return keeper.num_retained
+    def usage(self) -> TierUsage:
+        return self.keeper.usage()
 
     def expire_retained(self) -> None:
         """End the retentions whose deadline has passed (mutates; the engine thread only)."""
-        keeper = self.pool if self.pool is not None else self.store
-        keeper.expire()
+        self.keeper.expire()
 
     def cached_hashes(self) -> list[BlockHash]:
-        if self.pool is not None:
-            return self.pool.cached_hashes()
-        own_keys = getattr(self.store, "own_keys", None)
-        return own_keys() if own_keys is not None else []
+        return self.keeper.cached_hashes()
 
 
 def order_tiers(levels: list[TierLevel]) -> list[TierLevel]:

@@ -54,6 +54,7 @@ The cache must be contiguous (the model runner allocates it so).
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -256,64 +257,19 @@ def _build_group(
     sliding_window: int | None,
 ) -> AttentionGroup:
     """The chunks of ``seqs``: one prefill, or decodes sorted by span descending."""
-    device = table.device
     is_one_chunk = seqs[0].span <= ONE_CHUNK_BLOCKS * block_size
     chunk_len = (ONE_CHUNK_BLOCKS if is_one_chunk else CHUNK_BLOCKS) * block_size
     q_len, num_chunks = seqs[0].q_len, -(-seqs[0].span // chunk_len)
-    seq_idx = torch.tensor([s.index for s in seqs], device=device)
-    grid_start = torch.tensor([s.grid_start for s in seqs], device=device)[:, None]
-    first_key = torch.tensor([s.first_key for s in seqs], device=device)[:, None]
-    seq_len = torch.tensor([s.seq_len for s in seqs], device=device)[:, None]
-    pos = grid_start + torch.arange(num_chunks * chunk_len, device=device)  # [S, grid]
-    is_read = (pos >= first_key) & (pos < seq_len)
-    cols = torch.div(pos, block_size, rounding_mode="floor").clamp(max=table.shape[1] - 1)
-    last_slot = slots[torch.tensor([s.first_row + s.q_len - 1 for s in seqs], device=device)]
-    last_block = torch.div(last_slot, block_size, rounding_mode="floor")[:, None]
-    blocks = torch.where(is_read, table[seq_idx[:, None], cols], last_block)
-    offsets = torch.where(is_read, pos % block_size, (last_slot % block_size)[:, None])
-    q_pos = seq_len - q_len + torch.arange(q_len, device=device)  # [S, q_len]
-    hidden = ~is_read[:, None, :] | (pos[:, None, :] > q_pos[:, :, None])  # [S, q_len, grid]
-    if sliding_window:
-        hidden |= pos[:, None, :] <= q_pos[:, :, None] - sliding_window
-
-    chunks = []
-    for c in range(num_chunks):
-        start = c * chunk_len  # in the grid
-        inside = [s for s in seqs if s.span > start]
-        lens = [min(chunk_len, s.seq_len - s.grid_start - start) for s in inside]
-        width = max(lens)
-        # The query rows that see a key here, q_pos in [first key, last key + window): all of
-        # a prefill's rows only when it is short; the one row of each decode always.
-        first_pos, first_q = seqs[0].grid_start + start, seqs[0].seq_len - q_len
-        first_row = max(0, first_pos - first_q)
-        end_row = q_len
-        if sliding_window:
-            end_row = min(q_len, first_pos + lens[0] - 1 + sliding_window - first_q)
-        is_masked = any(
-            n < width  # padding at the end
-            or s.grid_start + start < s.first_key  # start of the window's first block
-            or s.grid_start + start + n - 1 > s.seq_len - q_len  # causal within the chunk
-            or (sliding_window and s.grid_start + start <= s.seq_len - 1 - sliding_window)
-            for s, n in zip(inside, lens, strict=True)
-        )
-        keys = (slice(0, len(inside)), slice(start, start + width))
-        chunk_hidden = hidden[keys[0], first_row:end_row, keys[1]]  # [n, rows, width]
-        chunks.append(
-            KeyChunk(
-                num_seqs=len(inside),
-                first_row=first_row,
-                end_row=end_row,
-                blocks=blocks[keys],
-                offsets=offsets[keys],
-                hidden=chunk_hidden[:, None, :, None, :] if is_masked else None,
-            )
-        )
+    grid = _key_grid(table, slots, seqs, num_chunks * chunk_len, block_size, sliding_window)
+    chunks = [
+        _key_chunk(seqs, c * chunk_len, chunk_len, grid, sliding_window) for c in range(num_chunks)
+    ]
     rows: torch.Tensor | slice
     first_rows = [s.first_row for s in seqs]
     if first_rows == list(range(first_rows[0], first_rows[0] + len(seqs) * q_len, q_len)):
         rows = slice(first_rows[0], first_rows[0] + len(seqs) * q_len)
     else:
-        rows = torch.tensor(first_rows, device=device)  # decodes: one row each
+        rows = torch.tensor(first_rows, device=table.device)  # decodes: one row each
     only = chunks[0]
     is_causal = num_chunks == 1 and seqs[0].grid_start == 0 and seqs[0].seq_len == q_len
     is_causal = is_causal and not (sliding_window and q_len > sliding_window)
@@ -328,6 +284,79 @@ def _build_group(
             if num_chunks == 1 and only.hidden is not None and not is_causal
             else None
         ),
+    )
+
+
+class _KeyGrid(NamedTuple):
+    """Per sequence and grid position: the key's block and offset (a padding position reads
+    the sequence's last written slot), and per query row whether the key is hidden from it."""
+
+    blocks: torch.Tensor  # [S, grid]
+    offsets: torch.Tensor  # [S, grid]
+    hidden: torch.Tensor  # [S, q_len, grid]
+
+
+def _key_grid(
+    table: torch.Tensor,
+    slots: torch.Tensor,
+    seqs: list[_Seq],
+    grid_len: int,
+    block_size: int,
+    sliding_window: int | None,
+) -> _KeyGrid:
+    """The keys of ``seqs`` over ``grid_len`` positions from each one's ``grid_start``."""
+    device = table.device
+    q_len = seqs[0].q_len
+    seq_idx = torch.tensor([s.index for s in seqs], device=device)
+    grid_start = torch.tensor([s.grid_start for s in seqs], device=device)[:, None]
+    first_key = torch.tensor([s.first_key for s in seqs], device=device)[:, None]
+    seq_len = torch.tensor([s.seq_len for s in seqs], device=device)[:, None]
+    pos = grid_start + torch.arange(grid_len, device=device)  # [S, grid]
+    is_read = (pos >= first_key) & (pos < seq_len)
+    cols = torch.div(pos, block_size, rounding_mode="floor").clamp(max=table.shape[1] - 1)
+    last_slot = slots[torch.tensor([s.first_row + s.q_len - 1 for s in seqs], device=device)]
+    last_block = torch.div(last_slot, block_size, rounding_mode="floor")[:, None]
+    blocks = torch.where(is_read, table[seq_idx[:, None], cols], last_block)
+    offsets = torch.where(is_read, pos % block_size, (last_slot % block_size)[:, None])
+    q_pos = seq_len - q_len + torch.arange(q_len, device=device)  # [S, q_len]
+    hidden = ~is_read[:, None, :] | (pos[:, None, :] > q_pos[:, :, None])  # [S, q_len, grid]
+    if sliding_window:
+        hidden |= pos[:, None, :] <= q_pos[:, :, None] - sliding_window
+    return _KeyGrid(blocks, offsets, hidden)
+
+
+def _key_chunk(
+    seqs: list[_Seq], start: int, chunk_len: int, grid: _KeyGrid, sliding_window: int | None
+) -> KeyChunk:
+    """The chunk of the grid from ``start``: the sequences that reach it, the query rows that
+    see a key in it, and its mask unless every key is visible to every row."""
+    q_len = seqs[0].q_len
+    inside = [s for s in seqs if s.span > start]
+    lens = [min(chunk_len, s.seq_len - s.grid_start - start) for s in inside]
+    width = max(lens)
+    # The query rows that see a key here, q_pos in [first key, last key + window): all of
+    # a prefill's rows only when it is short; the one row of each decode always.
+    first_pos, first_q = seqs[0].grid_start + start, seqs[0].seq_len - q_len
+    first_row = max(0, first_pos - first_q)
+    end_row = q_len
+    if sliding_window:
+        end_row = min(q_len, first_pos + lens[0] - 1 + sliding_window - first_q)
+    is_masked = any(
+        n < width  # padding at the end
+        or s.grid_start + start < s.first_key  # start of the window's first block
+        or s.grid_start + start + n - 1 > s.seq_len - q_len  # causal within the chunk
+        or (sliding_window and s.grid_start + start <= s.seq_len - 1 - sliding_window)
+        for s, n in zip(inside, lens, strict=True)
+    )
+    keys = (slice(0, len(inside)), slice(start, start + width))
+    chunk_hidden = grid.hidden[keys[0], first_row:end_row, keys[1]]  # [n, rows, width]
+    return KeyChunk(
+        num_seqs=len(inside),
+        first_row=first_row,
+        end_row=end_row,
+        blocks=grid.blocks[keys],
+        offsets=grid.offsets[keys],
+        hidden=chunk_hidden[:, None, :, None, :] if is_masked else None,
     )
 
 

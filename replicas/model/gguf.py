@@ -21,7 +21,7 @@ applied by its registry entry's ``gguf_args``.
 import functools
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -192,18 +192,7 @@ def gguf_model_args(reader: Any, name: str, metadata: "GGUFMetadata | None" = No
 
     hidden_size = key("embedding_length")
     num_layers = key("block_count")
-    num_heads = _same_per_layer(key("attention.head_count"), "attention.head_count")
-    num_kv_heads = _same_per_layer(
-        key("attention.head_count_kv", num_heads), "attention.head_count_kv"
-    )
-    head_dim = key("attention.key_length", hidden_size // num_heads)
-    value_dim = key("attention.value_length", head_dim)
-    rope_dim = key("rope.dimension_count", head_dim)
-    if value_dim != head_dim or rope_dim != head_dim:
-        raise ValueError(
-            f"unsupported GGUF attention: key length {head_dim}, value length {value_dim}, "
-            f"rotary dimensions {rope_dim}; Strata needs all three equal"
-        )
+    num_heads, num_kv_heads, head_dim = _attention_dims(key, hidden_size)
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab_size = len(tokens) if tokens else key("vocab_size")
     max_positions = key("context_length", 4096)
@@ -217,15 +206,6 @@ def gguf_model_args(reader: Any, name: str, metadata: "GGUFMetadata | None" = No
     rope_scaling = None
     if _has_tensor(reader, "rope_freqs.weight"):
         rope_scaling = _llama3_scaling(reader, head_dim, rope_theta, max_positions)
-
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    eos_ids = [
-        meta.get(f"tokenizer.ggml.{k}_token_id")
-        for k in ("eos", "eot", "eom")
-        if meta.get(f"tokenizer.ggml.{k}_token_id") is not None
-    ]
-    # llama.cpp also ends generation on these texts, whatever type the file gives them.
-    eos_ids += [i for i, text in enumerate(tokens or ()) if text in _END_OF_GENERATION]
     args = ModelArgs(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -240,12 +220,41 @@ def gguf_model_args(reader: Any, name: str, metadata: "GGUFMetadata | None" = No
         max_position_embeddings=max_positions,
         tie_word_embeddings=not _has_tensor(reader, names.tensor_name("output.weight")),
         attention_bias=_has_tensor(reader, names.tensor_name("layers.0.attention.wq.bias")),
-        bos_token_id=bos,
-        eos_token_ids=tuple(dict.fromkeys(eos_ids)),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_eos_token_ids(meta, tokens or []),
         name=name,
         architecture=architecture.name,
     )
     return architecture.gguf_args(args, meta)
+
+
+def _attention_dims(key: Callable[..., Any], hidden_size: int) -> tuple[int, int, int]:
+    """``(num_heads, num_kv_heads, head_dim)``; keys, values and rotary dimensions must agree."""
+    num_heads = _same_per_layer(key("attention.head_count"), "attention.head_count")
+    num_kv_heads = _same_per_layer(
+        key("attention.head_count_kv", num_heads), "attention.head_count_kv"
+    )
+    head_dim = key("attention.key_length", hidden_size // num_heads)
+    value_dim = key("attention.value_length", head_dim)
+    rope_dim = key("rope.dimension_count", head_dim)
+    if value_dim != head_dim or rope_dim != head_dim:
+        raise ValueError(
+            f"unsupported GGUF attention: key length {head_dim}, value length {value_dim}, "
+            f"rotary dimensions {rope_dim}; Strata needs all three equal"
+        )
+    return num_heads, num_kv_heads, head_dim
+
+
+def _eos_token_ids(meta: "GGUFMetadata", tokens: list[str]) -> tuple[int, ...]:
+    """The end-of-sequence, end-of-turn and end-of-message ids, and every token whose text
+    llama.cpp ends generation on whatever type the file gives it."""
+    eos_ids = [
+        meta.get(f"tokenizer.ggml.{k}_token_id")
+        for k in ("eos", "eot", "eom")
+        if meta.get(f"tokenizer.ggml.{k}_token_id") is not None
+    ]
+    eos_ids += [i for i, text in enumerate(tokens) if text in _END_OF_GENERATION]
+    return tuple(dict.fromkeys(eos_ids))
 
 
 def _same_per_layer(value: Any, what: str) -> int:
@@ -279,21 +288,7 @@ def _llama3_scaling(
     # a * x + b in x = 1/wavelength, 0 at the band's low edge and 1 at its high edge.
     x = (base / (2 * math.pi)).numpy()
     blend = ((1 / divisors - 1 / factor) / (1 - 1 / factor)).numpy()
-    medium = (blend > 1e-4) & (blend < 1 - 1e-4)
-    long, short = x[blend <= 1e-4], x[blend >= 1 - 1e-4]
-    below = float(long.max()) if len(long) else 0.0  # the band starts above this x
-    above = float(short.min()) if len(short) else math.inf  # and ends below this one
-    if medium.sum() >= 2:
-        slope, intercept = (float(v) for v in np.polyfit(x[medium], blend[medium], 1))
-    elif medium.sum() == 1:  # any line through the point, steep enough to end in the gaps
-        x_m, s_m = float(x[medium][0]), float(blend[medium][0])
-        slope = 2 * max(s_m / (x_m - below), (1 - s_m) / (above - x_m))
-        intercept = s_m - slope * x_m
-    else:  # the band falls between two frequencies
-        top = above if math.isfinite(above) else 2 * below + 1
-        low_edge, high_edge = below + (top - below) / 3, below + 2 * (top - below) / 3
-        slope = 1 / (high_edge - low_edge)
-        intercept = -slope * low_edge
+    slope, intercept = _blend_line(x, blend)
     if intercept >= 0 or slope <= 0:
         raise ValueError("GGUF rope_freqs does not describe llama3 rope scaling")
     # With low_freq_factor 1: blend = (old_context * x - 1) / (high_freq_factor - 1).
@@ -322,6 +317,27 @@ def _llama3_scaling(
     if not torch.allclose(ours, base / divisors, rtol=1e-4, atol=0):
         raise ValueError("GGUF rope_freqs does not describe llama3 rope scaling")
     return scaling
+
+
+def _blend_line(x: np.ndarray, blend: np.ndarray) -> tuple[float, float]:
+    """``(slope, intercept)`` of the blend as a line in ``x``: fitted through the band's
+    frequencies, or, with fewer than two inside it, a line that ends in the gaps around it."""
+    medium = (blend > 1e-4) & (blend < 1 - 1e-4)
+    long, short = x[blend <= 1e-4], x[blend >= 1 - 1e-4]
+    below = float(long.max()) if len(long) else 0.0  # the band starts above this x
+    above = float(short.min()) if len(short) else math.inf  # and ends below this one
+    if medium.sum() >= 2:
+        slope, intercept = (float(v) for v in np.polyfit(x[medium], blend[medium], 1))
+    elif medium.sum() == 1:  # any line through the point, steep enough to end in the gaps
+        x_m, s_m = float(x[medium][0]), float(blend[medium][0])
+        slope = 2 * max(s_m / (x_m - below), (1 - s_m) / (above - x_m))
+        intercept = s_m - slope * x_m
+    else:  # the band falls between two frequencies
+        top = above if math.isfinite(above) else 2 * below + 1
+        low_edge, high_edge = below + (top - below) / 3, below + 2 * (top - below) / 3
+        slope = 1 / (high_edge - low_edge)
+        intercept = -slope * low_edge
+    return slope, intercept
 
 
 class GGUFMetadata:
@@ -370,7 +386,7 @@ def gguf_tokenizer(
     user-defined tokens matched whole (control ones left out when decoding), and the chat
     template of ``tokenizer.chat_template``.
     """
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import Regex, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as RustTokenizer
 
     meta = metadata or GGUFMetadata(reader)
@@ -387,15 +403,7 @@ def gguf_tokenizer(
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
     merges = [_split_merge(m) for m in meta.get("tokenizer.ggml.merges") or []]
     pre = meta.get("tokenizer.ggml.pre") or "default"
-    patterns = _PRE_TOKENIZERS.get(pre)
-    if patterns is None:
-        logger.warning(
-            "GGUF pre-tokenizer '%s' is not one Strata knows; splitting text with GPT-2's "
-            "pattern, which may tokenize differently from llama.cpp",
-            pre,
-        )
-        patterns = (_GPT2,)
-
+    patterns = _split_patterns(pre)
     vocab = {text: i for i, text in enumerate(tokens)}
     bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in _IGNORE_MERGES)
     tokenizer = RustTokenizer(bpe)
@@ -404,12 +412,7 @@ def gguf_tokenizer(
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
     tokenizer.decoder = decoders.ByteLevel()
-    special, user_defined = [], []
-    for text, kind in zip(tokens, types):
-        if kind in (TOKEN_CONTROL, TOKEN_UNKNOWN) or text in _END_OF_GENERATION:
-            special.append(AddedToken(text, special=True, normalized=False))
-        elif kind == TOKEN_USER_DEFINED:
-            user_defined.append(AddedToken(text, special=False, normalized=False))
+    special, user_defined = _added_tokens(tokens, types)
     tokenizer.add_special_tokens(special)
     tokenizer.add_tokens(user_defined)
 
@@ -425,6 +428,34 @@ def gguf_tokenizer(
         eos_token_ids=eos_token_ids,
         chat_template=meta.get("tokenizer.chat_template"),
     )
+
+
+def _split_patterns(pre: str) -> tuple[str, ...]:
+    """The split patterns llama.cpp uses for the ``tokenizer.ggml.pre`` name; GPT-2's, with a
+    warning, for a name Strata does not know."""
+    patterns = _PRE_TOKENIZERS.get(pre)
+    if patterns is None:
+        logger.warning(
+            "GGUF pre-tokenizer '%s' is not one Strata knows; splitting text with GPT-2's "
+            "pattern, which may tokenize differently from llama.cpp",
+            pre,
+        )
+        patterns = (_GPT2,)
+    return patterns
+
+
+def _added_tokens(tokens: list[str], types: list[int]) -> tuple[list[Any], list[Any]]:
+    """``(special, user_defined)`` tokens matched whole: control and unknown tokens and the
+    end-of-generation texts are special (left out when decoding)."""
+    from tokenizers import AddedToken
+
+    special, user_defined = [], []
+    for text, kind in zip(tokens, types):
+        if kind in (TOKEN_CONTROL, TOKEN_UNKNOWN) or text in _END_OF_GENERATION:
+            special.append(AddedToken(text, special=True, normalized=False))
+        elif kind == TOKEN_USER_DEFINED:
+            user_defined.append(AddedToken(text, special=False, normalized=False))
+    return special, user_defined
 
 
 def _split_merge(merge: str) -> tuple[str, str]:

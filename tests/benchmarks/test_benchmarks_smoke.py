@@ -80,6 +80,13 @@ EXPECTED = {
         "policies.ttft-reserved.hit_rate",
         "policies.ttft-reserved.ttft_p50_s",
     ],
+    "curve-cost": [
+        "runs.*.num_steps",
+        "runs.*.tracking_us_per_step",
+        "runs.*.mean_step_ms",
+        "runs.*.hashes_max",
+        "runs.*.sample_rate",
+    ],
     "cache-key": [
         "results.key.hit_rate",
         "results.no key.hit_rate",

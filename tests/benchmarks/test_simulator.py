@@ -9,7 +9,7 @@ from dataclasses import asdict, replace
 
 import pytest
 
-from benchmarks.sim.clairvoyant import ClairvoyantTracker
+from benchmarks.sim.clairvoyant import ClairvoyantPolicy, clairvoyant
 from benchmarks.sim.cost_model import CostModel, HardwareProfile
 from benchmarks.sim.metrics import ideal_ttft_s
 from benchmarks.sim.peers import PEERS
@@ -17,6 +17,7 @@ from benchmarks.sim.reuse import reuse_by_split
 from benchmarks.sim.simulator import CLAIRVOYANT, STRATA, SimConfig, Simulator
 from benchmarks.sim.trace import TraceRecord, TraceRequest, expand, unbounded_cached_blocks
 from cluster import LLM, KVOffloadConfig, SamplingParams, SchedulerConfig
+from replicas.kv.retention import PolicyContext
 
 BLOCK = 16
 PROFILE = HardwareProfile.load("cpu-tiny")
@@ -236,7 +237,7 @@ def test_simulator_and_real_engine_count_the_same_disk_hits(tmp_path):
 
 def test_clairvoyant_tracker_stores_what_the_trace_requests_again_within_its_window():
     now = [0.5]
-    tracker = ClairvoyantTracker(8, {b"a": [1.0, 5.0]}, lambda: now[0], window_s=1.0)
+    tracker = ClairvoyantPolicy(PolicyContext(8), {b"a": [1.0, 5.0]}, lambda: now[0], window_s=1.0)
     assert tracker.should_store(b"a", 0, host_full=True)  # next at 1.0: 0.5 s ahead
     now[0] = 2.0
     assert not tracker.should_store(b"a", 0, host_full=False)  # next at 5.0: 3 s ahead
@@ -246,7 +247,7 @@ def test_clairvoyant_tracker_stores_what_the_trace_requests_again_within_its_win
     assert not tracker.should_store(b"a", 3, host_full=False)  # never again
     assert not tracker.should_store(b"b", 3, host_full=False)  # in no prompt (decoded tokens)
     with pytest.raises(ValueError, match="window"):
-        ClairvoyantTracker(8, {}, lambda: 0.0, window_s=0.0)
+        clairvoyant({}, lambda: 0.0, window_s=0.0)
 
 
 def test_clairvoyant_bound_serves_what_write_back_serves_with_fewer_stores():

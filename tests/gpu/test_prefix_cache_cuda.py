@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cluster import LLM, KVOffloadConfig, PrefixCacheConfig, SamplingParams, SchedulerConfig
+from replicas.kv.events import Tier
 from replicas.kv.hashing import block_hashes
 from tests.gpu.devices import DEVICES, SLOW_ON_CPU
 
@@ -55,13 +56,13 @@ def test_tiny_promoted_prefix_reloads_from_host_with_the_cold_output(device):
     assert str(llm.engine.device).startswith(device)
     llm.generate([*prefix, 9], GREEDY)
     npu_hit = llm.generate([*prefix, 8], GREEDY)  # first later hit: promoted to host
-    assert npu_hit.num_npu_cached_tokens == 192
+    assert npu_hit.num_cached_tokens_in(Tier.NPU) == 192
     assert llm.stats().cache.write_through_promotions == 12
     for i in range(5):  # unrelated traffic pushes the prefix out of the NPU tier
         llm.generate([rng.randrange(256) for _ in range(180)] + [i], GREEDY)
     assert llm.engine.kv_cache.npu.lookup(block_hashes(prompt, 16)[0]) is None
     output = llm.generate(prompt, GREEDY)
-    assert output.num_host_cached_tokens == 192 and output.num_npu_cached_tokens == 0
+    assert output.num_cached_tokens_by_tier == (0, 192, 0)
     assert output.token_ids == reference.token_ids
     assert llm.stats().cache.blocks_loaded == 12
     assert_host_copies_match(llm)
@@ -77,15 +78,13 @@ def test_tiny_write_back_working_set_larger_than_the_npu_tier(device):
         "tiny",
         device=device,
         num_npu_blocks=16,
-        scheduler_config=offload(
-            host_memory_ratio=4.0, write_through_threshold=None, write_back=True
-        ),
+        scheduler_config=offload(host_memory_ratio=4.0, write_through_threshold=0, write_back=True),
     )
     for p in prefixes:
         llm.generate([*p, 0], GREEDY)
     outputs = [llm.generate([*p, 1], GREEDY) for p in prefixes]
     assert llm.stats().cache.write_backs > 0
-    assert sum(o.num_host_cached_tokens for o in outputs) > 0
+    assert sum(o.num_cached_tokens_in(Tier.HOST) for o in outputs) > 0
     for p, output in zip(prefixes, outputs):
         assert output.num_cached_tokens == 96
         assert output.token_ids == cold.generate([*p, 1], GREEDY).token_ids
@@ -108,7 +107,7 @@ def test_tiny_hybrid_outputs_match_cold_runs_through_eviction_and_reload(device)
         device=device,
         num_npu_blocks=40,
         scheduler_config=offload(
-            host_memory_ratio=4.0, write_through_threshold=0, max_num_batched_tokens=96
+            host_memory_ratio=4.0, write_through_threshold="immediate", max_num_batched_tokens=96
         ),
     )
     outputs = [llm.generate(p, params) for p in prompts]
@@ -119,7 +118,7 @@ def test_tiny_hybrid_outputs_match_cold_runs_through_eviction_and_reload(device)
     reloaded = [llm.generate(p, params) for p in prompts]
     assert [o.token_ids for o in reloaded] == reference
     first = reloaded[0]
-    assert first.num_host_cached_tokens == first.num_cached_tokens > 0
+    assert first.num_cached_tokens_in(Tier.HOST) == first.num_cached_tokens > 0
     per_type = llm.stats().cache.by_cache_type
     assert per_type["full"].blocks_loaded > 0 and per_type["sliding"].blocks_loaded > 0
     assert_host_copies_match(llm)
@@ -166,15 +165,16 @@ def test_smollm2_host_reload_gives_the_cold_outputs(device):
         model,
         device=device,
         num_npu_blocks=48,
-        scheduler_config=offload(host_memory_ratio=4.0, write_through_threshold=0),
+        scheduler_config=offload(host_memory_ratio=4.0, write_through_threshold="immediate"),
     )
     first = llm.generate(prompts[0], greedy)
     assert first.num_cached_tokens == 0 and first.token_ids == reference[0]
     npu_hit = llm.generate(prompts[1], greedy)  # the system prompt is on the NPU tier
-    assert npu_hit.num_npu_cached_tokens > 0 and npu_hit.token_ids == reference[1]
+    assert npu_hit.num_cached_tokens_in(Tier.NPU) > 0 and npu_hit.token_ids == reference[1]
     llm.reset_prefix_cache("npu")  # evict every cached NPU block: the host copies remain
     host_hit = llm.generate(prompts[2], greedy)
-    assert host_hit.num_host_cached_tokens > 0 and host_hit.num_npu_cached_tokens == 0
+    assert host_hit.num_cached_tokens_in(Tier.HOST) > 0
+    assert host_hit.num_cached_tokens_in(Tier.NPU) == 0
     assert host_hit.token_ids == reference[2]
     again = [llm.generate(p, greedy) for p in prompts]
     assert [o.token_ids for o in again] == reference

@@ -14,6 +14,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed: replica placement
 
 from cluster.config import ClusterConfig, ModelConfig, RayConfig  # noqa: E402  (needs Ray)
 from cluster.deploy import RayBackend  # noqa: E402
+from replicas.kv.events import Tier  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 PROMPT = [(7 * i) % 256 for i in range(100)]
@@ -55,7 +56,7 @@ async def generate(backend: RayBackend, request_id: str, tokens: list[int]):
 def test_replica_device_follows_its_placement_bundle(ray_instance, gpus_per_replica, device):
     scheduler = SchedulerConfig(
         kv_offload_config=KVOffloadConfig(
-            enabled=True, host_memory_ratio=2.0, write_through_threshold=0
+            enabled=True, host_memory_ratio=2.0, write_through_threshold="immediate"
         )
     )
     config = ClusterConfig(
@@ -72,7 +73,7 @@ def test_replica_device_follows_its_placement_bundle(ray_instance, gpus_per_repl
         asyncio.run(backend.check_integrity())  # between the two: the first one's stores landed
         ray.get(backend.replicas[0].reset_prefix_cache.remote("npu"))
         again = asyncio.run(generate(backend, "again", [*PROMPT[:96], 1, 2, 3]))
-        assert again.num_host_cached_tokens == 96  # reloaded from the host tier
+        assert again.num_cached_tokens_in(Tier.HOST) == 96  # reloaded from the host tier
         stats = ray.get(backend.replicas[0].stats.remote())
         assert stats.transfer.blocks_loaded == 6 and stats.transfer.blocks_stored >= 6
         asyncio.run(backend.check_integrity())

@@ -8,6 +8,7 @@ import ray
 
 from cluster.config import ClusterConfig
 from cluster.deploy import RayBackend
+from replicas.kv.events import Tier
 from replicas.sampling_params import SamplingParams
 from tests.integration.test_cluster import run, run_one
 
@@ -25,7 +26,7 @@ def disk_config(path) -> ClusterConfig:
                 "kv_offload_config": {
                     "enabled": True,
                     "host_memory_ratio": 1.0,
-                    "write_through_threshold": 0,
+                    "write_through_threshold": "immediate",
                     "disk_path": str(path),
                     "disk_bytes": 64 * 2**20,
                 }
@@ -56,7 +57,7 @@ def test_replicas_share_the_node_disk_and_a_redeployment_reuses_it(backends, tmp
     # which finds the prefix in the writer's slab.
     reader = run(run_one(first, "r", [*PREFIX, 201], PARAMS))
     assert reader.replica_index != writer.replica_index
-    assert reader.num_cached_tokens == reader.num_host_cached_tokens == 160
+    assert reader.num_cached_tokens == reader.num_cached_tokens_in(Tier.HOST) == 160
     for report in run(first.check_integrity()):
         assert report == {"npu_blocks_used": 0, "host_blocks_used": 0, "num_unfinished": 0}
     first.shutdown()
@@ -79,5 +80,5 @@ def test_a_redeployed_replica_announces_its_disk_blocks_before_any_traffic(backe
     time.sleep(0.5)  # the announcements reach the router
     stats = ray.get(second.router.stats.remote())
     assert stats.num_indexed_hashes == 0  # nothing on NPU or host yet
-    disk = [r.num_indexed_disk_blocks for r in stats.replicas]
+    disk = [r.num_indexed_blocks_in(Tier.DISK) for r in stats.replicas]
     assert sum(disk) >= 10  # the writer's slab, taken back by one of the new replicas

@@ -3,9 +3,11 @@ the measurement on a real engine, and the router priced with them."""
 
 import pytest
 
-from replicas.calibration import StepCosts, fit_step_costs, measure_step_costs, median_costs
+from replicas.calibration import fit_step_costs, measure_step_costs
 from replicas.config import EngineConfig, KVOffloadConfig, SchedulerConfig
 from replicas.engine.engine import Engine
+from replicas.kv.events import Tier
+from replicas.step_costs import StepCosts, median_costs
 from router.actor import measured_ttft_costs
 from router.config import RoutingConfig, TTFTCosts
 from router.policies import TTFTPolicy, make_policy
@@ -103,8 +105,8 @@ def test_measure_on_a_real_engine_leaves_it_idle_and_empty():
     assert stats.cache.queries == stats.cache.hits == 0  # the samples are not served traffic
     assert stats.steps.num_steps == 0
     for usage in engine.kv_cache.usage().values():
-        assert usage.num_npu_blocks_used == usage.num_npu_blocks_cached == 0
-        assert usage.num_host_blocks_used == usage.num_host_blocks_cached == 0
+        assert usage.of(Tier.NPU).num_used == usage.of(Tier.NPU).num_cached == 0
+        assert usage.of(Tier.HOST).num_used == usage.of(Tier.HOST).num_cached == 0
     # A prompt the samples never saw is computed from scratch afterwards.
     request = engine.add_request("after", list(range(1, 100)))
     while not request.is_finished:

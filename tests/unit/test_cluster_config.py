@@ -11,6 +11,7 @@ from cluster.config import ClusterConfig
 from replicas.config import KVOffloadConfig
 from replicas.engine.engine import Engine
 from replicas.kv.capacity import deployment_host_bytes, kv_cache_specs, plan_replica_offload
+from replicas.kv.events import Tier
 from replicas.model import load_model_info
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -114,7 +115,7 @@ def test_engine_config_carries_the_replica_share():
         }
     )
     engine = Engine(config.engine_config())
-    assert engine.stats().cache_types["full"].num_host_blocks == 4
+    assert engine.stats().cache_types["full"].of(Tier.HOST).num_blocks == 4
 
 
 def test_every_shipped_config_loads():
@@ -163,7 +164,8 @@ def test_flags_override_the_file():
         "--experimental-kv-offload-write-through-threshold",
         "0",
     )
-    assert off.scheduler.kv_offload_config.write_through_threshold is None
+    assert off.scheduler.kv_offload_config.write_through_threshold == 0
+    assert off.scheduler.kv_offload_config.promotion_threshold is None
     assert parse("--speculative-ngram", "4").scheduler.speculative_ngram == 4
     assert parse().scheduler.speculative_ngram == 0
 

@@ -7,6 +7,7 @@ from pydantic import ValidationError
 
 from cluster import LLM, KVOffloadConfig, PrefixCacheConfig, SchedulerConfig
 from cluster.cli import main
+from replicas.kv.events import Tier
 
 
 @pytest.mark.parametrize(
@@ -42,7 +43,10 @@ def test_capacity_without_enabled_warns_and_stays_off():
     ("kwargs", "options"),
     [
         ({"write_back": True}, ["--experimental-kv-offload-write-back"]),
-        ({"write_through_threshold": 0}, ["--experimental-kv-offload-write-through-threshold"]),
+        (
+            {"write_through_threshold": "immediate"},
+            ["--experimental-kv-offload-write-through-threshold"],
+        ),
         (
             {"write_back": True, "write_through_threshold": 2, "host_memory_ratio": 0.0},
             ["write_back", "write_through_threshold", "they have no effect"],
@@ -56,10 +60,11 @@ def test_write_options_without_host_capacity_warn(kwargs, options):
     assert len(caught) == 1 and all(option in str(caught[0].message) for option in options)
 
 
-def test_a_disabled_write_through_without_capacity_is_silent():
+@pytest.mark.parametrize("off", [0, None])
+def test_a_disabled_write_through_without_capacity_is_silent(off):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        KVOffloadConfig(write_through_threshold=None)
+        assert KVOffloadConfig(write_through_threshold=off).write_through_threshold == 0
 
 
 def test_defaults_are_silent():
@@ -70,7 +75,7 @@ def test_defaults_are_silent():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         KVOffloadConfig(enabled=True, host_memory_ratio=1.0, write_back=True)
-        KVOffloadConfig(enabled=True, host_memory_bytes=2**20, write_through_threshold=0)
+        KVOffloadConfig(enabled=True, host_memory_bytes=2**20, write_through_threshold="immediate")
 
 
 def test_host_tier_needs_prefix_caching():
@@ -113,11 +118,11 @@ def test_host_budget_beyond_machine_memory_is_a_startup_error():
 def test_host_capacity_from_ratio_and_bytes():
     ratio = KVOffloadConfig(enabled=True, host_memory_ratio=2.5)
     llm = LLM("tiny", num_npu_blocks=10, scheduler_config=SchedulerConfig(kv_offload_config=ratio))
-    assert llm.stats().cache_types["full"].num_host_blocks == 25
+    assert llm.stats().cache_types["full"].of(Tier.HOST).num_blocks == 25
     block_bytes = llm.engine.runner.block_bytes
     budget = KVOffloadConfig(enabled=True, host_memory_bytes=7 * block_bytes + 5)
     llm = LLM("tiny", num_npu_blocks=10, scheduler_config=SchedulerConfig(kv_offload_config=budget))
-    assert llm.stats().cache_types["full"].num_host_blocks == 7
+    assert llm.stats().cache_types["full"].of(Tier.HOST).num_blocks == 7
     assert llm.engine.transfer.host_bytes == 7 * block_bytes
 
 

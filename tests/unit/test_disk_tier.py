@@ -10,13 +10,13 @@ import pytest
 
 from cluster import KVOffloadConfig, PrefixCacheConfig, SamplingParams, SchedulerConfig
 from cluster.cli import build_config, build_parser
-from replicas.kv import disk as kv_disk
-from replicas.kv import manager as kv_cache_manager
 from replicas.config import EngineConfig
 from replicas.engine.engine import Engine
+from replicas.kv import disk as kv_disk
+from replicas.kv import onboarding
+from replicas.kv.events import KVEventBatch, KVEventKind, Tier
 from replicas.kv.hashing import block_hashes
 from replicas.kv.manager import reload_pays
-from replicas.kv.events import KVEventBatch, KVEventKind, Tier
 from replicas.kv.retention import BlockCosts
 from router.config import RoutingConfig
 from router.router import Router
@@ -36,7 +36,7 @@ def engine(disk_path, *, disk_blocks: int = 256, seed: int = 0, block_size: int 
     offload = KVOffloadConfig(
         enabled=True,
         host_memory_ratio=2.0,
-        write_through_threshold=kw.pop("write_through_threshold", 0),
+        write_through_threshold=kw.pop("write_through_threshold", "immediate"),
         disk_path=str(disk_path),
         disk_bytes=disk_blocks * 4 * 2 * block_size * 2 * 64 * 4,  # tiny: 64 KiB per block at 16
         **kw,
@@ -90,7 +90,7 @@ def test_a_restarted_engine_serves_the_prefix_from_disk_with_cold_output(tmp_pat
     restarted = engine(tmp_path)
     output = run(restarted, prompt)
     assert output.token_ids == run(cold, prompt).token_ids
-    assert output.num_host_cached_tokens == output.num_cached_tokens == 16 * PREFIX_BLOCKS
+    assert output.num_cached_tokens_in(Tier.HOST) == output.num_cached_tokens == 16 * PREFIX_BLOCKS
     stats = restarted.stats().cache
     assert stats.disk_hits == 16 * PREFIX_BLOCKS and stats.disk_blocks_loaded == PREFIX_BLOCKS
     assert stats.disk_reloads == 1 and stats.disk_load_failures == 0
@@ -246,14 +246,14 @@ def test_a_hung_disk_read_times_out_and_frees_every_block(tmp_path, cold, monkey
         return slow_read(*args)
 
     monkeypatch.setattr(restarted.disk["full"], "_read", hung)
-    monkeypatch.setattr(kv_cache_manager, "ONBOARD_TIMEOUT_MIN_S", 0.2)
-    monkeypatch.setattr(kv_cache_manager, "ONBOARD_TIMEOUT_FACTOR", 0.0)
+    monkeypatch.setattr(onboarding, "ONBOARD_TIMEOUT_MIN_S", 0.2)
+    monkeypatch.setattr(onboarding, "ONBOARD_TIMEOUT_FACTOR", 0.0)
     output = run(restarted, prompt)
     assert output.token_ids == run(cold, prompt).token_ids
     assert restarted.stats().cache.disk_load_timeouts == 1
     plan = restarted.kv_cache.take_transfer_plan()
     restarted.core.run_transfers(plan, wait=True)  # waits for the reads, which end later
-    assert restarted.kv_cache.usage()["full"].num_host_blocks_used == 0
+    assert restarted.kv_cache.usage()["full"].of(Tier.HOST).num_used == 0
     restarted.check_integrity()
     restarted.close()
 
@@ -273,8 +273,8 @@ def test_a_request_aborted_while_its_disk_reads_run_frees_every_block(tmp_path, 
     plan = restarted.kv_cache.take_transfer_plan()
     restarted.core.run_transfers(plan, wait=True)  # waits for the reads
     usage = restarted.kv_cache.usage()["full"]
-    assert usage.num_host_blocks_used == 0 and usage.num_npu_blocks_used == 0
-    assert usage.num_host_blocks_cached == PREFIX_BLOCKS  # the reads landed: cached, unused
+    assert usage.of(Tier.HOST).num_used == 0 and usage.of(Tier.NPU).num_used == 0
+    assert usage.of(Tier.HOST).num_cached == PREFIX_BLOCKS  # the reads landed: cached, unused
     restarted.check_integrity()
     restarted.close()
 
@@ -320,9 +320,9 @@ def test_a_restarted_replica_announces_its_disk_blocks_to_the_router(tmp_path):
     router.set_nodes(["node", "node"])
     assert router.on_events(KVEventBatch(0, 0, tuple(announced)))
     hashes = block_hashes(prompt, 16)
-    assert [m.num_disk_blocks for m in router._matches(hashes)] == [PREFIX_BLOCKS] * 2
+    assert [m.num_blocks_in(Tier.DISK) for m in router._matches(hashes)] == [PREFIX_BLOCKS] * 2
     snapshot = restarted.kv_cache.snapshot(0, len(announced))
-    assert set(snapshot.disk_hashes) == {e.block_hash for e in disk}
+    assert set(snapshot.hashes(Tier.DISK)) == {e.block_hash for e in disk}
     restarted.close()
 
 
@@ -380,7 +380,7 @@ def test_write_back_moves_host_evictions_to_disk_and_outputs_stay_correct(tmp_pa
     rng = random.Random(13)
     prefixes = [[rng.randrange(256) for _ in range(96)] for _ in range(8)]  # 48 blocks
     # 12 host blocks: most of the set lives on disk
-    small = small_engine(tmp_path, write_through_threshold=None, write_back=True)
+    small = small_engine(tmp_path, write_through_threshold=0, write_back=True)
     for round_ in range(2):
         for i, prefix in enumerate(prefixes):
             prompt = [*prefix, 200 + i]
@@ -391,7 +391,7 @@ def test_write_back_moves_host_evictions_to_disk_and_outputs_stay_correct(tmp_pa
     stats = small.stats().cache
     assert stats.write_backs > 0 and stats.disk_blocks_stored > 0 and stats.disk_hits > 0
     usage = small.kv_cache.usage()["full"]
-    assert usage.num_host_blocks_used == 0 and usage.num_npu_blocks_used == 0
+    assert usage.of(Tier.HOST).num_used == 0 and usage.of(Tier.NPU).num_used == 0
     small.close()
 
 

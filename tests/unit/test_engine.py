@@ -7,6 +7,7 @@ import pytest
 
 from cluster import LLM, PrefixCacheConfig, SamplingParams, SchedulerConfig
 from replicas.engine.engine import sum_stats
+from replicas.kv.events import Tier
 
 BS = 16
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -64,7 +65,7 @@ def test_prefix_cache_on_matches_cache_off(prompts, reference):
         )
         expected = min(best // BS, (len(prompt) - 1) // BS) * BS
         assert output.num_cached_tokens == expected, i
-        assert output.num_npu_cached_tokens == expected and output.num_host_cached_tokens == 0
+        assert output.num_cached_tokens_by_tier == (expected, 0, 0)
     assert sum(o.num_cached_tokens for o in outputs) > 0
     stats = llm.stats().cache
     assert stats.queries == sum(len(p) for p in prompts)
@@ -238,6 +239,6 @@ def test_summed_stats_add_every_counter_and_usage_per_cache_type():
     total = sum_stats([a, b])
     assert total.cache.queries == a.cache.queries + b.cache.queries > 0
     assert total.num_preemptions == a.num_preemptions + b.num_preemptions
-    assert total.cache_types["full"].num_npu_blocks == 32 + 16
+    assert total.cache_types["full"].of(Tier.NPU).num_blocks == 32 + 16
     assert total.cache_types["sliding"] == a.cache_types["sliding"]  # only one has it
     assert sum_stats([a]) == a

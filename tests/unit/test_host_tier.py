@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from cluster import LLM, KVOffloadConfig, PrefixCacheConfig, SamplingParams, SchedulerConfig
 from replicas.engine.engine import Engine
+from replicas.kv.events import Tier
 from replicas.kv.hashing import block_hashes
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -53,7 +54,7 @@ def test_promoted_prefix_reloads_from_host_with_identical_output():
     first_block = block_hashes(prompt, 16)[0]
     assert llm.engine.kv_cache.npu.lookup(first_block) is None
     output = llm.generate(prompt, GREEDY)
-    assert output.num_host_cached_tokens == 192 and output.num_npu_cached_tokens == 0
+    assert output.num_cached_tokens_by_tier == (0, 192, 0)
     assert output.num_cached_tokens == 192
     assert output.token_ids == reference
     stats = llm.stats()
@@ -73,15 +74,13 @@ def test_write_back_keeps_a_working_set_larger_than_the_npu_tier():
     llm = LLM(
         "tiny",
         num_npu_blocks=16,
-        scheduler_config=offload(
-            host_memory_ratio=4.0, write_through_threshold=None, write_back=True
-        ),
+        scheduler_config=offload(host_memory_ratio=4.0, write_through_threshold=0, write_back=True),
     )
     for p in prefixes:
         llm.generate([*p, 0], GREEDY)
     outputs = [llm.generate([*p, 1], GREEDY) for p in prefixes]
     assert llm.stats().cache.write_backs > 0
-    assert sum(o.num_host_cached_tokens for o in outputs) > 0
+    assert sum(o.num_cached_tokens_in(Tier.HOST) for o in outputs) > 0
     for p, output in zip(prefixes, outputs):
         assert output.token_ids == cold.generate([*p, 1], GREEDY).token_ids
         assert output.num_cached_tokens == 96
@@ -100,7 +99,7 @@ operation = st.one_of(
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     ops=st.lists(operation, min_size=1, max_size=25),
-    threshold=st.sampled_from([None, 0, 1, 2]),
+    threshold=st.sampled_from([0, "immediate", 1, 2]),
     policy=st.sampled_from(["fixed", "write-back", "adaptive"]),
 )
 def test_random_traffic_keeps_integrity_and_host_copies_exact(ops, threshold, policy):
@@ -138,7 +137,7 @@ def test_random_traffic_keeps_integrity_and_host_copies_exact(ops, threshold, po
 _ENGINES: dict[tuple, Engine] = {}
 
 
-def _small_engine(threshold: int | None, policy: str) -> Engine:
+def _small_engine(threshold: int | str, policy: str) -> Engine:
     from replicas.config import EngineConfig
 
     config = EngineConfig(

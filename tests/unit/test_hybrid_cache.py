@@ -8,11 +8,12 @@ import torch
 
 from cluster import LLM, KVOffloadConfig, PrefixCacheConfig, SamplingParams, SchedulerConfig
 from replicas.config import EngineConfig
+from replicas.engine.request import Request
+from replicas.kv.capacity import plan_host_blocks, plan_npu_blocks, plan_replica_offload
+from replicas.kv.events import Tier
 from replicas.kv.manager import KVCacheManager
 from replicas.kv.records import CacheTypeSpec
-from replicas.kv.capacity import plan_host_blocks, plan_npu_blocks, plan_replica_offload
 from replicas.model import load_model
-from replicas.engine.request import Request
 
 BS = 4
 WINDOW = 8  # a token at position p sees p-7 .. p: the window spans the last two blocks
@@ -85,7 +86,7 @@ def test_missing_window_falls_back_to_the_longest_safe_prefix():
     request = Request("shorter", PROMPT, SamplingParams(), BS)
     match = m.match_prefix(request)
     # Global KV matches 3 blocks, but the window ending at block 3 needs sliding block 2.
-    assert m.usage()["full"].num_npu_blocks_cached >= 3
+    assert m.usage()["full"].of(Tier.NPU).num_cached >= 3
     assert match.num_blocks == 2
     assert match.cache_types["sliding"].first_block == 0  # blocks 0..1 cover the window at 8
 
@@ -110,8 +111,8 @@ def test_sliding_blocks_leave_with_the_window_and_stay_cached():
     assert sliding[:3] == [None, None, None]  # position 21 sees blocks 3.. only
     assert all(b is not None for b in sliding[3:])
     usage = m.usage()
-    assert usage["sliding"].num_npu_blocks_used == 3 and usage["full"].num_npu_blocks_used == 6
-    assert usage["sliding"].num_npu_blocks_cached == 5  # released blocks remain reusable
+    assert usage["sliding"].of(Tier.NPU).num_used == 3 and usage["full"].of(Tier.NPU).num_used == 6
+    assert usage["sliding"].of(Tier.NPU).num_cached == 5  # released blocks remain reusable
     m.free(request)
     m.check_integrity()
 
@@ -171,7 +172,7 @@ def test_tiny_hybrid_outputs_match_cold_runs_through_eviction_and_reload():
         scheduler_config=SchedulerConfig(
             max_num_batched_tokens=96,
             kv_offload_config=KVOffloadConfig(
-                enabled=True, host_memory_ratio=4.0, write_through_threshold=0
+                enabled=True, host_memory_ratio=4.0, write_through_threshold="immediate"
             ),
         ),
     )
@@ -182,7 +183,7 @@ def test_tiny_hybrid_outputs_match_cold_runs_through_eviction_and_reload():
     reloaded = [llm.generate(p, params) for p in prompts]
     assert [o.token_ids for o in reloaded] == reference
     first = reloaded[0]
-    assert first.num_host_cached_tokens == first.num_cached_tokens > 0
+    assert first.num_cached_tokens_in(Tier.HOST) == first.num_cached_tokens > 0
     full_npu, full_host = first.cached_tokens_by_cache_type["full"]
     sliding_npu, sliding_host = first.cached_tokens_by_cache_type["sliding"]
     assert (full_npu, full_host) == (0, first.num_cached_tokens)
@@ -200,8 +201,8 @@ def test_eager_release_bounds_sliding_usage_during_a_long_generation():
     while engine.has_unfinished_requests():
         engine.step()
         usage = engine.kv_cache.usage()
-        peak_sliding = max(peak_sliding, usage["sliding"].num_npu_blocks_used)
-        peak_full = max(peak_full, usage["full"].num_npu_blocks_used)
+        peak_sliding = max(peak_sliding, usage["sliding"].of(Tier.NPU).num_used)
+        peak_full = max(peak_full, usage["full"].of(Tier.NPU).num_used)
     window_blocks = 64 // 16
     assert peak_sliding <= window_blocks + 1
     assert peak_full == (40 + 400 - 1) // 16 + 1  # global KV of every token stays

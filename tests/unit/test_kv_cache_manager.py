@@ -1,13 +1,13 @@
-"""Exact outcomes of the two-tier cache policies on tiny pools (no tensors)."""
+"""Exact outcomes of the tiered cache policies on tiny pools (no tensors)."""
 
 import itertools
 
 import pytest
 
-from replicas.kv.manager import KVCacheManager
-from replicas.kv.records import CacheTypeUsage
-from replicas.kv.events import KVEventKind, KVSnapshot, Tier
 from replicas.engine.request import Request
+from replicas.kv.events import KVEventKind, KVSnapshot, Tier
+from replicas.kv.manager import KVCacheManager
+from replicas.kv.records import CacheTypeUsage, TierUsage
 from replicas.sampling_params import SamplingParams
 
 BS = 4
@@ -112,7 +112,7 @@ def test_write_back_stores_only_npu_only_blocks_and_only_on_eviction():
     run(manager, b + [1])  # needs 4 blocks: evicts a's two cached blocks
     plan = land(manager)
     assert len(plan.stores) == 2 and manager.stats.write_backs == 2
-    assert manager.match_prefix(make_request(a + [1])).num_host_blocks == 2
+    assert manager.match_prefix(make_request(a + [1])).num_blocks_in(Tier.HOST) == 2
 
 
 def test_write_back_skips_blocks_already_on_host():
@@ -154,8 +154,9 @@ def test_match_interleaves_npu_and_host_blocks():
     manager.npu._uncache(manager.npu.blocks[victim])
     manager.npu.free([victim])
     match = manager.match_prefix(make_request(list(range(12)) + [2]))
-    assert match.num_npu_blocks == 2 and match.num_host_blocks == 1
-    assert match.npu_block_ids[1] is None and match.host_block_ids[1] is not None
+    assert match.num_blocks_by_tier == {Tier.NPU: 2, Tier.HOST: 1}
+    part = match.cache_types["full"]
+    assert part.block_ids(Tier.NPU)[1] is None and part.block_ids(Tier.HOST)[1] is not None
 
 
 def test_host_lru_evicts_least_recently_stored_first():
@@ -217,16 +218,20 @@ def test_events_snapshot_and_usage_follow_the_pools():
     hashes = first.block_hashes[:3]
     # Deepest first, as the request released them; plain strings compare equal to the enums.
     assert manager.drain_events() == [("removed", "npu", h, "full") for h in reversed(hashes)]
-    assert manager.snapshot(2, 5) == KVSnapshot(2, 5, (), tuple(hashes))
-    assert manager.usage() == {"full": CacheTypeUsage(8, 0, 0, 4, 0, 3)}
+    assert manager.snapshot(2, 5) == KVSnapshot(2, 5, {"full": {"npu": (), "host": tuple(hashes)}})
+    npu_and_host = {Tier.NPU: TierUsage(8, 0, 0), Tier.HOST: TierUsage(4, 0, 3)}
+    assert manager.usage() == {"full": CacheTypeUsage(npu_and_host)}
     request = run(manager, PROMPT, finish=False)  # reloads all 3 blocks from host
     assert [(e.kind, e.tier) for e in manager.drain_events()] == [
         (KVEventKind.STORED, Tier.NPU)
     ] * 3
-    assert manager.usage()["full"] == CacheTypeUsage(8, 4, 3, 4, 3, 3)  # loads lock host blocks
+    locked = {Tier.NPU: TierUsage(8, 4, 3), Tier.HOST: TierUsage(4, 3, 3)}  # loads lock host blocks
+    assert manager.usage()["full"] == CacheTypeUsage(locked)
     assert manager.num_free_npu_blocks() == {"full": 4}
     land(manager)
-    assert manager.usage()["full"].num_host_blocks_used == 0
+    assert manager.usage()["full"].of(Tier.HOST).num_used == 0
     assert manager.stats.blocks_loaded == manager.stats.by_cache_type["full"].blocks_loaded == 3
     manager.free(request)
-    assert manager.snapshot(0, 9) == KVSnapshot(0, 9, tuple(hashes), tuple(hashes))
+    assert manager.snapshot(0, 9) == KVSnapshot(
+        0, 9, {"full": dict.fromkeys(("npu", "host"), tuple(hashes))}
+    )

@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from cluster.cli import build_config, build_parser, main
-from replicas.kv.block_pool import BlockPool
 from replicas.cache_hints import CacheHints
 from replicas.config import KVOffloadConfig
-from replicas.kv.manager import KVCacheManager
-from replicas.kv.disk import DiskStore
 from replicas.engine.request import Request
+from replicas.kv.block_pool import BlockPool
+from replicas.kv.disk import DiskStore
+from replicas.kv.events import Tier
+from replicas.kv.manager import KVCacheManager
 from replicas.sampling_params import SamplingParams
 
 BS = 4
@@ -64,7 +65,7 @@ def test_a_retained_prefix_survives_host_churn_that_evicts_an_ordinary_one():
     retained = run(manager, prompt(1), RETAIN)
     ordinary = run(manager, prompt(2))
     assert manager.host.num_retained == 3
-    assert manager.usage()["full"].num_host_blocks_retained == 3
+    assert manager.usage()["full"].of(Tier.HOST).num_retained == 3
     for seed in range(10, 14):  # 12 new host blocks through the 5 ordinary ones
         run(manager, prompt(seed))
     assert on_host(manager, retained) == [True, True, True]
@@ -82,9 +83,9 @@ def test_expiry_returns_the_prefix_to_ordinary_order():
     run(manager, prompt(10))
     assert manager.host.num_retained == 3  # not yet
     clock.now += 2.0
-    assert manager.usage()["full"].num_host_blocks_retained == 3  # counted as of the last expiry
+    assert manager.usage()["full"].of(Tier.HOST).num_retained == 3  # counted as of the last expiry
     manager.expire_retained()  # once per engine step
-    assert manager.usage()["full"].num_host_blocks_retained == 0
+    assert manager.usage()["full"].of(Tier.HOST).num_retained == 0
     for seed in range(11, 14):  # 9 new blocks: more than the host tier holds
         run(manager, prompt(seed))
     assert on_host(manager, retained) == [False, False, False]
@@ -240,7 +241,7 @@ def test_a_retained_prefix_goes_to_disk_once_its_host_copy_has_landed(tmp_path, 
             disk.store(copy.block_hash, torch.zeros(2, 2), copy.retained_until)
         manager.complete_transfer(second)
         assert disk.num_retained == 3
-        assert manager.usage()["full"].num_disk_blocks_retained == 3
+        assert manager.usage()["full"].of(Tier.DISK).num_retained == 3
         manager.check_integrity()
     finally:
         disk.close()

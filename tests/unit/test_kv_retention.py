@@ -13,19 +13,23 @@ import pytest
 
 from replicas.config import EngineConfig, KVOffloadConfig, SchedulerConfig
 from replicas.engine.engine import Engine
+from replicas.engine.request import Request
 from replicas.kv.manager import KVCacheManager
 from replicas.kv.retention import (
     GHOST_FACTOR,
     HORIZON_FACTOR,
     OFF,
     ON,
+    AdaptivePolicy,
     BlockCosts,
+    PolicyContext,
+    RetentionPolicy,
     RetentionTracker,
     ShadowKey,
     estimated_hit_rates,
+    register_policy,
     tuning_hint,
 )
-from replicas.engine.request import Request
 from replicas.sampling_params import SamplingParams
 
 BS = 4
@@ -195,13 +199,95 @@ def test_the_curve_on_the_real_engine_predicts_runs_with_twice_the_memory_and_no
 
 
 def test_shadows_beyond_the_memory_bound_are_not_kept():
-    tracker = RetentionTracker(100, write_back=False, max_shadow_blocks=300)
+    tracker = RetentionTracker("fixed", PolicyContext(100), sample_rate=1.0, max_shadow_blocks=300)
     # 0.5x + 1x + 1x (write-back on) fit in 250 blocks; 2x would need 450
     assert sorted(tracker.shadow_keys) == [
         ShadowKey(0.5, OFF),
         ShadowKey(1.0, OFF),
         ShadowKey(1.0, ON),
     ]
+
+
+# ---- the sampled curve -------------------------------------------------------------------------
+def replay_fast(requests: list[list], num_npu_blocks: int, num_host_blocks: int, **kwargs):
+    """``replay`` on larger pools, without the per-request integrity check."""
+    manager = KVCacheManager(num_npu_blocks, BS, num_host_blocks=num_host_blocks, **kwargs)
+    for tokens in requests:
+        request = Request(f"r{next(_ids)}", tokens, SamplingParams(), BS)
+        match = manager.match_prefix(request)
+        assert manager.allocate_slots(request, request.num_tokens - match.num_blocks * BS, match)
+        manager.record_admission(request, match)
+        request.num_computed_tokens = request.num_tokens
+        manager.cache_blocks(request)
+        manager.free(request)
+        manager.complete_transfer(manager.take_transfer_plan())
+    manager.check_integrity()
+    return manager
+
+
+@pytest.mark.parametrize("seed,zipf", [(0, 1.0), (1, 0.6), (2, 1.2)])
+@pytest.mark.parametrize("write_back", [False, True])
+def test_the_sampled_curve_follows_the_exact_one_and_the_measured_runs(seed, zipf, write_back):
+    # 2048 host blocks: the default rate samples half the hashes (1024 in the 1x shadow)
+    requests = workload(seed, n=5000, num_prefixes=600, zipf=zipf)
+    capacity, npu = 2048, 300
+
+    def curve(manager: KVCacheManager) -> dict[ShadowKey, float]:
+        return estimated_hit_rates(manager.retention_stats()["full"], manager.stats.queries)
+
+    sampled = replay_fast(requests, npu, capacity, write_back=write_back)
+    exact = replay_fast(requests, npu, capacity, write_back=write_back, curve_sample_rate=1.0)
+    assert sampled.stats == exact.stats  # sampling changes no decision of the fixed policy
+    estimates, exact_estimates = curve(sampled), curve(exact)
+    assert estimates.keys() == exact_estimates.keys()
+    assert estimates != exact_estimates  # sampled: the estimates differ, a little
+    for key, estimate in estimates.items():
+        assert abs(estimate - exact_estimates[key]) <= 0.02, key
+        if key.capacity_factor == 1.0 and key.write_back == (ON if write_back else OFF):
+            measured = sampled
+        else:
+            measured = replay_fast(
+                requests,
+                npu,
+                int(key.capacity_factor * capacity),
+                write_back=key.write_back == ON,
+                curve_sample_rate=1.0,
+            )
+        assert abs(estimate - host_hit_rate(measured)) <= 0.03, key
+
+
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_the_default_sample_holds_one_percent_of_a_large_host_tier(policy):
+    large = RetentionTracker(policy, PolicyContext(2_000_000))
+    assert large.curve.max_tracked() <= 0.01 * 2_000_000
+    # below the floor's reach the 1x shadow samples 1024 blocks; below 1024 blocks, every hash
+    small = RetentionTracker(policy, PolicyContext(100_000))
+    assert small.curve.sample_rate == pytest.approx(1024 / 100_000)
+    running = ShadowKey(1.0, small.policy.curve_name)
+    assert small.curve.max_tracked() < 0.2 * 100_000
+    assert RetentionTracker(policy, PolicyContext(1000)).curve.sample_rate == 1.0
+    # fed far more evictions than it holds, it stays within its bounds
+    rng = random.Random(0)
+    for _ in range(30_000):
+        block_hash = rng.randbytes(16)
+        small.promotion_candidate(block_hash)
+        small.npu_evicted(block_hash, num_hits=2, kept=False)
+        small.host_evicted(block_hash)
+    assert 0 < small.curve.num_tracked() <= small.curve.max_tracked()
+    assert running in small.shadow_keys
+
+
+def test_a_hash_is_sampled_by_its_value_and_counts_scale_by_the_rate():
+    tracker = RetentionTracker("fixed", PolicyContext(100), sample_rate=0.25)
+    rate = tracker.curve.sample_rate
+    hashes = [bytes([n]) + bytes(15) for n in range(256)]  # first byte 0..255: a quarter below
+    sampled = [h for h in hashes if tracker.curve.is_sampled(h)]
+    assert sampled == hashes[:64] and rate == 0.25
+    for block_hash in hashes:
+        tracker.npu_evicted(block_hash, num_hits=0, kept=False)
+    tracker.admitted(hashes, [False] * 256, [False] * 256)  # every sampled one a ghost hit
+    stats = tracker.snapshot(BS)
+    assert stats.ghost_hits_dropped == 256 and stats.num_ghosts_dropped == 0
 
 
 # ---- the adaptive policy -----------------------------------------------------------------------
@@ -230,7 +316,7 @@ def test_adaptive_stores_blocks_that_return_after_eviction():
 
 
 def test_an_eviction_counts_against_its_kind_only_once_reused_or_past_the_horizon():
-    tracker = RetentionTracker(num_host_blocks=100, write_back=False, adaptive=True)
+    tracker = AdaptivePolicy(PolicyContext(num_host_blocks=100))
     horizon = int(HORIZON_FACTOR * 100)
     hashes = [bytes([n]) * 16 for n in range(60)]
     for block_hash in hashes[: horizon - 10]:
@@ -323,6 +409,39 @@ def test_an_unknown_retention_is_refused():
         KVOffloadConfig(enabled=True, host_memory_ratio=1.0, retention="lru")
     with pytest.raises(ValueError, match="retention must be one of"):
         KVCacheManager(4, BS, num_host_blocks=4, retention="lru")
+
+
+# ---- a policy from outside the package ---------------------------------------------------------
+@register_policy("test-even-hashes")
+class EvenHashPolicy(RetentionPolicy):
+    """Test-only: at NPU eviction, store exactly the blocks whose hash starts with an even byte;
+    promotion stores nothing."""
+
+    curve_name = "even"
+    decides_at_eviction = True
+
+    def __init__(self, context: PolicyContext) -> None:
+        self.num_host_blocks = context.num_host_blocks
+
+    def should_store(self, block_hash: bytes, num_hits: int, host_full: bool) -> bool:
+        return block_hash[0] % 2 == 0
+
+
+def test_a_policy_registered_from_a_test_file_runs_through_the_manager():
+    prefixes = [[p] * (5 * BS) for p in range(12)]
+    requests = [prefixes[n % 12] + [n % 7 + 500] for n in range(300)]
+    manager = replay(requests, 80, retention="test-even-hashes")
+    stats, retention = manager.stats, manager.retention_stats()["full"]
+    host_hashes = [b.block_hash for b in manager.host.blocks if b.block_hash is not None]
+    assert host_hashes and all(h[0] % 2 == 0 for h in host_hashes)
+    assert stats.write_through_promotions == 0  # every store decided at eviction
+    assert stats.blocks_stored == stats.write_backs == retention.adaptive_stores > 0
+    assert retention.adaptive_skips > 0
+    # the curve's shadows follow the new policy: its 1x shadow is the real tier
+    estimates = estimated_hit_rates(retention, stats.queries)
+    assert stats.host_hits > 0
+    assert estimates[ShadowKey(1.0, "even")] == pytest.approx(host_hit_rate(manager))
+    assert {ShadowKey(1.0, OFF), ShadowKey(1.0, ON), ShadowKey(2.0, "even")} <= estimates.keys()
 
 
 # ---- the tuning hint ---------------------------------------------------------------------------

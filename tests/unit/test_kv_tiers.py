@@ -3,20 +3,22 @@ stats and snapshots agree with the named fields they read."""
 
 import pytest
 
+from replicas.engine.request import Request
 from replicas.kv.block_pool import BlockPool
+from replicas.kv.events import KVSnapshot, Tier
 from replicas.kv.hashing import block_hashes
 from replicas.kv.manager import KVCacheManager
 from replicas.kv.records import (
+    EMPTY_MATCH,
     BlockCopy,
     CacheStats,
     CacheTypeMatch,
     CacheTypeUsage,
     DiskCopy,
+    TierUsage,
     TransferPlan,
 )
-from replicas.kv.events import KVSnapshot, Tier
-from replicas.kv.tiers import TierLevel, order_tiers
-from replicas.engine.request import Request
+from replicas.kv.tiers import DiskIndex, TierLevel, TierStore, order_tiers
 from replicas.sampling_params import SamplingParams
 
 
@@ -42,6 +44,22 @@ class Disk:
 
     def expire(self):
         pass
+
+    def usage(self):
+        return TierUsage(len(self.hashes), 0, len(self.hashes))
+
+    def cached_hashes(self):
+        return list(self.hashes)
+
+    def reset(self):
+        self.hashes.clear()
+        return []
+
+    def track_changes(self):
+        pass
+
+    def drain_changes(self):
+        return []
 
 
 def test_levels_are_ordered_nearest_to_compute_first_and_checked():
@@ -81,16 +99,135 @@ def test_by_tier_views_read_the_named_fields():
     assert plan.copies(Tier.HOST, Tier.DISK) == plan.disk_stores
     with pytest.raises(KeyError):
         plan.copies(Tier.NPU, Tier.DISK)  # not adjacent
-    match = CacheTypeMatch(0, [7, None], [None, 3])
+    match = CacheTypeMatch(0, {Tier.NPU: [7, None], Tier.HOST: [None, 3]})
     assert match.block_ids(Tier.NPU) == [7, None] and match.block_ids(Tier.HOST) == [None, 3]
+    assert match.num_blocks_by_source() == {Tier.NPU: 1, Tier.HOST: 1}
+    assert CacheTypeMatch(0, {Tier.NPU: [7, 8]}).block_ids(Tier.HOST) == [None, None]
     with pytest.raises(ValueError, match="not"):
         match.block_ids(Tier.DISK)
-    usage = CacheTypeUsage(8, 1, 2, 16, 3, 4, 32, 5)
+    tiers = {Tier.NPU: (8, 1, 2), Tier.HOST: (16, 3, 4, 1), Tier.DISK: (32, 0, 5, 2)}
+    usage = CacheTypeUsage({tier: TierUsage(*counts) for tier, counts in tiers.items()})
     assert usage.by_tier() == {Tier.NPU: (8, 1, 2), Tier.HOST: (16, 3, 4), Tier.DISK: (32, 0, 5)}
-    assert list(CacheTypeUsage(8, 1, 2, 0, 0, 0).by_tier()) == [Tier.NPU]
-    stats = CacheStats(npu_hits=10, host_hits=30, disk_hits=12)
+    assert usage.retained_by_tier() == {Tier.HOST: 1, Tier.DISK: 2}
+    npu_only = CacheTypeUsage({Tier.NPU: TierUsage(8, 1, 2), Tier.HOST: TierUsage()})
+    assert list(npu_only.by_tier()) == [Tier.NPU] and npu_only.of(Tier.DISK) == TierUsage()
+    stats = CacheStats(hits_by_source={Tier.NPU: 10, Tier.HOST: 18, Tier.DISK: 12})
     assert stats.hits_by_tier() == {Tier.NPU: 10, Tier.HOST: 18, Tier.DISK: 12}
-    snapshot = KVSnapshot(0, 0, (b"n",), (b"h",), (b"sn",), (), (b"d",))
+    assert (stats.npu_hits, stats.host_hits, stats.disk_hits) == (10, 30, 12)
+    assert list(CacheStats().hits_by_tier()) == [Tier.NPU, Tier.HOST]  # a deeper tier once used
+    stats.count_eviction("full", Tier.HOST)
+    assert (stats.npu_evictions, stats.host_evictions) == (0, 1)
+    assert stats.by_cache_type["full"].host_evictions == 1
+    full = {"npu": (b"n",), "host": (b"h",), "disk": (b"d",)}
+    snapshot = KVSnapshot(0, 0, {"full": full, "sliding": {"npu": (b"sn",)}})
     assert snapshot.hashes(Tier.NPU) == (b"n",) and snapshot.hashes(Tier.DISK) == (b"d",)
     assert snapshot.hashes(Tier.NPU, "sliding") == (b"sn",)
     assert snapshot.hashes(Tier.DISK, "sliding") == ()
+
+
+class AnnouncingDisk:
+    """A test-only disk tier, defined here through ``DiskIndex`` alone: a bounded LRU of hashes
+    that announces its own stores and removals, as ``DiskStore`` does."""
+
+    def __init__(self, num_slots):
+        self.num_slots = num_slots
+        self.own = {}  # hash -> None, least recently stored first
+        self.changes = None
+
+    def store(self, block_hash):  # what the transfer does with a planned disk store
+        if len(self.own) >= self.num_slots:
+            self.discard(next(iter(self.own)))
+        self.own[block_hash] = None
+        self._note(True, block_hash)
+
+    def contains(self, block_hash):
+        return block_hash in self.own
+
+    def discard(self, block_hash):
+        if self.own.pop(block_hash, False) is None:
+            self._note(False, block_hash)
+
+    def read_seconds_per_block(self):
+        return 1e-6
+
+    num_retained = 0
+
+    def retain(self, block_hash, until):
+        return False
+
+    def expire(self):
+        pass
+
+    def usage(self):
+        return TierUsage(self.num_slots, 0, len(self.own))
+
+    def cached_hashes(self):
+        return list(self.own)
+
+    def reset(self):
+        for block_hash in list(self.own):
+            self.discard(block_hash)
+        return []  # announced through drain_changes
+
+    def track_changes(self):
+        if self.changes is None:
+            self.changes = [(True, h) for h in self.own]
+
+    def drain_changes(self):
+        if self.changes is None:
+            return []
+        changes, self.changes = self.changes, []
+        return changes
+
+    def _note(self, stored, block_hash):
+        if self.changes is not None:
+            self.changes.append((stored, block_hash))
+
+
+def land_with_disk(manager, disk):
+    """Run a plan as the transfer component would: disk stores, then the rest; reads land."""
+    plan = manager.take_transfer_plan()
+    for copy in plan.copies(Tier.HOST, Tier.DISK):
+        disk.store(copy.block_hash)
+    manager.complete_transfer(plan)
+    manager.complete_disk_loads([(copy, True) for copy in plan.copies(Tier.DISK, Tier.HOST)])
+    manager.check_integrity()
+    return plan
+
+
+def test_a_tier_defined_in_a_test_works_with_the_manager_through_the_protocol_alone():
+    disk = AnnouncingDisk(num_slots=8)
+    assert isinstance(disk, DiskIndex) and isinstance(BlockPool(1), TierStore)
+    manager = KVCacheManager(
+        8, 4, num_host_blocks=4, write_through_threshold=0, disk={"full": disk}
+    )
+    manager.enable_events()
+    tokens = list(range(13))  # 3 full blocks + 1 token
+    first = Request("a", tokens, SamplingParams(), 4)
+    assert manager.allocate_slots(first, first.num_tokens)
+    manager.record_admission(first, EMPTY_MATCH)
+    first.num_computed_tokens = first.num_tokens
+    manager.cache_blocks(first)  # threshold 0: every block to host, then each to disk
+    manager.free(first)
+    land_with_disk(manager, disk)
+    land_with_disk(manager, disk)
+    hashes = first.block_hashes[:3]
+    assert disk.cached_hashes() == hashes
+    disk_events = [e for e in manager.drain_events() if e.tier == Tier.DISK]
+    assert disk_events == [("stored", "disk", h, "full") for h in hashes]
+    manager.reset_prefix_cache(Tier.NPU)
+    manager.reset_prefix_cache(Tier.HOST)
+    second = Request("b", tokens, SamplingParams(), 4)
+    assert manager.match_prefix(second).num_blocks == 0  # on disk only: read into host first
+    assert manager.onboard(second)
+    plan = land_with_disk(manager, disk)
+    assert [c.block_hash for c in plan.copies(Tier.DISK, Tier.HOST)] == hashes
+    assert not manager.onboard(second)  # landed
+    match = manager.match_prefix(second)
+    assert match.num_blocks_by_tier == {Tier.NPU: 0, Tier.HOST: 3}
+    assert manager.usage()["full"].of(Tier.DISK) == TierUsage(8, 0, 3)
+    assert manager.snapshot(0, 0).hashes(Tier.DISK) == tuple(hashes)
+    manager.drain_events()
+    manager.reset_prefix_cache(Tier.DISK)
+    assert disk.cached_hashes() == [] and not manager.usage()["full"].of(Tier.DISK).num_cached
+    assert [e.kind for e in manager.drain_events()] == ["removed"] * 3

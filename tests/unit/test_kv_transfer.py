@@ -3,6 +3,7 @@ import random
 import torch
 
 from cluster import LLM, KVOffloadConfig, SamplingParams, SchedulerConfig
+from replicas.kv.events import Tier
 from replicas.kv.records import BlockCopy, TransferPlan
 from replicas.kv.transfer import KVTransfer
 
@@ -39,7 +40,9 @@ def test_batched_copies_move_exactly_the_planned_blocks_per_cache_type():
 
 
 def test_stores_planned_at_first_write_land_before_a_reset():
-    offload = KVOffloadConfig(enabled=True, host_memory_ratio=2.0, write_through_threshold=0)
+    offload = KVOffloadConfig(
+        enabled=True, host_memory_ratio=2.0, write_through_threshold="immediate"
+    )
     llm = LLM(
         "tiny", num_npu_blocks=100, scheduler_config=SchedulerConfig(kv_offload_config=offload)
     )
@@ -50,7 +53,7 @@ def test_stores_planned_at_first_write_land_before_a_reset():
     llm.reset_prefix_cache("all")
     assert llm.generate([*prefix, 2], one).num_cached_tokens == 0
     llm.reset_prefix_cache("npu")
-    assert llm.generate([*prefix, 3], one).num_host_cached_tokens == 320
+    assert llm.generate([*prefix, 3], one).num_cached_tokens_in(Tier.HOST) == 320
     llm.check_integrity()
 
 

@@ -5,10 +5,10 @@ import random
 
 import pytest
 
-from replicas.model import ByteTokenizer
-from replicas.model.resolve import DEFAULT_MODEL, packaged_model_path
 from replicas.engine.output_processor import OutputProcessor
 from replicas.engine.request import Request, RequestStatus
+from replicas.model import ByteTokenizer
+from replicas.model.resolve import DEFAULT_MODEL, packaged_model_path
 from replicas.sampling_params import SamplingParams
 
 EURO = list("€".encode())  # three bytes: a character split over three tokens

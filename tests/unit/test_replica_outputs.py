@@ -5,9 +5,10 @@ text as one stream per request."""
 import asyncio
 
 from replicas.actor import ReplicaActor
-from replicas.engine.async_engine import OverloadedError
 from replicas.config import EngineConfig
-from replicas.outputs import OutputAccumulator, OutputDelta
+from replicas.engine.async_engine import OverloadedError
+from replicas.kv.events import Tier
+from replicas.outputs import OutputAccumulator, OutputDelta, RequestOutput
 from replicas.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -166,3 +167,13 @@ def test_logprobs_cross_the_stream_once_each():
     assert len(output.prompt_logprobs) == len(prompt) and output.prompt_logprobs[0] is None
     assert [s.token_id for s in output.prompt_logprobs[1:]] == prompt[1:]
     assert output.cumulative_logprob == whole.cumulative_logprob
+
+
+def test_a_delta_carries_the_cached_tokens_per_tier():
+    output = RequestOutput(
+        "r", [1, 2, 3], [7], "x", [7], "x", True, "stop", 48, (16, 32, 0), 0.0, 0.5, 1.0
+    )
+    rebuilt = OutputAccumulator([1, 2, 3]).add(OutputDelta._make(OutputDelta.values_of(output)))
+    assert rebuilt == output
+    assert rebuilt.num_cached_tokens_by_tier == (16, 32, 0)
+    assert [rebuilt.num_cached_tokens_in(t) for t in ("npu", Tier.HOST, Tier.DISK)] == [16, 32, 0]

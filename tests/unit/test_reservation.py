@@ -7,10 +7,11 @@ import pytest
 
 from benchmarks.sim.cost_model import CostModel, HardwareProfile
 from cluster import LLM, KVOffloadConfig, PrefixCacheConfig, SamplingParams, SchedulerConfig
-from replicas.kv.manager import KVCacheManager
-from replicas.kv.records import BlockCopy, TransferPlan
 from replicas.engine.request import Request, RequestStatus
 from replicas.engine.scheduler import Scheduler
+from replicas.kv.events import Tier
+from replicas.kv.manager import KVCacheManager, ReservationPolicy
+from replicas.kv.records import BlockCopy, TransferPlan
 
 BS = 4
 P = list(range(100, 112))  # the prefix a waiting request will reuse: 3 blocks
@@ -45,7 +46,7 @@ def step(scheduler: Scheduler) -> None:
 def queue_behind_a_long_request(share: float, **manager_options):
     """16 NPU blocks: P cached (oldest), U cached, 10 empty. A running request R then needs 12
     blocks while Q (P + 1 token) waits behind it (one request runs at a time)."""
-    manager = KVCacheManager(16, BS, reservation_share=share, **manager_options)
+    manager = KVCacheManager(16, BS, reservations=ReservationPolicy(share), **manager_options)
     cached_run(manager, [*P, 0], "p")
     cached_run(manager, [*U, 0], "u")
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64), manager)
@@ -88,7 +89,7 @@ def test_reservations_give_way_before_a_running_request_is_preempted():
 
 def test_prefetched_blocks_are_exactly_the_host_only_matched_ones():
     manager = KVCacheManager(
-        16, BS, num_host_blocks=8, write_through_threshold=0, reservation_share=0.5
+        16, BS, num_host_blocks=8, write_through_threshold=0, reservations=ReservationPolicy(0.5)
     )
     cached_run(manager, [*P, 0], "p")  # stored to host at once (threshold 0)
     manager.reset_prefix_cache("npu")  # P now lives on host only
@@ -102,7 +103,7 @@ def test_prefetched_blocks_are_exactly_the_host_only_matched_ones():
     prefetches = [c for c in output.transfer.loads if c.prefetch]
     assert sorted(c.src for c in prefetches) == sorted(host_ids)
     assert len(output.transfer.loads) == 3 and manager.stats.prefetched_blocks == 3
-    assert manager.usage()["full"].num_host_blocks_used == 3  # locked until the loads land
+    assert manager.usage()["full"].of(Tier.HOST).num_used == 3  # locked until the loads land
     manager.complete_transfer(output.transfer)
     for request, num_new, *_ in output.scheduled:
         request.num_computed_tokens += num_new
@@ -125,8 +126,7 @@ def test_without_prefetch_a_reservation_holds_the_leading_npu_blocks_only(prefet
         BS,
         num_host_blocks=8,
         write_through_threshold=0,
-        reservation_share=0.5,
-        reservation_prefetch=prefetch,
+        reservations=ReservationPolicy(0.5, prefetch=prefetch),
     )
     cached_run(manager, [*P, 0], "p")  # stored to host at once (threshold 0)
     manager.reset_prefix_cache("npu")
@@ -151,16 +151,23 @@ def test_aborting_a_reserved_request_releases_its_reservation():
     manager.check_integrity()
 
 
-def test_a_prefetch_outlasting_the_step_delays_the_next_one():
-    """The simulator's step ends when its prefetch loads have landed: a request scheduled next
-    never reads a block still loading."""
-    cost = CostModel(HardwareProfile.load("h200-llama8b"), block_size=16, token_scale=1.0)
+def test_a_prefetch_load_costs_the_step_what_any_load_costs():
+    """The engine's forward pass waits for the step's whole plan (``KVTransfer``), prefetch
+    loads included, so the simulator charges them to the step like the batch's own loads."""
+    profile = HardwareProfile.load("h200-llama8b")
+    cost = CostModel(profile, block_size=16, token_scale=1.0)
     loads = [BlockCopy(i, i, "full", prefetch=True) for i in range(64)]
     quiet = cost.step_timing([], TransferPlan([], []))
     busy = cost.step_timing([], TransferPlan([], loads))
-    assert busy.total_s == pytest.approx(max(quiet.total_s, cost.load_s(64)))
+    block_bytes = 16 * profile.kv_bytes_per_token
+    copy_s = profile.transfer_latency_s + 64 * block_bytes / profile.h2d_bytes_per_s
+    assert busy.first_s == pytest.approx(quiet.first_s + copy_s)
+    assert busy.tail_s == quiet.tail_s
     eager = cost.step_timing([], TransferPlan([], [c._replace(prefetch=False) for c in loads]))
-    assert eager.first_s == pytest.approx(quiet.first_s + cost.load_s(64))
+    assert eager == busy
+    half = [c._replace(prefetch=False) for c in loads[:32]]
+    mixed = cost.step_timing([], TransferPlan([], [*half, *loads[32:]]))
+    assert mixed == busy  # one batched copy, whichever requests its blocks are for
 
 
 def test_outputs_with_reservations_and_prefetch_equal_caching_off():
@@ -181,7 +188,7 @@ def test_outputs_with_reservations_and_prefetch_equal_caching_off():
             max_num_seqs=1,
             prefix_cache_config=PrefixCacheConfig(reservation_share=0.5),
             kv_offload_config=KVOffloadConfig(
-                enabled=True, host_memory_ratio=4.0, write_through_threshold=0
+                enabled=True, host_memory_ratio=4.0, write_through_threshold="immediate"
             ),
         ),
     )
@@ -192,6 +199,6 @@ def test_outputs_with_reservations_and_prefetch_equal_caching_off():
     assert [o.token_ids for o in outputs] == reference
     stats = llm.stats().cache
     assert stats.prefetched_blocks == stats.prefetched_blocks_used == 4  # the 64-token prefix
-    assert outputs[1].num_host_cached_tokens == 64 and stats.reserved_blocks == 0
+    assert outputs[1].num_cached_tokens_in(Tier.HOST) == 64 and stats.reserved_blocks == 0
     llm.check_integrity()
     assert llm.engine.kv_cache.npu.num_used == 0

@@ -43,3 +43,37 @@ def test_router_metrics_per_replica():
         for s in families["strata_router_indexed_blocks"]
     }
     assert indexed[("1", "npu")] == 2.0 and indexed[("0", "npu")] == 0.0
+
+
+def test_router_metrics_count_disk_matches_as_host_and_show_disk_blocks_once_held():
+    router = Router(2, 16, RoutingConfig(scoring_profile="locality"))
+    router.set_nodes(["a", "a"])
+    hashes = [bytes([i]) * 16 for i in range(4)]
+    stored = (KVEvent("stored", "npu", hashes[0]),) + tuple(
+        KVEvent("stored", "disk", h) for h in hashes[1:3]
+    )
+    router.on_events(KVEventBatch(0, 0, stored))
+    decision = router.route("a", 64, hashes)  # replica 0: 1 NPU block, then 2 disk blocks
+    assert decision.replica_index == 0 and decision.num_matched_tokens_by_tier == (16, 0, 32)
+    families = scrape(router)
+    matched = {
+        (s.labels["replica"], s.labels["tier"]): s.value
+        for s in families["strata_router_matched_tokens"]
+    }
+    assert matched == {
+        ("0", "npu"): 16.0,
+        ("0", "host"): 32.0,
+        ("1", "npu"): 0.0,
+        ("1", "host"): 0.0,
+    }
+    indexed = {
+        (s.labels["replica"], s.labels["tier"]): s.value
+        for s in families["strata_router_indexed_blocks"]
+    }
+    assert indexed == {
+        ("0", "npu"): 1.0,
+        ("0", "host"): 0.0,
+        ("0", "disk"): 2.0,
+        ("1", "npu"): 0.0,
+        ("1", "host"): 0.0,
+    }

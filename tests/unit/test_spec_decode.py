@@ -14,10 +14,11 @@ import torch
 
 from cluster import LLM, KVOffloadConfig, PrefixCacheConfig, SamplingParams, SchedulerConfig
 from replicas.engine.core import EngineCore, StepResult
-from replicas.kv.manager import KVCacheManager
 from replicas.engine.request import Request
 from replicas.engine.sampler import Sampler
 from replicas.engine.scheduler import SchedulerOutput
+from replicas.kv.events import Tier
+from replicas.kv.manager import KVCacheManager
 
 BS = 4
 VOCAB = 64
@@ -242,7 +243,9 @@ def mixed_prompts() -> list[list[int]]:
 
 
 def host_tier(k: int, **kwargs) -> SchedulerConfig:
-    offload = KVOffloadConfig(enabled=True, host_memory_ratio=2.0, write_through_threshold=0)
+    offload = KVOffloadConfig(
+        enabled=True, host_memory_ratio=2.0, write_through_threshold="immediate"
+    )
     return SchedulerConfig(speculative_ngram=k, kv_offload_config=offload, **kwargs)
 
 
@@ -290,7 +293,7 @@ def test_outputs_and_cache_hits_equal_decoding_without_drafts(model):
     assert [o.token_ids for o in first4] == [o.token_ids for o in first0] == reference
     assert [o.token_ids for o in second4] == [o.token_ids for o in second0]
     assert [o.num_cached_tokens for o in second4] == [o.num_cached_tokens for o in second0]
-    assert [o.num_host_cached_tokens for o in second4] == [o.num_cached_tokens for o in second4]
+    assert all(o.num_cached_tokens_in(Tier.HOST) == o.num_cached_tokens for o in second4)
     for prompt, out, again in zip(prompts, first4, second4):
         assert again.num_cached_tokens == (len(prompt) + len(out.token_ids) - 1) // 16 * 16
 

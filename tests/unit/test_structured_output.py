@@ -12,9 +12,9 @@ import jsonschema
 import pytest
 import torch
 
+from replicas.engine.structured_output import GrammarCompiler, StructuredOutputs
 from replicas.model import ByteTokenizer, Tokenizer, load_model_info
 from replicas.model.resolve import DEFAULT_MODEL, packaged_model_path
-from replicas.engine.structured_output import GrammarCompiler, StructuredOutputs
 from tests.gpu.devices import CUDA
 
 pytest.importorskip(

@@ -8,6 +8,7 @@ from cluster.api import create_app
 from cluster.backend import LocalBackend
 from replicas.config import EngineConfig, KVOffloadConfig, SchedulerConfig
 from replicas.engine.engine import Engine
+from replicas.kv.events import Tier
 from tests.unit.api.test_errors import assert_error
 
 PATH = "/v1/admin/reset_prefix_cache"
@@ -70,14 +71,14 @@ def test_reset_forgets_the_engines_cached_blocks_by_tier():
         for _ in range(3):  # the third request hits, promoting its blocks to host
             assert client.post("/v1/completions", json=prompt).status_code == 200
         usage = engine.stats().cache_types["full"]
-        assert usage.num_npu_blocks_cached > 0 and usage.num_host_blocks_cached > 0
+        assert usage.of(Tier.NPU).num_cached > 0 and usage.of(Tier.HOST).num_cached > 0
 
         assert client.post(PATH, json={"tier": "npu"}).status_code == 200
         usage = engine.stats().cache_types["full"]
-        assert usage.num_npu_blocks_cached == 0 and usage.num_host_blocks_cached > 0
+        assert usage.of(Tier.NPU).num_cached == 0 and usage.of(Tier.HOST).num_cached > 0
 
         assert client.post(PATH, params={"tier": "host"}).status_code == 200
-        assert engine.stats().cache_types["full"].num_host_blocks_cached == 0
+        assert engine.stats().cache_types["full"].of(Tier.HOST).num_cached == 0
         response = client.post("/v1/completions", json=prompt)
         assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     engine.check_integrity()

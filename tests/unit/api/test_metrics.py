@@ -6,9 +6,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster.api import create_app
 from cluster.backend import ClusterStats, ReplicaStats
 from cluster.metrics import StrataMetrics, router_metric_families
-from replicas.engine.engine import EngineStats
 from replicas.engine.core import SpecDecodeStats
-from replicas.kv.records import CacheStats, CacheTypeStats, CacheTypeUsage
+from replicas.engine.engine import EngineStats
+from replicas.kv.events import Tier
+from replicas.kv.records import CacheStats, CacheTypeStats, CacheTypeUsage, TierUsage
 from replicas.kv.transfer import TransferStats
 from tests.unit.api.conftest import ScriptedBackend
 
@@ -22,10 +23,15 @@ def samples(text: str) -> dict[tuple[str, frozenset], float]:
     }
 
 
+def usage(npu: tuple[int, int, int], host: tuple[int, int, int]) -> CacheTypeUsage:
+    return CacheTypeUsage({Tier.NPU: TierUsage(*npu), Tier.HOST: TierUsage(*host)})
+
+
 def engine_stats(scale: int) -> EngineStats:
     cache = CacheStats(
-        queries=100 * scale, hits=48 * scale, npu_hits=32 * scale, host_hits=16 * scale,
-        npu_evictions=5 * scale, host_evictions=2 * scale, write_through_promotions=3 * scale,
+        queries=100 * scale, hits=48 * scale,
+        hits_by_source={Tier.NPU: 32 * scale, Tier.HOST: 16 * scale},
+        evictions={Tier.NPU: 5 * scale, Tier.HOST: 2 * scale}, write_through_promotions=3 * scale,
         write_backs=4 * scale, blocks_loaded=1 * scale, blocks_stored=7 * scale,
         reserved_blocks=6 * scale, reservations=8 * scale, prefetched_blocks=9 * scale,
         prefetched_blocks_used=5 * scale, reservations_dropped=2 * scale,
@@ -40,8 +46,8 @@ def engine_stats(scale: int) -> EngineStats:
         cache=cache, transfer=transfer, num_running=2 * scale, num_waiting=scale,
         num_preemptions=scale, spec_decode=SpecDecodeStats(12 * scale, 7 * scale),
         cache_types={
-            "full": CacheTypeUsage(128, 10 * scale, 20 * scale, 64, 9 * scale, 30 * scale),
-            "sliding": CacheTypeUsage(32, 3 * scale, 4 * scale, 16, scale, 2 * scale),
+            "full": usage((128, 10 * scale, 20 * scale), (64, 9 * scale, 30 * scale)),
+            "sliding": usage((32, 3 * scale, 4 * scale), (16, scale, 2 * scale)),
         },
     )  # fmt: skip
 

@@ -165,7 +165,10 @@ def test_a_retained_prompt_is_counted_in_metrics_and_survives_host_churn():
         max_model_len=256,
         scheduler_config=SchedulerConfig(
             kv_offload_config=KVOffloadConfig(
-                enabled=True, host_memory_ratio=1.0, write_through_threshold=0, retained_share=0.5
+                enabled=True,
+                host_memory_ratio=1.0,
+                write_through_threshold="immediate",
+                retained_share=0.5,
             )
         ),
     )

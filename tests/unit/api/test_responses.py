@@ -437,7 +437,9 @@ class TwoCalls(ChatRenderer):
 
 
 def finished_output() -> RequestOutput:
-    return RequestOutput("r", [1, 2], [3], "hi", [3], "hi", True, "stop", 0, 0, 0, 0.0, 0.0, 0.0)
+    return RequestOutput(
+        "r", [1, 2], [3], "hi", [3], "hi", True, "stop", 0, (0, 0, 0), 0.0, 0.0, 0.0
+    )
 
 
 @pytest.mark.parametrize("limit, names", [(None, ["f0", "f1"]), (1, ["f0"])])

@@ -10,9 +10,9 @@ import pytest
 from cluster.api.protocol import ChatMessage
 from cluster.api.tools import ToolChatRenderer, messages_with_tools_as_text, tool_format
 from cluster.api.tools.prompt import render_chat_prompt
+from replicas.engine.structured_output import GrammarCompiler, StructuredOutputs, lark_json
 from replicas.model.tokenizer import ByteTokenizer, HFTokenizer
 from replicas.outputs import RequestOutput
-from replicas.engine.structured_output import GrammarCompiler, StructuredOutputs, lark_json
 
 HERMES = tool_format("hermes")
 WEATHER = {
@@ -340,8 +340,7 @@ def output(text: str, new_text: str, finished: bool, reason: str = "stop") -> Re
         finished=finished,
         finish_reason=reason if finished else None,
         num_cached_tokens=0,
-        num_npu_cached_tokens=0,
-        num_host_cached_tokens=0,
+        num_cached_tokens_by_tier=(0, 0, 0),
         arrival_time=0.0,
         first_token_time=0.0,
         finish_time=0.0 if finished else None,

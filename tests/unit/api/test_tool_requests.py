@@ -13,8 +13,8 @@ from cluster.api.tools import plan_tools
 from cluster.backend import LocalBackend
 from replicas.config import EngineConfig
 from replicas.engine.engine import Engine
-from replicas.model.tokenizer import ByteTokenizer
 from replicas.engine.structured_output import GrammarCompiler
+from replicas.model.tokenizer import ByteTokenizer
 from tests.unit.api.conftest import assert_engine_clean
 
 PING = {"type": "function", "function": {"name": "ping", "description": "Checks the line."}}

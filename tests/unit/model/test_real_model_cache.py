@@ -4,6 +4,7 @@ greedy outputs equal cold runs with caching off, on NPU hits and after NPU evict
 import pytest
 
 from cluster import LLM, KVOffloadConfig, PrefixCacheConfig, SamplingParams, SchedulerConfig
+from replicas.kv.events import Tier
 from replicas.model.resolve import DEFAULT_MODEL, packaged_model_path
 
 try:
@@ -71,12 +72,13 @@ def test_cached_and_host_reloaded_prefixes_give_the_cold_outputs(cold_outputs):
     first = llm.generate(prompts[0], GREEDY)
     assert first.num_cached_tokens == 0 and first.token_ids == cold_outputs[prompts[0]]
     npu_hit = llm.generate(prompts[1], GREEDY)  # the system prompt is on the NPU tier
-    assert npu_hit.num_npu_cached_tokens > 0 and npu_hit.num_host_cached_tokens == 0
+    assert npu_hit.num_cached_tokens_in(Tier.NPU) > 0
+    assert npu_hit.num_cached_tokens_in(Tier.HOST) == 0
     assert npu_hit.token_ids == cold_outputs[prompts[1]]
     for filler in FILLERS:  # unrelated traffic pushes the system prompt out of the NPU tier
         llm.generate(filler, SamplingParams(max_tokens=1))
     host_hit = llm.generate(prompts[2], GREEDY)
-    assert host_hit.num_host_cached_tokens > 0, host_hit
+    assert host_hit.num_cached_tokens_in(Tier.HOST) > 0, host_hit
     assert host_hit.token_ids == cold_outputs[prompts[2]]
     again = llm.generate(prompts[0], GREEDY)
     assert again.num_cached_tokens > 0 and again.token_ids == cold_outputs[prompts[0]]

@@ -1,8 +1,8 @@
 """The router credits a node's disk blocks to every live replica on that node, after its
 NPU/host run, weighted below host hits; snapshots and restarts rebuild it."""
 
-from replicas.kv.hashing import block_hashes
 from replicas.kv.events import KVEvent, KVEventBatch, KVEventKind, KVSnapshot, Tier
+from replicas.kv.hashing import block_hashes
 from router.config import RoutingConfig
 from router.router import Router
 
@@ -21,7 +21,7 @@ def test_a_disk_block_counts_for_every_replica_of_its_node_after_the_npu_run():
     assert router.on_events(KVEventBatch(0, 0, events(Tier.DISK, HASHES[:6])))
     assert router.on_events(KVEventBatch(1, 0, events(Tier.NPU, HASHES[:2])))
     matches = router._matches(HASHES)
-    assert [(m.num_npu_blocks, m.num_host_blocks, m.num_disk_blocks) for m in matches] == [
+    assert [m.num_blocks_by_tier for m in matches] == [  # NPU, host, disk
         (0, 0, 6),  # the writer
         (2, 0, 4),  # its node peer: NPU blocks first, then the node's disk
         (0, 0, 0),  # another node
@@ -29,6 +29,9 @@ def test_a_disk_block_counts_for_every_replica_of_its_node_after_the_npu_run():
     decision = router.route("r", len(PROMPT), HASHES)
     assert decision.replica_index == 1  # 2 + 4 x 0.7 = 4.8 weighted blocks against 6 x 0.7
     assert decision.num_matched_tokens == 6 * BS
+    assert decision.num_matched_tokens_by_tier == (2 * BS, 0, 4 * BS)
+    stats = router.stats().replicas
+    assert [s.num_indexed_blocks_in(Tier.DISK) for s in stats] == [6, 0, 0]
     router.check_integrity()
 
 
@@ -47,10 +50,10 @@ def test_removed_disk_blocks_and_snapshots_update_the_credit():
     router.set_nodes(["a", "a"])
     router.on_events(KVEventBatch(0, 0, events(Tier.DISK, HASHES[:5])))
     router.on_events(KVEventBatch(0, 5, events(Tier.DISK, HASHES[3:4], KVEventKind.REMOVED)))
-    assert router._matches(HASHES)[1].num_disk_blocks == 3
+    assert router._matches(HASHES)[1].num_blocks_in(Tier.DISK) == 3
     router.request_resync(0)
-    assert router.resync(KVSnapshot(0, 6, (), (), disk_hashes=tuple(HASHES[:7])))
-    assert router._matches(HASHES)[1].num_disk_blocks == 7
+    assert router.resync(KVSnapshot(0, 6, {"full": {Tier.DISK: tuple(HASHES[:7])}}))
+    assert router._matches(HASHES)[1].num_blocks_in(Tier.DISK) == 7
     router.check_integrity()
 
 
@@ -59,7 +62,7 @@ def test_a_dead_writers_blocks_stay_credited_and_a_rejoining_one_starts_empty():
     router.set_nodes(["a", "a"])
     router.on_events(KVEventBatch(0, 0, events(Tier.DISK, HASHES[:4])))
     router.mark_dead(0)
-    assert router._matches(HASHES)[1].num_disk_blocks == 4  # its files are still on the disk
+    assert router._matches(HASHES)[1].num_blocks_in(Tier.DISK) == 4  # its files are still there
     router.mark_alive(0)
-    assert router._matches(HASHES)[1].num_disk_blocks == 0  # the new process announces again
+    assert router._matches(HASHES)[1].num_blocks_in(Tier.DISK) == 0  # the new process announces
     router.check_integrity()

@@ -3,10 +3,10 @@ router follows the sliding blocks too and applies the same rule (``safe_prefix_l
 
 import random
 
+from replicas.engine.request import Request
+from replicas.kv.events import KVEventBatch, KVEventKind, Tier
 from replicas.kv.manager import KVCacheManager
 from replicas.kv.records import CacheTypeSpec
-from replicas.kv.events import KVEventBatch, KVEventKind, Tier
-from replicas.engine.request import Request
 from replicas.sampling_params import SamplingParams
 from router.config import RoutingConfig
 from router.router import Router
@@ -26,9 +26,9 @@ class Replica:
                 CacheTypeSpec("full", num_npu, num_host),
                 CacheTypeSpec("sliding", num_sliding, num_host, WINDOW),
             ],
-            record_events=True,
             **kw,
         )
+        self.manager.enable_events()
         self.router = Router(1, BS, RoutingConfig(), sliding_window=WINDOW)
         self.seq = 0
         self.count = 0
@@ -58,10 +58,8 @@ class Replica:
         replica = self.manager.match_prefix(request)
         hashes = request.block_hashes[: (len(tokens) - 1) // BS]
         (routed,) = self.router._matches(hashes)
-        assert (routed.num_npu_blocks, routed.num_host_blocks) == (
-            replica.num_npu_blocks,
-            replica.num_host_blocks,
-        )
+        for tier in Tier:
+            assert routed.num_blocks_in(tier) == replica.num_blocks_in(tier), tier
         return routed.num_blocks
 
 
@@ -91,7 +89,7 @@ def test_window_missing_cuts_the_score_to_the_safe_prefix():
         sliding.npu.touch([block])
         sliding.npu._uncache(sliding.npu.blocks[block])
         sliding.npu.free([block])
-        manager._emit(sliding, KVEventKind.REMOVED, Tier.NPU, block_hash)
+        manager._events.emit(sliding.name, KVEventKind.REMOVED, Tier.NPU, block_hash)
     replica.publish()
     # Global KV matches 6 blocks; L=6 needs sliding 4..5 (4 gone); L=5 needs 3..4; L=4: 2..3.
     assert replica.agree(list(range(25))) == 4

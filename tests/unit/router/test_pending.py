@@ -2,8 +2,8 @@ import random
 
 import pytest
 
-from replicas.kv.hashing import block_hashes
 from replicas.kv.events import KVEvent, KVEventBatch
+from replicas.kv.hashing import block_hashes
 from router.config import RoutingConfig
 from router.pending import MAX_COMPARED, PendingPrompts
 from router.router import Router
@@ -86,7 +86,7 @@ def test_a_burst_sharing_a_prompt_follows_it_before_its_events_arrive():
     first = router.route("a", 64, prompt)
     second = router.route("b", 64, prompt)
     assert second.replica_index == first.replica_index == 0
-    assert (second.num_matched_tokens, second.num_npu_matched_tokens) == (64, 64)
+    assert (second.num_matched_tokens, second.num_matched_tokens_by_tier) == (64, (64, 0, 0))
     third = router.route("c", 64, chain(1, 2, 3, 9))  # 3 of 4 blocks pending on replica 0
     assert (third.replica_index, third.num_matched_tokens) == (0, 48)
     fourth = router.route("d", 80, chain(1, 2, 7, 8, 9))  # 2 of 5: replica 0's load weighs more

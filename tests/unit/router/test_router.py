@@ -1,7 +1,7 @@
 import pytest
 
+from replicas.kv.events import KVEvent, KVEventBatch, KVSnapshot, Tier
 from replicas.kv.hashing import block_hashes
-from replicas.kv.events import KVEvent, KVEventBatch, KVSnapshot
 from router.config import RoutingConfig
 from router.router import NoLiveReplicaError, Router
 from router.stats import MATCHED_FRACTION_BUCKETS
@@ -34,7 +34,7 @@ def test_route_prefers_the_cached_prefix_and_charges_the_prompt():
     assert router.on_events(KVEventBatch(2, 0, stored(1, 2, 3)))
     decision = router.route("a", 64, prompt(1, 2, 3, 4))
     assert decision.replica_index == 2
-    assert (decision.num_matched_tokens, decision.num_npu_matched_tokens) == (48, 48)
+    assert (decision.num_matched_tokens, decision.num_matched_tokens_by_tier) == (48, (48, 0, 0))
     assert decision.prefix_score == 0.75 and decision.load_score == 1.0
     assert decision.score == pytest.approx(0.55 * 0.75 + 0.45)
     assert router.stats().replicas[2].load_tokens == 64
@@ -70,9 +70,9 @@ def test_event_gap_needs_resync_and_events_wait_for_the_snapshot():
     assert router.needs_resync() == [1]
     assert not router.on_events(KVEventBatch(1, 1, stored(3)))  # ignored until resync
     assert router.route("a", 32, prompt(1, 3)).num_matched_tokens == 16  # stale index still used
-    assert router.resync(KVSnapshot(1, 5, npu_hashes=(h(1), h(2)), host_hashes=(h(3),)))
+    assert router.resync(KVSnapshot(1, 5, {"full": {"npu": (h(1), h(2)), "host": (h(3),)}}))
     assert router.needs_resync() == []
-    assert router.route("b", 48, prompt(1, 2, 3)).num_host_matched_tokens == 16
+    assert router.route("b", 48, prompt(1, 2, 3)).num_matched_tokens_in(Tier.HOST) == 16
     assert router.on_events(KVEventBatch(1, 4, removed(1)))  # already covered by the snapshot
     assert router.route("c", 16, prompt(1)).num_matched_tokens == 16
     assert router.on_events(KVEventBatch(1, 5, removed(1)))  # continues from next_seq
@@ -91,10 +91,10 @@ def test_requested_resync_ignores_events_until_the_snapshot():
     router.request_resync(1)  # a dead replica has nothing to resync
     assert router.needs_resync() == [0]
     assert not router.on_events(KVEventBatch(0, 0, stored(1)))
-    assert router.resync(KVSnapshot(0, 3, npu_hashes=(h(2),), host_hashes=()))
+    assert router.resync(KVSnapshot(0, 3, {"full": {"npu": (h(2),)}}))
     assert router.on_events(KVEventBatch(0, 3, stored(1)))
     assert router.route("a", 32, prompt(2, 1)).num_matched_tokens == 32
-    assert not router.resync(KVSnapshot(1, 0, npu_hashes=(h(2),), host_hashes=()))
+    assert not router.resync(KVSnapshot(1, 0, {"full": {"npu": (h(2),)}}))
     router.check_integrity()
 
 
@@ -112,8 +112,8 @@ def test_stale_batches_are_ignored_and_overlapping_ones_apply_their_tail():
 def test_an_in_step_replica_ignores_an_older_snapshot():
     router = make_router(1)
     router.on_events(KVEventBatch(0, 0, stored(1, 2, 3)))
-    assert not router.resync(KVSnapshot(0, 1, npu_hashes=(h(1),), host_hashes=()))
-    assert router.stats().replicas[0].num_indexed_npu_blocks == 3
+    assert not router.resync(KVSnapshot(0, 1, {"full": {"npu": (h(1),)}}))
+    assert router.stats().replicas[0].num_indexed_blocks_in(Tier.NPU) == 3
 
 
 def test_dead_replica_is_dropped_with_its_index_and_load():
@@ -124,7 +124,8 @@ def test_dead_replica_is_dropped_with_its_index_and_load():
     assert router.live_replicas() == [1]
     stats = router.stats()
     assert not stats.replicas[0].is_live
-    assert stats.replicas[0].load_tokens == 0 and stats.replicas[0].num_indexed_npu_blocks == 0
+    assert stats.replicas[0].load_tokens == 0
+    assert stats.replicas[0].num_indexed_blocks_by_tier == (0, 0, 0)
     assert stats.num_indexed_hashes == 0
     assert not router.on_events(KVEventBatch(0, 2, stored(3)))  # a dead replica is not indexed
     assert router.needs_resync() == []
@@ -194,8 +195,8 @@ def test_stats_count_decisions_and_matched_fraction_buckets():
     assert zero.matched_fraction_count == 4 and zero.matched_fraction_sum == 2.5
     assert len(zero.matched_fraction_bucket_counts) == len(MATCHED_FRACTION_BUCKETS)
     assert zero.matched_fraction_bucket_counts == (1, 1, 1, 2, 2, 2, 4)  # cumulative (le)
-    assert zero.num_matched_tokens == 160 and zero.num_npu_matched_tokens == 160
-    assert zero.num_indexed_npu_blocks == 4 and zero.num_indexed_host_blocks == 2
+    assert zero.num_matched_tokens == 160 and zero.num_matched_tokens_by_tier == (160, 0, 0)
+    assert zero.num_indexed_blocks_by_tier == (4, 2, 0)
     assert stats.num_indexed_hashes == 6
     assert one.matched_fraction_bucket_counts == (0,) * 7 and one.is_live
 
@@ -204,10 +205,10 @@ def test_host_matches_are_counted_per_tier_in_stats():
     router = make_router(1)
     router.on_events(KVEventBatch(0, 0, stored(1) + stored(2, tier="host")))
     decision = router.route("a", 40, prompt(1, 2))
-    assert (decision.num_npu_matched_tokens, decision.num_host_matched_tokens) == (16, 16)
+    assert decision.num_matched_tokens_by_tier == (16, 16, 0)
     assert decision.prefix_score == pytest.approx((1 + 0.9) * 16 / 40)
     stats = router.stats().replicas[0]
-    assert (stats.num_npu_matched_tokens, stats.num_host_matched_tokens) == (16, 16)
+    assert stats.num_matched_tokens_by_tier == (16, 16, 0)
     assert stats.matched_fraction_bucket_counts == (0, 0, 0, 0, 0, 1, 1)  # 0.8
 
 

@@ -1,5 +1,6 @@
 import pytest
 
+from replicas.kv.events import Tier
 from router.config import RoutingConfig, TTFTCosts
 from router.policies import (
     ReplicaQueues,
@@ -12,7 +13,7 @@ from router.policies import (
 from router.prefix_index import IndexMatch
 
 BLOCK = 16
-NONE = IndexMatch(0, 0)
+NONE = IndexMatch((0, 0, 0))
 
 
 def scoring(profile: str = "balanced", **kwargs) -> ScoringPolicy:
@@ -23,7 +24,7 @@ def scoring(profile: str = "balanced", **kwargs) -> ScoringPolicy:
 
 def test_exact_scores_of_a_hand_built_state():
     # 64-token prompt (4 blocks); loads 100 / 0 / 300, so scale = 400 + 64 = 464.
-    matches = [IndexMatch(2, 0), IndexMatch(0, 4), IndexMatch(4, 0)]
+    matches = [IndexMatch((2, 0, 0)), IndexMatch((0, 4, 0)), IndexMatch((4, 0, 0))]
     loads = [100, 0, 300]
     policy = scoring(host_hit_weight=0.5)
     assert policy.prefix_score(matches[0], 64) == 0.5
@@ -33,24 +34,26 @@ def test_exact_scores_of_a_hand_built_state():
     assert policy.load_score(300, 400, 64) == pytest.approx(1 - 300 / 464)
     decision = policy.choose([0, 1, 2], matches, loads, 64)
     # scores: 0.55*0.5 + 0.45*(364/464) = 0.628, 0.55*0.5 + 0.45*1 = 0.725, 0.55 + 0.45*(164/464)
-    assert decision == RouteDecision(1, 0.5, 1.0, pytest.approx(0.725), 64, 0, 64)
+    assert decision == RouteDecision(1, 0.5, 1.0, pytest.approx(0.725), 64, (0, 64, 0))
 
 
 def test_load_score_is_one_for_all_when_nothing_is_loaded_and_prompt_is_empty():
     assert ScoringPolicy.load_score(0, 0, 0) == 1.0
     assert ScoringPolicy.load_score(0, 0, 10) == 1.0
-    assert scoring().prefix_score(IndexMatch(3, 0), 0) == 0.0
+    assert scoring().prefix_score(IndexMatch((3, 0, 0)), 0) == 0.0
 
 
 def test_prefix_score_and_matched_tokens_are_capped_at_the_prompt():
     policy = scoring(host_hit_weight=0.5)
-    decision = policy.choose([0], [IndexMatch(4, 0)], [0], 60)
+    decision = policy.choose([0], [IndexMatch((4, 0, 0))], [0], 60)
     assert decision.prefix_score == 1.0
-    assert decision.num_matched_tokens == decision.num_npu_matched_tokens == 60
-    mixed = policy.choose([0], [IndexMatch(3, 1)], [0], 60)
+    assert decision.num_matched_tokens == decision.num_matched_tokens_in(Tier.NPU) == 60
+    mixed = policy.choose([0], [IndexMatch((3, 1, 0))], [0], 60)
     assert mixed.prefix_score == pytest.approx((3 + 0.5) * 16 / 60)
-    assert (mixed.num_matched_tokens, mixed.num_npu_matched_tokens) == (60, 48)
-    assert mixed.num_host_matched_tokens == 12
+    assert (mixed.num_matched_tokens, mixed.num_matched_tokens_by_tier) == (60, (48, 12, 0))
+    deep = policy.choose([0], [IndexMatch((2, 1, 3))], [0], 60)  # the prompt ends in the disk run
+    assert deep.num_matched_tokens_by_tier == (32, 16, 12)
+    assert deep.num_matched_tokens_in(Tier.DISK) == 12
 
 
 @pytest.mark.parametrize(
@@ -66,14 +69,14 @@ def test_prefix_score_and_matched_tokens_are_capped_at_the_prompt():
 )
 def test_profiles_trade_a_cached_prefix_against_load(profile, kwargs, winner):
     # Replica 0 caches the whole prompt but carries 1000 tokens; replica 1 is idle and cold.
-    matches = [IndexMatch(4, 0), NONE]
+    matches = [IndexMatch((4, 0, 0)), NONE]
     decision = scoring(profile, **kwargs).choose([0, 1], matches, [1000, 0], 64)
     assert decision.replica_index == winner
 
 
 def test_custom_weights_give_exact_scores():
     policy = scoring("custom", prefix_weight=2.0, load_weight=0.5)
-    decision = policy.choose([0], [IndexMatch(1, 0)], [0], 64)
+    decision = policy.choose([0], [IndexMatch((1, 0, 0))], [0], 64)
     assert decision.score == 2.0 * 0.25 + 0.5 * 1.0
 
 
@@ -81,7 +84,7 @@ def test_exact_ties_go_to_the_lowest_index_live_replica():
     policy = scoring()
     assert policy.choose([0, 1, 2], [NONE] * 3, [0, 0, 0], 64).replica_index == 0
     assert policy.choose([1, 2], [NONE] * 3, [0, 0, 0], 64).replica_index == 1
-    matches = [NONE, IndexMatch(1, 0), IndexMatch(3, 0), IndexMatch(3, 0)]
+    matches = [NONE, IndexMatch((1, 0, 0)), IndexMatch((3, 0, 0)), IndexMatch((3, 0, 0))]
     assert policy.choose([0, 1, 2, 3], matches, [0, 0, 10, 10], 64).replica_index == 2
 
 
@@ -98,7 +101,9 @@ def test_later_exact_ties_go_to_the_replica_sent_the_fewest_uncached_tokens():
     ]
     # Churn (uncached tokens sent) is now 128 / 64 / 64. Only uncached tokens count: a full hit
     # on replica 1 adds nothing, and the next cold tie still finds 1 and 2 level (1 wins).
-    assert policy.choose([0, 1, 2], [NONE, IndexMatch(4, 0), NONE], idle, 64).replica_index == 1
+    assert (
+        policy.choose([0, 1, 2], [NONE, IndexMatch((4, 0, 0)), NONE], idle, 64).replica_index == 1
+    )
     assert policy.choose([0, 1, 2], [NONE] * 3, idle, 32).replica_index == 1  # 128 / 96 / 64
     assert policy.choose([0, 2], [NONE] * 3, idle, 64).replica_index == 2  # 128 / - / 128
     # Replica 1 (re)joins the live set level with the least-churned live replica (128): a tie
@@ -107,7 +112,7 @@ def test_later_exact_ties_go_to_the_replica_sent_the_fewest_uncached_tokens():
 
 
 def test_a_host_only_match_counts_less_than_an_npu_match():
-    matches = [IndexMatch(0, 4), IndexMatch(4, 0)]
+    matches = [IndexMatch((0, 4, 0)), IndexMatch((4, 0, 0))]
     assert scoring().choose([0, 1], matches, [0, 0], 64).replica_index == 1
     # At full host weight the two tie, and the tie goes to the lower index.
     tied = scoring(host_hit_weight=1.0).choose([0, 1], matches, [0, 0], 64)
@@ -133,13 +138,13 @@ def test_round_robin_cycles_over_live_replicas_in_index_order():
 
 def test_round_robin_does_not_score_but_reports_the_chosen_replicas_scores():
     policy = make_policy(RoutingConfig(policy="round-robin"), BLOCK)
-    decision = policy.choose([0, 1], [IndexMatch(1, 1), NONE], [32, 0], 64)
-    assert decision == RouteDecision(0, (1 + 0.9) * 16 / 64, 1 - 32 / 96, 0.0, 32, 16, 16)
+    decision = policy.choose([0, 1], [IndexMatch((1, 1, 0)), NONE], [32, 0], 64)
+    assert decision == RouteDecision(0, (1 + 0.9) * 16 / 64, 1 - 32 / 96, 0.0, 32, (16, 16, 0))
 
 
 def test_load_counts_as_a_share_of_the_cluster_load():
     # A quarter of a 128-token prompt cached on replica 0, which carries the most load.
-    matches = [IndexMatch(2, 0), NONE, NONE, NONE]
+    matches = [IndexMatch((2, 0, 0)), NONE, NONE, NONE]
     policy = scoring()
     busy = policy.choose([0, 1, 2, 3], matches, [1000, 500, 500, 500], 128)
     # 0.55 * 0.25 + 0.45 * (1 - 1000/2628) = 0.416 > 0.45 * (1 - 500/2628) = 0.364
@@ -169,22 +174,26 @@ def test_ttft_profile_predicts_queue_plus_reload_plus_suffix_by_hand():
         + 3 * (0.01 + 0.002 * 3 + 1e-5 * (400 - 150))
         + 0.003 * 2
     )
-    assert policy.predicted_ttft_s(IndexMatch(4, 2), 160, 150, 3, 400) == pytest.approx(expected)
+    assert policy.predicted_ttft_s(IndexMatch((4, 2, 0)), 160, 150, 3, 400) == pytest.approx(
+        expected
+    )
     # Replica 1: nothing cached, idle: 160 tokens, 2 steps of the fixed cost.
     idle = 0.001 * 160 + 1e-6 * 160 * 80 + 2 * 0.01
-    assert policy.predicted_ttft_s(IndexMatch(0, 0), 160, 0, 0, 0) == pytest.approx(idle)
+    assert policy.predicted_ttft_s(NONE, 160, 0, 0, 0) == pytest.approx(idle)
     queues = ReplicaQueues([150, 0], [3, 0])
-    decision = policy.choose([0, 1], [IndexMatch(4, 2), IndexMatch(0, 0)], [400, 0], 160, queues)
+    decision = policy.choose([0, 1], [IndexMatch((4, 2, 0)), NONE], [400, 0], 160, queues)
     assert decision.replica_index == (0 if expected < idle else 1)
     # Without the queue, the cached replica wins.
     quiet = ReplicaQueues([0, 0], [0, 0])
-    assert policy.choose([0, 1], [IndexMatch(4, 2), NONE], [0, 0], 160, quiet).replica_index == 0
+    assert (
+        policy.choose([0, 1], [IndexMatch((4, 2, 0)), NONE], [0, 0], 160, quiet).replica_index == 0
+    )
 
 
 def test_ttft_forfeit_weight_prices_the_reuse_a_placement_gives_up():
     costs = TTFTCosts(prefill_s_per_token=0.001, max_num_batched_tokens=1000, forfeit_weight=2)
     policy = make_policy(RoutingConfig(scoring_profile="ttft", ttft_costs=costs), 16)
-    matches = [IndexMatch(6, 0), NONE]  # replica 0 caches 96 of the 160 tokens
+    matches = [IndexMatch((6, 0, 0)), NONE]  # replica 0 caches 96 of the 160 tokens
     queues = ReplicaQueues([150, 0], [1, 0])
     # Replica 0: (150 + 64) x 0.001 = 0.214. Replica 1: 160 x 0.001 + 2 x 96 x 0.001 = 0.352.
     assert policy.cost_s(1, matches, [0, 0], 160, queues, best_blocks=6) == pytest.approx(0.352)

@@ -6,6 +6,7 @@ import random
 import pytest
 
 from cluster import LLM, KVOffloadConfig, SamplingParams, SchedulerConfig
+from replicas.kv.events import Tier
 from tests.unit.sampling.conftest import reference_scores
 
 TOL = 2e-3  # float32 over a different batch shape
@@ -44,7 +45,7 @@ def test_logprobs_cold_and_with_a_cached_prefix_on_npu():
     assert cold.num_cached_tokens == 0
     check_against_reference(llm, cold, 3)
     warm = llm.generate([*prefix, 3, 4, 5], params())
-    assert warm.num_npu_cached_tokens == 64  # 4 of the shared blocks, scores from the cache
+    assert warm.num_cached_tokens_in(Tier.NPU) == 64  # 4 shared blocks, scores from the cache
     assert llm.engine.core.prompt_scores.num_filled_tokens == 64
     check_against_reference(llm, warm, 3)
     # A prefix computed without scoring cannot serve a scored prompt: it is recomputed once.
@@ -76,7 +77,7 @@ def test_logprobs_with_a_cached_prefix_on_host():
     for i in range(5):  # unrelated traffic pushes the prefix out of the NPU tier
         llm.generate([rng.randrange(256) for _ in range(180)] + [i], SamplingParams(max_tokens=2))
     output = llm.generate([*prefix, 1, 2, 3], params(logprobs=5, prompt_logprobs=1))
-    assert output.num_host_cached_tokens == 192 and output.num_npu_cached_tokens == 0
+    assert output.num_cached_tokens_by_tier == (0, 192, 0)
     tokens = output.prompt_token_ids + output.token_ids
     ref = reference_scores(llm, tokens)
     for position, score in enumerate([*output.prompt_logprobs[1:], *output.logprobs], start=1):

@@ -1,0 +1,327 @@
+"""The disk tier's rules: onboarding waiting requests' disk blocks, and storing host blocks to disk.
+
+Blocks leave host for disk by the rules that move them from NPU to host (a host block whose hits
+reach ``write_through_threshold`` is stored, every host block at threshold 0; with write-back,
+a host-only block that host eviction takes is stored first, and with the adaptive policy when
+``RetentionTracker.disk_write_back_pays``). A prefix match never waits on disk: ``onboard``
+looks past a waiting request's NPU/host match, and when the disk holds the next blocks and
+``reload_pays`` says loading them beats computing them again, it plans their reads into locked
+host blocks and the request waits (the scheduler admits others meanwhile)::
+
+    onboard(request)      disk-only blocks after the match -> host blocks, locked, reads planned
+    complete_loads        a landed read caches its host block (a failed one: a miss, forgotten)
+    admission             the match finds the blocks on host and loads them to NPU as usual
+
+A read that has not landed ``max(ONBOARD_TIMEOUT_MIN_S, ONBOARD_TIMEOUT_FACTOR x its predicted
+time)`` after it was planned, on the manager's clock, is given up on: its request is admitted
+with what landed, and the host block stays locked until the read ends.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from replicas.engine.request import Request
+from replicas.kv.cache_type import CacheType
+from replicas.kv.events import KVEventKind, Tier, safe_prefix_length
+from replicas.kv.hashing import BlockHash
+from replicas.kv.records import CacheStats, DiskCopy, PlannedCopies, PrefixMatch, TransferPlan
+from replicas.kv.views import EventLog
+
+ONBOARD_TIMEOUT_MIN_S = 2.0
+ONBOARD_TIMEOUT_FACTOR = 8.0
+"""A waiting request stops waiting for its disk reads after ``max(ONBOARD_TIMEOUT_MIN_S,
+ONBOARD_TIMEOUT_FACTOR x their predicted time)``."""
+
+
+class ReloadCosts(NamedTuple):
+    """The cost rule's inputs, seconds per block (``recompute_s`` 0 until measured, when the rule
+    reads every disk prefix)."""
+
+    recompute_s: float
+    host_load_s: float
+    disk_read_s: float
+
+
+def reload_pays(
+    num_blocks: int,
+    num_disk_blocks: int,
+    recompute_s: float,
+    host_load_s: float,
+    disk_read_s: float,
+) -> bool:
+    """The cost rule: whether loading ``num_blocks`` matched blocks, ``num_disk_blocks`` of them
+    read from disk first, takes less time than computing them again (seconds per block)."""
+    reload_s = num_disk_blocks * disk_read_s + num_blocks * host_load_s
+    return reload_s < num_blocks * recompute_s
+
+
+class DiskRules(NamedTuple):
+    """When host blocks go to disk: the promotion threshold (None: never by hits), write-back,
+    and whether the adaptive policy decides at host eviction."""
+
+    write_through_threshold: int | None
+    write_back: bool
+    adaptive: bool
+
+
+@dataclass(slots=True)
+class _Onboarding:
+    """A waiting request's disk reads: what it waits for and the host blocks it holds."""
+
+    waiting: set[tuple[str, BlockHash]]  # (cache type, hash) not landed yet
+    held: list[tuple[str, int]]  # (cache type, host block) referenced for it
+    deadline: float
+
+
+class DiskOnboarding:
+    """The disk tier of a manager's cache types (inert without one). Not thread-safe: the
+    manager's engine loop calls it."""
+
+    def __init__(
+        self,
+        cache_types: list[CacheType],
+        block_size: int,
+        plan: PlannedCopies,
+        events: EventLog,
+        stats: Callable[[], CacheStats],
+        rules: DiskRules,
+        match_prefix: Callable[[Request, int | None], PrefixMatch],
+        allocate_host: Callable[[CacheType], int],
+        clock: Callable[[], float],
+    ) -> None:
+        self._cache_types = cache_types
+        self._by_name = {c.name: c for c in cache_types}
+        self._block_size = block_size
+        self._rules = rules
+        self._plan = plan
+        self._events = events
+        self._stats = stats  # the manager's current counters (an engine may replace them)
+        self._match_prefix = match_prefix
+        self._allocate_host = allocate_host
+        self._clock = clock
+        self._onboarding: dict[str, _Onboarding] = {}
+        self._inflight: dict[tuple[str, BlockHash], tuple[int, set[str]]] = {}  # -> host, waiters
+        self._recompute_s: float | None = None  # measured seconds per block (set_costs)
+        self._host_load_s = 0.0
+
+    @property
+    def is_on(self) -> bool:
+        return self._cache_types[0].disk is not None
+
+    @property
+    def num_onboarding(self) -> int:
+        """Waiting requests whose disk reads have not all landed."""
+        return sum(1 for o in self._onboarding.values() if o.waiting)
+
+    # ---- onboarding ----------------------------------------------------------------------------
+    def onboard(self, request: Request, max_blocks: int | None = None) -> bool:
+        """Whether a waiting request must wait for disk reads (mutates): reads are planned the
+        first time the disk holds blocks past its match and ``reload_pays``; True until they
+        land or time out."""
+        onboarding = self._onboarding.get(request.request_id)
+        if onboarding is not None:
+            if not onboarding.waiting:
+                return False
+            if self._clock() > onboarding.deadline:
+                self._stats().disk_load_timeouts += 1
+                onboarding.waiting.clear()
+                return False
+            return True
+        if request.num_cached_tokens is not None:  # resumed after preemption: not new traffic
+            return False
+        match = self._match_prefix(request, max_blocks)
+        plan = self._extension(request, match.num_blocks, max_blocks)
+        if plan is None:  # decided once per request: later steps skip the lookups
+            self._onboarding[request.request_id] = _Onboarding(set(), [], 0.0)
+            return False
+        length, reads = plan
+        for cache_type in self._cache_types:  # host blocks to read into: asked again later
+            new = [h for h in reads[cache_type.name] if (cache_type.name, h) not in self._inflight]
+            if len(new) > cache_type.host.num_free:
+                return False
+        num_disk = sum(len(r) for r in reads.values())
+        disk_read_s = self._cache_types[0].disk.read_seconds_per_block()
+        recompute_s = self._recompute_s
+        if recompute_s is not None and not reload_pays(
+            length - match.num_blocks, num_disk, recompute_s, self._host_load_s, disk_read_s
+        ):
+            self._stats().disk_recomputes += 1
+            self._onboarding[request.request_id] = _Onboarding(set(), [], 0.0)
+            return False
+        self._stats().disk_reloads += 1
+        timeout = max(ONBOARD_TIMEOUT_MIN_S, ONBOARD_TIMEOUT_FACTOR * num_disk * disk_read_s)
+        self._plan_reads(request.request_id, reads, self._clock() + timeout)
+        return True
+
+    def _plan_reads(
+        self, request_id: str, reads: dict[str, list[BlockHash]], deadline: float
+    ) -> None:
+        """Read each block into a locked host block (one read per block, shared by every
+        request waiting for it)."""
+        waiting: set[tuple[str, BlockHash]] = set()
+        held: list[tuple[str, int]] = []
+        for cache_type in self._cache_types:
+            for block_hash in reads[cache_type.name]:
+                key = (cache_type.name, block_hash)
+                inflight = self._inflight.get(key)
+                if inflight is None:
+                    host_id = self._allocate_host(cache_type)
+                    cache_type.host.touch([host_id])  # the read's reference and the waiter's
+                    inflight = self._inflight[key] = (host_id, set())
+                    self._plan.disk_loads.append(DiskCopy(host_id, block_hash, cache_type.name))
+                else:
+                    cache_type.host.touch([inflight[0]])  # the waiter's reference
+                inflight[1].add(request_id)
+                waiting.add(key)
+                held.append((cache_type.name, inflight[0]))
+        self._onboarding[request_id] = _Onboarding(waiting, held, deadline)
+
+    def _extension(
+        self, request: Request, num_matched: int, max_blocks: int | None
+    ) -> tuple[int, dict[str, list[BlockHash]]] | None:
+        """The longest safe prefix with disk blocks counted, and per cache type the blocks of
+        it that only the disk holds; None when the disk adds nothing (no mutation)."""
+        limit = (request.num_tokens - 1) // self._block_size
+        limit = limit if max_blocks is None else min(limit, max_blocks)
+        hashes = request.block_hashes[:limit]
+        primary = self._cache_types[0]
+        length = num_matched
+        while length < len(hashes) and primary.anywhere(hashes[length]):
+            length += 1
+        for cache_type in self._cache_types[1:]:
+            present = [cache_type.anywhere(h) for h in hashes[:length]]
+            length = safe_prefix_length(
+                present, length, self._block_size, cache_type.spec.sliding_window
+            )
+        if length <= num_matched:
+            return None
+        reads = {}
+        for cache_type in self._cache_types:
+            first = cache_type.spec.window_start(length * self._block_size, self._block_size)
+            reads[cache_type.name] = [h for h in hashes[first:length] if not cache_type.in_pools(h)]
+        return length, reads
+
+    def complete_loads(self, results: list[tuple[DiskCopy, bool]]) -> None:
+        """Record disk reads that ended: a valid block is cached in its host block; a miss frees
+        the host block and the disk forgets the block."""
+        stats = self._stats()
+        for copy, ok in results:
+            cache_type = self._by_name[copy.cache_type]
+            key = (copy.cache_type, copy.block_hash)
+            host_id, waiters = self._inflight.pop(key)
+            host = cache_type.host
+            if ok and host.cache(host_id, copy.block_hash):
+                stats.disk_blocks_loaded += 1
+                self._events.emit(cache_type.name, KVEventKind.STORED, Tier.HOST, copy.block_hash)
+            else:
+                stats.disk_load_failures += not ok
+                if not ok:
+                    cache_type.disk.discard(copy.block_hash)
+            for request_id in waiters:
+                onboarding = self._onboarding.get(request_id)
+                if onboarding is not None:
+                    onboarding.waiting.discard(key)
+            host.free([host_id])  # the read's own reference; waiters hold theirs
+
+    def end(self, request_id: str) -> set[tuple[str, int]]:
+        """Stop onboarding a request (admitted or freed): release its host blocks; returns the
+        (cache type, host block) pairs it held for its reads."""
+        onboarding = self._onboarding.pop(request_id, None)
+        if onboarding is None:
+            return set()
+        for name, host_id in onboarding.held:
+            self._by_name[name].host.free([host_id])
+        for key in onboarding.waiting:
+            inflight = self._inflight.get(key)
+            if inflight is not None:
+                inflight[1].discard(request_id)
+        return set(onboarding.held)
+
+    # ---- host -> disk ----------------------------------------------------------------------------
+    def count_host_hit(self, cache_type: CacheType, host_id: int) -> None:
+        """A new request reloads a host block: at the threshold, it is stored to disk too."""
+        if cache_type.disk is None:
+            return
+        num_hits = cache_type.host.record_hit(host_id)
+        threshold = self._rules.write_through_threshold
+        if threshold and num_hits >= threshold:
+            self.store(cache_type, host_id, cache_type.host.blocks[host_id].block_hash)
+
+    def store(
+        self,
+        cache_type: CacheType,
+        host_id: int,
+        block_hash: BlockHash,
+        retained_until: float = 0.0,
+    ) -> None:
+        """Plan a copy of a host block to disk, unless the disk holds it; the host block stays
+        locked until the copy has read it (``disk_stores_landed``). A retained block is kept
+        on disk until ``retained_until``."""
+        if block_hash is None or cache_type.disk.contains(block_hash):
+            return
+        cache_type.host.touch([host_id])
+        copy = DiskCopy(host_id, block_hash, cache_type.name, retained_until=retained_until)
+        self._plan.disk_stores.append(copy)
+
+    def retain(
+        self, cache_type: CacheType, host_id: int, block_hash: BlockHash, until: float
+    ) -> None:
+        """Retain a block on disk too: the disk's own copy, else a new one from its (landed)
+        host block. A block another replica wrote stays that replica's to keep."""
+        if cache_type.disk.contains(block_hash):
+            cache_type.disk.retain(block_hash, until)
+        else:
+            self.store(cache_type, host_id, block_hash, until)
+
+    def before_host_eviction(self, cache_type: CacheType) -> None:
+        """Before host allocation evicts its next block, store that block to disk: always with
+        write-back, as the adaptive policy decides with it, never else. The copy runs first
+        in the plan, so it reads the block before this plan's store overwrites it."""
+        if cache_type.disk is None or not (self._rules.write_back or self._rules.adaptive):
+            return
+        host = cache_type.host
+        host.expire()  # as allocation will: the block it takes next
+        host_id = host.next_to_allocate()
+        block_hash = host.blocks[host_id].block_hash if host_id is not None else None
+        if block_hash is None or cache_type.disk.contains(block_hash):
+            return
+        if not self._rules.write_back:
+            disk_read_s = cache_type.disk.read_seconds_per_block()
+            if not cache_type.retention.disk_write_back_pays(disk_read_s):
+                self._stats().disk_write_back_skips += 1
+                return
+        self._plan.disk_stores.append(DiskCopy(host_id, block_hash, cache_type.name, locked=False))
+
+    def host_store_landed(self, cache_type: CacheType, host_id: int) -> None:
+        """An NPU -> host store landed: a retained block is retained on disk too; at threshold
+        0 every host block is stored to disk."""
+        if cache_type.disk is None:
+            return
+        host_block = cache_type.host.blocks[host_id]
+        if host_block.retained_until:
+            self.retain(cache_type, host_id, host_block.block_hash, host_block.retained_until)
+        elif self._rules.write_through_threshold == 0:
+            self.store(cache_type, host_id, host_block.block_hash)
+
+    def disk_stores_landed(self, plan: TransferPlan) -> None:
+        """A plan's host -> disk copies have read their host blocks: unlock them."""
+        for copy in plan.disk_stores:
+            self._stats().disk_blocks_stored += 1
+            if copy.locked:
+                self._by_name[copy.cache_type].host.free([copy.host_id])
+
+    # ---- the cost rule -------------------------------------------------------------------------
+    def reload_costs(self) -> ReloadCosts | None:
+        """What ``reload_pays`` weighs now (None without a disk tier)."""
+        disk = self._cache_types[0].disk
+        if disk is None:
+            return None
+        return ReloadCosts(
+            self._recompute_s or 0.0, self._host_load_s, disk.read_seconds_per_block()
+        )
+
+    def set_costs(self, recompute_s: float, host_load_s: float) -> None:
+        """Measured seconds per block to recompute and to load from host."""
+        self._recompute_s = recompute_s
+        self._host_load_s = host_load_s
