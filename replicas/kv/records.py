@@ -197,17 +197,12 @@ class CacheTypeUsage:
         return {t: u for t, u in self.tiers.items() if t == Tier.NPU or u.num_blocks}
 
 
-@dataclass(slots=True)
-class CacheTypeStats:
-    """Block counters of one cache type (``npu_evictions`` and ``host_evictions`` read
-    ``evictions``, the names the metrics and reports use)."""
+class _Evictions:
+    """``npu_evictions`` and ``host_evictions``: a stats record's ``evictions`` by tier, under
+    the names the metrics and reports use."""
 
-    evictions: dict[Tier, int] = field(default_factory=dict)  # cached blocks evicted, per tier
-    write_through_promotions: int = 0
-    write_backs: int = 0
-    blocks_loaded: int = 0
-    blocks_stored: int = 0
-    blocks_freed_out_of_window: int = 0
+    __slots__ = ()
+    evictions: dict[Tier, int]
 
     @property
     def npu_evictions(self) -> int:
@@ -219,7 +214,20 @@ class CacheTypeStats:
 
 
 @dataclass(slots=True)
-class CacheStats:
+class CacheTypeStats(_Evictions):
+    """Block counters of one cache type (``npu_evictions`` and ``host_evictions`` read
+    ``evictions``, the names the metrics and reports use)."""
+
+    evictions: dict[Tier, int] = field(default_factory=dict)  # cached blocks evicted, per tier
+    write_through_promotions: int = 0
+    write_backs: int = 0
+    blocks_loaded: int = 0
+    blocks_stored: int = 0
+    blocks_freed_out_of_window: int = 0
+
+
+@dataclass(slots=True)
+class CacheStats(_Evictions):
     """Monotonic counters of one replica's prefix cache. Tokens for queries and hits (the safe
     prefix; ``hits_by_source`` splits it by the tier its global KV came from); blocks, summed
     over cache types, for the rest, with the split per cache type in ``by_cache_type``. The
@@ -265,14 +273,6 @@ class CacheStats:
     @property
     def disk_hits(self) -> int:
         return self.hits_by_source.get(Tier.DISK, 0)
-
-    @property
-    def npu_evictions(self) -> int:
-        return self.evictions.get(Tier.NPU, 0)
-
-    @property
-    def host_evictions(self) -> int:
-        return self.evictions.get(Tier.HOST, 0)
 
     def counters(self) -> dict[str, int]:
         """Every counter under the flat name the reports use: the integer fields, and the
