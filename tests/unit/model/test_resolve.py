@@ -66,7 +66,9 @@ from cluster import LLM, SamplingParams
 from replicas.model.resolve import resolve_model
 name, revision = sys.argv[1:3] if len(sys.argv) > 2 else (sys.argv[1], None)
 out = {"path": resolve_model(name, revision)}
-with LLM(name, revision=revision) as llm:
+# float32 pinned: with dtype auto each load measures (its files are another key), and on a busy
+# machine one may pick bfloat16, whose tokens differ.
+with LLM(name, revision=revision, dtype="float32") as llm:
     out["tokens"] = llm.generate("hello world the cat", SamplingParams(max_tokens=6)).token_ids
 print(json.dumps(out))
 """
