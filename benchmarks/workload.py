@@ -46,10 +46,12 @@ def model_context_len(model: str) -> int:
     return args.max_position_embeddings
 
 
-def kv_block_bytes(model: str, dtype: str) -> int:
-    """One KV block of every cache type of ``model`` in ``dtype`` (its config only)."""
+def kv_block_bytes(model: str, dtype: str, kv_cache_dtype: str = "auto") -> int:
+    """One KV block of every cache type of ``model`` computing in ``dtype`` with K and V stored
+    in ``kv_cache_dtype``, scales included (its config only)."""
     args, _ = load_model_info(model)
-    return sum(spec.block_bytes(BLOCK_SIZE) for spec in kv_cache_specs(args, dtype).values())
+    specs = kv_cache_specs(args, dtype, kv_cache_dtype)
+    return sum(spec.block_bytes(BLOCK_SIZE) for spec in specs.values())
 
 
 def fit_length(num_tokens: int, limit: int) -> int:

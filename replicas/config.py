@@ -17,8 +17,8 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-"""The weights and KV dtypes a replica runs, by config name; bytes per element are
-``TORCH_DTYPES[name].itemsize``."""
+"""The dtypes a replica computes in (and its float KV formats), by config name; bytes per
+element are ``TORCH_DTYPES[name].itemsize``."""
 
 HOST_GB_OPTION = "--experimental-kv-offload-host-memory-gb"
 HOST_RATIO_OPTION = "--experimental-kv-offload-host-memory-ratio"
@@ -346,6 +346,12 @@ class ReplicaModelConfig(_Config):
         description=f"Weights and KV dtype: {_one_of(TORCH_DTYPES)} or auto (the faster of "
         "float32 and bfloat16, measured on this machine at start-up; bfloat16 only where it "
         "is faster in prefill and decode both; float32 for the built-in test models).",
+    )
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8_e4m3", "int8"] = Field(
+        "auto",
+        description="How K and V are stored in every tier (NPU, host, disk): auto (the engine "
+        "dtype), float32, bfloat16, float16, or 8-bit with one float16 scale per token and KV "
+        "head: int8 (symmetric) or fp8_e4m3; dequantized inside attention.",
     )
     quantization: Literal["auto", "none", "int8", "int4"] = Field(
         "auto",

@@ -290,7 +290,8 @@ import json, sys
 results = json.load(open(sys.argv[1]))
 for size in results["sizes"]:
     ttft = {mode: 1e3 * s for mode, s in size["median_ttft_s"].items()}
-    print(f"gpu-check: reload-vs-recompute {size['prefix_len']}-token prefix on "
+    print(f"gpu-check: reload-vs-recompute {size['prefix_len']}-token prefix, KV "
+          f"{size['kv_cache_dtype_resolved']} ({size['block_bytes']} bytes a block) on "
           f"{results['device']}: TTFT cold {ttft['cold']:.1f} ms, NPU hit {ttft['npu']:.1f} ms, "
           f"host reload {ttft['host']:.1f} ms (host/cold {size['ratios']['host_over_cold']:.3f})")
 EOF
@@ -306,7 +307,8 @@ import json, sys
 results = json.load(open(sys.argv[1]))
 for size in results["sizes"]:
     ttft = {mode: 1e3 * s for mode, s in size["median_ttft_s"].items()}
-    print(f"gpu-check: reload-vs-recompute smollm2-135m {size['prefix_len']}-token prefix on "
+    print(f"gpu-check: reload-vs-recompute smollm2-135m {size['prefix_len']}-token prefix, KV "
+          f"{size['kv_cache_dtype_resolved']} ({size['block_bytes']} bytes a block) on "
           f"{results['device']}: TTFT cold {ttft['cold']:.1f} ms, NPU hit {ttft['npu']:.1f} ms, "
           f"host reload {ttft['host']:.1f} ms (host/cold {size['ratios']['host_over_cold']:.3f})")
 EOF

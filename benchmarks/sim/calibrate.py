@@ -160,6 +160,8 @@ def calibrate(name: str) -> HardwareProfile:
     return HardwareProfile(
         name=name,
         kv_bytes_per_token=kv_bytes_per_token,
+        dtype="float32",
+        kv_head_dim=next(iter(specs.values())).head_dim,
         npu_kv_memory_bytes=256 * 2**20,  # EngineConfig's default NPU KV memory
         max_model_len=16384,  # the tiny model's max_position_embeddings
         **compute,

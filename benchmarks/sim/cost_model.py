@@ -19,25 +19,37 @@ prefetch costs the step what any load costs (it saves its request the load at ad
 ``n`` and ``ctx`` are counted in trace tokens (simulated tokens x s): prefill is linear in its
 tokens plus an attention term in tokens x context; a decode step is a fixed cost plus a
 per-sequence and a per-context-token (KV read) cost. ``block_bytes`` is the KV of one simulated
-block (``block_size * s * kv_bytes_per_token``). The simulator may cut the tail at a sub-step
-boundary when a request arrives (see ``engine``), as a real engine admits it at its next step.
+block (``block_size * s * HardwareProfile.kv_cache_bytes_per_token``), so the profile's KV
+dtype sizes the NPU, host and disk tiers in blocks and every copy time. The compute constants
+stay those of the profile's engine dtype: 8-bit KV's cheaper KV reads in decode are not
+credited. The simulator may cut the tail at a sub-step boundary when a request arrives (see
+``engine``), as a real engine admits it at its next step.
 """
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import NamedTuple
 
+from replicas.config import torch_dtype
 from replicas.engine.scheduler import ScheduledRequest
 from replicas.kv.manager import TransferPlan
+from replicas.model.kv_format import KV_FORMATS, kv_format
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
+KV_CACHE_DTYPES = ("auto", *KV_FORMATS)
 
 
 @dataclass(frozen=True, slots=True)
 class HardwareProfile:
-    """Constants of one accelerator + model pair, in seconds, bytes and bytes per second."""
+    """Constants of one accelerator + model pair, in seconds, bytes and bytes per second.
+
+    ``kv_bytes_per_token`` counts K and V of one token in the engine dtype ``dtype``.
+    ``kv_cache_dtype`` is the KV dtype simulated (``auto``: the engine dtype, as the engine's
+    option); another one recounts the same rows of ``kv_head_dim`` values (one token, one KV
+    head, K or V) in the engine's KV format (``replicas.model.kv_format``), scales included.
+    """
 
     name: str
     kv_bytes_per_token: int
@@ -54,9 +66,34 @@ class HardwareProfile:
     stores_overlap_compute: bool
     disk_read_bytes_per_s: float = 0.0  # the disk tier (0: the profile models none)
     disk_latency_s: float = 0.0  # per batch of reads
+    dtype: str = ""  # the engine dtype kv_bytes_per_token counts in ("": only auto KV)
+    kv_head_dim: int = 0  # elements of one KV row (0: only auto KV)
+    kv_cache_dtype: str = "auto"
     description: str = ""
     sources: dict[str, str] = field(default_factory=dict)
     fit: dict[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _ = self.kv_cache_bytes_per_token  # a KV dtype the profile cannot count fails at once
+
+    @property
+    def kv_cache_bytes_per_token(self) -> int:
+        """K and V of one token as the simulated engine stores them, in ``kv_cache_dtype``."""
+        if self.kv_cache_dtype in ("auto", self.dtype):
+            return self.kv_bytes_per_token
+        if not self.dtype or self.kv_head_dim <= 0:
+            raise ValueError(
+                f"hardware profile {self.name} needs dtype and kv_head_dim to simulate "
+                f"kv_cache_dtype {self.kv_cache_dtype}"
+            )
+        engine = kv_format("auto", torch_dtype(self.dtype))
+        num_rows = self.kv_bytes_per_token // engine.row_bytes(self.kv_head_dim)
+        stored = kv_format(self.kv_cache_dtype, engine.storage_dtype)
+        return num_rows * stored.row_bytes(self.kv_head_dim)
+
+    def with_kv_cache_dtype(self, kv_cache_dtype: str) -> "HardwareProfile":
+        """This profile simulating ``kv_cache_dtype`` (``auto``: its engine dtype)."""
+        return replace(self, kv_cache_dtype=kv_cache_dtype)
 
     @classmethod
     def load(cls, name_or_path: str | Path) -> "HardwareProfile":
@@ -87,7 +124,7 @@ class CostModel:
         self.profile = profile
         self.block_size = block_size
         self.token_scale = token_scale
-        self.block_bytes = profile.kv_bytes_per_token * block_size * token_scale
+        self.block_bytes = profile.kv_cache_bytes_per_token * block_size * token_scale
 
     def num_npu_blocks(self) -> int:
         """Simulated NPU blocks that fit in the profile's KV memory."""

@@ -28,8 +28,9 @@ class ModelRunner:
     """Runs the model over one step's scheduled tokens and returns the logits to sample.
 
     Every cache group gets its own NPU KV tensor of ``num_npu_blocks[group]`` blocks, laid out
-    block-major (``[block, layer, k|v, token, kv_head, head_dim]``) so that one block of every
-    layer is one contiguous run, which is what the tier transfers copy. Each group has its own
+    block-major (``[block, layer, k|v, token, kv_head, row]``, rows of the KV format
+    ``kv_cache_dtype``) so that one block of every layer is one contiguous run, which is what
+    the tier transfers copy as it is. Each group has its own
     block table per request; released sliding blocks appear as block 0 and are never read.
     """
 
@@ -40,14 +41,18 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model = loaded.model
         self.device = device
         self.block_size = block_size
-        self.specs = self.model.kv_cache_specs(dtype)
+        self.specs = self.model.kv_cache_specs(dtype, kv_cache_dtype)
+        self.kv_format = next(iter(self.specs.values())).kv_format
         self.kv_caches = {
             group: torch.zeros(
-                spec.shape(num_npu_blocks[group], block_size), dtype=dtype, device=device
+                spec.shape(num_npu_blocks[group], block_size),
+                dtype=spec.storage_dtype,
+                device=device,
             )
             for group, spec in self.specs.items()
         }
@@ -69,7 +74,7 @@ class ModelRunner:
         positions predict for requests that asked for prompt logprobs (the first
         ``vocab_size`` logits only)."""
         batch, sampled = self._build_batch(scheduled)
-        hidden = self.model(batch, self.kv_caches)
+        hidden = self.model(batch, self.kv_caches, self.kv_format)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         scores = [
             self._score_prompt(hidden, batch, i, request, vocab_size)

@@ -48,13 +48,16 @@ class CachePlan(NamedTuple):
         return sum(n * self.block_bytes[g] for g, n in self.num_host_blocks.items())
 
 
-def kv_cache_specs(args: ModelArgs, dtype: str) -> dict[str, KVCacheSpec]:
+def kv_cache_specs(
+    args: ModelArgs, dtype: str, kv_cache_dtype: str = "auto"
+) -> dict[str, KVCacheSpec]:
     """The model's KV cache specs without its weights: ``kv_cache_specs`` of the model built on
-    the meta device, which allocates no memory. ``auto`` plans with the widest candidate
-    (``replicas.config.planning_dtype``)."""
+    the meta device, which allocates no memory. A ``dtype`` of ``auto`` plans with the widest
+    candidate (``replicas.config.planning_dtype``); so does a ``kv_cache_dtype`` of ``auto``,
+    which follows it. Block bytes are the KV format's, scales included."""
     with torch.device("meta"):
         model = build_model(args)
-    return model.kv_cache_specs(torch_dtype(planning_dtype(dtype)))
+    return model.kv_cache_specs(torch_dtype(planning_dtype(dtype)), kv_cache_dtype)
 
 
 def _blocks_per_request(spec: KVCacheSpec, num_tokens: int, chunk: int, block_size: int) -> int:
@@ -233,7 +236,8 @@ def plan_cache(
     host = plan_host_blocks(offload, npu, block_bytes)
     disk = plan_disk_blocks(offload, npu, block_bytes)
     logger.info(
-        "KV cache split: %s",
+        "KV cache split (KV dtype %s): %s",
+        next(iter(specs.values())).kv_format.name,
         ", ".join(
             f"{g}: {npu[g]} NPU + {host.get(g, 0)} host"
             + (f" + {disk[g]} disk" if disk else "")
@@ -250,6 +254,6 @@ def deployment_host_bytes(args: ModelArgs, config: EngineConfig, data_parallel_s
     engine plans them, from the model's config alone (no weights)."""
     if not config.scheduler_config.kv_offload_config.is_active:
         return 0
-    specs = kv_cache_specs(args, config.dtype)
+    specs = kv_cache_specs(args, config.dtype, config.kv_cache_dtype)
     plan = plan_cache(specs, config, args.max_position_embeddings)
     return data_parallel_size * plan.host_bytes

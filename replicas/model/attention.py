@@ -24,11 +24,14 @@ as exp and, unlike exp on CPU, fast on the -inf of masked keys). The chunks comb
     M = max_c m_c,   out = sum_c 2^(m_c - M) o_c / sum_c 2^(m_c - M) l_c
 
 Scores, softmax and the combine run in float32 whatever the cache dtype; the output has q's
-dtype. A group whose spans all fit in ``ONE_CHUNK_BLOCKS`` blocks reads one chunk and needs no
-combine: it runs one fused ``F.scaled_dot_product_attention`` call over exactly its keys. On
-CPU the fused call beats the unfused float32 online softmax, by most in bfloat16, since torch
-has neither an SDPA that returns the log-sum-exp nor a bfloat16 GEMM with float32 output; so
-chunks are used for long contexts only.
+dtype. The cache holds rows of a KV format (``replicas.model.kv_format``: values, or 8-bit codes
+and a scale): new tokens' K/V are quantized as they are written, and only the rows gathered for
+a chunk are dequantized, never a whole context. A group whose spans all fit in
+``ONE_CHUNK_BLOCKS`` blocks reads one chunk and needs no combine: it runs one fused
+``F.scaled_dot_product_attention`` call over exactly its keys. On CPU the fused call beats the
+unfused float32 online softmax, by most in bfloat16, since torch has neither an SDPA that
+returns the log-sum-exp nor a bfloat16 GEMM with float32 output; so chunks are used for long
+contexts only.
 
 All decodes (one new token each) attend as one group, each prefill chunk (several new tokens)
 as its own, and so does each of the batch's last ``num_solo_seqs`` sequences (draft tokens being
@@ -60,6 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from replicas.model.batch import ForwardBatch
+from replicas.model.kv_format import KVFormat, float_format
 
 CHUNK_BLOCKS = 32  # blocks per chunk of a long context; see the module docstring
 ONE_CHUNK_BLOCKS = 96  # a group whose key spans all fit in this many blocks reads one chunk
@@ -115,9 +119,10 @@ class _GroupReads:
 
 @dataclass(slots=True)
 class _CacheLayout:
-    """The cache rows (a view of the cache as [-1, head_dim], layer 0) of one forward."""
+    """The cache rows (a view of the cache as [-1, row_width], layer 0) of one forward."""
 
     key: tuple
+    kv_format: KVFormat
     write_rows: torch.Tensor  # [2 * T * kv_heads] rows of the new tokens' k, then v
     reads: list[_GroupReads]  # per group
 
@@ -134,11 +139,17 @@ class AttentionMetadata:
     write_offsets: torch.Tensor  # [T] offset of each new token in its block
     groups: list[AttentionGroup]
     is_one_group: bool  # a single group whose rows are the whole batch, in order
+    kv_format: KVFormat | None = None  # how the cache stores K/V; None: values in its dtype
     layout: _CacheLayout | None = None
 
     @classmethod
     def build(
-        cls, batch: ForwardBatch, group: str, block_size: int, sliding_window: int | None
+        cls,
+        batch: ForwardBatch,
+        group: str,
+        block_size: int,
+        sliding_window: int | None,
+        kv_format: KVFormat | None = None,
     ) -> "AttentionMetadata":
         table = batch.block_tables[group]  # [B, max_blocks]
         slots = batch.slot_mapping[group]  # [T]
@@ -165,18 +176,27 @@ class AttentionMetadata:
             is_one_group=len(groups) == 1
             and isinstance(groups[0].rows, slice)
             and groups[0].rows == whole,
+            kv_format=kv_format,
         )
 
-    def layout_for(self, kv_cache: torch.Tensor, heads_per_kv: int) -> _CacheLayout:
+    def layout_for(self, kv_cache: torch.Tensor, heads_per_kv: int, head_dim: int) -> _CacheLayout:
         """The row indices and partials for ``kv_cache``; computed once, then reused."""
-        key = (kv_cache.stride(), kv_cache.shape[-2:], heads_per_kv, kv_cache.device)
+        key = (kv_cache.stride(), kv_cache.shape[-2:], heads_per_kv, head_dim, kv_cache.device)
         if self.layout is None or self.layout.key != key:
-            self.layout = self._new_layout(key, kv_cache, heads_per_kv)
+            self.layout = self._new_layout(key, kv_cache, heads_per_kv, head_dim)
         return self.layout
 
-    def _new_layout(self, key: tuple, kv_cache: torch.Tensor, heads_per_kv: int) -> _CacheLayout:
-        num_kv_heads, head_dim = kv_cache.shape[-2:]
-        block, _, kv, offset, head, _ = (s // head_dim for s in kv_cache.stride())
+    def _new_layout(
+        self, key: tuple, kv_cache: torch.Tensor, heads_per_kv: int, head_dim: int
+    ) -> _CacheLayout:
+        fmt = self.kv_format or float_format(kv_cache.dtype)
+        num_kv_heads, row_width = kv_cache.shape[-2:]
+        if row_width != fmt.row_width(head_dim) or kv_cache.dtype != fmt.storage_dtype:
+            raise ValueError(
+                f"a {fmt.name} KV cache holds rows of {fmt.row_width(head_dim)} "
+                f"{fmt.storage_dtype} for head_dim {head_dim}, got {row_width} {kv_cache.dtype}"
+            )
+        block, _, kv, offset, head, _ = (s // row_width for s in kv_cache.stride())
         heads = torch.arange(num_kv_heads, device=kv_cache.device) * head
 
         def kv_rows(blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -203,7 +223,7 @@ class AttentionMetadata:
                 n = chunk.num_seqs * num_kv_heads
                 partials.append((m_all[i, :n, q], l_all[i, :n, q], o_all[i, :n, q]))
             reads.append(_GroupReads(rows, queries, biases, partials, m_all, l_all, o_all))
-        return _CacheLayout(key, torch.stack([write, write + kv]).flatten(), reads)
+        return _CacheLayout(key, fmt, torch.stack([write, write + kv]).flatten(), reads)
 
 
 def _bias(hidden: torch.Tensor | None, heads_per_kv: int) -> torch.Tensor | None:
@@ -371,25 +391,29 @@ def cached_attention(
     """Writes k/v of the new tokens into ``kv_cache[:, layer]`` and attends over the context.
 
     q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim];
-    kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim].
+    kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, row_width], rows of
+    ``meta.kv_format`` (quantized as written; only the rows a chunk reads are dequantized).
     Returns [T, num_heads, head_dim].
     """
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
-    layout = meta.layout_for(kv_cache, q.shape[1] // num_kv_heads)
+    num_kv_heads, row_width = kv_cache.shape[-2:]
+    head_dim = q.shape[-1]
+    layout = meta.layout_for(kv_cache, q.shape[1] // num_kv_heads, head_dim)
+    fmt = layout.kv_format
     # One row per (block, layer, k|v, offset, kv head), from this layer's first.
-    rows = kv_cache.view(-1, head_dim)[layer * (kv_cache.stride(1) // head_dim) :]
-    rows.index_copy_(0, layout.write_rows, torch.cat([k, v]).view(-1, head_dim).to(rows.dtype))
+    rows = kv_cache.view(-1, row_width)[layer * (kv_cache.stride(1) // row_width) :]
+    rows.index_copy_(0, layout.write_rows, fmt.quantize(torch.cat([k, v]).view(-1, head_dim)))
     if meta.is_one_group:
-        return _attend(q, rows, num_kv_heads, meta.groups[0], layout.reads[0])
+        return _attend(q, rows, fmt, num_kv_heads, meta.groups[0], layout.reads[0])
     out = torch.empty_like(q)
     for group, reads in zip(meta.groups, layout.reads, strict=True):
-        out[group.rows] = _attend(q[group.rows], rows, num_kv_heads, group, reads)
+        out[group.rows] = _attend(q[group.rows], rows, fmt, num_kv_heads, group, reads)
     return out
 
 
 def _attend(
     q: torch.Tensor,
     cache_rows: torch.Tensor,
+    fmt: KVFormat,
     num_kv_heads: int,
     group: AttentionGroup,
     reads: _GroupReads,
@@ -399,10 +423,8 @@ def _attend(
     num_heads, head_dim = q.shape[1:]
     heads_per_kv = num_heads // num_kv_heads
     if len(group.chunks) == 1:  # no combine: one fused SDPA over exactly the chunk's keys
-        k, v = (
-            cache_rows.index_select(0, reads.rows[0])
-            .view(2, num_seqs, num_kv_heads, -1, head_dim)
-            .to(q.dtype)
+        k, v = fmt.dequantize(cache_rows.index_select(0, reads.rows[0]), q.dtype).view(
+            2, num_seqs, num_kv_heads, -1, head_dim
         )
         if q_len == 1:  # decodes: the query rows of each kv head side by side, no GQA expand
             o = F.scaled_dot_product_attention(
@@ -432,7 +454,9 @@ def _attend(
         group.chunks, reads.rows, reads.queries, reads.biases, reads.partials, strict=True
     ):
         n = chunk.num_seqs * num_kv_heads
-        k, v = cache_rows.index_select(0, rows).view(2, n, -1, head_dim).to(torch.float32)
+        k, v = fmt.dequantize(cache_rows.index_select(0, rows), torch.float32).view(
+            2, n, -1, head_dim
+        )
         s = torch.bmm(qg[:n, queries], k.transpose(1, 2))  # [n, rows, width]
         if bias is not None:
             s.view(chunk.num_seqs, num_kv_heads, -1, s.shape[-1]).add_(bias)

@@ -5,6 +5,8 @@ from typing import Any
 
 import torch
 
+from replicas.model.kv_format import KVFormat, float_format
+
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 LAYER_TYPES = ("full", "sliding")
 
@@ -70,9 +72,13 @@ class ModelArgs:
 class KVCacheSpec:
     """The KV cache of one group of layers sharing an attention type.
 
-    One block holds ``block_size`` tokens of every layer of the group::
+    One block holds ``block_size`` tokens of every layer of the group, one row of
+    ``kv_format`` per token and KV head (``head_dim`` values, or codes and their scale)::
 
-        cache[block, layer, 0 (k) | 1 (v), offset, kv_head, head_dim]
+        cache[block, layer, 0 (k) | 1 (v), offset, kv_head, row_width]
+
+    ``dtype`` is the dtype the model computes in; ``kv_format`` how the cache stores K and V
+    (by default as values in ``dtype``).
     """
 
     group: str  # "full" | "sliding"
@@ -81,10 +87,26 @@ class KVCacheSpec:
     head_dim: int
     sliding_window: int | None
     dtype: torch.dtype
+    kv_format: KVFormat = None  # type: ignore[assignment]  # None: float_format(dtype)
+
+    def __post_init__(self) -> None:
+        if self.kv_format is None:
+            object.__setattr__(self, "kv_format", float_format(self.dtype))
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The cache tensor's dtype."""
+        return self.kv_format.storage_dtype
+
+    @property
+    def row_width(self) -> int:
+        """Elements of ``storage_dtype`` per token, layer, k|v and KV head."""
+        return self.kv_format.row_width(self.head_dim)
 
     def block_bytes(self, block_size: int) -> int:
-        itemsize = self.dtype.itemsize
-        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * itemsize
+        """Bytes of one block, scales included."""
+        row_bytes = self.kv_format.row_bytes(self.head_dim)
+        return self.num_layers * 2 * block_size * self.num_kv_heads * row_bytes
 
     def shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return (num_blocks, self.num_layers, 2, block_size, self.num_kv_heads, self.head_dim)
+        return (num_blocks, self.num_layers, 2, block_size, self.num_kv_heads, self.row_width)

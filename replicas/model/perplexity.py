@@ -31,18 +31,18 @@ def windows(token_ids: Sequence[int], window_len: int) -> list[list[int]]:
 
 @torch.inference_mode()
 def sequence_logits(
-    model: Transformer, token_ids: Sequence[int], kv_dtype: torch.dtype | None = None
+    model: Transformer, token_ids: Sequence[int], kv_cache_dtype: str = "auto"
 ) -> torch.Tensor:
     """Logits [len(token_ids), vocab] (float32) of one prefill from position 0 over a fresh
-    block KV cache (``kv_dtype``, by default the weights'): row i predicts token i + 1. The
-    reference of logprob and quantization tests (no cache reuse, no batching)."""
+    block KV cache stored as ``kv_cache_dtype`` (``auto``: the weights' dtype), written and
+    read by attention as in serving: row i predicts token i + 1. The reference of logprob and
+    quantization tests (no cache reuse, no batching)."""
     device = model.tok_embeddings.weight.device
     n = len(token_ids)
     num_blocks = -(-n // BLOCK_SIZE)
-    dtype = kv_dtype or model.tok_embeddings.weight.dtype
-    specs = model.kv_cache_specs(dtype)
+    specs = model.kv_cache_specs(model.tok_embeddings.weight.dtype, kv_cache_dtype)
     caches = {
-        g: torch.zeros(s.shape(num_blocks, BLOCK_SIZE), dtype=dtype, device=device)
+        g: torch.zeros(s.shape(num_blocks, BLOCK_SIZE), dtype=s.storage_dtype, device=device)
         for g, s in specs.items()
     }
     positions = torch.arange(n, device=device)
@@ -55,19 +55,27 @@ def sequence_logits(
         slot_mapping={g: positions for g in specs},
         logits_indices=positions,
     )
-    return model.compute_logits(model(batch, caches))
+    return model.compute_logits(model(batch, caches, next(iter(specs.values())).kv_format))
 
 
-def token_nll(model: Transformer, window: Sequence[int]) -> torch.Tensor:
+def token_nll(
+    model: Transformer, window: Sequence[int], kv_cache_dtype: str = "auto"
+) -> torch.Tensor:
     """Negative log-likelihood [len(window) - 1] (float32) of each token after the first."""
-    logits = sequence_logits(model, window)[:-1]
+    logits = sequence_logits(model, window, kv_cache_dtype)[:-1]
     targets = torch.tensor(list(window[1:]), dtype=torch.long, device=logits.device)
     return F.cross_entropy(logits, targets, reduction="none")
 
 
-def perplexity(model: Transformer, token_ids: Sequence[int], window_len: int = 512) -> float:
-    """``exp`` of the mean negative log-likelihood over ``windows(token_ids, window_len)``."""
-    parts = [token_nll(model, w) for w in windows(token_ids, window_len)]
+def perplexity(
+    model: Transformer,
+    token_ids: Sequence[int],
+    window_len: int = 512,
+    kv_cache_dtype: str = "auto",
+) -> float:
+    """``exp`` of the mean negative log-likelihood over ``windows(token_ids, window_len)``,
+    with K and V stored as ``kv_cache_dtype``."""
+    parts = [token_nll(model, w, kv_cache_dtype) for w in windows(token_ids, window_len)]
     if not parts:
         raise ValueError("perplexity needs at least two tokens")
     return math.exp(torch.cat(parts).double().mean().item())

@@ -14,6 +14,7 @@ from torch import nn
 from replicas.model.attention import AttentionMetadata, cached_attention
 from replicas.model.batch import ForwardBatch
 from replicas.model.config import KVCacheSpec, ModelArgs
+from replicas.model.kv_format import KVFormat, kv_format
 
 
 class RMSNorm(nn.Module):
@@ -180,8 +181,12 @@ class Transformer(nn.Module):
         if self.args.tie_word_embeddings and isinstance(self.output, nn.Linear):
             self.output.weight = self.tok_embeddings.weight
 
-    def kv_cache_specs(self, dtype: torch.dtype) -> dict[str, KVCacheSpec]:
-        """One spec per cache group that has layers, "full" first."""
+    def kv_cache_specs(
+        self, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+    ) -> dict[str, KVCacheSpec]:
+        """One spec per cache group that has layers, "full" first, computing in ``dtype`` and
+        storing K and V as ``kv_cache_dtype`` says (``replicas.model.kv_format``)."""
+        fmt = kv_format(kv_cache_dtype, dtype)
         specs = {}
         for group in ("full", "sliding"):
             num_layers = self.args.layer_types.count(group)
@@ -193,11 +198,19 @@ class Transformer(nn.Module):
                     head_dim=self.args.head_dim,
                     sliding_window=self.args.sliding_window if group == "sliding" else None,
                     dtype=dtype,
+                    kv_format=fmt,
                 )
         return specs
 
-    def forward(self, batch: ForwardBatch, kv_caches: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Returns the final-norm hidden states [T, hidden] of every token of the batch."""
+    def forward(
+        self,
+        batch: ForwardBatch,
+        kv_caches: dict[str, torch.Tensor],
+        kv_format: KVFormat | None = None,
+    ) -> torch.Tensor:
+        """Returns the final-norm hidden states [T, hidden] of every token of the batch.
+        ``kv_format``: how the caches store K and V (``KVCacheSpec.kv_format``); None: as
+        values in each cache's dtype."""
         x = self.tok_embeddings(batch.input_ids)  # [T, hidden]
         cos, sin = self._rope(batch.positions, x.dtype)  # [T, 1, D]
         metas = {
@@ -206,6 +219,7 @@ class Transformer(nn.Module):
                 group,
                 block_size=cache.shape[3],
                 sliding_window=self.args.sliding_window if group == "sliding" else None,
+                kv_format=kv_format,
             )
             for group, cache in kv_caches.items()
             if group in self.args.layer_types

@@ -94,7 +94,7 @@ def prompt_logits(model, tokens: list[int]) -> torch.Tensor:
     """Logits [len(tokens), vocab] of one whole-prompt prefill: no cache, the reference."""
     from replicas.model.perplexity import sequence_logits
 
-    return sequence_logits(model, tokens, torch.float32)
+    return sequence_logits(model, tokens, "float32")
 
 
 def test_int8_greedy_continuation_equals_float32_up_to_near_ties(dense, quantized):

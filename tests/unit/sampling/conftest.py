@@ -9,7 +9,7 @@ from replicas.model.perplexity import sequence_logits
 def reference_logits(llm: LLM, tokens: list[int]) -> torch.Tensor:
     """The logits [len(tokens) - 1, vocab] of one pass over ``tokens``: row i predicts
     token i + 1."""
-    logits = sequence_logits(llm.engine.loaded.model, tokens, torch.float32)[:-1]
+    logits = sequence_logits(llm.engine.loaded.model, tokens, "float32")[:-1]
     return logits[:, : llm.engine.tokenizer.vocab_size]
 
 
