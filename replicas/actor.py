@@ -25,6 +25,7 @@ import ray
 
 from replicas.cache_hints import CacheHints
 from replicas.kv.events import KVEventBatch, KVSnapshot, Tier
+from replicas.kv.hashing import BlockHash
 from replicas.outputs import OutputDelta, RequestOutput
 from replicas.resume import ResumeState
 from replicas.sampling_params import SamplingParams
@@ -102,8 +103,12 @@ class _Subscriber:
 
 
 class ReplicaUnavailableError(RuntimeError):
-    """The replica's engine failed and the replica is about to restart: the request never ran
-    here, so it may go to another replica."""
+    """The request never ran here, so it may go to another replica: the replica's engine failed
+    and the replica is about to restart, or the replica is draining (``shed_waiting``)."""
+
+
+DRAINING = "replica is draining"
+"""The message of the error that ends the requests a draining replica sheds."""
 
 
 def _log_to_the_driver() -> None:
@@ -323,6 +328,42 @@ class ReplicaActor:
             "host_blocks_used": primary.of(Tier.HOST).num_used,
             "num_unfinished": self.engine.num_unfinished,
         }
+
+    # ---- scaling (``replicas.kv.handover``) ------------------------------------------------------
+    async def hot_blocks(self) -> dict[BlockHash, float]:
+        """Every block hash the router indexes for this replica in its NPU or host tier, with
+        its recent-hit weight (``replicas.kv.hotness``; 0.0: held, not hit recently)."""
+        return await self.async_engine.run_exclusive(self.engine.hot_blocks)  # steps wait
+
+    async def shed_waiting(self) -> int:
+        """End every request that has produced no output here with
+        ``ReplicaUnavailableError("replica is draining")``, so that its caller routes it
+        elsewhere; returns how many. Running requests continue."""
+        return await self.async_engine.shed_waiting(ReplicaUnavailableError(DRAINING))
+
+    async def write_hot_blocks_to_disk(self, time_budget_s: float) -> int:
+        """Write the NPU and host blocks the node's disk tier lacks to this replica's slab,
+        hottest first, until done or ``time_budget_s`` passes (steps wait meanwhile); returns
+        the blocks written, their writes landed (0 without a disk tier)."""
+        num_written = await self.async_engine.run_exclusive(
+            lambda: self.engine.write_hot_blocks_to_disk(time_budget_s)
+        )
+        await self.async_engine.between_steps()
+        self._report([])  # the disk tier's new blocks
+        logger.info("replica %d: %d blocks written to disk", self.replica_index, num_written)
+        return num_written
+
+    async def warm_from_disk(self, time_budget_s: float) -> int:
+        """Load the node's disk blocks into empty host blocks, hottest first, within
+        ``time_budget_s``, and announce them to the router; returns the blocks loaded (0
+        without a disk or host tier). Call before the replica takes traffic."""
+        num_loaded = await self.async_engine.run_exclusive(
+            lambda: self.engine.warm_from_disk(time_budget_s)
+        )
+        await self.async_engine.between_steps()
+        self._report([])  # the host blocks, before any request is routed here
+        logger.info("replica %d: %d blocks loaded from disk", self.replica_index, num_loaded)
+        return num_loaded
 
     async def reset_prefix_cache(self, tier: str = "all") -> None:
         await self.async_engine.between_steps()

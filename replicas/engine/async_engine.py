@@ -7,6 +7,8 @@ worker thread and touches the engine from the event loop only between steps::
     callers:     generate() enqueues an add and awaits its queue; abort() enqueues an abort
                  submit() enqueues an add whose outputs go to an ``OutputSink``, which receives
                  every output of a step for all its requests, then one ``flush()``
+                 run_exclusive(fn) runs fn on the step thread in place of a step (long engine
+                 work, e.g. the disk hand-over of scaling, without blocking the event loop)
 
 A consumer that stops iterating (a disconnected client, a cancelled task) aborts its request,
 so every block it held is freed at the next gap between steps.
@@ -17,7 +19,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypeVar
 
 from replicas.cache_hints import CacheHints
 from replicas.engine.engine import Engine
@@ -70,6 +72,7 @@ class EngineDeadError(RuntimeError):
 
 StepHook = Callable[[list[RequestOutput]], None]
 ErrorHook = Callable[[BaseException], None]
+T = TypeVar("T")
 
 
 class AsyncEngine:
@@ -102,6 +105,7 @@ class AsyncEngine:
         self._adds: list[_Add] = []
         self._aborts: list[str] = []
         self._wake = asyncio.Event()
+        self._exclusive = asyncio.Lock()  # held by a step, or by run_exclusive's work
         self._loop_task: asyncio.Task | None = None
         self._error: BaseException | None = None
         self.is_stepping = False
@@ -176,10 +180,42 @@ class AsyncEngine:
 
     async def between_steps(self) -> None:
         """Return when no step runs, so that the caller may touch the engine (it is not
-        thread-safe). The first yield lets a loop that was just woken apply its commands."""
+        thread-safe) until its next await. The first yield lets a loop that was just woken
+        apply its commands. Behind a running step it queues for the step lock, so the next
+        step waits for it: under load, steps follow each other with no gap to poll for."""
         await asyncio.sleep(0)
-        while self.is_stepping:
-            await asyncio.sleep(0.002)
+        if self.is_stepping:
+            async with self._exclusive:
+                pass
+
+    async def run_exclusive(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` (engine work) where steps run, while no step runs: steps wait for it,
+        and ``between_steps`` callers too."""
+        async with self._exclusive:
+            self.is_stepping = True
+            try:
+                if not self._step_in_thread:
+                    return fn()
+                return await asyncio.get_running_loop().run_in_executor(self._stepper, fn)
+            finally:
+                self.is_stepping = False
+
+    async def shed_waiting(self, error: BaseException) -> int:
+        """End every request that has not started here with ``error`` (its sink receives it,
+        for the caller to route it elsewhere): adds not applied yet, and the engine's waiting
+        requests without output (``Engine.shed_waiting``). Returns how many."""
+        shed_waiting = await self.run_exclusive(self.engine.shed_waiting)  # steps wait
+        adds, self._adds = self._adds, []
+        shed = [add.request_id for add in adds] + shed_waiting
+        touched: dict[int, OutputSink] = {}
+        for request_id in shed:
+            sink = self._sinks.pop(request_id, None)
+            if sink is not None:
+                sink.put(request_id, error)
+                touched[id(sink)] = sink
+        for sink in touched.values():
+            sink.flush()
+        return len(shed)
 
     async def released(self, request_id: str) -> None:
         """Return once a pending abort of ``request_id`` has been applied, so that the id may
@@ -207,17 +243,19 @@ class AsyncEngine:
                     if not self._adds and not self._aborts:
                         await self._wake.wait()
                     continue
-                self.is_stepping = True
-                try:
-                    if self._step_in_thread:
-                        outputs = await asyncio.get_running_loop().run_in_executor(
-                            self._stepper, self.engine.step
-                        )
-                    else:
-                        outputs = self.engine.step()
-                        await asyncio.sleep(0)  # let callers add and abort between steps
-                finally:
-                    self.is_stepping = False
+                async with self._exclusive:
+                    self.is_stepping = True
+                    try:
+                        if self._step_in_thread:
+                            outputs = await asyncio.get_running_loop().run_in_executor(
+                                self._stepper, self.engine.step
+                            )
+                        else:
+                            outputs = self.engine.step()
+                    finally:
+                        self.is_stepping = False
+                if not self._step_in_thread:
+                    await asyncio.sleep(0)  # let callers add and abort between steps
                 self._dispatch(outputs)
         except asyncio.CancelledError:
             raise

@@ -156,6 +156,15 @@ class EngineCore:
         request.finish_time = time.monotonic()
         return request
 
+    def shed_waiting(self) -> list[Request]:
+        """Abort every waiting request that has produced no token here (its blocks freed), for
+        its caller to route elsewhere; returns them. Running requests, and preempted ones that
+        produced tokens, stay."""
+        shed = [r for r in self.scheduler.waiting if r.first_token_time is None]
+        for request in shed:
+            self.abort(request.request_id)
+        return shed
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
@@ -185,7 +194,7 @@ class EngineCore:
     def begin_step(self) -> StepInFlight | None:
         """Schedule, transfer and execute; None when nothing could be scheduled."""
         if self.kv_cache.has_disk:
-            self._complete_disk_loads(0.0)  # reads landed since the last step: admit them now
+            self.complete_disk_loads(0.0)  # reads landed since the last step: admit them now
         self.kv_cache.expire_retained()
         output = self.scheduler.schedule()
         # Counted before this step's transfers: a read landing while they run leaves its
@@ -195,7 +204,7 @@ class EngineCore:
         if not output.scheduled:
             if onboarding:  # only disk reads to wait for: wait a little
                 if self.kv_cache.num_onboarding:
-                    self._complete_disk_loads(DISK_WAIT_S)
+                    self.complete_disk_loads(DISK_WAIT_S)
             else:
                 self._check_progress()
             return None
@@ -289,12 +298,15 @@ class EngineCore:
         for landed in self.transfer.poll(wait=wait):
             self.kv_cache.complete_transfer(landed)
         if self.kv_cache.has_disk:
-            self._complete_disk_loads(None if wait else 0.0)
+            self.complete_disk_loads(None if wait else 0.0)
 
-    def _complete_disk_loads(self, timeout: float | None) -> None:
+    def complete_disk_loads(self, timeout: float | None) -> int:
+        """Record the disk reads that ended, waiting up to ``timeout`` (None: no bound) for all
+        of them; returns how many ended."""
         results = self.transfer.poll_disk(timeout)
         if results:
             self.kv_cache.complete_disk_loads(results)
+        return len(results)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

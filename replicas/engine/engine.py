@@ -15,6 +15,8 @@ from replicas.config import EngineConfig, dtype_name_of
 from replicas.engine.core import EngineCore, SpecDecodeStats
 from replicas.engine.executor import ModelExecutor
 from replicas.kv.capacity import CachePlan, plan_cache
+from replicas.kv.handover import HANDOVER_BATCH_BLOCKS
+from replicas.kv.hashing import BlockHash
 from replicas.kv.host_memory import check_host_capacity
 from replicas.kv.manager import KVCacheManager, ReloadCosts, ReservationPolicy
 from replicas.kv.records import CacheStats, CacheTypeSpec, CacheTypeUsage
@@ -106,20 +108,29 @@ class Engine:
             quantization=config.quantization,
         )
         dtype = self.loaded.dtype
-        # What ``auto`` resolved to, so that everything after reads the dtype the engine runs.
+        specs = self.loaded.model.kv_cache_specs(dtype, config.kv_cache_dtype)
+        # What ``auto`` resolved to, so that everything after reads the dtypes the engine runs.
         self.config = config = config.model_copy(
-            update={"dtype": dtype_name_of(dtype), "quantization": self.loaded.quantization}
+            update={
+                "dtype": dtype_name_of(dtype),
+                "quantization": self.loaded.quantization,
+                "kv_cache_dtype": next(iter(specs.values())).kv_format.name,
+            }
         )
         self.tokenizer = self.loaded.tokenizer
         self.block_size = config.block_size
-        specs = self.loaded.model.kv_cache_specs(dtype)
         plan = plan_cache(specs, config, self.loaded.args.max_position_embeddings)
         self.num_npu_blocks = plan.num_npu_blocks[next(iter(specs))]
         self.max_model_len = self._resolve_max_model_len()
         if plan.num_host_blocks:  # fail before any bookkeeping is built
             check_host_capacity(plan.host_bytes)
         self.runner = ModelRunner(
-            self.loaded, plan.num_npu_blocks, self.block_size, self.device, dtype
+            self.loaded,
+            plan.num_npu_blocks,
+            self.block_size,
+            self.device,
+            dtype,
+            config.kv_cache_dtype,
         )
         self.disk = self._open_disk(plan.num_disk_blocks) if plan.num_disk_blocks else None
         self.kv_cache = self._kv_cache_manager(specs, plan)
@@ -144,11 +155,12 @@ class Engine:
         )
         self._last_hint = time.monotonic()
         logger.info(
-            "engine: model %s on %s (%s, weights: %s), block size %d, max_model_len %d",
+            "engine: model %s on %s (%s, weights: %s, KV: %s), block size %d, max_model_len %d",
             self.loaded.name,
             self.device,
             config.dtype,
             self.loaded.quantization,
+            config.kv_cache_dtype,
             self.block_size,
             self.max_model_len,
         )
@@ -196,8 +208,9 @@ class Engine:
 
         loaded = self.loaded
         architecture = f"{type(loaded.model).__name__}|{loaded.args!r}|{loaded.quantization}"
+        # The KV dtype (format) is the layout of the blocks' bytes: another one, another directory.
         fingerprint = model_fingerprint(
-            loaded.model, architecture, self.config.dtype, self.block_size
+            loaded.model, architecture, self.config.kv_cache_dtype, self.block_size
         )
         path = self.config.scheduler_config.kv_offload_config.disk_path
         return {
@@ -267,6 +280,16 @@ class Engine:
         if not self.core.has_unfinished_requests():
             self._busy_since = None  # idle from here on: not a gap between steps
         return self._outputs([request])[0] if request is not None else None
+
+    def shed_waiting(self) -> list[str]:
+        """Drop every waiting request that has produced no output here, freeing its blocks,
+        for the caller to route elsewhere; returns their ids. Running requests continue."""
+        shed = self.core.shed_waiting()
+        for request in shed:
+            self.output_processor.release(request.request_id)
+        if not self.core.has_unfinished_requests():
+            self._busy_since = None
+        return [request.request_id for request in shed]
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
@@ -456,6 +479,50 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.kv_cache.check_integrity()
+
+    # ---- scaling: the hand-over through the disk tier (``replicas.kv.handover``) --------------
+    def hot_blocks(self) -> dict[BlockHash, float]:
+        """Every block hash of the primary cache type in the NPU or host tier, with its hit
+        weight (``replicas.kv.hotness``; 0.0: no recent hit)."""
+        return self.kv_cache.hot_blocks()
+
+    def write_hot_blocks_to_disk(self, time_budget_s: float) -> int:
+        """Write the NPU and host blocks the node's disk tier lacks to this replica's slab,
+        hottest first, in rounds until done or ``time_budget_s`` has passed (checked between
+        rounds), never replacing a hotter disk block by a colder one; returns the blocks whose
+        writes landed (0 without a disk tier). The engine must not step meanwhile."""
+        if not self.disk:
+            return 0
+        deadline = time.monotonic() + time_budget_s
+        self.core.run_transfers(self.kv_cache.take_transfer_plan(), wait=True)
+        write_out = self.kv_cache.start_write_out()
+        num_written = 0
+        while not write_out.is_done and time.monotonic() < deadline:
+            num_stores = write_out.plan_round(HANDOVER_BATCH_BLOCKS)
+            self.core.run_transfers(self.kv_cache.take_transfer_plan(), wait=True)
+            left_s = max(0.0, deadline - time.monotonic())
+            if all([store.flush(left_s) for store in self.disk.values()]):
+                num_written += num_stores
+        write_out.end()
+        return num_written
+
+    def warm_from_disk(self, time_budget_s: float) -> int:
+        """Read the node's disk blocks (every replica's slab) into empty host blocks, hottest
+        first, in rounds until the host tier or the disk has no more or ``time_budget_s`` has
+        passed; they are host blocks then (announced as such). Returns the blocks loaded by
+        then (0 without a disk or host tier); reads still in flight land later. Call it
+        before the engine serves."""
+        if not self.disk or self.transfer is None:
+            return 0
+        deadline = time.monotonic() + time_budget_s
+        warm = self.kv_cache.start_warm()
+        loaded_before = self.kv_cache.stats.disk_blocks_loaded
+        while not warm.is_done and time.monotonic() < deadline:
+            if not warm.plan_round(HANDOVER_BATCH_BLOCKS):
+                break
+            self.core.run_transfers(self.kv_cache.take_transfer_plan())
+            self.core.complete_disk_loads(max(0.0, deadline - time.monotonic()))
+        return self.kv_cache.stats.disk_blocks_loaded - loaded_before
 
 
 COST_UPDATE_STEPS = 16

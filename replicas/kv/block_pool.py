@@ -84,6 +84,11 @@ class BlockPool:
         return len(self._free_queue) + len(self._retained_queue)
 
     @property
+    def num_empty(self) -> int:
+        """Free blocks holding nothing: allocating up to this many evicts no cached block."""
+        return sum(1 for b in self._free_queue if self.blocks[b].block_hash is None)
+
+    @property
     def num_used(self) -> int:
         return self.num_blocks - self.num_free
 

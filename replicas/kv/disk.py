@@ -8,7 +8,7 @@ each replica that writes owns one *slab* (a preallocated file of fixed-size slot
     <disk_path>/<fingerprint>-<cache type>/
         slab-0.lock   flock'ed by the replica that writes slab 0 while it runs
         slab-0.kv     num_slots x block bytes, preallocated
-        slab-0.idx    num_slots x RECORD.size: magic, generation, key, checksum per slot
+        slab-0.idx    num_slots x RECORD.size: magic, generation, key, checksum, hit weight
         slab-1.*      another replica's (or another process's) slab, read by everyone
 
 The fingerprint (``model_fingerprint``) covers the architecture, a checksum of every weight,
@@ -21,7 +21,8 @@ another process sees either the old block, the new block or a miss::
 
     1. the slot's index record is zeroed      (readers stop finding the old block)
     2. the payload is written into the slot
-    3. the record is written: key, a new generation, crc32 of (fingerprint, key, payload)
+    3. the record is written: key, a new generation, crc32 of (fingerprint, key, payload), and
+       the block's hit weight with the wall-clock time it was taken at
 
 A read takes the record, reads the payload, checks the checksum, and reads the record again: a
 changed generation (the owner reused the slot meanwhile), a bad checksum, a short read or a
@@ -33,6 +34,16 @@ it and learned by re-reading their index files (at most every ``PEER_REFRESH_S``
 ``max_retained`` own blocks may be *retained* until a deadline (``retain``): eviction skips them
 (each skipped one moves to the back) while an ordinary block is left, and an expired one is
 ordinary again. Deadlines live in memory only: after a restart every block is ordinary.
+
+**Hotness.** Each record keeps the block's hit weight (``replicas.kv.hotness``) when it was
+written and the wall-clock time of that weight, so that any replica of the node ranks every
+slab's blocks by their weight decayed to now (``hottest``): a replica starting on the node loads
+the hottest first. Wall-clock time, because replicas are separate processes whose monotonic
+clocks do not agree; the weight, not the time of last use, because it tells a block hit by
+every request apart from one used once just before. ``set_weight`` refreshes an own record's
+weight in place (its generation and checksum unchanged: readers still see the same block), and
+``room_for`` tells how many hotter blocks the own slab takes and which colder ones they replace,
+never a hotter block by a colder one.
 """
 
 import fcntl
@@ -52,14 +63,18 @@ from typing import NamedTuple
 import torch
 
 from replicas.kv.hashing import DIGEST_SIZE, BlockHash
+from replicas.kv.hotness import decayed
 from replicas.kv.records import TierUsage
 
 logger = logging.getLogger(__name__)
 
-RECORD = struct.Struct("<4sIQ16sII")
-"""One slot's index record: magic, format version, generation, key, checksum, payload bytes."""
+RECORD = struct.Struct("<4sIQ16sIIfd")
+"""One slot's index record: magic, format version, generation, key, checksum, payload bytes,
+hit weight, wall-clock seconds the weight was taken at."""
+HEAT = struct.Struct("<fd")
+"""The record's last two fields (``set_weight`` rewrites them alone)."""
 MAGIC = b"SKV1"
-VERSION = 1
+VERSION = 2
 MAX_SLABS = 1024
 """Slab numbers a store tries when it looks for one that no running process writes."""
 PEER_REFRESH_S = 0.25
@@ -106,6 +121,16 @@ class _Location(NamedTuple):
     generation: int
 
 
+class _Heat(NamedTuple):
+    """A block's hit weight and the wall-clock seconds it was taken at."""
+
+    weight: float
+    written_at: float
+
+    def now(self, wall_now: float) -> float:
+        return decayed(self.weight, wall_now - self.written_at)
+
+
 class DiskStore:
     """The disk blocks of one cache type, as one replica sees them: its own slab (read and
     written) and every other slab of the directory (read). A ``replicas.kv.tiers.DiskIndex``.
@@ -124,11 +149,15 @@ class DiskStore:
         *,
         max_retained: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
+        """``clock`` times retention deadlines; ``wall_clock`` (shared by the node's processes)
+        stamps hit weights."""
         if num_slots < 1:
             raise ValueError(f"a disk store needs at least one slot, got {num_slots}")
         self.max_retained = max_retained
         self.clock = clock
+        self.wall_clock = wall_clock
         self._retained: dict[BlockHash, float] = {}  # own key -> deadline on ``clock``
         self._deadlines: list[tuple[float, BlockHash]] = []  # heap; stale entries skipped
         self.block_shape = block_shape
@@ -144,6 +173,8 @@ class DiskStore:
         self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
         self._generation = 0
         self._peers: dict[BlockHash, _Location] = {}
+        self._heat: dict[BlockHash, _Heat] = {}  # own keys'
+        self._peer_heat: dict[BlockHash, _Heat] = {}
         self._peer_files: dict[int, tuple[int, int]] = {}  # slab -> (mtime_ns, size) read
         self._peer_checked = 0.0
         self._bad: set[_Location] = set()  # peer blocks that failed a read
@@ -205,14 +236,15 @@ class DiskStore:
                 continue
             if record is None or (slot + 1) * self.block_bytes > slab_size:
                 continue
-            generation, key = record
-            found.append((generation, slot, key))
-        for generation, slot, key in sorted(found):
+            generation, key, heat = record
+            found.append((generation, slot, key, heat))
+        for generation, slot, key, heat in sorted(found):
             if key in self._own:  # an older copy of the same block: its slot is free
                 old = self._own.pop(key)
                 self._slot_keys[old] = None
             self._own[key] = slot
             self._slot_keys[slot] = key
+            self._heat[key] = heat
             self._generation = max(self._generation, generation)
         self._free = [s for s in range(self.num_slots - 1, -1, -1) if self._slot_keys[s] is None]
 
@@ -235,11 +267,16 @@ class DiskStore:
         return location is not None and location not in self._bad
 
     def store(
-        self, key: BlockHash, block: torch.Tensor, retained_until: float = 0.0
+        self,
+        key: BlockHash,
+        block: torch.Tensor,
+        retained_until: float = 0.0,
+        weight: float = 0.0,
     ) -> BlockHash | None:
         """Write ``block`` (a CPU tensor this store may keep until written) as ``key`` into an
-        own slot, the least recently used ordinary one when none is free, and retain it until
-        ``retained_until`` if given; returns the key it replaced."""
+        own slot, the least recently used ordinary one when none is free, with its hit
+        ``weight``, and retain it until ``retained_until`` if given; returns the key it
+        replaced."""
         if self._disabled is not None:
             return None
         if key in self._own:
@@ -253,6 +290,7 @@ class DiskStore:
             evicted = self._evictee()
             slot = self._own.pop(evicted)
             self._retained.pop(evicted, None)
+            self._heat.pop(evicted, None)
             self._note(False, evicted)
             with self._stat_lock:
                 self._counts["evicted"] += 1
@@ -260,9 +298,68 @@ class DiskStore:
         self._own[key] = slot
         self._slot_keys[slot] = key
         self._generation += 1
-        self._io.submit(self._write, slot, key, self._generation, block)
+        heat = self._heat[key] = _Heat(weight, self.wall_clock())
+        self._io.submit(self._write, slot, key, self._generation, block, heat)
         self.retain(key, retained_until)
         return evicted
+
+    # ---- hotness (see the module docstring) ----------------------------------------------------
+    def weight(self, key: BlockHash) -> float:
+        """The hit weight some slab recorded for ``key``, decayed to now (0.0 if unknown)."""
+        heat = self._heat.get(key) or self._peer_heat.get(key)
+        return 0.0 if heat is None else heat.now(self.wall_clock())
+
+    def set_weight(self, key: BlockHash, weight: float) -> None:
+        """Record a new hit weight for an own block (its record rewritten in place)."""
+        slot = self._own.get(key)
+        if slot is None or self._disabled is not None:
+            return
+        heat = self._heat[key] = _Heat(weight, self.wall_clock())
+        self._io.submit(self._write_heat, slot, key, heat)
+
+    def hottest(self) -> list[BlockHash]:
+        """Every key some slab holds, hottest first: by hit weight decayed to now, then the
+        most recently weighed first."""
+        keys = self.keys()
+        now = self.wall_clock()
+        unknown = _Heat(0.0, 0.0)
+
+        def rank(key: BlockHash) -> tuple[float, float]:
+            heat = self._heat.get(key) or self._peer_heat.get(key) or unknown
+            return heat.now(now), heat.written_at
+
+        return sorted(keys, key=rank, reverse=True)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free) if self._disabled is None else 0
+
+    def room_for(self, weights: list[float]) -> tuple[int, list[BlockHash]]:
+        """How many new blocks of hit ``weights`` (hottest first) fit in the own slab without
+        replacing a hotter block, and the own blocks they replace, coldest first (no mutation):
+        each takes a free slot, else the slot of the coldest own ordinary block left if that
+        is strictly colder. The caller ``forget``s those before its stores, so that the
+        stores take their slots rather than the least recently used ones."""
+        if self._disabled is not None:
+            return 0, []
+        self.expire()
+        now = self.wall_clock()
+        colder = sorted(
+            (self._heat.get(k, _Heat(0.0, 0.0)).now(now), k)
+            for k in self._own
+            if k not in self._retained
+        )
+        num_free = len(self._free)
+        num_fit = num_replaced = 0
+        for weight in weights:
+            if num_free:
+                num_free -= 1
+            elif num_replaced < len(colder) and colder[num_replaced][0] < weight:
+                num_replaced += 1
+            else:
+                break
+            num_fit += 1
+        return num_fit, [key for _, key in colder[:num_replaced]]
 
     def retain(self, key: BlockHash, until: float) -> bool:
         """Keep an own block ahead of ordinary ones until ``until`` (a later deadline extends
@@ -325,16 +422,21 @@ class DiskStore:
 
     def discard(self, key: BlockHash) -> None:
         """Forget ``key`` after a failed read, so that it is not asked for again."""
+        self.forget(key)
+        location = self._peers.get(key)
+        if location is not None:
+            self._bad.add(location)
+
+    def forget(self, key: BlockHash) -> None:
+        """Free an own block's slot (its record zeroed); no-op for another slab's block."""
         slot = self._own.pop(key, None)
         self._retained.pop(key, None)
+        self._heat.pop(key, None)
         if slot is not None:
             self._note(False, key)
             self._slot_keys[slot] = None
             self._free.append(slot)
             self._io.submit(self._clear, slot)
-        location = self._peers.get(key)
-        if location is not None:
-            self._bad.add(location)
 
     def track_changes(self) -> None:
         """Record which own blocks are stored and removed from now on, for ``drain_changes``;
@@ -410,6 +512,7 @@ class DiskStore:
             self._note(False, key)
         self._own.clear()
         self._retained.clear()
+        self._heat.clear()
         self._slot_keys = [None] * self.num_slots
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._io.submit(self._clear_all)
@@ -422,9 +525,14 @@ class DiskStore:
             os.fdatasync(self._slab_fd)
             os.posix_fadvise(self._slab_fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
-    def flush(self) -> None:
-        """Wait for every write submitted so far."""
-        self._io.submit(lambda: None).result()
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for every write submitted so far, at most ``timeout`` seconds if given; returns
+        whether they all landed."""
+        try:
+            self._io.submit(lambda: None).result(timeout)
+        except TimeoutError:
+            return False
+        return True
 
     def close(self) -> None:
         """Finish the writes in flight and release the slab (another process may take it)."""
@@ -476,6 +584,7 @@ class DiskStore:
             del self._peer_files[slab]
             changed = True
         if changed:
+            self._peer_heat = {}
             self._peers = self._read_peers()
 
     def _read_peers(self) -> dict[BlockHash, _Location]:
@@ -488,8 +597,10 @@ class DiskStore:
                 continue
             for slot, record in enumerate(_records(data)):
                 if record is not None:
-                    generation, key = record
-                    peers.setdefault(key, _Location(slab, slot, generation))
+                    generation, key, heat = record
+                    if key not in peers:
+                        peers[key] = _Location(slab, slot, generation)
+                        self._peer_heat[key] = heat
         return peers
 
     def _disable(self, reason: str) -> None:
@@ -499,7 +610,9 @@ class DiskStore:
             logger.warning("disk tier off, going on with NPU and host tiers: %s", reason)
 
     # ---- the IO thread's side ----------------------------------------------------------------
-    def _write(self, slot: int, key: BlockHash, generation: int, block: torch.Tensor) -> None:
+    def _write(
+        self, slot: int, key: BlockHash, generation: int, block: torch.Tensor, heat: _Heat
+    ) -> None:
         if self._disabled is not None:
             return
         start = time.perf_counter()
@@ -511,7 +624,7 @@ class DiskStore:
             if written != self.block_bytes:
                 raise OSError(f"short write of {written} of {self.block_bytes} bytes")
             checksum = zlib.crc32(payload, zlib.crc32(key, self._seed))
-            record = RECORD.pack(MAGIC, VERSION, generation, key, checksum, self.block_bytes)
+            record = RECORD.pack(MAGIC, VERSION, generation, key, checksum, self.block_bytes, *heat)
             os.pwrite(self._index_fd, record, offset)
         except OSError as error:
             self._disable(f"writing {self._path(self.slab, 'kv')} failed: {error}")
@@ -520,6 +633,18 @@ class DiskStore:
             self._counts["written"] += 1
             self._bytes["written"] += self.block_bytes
             self._seconds["write"] += time.perf_counter() - start
+
+    def _write_heat(self, slot: int, key: BlockHash, heat: _Heat) -> None:
+        """Rewrite a record's hit weight, if the slot still holds ``key``."""
+        if self._disabled is not None:
+            return
+        offset = slot * RECORD.size
+        try:
+            record = _record(os.pread(self._index_fd, RECORD.size, offset))
+            if record is not None and record.key == key:
+                os.pwrite(self._index_fd, HEAT.pack(*heat), offset + RECORD.size - HEAT.size)
+        except OSError as error:
+            self._disable(f"writing {self._path(self.slab, 'idx')} failed: {error}")
 
     def _clear_all(self) -> None:
         try:
@@ -588,18 +713,26 @@ def _read_all(fd: int) -> bytes:
     return os.pread(fd, size, 0) if size else b""
 
 
-def _record(data: bytes) -> tuple[int, BlockHash, int, int] | None:
-    """(generation, key, checksum, length) of a valid record, None for an empty or foreign one."""
+class _Record(NamedTuple):
+    generation: int
+    key: BlockHash
+    checksum: int
+    length: int
+    heat: _Heat
+
+
+def _record(data: bytes) -> _Record | None:
+    """A valid record's fields, None for an empty or foreign one."""
     if len(data) != RECORD.size:
         return None
-    magic, version, generation, key, checksum, length = RECORD.unpack(data)
+    magic, version, generation, key, checksum, length, weight, written_at = RECORD.unpack(data)
     if magic != MAGIC or version != VERSION:
         return None
-    return generation, key[:DIGEST_SIZE], checksum, length
+    return _Record(generation, key[:DIGEST_SIZE], checksum, length, _Heat(weight, written_at))
 
 
 def _records(data: bytes):
-    """(generation, key) or None per slot of an index file's bytes."""
+    """(generation, key, heat) or None per slot of an index file's bytes."""
     for start in range(0, len(data) - RECORD.size + 1, RECORD.size):
         record = _record(data[start : start + RECORD.size])
-        yield None if record is None else record[:2]
+        yield None if record is None else (record.generation, record.key, record.heat)

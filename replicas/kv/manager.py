@@ -4,10 +4,12 @@ freeing.
 The manager decides; it holds no tensors. Each engine step it hands a ``TransferPlan`` (host
 blocks to load into NPU blocks, NPU blocks to store into host blocks, and the disk tier's
 copies) to the transfer component, which moves the bytes. The simulator drives this very class
-with no tensors at all. Three collaborators share its cache types and plan: ``Reservations``
+with no tensors at all. Collaborators share its cache types and plan: ``Reservations``
 (``replicas.kv.reservations``: waiting requests' prefixes held and prefetched),
-``DiskOnboarding`` (``replicas.kv.onboarding``: the disk tier's reads and stores) and
-``CacheViews`` (``replicas.kv.views``: events, snapshots, usage).
+``DiskOnboarding`` (``replicas.kv.onboarding``: the disk tier's reads and stores),
+``CacheViews`` (``replicas.kv.views``: events, snapshots, usage), ``HitWeights``
+(``replicas.kv.hotness``: each block's recent hits) and the scaling hand-over through the disk
+tier (``replicas.kv.handover``: ``WriteOut``, ``WarmStart``).
 
 Cache types (``replicas.kv.cache_type``): a dense model has one, ``full``; a hybrid model adds
 ``sliding`` for its sliding-window layers. Each cache type has its own tiers and hash maps over
@@ -53,7 +55,9 @@ from replicas.engine.request import Request
 from replicas.kv.block_pool import BlockPool
 from replicas.kv.cache_type import CacheType
 from replicas.kv.events import KVEvent, KVEventKind, KVSnapshot, Tier
+from replicas.kv.handover import WarmStart, WriteOut, hot_blocks
 from replicas.kv.hashing import BlockHash
+from replicas.kv.hotness import HitWeights
 from replicas.kv.onboarding import DiskOnboarding, DiskRules, ReloadCosts, reload_pays
 from replicas.kv.prompt_retention import PrefixRetention
 from replicas.kv.records import (
@@ -149,7 +153,10 @@ class KVCacheManager:
         shared = (self._cache_types, block_size, self._plan, self._events, lambda: self.stats)
         adaptive = has_host and self._cache_types[0].retention.may_store_to_disk
         rules = DiskRules(self.write_through_threshold, self.write_back, adaptive)
-        self._disk = DiskOnboarding(*shared, rules, self.match_prefix, self._allocate_host, clock)
+        self._weights = HitWeights(sum(p.num_blocks for p in self._cache_types[0].pools), clock)
+        self._disk = DiskOnboarding(
+            *shared, rules, self.match_prefix, self._allocate_host, clock, self._weights
+        )
         self._reservations = Reservations(
             *shared, reservations, self.match_prefix, self._allocate_npu, self._disk.count_host_hit
         )
@@ -214,6 +221,7 @@ class KVCacheManager:
             return False
         if request.num_cached_tokens is None and self.enable_prefix_caching:
             self._observe_admission(request, match)  # before adoption changes residency
+            self._weights.hit(request.block_hashes[: match.num_blocks])
         num_tokens = request.num_computed_tokens + match.num_blocks * self.block_size
         num_total = -(-(num_tokens + num_new_tokens) // self.block_size)
         for cache_type in self._cache_types:
@@ -466,6 +474,19 @@ class KVCacheManager:
             if cache_type.retention is not None:
                 cache_type.retention.set_costs(costs)
         self._disk.set_costs(costs.recompute_s, costs.reload_s)
+
+    def hot_blocks(self) -> dict[BlockHash, float]:
+        return hot_blocks(self._cache_types[0], self._weights)
+
+    def start_write_out(self) -> WriteOut:
+        """The NPU and host blocks to write to the disk tier, hottest first (none without
+        one); the caller runs its rounds' plans, then ``end``s it."""
+        return WriteOut(self._cache_types, self._weights, self._disk, self._store)
+
+    def start_warm(self) -> WarmStart:
+        """Reads of the disk tier's blocks into empty host blocks, hottest first (none without
+        a disk tier); the caller runs its rounds' plans."""
+        return WarmStart(self._cache_types, self._disk)
 
     def usage(self) -> dict[str, CacheTypeUsage]:
         return self._views.usage()

@@ -25,6 +25,7 @@ from replicas.engine.request import Request
 from replicas.kv.cache_type import CacheType
 from replicas.kv.events import KVEventKind, Tier, safe_prefix_length
 from replicas.kv.hashing import BlockHash
+from replicas.kv.hotness import HitWeights
 from replicas.kv.records import CacheStats, DiskCopy, PlannedCopies, PrefixMatch, TransferPlan
 from replicas.kv.views import EventLog
 
@@ -89,7 +90,9 @@ class DiskOnboarding:
         match_prefix: Callable[[Request, int | None], PrefixMatch],
         allocate_host: Callable[[CacheType], int],
         clock: Callable[[], float],
+        weights: HitWeights,
     ) -> None:
+        """``weights``: the blocks' hit weights, which every disk store records."""
         self._cache_types = cache_types
         self._by_name = {c.name: c for c in cache_types}
         self._block_size = block_size
@@ -100,6 +103,7 @@ class DiskOnboarding:
         self._match_prefix = match_prefix
         self._allocate_host = allocate_host
         self._clock = clock
+        self._weights = weights
         self._onboarding: dict[str, _Onboarding] = {}
         self._inflight: dict[tuple[str, BlockHash], tuple[int, set[str]]] = {}  # -> host, waiters
         self._recompute_s: float | None = None  # measured seconds per block (set_costs)
@@ -176,6 +180,18 @@ class DiskOnboarding:
                 waiting.add(key)
                 held.append((cache_type.name, inflight[0]))
         self._onboarding[request_id] = _Onboarding(waiting, held, deadline)
+
+    def read_for_warm_start(self, cache_type: CacheType, block_hash: BlockHash) -> None:
+        """Plan a read of a disk block into a new host block for no request (a replica filling
+        its host tier before it serves); it lands as any read does (``complete_loads``: cached
+        and announced). Call only while the host tier has an empty block, so that nothing is
+        evicted."""
+        key = (cache_type.name, block_hash)
+        if key in self._inflight or cache_type.in_pools(block_hash):
+            return
+        host_id = self._allocate_host(cache_type)  # the read's reference
+        self._inflight[key] = (host_id, set())
+        self._plan.disk_loads.append(DiskCopy(host_id, block_hash, cache_type.name))
 
     def _extension(
         self, request: Request, num_matched: int, max_blocks: int | None
@@ -261,7 +277,8 @@ class DiskOnboarding:
         if block_hash is None or cache_type.disk.contains(block_hash):
             return
         cache_type.host.touch([host_id])
-        copy = DiskCopy(host_id, block_hash, cache_type.name, retained_until=retained_until)
+        weight = self._weights.weight(block_hash)
+        copy = DiskCopy(host_id, block_hash, cache_type.name, True, retained_until, weight)
         self._plan.disk_stores.append(copy)
 
     def retain(
@@ -291,7 +308,9 @@ class DiskOnboarding:
             if not cache_type.retention.disk_write_back_pays(disk_read_s):
                 self._stats().disk_write_back_skips += 1
                 return
-        self._plan.disk_stores.append(DiskCopy(host_id, block_hash, cache_type.name, locked=False))
+        weight = self._weights.weight(block_hash)
+        copy = DiskCopy(host_id, block_hash, cache_type.name, locked=False, weight=weight)
+        self._plan.disk_stores.append(copy)
 
     def host_store_landed(self, cache_type: CacheType, host_id: int) -> None:
         """An NPU -> host store landed: a retained block is retained on disk too; at threshold

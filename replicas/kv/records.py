@@ -116,6 +116,7 @@ class DiskCopy(NamedTuple):
     cache_type: str = "full"
     locked: bool = True
     retained_until: float = 0.0  # a store of a retained block: the disk keeps it until then
+    weight: float = 0.0  # a store's hit weight (``replicas.kv.hotness``), kept in its record
 
 
 class TransferPlan(NamedTuple):

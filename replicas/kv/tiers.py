@@ -78,6 +78,29 @@ class DiskIndex(TierStore, Protocol):
         """(stored, hash) per change since the last call, in order; none until tracked."""
         ...
 
+    def hottest(self) -> list[BlockHash]:
+        """Every hash the store can read (every writer's), hottest first by recorded hit
+        weight (``replicas.kv.hotness``)."""
+        ...
+
+    def set_weight(self, block_hash: BlockHash, weight: float) -> None:
+        """Record a new hit weight for an own block (no-op for another writer's)."""
+        ...
+
+    @property
+    def num_free_slots(self) -> int:
+        """Own slots holding nothing."""
+        ...
+
+    def room_for(self, weights: list[float]) -> tuple[int, list[BlockHash]]:
+        """How many new own blocks of these hit weights (hottest first) fit without replacing
+        a hotter block, and the own blocks they replace, coldest first (no mutation)."""
+        ...
+
+    def forget(self, block_hash: BlockHash) -> None:
+        """Free an own block's slot (no-op for another writer's block)."""
+        ...
+
 
 @dataclass(slots=True)
 class TierLevel:

@@ -256,7 +256,8 @@ class KVTransfer:
             if self.staged:
                 self._land_stores_into(cache_type, torch.tensor([c.host_id for c in selected]))
             for copy in selected:
-                store.store(copy.block_hash, host[copy.host_id].clone(), copy.retained_until)
+                block = host[copy.host_id].clone()
+                store.store(copy.block_hash, block, copy.retained_until, copy.weight)
 
     def poll_disk(self, timeout: float | None = 0.0) -> list[tuple[DiskCopy, bool]]:
         """Disk reads that ended, with whether each filled its host block; waits up to

@@ -183,6 +183,23 @@ class AnnouncingDisk:
         if self.changes is not None:
             self.changes.append((stored, block_hash))
 
+    # hotness: none recorded, so the most recently stored count as the hottest
+    def hottest(self):
+        return list(reversed(self.own))
+
+    def set_weight(self, block_hash, weight):
+        pass
+
+    @property
+    def num_free_slots(self):
+        return self.num_slots - len(self.own)
+
+    def room_for(self, weights):
+        return min(len(weights), self.num_free_slots), []
+
+    def forget(self, block_hash):
+        self.discard(block_hash)
+
 
 def land_with_disk(manager, disk):
     """Run a plan as the transfer component would: disk stores, then the rest; reads land."""

@@ -1,0 +1,192 @@
+"""Handing a replica's cache over through the node's disk tier when the deployment is resized.
+
+Scale-in: a draining replica writes the NPU and host blocks the disk lacks into its own disk
+slab, hottest first (``WriteOut``). Scale-out: a new replica reads the node's disk blocks (every
+slab) into empty host blocks, hottest first, before it serves (``WarmStart``). "Hottest" is the
+hit weight (``replicas.kv.hotness``), which each disk record keeps.
+
+Both are planned in rounds that the engine runs between steps (``Engine.write_hot_blocks_to_disk``,
+``Engine.warm_from_disk``): a round plans a batch of copies into the manager's transfer plan,
+the engine runs the plan, waits for it and checks its time budget before the next round. An NPU
+block reaches the disk through a host block, as every disk store does::
+
+    write-out round k   staged in round k-1: host -> disk
+                        next batch: a host block -> disk; an NPU-only block -> a new host block
+    warm-start round    next batch: disk -> an empty host block (nothing is evicted)
+
+A write-out chooses its blocks once, at the start: per cache type, the blocks its disk does not
+hold, as many of the hottest as the own slab takes without replacing a hotter block
+(``DiskIndex.room_for``). The colder own blocks they replace are forgotten round by round, only
+as their slots are needed, so that a write-out cut short by its time budget loses none for
+nothing. The chosen host blocks stay locked until their round, so that staging NPU blocks into
+host never evicts one still to be written. Blocks the own slab already holds get their current
+weight recorded (``DiskIndex.set_weight``).
+"""
+
+from collections import deque
+from collections.abc import Callable
+from typing import NamedTuple
+
+from replicas.kv.cache_type import CacheType
+from replicas.kv.hashing import BlockHash
+from replicas.kv.hotness import HitWeights
+from replicas.kv.onboarding import DiskOnboarding
+
+HANDOVER_BATCH_BLOCKS = 64
+"""Blocks one round of a write-out or a warm start copies: the time budget is checked between
+rounds."""
+
+
+class _Chosen(NamedTuple):
+    weight: float
+    cache_type: CacheType
+    block_hash: BlockHash
+
+
+def hot_blocks(primary: CacheType, weights: HitWeights) -> dict[BlockHash, float]:
+    """Every block the primary cache type holds in a pooled tier (NPU, host): the hashes a
+    router indexes, with their hit weights now (0.0: no recent hit)."""
+    return weights.weights(h for pool in primary.pools for h in pool.cached_hashes())
+
+
+class WriteOut:
+    """One write-out of a replica's NPU and host blocks to its disk slab (see the module
+    docstring). Not thread-safe: the engine thread plans it; ``end`` releases what it holds."""
+
+    def __init__(
+        self,
+        cache_types: list[CacheType],
+        weights: HitWeights,
+        disk: DiskOnboarding,
+        store_to_host: Callable[[CacheType, int, BlockHash], bool],
+    ) -> None:
+        self._disk = disk
+        self._store_to_host = store_to_host
+        chosen: list[_Chosen] = []
+        self._replaced: dict[str, deque[BlockHash]] = {}  # own disk blocks to forget, coldest first
+        self._num_claimed: dict[str, int] = {}  # free slots this round's stores take
+        for cache_type in cache_types if disk.is_on else ():
+            blocks, replaced = _choose(cache_type, weights)
+            chosen.extend(blocks)
+            self._replaced[cache_type.name] = deque(replaced)
+        chosen.sort(key=lambda c: c.weight, reverse=True)  # stable: cache types in order
+        self._pending = deque(chosen)
+        self._staged: list[tuple[CacheType, int, BlockHash]] = []  # host blocks, locked
+        self._locked: dict[tuple[str, BlockHash], int] = {}  # chosen host blocks -> host id
+        self._cache_types = cache_types
+        for c in chosen:
+            host_id = c.cache_type.host.lookup(c.block_hash)
+            if host_id is not None:
+                c.cache_type.host.touch([host_id])
+                self._locked[(c.cache_type.name, c.block_hash)] = host_id
+
+    @property
+    def is_done(self) -> bool:
+        return not self._pending and not self._staged
+
+    def plan_round(self, max_blocks: int) -> int:
+        """Plan the next round (mutates); returns the disk stores planned. A round that can
+        plan nothing (no host block to stage through) ends the write-out."""
+        self._num_claimed = dict.fromkeys(self._replaced, 0)  # the last round's stores are in
+        num_stores = 0
+        for cache_type, host_id, block_hash in self._staged:
+            self._store(cache_type, host_id, block_hash)
+            num_stores += 1
+        self._staged = []
+        deferred: deque[_Chosen] = deque()
+        num_planned = 0
+        while self._pending and num_planned < max_blocks:
+            c = self._pending.popleft()
+            host_id = self._locked.pop((c.cache_type.name, c.block_hash), None)
+            if host_id is not None:
+                self._store(c.cache_type, host_id, c.block_hash)
+                num_stores += 1
+            elif not self._stage(c):
+                deferred.append(c)  # after a host block of the batch is written, maybe
+                continue
+            num_planned += 1
+        self._pending.extendleft(reversed(deferred))
+        if not num_planned and not num_stores:
+            self.end()
+        return num_stores
+
+    def _store(self, cache_type: CacheType, host_id: int, block_hash: BlockHash) -> None:
+        """Plan a held host block's copy to disk into a free own slot, forgetting the next
+        replaced block when none is left; then release the hold (the copy holds its own)."""
+        name = cache_type.name
+        self._num_claimed[name] += 1
+        replaced = self._replaced[name]
+        while cache_type.disk.num_free_slots < self._num_claimed[name] and replaced:
+            cache_type.disk.forget(replaced.popleft())
+        self._disk.store(cache_type, host_id, block_hash)
+        cache_type.host.free([host_id])
+
+    def _stage(self, c: _Chosen) -> bool:
+        """Plan an NPU-only block's copy into a new host block, held for the next round."""
+        npu_id = c.cache_type.npu.lookup(c.block_hash)
+        if npu_id is None:  # evicted since it was chosen: nothing to write
+            return True
+        if not self._store_to_host(c.cache_type, npu_id, c.block_hash):
+            return False
+        host_id = c.cache_type.host.lookup(c.block_hash)
+        c.cache_type.host.touch([host_id])  # kept until its disk store is planned
+        self._staged.append((c.cache_type, host_id, c.block_hash))
+        return True
+
+    def end(self) -> None:
+        """Stop: release every host block held for blocks not written (they stay cached)."""
+        by_name = {c.name: c for c in self._cache_types}
+        for (name, _), host_id in self._locked.items():
+            by_name[name].host.free([host_id])
+        for cache_type, host_id, _ in self._staged:
+            cache_type.host.free([host_id])
+        self._locked, self._staged, self._pending = {}, [], deque()
+
+
+def _choose(cache_type: CacheType, weights: HitWeights) -> tuple[list[_Chosen], list[BlockHash]]:
+    """A cache type's pooled blocks its disk lacks, hottest first, as many as its slab takes,
+    and the own disk blocks they replace; the blocks the disk holds get their current weight."""
+    disk = cache_type.disk
+    held = weights.weights(h for pool in cache_type.pools for h in pool.cached_hashes())
+    candidates = []
+    for block_hash, weight in held.items():
+        if not disk.contains(block_hash):
+            candidates.append(_Chosen(weight, cache_type, block_hash))
+        elif weight > 0.0:
+            disk.set_weight(block_hash, weight)
+    candidates.sort(key=lambda c: c.weight, reverse=True)
+    num_fit, replaced = disk.room_for([c.weight for c in candidates])
+    return candidates[:num_fit], replaced
+
+
+class WarmStart:
+    """Reads of the node's disk blocks into the host blocks empty when it starts, hottest first
+    (see the module docstring); nothing else may allocate host blocks meanwhile. Not
+    thread-safe: the engine thread plans it."""
+
+    def __init__(self, cache_types: list[CacheType], disk: DiskOnboarding) -> None:
+        self._disk = disk
+        is_on = disk.is_on and all(c.host is not None for c in cache_types)
+        self._cache_types = cache_types if is_on else []
+        self._rooms = [c.host.num_empty for c in self._cache_types]
+        self._queues = [
+            deque([h for h in c.disk.hottest() if not c.in_pools(h)][:room])
+            for c, room in zip(self._cache_types, self._rooms)
+        ]
+
+    @property
+    def is_done(self) -> bool:
+        """No block left to read, or no empty host block left for it."""
+        return not any(q and room for q, room in zip(self._queues, self._rooms))
+
+    def plan_round(self, max_blocks: int) -> int:
+        """Plan up to ``max_blocks`` reads per cache type into empty host blocks (mutates);
+        returns how many."""
+        num_planned = 0
+        for i, (cache_type, queue) in enumerate(zip(self._cache_types, self._queues)):
+            num_reads = min(max_blocks, self._rooms[i], len(queue))
+            for _ in range(num_reads):
+                self._disk.read_for_warm_start(cache_type, queue.popleft())
+            self._rooms[i] -= num_reads
+            num_planned += num_reads
+        return num_planned
