@@ -15,6 +15,7 @@ from benchmarks import (
     cache_key,
     churn,
     churn_disk,
+    churn_kv_dtype,
     curve_cost,
     decode,
     engine_vs_llamacpp,
@@ -24,11 +25,13 @@ from benchmarks import (
     prefix_ttft,
     reload_vs_recompute,
     routing,
+    scaling,
     transfer,
 )
 from benchmarks.sim import acceptance, router_micro, sim_vs_real, sweeps_scenario
 from benchmarks.sim import calibrate as sim_calibrate
 from benchmarks.sim import cli as sim_cli
+from replicas.model.kv_format import KV_FORMATS
 
 SCENARIOS = {
     module.NAME: module
@@ -37,6 +40,7 @@ SCENARIOS = {
         reload_vs_recompute,
         churn,
         churn_disk,
+        churn_kv_dtype,
         one_off,
         curve_cost,
         transfer,
@@ -52,6 +56,7 @@ SCENARIOS = {
         engine_vs_llamacpp,
         api_fields,
         agent_session,
+        scaling,
     )
 }
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "out"
@@ -112,6 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
         "each --quantization, auto only with auto (default: auto, float32, bfloat16)",
     )
     run.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        choices=["auto", *KV_FORMATS],
+        default=None,
+        help="KV dtypes reload-vs-recompute and churn-kv-dtype measure side by side (default: "
+        "auto, the engine dtype, and bfloat16, int8, fp8_e4m3)",
+    )
+    run.add_argument(
         "--quantization",
         nargs="+",
         choices=engine_vs_llamacpp.VARIANTS,
@@ -167,6 +180,7 @@ def _scenario_options(args: argparse.Namespace, name: str) -> dict[str, object]:
         "device": args.device,
         "cpus_per_replica": args.cpus_per_replica,
         "quantizations": args.quantization,
+        "kv_cache_dtypes": args.kv_cache_dtype,
         "threads": args.threads,  # also set for every scenario by main
     }
     accepted = inspect.signature(SCENARIOS[name].run).parameters
@@ -182,7 +196,11 @@ def _scenario_options(args: argparse.Namespace, name: str) -> dict[str, object]:
     return options
 
 
-_FLAGS = {"dtypes": "--dtype", "quantizations": "--quantization"}  # options named otherwise
+_FLAGS = {  # options named otherwise
+    "dtypes": "--dtype",
+    "quantizations": "--quantization",
+    "kv_cache_dtypes": "--kv-cache-dtype",
+}
 
 
 def _run(args: argparse.Namespace, options: dict[str, dict[str, object]], command: str) -> None:

@@ -7,7 +7,7 @@ also resets prefix caches, checks integrity and shuts it down through it.
 """
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from replicas.cache_hints import CacheHints
@@ -24,11 +24,44 @@ class ReplicaFailedError(RuntimeError):
     """The replica serving a request died or failed while it ran (HTTP 503)."""
 
 
+class NotScalableError(RuntimeError):
+    """The deployment cannot be resized (the in-process engine of one replica; HTTP 409)."""
+
+
 @dataclass(slots=True)
 class ReplicaStats:
+    """One replica of the live set. ``engine.num_waiting`` is its waiting queue's length;
+    ``load_tokens`` and ``queued_tokens`` are the router's estimate of its load (active context
+    tokens; uncached prompt tokens not past prefill), 0 without a router."""
+
     replica_index: int
     is_alive: bool
     engine: EngineStats | None  # None when the replica did not answer
+    load_tokens: int = 0
+    queued_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleResult:
+    """What one resize did: the size before and after, the replicas added, and the replicas
+    removed with why each was chosen (``cluster.scaling``)."""
+
+    old_size: int
+    new_size: int
+    added: tuple[int, ...] = ()
+    removed: tuple[int, ...] = ()
+    reasons: dict[int, str] = field(default_factory=dict)
+    """Why each removed replica was chosen, by replica index."""
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "old_data_parallel_size": self.old_size,
+            "data_parallel_size": self.new_size,
+            "added_replicas": list(self.added),
+            "removed_replicas": [
+                {"replica": index, "reason": self.reasons.get(index, "")} for index in self.removed
+            ],
+        }
 
 
 @dataclass(slots=True)
@@ -52,9 +85,11 @@ class FrontStats:
 
 @dataclass(slots=True)
 class ClusterStats:
-    replicas: list[ReplicaStats]
+    replicas: list[ReplicaStats]  # the live set (starting and retired replicas left out)
     router: Any = None  # router.RouterStats when a router is deployed
     front: FrontStats | None = None  # with a Ray deployment
+    num_target_replicas: int = 1  # the size asked for last (live or starting)
+    num_scale_events: dict[str, int] = field(default_factory=dict)  # "out"/"in" -> resizes
 
 
 class Backend(Protocol):
@@ -88,6 +123,18 @@ class Backend(Protocol):
     async def reset_prefix_cache(self, tier: str = "all") -> None:
         """Forget every replica's unreferenced cached blocks of ``tier`` ("all", "npu",
         "host"); a router's index follows through the replicas' KV events."""
+        ...
+
+    async def scale(self, data_parallel_size: int, victim: str = "value") -> ScaleResult:
+        """Resize to ``data_parallel_size`` replicas without a restart (``cluster.deploy``).
+        Raises ``ValueError`` naming why for a bad size, and ``NotScalableError`` when the
+        deployment cannot be resized, leaving it as it was; concurrent calls run one after
+        another. ``victim``: how a scale-in picks (``cluster.scaling.VICTIM_RULES``; "random"
+        is a benchmark baseline)."""
+        ...
+
+    def num_replicas(self) -> int:
+        """The size asked for last: replicas live or starting."""
         ...
 
 
@@ -143,6 +190,16 @@ class LocalBackend:
         """Forget cached blocks nobody uses in ``tier`` ("all", "npu", "host", "disk")."""
         await self.async_engine.between_steps()
         self.engine.reset_prefix_cache(tier)
+
+    async def scale(self, data_parallel_size: int, victim: str = "value") -> ScaleResult:
+        raise NotScalableError(
+            "this deployment runs one replica in-process and cannot be resized; deploy on Ray "
+            "to resize it: `strata serve` always does, and LLM.from_config does with "
+            "ray.use_for_one_replica: true (or data_parallel_size above 1)"
+        )
+
+    def num_replicas(self) -> int:
+        return 1
 
     async def check_integrity(self) -> None:
         """Run every pool's integrity check (raises if one fails)."""

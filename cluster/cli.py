@@ -60,7 +60,9 @@ def _build_config(args: argparse.Namespace) -> ClusterConfig:
         node = data
         *sections, name = path.split(".")
         for section in sections:
-            node = node.setdefault(section, {})
+            if node.get(section) is None:  # an optional section (scaling) the flag turns on
+                node[section] = {}
+            node = node[section]
         node[name] = value
     _put_capacity(args, data)
     return ClusterConfig.model_validate(data)
@@ -82,7 +84,8 @@ def _put_capacity(args: argparse.Namespace, data: dict[str, Any]) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from cluster.server import serve
 
-    serve(build_config(args))
+    reload = (lambda: build_config(args)) if args.config else None  # SIGHUP re-reads the file
+    serve(build_config(args), reload)
     return 0
 
 

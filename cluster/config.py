@@ -64,6 +64,25 @@ class ServerConfig(_Section):
         description="Times a request whose replica is lost after its first output is resumed "
         "on a live replica from the output already sent (0: it fails with replica_failed).",
     )
+    drain_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="A scale-in waits this long for the removed replica's running and queued "
+        "requests to finish; then its queued ones are routed again elsewhere (its running "
+        "ones, bounded by max_tokens, still finish there).",
+    )
+    warm_start_budget_s: float = Field(
+        10.0,
+        ge=0,
+        description="A replica added to a running deployment loads its node's disk-tier blocks "
+        "into its host tier, hottest first, for at most this long before it takes traffic.",
+    )
+    disk_write_budget_s: float = Field(
+        10.0,
+        ge=0,
+        description="A replica removed by a scale-in writes its hot blocks to its node's disk "
+        "tier for at most this long before it exits.",
+    )
     watchdog_stall_s: float | None = Field(
         2.0,
         gt=0,
@@ -113,6 +132,73 @@ class RayConfig(_Section):
     replica_max_restarts: int = Field(
         -1, ge=-1, description="Ray restarts of a crashed replica (-1: unlimited)."
     )
+    use_for_one_replica: bool = Field(
+        False,
+        description="Deploy on Ray even with data_parallel_size 1, so that the deployment can "
+        "be resized (LLM.scale); otherwise the offline LLM runs one replica in-process. "
+        "strata serve always deploys on Ray.",
+    )
+
+
+class ScalingConfig(_Section):
+    """The autoscaling policy (``cluster.autoscale``), opt-in. Names and meanings follow Ray
+    Serve's ``autoscaling_config`` where they mean the same; its target is Strata's own: the
+    predicted queueing seconds of a request (``target_queue_s``) in place of Ray Serve's
+    ``target_ongoing_requests``."""
+
+    min_replicas: int = Field(1, ge=1, description="Fewest replicas the policy scales in to.")
+    max_replicas: int = Field(1, ge=1, description="Most replicas the policy scales out to.")
+    target_queue_s: float = Field(
+        2.0,
+        gt=0,
+        description="Predicted seconds a new request queues before its prefill starts, "
+        "averaged over the live replicas: above it the policy scales out.",
+    )
+    downscale_queue_fraction: float = Field(
+        0.25,
+        ge=0,
+        lt=1,
+        description="Hysteresis: the policy scales in only while the predicted queueing on one "
+        "replica fewer stays under this fraction of target_queue_s.",
+    )
+    metrics_interval_s: float = Field(
+        5.0, gt=0, description="Seconds between two reads of the replicas' stats."
+    )
+    look_back_period_s: float = Field(
+        30.0, gt=0, description="Seconds of stats the predicted queueing is averaged over."
+    )
+    upscale_delay_s: float = Field(
+        30.0,
+        ge=0,
+        description="Seconds the averaged queueing must stay above target before scaling out.",
+    )
+    downscale_delay_s: float = Field(
+        600.0, ge=0, description="Seconds the replicas must stay idle before scaling in."
+    )
+    upscaling_factor: float | None = Field(
+        None,
+        gt=0,
+        description="Multiplies each scale-out step (at least one replica); None: 1.",
+    )
+    downscaling_factor: float | None = Field(
+        None,
+        gt=0,
+        description="Multiplies each scale-in step (at least one replica); None: 1.",
+    )
+    cooldown_s: float = Field(
+        60.0,
+        ge=0,
+        description="Seconds after a resize completes before the policy decides again.",
+    )
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> "ScalingConfig":
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(
+                f"scaling.max_replicas ({self.max_replicas}) must be at least "
+                f"scaling.min_replicas ({self.min_replicas})"
+            )
+        return self
 
 
 class ClusterConfig(_Section):
@@ -122,12 +208,26 @@ class ClusterConfig(_Section):
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+    scaling: ScalingConfig | None = Field(
+        None, description="Autoscaling between min and max replicas; None: a fixed size."
+    )
 
     @model_validator(mode="after")
     def _sync_routing(self) -> "ClusterConfig":
         enabled = self.scheduler.prefix_cache_config.enabled
         if self.routing.enable_prefix_caching != enabled:
             self.routing = self.routing.model_copy(update={"enable_prefix_caching": enabled})
+        return self
+
+    @model_validator(mode="after")
+    def _check_scaling(self) -> "ClusterConfig":
+        scaling = self.scaling
+        if scaling and not scaling.min_replicas <= self.data_parallel_size <= scaling.max_replicas:
+            raise ValueError(
+                f"data_parallel_size ({self.data_parallel_size}) must lie between "
+                f"scaling.min_replicas ({scaling.min_replicas}) and scaling.max_replicas "
+                f"({scaling.max_replicas})"
+            )
         return self
 
     @classmethod
@@ -148,7 +248,7 @@ class ClusterConfig(_Section):
         """One replica's engine config, with its share of the host budget. Reads the model's
         config (not its weights) and raises ``ValueError`` if the share holds no block."""
         args, _ = load_model_info(self.model.model, self.model.revision)
-        specs = kv_cache_specs(args, self.model.dtype)
+        specs = kv_cache_specs(args, self.model.dtype, self.model.kv_cache_dtype)
         block_bytes = sum(s.block_bytes(self.model.block_size) for s in specs.values())
         offload = plan_replica_offload(
             self.scheduler.kv_offload_config, self.data_parallel_size, block_bytes

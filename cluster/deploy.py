@@ -10,6 +10,9 @@ the HTTP API and the offline ``LLM`` use to reach them.
 module wires the actors together and serves requests, routing one again when its replica is
 lost before it started, and resuming it on another replica when its replica is lost after it
 started (``replicas.resume``).
+
+``scale`` resizes the deployment while it serves (``cluster.resize``); ``cluster.membership``
+keeps the replicas by index and their roles (joining, serving, draining, retired).
 """
 
 import asyncio
@@ -29,11 +32,14 @@ from cluster.backend import (
     OverloadedError,
     ReplicaFailedError,
     ReplicaStats,
+    ScaleResult,
 )
 from cluster.config import ClusterConfig
 from cluster.health import ACTOR_LOST, HEALTH_TIMEOUT_S, HealthMonitor
+from cluster.membership import Membership
 from cluster.placement import init_ray, is_embedded, place_replicas
-from cluster.replica_link import ReplicaLink, StreamLostError
+from cluster.replica_link import StreamLostError
+from cluster.resize import ReplicaStartError, Resizer
 from cluster.router_calls import RouterCalls
 from replicas.actor import ReplicaActor, ReplicaUnavailableError
 from replicas.cache_hints import CacheHints
@@ -56,11 +62,13 @@ class RayBackend:
     """Deploys ``config`` on Ray; implements ``cluster.backend.Backend``."""
 
     def __init__(self, config: ClusterConfig, name: str = "strata") -> None:
-        self.config = config
+        self._start_config = config
         self.name = name
         engine_config = config.engine_config()  # raises on an impossible host budget
         args, self.tokenizer = load_model_info(config.model.model, config.model.revision)
-        if is_embedded(config.ray):  # every replica's host tier will be on this machine
+        self._args = args
+        self._embedded = is_embedded(config.ray)
+        if self._embedded:  # every replica's host tier will be on this machine
             _check_host_memory(config, engine_config, args)
         init_ray(config.ray)
         size = config.data_parallel_size
@@ -77,13 +85,29 @@ class RayBackend:
                 sliding_window=args.sliding_window if "sliding" in args.layer_types else None,
             )
         )
-        self.replicas = self._start_replicas(engine_config)
-        incarnations = self._introduce_replicas()
-        self.links = [ReplicaLink(replica) for replica in self.replicas]
+        replicas = [self._start_replica(i, engine_config) for i in range(size)]
+        incarnations = self._introduce_replicas(replicas)
+        self.membership = Membership(replicas, self.replica_infos)
         self.router_calls = RouterCalls(self.router)
         self._num_routes = 0
         self._route_seconds = 0.0
-        self.health = HealthMonitor(self.replicas, self.router, incarnations)
+        self.health = HealthMonitor(
+            replicas,
+            self.router,
+            incarnations,
+            on_router_restart=self._tell_router,
+            router_incarnation=ray.get(self.router.ready.remote()),
+        )
+        self.resizer = Resizer(
+            config,
+            self.membership,
+            self.placement,
+            self.health,
+            self.router,
+            self._start_replica,
+            lambda actor: ray.kill(actor, no_restart=True),
+            self._new_engine_config,
+        )
         self.num_rerouted = 0  # requests routed again because their replica was lost first
         self.num_overload_reroutes = 0  # requests a full replica turned away, offered elsewhere
         self.num_resumed = 0  # requests resumed elsewhere after their replica was lost
@@ -99,51 +123,44 @@ class RayBackend:
         threads = max(1, int(self.placement.num_cpus))
         logger.info(
             "each of %d replicas reserves %g CPUs%s and computes with %d torch threads%s",
-            self.config.data_parallel_size,
+            self._start_config.data_parallel_size,
             self.placement.num_cpus,
             f" and {self.placement.num_gpus:g} GPUs" if self.placement.num_gpus else "",
             threads,
             ""
-            if self.config.ray.cpus_per_replica is not None
+            if self._start_config.ray.cpus_per_replica is not None
             else " (ray.cpus_per_replica unset: the available CPUs shared among the replicas)",
         )
         return engine_config.model_copy(update={"num_threads": threads})
 
-    def _start_replicas(self, engine_config: EngineConfig) -> list:
-        replica_cls = ray.remote(ReplicaActor)
-        config = self.config
-        return [
-            replica_cls.options(
-                name=f"{self.name}-replica-{i}",
-                max_restarts=config.ray.replica_max_restarts,
-                max_task_retries=0,
-                **self.placement.actor_options(i),
-            ).remote(
-                i,
-                engine_config,
-                self.router,
-                config.server.max_waiting_requests,
-                measure_costs=config.routing.needs_ttft_costs,
-            )
-            for i in range(config.data_parallel_size)
-        ]
-
-    def _introduce_replicas(self) -> list[str]:
+    def _introduce_replicas(self, replicas: list[ray.actor.ActorHandle]) -> list[str]:
         """Wait for the replicas to start, tell the router what it needs of them (their
         nodes, their measured step costs for the ttft profile); their incarnations."""
         try:
-            self.replica_infos = ray.get([replica.info.remote() for replica in self.replicas])
+            self.replica_infos = ray.get([replica.info.remote() for replica in replicas])
         except RayActorError as error:
-            self._release()
+            for actor in [*replicas, self.router]:
+                ray.kill(actor, no_restart=True)
+            self.placement.remove()
             raise ReplicaStartError(f"a replica could not start: {_last_line(error)}") from None
-        if self.config.routing.needs_ttft_costs:
-            measured = ray.get([replica.step_costs.remote() for replica in self.replicas])
+        if self._start_config.routing.needs_ttft_costs:
+            measured = ray.get([replica.step_costs.remote() for replica in replicas])
             costs = measured_ttft_costs(measured)
             ray.get(self.router.set_ttft_costs.remote(costs))
             logger.info("the ttft profile prices with the replicas' measured costs: %s", costs)
         # Replicas of one node read each other's disk blocks: the router credits them all.
         ray.get(self.router.set_nodes.remote([str(i["node_id"]) for i in self.replica_infos]))
-        return ray.get([replica.ready.remote() for replica in self.replicas])
+        return ray.get([replica.ready.remote() for replica in replicas])
+
+    @property
+    def replicas(self) -> list[ray.actor.ActorHandle]:
+        """Every replica actor by replica index (retired ones included: see ``membership``)."""
+        return self.membership.replicas
+
+    @property
+    def links(self) -> list:
+        """Each replica's ``ReplicaLink``, by replica index."""
+        return self.membership.links
 
     # ---- serving -----------------------------------------------------------------------------
     async def generate(
@@ -212,13 +229,18 @@ class RayBackend:
         token_ids = request.prompt_token_ids + (resumed.token_ids if resumed else [])
         hashes = block_hashes(token_ids, self.block_size, request.cache_salt)
         key = request.cache_hints.key if request.cache_hints is not None else None
-        num_attempts = 2 * len(self.replicas)
+        members = self.membership
+        num_attempts = 2 * max(2, members.num_members())
         full: set[int] = set()
         for attempt in range(num_attempts):
             is_last = attempt == num_attempts - 1
             if request.released is not None:
                 await request.released
             index = await self._route(request_id, len(token_ids), hashes, full, key)
+            if not members.is_routable(index):
+                # Routed before the router heard of the drain: route again, never calling it.
+                request.released = self.router_calls.release(request_id)
+                continue
             if not (self.health.is_alive(index) or is_last):
                 # The router has not heard of the loss yet (one that Ray restarted believes every
                 # replica live): tell it again and route again, before any call to the replica.
@@ -234,6 +256,7 @@ class RayBackend:
                 resumed,
             )
             started = finished = False
+            members.in_flight[index] += 1  # no await since the routable check: a drain waits
             try:
                 async for output in stream:
                     started, finished = True, output.finished
@@ -244,6 +267,7 @@ class RayBackend:
                 if finished:
                     full.add(index)
             finally:
+                members.in_flight[index] -= 1
                 await stream.aclose()
                 if not finished:  # also after a loss: a restarted replica may have it queued
                     self.replicas[index].abort.remote(request_id)
@@ -264,6 +288,10 @@ class RayBackend:
             isinstance(error, RayTaskError) and not isinstance(cause, ReplicaUnavailableError)
         ):
             raise _unwrap(cause, index) from None
+        if index in self.membership.draining and not started and not is_last:
+            self.num_rerouted += 1  # shed by a drain before it started: it runs elsewhere
+            logger.info("request %s left draining replica %d; routing it again", request_id, index)
+            return False
         self.health.mark_lost(index)
         message = f"replica {index} failed while serving the request: {type(error).__name__}"
         if started:
@@ -290,7 +318,7 @@ class RayBackend:
         start = time.perf_counter()
         try:
             decision = await self.router_calls.route(
-                request_id, num_prompt_tokens, hashes, full, cache_key
+                request_id, num_prompt_tokens, hashes, full | self.membership.draining, cache_key
             )
         except NoLiveReplicaError:
             if full:
@@ -304,24 +332,34 @@ class RayBackend:
         return decision.replica_index
 
     async def abort(self, request_id: str) -> None:
-        for replica in self.replicas:
-            replica.abort.remote(request_id)
+        for index in self.membership.members():
+            self.replicas[index].abort.remote(request_id)
 
     async def num_live_replicas(self) -> int:
         self.health.ensure_running()
         return self.health.num_live
 
     async def stats(self) -> ClusterStats:
+        router = await self.router.stats.remote()
+        loads = {r.replica_index: r for r in router.replicas}
+
         async def one(i: int) -> ReplicaStats:
+            routed = loads.get(i)
+            load = (routed.load_tokens, routed.queued_tokens) if routed is not None else (0, 0)
             try:
                 engine = await asyncio.wait_for(self.replicas[i].stats.remote(), HEALTH_TIMEOUT_S)
-                return ReplicaStats(i, self.health.is_alive(i), engine)
+                return ReplicaStats(i, self.health.is_alive(i), engine, *load)
             except (*ACTOR_LOST, TimeoutError):
-                return ReplicaStats(i, False, None)
+                return ReplicaStats(i, False, None, *load)
 
-        replicas = await asyncio.gather(*(one(i) for i in range(len(self.replicas))))
-        router = await self.router.stats.remote()
-        return ClusterStats(list(replicas), router, self.front_stats())
+        replicas = await asyncio.gather(*(one(i) for i in self.membership.members()))
+        return ClusterStats(
+            list(replicas),
+            router,
+            self.front_stats(),
+            num_target_replicas=self.membership.target_size,
+            num_scale_events=dict(self.resizer.num_scale_events),
+        )
 
     def front_stats(self) -> FrontStats:
         return FrontStats(
@@ -339,20 +377,77 @@ class RayBackend:
         """Forget the cached blocks of every live replica in ``tier`` ("all", "npu", "host",
         "disk"); the router hears of it through the replicas' KV events. A lost replica comes
         back empty."""
-        live = [r for i, r in enumerate(self.replicas) if self.health.is_alive(i)]
+        live = [self.replicas[i] for i in self.membership.members() if self.health.is_alive(i)]
         await asyncio.gather(*(replica.reset_prefix_cache.remote(tier) for replica in live))
 
     async def check_integrity(self) -> list[dict[str, int]]:
-        """Every replica's integrity check (raises if one fails) and the blocks it has in use."""
-        return list(await asyncio.gather(*(r.check_integrity.remote() for r in self.replicas)))
+        """Every member replica's integrity check (raises if one fails) and the blocks it has
+        in use, in replica-index order."""
+        members = [self.replicas[i] for i in self.membership.members()]
+        return list(await asyncio.gather(*(r.check_integrity.remote() for r in members)))
+
+    # ---- resizing (cluster.resize) -----------------------------------------------------------
+    async def scale(self, data_parallel_size: int, victim: str = "value") -> ScaleResult:
+        """Resize to ``data_parallel_size`` replicas while serving (``cluster.resize``). Raises
+        ``ValueError`` naming why for a bad size, leaving the deployment as it was; calls run
+        one at a time. ``victim="random"`` removes random replicas (a benchmark baseline)."""
+        self.health.ensure_running()
+        return await self.resizer.scale(data_parallel_size, victim)
+
+    def num_replicas(self) -> int:
+        """The size asked for last: replicas live or starting."""
+        return self.membership.target_size
+
+    @property
+    def config(self) -> ClusterConfig:
+        """The config in effect (its ``data_parallel_size`` follows each resize)."""
+        return self.resizer.config
+
+    def _start_replica(self, index: int, engine_config: EngineConfig) -> ray.actor.ActorHandle:
+        """Replica actor ``index`` in the bundle ``placement`` gave it."""
+        config = self._start_config
+        return (
+            ray.remote(ReplicaActor)
+            .options(
+                name=f"{self.name}-replica-{index}",
+                max_restarts=config.ray.replica_max_restarts,
+                max_task_retries=0,
+                **self.placement.actor_options(index),
+            )
+            .remote(
+                index,
+                engine_config,
+                self.router,
+                config.server.max_waiting_requests,
+                measure_costs=config.routing.needs_ttft_costs,
+            )
+        )
+
+    def _new_engine_config(self, config: ClusterConfig, num_new: int) -> EngineConfig:
+        """A replica added by a scale-out to ``config``'s size: the host and disk budgets
+        divided by the new size (running replicas keep their shares), the threads of the
+        start-up bundle. Raises ``ValueError`` when a share holds no block or, on an embedded
+        Ray, the new host tiers do not fit in this machine's memory."""
+        engine_config = config.engine_config()
+        if self._embedded:
+            total = deployment_host_bytes(self._args, engine_config, 1) * num_new
+            if total:
+                check_host_capacity(total, f"host KV tier of {num_new} more replica(s)")
+        threads = max(1, int(self.placement.num_cpus))
+        return engine_config.model_copy(update={"num_threads": threads})
+
+    async def _tell_router(self) -> None:
+        await self.resizer.tell_router()
 
     def shutdown(self) -> None:
         self.health.stop()
         self._release()
 
     def _release(self) -> None:
-        for actor in [*self.replicas, self.router]:
+        retired = self.membership.retired
+        for actor in [r for i, r in enumerate(self.replicas) if i not in retired]:
             ray.kill(actor, no_restart=True)
+        ray.kill(self.router, no_restart=True)
         self.placement.remove()
 
 
@@ -373,12 +468,15 @@ class _LostMidStream(ReplicaFailedError):
     """The replica serving a request was lost after the request's first output."""
 
 
-_REPLICA_ERRORS = (RayTaskError, *ACTOR_LOST, StreamLostError, EngineDeadError, ValueError)
+_REPLICA_ERRORS = (
+    RayTaskError,
+    *ACTOR_LOST,
+    StreamLostError,
+    EngineDeadError,
+    ValueError,
+    ReplicaUnavailableError,  # a draining replica shed the request before it started
+)
 """What a replica link raises for a request (``ReplicaLink.generate``)."""
-
-
-class ReplicaStartError(RuntimeError):
-    """A replica actor failed in its constructor; the deployment was torn down."""
 
 
 def _check_host_memory(config: ClusterConfig, engine_config: EngineConfig, args: ModelArgs) -> None:

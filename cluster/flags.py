@@ -51,6 +51,7 @@ FLAG_GROUPS: dict[str, tuple[Flag, ...]] = {
     "cache": (
         Flag("model.block_size", "TOKENS"),
         Flag("model.num_npu_blocks", "N"),
+        Flag("model.kv_cache_dtype"),
         Flag("scheduler.prefix_cache_config.enabled"),
         Flag("scheduler.prefix_cache_config.reservation_share", "SHARE"),
     ),
@@ -78,6 +79,22 @@ FLAG_GROUPS: dict[str, tuple[Flag, ...]] = {
         Flag("routing.disk_hit_weight", "W"),
     ),
     "server": (Flag("server.host"), Flag("server.port"), Flag("server.api_key", "KEY")),
+    "scaling": tuple(
+        Flag(f"scaling.{name}", metavar)
+        for name, metavar in (
+            ("min_replicas", "N"),
+            ("max_replicas", "N"),
+            ("target_queue_s", "S"),
+            ("downscale_queue_fraction", "F"),
+            ("metrics_interval_s", "S"),
+            ("look_back_period_s", "S"),
+            ("upscale_delay_s", "S"),
+            ("downscale_delay_s", "S"),
+            ("upscaling_factor", "F"),
+            ("downscaling_factor", "F"),
+            ("cooldown_s", "S"),
+        )
+    ),
     "Ray": (
         Flag("ray.address"),
         Flag("ray.num_cpus", "CPUS"),
@@ -90,11 +107,14 @@ FLAG_GROUPS: dict[str, tuple[Flag, ...]] = {
 GROUP_DESCRIPTIONS = {
     "host tier": "A capacity flag turns the host tier on (a ratio of 0 leaves it off); the "
     "other flags of this group need one.",
+    "scaling": "Any flag of this group turns the autoscaling policy on (cluster.autoscale); "
+    "names follow Ray Serve's autoscaling_config.",
 }
 
 SECTION_PREFIXES = {
     "scheduler.kv_offload_config.": "--experimental-kv-offload-",
     "routing.": "--data-parallel-",
+    "scaling.": "--scaling-",
 }
 """The name of a field's flag in these sections starts with the section's prefix."""
 
@@ -199,7 +219,7 @@ def config_field(path: str, model: type[BaseModel] = ClusterConfig) -> FieldInfo
     """The field of ``model`` at ``path`` (dotted: sections, then the field)."""
     *sections, name = path.split(".")
     for section in sections:
-        model = model.model_fields[section].annotation
+        (model,) = _annotation_kinds(model.model_fields[section].annotation)  # less a None
     return model.model_fields[name]
 
 

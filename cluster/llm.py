@@ -1,11 +1,12 @@
 """The offline Python API: ``with LLM("smollm2-135m") as llm: llm.generate(prompts)``.
 
 ``LLM`` picks its backend once, at construction: with ``data_parallel_size=1`` a
-``LocalBackend`` runs the engine in this process; with more, a ``RayBackend`` deploys the
-replicas and the router on Ray (embedded local Ray unless one is running) and every prompt goes
-through the router, exactly as in the HTTP server. Either way the same code drives it: the
-backend's coroutines run on an event loop that the ``LLM`` owns, on the calling thread for the
-length of each call (``_EventLoop``).
+``LocalBackend`` runs the engine in this process; with more (or with ``ray.use_for_one_replica``
+or a ``scaling`` section in the config), a ``RayBackend`` deploys the replicas and the router on
+Ray (embedded local Ray unless one is running) and every prompt goes through the router, exactly
+as in the HTTP server; only that deployment can be resized (``LLM.scale``). Either way the same
+code drives it: the backend's coroutines run on an event loop that the ``LLM`` owns, on the
+calling thread for the length of each call (``_EventLoop``).
 """
 
 import asyncio
@@ -16,7 +17,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from cluster.backend import LocalBackend, ReplicaFailedError, ReplicaStats
+from cluster.backend import LocalBackend, ReplicaFailedError, ReplicaStats, ScaleResult
 from cluster.choices import generate_choices
 from cluster.config import ClusterConfig, ModelConfig
 from replicas.config import SchedulerConfig
@@ -79,6 +80,11 @@ class LLM:
         )
         self.tokenizer = self.backend.tokenizer
         self._loop = _EventLoop()
+        if config.scaling is not None:  # the policy's ticks advance while a call runs
+            from cluster.autoscale import Autoscaler
+
+            autoscaler = Autoscaler(config.scaling, config.scheduler.max_num_seqs)
+            self._loop.loop.create_task(autoscaler.run(self.backend))
         # An LLM dropped without shutdown() cancels the backend's tasks, freeing the engine.
         weakref.finalize(self, self._loop.stop)
 
@@ -196,6 +202,19 @@ class LLM:
             raise ReplicaFailedError(f"replicas {silent} did not report their stats")
         return replicas
 
+    def scale(self, data_parallel_size: int, victim: str = "value") -> ScaleResult:
+        """Resize the deployment to ``data_parallel_size`` replicas without a restart: a new
+        replica warms its host tier from its node's disk and takes traffic once ready; the
+        replica removed is the one whose cached blocks the others miss least, drained first
+        (``cluster.deploy``). Raises ``ValueError`` naming why for a bad size and
+        ``NotScalableError`` for the in-process replica, leaving the deployment as it was.
+        ``victim="random"`` removes random replicas instead: a baseline for benchmarks."""
+        return self._loop.run(self.backend.scale(data_parallel_size, victim))
+
+    def num_replicas(self) -> int:
+        """The size asked for last: replicas live or starting."""
+        return self.backend.num_replicas()
+
     def reset_prefix_cache(self, tier: str = "all") -> None:
         """Forget the cached blocks nobody uses in ``tier`` ("all", "npu", "host", "disk"), on every
         replica."""
@@ -221,8 +240,10 @@ class LLM:
 
 
 def _start_backend(config: ClusterConfig, name: str) -> "LocalBackend | RayBackend":
-    """One replica runs in this process; more are deployed on Ray as actors named ``name-*``."""
-    if config.data_parallel_size == 1:
+    """One replica runs in this process; more, or any number under an autoscaling policy or
+    with ``ray.use_for_one_replica``, are deployed on Ray as actors named ``name-*``."""
+    resizable = config.ray.use_for_one_replica or config.scaling is not None
+    if config.data_parallel_size == 1 and not resizable:
         # Steps on the calling thread: no worker-thread hop, nothing else to serve meanwhile.
         return LocalBackend(Engine(config.engine_config()), step_in_thread=False)
     from cluster.deploy import RayBackend  # imports Ray

@@ -19,6 +19,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
 )
@@ -384,6 +385,23 @@ def front_metric_families(front: FrontStats | None) -> list[Metric]:
     return families
 
 
+def size_metric_families(stats: ClusterStats) -> list[Metric]:
+    """The deployment's size (``state``: target, the size asked for last; live, the replicas
+    answering) and its resizes by ``direction`` (out, in). A replica removed by a scale-in
+    leaves every per-replica series: ``ClusterStats.replicas`` is the live set."""
+    size = GaugeMetricFamily(
+        "strata_replicas", "Replicas of the deployment: target and live.", labels=["state"]
+    )
+    size.add_metric(["target"], stats.num_target_replicas)
+    size.add_metric(["live"], sum(r.is_alive for r in stats.replicas))
+    events = CounterMetricFamily(
+        "strata_scale_events", "Resizes of the deployment, by direction.", labels=["direction"]
+    )
+    for direction in ("out", "in"):
+        events.add_metric([direction], stats.num_scale_events.get(direction, 0))
+    return [size, events]
+
+
 def cluster_metric_families(stats: ClusterStats | None) -> list[Metric]:
     """Every metric family of a stats snapshot; empty when the backend did not answer."""
     if stats is None:
@@ -392,6 +410,7 @@ def cluster_metric_families(stats: ClusterStats | None) -> list[Metric]:
         _replica_families(stats.replicas)
         + router_metric_families(stats.router)
         + front_metric_families(stats.front)
+        + size_metric_families(stats)
     )
 
 
@@ -476,9 +495,29 @@ class StrataMetrics:
             ["replica", "finish_reason"],
             registry=self.registry,
         )
+        self.autoscale_decisions: Counter | None = None  # with an autoscaling policy
+        self.autoscale_desired_replicas: Gauge | None = None
 
     def track(self) -> RequestMetrics:
         return RequestMetrics(self)
+
+    def record_autoscale(self, direction: str, num_replicas: int) -> None:
+        """One decision of the autoscaling policy (``cluster.autoscale``): its direction (up,
+        down, hold) and the size it wants. The families appear with the first decision."""
+        if self.autoscale_decisions is None:
+            self.autoscale_decisions = Counter(
+                "strata_autoscale_decisions",
+                "Decisions of the autoscaling policy, one per tick, by direction (up, down, hold).",
+                ["direction"],
+                registry=self.registry,
+            )
+            self.autoscale_desired_replicas = Gauge(
+                "strata_autoscale_desired_replicas",
+                "Replicas the autoscaling policy wants at its last decision.",
+                registry=self.registry,
+            )
+        self.autoscale_decisions.labels(direction).inc()
+        self.autoscale_desired_replicas.set(num_replicas)
 
     def render(self, stats: ClusterStats | None) -> bytes:
         """The Prometheus text exposition of this app's metrics and of ``stats``."""

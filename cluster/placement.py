@@ -7,13 +7,22 @@ the CPUs, GPU share and custom resources that replica reserves.
       bundle 1: ...
       replica i runs in bundle i and reserves all of it
 
+A resize keeps the bundle of every replica as it was at start-up. A replica removed by a
+scale-in frees its bundle: the next replica a scale-out adds takes a free bundle before a new
+placement group of one bundle is reserved; a group all of whose bundles are free is removed
+(Ray cannot shrink a placement group, so a start-up group stays reserved while one of its
+replicas runs). ``placement_strategy`` spreads or packs the replicas of one group; replicas
+added later are placed wherever their one-bundle group fits.
+
 A replica uses a GPU only when its bundle reserves one (``replicas.actor.placed_device``), so
 two replicas never share a GPU unknowingly.
 """
 
+import asyncio
 import logging
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 from ray.exceptions import GetTimeoutError
@@ -64,24 +73,108 @@ def gpus_per_replica(config: RayConfig, device: str, num_replicas: int) -> float
 
 @dataclass(slots=True)
 class ReplicaPlacement:
-    """A ready placement group of one bundle per replica."""
+    """Ready placement bundles, one per replica: those of the start-up group, and those that
+    ``reserve`` added for a scale-out. Owns which replica holds which bundle."""
 
     placement_group: PlacementGroup
     num_cpus: float
     num_gpus: float
     resources: dict[str, float]
+    bundles: dict[int, tuple[PlacementGroup, int]] = field(default_factory=dict)
+    """Replica index -> (group, bundle index) it runs in."""
+    free: list[tuple[PlacementGroup, int]] = field(default_factory=list)
+    """Reserved bundles no replica holds (freed by a scale-in)."""
+
+    def __post_init__(self) -> None:
+        if not self.bundles:
+            count = len(self.placement_group.bundle_specs)
+            self.bundles = {i: (self.placement_group, i) for i in range(count)}
+
+    @property
+    def bundle(self) -> dict[str, float]:
+        """What one replica reserves."""
+        bundle = {"CPU": self.num_cpus, **self.resources}
+        if self.num_gpus:
+            bundle["GPU"] = self.num_gpus
+        return bundle
 
     def actor_options(self, index: int) -> dict[str, object]:
-        """Ray actor options that put a replica in bundle ``index``, reserving all of it."""
+        """Ray actor options that put replica ``index`` in its bundle, reserving all of it."""
+        group, bundle_index = self.bundles[index]
         return {
             "num_cpus": self.num_cpus,
             "num_gpus": self.num_gpus,
             "resources": self.resources,
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(self.placement_group, index),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(group, bundle_index),
         }
 
+    def num_placeable(self) -> float:
+        """How many more replicas the cluster can hold now: the free bundles, plus the bundles
+        that fit in the available resources (``inf`` for a bundle of no resources). Counts the
+        cluster's totals, so a bundle too large for any one node is refused here and the rest is
+        left to Ray's placement (``reserve`` fails when it cannot place)."""
+        bundle = {k: v for k, v in self.bundle.items() if v > 0}
+        if not bundle:
+            return math.inf
+        largest = {
+            k: max((n["Resources"].get(k, 0.0) for n in ray.nodes() if n["Alive"]), default=0.0)
+            for k in bundle
+        }
+        if any(largest[k] < v for k, v in bundle.items()):
+            return float(len(self.free))
+        available = ray.available_resources()
+        fits = min(int(available.get(k, 0.0) / v + 1e-9) for k, v in bundle.items())
+        return float(len(self.free) + fits)
+
+    def describe_shortfall(self, num_new: int) -> str:
+        """Why ``num_new`` more replicas do not fit: one sentence naming the resources."""
+        available = {k: round(v, 3) for k, v in ray.available_resources().items()}
+        return (
+            f"{num_new} more replica(s) need {self.bundle} each, and the Ray cluster has "
+            f"{len(self.free)} free bundle(s) and {available} available"
+        )
+
+    async def reserve(self, indices: list[int]) -> None:
+        """Give each new replica of ``indices`` a bundle: a free one, else a new one-bundle
+        group, waiting until Ray has placed it. Raises ``RuntimeError`` (having given back
+        every bundle this call took) when the cluster cannot place them."""
+        taken: list[int] = []
+        try:
+            for index in indices:
+                if self.free:
+                    self.bundles[index] = self.free.pop()
+                    taken.append(index)
+                    continue
+                group = placement_group([dict(self.bundle)], strategy="PACK")
+                self.bundles[index] = (group, 0)
+                taken.append(index)
+                try:
+                    await asyncio.wait_for(group.ready(), PLACEMENT_TIMEOUT_S)
+                except TimeoutError:
+                    raise RuntimeError(
+                        f"cannot place replica {index} needing {self.bundle} on this Ray "
+                        f"cluster ({ray.available_resources()} available)"
+                    ) from None
+        except BaseException:
+            for index in taken:
+                self.release(index)
+            raise
+
+    def release(self, index: int) -> None:
+        """Replica ``index`` no longer runs: its bundle is free; a group with no replica left
+        in it is removed."""
+        group, bundle_index = self.bundles.pop(index)
+        self.free.append((group, bundle_index))
+        if not any(g is group for g, _ in self.bundles.values()):
+            self.free = [(g, b) for g, b in self.free if g is not group]
+            remove_placement_group(group)
+
     def remove(self) -> None:
-        remove_placement_group(self.placement_group)
+        groups = {id(g): g for g, _ in [*self.bundles.values(), *self.free]}
+        for group in groups.values():
+            remove_placement_group(group)
+        self.bundles.clear()
+        self.free.clear()
 
 
 FRONT_RESERVED_CPUS = 1.0

@@ -1,9 +1,10 @@
 """``strata serve``: deploy on Ray and serve the OpenAI-compatible HTTP API until stopped."""
 
 import asyncio
+import contextlib
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 import uvicorn
@@ -34,7 +35,35 @@ def build_app(config: ClusterConfig, name: str = "strata") -> tuple["FastAPI", "
         watchdog_stall_s=server.watchdog_stall_s,
         response_store=server.responses,
     )
+    if config.scaling is not None:
+        _run_autoscaler(app, backend, config)
     return app, backend
+
+
+def _run_autoscaler(app: "FastAPI", backend: "RayBackend", config: ClusterConfig) -> None:
+    """Run the autoscaling policy (``cluster.autoscale``) for as long as the app serves; its
+    decisions go to the app's /metrics."""
+    from cluster.autoscale import Autoscaler
+
+    metrics = app.state.metrics
+    autoscaler = Autoscaler(
+        config.scaling,
+        config.scheduler.max_num_seqs,
+        on_decision=lambda d: metrics.record_autoscale(d.direction, d.num_replicas),
+    )
+    serving_lifespan = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: "FastAPI") -> AsyncIterator[None]:
+        async with serving_lifespan(app):
+            task = asyncio.create_task(autoscaler.run(backend))
+            try:
+                yield
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    app.router.lifespan_context = lifespan
 
 
 def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -48,8 +77,9 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
-def serve(config: ClusterConfig) -> None:
-    """Serve until interrupted (Ctrl-C or SIGTERM), then shut every actor down."""
+def serve(config: ClusterConfig, reload: Callable[[], ClusterConfig] | None = None) -> None:
+    """Serve until interrupted (Ctrl-C or SIGTERM), then shut every actor down. With
+    ``reload`` (re-reads the config file), SIGHUP applies a changed size (``cluster.reload``)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from cluster.deploy import ReplicaStartError
 
@@ -69,9 +99,17 @@ def serve(config: ClusterConfig) -> None:
         f"replica(s) on http://{server.host}:{server.port}/v1",
         flush=True,
     )
+
+    async def run() -> None:
+        if reload is not None:
+            from cluster.reload import watch_sighup
+
+            watch_sighup(asyncio.get_running_loop(), backend, config, reload)
+        await uvicorn_server.serve()
+
     try:
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-            runner.run(uvicorn_server.serve())
+            runner.run(run())
     except KeyboardInterrupt:
         pass  # uvicorn already shut down gracefully; re-raised by asyncio.run on SIGINT
     finally:

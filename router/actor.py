@@ -5,17 +5,20 @@ replica per request (``route_many``: the requests that arrived together, in one 
 not on the token path. On an event gap it asks the replica for a
 snapshot; after a restart of the router itself, it rebuilds every replica's index the same way,
 and asks the replicas again for what the deployment told it at start-up (their nodes, and the
-ttft profile's measured costs).
+ttft profile's measured costs). Ray re-creates a restarted router at its start-up size: a
+deployment resized since tells it its replicas again (``sync_members``; the deployment notices
+the new ``incarnation``).
 """
 
 import asyncio
 import logging
+import uuid
 import warnings
 from collections.abc import Collection, Sequence
 
 import ray
 
-from replicas.kv.events import KVEventBatch
+from replicas.kv.events import KVEventBatch, KVSnapshot
 from replicas.kv.hashing import BlockHash
 from replicas.step_costs import StepCosts, median_costs
 from router.config import RoutingConfig, TTFTCosts
@@ -51,6 +54,7 @@ class RouterActor:
         self.replica_name_prefix = replica_name_prefix
         self._resyncing: set[int] = set()
         self._node_ids: list[str] | None = None  # set_nodes' (None: each replica its own node)
+        self.incarnation = uuid.uuid4().hex  # tells a restarted router from the one before
         # Routing waits for the ttft profile's costs when the deployment measures them.
         self._priced = asyncio.Event()
         if not config.needs_ttft_costs:
@@ -122,6 +126,38 @@ class RouterActor:
         self.router.mark_alive(replica_index)
         self.router.request_resync(replica_index)
         self._schedule_resync(replica_index)
+
+    async def ready(self) -> str:
+        """This router's incarnation id: it changes when Ray restarts the router."""
+        return self.incarnation
+
+    # ---- resizing (cluster.scaling) ----------------------------------------------------------
+    async def add_replica(self, node_id: str) -> int:
+        """A replica joins on node ``node_id``: indexed from its first event, not routed to
+        until ``start_routing``. Its index (the next unused one)."""
+        replica = self.router.add_replica(node_id)
+        if self._node_ids is not None:
+            self._node_ids.append(node_id)
+        return replica
+
+    async def start_routing(self, replica_index: int) -> None:
+        self.router.start_routing(replica_index)
+
+    async def set_draining(self, replica_index: int) -> None:
+        self.router.set_draining(replica_index)
+
+    async def retire(self, replica_index: int, snapshot: KVSnapshot | None = None) -> None:
+        self.router.retire(replica_index, snapshot)
+
+    async def sync_members(self, roles: Sequence[str], node_ids: Sequence[str]) -> None:
+        """The deployment's replicas, by index (``Router.sync_members``); each replica still
+        in it is resynchronised from its snapshot."""
+        self.router.sync_members(roles, node_ids)
+        self._node_ids = list(node_ids)
+        for index, role in enumerate(self.router.roles()):
+            if role != "retired":
+                self.router.request_resync(index)
+                self._schedule_resync(index)
 
     async def set_nodes(self, node_ids: Sequence[str]) -> None:
         """Which node each replica runs on (replicas of one node share its disk tier)."""

@@ -138,6 +138,13 @@ class RoutingConfig(BaseModel):
         "(least recently used forgotten first); 0 ignores keys.",
     )
 
+    ramp_s: float = Field(
+        30.0,
+        ge=0,
+        description="routing.ramp_s: a replica added to a running deployment takes a share of "
+        "new (cold) prefixes that grows to its full share over this many seconds (0: at once).",
+    )
+
     @model_validator(mode="after")
     def _check(self) -> "RoutingConfig":
         if self.policy == "round-robin" and self.scoring_profile != DEFAULT_SCORING_PROFILE:

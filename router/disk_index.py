@@ -11,9 +11,11 @@ match, that some replica on r's node wrote::
     node_mask[r]         bit w set: replica w shares r's node (r itself included)
     credited to r        holders[block_hash] & node_mask[r] != 0
 
-A replica that dies keeps its bits (its files stay on the node's disk and stay readable); one
-that rejoins starts empty and announces again. Only the global (``full``) cache type is indexed:
-a hybrid model's disk blocks are not credited (its sliding window would need them too).
+A replica that dies, or is retired by a scale-in, keeps its bits (its files stay on the node's
+disk and stay readable by the node's other replicas); one that rejoins starts empty and
+announces again. A replica added by a scale-out grows the masks by one bit (``add_replica``).
+Only the global (``full``) cache type is indexed: a hybrid model's disk blocks are not credited
+(its sliding window would need them too).
 """
 
 from collections.abc import Sequence
@@ -30,6 +32,7 @@ class NodeDiskIndex:
         self._holders: dict[BlockHash, int] = {}
         self._num_blocks = [0] * num_replicas
         self._node_mask = [1 << r for r in range(num_replicas)]  # until set_nodes says
+        self._node_ids = [f"unknown-{r}" for r in range(num_replicas)]
 
     def __len__(self) -> int:
         return len(self._holders)
@@ -38,10 +41,22 @@ class NodeDiskIndex:
         """Blocks ``replica`` wrote to its node's disk."""
         return self._num_blocks[replica]
 
+    def add_replica(self, node_id: str | None = None) -> int:
+        """Grow the index by one replica that wrote nothing, on node ``node_id`` (None: a node
+        of its own until ``set_nodes``); its index (mutates)."""
+        replica = self.num_replicas
+        self.num_replicas += 1
+        self._num_blocks.append(0)
+        self._node_mask.append(1 << replica)
+        self._node_ids.append(node_id if node_id is not None else f"unknown-{replica}")
+        self.set_nodes(self._node_ids)
+        return replica
+
     def set_nodes(self, node_ids: Sequence[str]) -> None:
         """Which node each replica runs on (replicas with equal ids share a disk)."""
         if len(node_ids) != self.num_replicas:
             raise ValueError(f"{len(node_ids)} node ids for {self.num_replicas} replicas")
+        self._node_ids = list(node_ids)
         for replica, node in enumerate(node_ids):
             self._node_mask[replica] = sum(
                 1 << w for w, other in enumerate(node_ids) if other == node

@@ -29,6 +29,13 @@ class LoadTracker:
         self._charges: dict[str, _Charge] = {}
         self._queued: dict[str, int] = {}
 
+    def add_replica(self) -> int:
+        """Grow by one replica carrying nothing; its index (mutates)."""
+        self.load_tokens.append(0)
+        self.queued_tokens.append(0)
+        self.num_requests.append(0)
+        return len(self.load_tokens) - 1
+
     def __len__(self) -> int:
         """Number of requests holding a charge."""
         return len(self._charges)

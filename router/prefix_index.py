@@ -163,6 +163,24 @@ class PrefixIndex:
                 self._store(block_hash, npu, host | bit)
                 self._num_host[replica] += 1
 
+    def add_replica(self) -> int:
+        """Grow the index by one replica holding nothing; its index (mutates). Past a lane of
+        8 replicas every entry is re-encoded at the wider field width: one pass, as rare as a
+        resize."""
+        masks = None
+        if self.num_replicas % _LANE_BITS == 0:
+            masks = {h: self._decode(entry) for h, entry in self._holders.items()}
+        replica = self.num_replicas
+        self.num_replicas += 1
+        self._num_npu.append(0)
+        self._num_host.append(0)
+        if masks is not None:
+            self._num_lanes = -(-self.num_replicas // _LANE_BITS)
+            self._field_bits = _LANE_BITS * self._num_lanes
+            self._field_mask = (1 << self._field_bits) - 1
+            self._holders = {h: self._encode(npu, host) for h, (npu, host) in masks.items()}
+        return replica
+
     def clear_replica(self, replica: int) -> None:
         """Forget every block of ``replica`` (mutates). One pass over the whole index, so meant
         for rare events (death, resync); free when the replica holds nothing."""

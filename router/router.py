@@ -1,8 +1,10 @@
 """The router: picks a data-parallel replica for each request and keeps its view of the replicas
 (cached prefixes, load, liveness) up to date. Plain class; ``router.actor`` wraps it for Ray."""
 
-from collections.abc import Collection, Sequence
+import time
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 from replicas.kv.events import (
     SLIDING,
@@ -28,14 +30,35 @@ class NoLiveReplicaError(RuntimeError):
     the cluster backends (HTTP 503)."""
 
 
+class ReplicaRole(StrEnum):
+    """Where a replica is in the life of a resizable deployment (``cluster.scaling``)::
+
+        joining ──start_routing──▶ serving ──set_draining──▶ draining ──retire──▶ retired
+
+    Joining and draining replicas are indexed and credited but not routed to; a retired one is
+    forgotten for good (its index number is never reused)."""
+
+    JOINING = "joining"
+    SERVING = "serving"
+    DRAINING = "draining"
+    RETIRED = "retired"
+
+
 @dataclass(slots=True)
 class _ReplicaSync:
-    """Liveness and event position of one replica."""
+    """Liveness, role and event position of one replica."""
 
     is_live: bool = True
     next_seq: int = 0
     """Sequence number of the next event the index expects from the replica."""
     needs_resync: bool = False
+    role: ReplicaRole = ReplicaRole.SERVING
+    ramp_start_s: float | None = None
+    """When a replica added by a scale-out started serving, while its ramp lasts."""
+
+    @property
+    def is_routable(self) -> bool:
+        return self.is_live and self.role == ReplicaRole.SERVING
 
 
 class Router:
@@ -62,6 +85,14 @@ class Router:
     replica is neither routed to nor indexed; its index and load are dropped at once, and its
     requests' later completion or abort releases nothing. Not thread-safe: the actor serialises
     calls.
+
+    Resizing (``ReplicaRole``): ``add_replica`` grows every per-replica structure by one joining
+    replica, ``start_routing`` lets it take requests, ``set_draining`` stops routing to one and
+    ``retire`` forgets it. A replica that starts serving by a scale-out ramps up: for a cold
+    prompt (cached on no routable replica) it is scored as carrying, on top of its own load, the
+    busiest other replica's load plus the prompt, times the share of ``ramp_s`` still to run,
+    so it takes a growing share of new prefixes rather than every one at once; prompts it
+    caches reach it as usual.
     """
 
     def __init__(
@@ -70,6 +101,7 @@ class Router:
         block_size: int,
         config: RoutingConfig,
         sliding_window: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if num_replicas <= 0:
             raise ValueError(f"num_replicas must be positive, got {num_replicas}")
@@ -77,6 +109,7 @@ class Router:
         self.block_size = block_size
         self.config = config
         self.sliding_window = sliding_window
+        self._clock = clock
         # Without its cost profile the ttft policy waits for set_ttft_costs (a deployment
         # measures the profile on its replicas before it serves).
         self._policy = None if config.needs_ttft_costs else make_policy(config, block_size)
@@ -92,7 +125,7 @@ class Router:
         self._load = LoadTracker(num_replicas)
         self._sync = [_ReplicaSync() for _ in range(num_replicas)]
         self._counters = [RoutingCounters() for _ in range(num_replicas)]
-        self._live: list[int] = list(range(num_replicas))  # ascending; rebuilt on liveness change
+        self._live: list[int] = list(range(num_replicas))  # routable, ascending; see _relist
 
     def set_ttft_costs(self, costs: TTFTCosts) -> None:
         """Price the ttft profile with ``costs`` from now on (the profile a deployment measured
@@ -135,8 +168,11 @@ class Router:
         key_replica = self._affinity.replica_of(cache_key)
         if key_replica not in live:
             key_replica = None
+        load_tokens = load.load_tokens
+        if key_replica is None:
+            load_tokens = self._ramped_load(live, matches, num_prompt_tokens)
         decision = self._policy.choose(
-            live, matches, load.load_tokens, num_prompt_tokens, queues, key_replica
+            live, matches, load_tokens, num_prompt_tokens, queues, key_replica
         )
         self._affinity.record(cache_key, decision.replica_index)
         uncached = num_prompt_tokens - decision.num_matched_tokens
@@ -164,6 +200,28 @@ class Router:
             if num_blocks > matches[replica].num_blocks:
                 matches[replica] = IndexMatch.of({Tier.NPU: num_blocks})
         return matches
+
+    def _ramped_load(
+        self, live: Sequence[int], matches: Sequence[IndexMatch], num_prompt_tokens: int
+    ) -> Sequence[int]:
+        """The loads the policy scores a prompt with: with a cold prompt and a replica still
+        ramping up, that replica's load plus its ramp penalty (see the class docstring)."""
+        load_tokens = self._load.load_tokens
+        ramping = [r for r in live if self._sync[r].ramp_start_s is not None]
+        if not ramping or any(matches[r].num_blocks for r in live):
+            return load_tokens
+        now = self._clock()
+        ramp_s = self.config.ramp_s
+        busiest = max((load_tokens[r] for r in live if r not in ramping), default=0)
+        ramped = list(load_tokens)
+        for replica in ramping:
+            sync = self._sync[replica]
+            remaining = 1.0 - (now - sync.ramp_start_s) / ramp_s if ramp_s > 0 else 0.0
+            if remaining <= 0:
+                sync.ramp_start_s = None  # ramped up
+                continue
+            ramped[replica] += int(remaining * (busiest + num_prompt_tokens))
+        return ramped
 
     def _safe(
         self, block_hashes: Sequence[BlockHash], replica: int, match: IndexMatch
@@ -196,6 +254,8 @@ class Router:
         False when it was not applied: a gap (the replica now needs resync), a resync already
         pending, or a dead replica.
         """
+        if batch.replica_index >= self.num_replicas:  # added meanwhile; told of it later
+            return False
         sync = self._replica_sync(batch.replica_index)
         if not sync.is_live or sync.needs_resync:
             return False
@@ -251,12 +311,15 @@ class Router:
         self._pending.clear_replica(replica)
         self._load.clear_replica(replica)
         self._affinity.clear_replica(replica)
-        self._live = [i for i, s in enumerate(self._sync) if s.is_live]
+        self._relist()
 
     def mark_alive(self, replica: int, next_seq: int = 0) -> None:
         """(Re)join ``replica`` as a fresh process (mutates): empty index and no load, expecting
-        events from ``next_seq``. On a live replica this resets it the same way (a restart)."""
+        events from ``next_seq``. On a live replica this resets it the same way (a restart).
+        Its role stays; a retired replica stays out (returns without a change)."""
         sync = self._replica_sync(replica)
+        if sync.role == ReplicaRole.RETIRED:
+            return
         for index in self._indexes:
             index.clear_replica(replica)
         self._disk.clear_replica(replica)  # a fresh process announces its disk blocks again
@@ -265,7 +328,81 @@ class Router:
         sync.is_live = True
         sync.next_seq = next_seq
         sync.needs_resync = False
-        self._live = [i for i, s in enumerate(self._sync) if s.is_live]
+        self._relist()
+
+    # ---- resizing ----------------------------------------------------------------------------
+    def add_replica(self, node_id: str | None = None) -> int:
+        """Grow every per-replica structure by one joining replica on node ``node_id`` (its
+        events are indexed, its node's disk blocks credited, but nothing is routed to it until
+        ``start_routing``); its index, the next unused one (mutates)."""
+        replica = self.num_replicas
+        for index in self._indexes:
+            index.add_replica()
+        self._disk.add_replica(node_id)
+        self._load.add_replica()
+        self._sync.append(_ReplicaSync(role=ReplicaRole.JOINING))
+        self._counters.append(RoutingCounters())
+        self.num_replicas += 1
+        return replica
+
+    def start_routing(self, replica: int, ramp: bool = True) -> None:
+        """Route to a joining (or draining) replica from now on (mutates); with ``ramp``, its
+        share of cold prompts ramps up over ``config.ramp_s``."""
+        sync = self._replica_sync(replica)
+        if sync.role == ReplicaRole.RETIRED:
+            raise ValueError(f"replica {replica} is retired")
+        sync.role = ReplicaRole.SERVING
+        sync.ramp_start_s = self._clock() if ramp and self.config.ramp_s > 0 else None
+        self._relist()
+
+    def set_draining(self, replica: int) -> None:
+        """Stop routing new requests to ``replica`` (mutates); its index and load stay until
+        ``retire`` (its running requests still report)."""
+        sync = self._replica_sync(replica)
+        if sync.role == ReplicaRole.RETIRED:
+            raise ValueError(f"replica {replica} is retired")
+        sync.role = ReplicaRole.DRAINING
+        sync.ramp_start_s = None
+        self._relist()
+
+    def retire(self, replica: int, snapshot: KVSnapshot | None = None) -> None:
+        """Forget ``replica`` for good (mutates; idempotent): as ``mark_dead``, and it never
+        rejoins. Its disk blocks stay credited to its node (its slab stays readable): those of
+        ``snapshot`` when given (its last one, taken after it wrote its hot blocks to disk)."""
+        if snapshot is not None and self._sync[replica].role != ReplicaRole.RETIRED:
+            self._disk.load_snapshot(snapshot)
+        self.mark_dead(replica)
+        self._sync[replica].role = ReplicaRole.RETIRED
+        self._relist()
+
+    def roles(self) -> list[ReplicaRole]:
+        """Every replica's role, by replica index (retired ones included)."""
+        return [sync.role for sync in self._sync]
+
+    def sync_members(self, roles: Sequence[str], node_ids: Sequence[str]) -> None:
+        """Take the deployment's view of its replicas (mutates): grow to ``len(roles)`` and
+        give each its role, e.g. after a restart re-created this router at its start-up size.
+        A replica's index and load are kept unless it is retired."""
+        if len(node_ids) != len(roles):
+            raise ValueError(f"{len(node_ids)} node ids for {len(roles)} replicas")
+        while self.num_replicas < len(roles):
+            self.add_replica()
+        for replica, role in enumerate(roles):
+            role = ReplicaRole(role)
+            if role == ReplicaRole.RETIRED:
+                self.retire(replica)
+            elif role == ReplicaRole.SERVING:
+                if self._sync[replica].role != ReplicaRole.SERVING:
+                    self.start_routing(replica, ramp=False)
+            elif role == ReplicaRole.DRAINING:
+                self.set_draining(replica)
+            else:
+                self._sync[replica].role = role
+        self._relist()
+        self.set_nodes(node_ids)
+
+    def _relist(self) -> None:
+        self._live = [i for i, s in enumerate(self._sync) if s.is_routable]
 
     def set_nodes(self, node_ids: Sequence[str]) -> None:
         """Which node each replica runs on: replicas of one node share its disk tier."""
@@ -276,9 +413,12 @@ class Router:
         return list(self._live)
 
     def stats(self) -> RouterStats:
-        """A consistent copy of every replica's counters, load and index size."""
+        """A consistent copy of every replica's counters, load and index size (retired
+        replicas left out)."""
         replicas = []
         for i, (sync, counters) in enumerate(zip(self._sync, self._counters)):
+            if sync.role == ReplicaRole.RETIRED:
+                continue
             buckets = counters.cumulative_bucket_counts()
             replicas.append(
                 ReplicaRoutingStats(
@@ -302,6 +442,9 @@ class Router:
                     num_event_gaps=counters.num_event_gaps,
                     num_resyncs=counters.num_resyncs,
                     num_key_affinity_routes=counters.num_key_affinity_routes,
+                    queued_tokens=self._load.queued_tokens[i],
+                    num_requests=self._load.num_requests[i],
+                    role=sync.role.value,
                 )
             )
         return RouterStats(replicas=tuple(replicas), num_indexed_hashes=len(self._index))
@@ -314,7 +457,7 @@ class Router:
         self._pending.check_integrity()
         self._load.check_integrity()
         assert len(self._pending) <= len(self._load), "a pending prompt outlived its charge"
-        assert self._live == [i for i, s in enumerate(self._sync) if s.is_live], "live list stale"
+        assert self._live == [i for i, s in enumerate(self._sync) if s.is_routable], "stale list"
         for i, sync in enumerate(self._sync):
             if not sync.is_live:
                 assert not self._index.num_npu_blocks(i) and not self._index.num_host_blocks(i), (

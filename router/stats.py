@@ -33,6 +33,9 @@ class ReplicaRoutingStats:
     num_event_gaps: int
     num_resyncs: int
     num_key_affinity_routes: int = 0  # decisions that followed the request's prompt_cache_key
+    queued_tokens: int = 0  # uncached prompt tokens of its requests not past prefill
+    num_requests: int = 0  # requests routed there and not released
+    role: str = "serving"  # router.router.ReplicaRole: joining, serving, draining
 
     def num_matched_tokens_in(self, tier: Tier) -> int:
         return tier_count(self.num_matched_tokens_by_tier, tier)
@@ -43,7 +46,8 @@ class ReplicaRoutingStats:
 
 @dataclass(frozen=True, slots=True)
 class RouterStats:
-    """Every replica's routing counters, indexed by replica index."""
+    """Every replica's routing counters, in replica-index order; replicas retired by a
+    scale-in are left out (an entry's ``replica_index`` says whose it is)."""
 
     replicas: tuple[ReplicaRoutingStats, ...]
     num_indexed_hashes: int

@@ -7,8 +7,9 @@ agent is the real ``router.Router`` fed by KV events; peers live in ``peers.py``
 """
 
 import random
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -78,9 +79,11 @@ class StrataAgent(RoutingAgent):
         token_scale: float,
         config: RoutingConfig,
         sliding_window: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock``: the router's (a simulation passes its simulated time)."""
         super().__init__(view, block_size, token_scale)
-        self.router = Router(view.num_replicas, block_size, config, sliding_window)
+        self.router = Router(view.num_replicas, block_size, config, sliding_window, clock)
         self.num_event_gaps = 0
 
     def route(self, request: Request, now: float) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from benchmarks.report import Report
 from benchmarks.sim import report as sim_report
-from benchmarks.sim.cost_model import CostModel, HardwareProfile
+from benchmarks.sim.cost_model import KV_CACHE_DTYPES, CostModel, HardwareProfile
 from benchmarks.sim.metrics import ideal_ttft_s, ttft_figures
 from benchmarks.sim.peers import PEERS
 from benchmarks.sim.runs import execute, parse_sweep, plan_runs
@@ -55,6 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hardware",
         default="h200-llama8b",
         help="hardware profile: a name in benchmarks/sim/profiles or a JSON path",
+    )
+    add(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=None,
+        help="KV dtype the hardware profile simulates: its bytes per token size the tiers in "
+        "blocks and the copy times (default: the profile's kv_cache_dtype, auto)",
     )
     add(
         "--num-npu-blocks",
@@ -227,6 +234,8 @@ def run(args: argparse.Namespace, command: str) -> dict[str, object]:
     try:
         sweeps = [parse_sweep(spec) for spec in args.sweep]
         profile = HardwareProfile.load(args.hardware)
+        if args.kv_cache_dtype is not None:
+            profile = profile.with_kv_cache_dtype(args.kv_cache_dtype)
     except ValueError as error:
         raise SystemExit(str(error)) from None
     base = base_config(args)
@@ -257,11 +266,13 @@ def build_report(
         (
             f"{summary['num_requests']} requests over {summary['duration_s']:.0f} s replayed "
             f"through simulated replicas (real scheduler, KV cache manager and router code; "
-            f"hardware profile `{profile.name}`). One hash id = {args.tokens_per_hash_id} "
-            f"tokens; each simulated token stands for {first['token_scale']:g} trace tokens in "
-            f"the cost model. An unbounded prefix cache would serve "
-            f"{summary['unbounded_prefix_hit_rate']:.3f} of the blocks. Load imbalance = max / "
-            "mean over replicas of each replica's time-averaged outstanding tokens; "
+            f"hardware profile `{profile.name}`, KV dtype {profile.kv_cache_dtype}: "
+            f"{profile.kv_cache_bytes_per_token} bytes per token). One hash id = "
+            f"{args.tokens_per_hash_id} tokens; each simulated token stands for "
+            f"{first['token_scale']:g} trace tokens in the cost model. An unbounded prefix "
+            f"cache would serve {summary['unbounded_prefix_hit_rate']:.3f} of the blocks. "
+            "Load imbalance = max / mean over replicas of each replica's time-averaged "
+            "outstanding tokens; "
             "'@ arrivals' = mean over arrivals of the instantaneous max / mean "
             "(see benchmarks/sim/metrics.py)."
         ),
@@ -284,6 +295,7 @@ def build_report(
     report.results = {
         "trace": {"path": str(args.trace), **summary},
         "hardware_profile": profile.name,
+        "kv_cache_dtype": profile.kv_cache_dtype,
         "records": results,
         "ideal": {k: v for k, v in ideal.items() if k != "ttft_quantiles_s"},
         "replicate_summary": summary_rows,

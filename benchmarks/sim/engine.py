@@ -16,6 +16,10 @@ A step is split where simulated time passes::
                       ended; the stores planned while caching land at once, their time charged
                       to the next step; KV events are drained into one KVEventBatch with this
                       replica's sequence numbers
+
+A replica added to a running cluster first warms its host tier from the node's disk
+(``warm_from_disk``: the real ``KVCacheManager.start_warm`` rounds, each round's reads landing
+``CostModel.disk_load_s`` after it starts) and ``publish``es the host blocks it loaded.
 """
 
 import math
@@ -27,6 +31,7 @@ from replicas.engine.core import EngineCore, StepInFlight, StepResult
 from replicas.engine.request import Request
 from replicas.engine.scheduler import SchedulerOutput
 from replicas.kv.events import KVEventBatch
+from replicas.kv.handover import HANDOVER_BATCH_BLOCKS
 from replicas.kv.manager import KVCacheManager
 from replicas.kv.records import DiskCopy, TransferPlan
 
@@ -79,7 +84,7 @@ class InstantTransfer:
         self.last_plan = plan
         self._landed.append(plan)
         for copy in plan.disk_stores:
-            self.disk[copy.cache_type].store(copy.block_hash)
+            self.disk[copy.cache_type].store(copy.block_hash, copy.weight)
         if plan.disk_loads:
             for copy in plan.disk_loads:
                 self.disk[copy.cache_type].touch(copy.block_hash)
@@ -221,6 +226,30 @@ class SimulatedEngine:
         self._carry_s = self.cost_model.transfer_s(self._transfer.last_plan)
         report.events = self._drain_events()  # this step's events: schedule, cache, stores
         return report
+
+    def warm_from_disk(self, now: float, time_budget_s: float) -> tuple[int, float]:
+        """``Engine.warm_from_disk`` on simulated time, from ``now``: the node's disk blocks,
+        hottest first, into empty host blocks, a round of reads at a time, until the host tier
+        or the disk has no more or ``time_budget_s`` has passed. Returns the blocks loaded and
+        when the last round landed. Call before the replica serves (no step runs meanwhile)."""
+        if not self._transfer.disk:
+            return 0, now
+        warm = self.kv_cache.start_warm()
+        num_before = self.kv_cache.stats.disk_blocks_loaded
+        deadline = now + time_budget_s
+        while not warm.is_done and now < deadline:
+            self._transfer.now = now
+            if not warm.plan_round(HANDOVER_BATCH_BLOCKS):
+                break
+            self.core.run_transfers(self.kv_cache.take_transfer_plan())
+            now = self._transfer.next_landing() or now
+            self._transfer.now = now
+            self.core.complete_disk_loads(0.0)
+        return self.kv_cache.stats.disk_blocks_loaded - num_before, now
+
+    def publish(self) -> StepReport:
+        """The KV events recorded since the last step, in a report with no tokens."""
+        return StepReport(self._drain_events())
 
     def _drain_events(self) -> KVEventBatch:
         events = tuple(self.kv_cache.drain_events())

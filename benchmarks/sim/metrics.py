@@ -40,6 +40,12 @@ class LoadMeter:
         self.load[replica] += num_tokens
         self._end = max(self._end, now)
 
+    def add_replica(self) -> None:
+        """Grow by one replica carrying nothing (a scale-out)."""
+        self.load.append(0)
+        self._area.append(0.0)
+        self._since.append(self._end)
+
     def sample(self) -> None:
         """Record the instantaneous imbalance (call before routing an arrival)."""
         total = sum(self.load)

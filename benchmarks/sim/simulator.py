@@ -28,6 +28,7 @@ import heapq
 import itertools
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -84,6 +85,7 @@ class SimConfig:
     host_memory_gb: float = 0.0
     host_memory_ratio: float = 0.0
     disk_memory_gb: float = 0.0  # process-wide disk tier, split among replicas (0: none)
+    announce_disk_blocks: bool = False  # the router credits the node's disk blocks (sim.disk)
     write_through_threshold: int | None = 2
     write_back: bool = False
     retention: str = "fixed"  # "adaptive" (KVOffloadConfig.retention), or CLAIRVOYANT (a bound)
@@ -135,8 +137,12 @@ def ttft_costs(config: SimConfig, cost_model: CostModel) -> TTFTCosts:
 
 
 def make_agent(
-    config: SimConfig, view: ClusterView, cost_model: CostModel | None = None
+    config: SimConfig,
+    view: ClusterView,
+    cost_model: CostModel | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> RoutingAgent:
+    """The routing agent of ``config.policy``; ``clock``: Strata's router's (simulated time)."""
     if config.policy == STRATA:
         costs = None
         if config.scoring_profile == "ttft":
@@ -148,7 +154,7 @@ def make_agent(
             key_overload_factor=config.key_overload_factor,
         )
         return StrataAgent(
-            view, config.block_size, config.token_scale, routing, config.sliding_window
+            view, config.block_size, config.token_scale, routing, config.sliding_window, clock
         )
     if config.policy not in PEERS:
         raise ValueError(f"unknown policy {config.policy!r}; one of {[STRATA, *PEERS]}")
@@ -178,7 +184,7 @@ class Simulator:
         self.num_skipped = len(requests) - len(self.requests)
         self._now = 0.0  # the time of the event being handled
         self._arrivals = self._future_arrivals() if config.retention == CLAIRVOYANT else None
-        disks = self._disk_views()
+        self.disk_views = disks = self._disk_views()
         self.engines = [
             SimulatedEngine(
                 r,
@@ -190,7 +196,7 @@ class Simulator:
             )
             for r in range(config.data_parallel_size)
         ]
-        self.agent = make_agent(config, ClusterView(self.engines), cost_model)
+        self.agent = make_agent(config, ClusterView(self.engines), cost_model, lambda: self._now)
         self.meter = LoadMeter(config.data_parallel_size)
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
@@ -279,7 +285,7 @@ class Simulator:
             slots = int(share * spec.num_npu_blocks / total_npu // self.cost_model.block_bytes)
             if slots < 1:
                 raise ValueError(f"--disk-memory-gb {c.disk_memory_gb} holds no block per replica")
-            node = NodeDisk(c.data_parallel_size, slots)
+            node = NodeDisk(c.data_parallel_size, slots, lambda: self._now, c.announce_disk_blocks)
             for replica, view in enumerate(views):
                 view[spec.name] = node.view(replica, read_s)
         return views
@@ -334,12 +340,18 @@ class Simulator:
             elif kind == WAKE:
                 if not self.engines[payload].is_busy:
                     self._begin_step(payload, now)
-            else:
+            elif kind == DELIVER:
                 self.agent.on_report(payload, now)
+            else:
+                self._handle(kind, payload, now)
         bar.close()
         for engine in self.engines:
             engine.kv_cache.check_integrity()
         return self._record(time.perf_counter() - wall_start)
+
+    def _handle(self, kind: int, payload: Any, now: float) -> None:
+        """An event of a subclass's own kind (``resize.ResizingSimulator``: RESIZE)."""
+        raise ValueError(f"unknown event kind {kind}")
 
     @property
     def label(self) -> str:

@@ -9,6 +9,9 @@
     POST /v1/admin/reset_prefix_cache   forget every replica's unreferenced cached blocks of a
                                 tier (``tier`` in the JSON body or the query: all, npu, host,
                                 disk)
+    POST /v1/admin/scale        resize the deployment: {"data_parallel_size": N} (400 naming
+                                data_parallel_size for a bad size, 409 for a deployment that
+                                cannot be resized; both leave it as it was)
 
 Request path: APIKeyGuard (401) -> BodySizeLimit (413) -> route: parse the JSON body (400) ->
 ``Serving`` checks and generates. Every error is OpenAI-shaped (``cluster.api.errors``).
@@ -36,6 +39,7 @@ from cluster.api.protocol import (
     ModelCard,
     ModelList,
     ResetPrefixCacheRequest,
+    ScaleRequest,
     TokenizeRequest,
     ignored_fields,
 )
@@ -47,7 +51,7 @@ from cluster.api.responses import (
 )
 from cluster.api.serving import Serving
 from cluster.api.watchdog import LoopWatchdog
-from cluster.backend import Backend
+from cluster.backend import Backend, NotScalableError
 from cluster.metrics import CONTENT_TYPE, StrataMetrics
 
 logger = logging.getLogger(__name__)
@@ -253,6 +257,19 @@ def _add_operation_routes(
                 raise describe_validation_error(error) from None
         await backend.reset_prefix_cache(body.tier)
         return JSONResponse({"status": "ok", "tier": body.tier})
+
+    @app.post("/v1/admin/scale")
+    async def scale(request: Request) -> JSONResponse:
+        body = await read_body(request, ScaleRequest)
+        try:
+            result = await backend.scale(body.data_parallel_size)
+        except ValueError as error:
+            raise APIError.bad_request(str(error), "data_parallel_size") from None
+        except NotScalableError as error:
+            raise APIError(
+                409, str(error), param="data_parallel_size", code="not_scalable"
+            ) from None
+        return JSONResponse({"status": "ok", **result.as_dict()})
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -91,6 +91,16 @@ class ResetPrefixCacheRequest(_Body):
     )
 
 
+class ScaleRequest(_Body):
+    """``POST /v1/admin/scale``: resize the deployment while it serves."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    data_parallel_size: int = Field(
+        ..., ge=1, strict=True, description="The number of replicas to run from now on."
+    )
+
+
 class TokenizeRequest(_Body):
     """``POST /tokenize`` (as vLLM serves it): a prompt's token ids."""
 

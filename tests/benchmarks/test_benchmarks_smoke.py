@@ -33,6 +33,9 @@ EXPECTED = {
         "sizes.*.median_ttft_s.disk",
         "sizes.*.median_ttft_s.disk_dropped",
         "sizes.*.ratios.disk_over_cold",
+        "sizes.*.block_bytes",
+        "sizes.*.ratios.host_over_reference_host",
+        "sizes.*.ratios.load_over_reference_load",
     ],
     "churn": [
         "unbounded_hit_rate",
@@ -50,6 +53,11 @@ EXPECTED = {
         "configs.host+adaptive.mean_ttft_s",
         "ratios.host+adaptive_over_host+write-back_mean",
     ],
+    "scaling": [
+        "sim.summary.cache-aware.hit_rate",
+        "sim.summary.random.ttft_mean_s",
+        "sim.summary.restart.ttft_p99_s",
+    ],
     "churn-disk": [
         "unbounded_hit_rate",
         "configs.host.mean_ttft_s",
@@ -57,6 +65,21 @@ EXPECTED = {
         "configs.host+disk.hit_rate",
         "disk.disk_blocks_loaded",
         "ratios.disk_over_host_mean",
+    ],
+    "churn-kv-dtype": [
+        "host_memory_bytes",
+        "configs.bfloat16.hit_rate",
+        "configs.int8.hit_rate",
+        "configs.fp8_e4m3.mean_ttft_s",
+        "configs.auto.mean_ttft_s",
+        "configs.bfloat16.host_hit_mean_ttft_s",
+        "configs.int8.host_hit_mean_ttft_s",
+        "configs.int8.host_hit_mean_copy_s",
+        "ratios.int8.host_blocks",
+        "ratios.int8.mean_ttft_s",
+        "ratios.int8.host_hit_mean_ttft_s",
+        "ratios.int8.paired_host_hit_ttft_s",
+        "targets.*.value",
     ],
     "one-off": [
         "configs.host.mean_ttft_s",
@@ -204,6 +227,21 @@ def test_quick_run_writes_report(
     _assert_positive(document, EXPECTED[scenario])
     if scenario == "decode":  # every batch size measured, for both engines
         assert [r["batch_size"] for r in document["runs"]] == [1, 8, 32]
+    if scenario == "reload-vs-recompute":  # one engine per KV dtype, its bytes per block
+        assert _kv_block_bytes(document["kv_cache_dtypes"]) == TINY_BLOCK_BYTES
+        assert {s["kv_cache_dtype"] for s in document["sizes"]} == set(TINY_BLOCK_BYTES)
+    if scenario == "churn-kv-dtype":  # one host budget in bytes, whole blocks of each KV dtype
+        assert _kv_block_bytes(document["configs"]) == TINY_BLOCK_BYTES
+        host_bytes = document["host_memory_bytes"]
+        assert host_bytes == 8 * 256 // 16 * TINY_BLOCK_BYTES["bfloat16"]  # QUICK: 8 prefixes
+        assert {n: c["host_blocks"] for n, c in document["configs"].items()} == {
+            name: host_bytes // block_bytes for name, block_bytes in TINY_BLOCK_BYTES.items()
+        }
+        assert [t["measure"] for t in document["targets"]] == [
+            "host blocks",
+            "mean TTFT",
+            "host-hit TTFT",
+        ]
     if scenario == "engine-vs-llamacpp":  # Strata alone, and the report says how to add the peer
         assert document["llama_cpp"] is None
         assert "llama-cpp-python is not installed" in report
@@ -232,6 +270,19 @@ def test_engine_vs_llamacpp_with_peer(tmp_path: Path) -> None:
     assert [c["computed_tokens"] for c in llama["chunks"]] == [chunk_len] * len(llama["chunks"])
     assert [r["batch_size"] for r in llama["decode"]] == [1]  # llama.cpp decodes at batch 1
     assert any(t["measure"].startswith("decode batch 1") for t in document["targets"])
+
+
+# tiny: 4 layers x K and V x 16 tokens x 2 KV heads, rows of 64 values (8-bit: + a 2-byte scale).
+TINY_BLOCK_BYTES = {
+    "auto": 4 * 2 * 16 * 2 * 64 * 4,  # float32
+    "bfloat16": 4 * 2 * 16 * 2 * 64 * 2,
+    "int8": 4 * 2 * 16 * 2 * (64 + 2),
+    "fp8_e4m3": 4 * 2 * 16 * 2 * (64 + 2),
+}
+
+
+def _kv_block_bytes(by_kv_dtype: dict[str, dict]) -> dict[str, int]:
+    return {name: entry["block_bytes"] for name, entry in by_kv_dtype.items()}
 
 
 def _quick_run(scenario: str, output_dir: Path) -> tuple[dict, str]:

@@ -43,3 +43,25 @@ def test_an_explicit_setting_wins_and_gpu_replicas_take_one_cpu(cluster):
     assert placement.cpus_per_replica(RayConfig(cpus_per_replica=0.25), 0.0, 2) == 0.25
     assert placement.cpus_per_replica(RayConfig(cpus_per_replica=0), 1.0, 2) == 0.0
     assert placement.cpus_per_replica(RayConfig(), 1.0, 2) == 1.0
+
+
+class FakeGroup:
+    def __init__(self, num_bundles: int) -> None:
+        self.bundle_specs = [{"CPU": 0.5}] * num_bundles
+
+
+def test_a_scale_out_counts_free_bundles_and_what_fits(cluster, monkeypatch):
+    removed: list[FakeGroup] = []
+    monkeypatch.setattr(placement, "remove_placement_group", removed.append)
+    start = FakeGroup(2)
+    replicas = placement.ReplicaPlacement(start, 0.5, 0.0, {})
+    assert replicas.bundles == {0: (start, 0), 1: (start, 1)}
+    cluster(1.2, 2)  # 1.2 CPUs free: two more bundles of 0.5
+    assert replicas.num_placeable() == 2
+    replicas.release(1)  # its bundle is free; the start-up group still holds replica 0
+    assert replicas.num_placeable() == 3 and removed == []
+    assert "1 free bundle" in replicas.describe_shortfall(4)
+    replicas.release(0)  # no replica left in the group: it is removed
+    assert removed == [start] and replicas.free == []
+    cluster(8.0, 0.25)  # no node could hold a bundle
+    assert replicas.num_placeable() == 0
