@@ -12,7 +12,7 @@ import pytest
 from cluster.backend import NoLiveReplicaError, ReplicaFailedError
 from cluster.choices import generate_choices, generate_sequences
 from cluster.deploy import RayBackend
-from cluster.replica_link import ReplicaLink
+from cluster.membership import Membership
 from replicas.engine.structured_output import StructuredOutputs
 from replicas.outputs import OutputDelta
 from replicas.sampling_params import SamplingParams
@@ -99,8 +99,8 @@ def in_process_backend(replicas: list[InProcessReplica], max_resumes: int = 2) -
     health = Health(len(replicas))
     backend.health = health
     backend.router_calls = RouterCalls(health)
-    backend.replicas = [replica.number(i) for i, replica in enumerate(replicas)]
-    backend.links = [ReplicaLink(replica) for replica in replicas]
+    numbered = [replica.number(i) for i, replica in enumerate(replicas)]
+    backend.membership = Membership(numbered, [{"node_id": "node"} for _ in replicas])
     backend.max_model_len = 512
     backend.block_size = 16
     backend.max_resumes = max_resumes
