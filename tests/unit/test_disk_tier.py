@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from cluster import KVOffloadConfig, PrefixCacheConfig, SamplingParams, SchedulerConfig
+from cluster import KVOffloadConfig, PrefixCacheConfig, SchedulerConfig
 from cluster.cli import build_config, build_parser
 from replicas.config import EngineConfig
 from replicas.engine.engine import Engine
@@ -20,8 +20,8 @@ from replicas.kv.manager import reload_pays
 from replicas.kv.retention import BlockCosts
 from router.config import RoutingConfig
 from router.router import Router
+from tests.unit.engine_runs import GREEDY, run
 
-GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 PREFIX_BLOCKS = 12
 
 
@@ -50,19 +50,6 @@ def engine(disk_path, *, disk_blocks: int = 256, seed: int = 0, block_size: int 
             scheduler_config=SchedulerConfig(kv_offload_config=offload),
         )
     )
-
-
-def run(engine: Engine, prompt: list[int], request_id: str = "r"):
-    engine.add_request(request_id, prompt, GREEDY)
-    outputs = []
-    for _ in range(10_000):
-        if not engine.has_unfinished_requests():
-            break
-        outputs = [o for o in engine.step() if o.request_id == request_id] or outputs
-    else:
-        raise AssertionError("the request did not finish")
-    engine.check_integrity()
-    return outputs[-1]
 
 
 @pytest.fixture(scope="module")

@@ -8,14 +8,14 @@ import random
 import pytest
 import torch
 
-from cluster import KVOffloadConfig, PrefixCacheConfig, SamplingParams, SchedulerConfig
+from cluster import KVOffloadConfig, PrefixCacheConfig, SchedulerConfig
 from replicas.config import EngineConfig
 from replicas.engine.engine import Engine
 from replicas.kv.capacity import kv_cache_specs, plan_cache
 from replicas.kv.events import Tier
 from replicas.model import load_model_info
+from tests.unit.engine_runs import run
 
-GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 KV_DTYPES = ["int8", "fp8_e4m3", "bfloat16"]
 PREFIX_BLOCKS = 12
 
@@ -49,19 +49,6 @@ def cold_engine(kv_cache_dtype: str, model: str = "tiny") -> Engine:
 
 def offload(**kw) -> SchedulerConfig:
     return SchedulerConfig(kv_offload_config=KVOffloadConfig(enabled=True, **kw))
-
-
-def run(engine: Engine, prompt: list[int], request_id: str = "r"):
-    engine.add_request(request_id, prompt, GREEDY)
-    outputs = []
-    for _ in range(10_000):
-        if not engine.has_unfinished_requests():
-            break
-        outputs = [o for o in engine.step() if o.request_id == request_id] or outputs
-    else:
-        raise AssertionError("the request did not finish")
-    engine.check_integrity()
-    return outputs[-1]
 
 
 @pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from cluster import KVOffloadConfig, PrefixCacheConfig, SamplingParams, SchedulerConfig
+from cluster import KVOffloadConfig, PrefixCacheConfig, SchedulerConfig
 from replicas.actor import ReplicaUnavailableError
 from replicas.config import EngineConfig
 from replicas.engine.async_engine import AsyncEngine
@@ -16,8 +16,8 @@ from replicas.kv.disk import DiskStore
 from replicas.kv.events import KVEventKind, Tier
 from replicas.kv.hashing import block_hashes
 from replicas.kv.hotness import HIT_HALF_LIFE_S, HitWeights
+from tests.unit.engine_runs import GREEDY, run
 
-GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 NUM_NPU_BLOCKS = 48
 
 
@@ -58,19 +58,6 @@ def engine(
             scheduler_config=SchedulerConfig(kv_offload_config=offload, **scheduler),
         )
     )
-
-
-def run(engine: Engine, tokens: list[int], request_id: str = "r"):
-    engine.add_request(request_id, tokens, GREEDY)
-    outputs = []
-    for _ in range(10_000):
-        if not engine.has_unfinished_requests():
-            break
-        outputs = [o for o in engine.step() if o.request_id == request_id] or outputs
-    else:
-        raise AssertionError("the request did not finish")
-    engine.check_integrity()
-    return outputs[-1]
 
 
 @pytest.fixture(scope="module")
