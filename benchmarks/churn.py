@@ -137,6 +137,20 @@ def zipf_sequence(settings: Settings, rng: random.Random) -> list[int]:
     return rng.choices(range(settings.num_prefixes), weights, k=settings.num_requests)
 
 
+def churn_prompts(settings: Settings, vocab: int) -> tuple[list[int], list[list[int]]]:
+    """The prefix index of each request (``zipf_sequence``) and its prompt: that prefix and a
+    unique suffix, all seeded by ``settings.seed``."""
+    rng = random.Random(settings.seed)
+    prefixes = [
+        random_tokens(rng, settings.prefix_len, vocab) for _ in range(settings.num_prefixes)
+    ]
+    sequence = zipf_sequence(settings, rng)
+    prompts = [
+        prefixes[prefix] + random_tokens(rng, settings.suffix_len, vocab) for prefix in sequence
+    ]
+    return sequence, prompts
+
+
 def add_ttft_table(
     report: Report, num_requests: int, prompt_len: int, unbounded: float, configs: dict
 ) -> None:
@@ -181,15 +195,8 @@ def run(
     settings = fit_prefix(QUICK if quick else Settings(), model)
     llms = build_engines(**_engine_settings(settings), model=model)
     vocab = prompt_vocab(next(iter(llms.values())))
-    rng = random.Random(settings.seed)
-    prefixes = [
-        random_tokens(rng, settings.prefix_len, vocab) for _ in range(settings.num_prefixes)
-    ]
-    sequence = zipf_sequence(settings, rng)
+    sequence, prompts = churn_prompts(settings, vocab)
     prompt_len = settings.prefix_len + settings.suffix_len
-    prompts = [
-        prefixes[prefix] + random_tokens(rng, settings.suffix_len, vocab) for prefix in sequence
-    ]
     configs, ttfts = serve_in_turns(llms, prompts)
     unbounded = unbounded_hit_rate(sequence, settings.prefix_len, prompt_len)
     compulsory = len(set(sequence)) / len(sequence)  # first sightings: misses everywhere

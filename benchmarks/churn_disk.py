@@ -10,7 +10,6 @@ under the output folder; the page cache holds what was written recently, as it w
 serving machine.
 """
 
-import random
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
@@ -19,10 +18,10 @@ from pathlib import Path
 from benchmarks.churn import (
     _plot,
     add_ttft_table,
+    churn_prompts,
     fit_prefix,
     serve_in_turns,
     unbounded_hit_rate,
-    zipf_sequence,
 )
 from benchmarks.report import Report
 from benchmarks.workload import (
@@ -31,7 +30,6 @@ from benchmarks.workload import (
     build_llm,
     kv_block_bytes,
     prompt_vocab,
-    random_tokens,
 )
 from cluster import KVOffloadConfig
 
@@ -86,15 +84,8 @@ def run(
         for name, config in variants.items()
     }
     vocab = prompt_vocab(llms["host"])
-    rng = random.Random(settings.seed)
-    prefixes = [
-        random_tokens(rng, settings.prefix_len, vocab) for _ in range(settings.num_prefixes)
-    ]
-    sequence = zipf_sequence(settings, rng)
+    sequence, prompts = churn_prompts(settings, vocab)
     prompt_len = settings.prefix_len + settings.suffix_len
-    prompts = [
-        prefixes[prefix] + random_tokens(rng, settings.suffix_len, vocab) for prefix in sequence
-    ]
     configs, ttfts = serve_in_turns(llms, prompts)
     disk_counters = llms["host+disk"].stats().cache
     for llm in llms.values():

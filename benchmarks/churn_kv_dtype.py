@@ -12,13 +12,12 @@ engines serve the identical sequence one request at a time, taking turns request
 host tier; its *load copy* is the transfer component's time while it ran.
 """
 
-import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from benchmarks.churn import fit_prefix, summary, unbounded_hit_rate, zipf_sequence
+from benchmarks.churn import churn_prompts, fit_prefix, summary, unbounded_hit_rate
 from benchmarks.report import Report, new_figure
 from benchmarks.workload import (
     BLOCK_SIZE,
@@ -28,7 +27,6 @@ from benchmarks.workload import (
     counters_delta,
     kv_block_bytes,
     prompt_vocab,
-    random_tokens,
     rotated,
     timed_request,
 )
@@ -159,15 +157,8 @@ def run(
     names = tuple(dict.fromkeys(kv_cache_dtypes or KV_CACHE_DTYPES))
     llms = build_engines(settings, model, names, host_bytes)
     vocab = prompt_vocab(next(iter(llms.values())))
-    rng = random.Random(settings.seed)
-    prefixes = [
-        random_tokens(rng, settings.prefix_len, vocab) for _ in range(settings.num_prefixes)
-    ]
-    sequence = zipf_sequence(settings, rng)
+    sequence, prompts = churn_prompts(settings, vocab)
     prompt_len = settings.prefix_len + settings.suffix_len
-    prompts = [
-        prefixes[prefix] + random_tokens(rng, settings.suffix_len, vocab) for prefix in sequence
-    ]
     before = {name: cache_counters(llm) for name, llm in llms.items()}
     served = serve_in_turns(llms, prompts)
     configs = {}
