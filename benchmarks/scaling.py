@@ -128,9 +128,11 @@ def _add_real(report: Report, real: dict[str, dict]) -> None:
     )
     report.add_table(
         "Real: each resize (hit rate of the arrivals in the window before and after)",
-        ["variant", "time s", "ready s", "from", "to", "removed", "before", "after", "ratio"],
+        ["variant", "time s", "ready s", "from", "to", "removed", "disk blocks"]
+        + ["before", "after", "ratio"],
         [
             [rule, e["time_s"], e["ready_s"], e["from"], e["to"], e.get("removed", [])]
+            + [e["num_disk_blocks"]]
             + [e["hit_rate_before"], e["hit_rate_after"], e["after_over_before"]]
             for rule, rec in real.items()
             for e in rec["resizes"]

@@ -102,7 +102,9 @@ def _config(settings: Settings, size: int, disk_dir: Path) -> ClusterConfig:
                 "kv_offload_config": {
                     "enabled": True,
                     "host_memory_ratio": settings.host_memory_ratio,
-                    "write_through_threshold": 0,  # every host block to disk too
+                    # every block to host at its first write, and so to disk (0 would turn
+                    # write-through off: blocks would reach disk only at a write-out)
+                    "write_through_threshold": "immediate",
                     "disk_path": str(disk_dir),
                     "disk_bytes": 4 * working_set_blocks * block_bytes,
                 }
@@ -162,6 +164,7 @@ async def _run_variant(variant: str, settings: Settings, disk_dir: Path) -> dict
         await asyncio.sleep(max(0.0, start + at_s - time.perf_counter()))
         began = time.perf_counter() - start
         entry: dict = {"time_s": began, "from": current[0], "to": size}
+        entry["num_disk_blocks"] = await _num_disk_blocks(deployment.backend)
         current[0] = size
         if variant == "restart":
             entry.update(await _restart(deployment, settings, size, disk_dir, name))
@@ -184,6 +187,18 @@ async def _run_variant(variant: str, settings: Settings, disk_dir: Path) -> dict
     finally:
         deployment.backend.shutdown()
     return _record(variant, settings, served, resizes)
+
+
+async def _num_disk_blocks(backend: RayBackend) -> int:
+    """The blocks the node's disk tier holds (every member's own slab): with every block
+    written through, the working set once each prefix was computed."""
+    stats = await backend.stats()
+    return sum(
+        disk.num_cached
+        for replica in stats.replicas
+        if replica.engine is not None
+        for disk in replica.engine.disk.values()
+    )
 
 
 async def _restart(
@@ -234,6 +249,7 @@ def _record(variant: str, settings: Settings, served: list[Served], resizes: lis
     return {
         "victim_rule": variant,
         "settings": asdict(settings),
+        "working_set_blocks": settings.num_tenants * settings.prefix_len // BLOCK_SIZE,
         "num_requests": len(served),
         "num_failed": len(served) - len(done),
         "errors": sorted({s.error for s in served if s.error})[:5],
