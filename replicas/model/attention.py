@@ -423,26 +423,29 @@ def _attend(
     num_heads, head_dim = q.shape[1:]
     heads_per_kv = num_heads // num_kv_heads
     if len(group.chunks) == 1:  # no combine: one fused SDPA over exactly the chunk's keys
-        k, v = fmt.dequantize(cache_rows.index_select(0, reads.rows[0]), q.dtype).view(
+        # 8-bit rows dequantize exactly into float32 (code * scale); narrowing them to
+        # bfloat16 would cost a pass more than SDPA saves over float32 keys.
+        dtype = torch.float32 if fmt.is_quantized else q.dtype
+        k, v = fmt.dequantize(cache_rows.index_select(0, reads.rows[0]), dtype).view(
             2, num_seqs, num_kv_heads, -1, head_dim
         )
         if q_len == 1:  # decodes: the query rows of each kv head side by side, no GQA expand
             o = F.scaled_dot_product_attention(
-                q.reshape(num_seqs, num_kv_heads, heads_per_kv, head_dim),
+                q.reshape(num_seqs, num_kv_heads, heads_per_kv, head_dim).to(dtype),
                 k,
                 v,
                 attn_mask=group.allowed,
             )
-            return o.view(num_seqs, num_heads, head_dim)
+            return o.view(num_seqs, num_heads, head_dim).to(q.dtype)
         o = F.scaled_dot_product_attention(
-            q.reshape(num_seqs, q_len, num_heads, head_dim).transpose(1, 2),  # [S, H, Q, D]
+            q.reshape(num_seqs, q_len, num_heads, head_dim).transpose(1, 2).to(dtype),
             k,
             v,
             attn_mask=group.allowed,
             is_causal=group.is_causal,
             enable_gqa=True,
         )
-        return o.transpose(1, 2).reshape(num_seqs * q_len, num_heads, head_dim)
+        return o.transpose(1, 2).reshape(num_seqs * q_len, num_heads, head_dim).to(q.dtype)
 
     # [S * Q, H, D] -> [S * kv_heads, Q * heads_per_kv, D]: the query rows of each kv head,
     # query-major so that a range of queries is a range of rows; float32, scaled so that the
@@ -454,15 +457,19 @@ def _attend(
         group.chunks, reads.rows, reads.queries, reads.biases, reads.partials, strict=True
     ):
         n = chunk.num_seqs * num_kv_heads
-        k, v = fmt.dequantize(cache_rows.index_select(0, rows), torch.float32).view(
-            2, n, -1, head_dim
-        )
+        codes, scales = fmt.split(cache_rows.index_select(0, rows), torch.float32)
+        k, v = codes.view(2, n, -1, head_dim)
         s = torch.bmm(qg[:n, queries], k.transpose(1, 2))  # [n, rows, width]
+        if scales is not None:  # q . (codes * scale) = (q . codes) * scale, per key
+            scale_k, scale_v = scales.view(2, n, 1, -1)
+            s.mul_(scale_k)
         if bias is not None:
             s.view(chunk.num_seqs, num_kv_heads, -1, s.shape[-1]).add_(bias)
         torch.amax(s, -1, keepdim=True, out=max_score)  # finite: every row here sees a key
         p = s.sub_(max_score).exp2_()
         torch.sum(p, -1, keepdim=True, out=sum_exp)
+        if scales is not None:  # p @ (codes * scale) = (p * scale) @ codes, per key
+            p.mul_(scale_v)
         torch.bmm(p, v, out=acc)
     weights = (reads.m_all - reads.m_all.amax(0)).exp2_()  # 2^(m_c - M)
     out = (reads.o_all * weights).sum(0) / (reads.l_all * weights).sum(0)

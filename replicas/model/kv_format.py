@@ -61,6 +61,14 @@ class KVFormat(ABC):
     def dequantize(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """rows [..., row_width] -> values [..., head_dim] in ``dtype``."""
 
+    @abstractmethod
+    def split(
+        self, rows: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """rows [..., row_width] -> (codes [..., head_dim], scales [..., 1] or None), both in
+        ``dtype``, with values ``codes * scales`` (``codes`` alone without scales): attention
+        folds a row's scale into its scores or probabilities instead of into its values."""
+
 
 @dataclass(frozen=True, slots=True)
 class FloatKVFormat(KVFormat):
@@ -74,6 +82,9 @@ class FloatKVFormat(KVFormat):
 
     def dequantize(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return rows.to(dtype)
+
+    def split(self, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, None]:
+        return rows.to(dtype), None
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,9 +112,21 @@ class ScaledKVFormat(KVFormat):
         return torch.cat([codes.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
 
     def dequantize(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # code * scale is exact in float32 (at most 8 + 11 significant bits), so a narrower
+        # dtype gets it rounded once, and a CPU multiplies float32 faster than bfloat16.
+        wide = torch.float64 if dtype == torch.float64 else torch.float32
+        codes, scales = self.split(rows, wide)
+        return codes.mul_(scales).to(dtype)
+
+    def split(self, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         head_dim = rows.shape[-1] - SCALE_BYTES
-        scale = rows[..., head_dim:].view(torch.float16)  # [..., 1]
-        return rows[..., :head_dim].view(self.code_dtype).to(dtype) * scale.to(dtype)
+        codes = rows[..., :head_dim].view(torch.int8)
+        scales = rows[..., head_dim:].view(torch.float16).to(dtype, copy=True)  # [..., 1]
+        if self.code_dtype == torch.int8:
+            return codes.to(dtype), scales
+        # float16 -> float32 -> dtype: a CPU has no fast float16 -> bfloat16 conversion
+        values = _fp8_e4m3_as_float16(codes).float().to(dtype)
+        return values, scales.mul_(FP8_E4M3_IN_FLOAT16)
 
 
 def _scale_up(scale: torch.Tensor) -> torch.Tensor:
@@ -113,6 +136,23 @@ def _scale_up(scale: torch.Tensor) -> torch.Tensor:
     rounded = capped.to(torch.float16)
     below = rounded.float() < capped  # positive float16s: the next one up is bits + 1
     return torch.where(below, (rounded.view(torch.int16) + 1).view(torch.float16), rounded)
+
+
+FP8_E4M3_IN_FLOAT16 = 2.0**8  # an e4m3 code's bits read as float16 are its value / 2^8
+_FP8_IN_FLOAT16_BITS = -0x4080  # 0xBF80 as int16: float16's sign, exponent bits 3..0, mantissa 9..7
+
+
+def _fp8_e4m3_as_float16(codes: torch.Tensor) -> torch.Tensor:
+    """int8 views of float8_e4m3fn codes -> float16 values ``code / 2^8``, exactly.
+
+    e4m3's sign, 4 exponent and 3 mantissa bits, placed at float16's sign bit and the low 4 of
+    its 5 exponent bits and top 3 mantissa bits, read as a float16 whose exponent bias (15) is
+    8 above e4m3's (7): every normal and subnormal code (all but NaN, which no row holds) is
+    ``2^8`` times that float16. A few integer ops, several times faster on a CPU without fp8
+    instructions than torch's float8 cast.
+    """
+    bits = codes.to(torch.int16)  # sign-extended: bits 15..7 the sign, 6..3 exponent, 2..0 mantissa
+    return bits.bitwise_left_shift_(7).bitwise_and_(_FP8_IN_FLOAT16_BITS).view(torch.float16)
 
 
 KV_FORMATS: dict[str, KVFormat] = {

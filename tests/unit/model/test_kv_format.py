@@ -105,6 +105,27 @@ def test_float_formats_are_casts(name):
     assert torch.equal(fmt.dequantize(rows, torch.float32), rows.float())
 
 
+@pytest.mark.parametrize("name", SCALED)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_codes_times_scales_are_the_stored_values(name, dtype):
+    """Every finite code of the format (all 256 int8, the 254 non-NaN fp8), each under a few
+    scales: ``split`` gives codes and scales whose product is the value torch's own casts
+    decode, and ``dequantize`` that value rounded once to ``dtype``."""
+    fmt = KV_FORMATS[name]
+    codes = torch.arange(256, dtype=torch.uint8).view(-1, 4, HEAD_DIM // 4).repeat(1, 1, 4)
+    codes = codes.reshape(-1, HEAD_DIM)  # 16 rows, each byte 4 times across them
+    if name == "fp8_e4m3":
+        codes[(codes & 0x7F) == 0x7F] = 0  # NaN: never written
+    scales = torch.tensor([1.0, 2**-20, 0.0123, 300.0] * 4, dtype=torch.float16)[:, None]
+    rows = torch.cat([codes, scales.view(torch.uint8)], dim=-1)
+    exact = codes.view(fmt.code_dtype).double() * scales.double()  # torch's float8 cast
+    values, row_scales = fmt.split(rows, torch.float64)
+    torch.testing.assert_close(values * row_scales, exact, atol=0, rtol=0)
+    wide, _ = fmt.split(rows, dtype)
+    assert wide.dtype == dtype and torch.equal(wide.double(), values)  # codes exact in dtype
+    torch.testing.assert_close(fmt.dequantize(rows, dtype), exact.to(dtype), atol=0, rtol=0)
+
+
 def test_dequantize_takes_any_leading_shape():
     fmt = KV_FORMATS["int8"]
     rows = fmt.quantize(rows_of(3))

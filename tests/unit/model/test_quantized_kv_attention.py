@@ -133,7 +133,9 @@ def test_long_contexts_in_chunks(name, window, make_batch, chunk):
 @pytest.mark.usefixtures("chunking")
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
 def test_bfloat16_queries(name, make_batch, chunk):
-    """The one-chunk path dequantizes into bfloat16: only its roundings are left."""
+    """bfloat16 queries over 8-bit rows: both paths dequantize into float32 (code * scale is
+    exact there), so the output's rounding to bfloat16 (2^-9 relative) is the only error
+    beyond float32's."""
     run_quantized_case(
         KV_FORMATS[name],
         LONG,
@@ -142,7 +144,7 @@ def test_bfloat16_queries(name, make_batch, chunk):
         chunk,
         dtype=torch.bfloat16,
         num_blocks=LONG_BLOCKS,
-        tolerance=2e-2,
+        tolerance=2**-8,
     )
 
 
