@@ -243,17 +243,7 @@ class AsyncEngine:
                     if not self._adds and not self._aborts:
                         await self._wake.wait()
                     continue
-                async with self._exclusive:
-                    self.is_stepping = True
-                    try:
-                        if self._step_in_thread:
-                            outputs = await asyncio.get_running_loop().run_in_executor(
-                                self._stepper, self.engine.step
-                            )
-                        else:
-                            outputs = self.engine.step()
-                    finally:
-                        self.is_stepping = False
+                outputs = await self.run_exclusive(self.engine.step)
                 if not self._step_in_thread:
                     await asyncio.sleep(0)  # let callers add and abort between steps
                 self._dispatch(outputs)
