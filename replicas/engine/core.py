@@ -22,7 +22,8 @@ token before it, and appends and checks each token in turn, exactly as one decod
 
 The KV written for rejected drafts lies past ``num_computed_tokens``: the next step overwrites
 it, and only blocks full of computed tokens are ever cached. Blocks allocated for the drafts
-stay with the request for its next tokens.
+stay with the request for its next tokens. How many of its draft tokens were accepted goes
+back to the scheduler (``Scheduler.record_drafts``) before a request that finishes is released.
 
 Two executors exist: ``replicas.engine.executor.ModelExecutor`` (the model runner and the
 sampler) and the simulator's cost model (``benchmarks/sim/engine.py``), which also splits a step
@@ -230,10 +231,13 @@ class EngineCore:
         ``first_token_time`` first tokens; both default to the clock."""
         now = time.monotonic() if now is None else now
         first_token_time = now if first_token_time is None else first_token_time
+        num_drafted: dict[str, int] = {}
         for request, num_new, *_, drafts in step.output.scheduled:
             request.num_computed_tokens += num_new - len(drafts)  # drafts: once accepted
             self.kv_cache.cache_blocks(request)
-            self.spec_decode.num_draft_tokens += len(drafts)
+            if drafts:
+                self.spec_decode.num_draft_tokens += len(drafts)
+                num_drafted[request.request_id] = len(drafts)
         result = step.result
         for scores in result.prompt_scores:
             self._add_prompt_scores(step.output.scheduled[scores.index].request, scores)
@@ -252,6 +256,10 @@ class EngineCore:
             if more:
                 self.spec_decode.num_accepted_tokens += len(more)
                 status = self._append_accepted(request, more, status)
+            if request.request_id in num_drafted:
+                self.scheduler.record_drafts(
+                    request.request_id, num_drafted[request.request_id], len(more)
+                )
             if status is not None:
                 self.scheduler.finish(request, status)
                 self.executor.release(request.request_id)

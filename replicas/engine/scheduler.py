@@ -19,7 +19,8 @@ it (``SamplingParams.can_speculate``) is scheduled with up to K draft tokens aft
 token (``replicas.engine.ngram_proposer``), bounded by the step's budget (one token is kept for each
 running request after it), ``max_tokens`` and ``max_model_len``; its blocks cover the drafts
 too. A request short of blocks for its drafts decodes without them rather than preempt anyone.
-The update (``replicas.engine.core``) keeps what the model confirmed.
+The update (``replicas.engine.core``) keeps what the model confirmed and tells the proposer
+(``record_drafts``), which drops more of a request's drafts while they keep failing.
 
 When the NPU tier cannot give a running request its next block, the most recently admitted
 running request is preempted: its blocks are released (its cached prefix usually survives) and
@@ -236,6 +237,11 @@ class Scheduler:
             self.max_model_len - request.num_tokens - 1,
         )
         return self.proposer.propose(request.request_id, request.all_token_ids, room)
+
+    def record_drafts(self, request_id: str, num_draft_tokens: int, num_accepted: int) -> None:
+        """How a request's verified draft fared (``NgramProposer.record``)."""
+        if self.proposer is not None:
+            self.proposer.record(request_id, num_draft_tokens, num_accepted)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request (stopped, length or aborted) and release its blocks."""

@@ -1,8 +1,16 @@
-"""The n-gram prompt-lookup proposer: exact drafts, the longest suffix first, the latest match."""
+"""The n-gram prompt-lookup proposer: exact drafts, the longest suffix first, the latest match;
+the backoff of a request whose drafts keep failing."""
+
+import math
 
 import pytest
 
-from replicas.engine.ngram_proposer import NGRAM_MAX_LEN, NGRAM_MIN_LEN, NgramProposer
+from replicas.engine.ngram_proposer import (
+    MAX_DRAFT_INTERVAL,
+    NGRAM_MAX_LEN,
+    NGRAM_MIN_LEN,
+    NgramProposer,
+)
 
 
 def propose(token_ids: list[int], k: int = 4, max_tokens: int = 100) -> list[int]:
@@ -74,3 +82,78 @@ def test_matches_a_brute_force_search():
                 expected = [tokens[end + j % (len(tokens) - end)] for j in range(4)]
                 break
         assert propose(tokens) == expected, tokens
+
+
+# ---- the backoff -----------------------------------------------------------------------------
+
+LOOP = [1, 2, 3, 4, 5]  # after one lap, every suffix has occurred before: a draft every step
+
+
+def drive(proposer: NgramProposer, num_steps: int, accept) -> list[int]:
+    """Propose for request "r" at each step (one token more each time), telling the proposer
+    ``accept(step, draft)`` tokens were accepted of each draft; returns the steps that drafted."""
+    tokens = LOOP * 2
+    drafted = []
+    for step in range(num_steps):
+        draft = proposer.propose("r", tokens, 100)
+        if draft:
+            drafted.append(step)
+            proposer.record("r", len(draft), accept(step, draft))
+        tokens.append(LOOP[len(tokens) % len(LOOP)])
+    return drafted
+
+
+def test_a_request_whose_drafts_are_never_accepted_drafts_log_times():
+    assert MAX_DRAFT_INTERVAL == 32
+    proposer = NgramProposer(4)
+    num_steps = 200
+    lengths = []
+
+    def reject(step: int, draft: list[int]) -> int:
+        lengths.append(len(draft))
+        return 0
+
+    drafted = drive(proposer, num_steps, reject)
+    # Steps 1, 2, 4, 8, ... (1-based) while the interval doubles, then every 32nd; a draft
+    # that is verified is K tokens long.
+    assert drafted == [0, 1, 3, 7, 15, 31, 63, 95, 127, 159, 191]
+    assert lengths == [4] * len(drafted)
+    for n in range(1, 2 * MAX_DRAFT_INTERVAL + 1):
+        assert sum(step < n for step in drafted) <= math.log2(n) + 1
+    assert len(drafted) <= math.log2(64) + 1 + (num_steps - 64) / MAX_DRAFT_INTERVAL
+
+
+def test_a_request_whose_drafts_are_accepted_drafts_k_every_step():
+    proposer = NgramProposer(4)
+    lengths = []
+
+    def accept_all(step: int, draft: list[int]) -> int:
+        lengths.append(len(draft))
+        return len(draft)
+
+    assert drive(proposer, 50, accept_all) == list(range(50))
+    assert lengths == [4] * 50
+
+
+def test_an_accepted_token_ends_the_backoff():
+    proposer = NgramProposer(4)
+
+    def accept(step: int, draft: list[int]) -> int:
+        return 1 if step == 7 else 0  # one token of the draft at step 8 (1-based)
+
+    # Failures at 1, 2, 4; the draft verified at 8 passes a token, so 9 drafts again; failures
+    # at 9 and 10 start the backoff afresh (one failure alone drops nothing).
+    assert drive(proposer, 20, accept) == [0, 1, 3, 7, 8, 9, 11, 15]
+
+
+def test_release_drops_the_index_and_the_backoff():
+    proposer = NgramProposer(4)
+    drive(proposer, 4, lambda step, draft: 0)  # two failures: the next draft found is dropped
+    assert proposer.num_requests == 1
+    proposer.release("r")
+    assert proposer.num_requests == 0
+    proposer.record("r", 4, 0)  # a released request: nothing to learn, nothing kept
+    assert proposer.num_requests == 0
+    assert proposer.propose("r", LOOP * 2, 100) == [1, 2, 3, 4]  # afresh: no backoff
+    proposer.record("unknown", 4, 0)
+    assert proposer.num_requests == 1

@@ -6,6 +6,7 @@ drafts, acceptances and block counts. Then on the built-in model against decodin
 drafts, with the prefix cache and the host tier on.
 """
 
+import math
 import random
 from typing import NamedTuple
 
@@ -14,6 +15,7 @@ import torch
 
 from cluster import LLM, KVOffloadConfig, PrefixCacheConfig, SamplingParams, SchedulerConfig
 from replicas.engine.core import EngineCore, StepResult
+from replicas.engine.ngram_proposer import MAX_DRAFT_INTERVAL
 from replicas.engine.request import Request
 from replicas.engine.sampler import Sampler
 from replicas.engine.scheduler import SchedulerOutput
@@ -219,6 +221,59 @@ def test_only_greedy_requests_without_logprobs_or_processing_are_drafted():
     assert drafted == {"a"}
 
 
+def first_draft_token(token_ids: list[int]) -> int | None:
+    """What the lookup would propose first, by brute force: the token after the latest earlier
+    occurrence of the last 3 tokens, else of the last 2."""
+    for n in (3, 2):
+        suffix = token_ids[-n:]
+        ends = [e for e in range(n, len(token_ids)) if token_ids[e - n : e] == suffix]
+        if len(token_ids) > n and ends:
+            return token_ids[ends[-1]]
+    return None
+
+
+def test_a_request_whose_drafts_are_never_accepted_backs_off():
+    """Three tokens only, so the last two have nearly always occurred before, and the model
+    never says what followed them: every draft is rejected at its first token."""
+    rng = random.Random(3)
+    script = [rng.choice((20, 21, 22)) for _ in range(12)]
+    while len(script) < 120:
+        guess = first_draft_token(script)
+        script.append(rng.choice([t for t in (20, 21, 22) if t != guess]))
+    core, executor = make_core({"a": script})
+    request = add(core, "a", script[:12], max_tokens=100)
+    run(core)
+    assert request.output_token_ids == script[12:112]
+    assert core.spec_decode.num_accepted_tokens == 0
+    # Each decode step adds one token; those whose lookup finds a draft (with room for one),
+    # numbered from 1: only the 1st, 2nd, 4th, 8th, ... are verified.
+    decodes = executor.steps[1:]
+    found = [
+        i
+        for i, [s] in enumerate(decodes)
+        if s.num_tokens < 12 + 99 and first_draft_token(script[: s.num_tokens]) is not None
+    ]
+    assert len(found) > 90
+    drafted = [i for i, [s] in enumerate(decodes) if s.draft_token_ids]
+    assert drafted == [found[j - 1] for j in (1, 2, 4, 8, 16, 32, 64)]
+    assert len(drafted) <= math.log2(len(decodes)) + 1
+    assert core.spec_decode.num_draft_tokens == 4 * len(drafted)
+    assert core.scheduler.proposer.num_requests == 0
+
+
+def test_a_finished_or_aborted_request_leaves_no_proposer_state():
+    script = CYCLE * 6
+    core, executor = make_core({"a": script, "b": script})
+    add(core, "a", script[:11], max_tokens=30)
+    add(core, "b", script[:11], max_tokens=3)
+    for _ in range(3):
+        core.step()
+    assert any(s.draft_token_ids for step in executor.steps for s in step)
+    assert core.scheduler.proposer.num_requests == 1  # "b" finished
+    core.abort("a")
+    assert core.scheduler.proposer.num_requests == 0
+
+
 # ---- the built-in model ----------------------------------------------------------------------
 
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -254,6 +309,8 @@ def assert_clean(llm: LLM) -> None:
     stats = llm.stats()
     assert stats.num_running == stats.num_waiting == 0
     assert llm.engine.kv_cache.npu.num_used == 0
+    proposer = llm.engine.core.scheduler.proposer
+    assert proposer is None or proposer.num_requests == 0
 
 
 def step_chunks(llm: LLM, prompt: list[int], params: SamplingParams) -> list[list[int]]:
@@ -317,6 +374,55 @@ def test_preemption_with_drafts_keeps_outputs():
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == reference
     stats = llm.stats()
     assert stats.num_preemptions > 0 and stats.spec_decode.num_accepted_tokens > 0
+    assert_clean(llm)
+
+
+def mutated_repeats(seed: int) -> list[int]:
+    """A random span three times, every third token changed in each lap: drafts copied from
+    an earlier lap fail now and then."""
+    rng = random.Random(seed)
+    span = [rng.randrange(256) for _ in range(rng.randrange(8, 24))]
+    return [
+        t if (i + lap) % 3 else rng.randrange(256) for lap in range(3) for i, t in enumerate(span)
+    ]
+
+
+def test_drafts_back_off_by_their_rule_on_the_built_in_model():
+    """Step by step, a draft is verified whenever the lookup (done here by brute force) finds
+    one, except after f >= 2 drafts in a row with nothing accepted, when the next 2^(f-1) - 1
+    found are dropped; the outputs are plain decoding's."""
+    params = SamplingParams(max_tokens=80, ignore_eos=True)
+    plain = LLM("tiny")
+    llm = LLM("tiny", scheduler_config=SchedulerConfig(speculative_ngram=4))
+    num_skipped = num_failed = 0
+    for seed in (0, 1, 6):
+        prompt = mutated_repeats(seed)
+        expected = plain.generate(prompt, params).token_ids
+        llm.engine.add_request("r", prompt, params)
+        tokens, failures, to_skip = list(prompt), 0, 0
+        while llm.engine.has_unfinished_requests():
+            before = llm.engine.stats().spec_decode
+            new = [t for o in llm.engine.step() for t in o.new_token_ids]
+            after = llm.engine.stats().spec_decode
+            drafted = after.num_draft_tokens - before.num_draft_tokens
+            accepted = after.num_accepted_tokens - before.num_accepted_tokens
+            room = params.max_tokens - (len(tokens) - len(prompt)) - 1
+            is_decode = len(tokens) > len(prompt)
+            if not (is_decode and room > 0 and first_draft_token(tokens) is not None):
+                assert drafted == 0
+            elif to_skip:
+                assert drafted == 0
+                to_skip -= 1
+                num_skipped += 1
+            else:
+                assert drafted == min(4, room)
+                failures = 0 if accepted else failures + 1
+                num_failed += not accepted
+                to_skip = min(2 ** (failures - 1), MAX_DRAFT_INTERVAL) - 1 if failures else 0
+            assert accepted == len(new) - 1
+            tokens += new
+        assert tokens[len(prompt) :] == expected
+    assert num_skipped > 0 and num_failed > 0  # the backoff was exercised
     assert_clean(llm)
 
 
