@@ -106,6 +106,7 @@ class Engine:
             seed=config.seed,
             revision=config.revision,
             quantization=config.quantization,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         dtype = self.loaded.dtype
         specs = self.loaded.model.kv_cache_specs(dtype, config.kv_cache_dtype)

@@ -9,6 +9,9 @@ threads, for a fraction of a second:
 * prefill: one forward of ``PREFILL_TOKENS`` fresh tokens, per token;
 * decode: one forward of a single token after ``DECODE_CONTEXT_TOKENS`` of context.
 
+Both run over a block KV cache in the configured ``kv_cache_dtype`` (``replicas.model.kv_format``):
+8-bit K/V attend in float32 whatever the engine dtype, so the KV format can move the choice.
+
 Each figure is the fastest of ``REPEATS`` runs (the one least disturbed by other processes).
 The candidates are priced by the time of one representative request (``PROMPT_TOKENS`` of
 prefill and ``OUTPUT_TOKENS`` of decode) and the cheapest wins, with one more rule: a candidate
@@ -151,16 +154,24 @@ def choose(timings: Sequence[Timing]) -> Candidate:
 
 @torch.inference_mode()
 def time_model(
-    model: Transformer, dtype: torch.dtype, timer: Callable[[], float] = time.perf_counter
+    model: Transformer,
+    dtype: torch.dtype,
+    timer: Callable[[], float] = time.perf_counter,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[float, float]:
-    """(prefill seconds per token, decode seconds per step) of ``model`` (see the module
-    docstring), on random token ids over a block KV cache of ``dtype``."""
+    """(prefill seconds per token, decode seconds per step) of ``model`` computing in
+    ``dtype`` (see the module docstring), on random token ids over a block KV cache of
+    ``kv_cache_dtype`` (``auto``: ``dtype``)."""
     device = model.tok_embeddings.weight.device
     num_tokens = max(PREFILL_TOKENS, DECODE_CONTEXT_TOKENS) + 1
     num_blocks = -(-num_tokens // _BLOCK_SIZE)
+    specs = model.kv_cache_specs(dtype, kv_cache_dtype)
+    kv_format = next(iter(specs.values())).kv_format
     caches = {
-        g: torch.zeros(s.shape(num_blocks, _BLOCK_SIZE), dtype=dtype, device=device)
-        for g, s in model.kv_cache_specs(dtype).items()
+        g: torch.zeros(
+            s.shape(num_blocks, _BLOCK_SIZE), dtype=kv_format.storage_dtype, device=device
+        )
+        for g, s in specs.items()
     }
     gen = torch.Generator().manual_seed(0)
     token_ids = torch.randint(0, model.args.vocab_size, (num_tokens,), generator=gen)
@@ -176,7 +187,7 @@ def time_model(
             slot_mapping={g: positions for g in caches},
             logits_indices=torch.tensor([end - start - 1], device=device),
         )
-        model.compute_logits(model(batch, caches))
+        model.compute_logits(model(batch, caches, kv_format))
 
     def fastest(start: int, end: int) -> float:
         forward(start, end)  # warm-up: first-touch of the cache and the kernels' set-up
@@ -210,16 +221,18 @@ def tune(
     key: str,
     cache_file: Path | None,
     timer: Callable[[], float] = time.perf_counter,
+    kv_cache_dtype: str = "auto",
 ) -> Choice:
     """The choice among ``options``: from ``cache_file`` under ``key`` when an earlier start
     measured it, else by timing the model ``build`` makes of each (built and dropped one at a
-    time) and stored there; a busy machine's choice (``CPUShare``) is stored for this start's
-    scope only. Measuring holds the cache's lock, so starts on one machine measure in turn."""
+    time, over a KV cache of ``kv_cache_dtype``) and stored there; a busy machine's choice
+    (``CPUShare``) is stored for this start's scope only. Measuring holds the cache's lock, so
+    starts on one machine measure in turn."""
     if len(options) == 1:
         return Choice(options[0], (), "fixed")
     scope = os.environ.get(SCOPE_ENV) or None
     if cache_file is None:
-        return _measure(options, build, timer)
+        return _measure(options, build, timer, kv_cache_dtype)
     cached = _cached_choice(cache_file, key, options, scope)
     if cached is not None:
         return cached
@@ -227,7 +240,7 @@ def tune(
         cached = _cached_choice(cache_file, key, options, scope)  # measured while we waited
         if cached is not None:
             return cached
-        choice = _measure(options, build, timer)
+        choice = _measure(options, build, timer, kv_cache_dtype)
         if choice.source == "measured":
             _write_cache(cache_file, key, choice)
         elif scope is not None:
@@ -272,12 +285,14 @@ def _measure(
     options: Sequence[Candidate],
     build: Callable[[Candidate], Transformer],
     timer: Callable[[], float],
+    kv_cache_dtype: str,
 ) -> Choice:
     timings = []
     share = CPUShare()
     for candidate in options:
         model = build(candidate)
-        timings.append(Timing(candidate, *time_model(model, torch_dtype(candidate.dtype), timer)))
+        dtype = torch_dtype(candidate.dtype)
+        timings.append(Timing(candidate, *time_model(model, dtype, timer, kv_cache_dtype)))
         del model
     fraction = share.fraction()
     if fraction < MIN_CPU_SHARE:
@@ -316,10 +331,13 @@ def cpu_facts() -> dict[str, str]:
 
 
 def cache_key(
-    model_files: Sequence[Path | str], device: torch.device, options: Sequence[Candidate]
+    model_files: Sequence[Path | str],
+    device: torch.device,
+    options: Sequence[Candidate],
+    kv_cache_dtype: str = "auto",
 ) -> str:
     """The key of a choice: this CPU, torch, the threads, the device, the model's files (path,
-    size and modification time) and the candidates."""
+    size and modification time), the candidates and the KV cache dtype they were timed with."""
     files = []
     for name in model_files:
         path = Path(name)
@@ -332,6 +350,7 @@ def cache_key(
         "device": str(device),
         "model": files,
         "candidates": [list(c) for c in options],
+        "kv_cache_dtype": kv_cache_dtype,
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:32]
 

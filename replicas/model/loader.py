@@ -75,15 +75,16 @@ def load_model(
     seed: int = 0,
     revision: str | None = None,
     quantization: str = "none",
+    kv_cache_dtype: str = "auto",
 ) -> LoadedModel:
     """A built-in model by name (seeded random weights), a packaged model, a local Hugging
     Face directory or a hub id (see ``resolve_model``).
 
     ``dtype``: a torch dtype, its name, or ``auto``; ``quantization``: ``none`` (weights in
     ``dtype``), ``int8``, ``int4`` or ``auto``. What ``auto`` means is measured on this machine
-    (``replicas.model.autotune``), except for the built-in models, whose random weights exist to
-    test the engine: ``float32`` and ``none`` there, the reference. The model comes back in eval
-    mode with gradients off.
+    (``replicas.model.autotune``, over a KV cache of ``kv_cache_dtype``), except for the
+    built-in models, whose random weights exist to test the engine: ``float32`` and ``none``
+    there, the reference. The model comes back in eval mode with gradients off.
     """
     if quantization != "auto" and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be auto, none, int8 or int4, got {quantization!r}")
@@ -102,8 +103,9 @@ def load_model(
     choice = tune(
         options,
         lambda candidate: _finish(weights, candidate, device, copy=True),
-        cache_key(weights.files, device, options),
+        cache_key(weights.files, device, options, kv_cache_dtype),
         cache_path(),
+        kv_cache_dtype=kv_cache_dtype,
     )
     if dtype_name == "auto" or quantization == "auto":
         logger.info("auto: %s chose %s", weights.name, choice.describe())

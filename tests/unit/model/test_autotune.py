@@ -274,6 +274,27 @@ def test_the_cache_key_follows_the_threads_and_the_model_files(tmp_path):
         torch.set_num_threads(before)
     model.write_bytes(b"22")
     assert autotune.cache_key([model], cpu, [F32_NONE, BF16_NONE]) != key
+    key = autotune.cache_key([model], cpu, [F32_NONE, BF16_NONE])
+    assert autotune.cache_key([model], cpu, [F32_NONE, BF16_NONE], "int8") != key
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "bfloat16"])
+def test_candidates_are_timed_over_the_configured_kv_cache_dtype(kv_cache_dtype, monkeypatch):
+    """The timed forwards write and read a cache of the configured KV format: the caches the
+    attention sees hold that format's storage dtype and row width."""
+    seen = []
+    real = autotune.Transformer.forward
+
+    def spy(self, batch, caches, kv_format=None):
+        seen.append((kv_format.name, {c.dtype for c in caches.values()}))
+        return real(self, batch, caches, kv_format)
+
+    monkeypatch.setattr(autotune.Transformer, "forward", spy)
+    model = load_model("tiny", torch.device("cpu"), "float32").model
+    prefill, decode = autotune.time_model(model, torch.float32, kv_cache_dtype=kv_cache_dtype)
+    assert prefill > 0 and decode > 0
+    fmt = model.kv_cache_specs(torch.float32, kv_cache_dtype)["full"].kv_format
+    assert seen and all(s == (fmt.name, {fmt.storage_dtype}) for s in seen), seen
 
 
 def test_cache_path_follows_the_environment(monkeypatch, tmp_path):
@@ -315,7 +336,7 @@ def test_a_quantized_file_loads_as_measured_and_the_engine_runs_it(monkeypatch, 
     }
     built = []
 
-    def stub_time(model, dtype, timer=None):
+    def stub_time(model, dtype, timer=None, kv_cache_dtype="auto"):
         quantized = type(model.layers[0].attention.wqkv).__name__ == "QuantizedLinear"
         scheme = model.layers[0].attention.wqkv.scheme if quantized else "none"
         candidate = Candidate({torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype], scheme)
