@@ -2,7 +2,7 @@
 
 The server is ``strata serve``'s app (``cluster.server.build_app``) over two Ray replicas on the
 session's Ray instance, served by uvicorn. Each test prints one ``FIGURES`` line (counts, RSS)
-for RELIABILITY.md. ``STRATA_LOAD_ROUND_S`` sets the length of each load round (default 30 s).
+for RELIABILITY.md. ``STRATA_LOAD_ROUND_S`` sets the length of each load round (default 20 s).
 """
 
 import asyncio
@@ -28,7 +28,7 @@ from tests.reliability.conftest import (
 )
 from tests.reliability.traffic import HANG_UP_MODES, burst, hang_up, request_body, run_clients
 
-ROUND_S = float(os.environ.get("STRATA_LOAD_ROUND_S", "30"))
+ROUND_S = float(os.environ.get("STRATA_LOAD_ROUND_S", "20"))
 NUM_CLIENTS = 64
 RSS_GROWTH_LIMIT = 1.15
 
