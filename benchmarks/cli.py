@@ -131,6 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Strata weight quantizations engine-vs-llamacpp measures (default: all)",
     )
+    run.add_argument(
+        "--torch-compile",
+        action="store_true",
+        default=None,
+        help="engine-vs-llamacpp: add rows for the default variant with --torch-compile "
+        "against eager (compiling takes tens of seconds)",
+    )
     simulate = actions.add_parser(
         "simulate", help="replay a trace through simulated replicas and routers (sim/)"
     )
@@ -182,6 +189,7 @@ def _scenario_options(args: argparse.Namespace, name: str) -> dict[str, object]:
         "quantizations": args.quantization,
         "kv_cache_dtypes": args.kv_cache_dtype,
         "threads": args.threads,  # also set for every scenario by main
+        "torch_compile": args.torch_compile,
     }
     accepted = inspect.signature(SCENARIOS[name].run).parameters
     options = {}

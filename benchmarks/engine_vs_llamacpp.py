@@ -511,6 +511,59 @@ def measure_speculative(
     return rows
 
 
+def measure_compiled(
+    base: StrataSide, s: Settings, num_blocks: int, max_model_len: int, model: str
+) -> list[dict]:
+    """The default variant (``base``, eager) against the same configuration with
+    ``torch_compile``, side by side in every repetition: how long the compiled engine took to
+    build and serve its first request (compiling), its cold prefill and batch-1 decode against
+    eager's, and whether both gave the same tokens."""
+    start = time.perf_counter()
+    fast = build_llm(
+        num_npu_blocks=num_blocks,
+        max_model_len=max_model_len,
+        model=model,
+        dtype=base.llm.engine.config.dtype,
+        quantization=base.llm.engine.config.quantization,
+        torch_compile=True,
+    )
+    run_strata(fast, [[1] * s.decode_prompt_len], 2)  # a decode step of one token compiles too
+    compile_s = time.perf_counter() - start
+    rng = random.Random(s.seed + 2)
+    vocab = prompt_vocab(base.llm)
+    sides = [("eager", base.llm), ("compiled", fast)]
+    prefill: dict[str, list[float]] = {name: [] for name, _ in sides}
+    decode: dict[str, list[float]] = {name: [] for name, _ in sides}
+    same = True
+    for rep in range(-s.warmup_repeats, s.repeats):
+        prompt = random_tokens(rng, s.prompt_len, vocab)
+        short = random_tokens(rng, s.decode_prompt_len, vocab)
+        tokens = {}
+        for name, llm in rotated(sides, rep):
+            seconds = timed_request(llm, prompt).ttft_s
+            with torch.inference_mode():
+                timing = run_strata(llm, [short], s.output_len)
+            tokens[name] = timing.token_ids
+            if rep >= 0:
+                prefill[name].append(len(prompt) / seconds)
+                decode[name].append((s.output_len - 1) / timing.decode_s)
+        same = same and tokens["eager"] == tokens["compiled"]
+    failed = fast.engine.loaded.model.compiled.failed
+    fast.shutdown()
+    return [
+        {
+            "variant": name,
+            "cold_prefill_tokens_per_s": median(prefill[name]),
+            "decode_tokens_per_s": median(decode[name]),
+            "compile_s": compile_s if name == "compiled" else None,
+            "same_tokens": same,
+            "failed": failed if name == "compiled" else None,
+            "samples": {"prefill": prefill[name], "decode": decode[name]},
+        }
+        for name, _ in sides
+    ]
+
+
 def summary(name: str, samples: Samples, s: Settings, text_perplexity: float) -> dict:
     """One side's medians (``results.json`` holds the samples too)."""
     prefill = samples.prefill_s[name]
@@ -545,6 +598,7 @@ def run(
     dtypes: list[str] | None = None,
     quantizations: list[str] | None = None,
     threads: int = DEFAULT_THREADS,
+    torch_compile: bool = False,
 ) -> dict[str, object]:
     settings = QUICK if quick else Settings()
     if dtypes or quantizations:
@@ -595,6 +649,9 @@ def run(
         side.llm.check_integrity()
     profiles = {x.name: profile_decode(x.llm, s, prompt_vocab(x.llm)) for x in strata}
     speculative = measure_speculative(strata[0], s, num_blocks, max_model_len, model)
+    compiled = (
+        measure_compiled(strata[0], s, num_blocks, max_model_len, model) if torch_compile else []
+    )
     text_ids = strata[0].llm.tokenizer.encode(TEXT.read_text())
     num_windows = len(text_ids) // s.perplexity_window
     if s.perplexity_max_windows is not None:
@@ -634,6 +691,7 @@ def run(
     _auto_table(report, runs)
     _profile_table(report, runs)
     _speculative_table(report, s, speculative)
+    _compiled_table(report, s, compiled)
     report.add_table(
         "Targets",
         ["engine", "measure", "value", "target", "verdict"],
@@ -654,6 +712,7 @@ def run(
         "llama_cpp": llama,
         "targets": targets,
         "speculative": speculative,
+        "compiled": compiled,
     }
     return report.write(output_dir)
 
@@ -838,6 +897,25 @@ def _speculative_table(report: Report, s: Settings, rows: list[dict]) -> None:
             [r["workload"], r["prompt_tokens"], r["plain_tokens_per_s"]]
             + [r["speculative_tokens_per_s"], r["speedup"]]
             + [f"{r['accepted_tokens']} of {r['draft_tokens']}", r["same_tokens"]]
+            for r in rows
+        ],
+    )
+
+
+def _compiled_table(report: Report, s: Settings, rows: list[dict]) -> None:
+    if not rows:
+        return
+    eager = rows[0]
+    report.add_table(
+        f"torch.compile (--torch-compile) of the default variant against eager: cold prefill "
+        f"of {s.prompt_len} tokens and batch-1 decode of {s.output_len} tokens, medians of "
+        f"{s.repeats}; compile: building the engine and its first request",
+        ["variant", "cold prefill tok/s", "decode b1 tok/s", "decode / eager", "compile s"]
+        + ["same tokens", "fell back to eager"],
+        [
+            [r["variant"], r["cold_prefill_tokens_per_s"], r["decode_tokens_per_s"]]
+            + [r["decode_tokens_per_s"] / eager["decode_tokens_per_s"], r["compile_s"]]
+            + [r["same_tokens"], r["failed"]]
             for r in rows
         ],
     )

@@ -360,6 +360,13 @@ class ReplicaModelConfig(_Config):
         "at int8) or auto (for a quantized GGUF file on a CPU, the fastest of none, int8 and "
         "int4 measured on this machine at start-up; else none).",
     )
+    torch_compile: bool = Field(
+        False,
+        description="Run the decoder stack through torch.compile (inductor; attention stays "
+        "eager): fewer, fused ops per decode step for tens of seconds of compiling at start-up; "
+        "the model runs eager where compiling fails. Off unless asked: measured by "
+        "benchmarks engine-vs-llamacpp (--torch-compile), not by auto.",
+    )
     device: str = Field(
         "auto", description="auto (cuda if available, else cpu), cpu, cuda or cuda:N."
     )

@@ -13,6 +13,7 @@ from torch import nn
 
 from replicas.model.attention import AttentionMetadata, cached_attention
 from replicas.model.batch import ForwardBatch
+from replicas.model.compiled import CompiledLayers
 from replicas.model.config import KVCacheSpec, ModelArgs
 from replicas.model.kv_format import KVFormat, kv_format
 
@@ -85,7 +86,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,  # [T, 1, D]
         sin: torch.Tensor,
         kv_cache: torch.Tensor,  # [num_blocks, layers_in_group, 2, block_size, Hkv, D]
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | None,  # None: in a compiled graph (``replicas.model.compiled``)
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         heads = (self.num_heads, self.num_kv_heads)
@@ -107,7 +108,12 @@ class Attention(nn.Module):
             if self.q_norm is not None and self.k_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = cached_attention(q, k, v, kv_cache, self.layer_in_group, meta)  # [T, H, D]
+        if meta is None:
+            out = torch.ops.strata.cached_attention(
+                q, k, v, kv_cache, self.layer_in_group, self.group
+            )
+        else:
+            out = cached_attention(q, k, v, kv_cache, self.layer_in_group, meta)  # [T, H, D]
         return self.wo(out.reshape(num_tokens, -1))
 
 
@@ -143,7 +149,7 @@ class TransformerBlock(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | None,
     ) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, kv_cache, meta)
         return x + self.feed_forward(self.ffn_norm(x))
@@ -171,6 +177,11 @@ class Transformer(nn.Module):
         self.tie_weights()
         # float32 on purpose and not a buffer, so that casting the model cannot round it.
         self._inv_freq = rope_inv_freq(args)  # [D/2]
+        self.compiled: CompiledLayers | None = None  # set by ``compile``
+
+    def compile(self) -> None:
+        """Run the decoder stack compiled from the next forward on (``replicas.model.compiled``)."""
+        self.compiled = CompiledLayers(self.layers, self.norm)
 
     def tie_weights(self) -> None:
         """Shares the embedding matrix with the LM head when the model ties them.
@@ -224,6 +235,8 @@ class Transformer(nn.Module):
             for group, cache in kv_caches.items()
             if group in self.args.layer_types
         }
+        if self.compiled is not None:
+            return self.compiled(x, cos, sin, kv_caches, metas)
         for layer in self.layers:
             group = layer.attention.group
             x = layer(x, cos, sin, kv_caches[group], metas[group])

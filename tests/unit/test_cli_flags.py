@@ -21,6 +21,7 @@ TODAY_FLAGS = [
     ("model", ("--device",), "value", None),
     ("model", ("--dtype",), "value", None),
     ("model", ("--quantization",), "value", "{auto,none,int8,int4}"),  # was QUANTIZATION
+    ("model", ("--torch-compile",), "switch", None),
     ("model", ("--max-model-len",), "value", "TOKENS"),
     ("cache", ("--block-size",), "value", "TOKENS"),
     ("cache", ("--num-npu-blocks",), "value", "N"),
@@ -88,6 +89,7 @@ TODAY_MEANINGS = [
     (["--device", "cpu"], {"model.device": "cpu"}),
     (["--dtype", "float32"], {"model.dtype": "float32"}),
     (["--quantization", "int8"], {"model.quantization": "int8"}),
+    (["--torch-compile"], {"model.torch_compile": True}),
     (["--max-model-len", "64"], {"model.max_model_len": 64}),
     (["--block-size", "8"], {"model.block_size": 8}),
     (["--num-npu-blocks", "40"], {"model.num_npu_blocks": 40}),
