@@ -28,6 +28,7 @@ made SmolLM2's bfloat16 tokens equal eager's on the prompts tried but cost the g
 """
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,6 +37,7 @@ import torch
 import torch._inductor.config as inductor_config
 import torch.fx.experimental._config as fx_config
 from torch import nn
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from replicas.model.attention import AttentionMetadata, cached_attention
 
@@ -108,6 +110,7 @@ class CompiledLayers:
         if self.failed is not None:
             return self.eager(x, cos, sin, kv_caches, metas)
         if self._compiled is None:
+            _cache_dir_per_cpu_capability()
             self._compiled = torch.compile(self.eager, fullgraph=True)
         for tensor in (x, cos, sin):
             torch._dynamo.mark_dynamic(tensor, 0)  # the token count; every other size is fixed
@@ -128,3 +131,19 @@ def _compile_settings() -> Iterator[None]:
         inductor_config.patch(emulate_precision_casts=True),
     ):
         yield
+
+
+CACHE_DIR_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def _cache_dir_per_cpu_capability() -> None:
+    """Inductor's on-disk cache, unless the user named one, in a directory of torch's CPU
+    capability: its keys do not include the vector ISA the kernels were built for, so kernels
+    built under one capability (``ATEN_CPU_CAPABILITY``, or a cache directory that outlives a
+    move to another CPU) were loaded under another and gave garbage or crashed (measured:
+    AVX-512 kernels under ``ATEN_CPU_CAPABILITY=avx2``: every token 0; the reverse: a crash)."""
+    default = default_cache_dir()
+    if os.environ.get(CACHE_DIR_ENV, default) != default:  # importing inductor sets the default
+        return
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    os.environ[CACHE_DIR_ENV] = os.path.join(default, f"strata-{capability}")

@@ -67,3 +67,20 @@ def test_a_model_that_fails_to_compile_runs_eager(monkeypatch, caplog):
     assert "runs eager" in caplog.text
     eager.shutdown()
     fallback.shutdown()
+
+
+def test_inductors_cache_is_kept_per_cpu_capability_unless_the_user_names_one(monkeypatch):
+    """Inductor's cache keys omit the vector ISA: kernels built under one CPU capability must
+    not be loaded under another (they gave every token 0 under ATEN_CPU_CAPABILITY=avx2)."""
+    default = compiled.default_cache_dir()
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    for before in (None, default):
+        if before is None:
+            monkeypatch.delenv(compiled.CACHE_DIR_ENV, raising=False)
+        else:
+            monkeypatch.setenv(compiled.CACHE_DIR_ENV, before)
+        compiled._cache_dir_per_cpu_capability()
+        assert compiled.os.environ[compiled.CACHE_DIR_ENV].endswith(f"strata-{capability}")
+    monkeypatch.setenv(compiled.CACHE_DIR_ENV, "/somewhere/mine")
+    compiled._cache_dir_per_cpu_capability()
+    assert compiled.os.environ[compiled.CACHE_DIR_ENV] == "/somewhere/mine"
