@@ -34,10 +34,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
-import torch._inductor.config as inductor_config
-import torch.fx.experimental._config as fx_config
 from torch import nn
-from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from replicas.model.attention import AttentionMetadata, cached_attention
 
@@ -125,7 +122,11 @@ class CompiledLayers:
 
 @contextmanager
 def _compile_settings() -> Iterator[None]:
-    """The token count symbolic even at 1 where torch allows; intermediates rounded as in eager."""
+    """The token count symbolic even at 1 where torch allows; intermediates rounded as in eager.
+    (Inductor is imported here, not with the model: it takes a second or more to import.)"""
+    import torch._inductor.config as inductor_config
+    import torch.fx.experimental._config as fx_config
+
     with (
         fx_config.patch(backed_size_oblivious=True),
         inductor_config.patch(emulate_precision_casts=True),
@@ -142,6 +143,8 @@ def _cache_dir_per_cpu_capability() -> None:
     built under one capability (``ATEN_CPU_CAPABILITY``, or a cache directory that outlives a
     move to another CPU) were loaded under another and gave garbage or crashed (measured:
     AVX-512 kernels under ``ATEN_CPU_CAPABILITY=avx2``: every token 0; the reverse: a crash)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     default = default_cache_dir()
     if os.environ.get(CACHE_DIR_ENV, default) != default:  # importing inductor sets the default
         return

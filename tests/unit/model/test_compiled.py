@@ -72,7 +72,9 @@ def test_a_model_that_fails_to_compile_runs_eager(monkeypatch, caplog):
 def test_inductors_cache_is_kept_per_cpu_capability_unless_the_user_names_one(monkeypatch):
     """Inductor's cache keys omit the vector ISA: kernels built under one CPU capability must
     not be loaded under another (they gave every token 0 under ATEN_CPU_CAPABILITY=avx2)."""
-    default = compiled.default_cache_dir()
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    default = default_cache_dir()
     capability = torch.backends.cpu.get_cpu_capability().lower()
     for before in (None, default):
         if before is None:
