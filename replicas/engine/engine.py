@@ -109,7 +109,7 @@ class Engine:
             kv_cache_dtype=config.kv_cache_dtype,
         )
         if config.torch_compile and self.loaded.model.compiled is None:
-            self.loaded.model.compile()
+            self.loaded.model.compile_layers()
         dtype = self.loaded.dtype
         specs = self.loaded.model.kv_cache_specs(dtype, config.kv_cache_dtype)
         # What ``auto`` resolved to, so that everything after reads the dtypes the engine runs.

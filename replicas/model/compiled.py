@@ -72,6 +72,23 @@ def _(q, k, v, kv_cache, layer, group):
     return torch.empty_like(q)
 
 
+def run_layers(
+    layers: nn.ModuleList,
+    norm: nn.Module,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_caches: dict[str, torch.Tensor],
+    metas: dict[str, AttentionMetadata] | None,
+) -> torch.Tensor:
+    """The decoder layers then the final norm, eager; ``metas`` None: attention through
+    ``strata::cached_attention`` (inside a compiled graph)."""
+    for layer in layers:
+        group = layer.attention.group
+        x = layer(x, cos, sin, kv_caches[group], None if metas is None else metas[group])
+    return norm(x)
+
+
 class CompiledLayers:
     """``layers`` then ``norm`` over hidden states, compiled on first use (see the module
     docstring); falls back to eager for good if compiling or running the graph fails."""
@@ -89,12 +106,7 @@ class CompiledLayers:
         kv_caches: dict[str, torch.Tensor],
         metas: dict[str, AttentionMetadata] | None,
     ) -> torch.Tensor:
-        """The layers in eager mode; ``metas`` None: attention through the custom op."""
-        for layer in self.layers:
-            group = layer.attention.group
-            meta = None if metas is None else metas[group]
-            x = layer(x, cos, sin, kv_caches[group], meta)
-        return self.norm(x)
+        return run_layers(self.layers, self.norm, x, cos, sin, kv_caches, metas)
 
     def __call__(
         self,

@@ -13,7 +13,7 @@ from torch import nn
 
 from replicas.model.attention import AttentionMetadata, cached_attention
 from replicas.model.batch import ForwardBatch
-from replicas.model.compiled import CompiledLayers
+from replicas.model.compiled import CompiledLayers, run_layers
 from replicas.model.config import KVCacheSpec, ModelArgs
 from replicas.model.kv_format import KVFormat, kv_format
 
@@ -177,10 +177,11 @@ class Transformer(nn.Module):
         self.tie_weights()
         # float32 on purpose and not a buffer, so that casting the model cannot round it.
         self._inv_freq = rope_inv_freq(args)  # [D/2]
-        self.compiled: CompiledLayers | None = None  # set by ``compile``
+        self.compiled: CompiledLayers | None = None  # set by ``compile_layers``
 
-    def compile(self) -> None:
-        """Run the decoder stack compiled from the next forward on (``replicas.model.compiled``)."""
+    def compile_layers(self) -> None:
+        """Run the decoder stack compiled from the next forward on (``replicas.model.compiled``;
+        not ``nn.Module.compile``, which would trace attention's host-side metadata too)."""
         self.compiled = CompiledLayers(self.layers, self.norm)
 
     def tie_weights(self) -> None:
@@ -237,10 +238,7 @@ class Transformer(nn.Module):
         }
         if self.compiled is not None:
             return self.compiled(x, cos, sin, kv_caches, metas)
-        for layer in self.layers:
-            group = layer.attention.group
-            x = layer(x, cos, sin, kv_caches[group], metas[group])
-        return self.norm(x)
+        return run_layers(self.layers, self.norm, x, cos, sin, kv_caches, metas)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] float32."""
