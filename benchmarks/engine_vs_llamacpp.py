@@ -13,10 +13,10 @@ turn within each repetition in an order that rotates, on the same random token i
    stay; llama.cpp: its KV emptied, as ``reset()`` does, and checked to end at the prompt's
    last position afterwards);
 2. *cached-prefix chunk*: time to the first token of a prefix that is already cached plus a
-   fresh chunk (Strata: the prefix is in its prefix cache, checked with ``num_cached_tokens``;
-   it computes the chunk and the prefix's last partial block; llama.cpp: its KV holds the
-   prefix, cut back to it before each chunk, checked to end at the prefix before and at the
-   chunk after: it computed the chunk alone);
+   fresh chunk (Strata: the prefix is in its prefix cache, checked with ``num_cached_tokens``,
+   its last partial block as the freed block of the request that held it; llama.cpp: its KV
+   holds the prefix, cut back to it before each chunk, checked to end at the prefix before and
+   at the chunk after: it computed the chunk alone);
 3. *decode*: tokens after the first over the time after the first token, greedy, EOS ignored;
    llama.cpp at batch 1 (one ``eval`` per token), Strata at every batch size (one
    ``LLM.generate`` call of the whole batch; aggregate tokens/s);
@@ -943,8 +943,9 @@ def _notes(s: Settings, peer_note: str | None) -> str:
         f"{s.perplexity_window}-token windows the two should agree up to rounding (llama.cpp "
         f"also rounds activations to 8 bits in its dot products): Strata / llama.cpp <= "
         f"{PERPLEXITY_TARGET}. Other variants' perplexities are shown, not judged. The "
-        f"cached-prefix chunk compares times to the first token; Strata also computes the "
-        f"prefix's last partial block ({BLOCK_SIZE}-token blocks), llama.cpp the chunk alone."
+        f"cached-prefix chunk compares times to the first token; Strata caches whole "
+        f"{BLOCK_SIZE}-token blocks and reuses the prefix's last partial block from the request "
+        f"that held the prefix (tokens computed: the last column)."
     )
     return "\n\n".join(notes)
 

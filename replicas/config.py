@@ -77,7 +77,8 @@ class _Config(BaseModel):
 
 
 class PrefixCacheConfig(_Config):
-    """Reuse of token-exact, full-block prompt prefixes across requests."""
+    """Reuse of token-exact prompt prefixes across requests: cached full blocks, then the
+    computed tokens of a freed request's last, partial block (dense models)."""
 
     enabled: bool = Field(True, description="Reuse cached KV of matching prompt prefixes.")
     reservation_share: float = Field(

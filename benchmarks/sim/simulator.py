@@ -302,6 +302,7 @@ class Simulator:
             ),
             disk=disk,
             clock=_stopped_clock,
+            reuse_partial_blocks=True,  # as the engine's
         )
         manager.enable_events()
         cost = self.cost_model

@@ -76,7 +76,8 @@ class SpecDecodeStats:
 class Executor(Protocol):
     def execute(self, output: SchedulerOutput) -> StepResult:
         """Run the scheduled batch (read before the step's update: ``num_computed_tokens`` is
-        where each request starts) and sample the requests whose context is complete."""
+        where each request starts), after the plan's ``block_copies`` within the NPU tier, and
+        sample the requests whose context is complete."""
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's per-request state (e.g. its random generator)."""

@@ -189,6 +189,7 @@ class Engine:
             curve_sample_rate=offload.miss_ratio_curve_sample_rate,
             disk=self.disk,
             retained_share=offload.retained_share,
+            reuse_partial_blocks=True,
         )
 
     def _engine_core(self) -> EngineCore:

@@ -16,6 +16,7 @@ class ModelExecutor:
         self.vocab_size = vocab_size
 
     def execute(self, output: SchedulerOutput) -> StepResult:
+        self.runner.copy_blocks(output.transfer.block_copies)  # before the forward reads them
         logits, sampled, prompt_scores = self.runner.execute(output.scheduled, self.vocab_size)
         logits = logits[:, : self.vocab_size]
         requests = [output.scheduled[i].request for i in sampled]

@@ -1,11 +1,13 @@
 """The only component that builds tensors: KV tensors, batch tensors, the forward pass."""
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
 from replicas.engine.request import Request
 from replicas.engine.scheduler import ScheduledRequest
+from replicas.kv.records import BlockCopy
 from replicas.model import ForwardBatch, LoadedModel
 from replicas.sampling_params import MAX_TOP_LOGPROBS
 
@@ -61,6 +63,14 @@ class ModelRunner:
     def block_bytes(self) -> int:
         """Bytes of one block position across every cache group."""
         return sum(spec.block_bytes(self.block_size) for spec in self.specs.values())
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
+        """Copy whole blocks within the NPU tier, each of every layer at once (a partial block's
+        computed tokens for the request that continues them; ``TransferPlan.block_copies``)."""
+        for copy in copies:
+            cache = self.kv_caches[copy.cache_type]
+            cache[copy.dst].copy_(cache[copy.src])
 
     @torch.inference_mode()
     def execute(

@@ -157,7 +157,7 @@ class Scheduler:
                     break
                 continue
             match = self.kv_cache.match_prefix(request, limit)
-            num_computed = match.num_blocks * self.kv_cache.block_size
+            num_computed = match.num_tokens(self.kv_cache.block_size)
             num_new = request.num_tokens - num_computed
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
@@ -166,7 +166,7 @@ class Scheduler:
                 if not self._give_way(keep=request.request_id):
                     break  # later arrivals' reservations give way to the oldest waiting request
                 match = self.kv_cache.match_prefix(request, limit)
-                num_computed = match.num_blocks * self.kv_cache.block_size
+                num_computed = match.num_tokens(self.kv_cache.block_size)
                 num_new = min(request.num_tokens - num_computed, budget)
             else:
                 self._admit(request, match, num_computed, num_new, scheduled, position)

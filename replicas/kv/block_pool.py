@@ -34,7 +34,7 @@ cleared before each allocation and by ``expire``.
 import heapq
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from replicas.kv.hashing import BlockHash
@@ -48,6 +48,7 @@ class Block:
     block_hash: BlockHash | None = None
     num_hits: int = 0  # new requests that matched it since it was cached (kept after eviction)
     retained_until: float = 0.0  # a deadline on ``clock`` while retained, else 0
+    generation: int = 0  # allocations so far: its contents are a generation's (partial blocks)
 
 
 class BlockPool:
@@ -141,6 +142,7 @@ class BlockPool:
                 evicted.append((block_id, block.block_hash))
                 self._uncache(block)
             block.ref_count = 1
+            block.generation += 1
             block_ids.append(block_id)
         return block_ids, evicted
 
@@ -152,9 +154,10 @@ class BlockPool:
                 self._queue_of(block).pop(block_id)
             block.ref_count += 1
 
-    def free(self, block_ids: "list[int]") -> None:
+    def free(self, block_ids: "list[int]", keep: "Collection[int]" = ()) -> None:
         """Drop one reference per block, in the given order; blocks reaching zero are queued
-        (cached ones at the back, empty ones at the front)."""
+        (cached ones at the back, empty ones at the front, but those in ``keep``, whose contents
+        may still be read, at the back as a cached one would be)."""
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_count <= 0:
@@ -162,8 +165,15 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._queue_of(block)[block_id] = None
-                if block.block_hash is None:
+                if block.block_hash is None and block_id not in keep:
                     self._free_queue.move_to_end(block_id, last=False)
+
+    def discard_contents(self, block_id: int) -> None:
+        """A free block kept at the back of the queue (``free(keep=...)``) whose contents are
+        no longer wanted goes to the front, as an empty block."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0 and block.block_hash is None and not block.retained_until:
+            self._free_queue.move_to_end(block_id, last=False)
 
     def cache(self, block_id: int, block_hash: BlockHash) -> bool:
         """Record that ``block_id`` holds ``block_hash``. Returns False (and records nothing) if

@@ -6,6 +6,7 @@ when on) over the same block hashes; residency is derived from the tiers' maps, 
 parallel flags.
 """
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from replicas.kv.block_pool import BlockPool
@@ -109,12 +110,13 @@ class CacheType:
                 blocks[i] = None
         return len(stale)
 
-    def free(self, request_id: str) -> None:
-        """Release the request's blocks, deepest first, and forget its progress."""
+    def free(self, request_id: str, keep: "Collection[int]" = ()) -> None:
+        """Release the request's blocks, deepest first, and forget its progress; ``keep``: an
+        empty blocks queued for eviction as cached ones are (``BlockPool.free``)."""
         blocks = self.blocks.pop(request_id, [])
         self.num_cached.pop(request_id, None)
         self.num_retained.pop(request_id, None)
-        self.npu.free([b for b in reversed(blocks) if b is not None])
+        self.npu.free([b for b in reversed(blocks) if b is not None], keep)
 
     def reset(self, tiers: tuple[Tier, ...]) -> list[tuple[Tier, BlockHash]]:
         """Forget the unreferenced cached blocks of ``tiers``, nearest first; returns the

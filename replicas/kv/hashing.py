@@ -20,7 +20,9 @@ DIGEST_SIZE = 16
 _ROOT_TAG = b"strata-block-v1"
 
 
-def _salt_tag(salt: str | None) -> bytes:
+def root_key(salt: str | None) -> bytes:
+    """What stands for the parent of a first block: a tag of the salt (never 16 bytes long, so
+    never a block hash)."""
     if salt is None:
         return _ROOT_TAG
     # Length-prefixed so that no salt is a prefix-extension of another.
@@ -32,7 +34,7 @@ def hash_block(
     parent: BlockHash | None, token_ids: "list[int] | tuple[int, ...]", salt: str | None = None
 ) -> BlockHash:
     """Hash of one full block given its parent's hash (``None`` for the first block)."""
-    prefix = parent if parent is not None else _salt_tag(salt)
+    prefix = parent if parent is not None else root_key(salt)
     packed = array("q", token_ids)
     if packed.itemsize != 8:  # pragma: no cover - every supported platform has 8-byte 'q'
         raise RuntimeError("array('q') must be 8 bytes wide")

@@ -8,8 +8,10 @@ with no tensors at all. Collaborators share its cache types and plan: ``Reservat
 (``replicas.kv.reservations``: waiting requests' prefixes held and prefetched),
 ``DiskOnboarding`` (``replicas.kv.onboarding``: the disk tier's reads and stores),
 ``CacheViews`` (``replicas.kv.views``: events, snapshots, usage), ``HitWeights``
-(``replicas.kv.hotness``: each block's recent hits) and the scaling hand-over through the disk
-tier (``replicas.kv.handover``: ``WriteOut``, ``WarmStart``).
+(``replicas.kv.hotness``: each block's recent hits), ``PartialBlocks``
+(``replicas.kv.partial_blocks``: freed requests' partly computed last blocks, copied for a
+request that continues them) and the scaling hand-over through the disk tier
+(``replicas.kv.handover``: ``WriteOut``, ``WarmStart``).
 
 Cache types (``replicas.kv.cache_type``): a dense model has one, ``full``; a hybrid model adds
 ``sliding`` for its sliding-window layers. Each cache type has its own tiers and hash maps over
@@ -59,6 +61,7 @@ from replicas.kv.handover import WarmStart, WriteOut, hot_blocks
 from replicas.kv.hashing import BlockHash
 from replicas.kv.hotness import HitWeights
 from replicas.kv.onboarding import DiskOnboarding, DiskRules, ReloadCosts, reload_pays
+from replicas.kv.partial_blocks import PartialBlocks, parent_key
 from replicas.kv.prompt_retention import PrefixRetention
 from replicas.kv.records import (
     EMPTY_MATCH,
@@ -120,8 +123,11 @@ class KVCacheManager:
         disk: dict[str, DiskIndex] | None = None,
         retained_share: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
+        reuse_partial_blocks: bool = False,
     ) -> None:
-        """``clock`` (seconds) times prompt-cache retention and disk reads' deadlines."""
+        """``clock`` (seconds) times prompt-cache retention and disk reads' deadlines;
+        ``reuse_partial_blocks``: a freed block's computed tokens are copied for a request
+        that continues them (``replicas.kv.partial_blocks``; dense models, prefix caching on)."""
         _check_options(retained_share, reservations, retention)
         specs = cache_types or [CacheTypeSpec("full", num_npu_blocks, num_host_blocks)]
         if specs[0].sliding_window is not None:
@@ -161,6 +167,12 @@ class KVCacheManager:
             *shared, reservations, self.match_prefix, self._allocate_npu, self._disk.count_host_hit
         )
         self._prefix_retention = PrefixRetention(self._plan, self._disk, self._store, clock)
+        is_dense = len(self._cache_types) == 1
+        self._partial = (
+            PartialBlocks(self._cache_types[0].npu)
+            if reuse_partial_blocks and enable_prefix_caching and is_dense
+            else None
+        )
         _add_disk(self._cache_types, disk or {}, has_host)
 
     @property
@@ -176,10 +188,12 @@ class KVCacheManager:
 
     # ---- matching (no mutation) --------------------------------------------------------------
     def match_prefix(self, request: Request, max_blocks: int | None = None) -> PrefixMatch:
-        """Longest safe cached prefix, in whole blocks, of at most ``max_blocks``; at least the
-        request's last token is always left to compute."""
+        """Longest safe cached prefix, in whole blocks, of at most ``max_blocks``, then (when
+        the caller sets no limit) the tokens of a freed partial block that continue it; at
+        least the request's last token is always left to compute."""
         if not self.enable_prefix_caching or max_blocks == 0:
             return EMPTY_MATCH
+        is_limited = max_blocks is not None  # by the caller (prompt logprobs)
         limit = (request.num_tokens - 1) // self.block_size
         max_blocks = limit if max_blocks is None else min(max_blocks, limit)
         hashes = request.block_hashes[:max_blocks]
@@ -192,13 +206,23 @@ class KVCacheManager:
         for cache_type in self._cache_types[1:]:
             length = cache_type.safe_length(hashes, length, self.block_size)
         matches = {c.name: c.match(hashes, length, self.block_size) for c in self._cache_types}
-        return PrefixMatch(length, matches[primary.name].num_blocks_by_source(), matches)
+        match = PrefixMatch(length, matches[primary.name].num_blocks_by_source(), matches)
+        if self._partial is None or is_limited:
+            return match  # limited by the caller (prompt logprobs): whole blocks only
+        start = length * self.block_size
+        found = self._partial.find(
+            parent_key(request.block_hashes, length, request.cache_salt),
+            request.all_token_ids[start : min(start + self.block_size, request.num_tokens - 1)],
+        )
+        if found is None:
+            return match
+        return match._replace(tail=found[0], num_tail_tokens=found[1])
 
     def num_blocks_needed(
         self, request: Request, num_new_tokens: int, match: PrefixMatch = EMPTY_MATCH
     ) -> dict[str, int]:
         """Free NPU blocks per cache type that ``allocate_slots`` would consume (no mutation)."""
-        num_tokens = request.num_computed_tokens + match.num_blocks * self.block_size
+        num_tokens = request.num_computed_tokens + match.num_tokens(self.block_size)
         total = -(-(num_tokens + num_new_tokens) // self.block_size)
         return {
             c.name: c.num_blocks_needed(request.request_id, total, match.cache_types.get(c.name))
@@ -217,13 +241,20 @@ class KVCacheManager:
                 f"request {request.request_id} already holds blocks; cannot adopt a prefix match"
             )
         needed = self.num_blocks_needed(request, num_new_tokens, match)
+        if match.tail is not None:
+            if not self._partial.is_valid(match.tail):
+                raise RuntimeError(f"request {request.request_id}: its partial block was reused")
+            if not self.npu.blocks[match.tail.block_id].ref_count:
+                needed[self._cache_types[0].name] += 1  # the source, held until the copy
         if any(needed[c.name] > c.npu.num_free for c in self._cache_types):
             return False
         if request.num_cached_tokens is None and self.enable_prefix_caching:
             self._observe_admission(request, match)  # before adoption changes residency
             self._weights.hit(request.block_hashes[: match.num_blocks])
-        num_tokens = request.num_computed_tokens + match.num_blocks * self.block_size
+        num_tokens = request.num_computed_tokens + match.num_tokens(self.block_size)
         num_total = -(-(num_tokens + num_new_tokens) // self.block_size)
+        if match.tail is not None:  # held before any allocation can overwrite it
+            self._partial.hold(match.tail)
         for cache_type in self._cache_types:
             blocks = cache_type.blocks.setdefault(request.request_id, [])
             if match.num_blocks:
@@ -231,6 +262,9 @@ class KVCacheManager:
                 self._adopt(cache_type, request, blocks, part, match.num_blocks)
             if num_total > len(blocks):
                 blocks.extend(self._allocate_npu(cache_type, num_total - len(blocks)))
+            if match.tail is not None:
+                copy = BlockCopy(match.tail.block_id, blocks[match.num_blocks], cache_type.name)
+                self._plan.block_copies.append(copy)
         return True
 
     def _adopt(
@@ -371,8 +405,27 @@ class KVCacheManager:
         reservation if it still waits."""
         self._reservations.end(request.request_id)
         self._disk.end(request.request_id)
+        tail = self._partial_block_of(request)
         for cache_type in self._cache_types:
-            cache_type.free(request.request_id)
+            cache_type.free(request.request_id, keep=(tail[1],) if tail else ())
+        if tail is not None:
+            self._partial.remember(*tail)
+
+    def _partial_block_of(self, request: Request) -> tuple[bytes, int, list[int]] | None:
+        """(its parent key, block id, token ids) of the request's partly computed last block,
+        to remember once freed; None when there is none to reuse."""
+        if self._partial is None:
+            return None
+        num_full, num_in_tail = divmod(request.num_computed_tokens, self.block_size)
+        blocks = self._cache_types[0].blocks.get(request.request_id, [])
+        if not num_in_tail or num_full >= len(blocks) or blocks[num_full] is None:
+            return None
+        if num_full > len(request.block_hashes):
+            return None
+        start = num_full * self.block_size
+        token_ids = request.all_token_ids[start : start + num_in_tail]
+        parent = parent_key(request.block_hashes, num_full, request.cache_salt)
+        return parent, blocks[num_full], token_ids
 
     def expire_retained(self) -> None:
         """End the prompt-cache retentions whose lifetime has passed, in every tier behind the
@@ -382,9 +435,12 @@ class KVCacheManager:
             cache_type.expire_retained()
 
     def take_transfer_plan(self) -> TransferPlan:
-        """The copies planned since the last call; the caller must run them, then call
-        ``complete_transfer``."""
-        return self._plan.take()
+        """The copies planned since the last call; the caller must run them (``block_copies``
+        before the next forward pass), then call ``complete_transfer``."""
+        plan = self._plan.take()
+        if self._partial is not None and self._partial.held:
+            self._partial.release_held()  # nothing allocated before the copies run
+        return plan
 
     def complete_transfer(self, plan: TransferPlan) -> None:
         """Unlock the host blocks of a transfer that has landed."""
@@ -428,6 +484,8 @@ class KVCacheManager:
         if tier != ALL_TIERS and tier not in tuple(Tier):
             raise ValueError(f"tier must be 'all', 'npu', 'host' or 'disk', got {tier!r}")
         tiers = tuple(Tier) if tier == ALL_TIERS else (Tier(tier),)
+        if self._partial is not None and Tier.NPU in tiers:
+            self._partial.forget()
         for cache_type in self._cache_types:
             for level_tier, block_hash in cache_type.reset(tiers):
                 self._events.emit(cache_type.name, KVEventKind.REMOVED, level_tier, block_hash)
@@ -509,7 +567,10 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         for cache_type in self._cache_types:
-            cache_type.check_integrity(self._reservations.held_blocks(cache_type.name))
+            held = self._reservations.held_blocks(cache_type.name)
+            if self._partial is not None and cache_type is self._cache_types[0]:
+                held = [*held, self._partial.held]  # sources of copies not yet taken
+            cache_type.check_integrity(held)
 
 
 def _check_options(
@@ -567,6 +628,7 @@ def _count_admission(
     loaded = prefetched.get(primary, ())
     num_prefetched = sum(1 for b in primary_npu if b is not None and b in loaded)
     request.num_npu_cached_tokens = (match.num_blocks_in(Tier.NPU) - num_prefetched) * bs
+    request.num_npu_cached_tokens += match.num_tail_tokens
     request.num_host_cached_tokens = (match.num_blocks_in(Tier.HOST) + num_prefetched) * bs
     request.num_cached_tokens = request.num_npu_cached_tokens + request.num_host_cached_tokens
     for name, part in match.cache_types.items():
@@ -574,7 +636,8 @@ def _count_admission(
         npu_ids = part.block_ids(Tier.NPU)
         num_npu = sum(1 for b in npu_ids if b is not None and b not in loaded)
         num_host = len(npu_ids) - num_npu
-        request.cached_tokens_by_cache_type[name] = (num_npu * bs, num_host * bs)
+        num_tail = match.num_tail_tokens if name == primary else 0
+        request.cached_tokens_by_cache_type[name] = (num_npu * bs + num_tail, num_host * bs)
     num_disk = 0
     if from_disk:
         part = match.cache_types.get(primary, EMPTY_PART)

@@ -2,9 +2,12 @@
 stats."""
 
 from dataclasses import dataclass, field, fields
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from replicas.kv.events import TIERS, Tier, window_start
+
+if TYPE_CHECKING:
+    from replicas.kv.partial_blocks import PartialBlock
 
 COPY_PATHS: dict[tuple[Tier, Tier], str] = {
     (Tier.HOST, Tier.NPU): "loads",
@@ -81,6 +84,14 @@ class PrefixMatch(NamedTuple):
     num_blocks: int
     num_blocks_by_tier: dict[Tier, int]
     cache_types: dict[str, CacheTypeMatch]
+    # After the whole blocks: a freed partial block whose first ``num_tail_tokens`` are the
+    # request's next tokens, copied into a block of its own (``replicas.kv.partial_blocks``).
+    tail: "PartialBlock | None" = None
+    num_tail_tokens: int = 0
+
+    def num_tokens(self, block_size: int) -> int:
+        """Tokens the match gives: its whole blocks and the partial block's tokens."""
+        return self.num_blocks * block_size + self.num_tail_tokens
 
     @property
     def primary(self) -> CacheTypeMatch:
@@ -122,14 +133,20 @@ class DiskCopy(NamedTuple):
 class TransferPlan(NamedTuple):
     """Copies of one engine step, in the order they run: disk stores (host -> disk, reading
     host blocks before this plan's stores overwrite them), stores (NPU -> host), loads (host ->
-    NPU), disk loads (disk -> host, landing after the step, in the background)."""
+    NPU), disk loads (disk -> host, landing after the step, in the background). Beside them,
+    ``block_copies`` within the NPU tier (a partial block's computed tokens for the request
+    that continues them, ``replicas.kv.partial_blocks``), which the model executor runs before
+    the step's forward pass; their sources are held until the plan is taken, so no copy of
+    this plan writes them."""
 
     stores: list[BlockCopy]
     loads: list[BlockCopy]
     disk_stores: tuple[DiskCopy, ...] = ()
     disk_loads: tuple[DiskCopy, ...] = ()
+    block_copies: tuple[BlockCopy, ...] = ()
 
     def __bool__(self) -> bool:
+        """Whether there is anything for the transfer component (``block_copies`` is not)."""
         return bool(self.stores or self.loads or self.disk_stores or self.disk_loads)
 
     def copies(self, src: Tier, dst: Tier) -> "list[BlockCopy] | tuple[DiskCopy, ...]":
@@ -141,22 +158,28 @@ class PlannedCopies:
     """The copies planned since the last ``take``, by the manager and its collaborators, in
     the fields of the ``TransferPlan`` they go to."""
 
-    __slots__ = ("disk_loads", "disk_stores", "loads", "stores")
+    __slots__ = ("block_copies", "disk_loads", "disk_stores", "loads", "stores")
 
     def __init__(self) -> None:
         self.stores: list[BlockCopy] = []
         self.loads: list[BlockCopy] = []
         self.disk_stores: list[DiskCopy] = []
         self.disk_loads: list[DiskCopy] = []
+        self.block_copies: list[BlockCopy] = []
 
     def take(self) -> TransferPlan:
         """The planned copies as one plan; nothing is planned after."""
         plan = TransferPlan(
-            self.stores, self.loads, tuple(self.disk_stores), tuple(self.disk_loads)
+            self.stores,
+            self.loads,
+            tuple(self.disk_stores),
+            tuple(self.disk_loads),
+            tuple(self.block_copies),
         )
         self.stores, self.loads = [], []
         self.disk_stores.clear()
         self.disk_loads.clear()
+        self.block_copies.clear()
         return plan
 
 

@@ -133,7 +133,7 @@ def test_repeated_prompt_reports_cached_tokens_and_metrics_per_replica(client, s
     second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert first.usage.prompt_tokens == second.usage.prompt_tokens
-    assert cached == (second.usage.prompt_tokens - 1) // 16 * 16 > 0
+    assert cached == second.usage.prompt_tokens - 1 > 0  # all but the last, always computed
 
     with urllib.request.urlopen(f"{server}/metrics", timeout=30) as response:
         families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}

@@ -104,14 +104,16 @@ def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(client):
 
 def test_repeated_prompt_reports_cached_tokens(client, engine):
     prompt = "A long shared system prompt about caching. " * 3  # 129 bytes + BOS
-    body = {"prompt": prompt, "max_tokens": 2, **GREEDY}
+    # A salt of its own: no earlier request's partial first block (BOS) is reused.
+    body = {"prompt": prompt, "max_tokens": 2, "cache_salt": "tenant-a", **GREEDY}
     first = client.post("/v1/completions", json=body).json()["usage"]
     second = client.post("/v1/completions", json=body).json()["usage"]
     assert first["prompt_tokens"] == second["prompt_tokens"] == 130
     assert first["prompt_tokens_details"]["cached_tokens"] == 0
-    # Every full block but the one holding the last prompt token, which is always computed.
+    # Every token but the last, which is always computed: 8 whole blocks, and the first's
+    # partial block (its 2 computed prompt tokens, copied).
     cached = second["prompt_tokens_details"]["cached_tokens"]
-    assert cached == (130 - 1) // BLOCK_SIZE * BLOCK_SIZE == 128
+    assert cached == 130 - 1 and 130 // BLOCK_SIZE * BLOCK_SIZE == 128
     # Another tenant's salt shares nothing.
     salted = client.post("/v1/completions", json={**body, "cache_salt": "tenant-b"}).json()
     assert salted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
