@@ -17,6 +17,15 @@ they are used before any cached block is evicted; released cached blocks go to t
 A request releases its blocks deepest first (``free(reversed(blocks))``), so among its blocks the
 deepest are evicted before their parents and a surviving prefix stays a prefix.
 
+**Kept blocks.** A free block that holds no hash but whose contents may still be read (a
+request's partly computed last block, ``replicas.kv.partial_blocks``) is released with
+``free(keep=...)`` into a queue of its own, which allocation takes from after the empty blocks
+and before evicting any cached block: it lives on spare capacity only and never costs a cached
+block its place. Once its contents have served (``keep_at_back``), it is released to the back of
+the ordinary queue instead, and ages there as a cached block does::
+
+    | free ... free | kept, least recently released ... | cached (and served kept) ... |
+
 **Retention** (a priority class in eviction; the host tier's, DESIGN section 4). A cached block
 may be *retained until* a deadline (``retain``): released, it waits in a second LRU queue that
 allocation takes from only when the ordinary queue is empty, so every ordinary block is evicted
@@ -76,18 +85,28 @@ class BlockPool:
         self.clock = clock
         self.num_retained = 0  # blocks with a deadline, referenced or not
         self._retained_queue: OrderedDict[int, None] = OrderedDict()  # unreferenced, retained
+        # Unreferenced, empty, but holding contents that may still be read (``free(keep=...)``):
+        # allocated after the empty blocks, before any cached block is evicted.
+        self._kept_queue: OrderedDict[int, None] = OrderedDict()
         self._deadlines: list[tuple[float, int]] = []  # heap; stale entries skipped
 
     # ---- queries (no mutation) ---------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        """Blocks that can be allocated now (empty or evictable cached, retained included)."""
-        return len(self._free_queue) + len(self._retained_queue)
+        """Blocks that can be allocated now (empty, kept, or evictable cached, retained
+        included)."""
+        return len(self._free_queue) + len(self._kept_queue) + len(self._retained_queue)
 
     @property
     def num_empty(self) -> int:
-        """Free blocks holding nothing: allocating up to this many evicts no cached block."""
-        return sum(1 for b in self._free_queue if self.blocks[b].block_hash is None)
+        """Free blocks holding no hash: allocating up to this many evicts no cached block."""
+        empty = sum(1 for b in self._free_queue if self.blocks[b].block_hash is None)
+        return empty + len(self._kept_queue)
+
+    @property
+    def num_kept(self) -> int:
+        """Free blocks kept for their contents (``free(keep=...)``)."""
+        return len(self._kept_queue)
 
     @property
     def num_used(self) -> int:
@@ -112,11 +131,30 @@ class BlockPool:
 
     def eviction_order(self) -> list[int]:
         """Block ids in the order allocation would take them (as of the last expiry)."""
-        return [*self._free_queue, *self._retained_queue]
+        ordinary = list(self._free_queue)
+        num_empty = next(
+            (i for i, b in enumerate(ordinary) if self.blocks[b].block_hash is not None),
+            len(ordinary),
+        )
+        return [
+            *ordinary[:num_empty],
+            *self._kept_queue,
+            *ordinary[num_empty:],
+            *self._retained_queue,
+        ]
 
     def next_to_allocate(self) -> int | None:
         """The block id allocation would take next (None when none is free)."""
-        return next(iter(self._free_queue), next(iter(self._retained_queue), None))
+        queue = self._next_queue()
+        return next(iter(queue)) if queue else None
+
+    def _next_queue(self) -> OrderedDict:
+        """The queue allocation takes from next: empty blocks (at the front of the ordinary
+        queue), then kept ones, then cached ones, retained ones last."""
+        front = next(iter(self._free_queue), None)
+        if front is not None and (self.blocks[front].block_hash is None or not self._kept_queue):
+            return self._free_queue
+        return self._kept_queue or self._retained_queue
 
     # ---- mutation ----------------------------------------------------------------------------
     def allocate(self, num_blocks: int) -> tuple[list[int], list[tuple[int, BlockHash]]]:
@@ -135,8 +173,7 @@ class BlockPool:
         block_ids: list[int] = []
         evicted: list[tuple[int, BlockHash]] = []
         for _ in range(num_blocks):
-            queue = self._free_queue or self._retained_queue  # ordinary blocks first
-            block_id, _ = queue.popitem(last=False)
+            block_id, _ = self._next_queue().popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 evicted.append((block_id, block.block_hash))
@@ -154,25 +191,37 @@ class BlockPool:
                 self._queue_of(block).pop(block_id)
             block.ref_count += 1
 
-    def free(self, block_ids: "list[int]", keep: "Collection[int]" = ()) -> None:
+    def free(
+        self, block_ids: "list[int]", keep: "Collection[int]" = (), keep_at_back: bool = False
+    ) -> None:
         """Drop one reference per block, in the given order; blocks reaching zero are queued
-        (cached ones at the back, empty ones at the front, but those in ``keep``, whose contents
-        may still be read, at the back as a cached one would be)."""
+        (cached ones at the back, empty ones at the front, but empty ones in ``keep``, whose
+        contents may still be read, at the back of the kept queue: allocated after every empty
+        block and before any cached one; with ``keep_at_back``, at the back of the ordinary
+        queue instead, as a just-released cached block is: contents that just served)."""
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_count <= 0:
                 raise RuntimeError(f"{self.name} block {block_id} freed with ref_count 0")
             block.ref_count -= 1
             if block.ref_count == 0:
+                if block.block_hash is None and block_id in keep:
+                    (self._free_queue if keep_at_back else self._kept_queue)[block_id] = None
+                    continue
                 self._queue_of(block)[block_id] = None
-                if block.block_hash is None and block_id not in keep:
+                if block.block_hash is None:
                     self._free_queue.move_to_end(block_id, last=False)
 
     def discard_contents(self, block_id: int) -> None:
-        """A free block kept at the back of the queue (``free(keep=...)``) whose contents are
-        no longer wanted goes to the front, as an empty block."""
+        """A kept block (``free(keep=...)``) whose contents are no longer wanted becomes an
+        ordinary empty block, at the front of the queue."""
         block = self.blocks[block_id]
-        if block.ref_count == 0 and block.block_hash is None and not block.retained_until:
+        if block.ref_count or block.block_hash is not None:
+            return
+        if block_id in self._kept_queue:
+            del self._kept_queue[block_id]
+            self._free_queue[block_id] = None
+        if block_id in self._free_queue:
             self._free_queue.move_to_end(block_id, last=False)
 
     def cache(self, block_id: int, block_hash: BlockHash) -> bool:
@@ -237,7 +286,9 @@ class BlockPool:
         self.num_retained -= 1
 
     def _queue_of(self, block: Block) -> OrderedDict:
-        return self._retained_queue if block.retained_until else self._free_queue
+        if block.retained_until:
+            return self._retained_queue
+        return self._kept_queue if block.block_id in self._kept_queue else self._free_queue
 
     def record_hit(self, block_id: int) -> int:
         """Count one more new request matching the cached block; returns its hits so far."""
@@ -274,7 +325,13 @@ class BlockPool:
         in_use = num_retained = 0
         for block in self.blocks:
             assert block.ref_count >= 0, f"{self.name} block {block.block_id} ref_count < 0"
-            queued = block.block_id in self._free_queue, block.block_id in self._retained_queue
+            queued = (
+                block.block_id in self._free_queue or block.block_id in self._kept_queue,
+                block.block_id in self._retained_queue,
+            )
+            assert not (block.block_id in self._kept_queue and block.block_hash is not None), (
+                f"{self.name} block {block.block_id} kept while cached"
+            )
             if block.ref_count > 0:
                 in_use += 1
                 assert not any(queued), (

@@ -6,9 +6,11 @@ tokens of the earlier prompt's last block, up to ``block_size - 1`` of them. Whe
 frees its blocks, its last block, if partly computed, is remembered here under what names the
 tokens before it (``parent_key``: the hash of the block before, which names the whole prefix
 since hashes chain and carry the cache salt) with the token ids it holds. The block stays free
-(it holds no hash) but is queued for eviction as a cached block is, not at the front with the
-empty ones: freed deepest first, it goes just before the cached blocks it continues, so it
-outlives older cached blocks and never its own prefix.
+(it holds no hash) but is *kept* (``BlockPool.free(keep=...)``): allocation takes it after
+every empty block and before evicting any cached block, so it lives on spare capacity only,
+until it serves a copy: then it ages in the LRU queue as a cached block does. (Queued as cached
+from the start, one kept block per finished request, most never reused, evicted whole blocks:
+the simulator's acceptance trace lost 0.007 of hit rate.)
 
 A later request whose tokens after that prefix begin with some of those ids reuses them: the KV
 of a token depends only on the tokens up to it, which are the same. It gets a block of its own
@@ -102,10 +104,10 @@ class PartialBlocks:
         return list(self._held)
 
     def release_held(self) -> None:
-        """Drop the references of ``hold`` (the plan with the copies was taken); the sources
-        go back to the eviction queue where cached blocks go."""
+        """Drop the references of ``hold`` (the plan with the copies was taken); a source that
+        served a copy goes to the back of the ordinary queue, aging as a cached block does."""
         held, self._held = self._held, []
-        self.pool.free(held, keep=set(held))
+        self.pool.free(held, keep=set(held), keep_at_back=True)
 
     def forget(self) -> None:
         """Drop every entry; their blocks are empty blocks again."""

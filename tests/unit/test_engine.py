@@ -94,15 +94,14 @@ def test_eviction_order_on_a_tiny_pool():
     llm = LLM("tiny", num_npu_blocks=8, max_model_len=64)
     one = SamplingParams(max_tokens=1)
     a = [7] * 49  # 4 blocks, the first 3 full and cached, the 4th holding one computed token
-    llm.generate(a, one)  # freed deepest first: the partial block queued just before a's 3
+    llm.generate(a, one)  # the partial block kept: allocated after empty blocks, before cached
     b = [9] * 49
-    llm.generate(b, one)  # takes the 4 empty blocks
-    c = [11] * 33  # 3 blocks: a's partial one, then a's deepest (a was released before b)
+    llm.generate(b, one)  # takes the 4 empty blocks; its partial block kept after a's
+    c = [11] * 33  # 3 blocks: the kept ones (a's, then b's), then a's deepest cached block
     llm.generate(c, one)
-    assert llm.engine.kv_cache.npu.num_cached == 1 + 3 + 2  # a keeps 1, b 3, c cached 2
-    # b's partial block too, copied into a new block: a's last cached block is evicted for it
-    assert llm.generate([*b, 1], one).num_cached_tokens == 48 + 1
-    assert llm.generate([*a, 1], one).num_cached_tokens == 0
+    assert llm.engine.kv_cache.npu.num_cached == 2 + 3 + 2  # a keeps 2, b 3, c cached 2
+    assert llm.generate([*b, 1], one).num_cached_tokens == 48  # b's partial block went to c
+    assert llm.generate([*a, 1], one).num_cached_tokens == 32
     assert_clean(llm)
 
 

@@ -80,7 +80,7 @@ def test_different_chunks_after_one_prefix_each_reuse_its_partial_block(referenc
 def test_no_reuse_once_the_block_was_allocated_again(reference):
     llm = LLM("tiny", num_npu_blocks=8)
     prefix = tokens(44)
-    llm.generate(prefix, FIRST)  # 2 cached blocks, the partial one queued just before them
+    llm.generate(prefix, FIRST)  # 2 cached blocks, the partial one kept
     llm.generate(tokens(90, start=50), FIRST)  # 6 blocks: the 5 empty ones, then the partial
     extended = prefix + tokens(6, start=3)
     out = llm.generate(extended, GREEDY)
@@ -90,15 +90,31 @@ def test_no_reuse_once_the_block_was_allocated_again(reference):
 
 def test_a_partial_block_outlives_empty_blocks_but_not_its_replacement():
     llm = LLM("tiny", num_npu_blocks=8)
+    pool = llm.engine.kv_cache.npu
     prefix = tokens(44)
     llm.generate(prefix, FIRST)
-    llm.generate(tokens(20, start=50), FIRST)  # 2 blocks: empty ones, not the partial one
+    assert pool.num_kept == 1
+    llm.generate(tokens(20, start=50), FIRST)  # 2 blocks: empty ones, not the kept one
     assert llm.generate(prefix + [5], FIRST).num_cached_tokens == 44
-    pool = llm.engine.kv_cache.npu
     # prefix + [5] left its own partial block (13 tokens) under the same prefix; the one it
-    # replaced is an empty block again, first to be allocated
-    assert pool.blocks[pool.next_to_allocate()].block_hash is None
+    # replaced is an empty block again
+    assert pool.num_kept == 2  # the 20-token prompt's partial block and prefix + [5]'s
     assert llm.generate(prefix + [5, 6], FIRST).num_cached_tokens == 45
+    assert_clean(llm)
+
+
+def test_kept_blocks_never_cost_a_cached_block_its_place():
+    llm = LLM("tiny", num_npu_blocks=8)
+    pool = llm.engine.kv_cache.npu
+    first = tokens(40)  # 2 cached blocks, 1 kept
+    llm.generate(first, FIRST)
+    second = tokens(40, start=100)  # 2 cached, 1 kept: 3 empty blocks left
+    llm.generate(second, FIRST)
+    assert (pool.num_cached, pool.num_kept) == (4, 2)
+    llm.generate(tokens(80, start=200), FIRST)  # 5 blocks: 2 empty, both kept, then first's
+    assert pool.num_kept == 0  # both taken; its own 80 tokens fill 5 blocks, none partial
+    assert pool.num_cached == 3 + 5  # one cached block evicted (first's deepest), not three
+    assert llm.generate(second + [1], FIRST).num_cached_tokens == 32  # its whole blocks stayed
 
 
 def test_no_reuse_across_cache_salts_or_after_a_reset():
@@ -137,7 +153,7 @@ def test_a_source_is_held_until_the_plan_with_its_copy_is_taken():
     manager.free(first)
     manager.take_transfer_plan()
     pool = manager.npu
-    assert pool.eviction_order()[-2:] == [source, 0]  # before the cached block it continues
+    assert pool.eviction_order()[-2:] == [source, 0]  # kept: before any cached block
 
     second = Request("b", [1, 2, 3, 4, 5, 6, 7], SamplingParams(), bs)
     match = manager.match_prefix(second)
