@@ -23,8 +23,8 @@ until the plan is taken, so nothing allocated in the same step overwrites it bef
 
     blocks:  | b0 full | b1 full | b2: t32..t43 computed, rest empty |   request A frees
     entry:   hash(b1) -> (b2, generation g, (t32, ..., t43))
-    request B = t0..t43 + new tokens: matches b0, b1 (whole blocks), gets b5, b2 copied into
-    b5, 12 more tokens computed; it computes from t44 on and writes into b5 only.
+    request B = t0..t43 + new tokens: matches b0, b1 (whole blocks) and 12 tokens of b2; it
+    gets b5, b2 is copied into b5, and B computes from t44 on, writing into b5 only.
 
 NPU tier only, dense models only (a sliding-window cache type would need its partial blocks at
 once), and not when the caller limits the match (prompt logprobs, whose scores come by block).
