@@ -111,8 +111,8 @@ class CacheType:
         return len(stale)
 
     def free(self, request_id: str, keep: "Collection[int]" = ()) -> None:
-        """Release the request's blocks, deepest first, and forget its progress; ``keep``: an
-        empty blocks queued for eviction as cached ones are (``BlockPool.free``)."""
+        """Release the request's blocks, deepest first, and forget its progress; ``keep``: empty
+        blocks whose contents may still be read (``BlockPool.free``)."""
         blocks = self.blocks.pop(request_id, [])
         self.num_cached.pop(request_id, None)
         self.num_retained.pop(request_id, None)

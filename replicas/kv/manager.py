@@ -438,7 +438,7 @@ class KVCacheManager:
         """The copies planned since the last call; the caller must run them (``block_copies``
         before the next forward pass), then call ``complete_transfer``."""
         plan = self._plan.take()
-        if self._partial is not None and self._partial.held:
+        if self._partial is not None:
             self._partial.release_held()  # nothing allocated before the copies run
         return plan
 

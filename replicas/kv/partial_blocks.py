@@ -106,6 +106,8 @@ class PartialBlocks:
     def release_held(self) -> None:
         """Drop the references of ``hold`` (the plan with the copies was taken); a source that
         served a copy goes to the back of the ordinary queue, aging as a cached block does."""
+        if not self._held:
+            return
         held, self._held = self._held, []
         self.pool.free(held, keep=set(held), keep_at_back=True)
 
