@@ -132,6 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="Strata weight quantizations engine-vs-llamacpp measures (default: all)",
     )
     run.add_argument(
+        "--decoder-stack",
+        nargs="+",
+        choices=["auto", "native", "eager"],
+        default=None,
+        help="engine-vs-llamacpp: Strata decoder stacks measured with each dtype and "
+        "quantization (default: auto)",
+    )
+    run.add_argument(
         "--torch-compile",
         action="store_true",
         default=None,
@@ -187,6 +195,7 @@ def _scenario_options(args: argparse.Namespace, name: str) -> dict[str, object]:
         "device": args.device,
         "cpus_per_replica": args.cpus_per_replica,
         "quantizations": args.quantization,
+        "decoder_stacks": args.decoder_stack,
         "kv_cache_dtypes": args.kv_cache_dtype,
         "threads": args.threads,  # also set for every scenario by main
         "torch_compile": args.torch_compile,

@@ -1,8 +1,9 @@
 """engine-vs-llamacpp: Strata's engine vs llama.cpp on the same GGUF file and threads.
 
 Strata (``cluster.LLM`` in this process, one engine per variant: ``auto``, Strata's default,
-which measures on this machine at start-up which dtype and weights to run, and each
-``--dtype`` x ``--quantization`` pair it chooses among) and
+which measures on this machine at start-up which dtype, weights and decoder stack to run, and
+each ``--dtype`` x ``--quantization`` pair it chooses among, each with every
+``--decoder-stack`` asked for: ``auto`` by default) and
 llama.cpp (llama-cpp-python's ``Llama``, driven token by token through ``Llama.eval``) load the
 same GGUF file and compute with the same number of threads (torch's intra-op threads;
 llama.cpp's ``n_threads`` and ``n_threads_batch``). Four measurements, every side taking its
@@ -108,9 +109,9 @@ class Settings:
     decode_prompt_len: int = 32
     output_len: int = 128
     batch_sizes: tuple[int, ...] = (1, 8, 32)  # Strata; llama.cpp decodes at batch 1
-    variants: tuple[tuple[str, str], ...] = tuple(
-        (d, q) for d in DTYPES for q in VARIANTS if (d == "auto") == (q == "auto")
-    )  # (dtype, quantization): auto with auto, then every explicit pair
+    variants: tuple[tuple[str, str, str], ...] = tuple(
+        (d, q, "auto") for d in DTYPES for q in VARIANTS if (d == "auto") == (q == "auto")
+    )  # (dtype, quantization, decoder_stack): auto with auto, then every explicit pair
     perplexity_window: int = 512
     perplexity_max_windows: int | None = None  # None: every whole window of the text
     repeats: int = 5
@@ -125,7 +126,7 @@ QUICK = Settings(
     prompt_len=128,
     context_lens=(64, 256),
     output_len=8,
-    variants=(("auto", "auto"), ("float32", "int4")),
+    variants=(("auto", "auto", "auto"), ("float32", "int4", "auto")),
     perplexity_window=64,
     perplexity_max_windows=2,
     repeats=1,
@@ -158,13 +159,13 @@ class Side(Protocol):
 
 
 class StrataSide:
-    """Strata's engine in this process with one (dtype, quantization) variant."""
+    """Strata's engine in this process with one (dtype, quantization, decoder_stack) variant."""
 
-    def __init__(self, llm: LLM, variant: tuple[str, str], max_batch_size: int) -> None:
+    def __init__(self, llm: LLM, variant: tuple[str, str, str], max_batch_size: int) -> None:
         self.llm = llm
         loaded = llm.engine.loaded
         self.computes_with = loaded.quantization  # what auto chose, or the variant
-        self.runs = f"{llm.engine.config.dtype}/{loaded.quantization}"
+        self.runs = f"{llm.engine.config.dtype}/{loaded.quantization}/{loaded.decoder_stack}"
         self.auto = loaded.auto  # the start-up measurement, where auto asked for one
         name = "/".join(dict.fromkeys(variant))
         self.name = f"Strata {name}" if name == self.runs else f"Strata {name} ({self.runs})"
@@ -597,13 +598,19 @@ def run(
     model: str = DEFAULT_MODEL,
     dtypes: list[str] | None = None,
     quantizations: list[str] | None = None,
+    decoder_stacks: list[str] | None = None,
     threads: int = DEFAULT_THREADS,
     torch_compile: bool = False,
 ) -> dict[str, object]:
     settings = QUICK if quick else Settings()
-    if dtypes or quantizations:
-        chosen = [(d, q) for d in dtypes or DTYPES for q in quantizations or VARIANTS]
-        variants = tuple((d, q) for d, q in chosen if (d == "auto") == (q == "auto"))
+    if dtypes or quantizations or decoder_stacks:
+        chosen = [
+            (d, q, st)
+            for d in dtypes or DTYPES
+            for q in quantizations or VARIANTS
+            for st in decoder_stacks or ("auto",)
+        ]
+        variants = tuple(v for v in chosen if (v[0] == "auto") == (v[1] == "auto"))
         if not variants:
             raise ValueError("--dtype auto goes with --quantization auto, and only with it")
         settings = replace(settings, variants=variants)
@@ -633,11 +640,12 @@ def run(
                 model=model,
                 dtype=d,
                 quantization=q,
+                decoder_stack=st,
             ),
-            (d, q),
+            (d, q, st),
             max(s.batch_sizes),
         )
-        for d, q in s.variants
+        for d, q, st in s.variants
     ]
     peer, peer_note = open_peer(path, threads, max(s.prompt_len, decode_len) + BLOCK_SIZE)
     if peer_note:
@@ -662,8 +670,8 @@ def run(
 
     llama = summary(peer.name, samples, s, perplexities[peer.name]) if peer else None
     runs = []
-    for side, (d, q) in zip(strata, s.variants):
-        entry = {"dtype": d, "quantization": q, "runs": side.runs}
+    for side, (d, q, st) in zip(strata, s.variants):
+        entry = {"dtype": d, "quantization": q, "decoder_stack": st, "runs": side.runs}
         entry |= {"computes_with": side.computes_with, "auto": _auto(side)}
         entry |= summary(side.name, samples, s, perplexities[side.name])
         entry["decode_profile"] = profiles[side.name]
@@ -760,7 +768,7 @@ def _targets(s: Settings, runs: list[dict]) -> list[dict[str, object]]:
     fastest = min(r["request_s"] for r in runs)
     for r in runs:
         engine = r["name"]
-        if r["dtype"] == "auto" and len(runs) > 1:
+        if r["dtype"] == r["decoder_stack"] == "auto" and len(runs) > 1:
             value = r["request_s"] / fastest
             check(engine, "request time / the fastest variant's", value, False, AUTO_TARGET)
         growth = r["largest_batch_over_batch_1"]

@@ -46,6 +46,7 @@ FLAG_GROUPS: dict[str, tuple[Flag, ...]] = {
         Flag("model.device"),
         Flag("model.dtype"),
         Flag("model.quantization"),
+        Flag("model.decoder_stack"),
         Flag("model.torch_compile"),
         Flag("model.max_model_len", "TOKENS"),
     ),

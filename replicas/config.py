@@ -361,6 +361,14 @@ class ReplicaModelConfig(_Config):
         "at int8) or auto (for a quantized GGUF file on a CPU, the fastest of none, int8 and "
         "int4 measured on this machine at start-up; else none).",
     )
+    decoder_stack: Literal["auto", "native", "eager"] = Field(
+        "auto",
+        description="How the decoder layers run on a CPU: native (one C++ loop over the ops "
+        "eager calls, without the Python interpreter in the step: the same outputs bitwise; "
+        "compiled once per machine with the C++ compiler), eager (module by module in Python) "
+        "or auto (each way timed with the dtype and quantization candidates at start-up, the "
+        "faster kept; eager where native cannot run). Eager under torch_compile.",
+    )
     torch_compile: bool = Field(
         False,
         description="Run the decoder stack through torch.compile (inductor; attention stays "

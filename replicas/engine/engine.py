@@ -107,6 +107,7 @@ class Engine:
             revision=config.revision,
             quantization=config.quantization,
             kv_cache_dtype=config.kv_cache_dtype,
+            decoder_stack="eager" if config.torch_compile else config.decoder_stack,
         )
         if config.torch_compile and self.loaded.model.compiled is None:
             self.loaded.model.compile_layers()
@@ -117,6 +118,7 @@ class Engine:
             update={
                 "dtype": dtype_name_of(dtype),
                 "quantization": self.loaded.quantization,
+                "decoder_stack": self.loaded.decoder_stack,
                 "kv_cache_dtype": next(iter(specs.values())).kv_format.name,
             }
         )

@@ -16,15 +16,19 @@ Each figure is the fastest of ``REPEATS`` runs (the one least disturbed by other
 The candidates are priced by the time of one representative request (``PROMPT_TOKENS`` of
 prefill and ``OUTPUT_TOKENS`` of decode) and the cheapest wins, with one more rule: a candidate
 in a narrower dtype than float32 is eligible only where it measured faster than float32 with the
-same weights in prefill and in decode both (a narrower dtype costs precision, so it must pay in
-both phases). A weighted sum of the two times never picks a candidate that another eligible
-one beat in both.
+same weights and stack in prefill and in decode both (a narrower dtype costs precision, so it
+must pay in both phases). A weighted sum of the two times never picks a candidate that another
+eligible one beat in both.
 
 The candidates: both dtypes (``CANDIDATE_DTYPES``) where ``dtype`` is ``auto``; ``none``,
 ``int8`` and ``int4`` where ``quantization`` is ``auto`` and the checkpoint is stored quantized
 (a GGUF file of 4- to 8-bit tensors), else ``none`` (a float checkpoint is never quantized
-unasked, and on CUDA, where there are no packed kernels, neither is a quantized one). An
-explicit ``dtype`` or ``quantization`` fixes that half of the choice.
+unasked, and on CUDA, where there are no packed kernels, neither is a quantized one); and both
+ways of running the layers where ``decoder_stack`` is ``auto`` and the model can run natively
+here (``eager``, module by module in Python, and ``native``, one C++ loop over the same ops:
+``replicas.model.native_stack``; the same outputs bitwise, so only their speed is chosen
+between). Each dtype and quantization is built once and timed each way. An explicit ``dtype``,
+``quantization`` or ``decoder_stack`` fixes that part of the choice.
 
 A measurement taken while another process competed for the CPU is a guess about a quieter
 machine: while the candidates are timed, ``CPUShare`` compares this process's CPU time with the
@@ -88,9 +92,10 @@ _BLOCK_SIZE = 16
 class Candidate(NamedTuple):
     dtype: str  # a name of replicas.config.TORCH_DTYPES
     quantization: str  # none, int8 or int4 (replicas.model.quant)
+    stack: str = "eager"  # how the layers run: eager or native (replicas.model.native_stack)
 
     def __str__(self) -> str:
-        return f"{self.dtype}/{self.quantization}"
+        return f"{self.dtype}/{self.quantization}/{self.stack}"
 
 
 class Timing(NamedTuple):
@@ -126,9 +131,14 @@ class Choice(NamedTuple):
 
 
 def candidates(
-    dtype: str, quantization: str, is_quantized_checkpoint: bool, device: torch.device
+    dtype: str,
+    quantization: str,
+    is_quantized_checkpoint: bool,
+    device: torch.device,
+    stacks: Sequence[str] = ("eager",),
 ) -> list[Candidate]:
-    """The configurations ``auto`` chooses among (see the module docstring)."""
+    """The configurations ``auto`` chooses among (see the module docstring); ``stacks``: the
+    ways of running the layers that this model can take here."""
     dtypes = CANDIDATE_DTYPES if dtype == "auto" else (dtype,)
     if quantization != "auto":
         quantizations: Sequence[str] = (quantization,)
@@ -136,15 +146,15 @@ def candidates(
         quantizations = QUANTIZED_CANDIDATES
     else:
         quantizations = ("none",)
-    return [Candidate(d, q) for d in dtypes for q in quantizations]
+    return [Candidate(d, q, s) for d in dtypes for q in quantizations for s in stacks]
 
 
 def choose(timings: Sequence[Timing]) -> Candidate:
     """The cheapest eligible candidate by ``Timing.request_s`` (see the module docstring)."""
-    float32 = {t.candidate.quantization: t for t in timings if t.candidate.dtype == "float32"}
+    float32 = {t.candidate[1:]: t for t in timings if t.candidate.dtype == "float32"}
 
     def eligible(t: Timing) -> bool:
-        twin = float32.get(t.candidate.quantization)
+        twin = float32.get(t.candidate[1:])
         if t.candidate.dtype == "float32" or twin is None:
             return True
         return t.prefill_s_per_token < twin.prefill_s_per_token and t.decode_s < twin.decode_s
@@ -289,10 +299,15 @@ def _measure(
 ) -> Choice:
     timings = []
     share = CPUShare()
-    for candidate in options:
-        model = build(candidate)
-        dtype = torch_dtype(candidate.dtype)
-        timings.append(Timing(candidate, *time_model(model, dtype, timer, kv_cache_dtype)))
+    builds = dict.fromkeys(c[:2] for c in options)  # each model is built once, for every stack
+    for dtype_name, quantization in builds:
+        model = build(Candidate(dtype_name, quantization))
+        dtype = torch_dtype(dtype_name)
+        for candidate in options:
+            if candidate[:2] == (dtype_name, quantization):
+                model.use_native_stack(candidate.stack == "native")
+                times = time_model(model, dtype, timer, kv_cache_dtype)
+                timings.append(Timing(candidate, *times))
         del model
     fraction = share.fraction()
     if fraction < MIN_CPU_SHARE:
@@ -383,7 +398,7 @@ def _write_cache(path: Path, key: str, choice: Choice) -> None:
 
 def _choice_from_json(entry: dict, options: Sequence[Candidate]) -> Choice:
     candidate = Candidate(*entry["choice"])
-    timings = tuple(Timing(Candidate(d, q), float(p), float(s)) for d, q, p, s in entry["timings"])
+    timings = tuple(Timing(Candidate(*c), float(p), float(s)) for *c, p, s in entry["timings"])
     if candidate not in options:
         raise ValueError(f"cached choice {candidate} is not a candidate")
     return Choice(candidate, timings, "cached")

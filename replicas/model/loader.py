@@ -29,6 +29,7 @@ from replicas.model.gguf import (
     read_gguf_info,
 )
 from replicas.model.hf import load_safetensors, read_hf_info
+from replicas.model.native_stack import DECODER_STACKS, load_error, unsupported
 from replicas.model.quant import QUANTIZATIONS, quantize_model
 from replicas.model.registry import build_model
 from replicas.model.resolve import resolve_model
@@ -45,6 +46,7 @@ class LoadedModel(NamedTuple):
     tokenizer: Tokenizer
     quantization: str = "none"  # how the linear weights are kept (replicas.model.quant)
     auto: Choice | None = None  # how ``auto`` was resolved, where it was measured
+    decoder_stack: str = "eager"  # how the layers run (replicas.model.native_stack)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -76,6 +78,7 @@ def load_model(
     revision: str | None = None,
     quantization: str = "none",
     kv_cache_dtype: str = "auto",
+    decoder_stack: str = "auto",
 ) -> LoadedModel:
     """A built-in model by name (seeded random weights), a packaged model, a local Hugging
     Face directory or a hub id (see ``resolve_model``).
@@ -84,7 +87,9 @@ def load_model(
     ``dtype``), ``int8``, ``int4`` or ``auto``. What ``auto`` means is measured on this machine
     (``replicas.model.autotune``, over a KV cache of ``kv_cache_dtype``), except for the
     built-in models, whose random weights exist to test the engine: ``float32`` and ``none``
-    there, the reference. The model comes back in eval mode with gradients off.
+    there, the reference. ``decoder_stack``: ``native``, ``eager`` or ``auto``
+    (``replicas.model.native_stack``; for the built-in models, native wherever it can run).
+    The model comes back in eval mode with gradients off.
     """
     if quantization != "auto" and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be auto, none, int8 or int4, got {quantization!r}")
@@ -92,12 +97,16 @@ def load_model(
     if dtype_name != "auto":
         torch_dtype(dtype_name)  # a ValueError naming the choices
     resolved = resolve_model(model, revision)
+    if decoder_stack not in DECODER_STACKS:
+        raise ValueError(f"decoder_stack must be one of {DECODER_STACKS}, got {decoder_stack!r}")
+    load_dtype = "float32" if dtype_name == "auto" else dtype_name
+    weights = _load_weights(model, resolved, device, torch_dtype(load_dtype), seed)
+    stacks = _stacks(decoder_stack, weights.net, device)
     if resolved in BUILTIN_MODEL_ARGS:
         dtype_name = "float32" if dtype_name == "auto" else dtype_name
         quantization = "none" if quantization == "auto" else quantization
-    load_dtype = "float32" if dtype_name == "auto" else dtype_name
-    weights = _load_weights(model, resolved, device, torch_dtype(load_dtype), seed)
-    options = candidates(dtype_name, quantization, weights.is_quantized, device)
+        stacks = stacks[-1:]
+    options = candidates(dtype_name, quantization, weights.is_quantized, device, stacks)
     if weights.gguf_reader is not None and any(c.quantization == "int4" for c in options):
         weights = weights._replace(int4_groups=gguf_int4_groups(weights.net, weights.gguf_reader))
     choice = tune(
@@ -107,9 +116,10 @@ def load_model(
         cache_path(),
         kv_cache_dtype=kv_cache_dtype,
     )
-    if dtype_name == "auto" or quantization == "auto":
+    if choice.source != "fixed":
         logger.info("auto: %s chose %s", weights.name, choice.describe())
     net = _finish(weights, choice.candidate, device, copy=False)
+    net.use_native_stack(choice.candidate.stack == "native")
     return LoadedModel(
         net.args.name,
         net.args,
@@ -117,7 +127,21 @@ def load_model(
         weights.tokenizer,
         choice.candidate.quantization,
         choice if choice.source != "fixed" else None,
+        choice.candidate.stack,
     )
+
+
+def _stacks(decoder_stack: str, net: Transformer, device: torch.device) -> tuple[str, ...]:
+    """The ways of running ``net``'s layers to choose among: ``native`` last."""
+    if decoder_stack == "eager":
+        return ("eager",)
+    reason = unsupported(net, device) or load_error()
+    if reason is None:
+        return ("native",) if decoder_stack == "native" else ("eager", "native")
+    if decoder_stack == "native":
+        raise ValueError(f"decoder_stack native cannot run here: {reason}")
+    logger.info("decoder_stack auto: eager (%s)", reason)
+    return ("eager",)
 
 
 def _load_weights(

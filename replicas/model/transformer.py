@@ -16,6 +16,7 @@ from replicas.model.batch import ForwardBatch
 from replicas.model.compiled import CompiledLayers, run_layers
 from replicas.model.config import KVCacheSpec, ModelArgs
 from replicas.model.kv_format import KVFormat, kv_format
+from replicas.model.native_stack import NativeStack
 
 
 class RMSNorm(nn.Module):
@@ -178,11 +179,17 @@ class Transformer(nn.Module):
         # float32 on purpose and not a buffer, so that casting the model cannot round it.
         self._inv_freq = rope_inv_freq(args)  # [D/2]
         self.compiled: CompiledLayers | None = None  # set by ``compile_layers``
+        self.native: NativeStack | None = None  # set by ``use_native_stack``
 
     def compile_layers(self) -> None:
         """Run the decoder stack compiled from the next forward on (``replicas.model.compiled``;
         not ``nn.Module.compile``, which would trace attention's host-side metadata too)."""
         self.compiled = CompiledLayers(self.layers, self.norm)
+
+    def use_native_stack(self, on: bool = True) -> None:
+        """Run the decoder stack natively from the next forward on where the forward allows
+        (``replicas.model.native_stack``; its library loaded); ``on=False``: eager again."""
+        self.native = NativeStack() if on else None
 
     def tie_weights(self) -> None:
         """Shares the embedding matrix with the LM head when the model ties them.
@@ -238,6 +245,8 @@ class Transformer(nn.Module):
         }
         if self.compiled is not None:
             return self.compiled(x, cos, sin, kv_caches, metas)
+        if self.native is not None and (meta := self.native.accepts(metas)) is not None:
+            return self.native(self, x, cos, sin, kv_caches["full"], meta)
         return run_layers(self.layers, self.norm, x, cos, sin, kv_caches, metas)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

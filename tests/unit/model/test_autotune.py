@@ -64,7 +64,7 @@ def test_bfloat16_only_where_it_is_faster_in_prefill_and_decode_both():
 @pytest.mark.parametrize("seed", range(20))
 def test_never_a_candidate_another_eligible_one_beat_in_both(seed):
     gen = torch.Generator().manual_seed(seed)
-    options = autotune.candidates("auto", "auto", True, torch.device("cpu"))
+    options = autotune.candidates("auto", "auto", True, torch.device("cpu"), ("eager", "native"))
     timings = [
         timing(c, *(float(v) for v in torch.rand(2, generator=gen) * 50 + 1)) for c in options
     ]
@@ -74,7 +74,7 @@ def test_never_a_candidate_another_eligible_one_beat_in_both(seed):
             other.prefill_s_per_token < chosen.prefill_s_per_token
             and other.decode_s < chosen.decode_s
         )
-        twin = next(t for t in timings if t.candidate == Candidate("float32", other.candidate[1]))
+        twin = next(t for t in timings if t.candidate == Candidate("float32", *other.candidate[1:]))
         eligible = other.candidate.dtype == "float32" or (
             other.prefill_s_per_token < twin.prefill_s_per_token and other.decode_s < twin.decode_s
         )
@@ -94,6 +94,27 @@ def test_candidates_follow_what_is_fixed_and_what_the_checkpoint_stores():
         F32_INT4,
     ]
     assert autotune.candidates("bfloat16", "int4", True, cpu) == [BF16_INT4]
+    # Both ways of running the layers, where the model can run natively here.
+    assert autotune.candidates("bfloat16", "int4", True, cpu, ("eager", "native")) == [
+        BF16_INT4,
+        Candidate("bfloat16", "int4", "native"),
+    ]
+
+
+def test_a_narrower_dtypes_twin_runs_the_same_stack():
+    f32_native, bf16_native = (
+        Candidate("float32", "none", "native"),
+        BF16_NONE._replace(stack="native"),
+    )
+    timings = [
+        timing(F32_NONE, 6.0, 30),
+        timing(f32_native, 5.0, 20),
+        timing(BF16_NONE, 4.0, 25),  # faster than float32 eager, slower than float32 native
+        timing(bf16_native, 4.5, 21),  # slower to decode than its twin (float32 native)
+    ]
+    assert choose(timings) == f32_native
+    timings[-1] = timing(bf16_native, 4.5, 19)
+    assert choose(timings) == bf16_native
 
 
 class StubClock:
@@ -325,21 +346,27 @@ def test_a_quantized_file_loads_as_measured_and_the_engine_runs_it(monkeypatch, 
         path = packaged_model_path(DEFAULT_MODEL)
     except ValueError as missing:
         pytest.skip(str(missing))
-    stub = {
-        Candidate("float32", "none"): (2.0, 60.0),
-        Candidate("float32", "int8"): (5.0, 25.0),
-        Candidate("float32", "int4"): (5.0, 24.0),
-        Candidate("bfloat16", "none"): (1.0, 55.0),
-        Candidate("bfloat16", "int8"): (4.9, 23.0),  # 4.20 s a request, the cheapest eligible
+    eager = {
+        ("float32", "none"): (2.0, 60.0),
+        ("float32", "int8"): (5.0, 25.0),
+        ("float32", "int4"): (5.0, 24.0),
+        ("bfloat16", "none"): (1.0, 55.0),
+        ("bfloat16", "int8"): (4.9, 23.0),  # 4.20 s a request, the cheapest eligible eager
         # The cheapest request (3.65 s) but slower to decode than its float32 twin: ineligible.
-        Candidate("bfloat16", "int4"): (2.0, 24.5),
+        ("bfloat16", "int4"): (2.0, 24.5),
+    }
+    # Native: 3 ms a step faster everywhere but at bfloat16/int8, where it measured slower.
+    stub = {Candidate(*k): v for k, v in eager.items()} | {
+        Candidate(*k, "native"): (p, d + 1.0 if k == ("bfloat16", "int8") else d - 3.0)
+        for k, (p, d) in eager.items()
     }
     built = []
 
     def stub_time(model, dtype, timer=None, kv_cache_dtype="auto"):
         quantized = type(model.layers[0].attention.wqkv).__name__ == "QuantizedLinear"
         scheme = model.layers[0].attention.wqkv.scheme if quantized else "none"
-        candidate = Candidate({torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype], scheme)
+        dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
+        candidate = Candidate(dtype_name, scheme, "eager" if model.native is None else "native")
         built.append(candidate)
         prefill_ms, decode_ms = stub[candidate]
         return prefill_ms / 1e3, decode_ms / 1e3
@@ -348,11 +375,15 @@ def test_a_quantized_file_loads_as_measured_and_the_engine_runs_it(monkeypatch, 
     monkeypatch.setenv(autotune.CACHE_ENV, str(tmp_path / "choices.json"))
     loaded = load_model(str(path), torch.device("cpu"), "auto", quantization="auto")
     assert sorted(built) == sorted(stub)
-    assert (loaded.dtype, loaded.quantization) == (torch.bfloat16, "int8")
+    # 256 x 5 + 128 x 21 ms = 3.97 s: float32/int4/native beats bfloat16/int8 eager (4.20 s);
+    # bfloat16/int4/native (3.34 s) decodes slower than its twin (21 ms): ineligible.
+    assert (loaded.dtype, loaded.quantization) == (torch.float32, "int4")
+    assert loaded.decoder_stack == "native" and loaded.model.native is not None
     assert loaded.auto.source == "measured"
-    assert loaded.model.layers[0].attention.wqkv.scheme == "int8"
+    assert loaded.model.layers[0].attention.wqkv.scheme == "int4"
     built.clear()
     engine = Engine(EngineConfig(model=str(path), device="cpu", num_npu_blocks=16))
     assert built == []  # the engine's start took the cached choice
-    assert (engine.config.dtype, engine.config.quantization) == ("bfloat16", "int8")
-    assert engine.runner.kv_caches[next(iter(engine.runner.kv_caches))].dtype == torch.bfloat16
+    assert (engine.config.dtype, engine.config.quantization) == ("float32", "int4")
+    assert engine.config.decoder_stack == "native"
+    assert engine.runner.kv_caches[next(iter(engine.runner.kv_caches))].dtype == torch.float32

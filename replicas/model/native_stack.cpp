@@ -1,0 +1,305 @@
+// The decoder stack of replicas/model/transformer.py as one C++ loop over the same ATen ops.
+//
+// Each function here mirrors its Python counterpart op for op, in the same order and with the
+// same arguments, so that the outputs are bitwise those of the eager model: RMSNorm.forward,
+// apply_rope, Attention.forward with cached_attention's one-group, one-chunk path,
+// FeedForward.forward, QuantizedLinear.forward and TransformerBlock.forward. A change to one of
+// them must be made to both (tests/unit/model/test_native_stack.py compares them bitwise).
+
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+namespace {
+
+enum LinearKind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2 };
+constexpr int64_t kInt4GroupSize = 32;  // replicas.model.quant.GROUP_SIZE
+
+// nn.Linear, or QuantizedLinear.forward on a CPU.
+struct Linear {
+  int64_t kind = kDense;
+  int64_t in_features = 0;
+  int64_t out_features = 0;
+  at::Tensor weight, scales, bias;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    if (kind == kDense) {
+      return at::linear(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
+    }
+    auto shape = x.sizes().vec();
+    at::Tensor rows = x.reshape({-1, in_features}).to(at::kBFloat16);
+    at::Tensor y = kind == kInt8
+        ? at::_weight_int8pack_mm(rows, weight, scales)
+        : at::_weight_int4pack_mm_for_cpu(rows, weight, kInt4GroupSize, scales);
+    if (bias.defined()) y = at::add(y, bias);
+    shape.back() = out_features;
+    return y.to(x.scalar_type()).reshape(shape);
+  }
+};
+
+struct Layer {
+  std::vector<Linear> qkv;  // one fused product, or q, k and v
+  Linear wo;
+  std::vector<Linear> gate_up;  // one fused product, or gate and up
+  Linear w2;
+  at::Tensor attention_norm, ffn_norm, q_norm, k_norm;  // q_norm, k_norm: Qwen3's, or undefined
+};
+
+// One chunk of an attention group's keys (AttentionGroup.chunks, _GroupReads per chunk).
+struct Chunk {
+  int64_t num_seqs = 0, query_start = 0, query_end = 0;
+  at::Tensor rows;  // cache rows of its keys, then values
+  at::Tensor bias;  // additive mask, or undefined
+  at::Tensor max_score, sum_exp, acc;  // views of the group's partials (two chunks or more)
+};
+
+// An AttentionGroup with its _GroupReads.
+struct Group {
+  bool rows_are_slice = true;
+  int64_t row_start = 0, row_end = 0;
+  at::Tensor row_index;  // the group's query rows where they are not one slice
+  int64_t num_seqs = 0, q_len = 0;
+  bool is_causal = false;
+  std::optional<at::Tensor> allowed;
+  std::vector<Chunk> chunks;
+  at::Tensor m_all, l_all, o_all;  // two chunks or more
+};
+
+// Reads _attention_plan's packing (replicas/model/native_stack.py).
+std::vector<Group> unpack_groups(const std::vector<int64_t>& ints,
+                                 const std::vector<at::Tensor>& tensors) {
+  size_t i = 0, t = 0;
+  auto next_int = [&] { return ints.at(i++); };
+  auto next_tensor = [&] { return tensors.at(t++); };
+  std::vector<Group> groups(next_int());
+  for (Group& g : groups) {
+    g.row_start = next_int();
+    g.row_end = next_int();
+    g.rows_are_slice = g.row_end >= 0;
+    g.num_seqs = next_int();
+    g.q_len = next_int();
+    g.is_causal = next_int();
+    const bool has_allowed = next_int();
+    g.chunks.resize(next_int());
+    if (!g.rows_are_slice) g.row_index = next_tensor();
+    if (has_allowed) g.allowed = next_tensor();
+    for (Chunk& c : g.chunks) {
+      c.num_seqs = next_int();
+      c.query_start = next_int();
+      c.query_end = next_int();
+      const bool has_bias = next_int();
+      c.rows = next_tensor();
+      if (has_bias) c.bias = next_tensor();
+      if (g.chunks.size() > 1) {
+        c.max_score = next_tensor();
+        c.sum_exp = next_tensor();
+        c.acc = next_tensor();
+      }
+    }
+    if (g.chunks.size() > 1) {
+      g.m_all = next_tensor();
+      g.l_all = next_tensor();
+      g.o_all = next_tensor();
+    }
+  }
+  TORCH_CHECK(i == ints.size() && t == tensors.size(), "DecoderStack: unread attention plan");
+  return groups;
+}
+
+class DecoderStack : public torch::CustomClassHolder {
+ public:
+  // tensors and ints as replicas/model/native_stack.py's _pack lays them out.
+  DecoderStack(std::vector<at::Tensor> tensors, std::vector<int64_t> ints, double eps)
+      : eps_(eps) {
+    size_t t = 0, i = 0;
+    auto next_int = [&] { return ints.at(i++); };
+    auto next_tensor = [&] { return tensors.at(t++); };
+    const int64_t num_layers = next_int();
+    num_heads_ = next_int();
+    num_kv_heads_ = next_int();
+    head_dim_ = next_int();
+    auto linear = [&] {
+      Linear l;
+      l.kind = next_int();
+      l.in_features = next_int();
+      l.out_features = next_int();
+      const bool has_bias = next_int();
+      l.weight = next_tensor();
+      if (l.kind != kDense) l.scales = next_tensor();
+      if (has_bias) l.bias = next_tensor();
+      return l;
+    };
+    for (int64_t n = 0; n < num_layers; ++n) {
+      Layer layer;
+      const int64_t num_qkv = next_int(), num_gate_up = next_int(), has_qk_norm = next_int();
+      for (int64_t j = 0; j < num_qkv; ++j) layer.qkv.push_back(linear());
+      layer.wo = linear();
+      for (int64_t j = 0; j < num_gate_up; ++j) layer.gate_up.push_back(linear());
+      layer.w2 = linear();
+      layer.attention_norm = next_tensor();
+      layer.ffn_norm = next_tensor();
+      if (has_qk_norm) {
+        layer.q_norm = next_tensor();
+        layer.k_norm = next_tensor();
+      }
+      layers_.push_back(std::move(layer));
+    }
+    norm_ = next_tensor();
+    TORCH_CHECK(t == tensors.size() && i == ints.size(), "DecoderStack: unread arguments");
+  }
+
+  // run_layers: write_rows is the layout's rows of layer 0 for the new tokens' K/V, and
+  // group_ints / group_tensors describe its attention groups as _attention_plan packs them.
+  at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                     const at::Tensor& kv_cache, const at::Tensor& write_rows,
+                     bool is_one_group, const std::vector<int64_t>& group_ints,
+                     const std::vector<at::Tensor>& group_tensors) const {
+    const std::vector<Group> groups = unpack_groups(group_ints, group_tensors);
+    const int64_t row_width = kv_cache.size(-1);
+    const int64_t layer_rows = kv_cache.stride(1) / row_width;
+    const at::Tensor cache_rows = kv_cache.view({-1, row_width});
+    for (size_t n = 0; n < layers_.size(); ++n) {
+      const Layer& layer = layers_[n];
+      at::Tensor rows = cache_rows.slice(0, static_cast<int64_t>(n) * layer_rows);
+      at::Tensor attended = attention(layer, rms_norm(x, layer.attention_norm), cos, sin, rows,
+                                      write_rows, is_one_group, groups);
+      x = at::add(x, attended);
+      x = at::add(x, feed_forward(layer, rms_norm(x, layer.ffn_norm)));
+    }
+    return rms_norm(x, norm_);
+  }
+
+ private:
+  at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const {
+    at::Tensor normed = at::rms_norm(x.to(at::kFloat), {x.size(-1)}, std::nullopt, eps_);
+    return at::mul(weight, normed.to(x.scalar_type()));
+  }
+
+  static at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+    auto halves = x.chunk(2, -1);
+    return at::add(at::mul(x, cos), at::mul(at::cat({at::neg(halves[1]), halves[0]}, -1), sin));
+  }
+
+  at::Tensor attention(const Layer& layer, const at::Tensor& x, const at::Tensor& cos,
+                       const at::Tensor& sin, at::Tensor& rows, const at::Tensor& write_rows,
+                       bool is_one_group, const std::vector<Group>& groups) const {
+    const int64_t num_tokens = x.size(0);
+    at::Tensor q, k, v;
+    if (layer.qkv.size() == 1 && !layer.q_norm.defined()) {
+      at::Tensor qkv = layer.qkv[0](x);
+      const int64_t qk_dim = (num_heads_ + num_kv_heads_) * head_dim_;
+      at::Tensor qk =
+          qkv.slice(1, 0, qk_dim).view({num_tokens, num_heads_ + num_kv_heads_, head_dim_});
+      auto split = rope(qk, cos, sin).split_with_sizes({num_heads_, num_kv_heads_}, 1);
+      q = split[0];
+      k = split[1];
+      v = qkv.slice(1, qk_dim).view({num_tokens, num_kv_heads_, head_dim_});
+    } else {
+      if (layer.qkv.size() == 3) {
+        q = layer.qkv[0](x);
+        k = layer.qkv[1](x);
+        v = layer.qkv[2](x);
+      } else {
+        auto split = layer.qkv[0](x).split_with_sizes(
+            {num_heads_ * head_dim_, num_kv_heads_ * head_dim_, num_kv_heads_ * head_dim_}, -1);
+        q = split[0];
+        k = split[1];
+        v = split[2];
+      }
+      q = q.view({num_tokens, num_heads_, head_dim_});
+      k = k.view({num_tokens, num_kv_heads_, head_dim_});
+      v = v.view({num_tokens, num_kv_heads_, head_dim_});
+      if (layer.q_norm.defined()) {
+        q = rms_norm(q, layer.q_norm);
+        k = rms_norm(k, layer.k_norm);
+      }
+      q = rope(q, cos, sin);
+      k = rope(k, cos, sin);
+    }
+    // cached_attention: the new tokens' K/V into the cache, then each group attends.
+    rows.index_copy_(0, write_rows, at::cat({k, v}).view({-1, head_dim_}).to(rows.scalar_type()));
+    at::Tensor out;
+    if (is_one_group) {
+      out = attend(q, rows, groups[0]);
+    } else {
+      out = at::empty_like(q);
+      for (const Group& g : groups) {
+        if (g.rows_are_slice) {
+          out.slice(0, g.row_start, g.row_end).copy_(attend(q.slice(0, g.row_start, g.row_end), rows, g));
+        } else {
+          out.index_put_({g.row_index}, attend(q.index({g.row_index}), rows, g));
+        }
+      }
+    }
+    return layer.wo(out.reshape({num_tokens, -1}));
+  }
+
+  // attention._attend for a KV cache of values.
+  at::Tensor attend(const at::Tensor& q, const at::Tensor& rows, const Group& g) const {
+    const int64_t heads_per_kv = num_heads_ / num_kv_heads_;
+    const int64_t num_seqs = g.num_seqs, q_len = g.q_len;
+    const auto dtype = q.scalar_type();
+    if (g.chunks.size() == 1) {
+      auto kv = rows.index_select(0, g.chunks[0].rows)
+                    .to(dtype)
+                    .view({2, num_seqs, num_kv_heads_, -1, head_dim_})
+                    .unbind(0);
+      if (q_len == 1) {
+        at::Tensor o = at::scaled_dot_product_attention(
+            q.reshape({num_seqs, num_kv_heads_, heads_per_kv, head_dim_}).to(dtype), kv[0],
+            kv[1], g.allowed);
+        return o.view({num_seqs, num_heads_, head_dim_}).to(dtype);
+      }
+      at::Tensor o = at::scaled_dot_product_attention(
+          q.reshape({num_seqs, q_len, num_heads_, head_dim_}).transpose(1, 2).to(dtype), kv[0],
+          kv[1], g.allowed, 0.0, g.is_causal, std::nullopt, /*enable_gqa=*/true);
+      return o.transpose(1, 2).reshape({num_seqs * q_len, num_heads_, head_dim_}).to(dtype);
+    }
+    // Chunks combined by an online softmax in base 2 (attention.py's module docstring).
+    at::Tensor qg = q.reshape({num_seqs, q_len, num_kv_heads_, heads_per_kv, head_dim_})
+                        .transpose(1, 2)
+                        .reshape({num_seqs * num_kv_heads_, q_len * heads_per_kv, head_dim_});
+    qg = at::mul(qg.to(at::kFloat), std::log2(M_E) / std::sqrt(double(head_dim_)));
+    for (const Chunk& c : g.chunks) {
+      const int64_t n = c.num_seqs * num_kv_heads_;
+      auto kv = rows.index_select(0, c.rows).to(at::kFloat).view({2, n, -1, head_dim_}).unbind(0);
+      at::Tensor s = at::bmm(qg.slice(0, 0, n).slice(1, c.query_start, c.query_end),
+                             kv[0].transpose(1, 2));
+      if (c.bias.defined()) {
+        s.view({c.num_seqs, num_kv_heads_, -1, s.size(-1)}).add_(c.bias);
+      }
+      at::Tensor max_score = c.max_score, sum_exp = c.sum_exp, acc = c.acc;  // views
+      at::amax_out(max_score, s, {-1}, true);
+      at::Tensor p = s.sub_(max_score).exp2_();
+      at::sum_out(sum_exp, p, {-1}, true);
+      at::bmm_out(acc, p, kv[1]);
+    }
+    at::Tensor weights = at::sub(g.m_all, g.m_all.amax(0)).exp2_();  // 2^(m_c - M)
+    at::Tensor out = at::div(at::mul(g.o_all, weights).sum(0), at::mul(g.l_all, weights).sum(0));
+    out = out.view({num_seqs, num_kv_heads_, q_len, heads_per_kv, head_dim_}).transpose(1, 2);
+    return out.reshape({num_seqs * q_len, num_heads_, head_dim_}).to(dtype);
+  }
+
+  static at::Tensor feed_forward(const Layer& layer, const at::Tensor& x) {
+    if (layer.gate_up.size() == 1) {
+      auto gate_up = layer.gate_up[0](x).chunk(2, -1);
+      return layer.w2(at::mul(at::silu(gate_up[0]), gate_up[1]));
+    }
+    return layer.w2(at::mul(at::silu(layer.gate_up[0](x)), layer.gate_up[1](x)));
+  }
+
+  std::vector<Layer> layers_;
+  at::Tensor norm_;
+  int64_t num_heads_ = 0, num_kv_heads_ = 0, head_dim_ = 0;
+  double eps_;
+};
+
+}  // namespace
+
+TORCH_LIBRARY(strata_native, m) {
+  m.class_<DecoderStack>("DecoderStack")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double>())
+      .def("forward", &DecoderStack::forward);
+}

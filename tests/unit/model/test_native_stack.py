@@ -1,0 +1,222 @@
+"""The native decoder stack (``replicas.model.native_stack``) against the eager model it
+mirrors: bitwise the same hidden states and KV cache, for every dtype, quantization and layer
+variant, over prefill chunks and batches of decodes; forwards outside its scope run eager; an
+engine gives eager's greedy tokens with it, prefix caching on and off; without a compiler,
+``auto`` runs eager and ``native`` fails at start-up naming the option."""
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+
+from cluster import LLM, SamplingParams
+from replicas.config import PrefixCacheConfig, SchedulerConfig
+from replicas.model import loader, native_stack
+from replicas.model.attention import AttentionMetadata
+from replicas.model.batch import ForwardBatch
+from replicas.model.builtin import BUILTIN_MODEL_ARGS, init_random_weights
+from replicas.model.quant import quantize_model
+from replicas.model.registry import build_model
+
+if native_stack.load_error() is not None:  # pragma: no cover - a machine without a compiler
+    pytest.skip(f"no native stack here: {native_stack.load_error()}", allow_module_level=True)
+
+BLOCK = 16
+BLOCKS_PER_SEQ = 112  # past ONE_CHUNK_BLOCKS: a long context attends in chunks
+
+
+def model_of(args, dtype: torch.dtype, quantization: str, seed: int = 0):
+    model = build_model(args)
+    init_random_weights(model, seed)
+    model = model.to(dtype)
+    if quantization != "none":
+        quantize_model(model, quantization)
+    return model.eval().requires_grad_(False)
+
+
+VARIANTS = {
+    "llama": BUILTIN_MODEL_ARGS["tiny"](),
+    "qwen2 (q/k/v biases)": replace(BUILTIN_MODEL_ARGS["tiny"](), attention_bias=True),
+    "qwen3 (q/k norms)": replace(BUILTIN_MODEL_ARGS["tiny"](), qk_norm=True),
+}
+
+
+class Sequences:
+    """Sequences over private blocks of one cache: sequence i owns ``BLOCKS_PER_SEQ`` blocks."""
+
+    def __init__(self, count: int, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, 256, (count, BLOCKS_PER_SEQ * BLOCK), generator=gen)
+        self.table = torch.arange(count * BLOCKS_PER_SEQ).view(count, BLOCKS_PER_SEQ)
+
+    def batch(self, spans: list[tuple[int, int, int]], solo: int = 0) -> ForwardBatch:
+        """Entry ``(i, start, end)``: sequence i computes positions start .. end - 1."""
+        ids, positions, slots, starts = [], [], [], [0]
+        for i, start, end in spans:
+            pos = torch.arange(start, end)
+            ids.append(self.tokens[i, start:end])
+            positions.append(pos)
+            slots.append(self.table[i, pos // BLOCK] * BLOCK + pos % BLOCK)
+            starts.append(starts[-1] + end - start)
+        return ForwardBatch(
+            input_ids=torch.cat(ids),
+            positions=torch.cat(positions),
+            query_start_loc=starts,
+            seq_lens=[end for _, _, end in spans],
+            block_tables={"full": self.table[[i for i, _, _ in spans]]},
+            slot_mapping={"full": torch.cat(slots)},
+            logits_indices=torch.tensor([s - 1 for s in starts[1:]]),
+            num_solo_seqs=solo,
+        )
+
+
+def run_both(model, num_seqs: int, batches, kv_cache_dtype: str = "auto"):
+    """Each forward of ``batches`` in turn, eager on one cache and native on another."""
+    spec = model.kv_cache_specs(model.tok_embeddings.weight.dtype, kv_cache_dtype)["full"]
+    shape = spec.shape(num_seqs * BLOCKS_PER_SEQ, BLOCK)
+    caches = {
+        mode: {"full": torch.zeros(shape, dtype=spec.storage_dtype)} for mode in ("eager", "native")
+    }
+    outputs = {"eager": [], "native": []}
+    with torch.inference_mode():
+        for batch in batches:
+            for mode in ("eager", "native"):
+                model.use_native_stack(mode == "native")
+                outputs[mode].append(model(batch, caches[mode], spec.kv_format))
+    model.use_native_stack(False)
+    return outputs, caches
+
+
+def metas(batch, kv_format=None):
+    return {"full": AttentionMetadata.build(batch, "full", BLOCK, None, kv_format)}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(
+    "dtype, quantization",
+    [
+        (torch.float32, "none"),
+        (torch.bfloat16, "none"),
+        (torch.float32, "int8"),
+        (torch.bfloat16, "int4"),
+    ],
+)
+def test_native_equals_eager_bitwise(variant, dtype, quantization):
+    model = model_of(VARIANTS[variant], dtype, quantization)
+    seqs = Sequences(3, seed=1)
+    batches = [
+        seqs.batch([(0, 0, 37)]),  # a prefill chunk from position 0: causal
+        seqs.batch([(1, 0, 20)]),  # another sequence alone
+        seqs.batch([(0, 37, 50)]),  # a chunk after cached context: masked
+        seqs.batch([(0, 50, 51), (1, 20, 21)]),  # two decodes of different lengths: padded
+        seqs.batch([(0, 51, 52)]),  # one decode
+        seqs.batch([(1, 21, 22), (2, 0, 30)]),  # a decode beside a prefill chunk: two groups
+        seqs.batch([(0, 52, 53), (0, 53, 54), (1, 22, 23)], solo=2),  # draft tokens: solo
+        seqs.batch([(2, 30, 1700)]),  # a long chunk: its later rows see two chunks of keys
+        seqs.batch([(2, 1700, 1701), (0, 54, 55)]),  # decodes over 107 and 4 blocks
+    ]
+    groups = [len(metas(b)["full"].groups) for b in batches]
+    chunks = [max(len(g.chunks) for g in metas(b)["full"].groups) for b in batches]
+    assert groups[5:7] == [2, 3] and min(chunks[7:]) > 1  # every attention path is taken
+    calls = []
+    native_call = native_stack.NativeStack.__call__
+
+    def counted(self, *args):
+        calls.append(args[-1])
+        return native_call(self, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native_stack.NativeStack, "__call__", counted)
+        outputs, caches = run_both(model, 3, batches)
+    assert len(calls) == len(batches)  # every one of them ran natively
+    for eager, native in zip(outputs["eager"], outputs["native"], strict=True):
+        assert torch.equal(eager, native)
+    assert torch.equal(caches["eager"]["full"], caches["native"]["full"])
+    assert outputs["eager"][-1].abs().sum() > 0
+
+
+def test_only_an_8_bit_kv_cache_or_a_second_cache_group_runs_eager():
+    model = model_of(VARIANTS["llama"], torch.bfloat16, "int4")
+    seqs = Sequences(2, seed=2)
+    accepts = native_stack.NativeStack.accepts
+    assert accepts(metas(seqs.batch([(0, 0, 30), (1, 0, 12)]))) is not None
+    int8_kv = model.kv_cache_specs(torch.bfloat16, "int8")["full"].kv_format
+    assert accepts(metas(seqs.batch([(0, 0, 8)]), int8_kv)) is None
+    assert accepts({**metas(seqs.batch([(0, 0, 8)])), "sliding": None}) is None
+    # Where it runs eager, the result is eager's: the same forwards, 8-bit KV.
+    batches = [seqs.batch([(0, 0, 30)]), seqs.batch([(0, 30, 31), (1, 0, 5)])]
+    outputs, _ = run_both(model, 2, batches, kv_cache_dtype="int8")
+    for eager, native in zip(outputs["eager"], outputs["native"], strict=True):
+        assert torch.equal(eager, native)
+
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+PREFIX = "The lighthouse keeper climbed the stairs at dusk and lit the lamp. " * 3
+PROMPTS = [PREFIX + "Then", PREFIX + "A ship appeared on the horizon and", "Hello"]
+
+
+def test_an_engine_gives_eager_tokens_natively_with_caching_on_and_off():
+    no_cache = SchedulerConfig(prefix_cache_config=PrefixCacheConfig(enabled=False))
+    engines = {
+        "native": LLM("tiny", dtype="bfloat16", seed=3),  # a built-in model: native
+        "eager": LLM("tiny", dtype="bfloat16", seed=3, decoder_stack="eager"),
+        "native, no cache": LLM("tiny", dtype="bfloat16", seed=3, scheduler_config=no_cache),
+    }
+    try:
+        assert engines["native"].engine.config.decoder_stack == "native"
+        assert engines["eager"].engine.loaded.model.native is None
+        runs = {}
+        for name, llm in engines.items():
+            batched = [list(o.token_ids) for o in llm.generate(PROMPTS, GREEDY)]
+            alone = [list(llm.generate(p, GREEDY).token_ids) for p in PROMPTS]
+            runs[name] = (batched, alone)
+        assert runs["native"] == runs["eager"] == runs["native, no cache"]
+        assert engines["native"].generate(PROMPTS[0], GREEDY).num_cached_tokens > 0
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
+
+
+def test_without_a_compiler_auto_runs_eager_and_native_fails_naming_the_option(
+    monkeypatch, tmp_path
+):
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.setenv(native_stack.DIR_ENV, str(tmp_path))
+    with pytest.raises(OSError, match=r"no C\+\+ compiler"):
+        native_stack._built_library()
+    monkeypatch.setattr(loader, "load_error", lambda: "OSError: no C++ compiler")
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="decoder_stack native cannot run here: OSError"):
+        loader.load_model("tiny", cpu, decoder_stack="native")
+    loaded = loader.load_model("tiny", cpu, decoder_stack="auto")
+    assert loaded.decoder_stack == "eager" and loaded.model.native is None
+    # A hybrid model's sliding layers run eager whatever the library.
+    monkeypatch.setattr(loader, "load_error", lambda: None)
+    with pytest.raises(ValueError, match="full-attention layers only"):
+        loader.load_model("tiny-hybrid", cpu, decoder_stack="native")
+    assert loader.load_model("tiny-hybrid", cpu).decoder_stack == "eager"
+    with pytest.raises(ValueError, match="decoder_stack must be one of"):
+        loader.load_model("tiny", cpu, decoder_stack="fast")
+
+
+def test_a_deep_copy_runs_natively_on_its_own_weights():
+    model = model_of(VARIANTS["llama"], torch.float32, "none")
+    seqs = Sequences(1, seed=4)
+    model.use_native_stack(True)
+    spec = model.kv_cache_specs(torch.float32)["full"]
+
+    def forward(net):
+        cache = {"full": torch.zeros(spec.shape(BLOCKS_PER_SEQ, BLOCK))}
+        return net(seqs.batch([(0, 0, 20)]), cache)
+
+    with torch.inference_mode():
+        before = forward(model)
+        twin = copy.deepcopy(model)
+        for p in twin.parameters():
+            p.mul_(0.5)
+        assert torch.equal(forward(model), before)
+        native = forward(twin)
+        twin.use_native_stack(False)
+        eager = forward(twin)
+    assert torch.equal(native, eager) and not torch.equal(native, before)
