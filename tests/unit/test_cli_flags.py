@@ -21,6 +21,7 @@ TODAY_FLAGS = [
     ("model", ("--device",), "value", None),
     ("model", ("--dtype",), "value", None),
     ("model", ("--quantization",), "value", "{auto,none,int8,int4}"),  # was QUANTIZATION
+    ("model", ("--decoder-stack",), "value", "{auto,native,eager}"),
     ("model", ("--torch-compile",), "switch", None),
     ("model", ("--max-model-len",), "value", "TOKENS"),
     ("cache", ("--block-size",), "value", "TOKENS"),
@@ -89,6 +90,7 @@ TODAY_MEANINGS = [
     (["--device", "cpu"], {"model.device": "cpu"}),
     (["--dtype", "float32"], {"model.dtype": "float32"}),
     (["--quantization", "int8"], {"model.quantization": "int8"}),
+    (["--decoder-stack", "eager"], {"model.decoder_stack": "eager"}),
     (["--torch-compile"], {"model.torch_compile": True}),
     (["--max-model-len", "64"], {"model.max_model_len": 64}),
     (["--block-size", "8"], {"model.block_size": 8}),
