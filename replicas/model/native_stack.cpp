@@ -173,8 +173,7 @@ class DecoderStack : public torch::CustomClassHolder {
 
  private:
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const {
-    at::Tensor normed = at::rms_norm(x.to(at::kFloat), {x.size(-1)}, std::nullopt, eps_);
-    return at::mul(weight, normed.to(x.scalar_type()));
+    return at::mul(weight, at::rms_norm(x, {x.size(-1)}, std::nullopt, eps_));
   }
 
   static at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {

@@ -26,9 +26,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalised in float32 whatever the model dtype, as the reference implementations do.
-        normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        # Normalised in float32 whatever the model dtype, as the reference implementations do:
+        # rms_norm computes in float32 and rounds once to x's dtype, as x.float() -> rms_norm
+        # -> .to(x.dtype) does, bit for bit, in two ops fewer.
+        return self.weight * F.rms_norm(x, x.shape[-1:], eps=self.eps)
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
