@@ -160,12 +160,14 @@ class Engine:
         )
         self._last_hint = time.monotonic()
         logger.info(
-            "engine: model %s on %s (%s, weights: %s, KV: %s), block size %d, max_model_len %d",
+            "engine: model %s on %s (%s, weights: %s, KV: %s, layers: %s), block size %d, "
+            "max_model_len %d",
             self.loaded.name,
             self.device,
             config.dtype,
             self.loaded.quantization,
             config.kv_cache_dtype,
+            "torch.compile" if config.torch_compile else config.decoder_stack,
             self.block_size,
             self.max_model_len,
         )
