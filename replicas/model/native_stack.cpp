@@ -2,7 +2,7 @@
 //
 // Each function here mirrors its Python counterpart op for op, in the same order and with the
 // same arguments, so that the outputs are bitwise those of the eager model: RMSNorm.forward,
-// apply_rope, Attention.forward with cached_attention's one-group, one-chunk path,
+// apply_rope, Attention.forward with cached_attention and _attend for a KV cache of values,
 // FeedForward.forward, QuantizedLinear.forward and TransformerBlock.forward. A change to one of
 // them must be made to both (tests/unit/model/test_native_stack.py compares them bitwise).
 
