@@ -12,7 +12,11 @@ threads, for a fraction of a second:
 Both run over a block KV cache in the configured ``kv_cache_dtype`` (``replicas.model.kv_format``):
 8-bit K/V attend in float32 whatever the engine dtype, so the KV format can move the choice.
 
-Each figure is the fastest of ``REPEATS`` runs (the one least disturbed by other processes).
+Each figure is the fastest of its runs (the one least disturbed by other processes):
+``REPEATS`` prefills, ``DECODE_REPEATS`` decode steps (a step is a few milliseconds, so a burst
+of another process's work could otherwise decide between two candidates whose steps differ by
+a quarter; measured at a deployment's start, beside its other processes starting, 3 steps once
+put a native stack 4% behind the eager one that it beats by 25% on a quiet machine).
 The candidates are priced by the time of one representative request (``PROMPT_TOKENS`` of
 prefill and ``OUTPUT_TOKENS`` of decode) and the cheapest wins, with one more rule: a candidate
 in a narrower dtype than float32 is eligible only where it measured faster than float32 with the
@@ -81,6 +85,7 @@ OUTPUT_TOKENS = 128
 PREFILL_TOKENS = 64
 DECODE_CONTEXT_TOKENS = 64
 REPEATS = 3
+DECODE_REPEATS = 10
 MIN_CPU_SHARE = 0.8
 """Below this share of its threads' wall time on a CPU, a measurement is not cached."""
 CACHE_ENV = "STRATA_AUTOTUNE_CACHE"
@@ -199,17 +204,18 @@ def time_model(
         )
         model.compute_logits(model(batch, caches, kv_format))
 
-    def fastest(start: int, end: int) -> float:
+    def fastest(start: int, end: int, repeats: int) -> float:
         forward(start, end)  # warm-up: first-touch of the cache and the kernels' set-up
         times = []
-        for _ in range(REPEATS):
+        for _ in range(repeats):
             begin = timer()
             forward(start, end)
             times.append(timer() - begin)
         return min(times)
 
-    prefill = fastest(0, PREFILL_TOKENS) / PREFILL_TOKENS
-    return prefill, fastest(DECODE_CONTEXT_TOKENS, DECODE_CONTEXT_TOKENS + 1)
+    prefill = fastest(0, PREFILL_TOKENS, REPEATS) / PREFILL_TOKENS
+    decode = fastest(DECODE_CONTEXT_TOKENS, DECODE_CONTEXT_TOKENS + 1, DECODE_REPEATS)
+    return prefill, decode
 
 
 class CPUShare:
