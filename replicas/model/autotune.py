@@ -98,9 +98,11 @@ class Candidate(NamedTuple):
     dtype: str  # a name of replicas.config.TORCH_DTYPES
     quantization: str  # none, int8 or int4 (replicas.model.quant)
     stack: str = "eager"  # how the layers run: eager or native (replicas.model.native_stack)
+    kernel: str = "torch"  # int4's product: torch's packed kernel or Strata's (quant.py)
 
     def __str__(self) -> str:
-        return f"{self.dtype}/{self.quantization}/{self.stack}"
+        kernel = "-strata" if self.kernel == "strata" else ""
+        return f"{self.dtype}/{self.quantization}{kernel}/{self.stack}"
 
 
 class Timing(NamedTuple):
@@ -141,9 +143,11 @@ def candidates(
     is_quantized_checkpoint: bool,
     device: torch.device,
     stacks: Sequence[str] = ("eager",),
+    int4_kernels: Sequence[str] = ("torch",),
 ) -> list[Candidate]:
     """The configurations ``auto`` chooses among (see the module docstring); ``stacks``: the
-    ways of running the layers that this model can take here."""
+    ways of running the layers that this model can take here; ``int4_kernels``: the int4
+    products the native stack can take (the eager stack runs torch's own kernels)."""
     dtypes = CANDIDATE_DTYPES if dtype == "auto" else (dtype,)
     if quantization != "auto":
         quantizations: Sequence[str] = (quantization,)
@@ -151,7 +155,13 @@ def candidates(
         quantizations = QUANTIZED_CANDIDATES
     else:
         quantizations = ("none",)
-    return [Candidate(d, q, s) for d in dtypes for q in quantizations for s in stacks]
+    return [
+        Candidate(d, q, s, k)
+        for d in dtypes
+        for q in quantizations
+        for s in stacks
+        for k in (int4_kernels if q == "int4" and s == "native" else ("torch",))
+    ]
 
 
 def choose(timings: Sequence[Timing]) -> Candidate:
@@ -305,12 +315,17 @@ def _measure(
 ) -> Choice:
     timings = []
     share = CPUShare()
-    builds = dict.fromkeys(c[:2] for c in options)  # each model is built once, for every stack
-    for dtype_name, quantization in builds:
-        model = build(Candidate(dtype_name, quantization))
+    # each model is built once, for every stack that runs it
+    builds = dict.fromkeys((c.dtype, c.quantization, c.kernel) for c in options)
+    for dtype_name, quantization, kernel in builds:
+        model = build(Candidate(dtype_name, quantization, kernel=kernel))
         dtype = torch_dtype(dtype_name)
         for candidate in options:
-            if candidate[:2] == (dtype_name, quantization):
+            if (candidate.dtype, candidate.quantization, candidate.kernel) == (
+                dtype_name,
+                quantization,
+                kernel,
+            ):
                 model.use_native_stack(candidate.stack == "native")
                 times = time_model(model, dtype, timer, kv_cache_dtype)
                 timings.append(Timing(candidate, *times))

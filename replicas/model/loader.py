@@ -102,11 +102,12 @@ def load_model(
     load_dtype = "float32" if dtype_name == "auto" else dtype_name
     weights = _load_weights(model, resolved, device, torch_dtype(load_dtype), seed)
     stacks = _stacks(decoder_stack, weights.net, device)
+    kernels = ("torch", "strata") if "native" in stacks else ("torch",)
     if resolved in BUILTIN_MODEL_ARGS:
         dtype_name = "float32" if dtype_name == "auto" else dtype_name
         quantization = "none" if quantization == "auto" else quantization
-        stacks = stacks[-1:]
-    options = candidates(dtype_name, quantization, weights.is_quantized, device, stacks)
+        stacks, kernels = stacks[-1:], kernels[-1:]
+    options = candidates(dtype_name, quantization, weights.is_quantized, device, stacks, kernels)
     if weights.gguf_reader is not None and any(c.quantization == "int4" for c in options):
         weights = weights._replace(int4_groups=gguf_int4_groups(weights.net, weights.gguf_reader))
     choice = tune(
@@ -178,7 +179,13 @@ def _finish(
     else:
         net = weights.net.to(dtype)
     if candidate.quantization != "none":
-        quantize_model(net, candidate.quantization, weights.int4_groups, weights.stored_bits)
+        quantize_model(
+            net,
+            candidate.quantization,
+            weights.int4_groups,
+            weights.stored_bits,
+            int4_kernel=candidate.kernel,
+        )
         net.to(device)
     net.eval()
     net.requires_grad_(False)

@@ -12,9 +12,127 @@
 
 #include <cmath>
 
+#include "int4_kernel.h"
+
 namespace {
 
-enum LinearKind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2 };
+// Fused elementwise passes. Each replaces a chain of ATen ops with one loop that rounds exactly
+// where the chain rounds: every step of the chain is one correctly rounded operation per
+// element (products, sums, quotients, square roots, conversions to the tensor's dtype, the
+// reduced types computing in float and rounding once, as ATen's kernels do), and the library
+// is compiled with -ffp-contract=off so that no product and sum are fused. The one step whose
+// rounding depends on the CPU, RMSNorm's sum over the hidden dimension, is ATen's own at::sum.
+
+bool fusable_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
+// A CPU tensor of a fusable dtype with unit stride in its last dimension, and a partner of the
+// same dtype.
+bool fusable(const at::Tensor& x, const at::Tensor& other) {
+  return x.device().is_cpu() && fusable_dtype(x.scalar_type()) &&
+         other.scalar_type() == x.scalar_type() && other.device().is_cpu() && x.dim() >= 2 &&
+         x.stride(-1) == 1 && x.size(-1) % 2 == 0;
+}
+
+template <typename scalar_t>
+inline scalar_t round_to(float v) {
+  return static_cast<scalar_t>(v);  // float: exact; BFloat16 and Half: round to nearest even
+}
+
+// Row r of x (any shape, last dimension contiguous) as a pointer, for rows in row-major order.
+template <typename scalar_t>
+struct Rows {
+  const scalar_t* base;
+  std::vector<int64_t> sizes, strides;  // of the dimensions before the last
+  explicit Rows(const at::Tensor& x) : base(x.const_data_ptr<scalar_t>()) {
+    for (int64_t d = 0; d + 1 < x.dim(); ++d) {
+      sizes.push_back(x.size(d));
+      strides.push_back(x.stride(d));
+    }
+  }
+  const scalar_t* operator[](int64_t r) const {
+    int64_t offset = 0;
+    for (int64_t d = static_cast<int64_t>(sizes.size()) - 1; d >= 0; --d) {
+      offset += (r % sizes[d]) * strides[d];
+      r /= sizes[d];
+    }
+    return base + offset;
+  }
+};
+
+// weight * F.rms_norm(x, eps) rounded to out_dtype. ATen's rms_norm computes in float:
+// pow(x, 2) (x * x), mean over the last dimension (at::sum, then divided by its size), add_(eps),
+// rsqrt (1 / sqrt), x times it, rounded to x's dtype; the weight product is then one more
+// rounded product in x's dtype.
+at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                          at::ScalarType out_dtype) {
+  const int64_t dim = x.size(-1), num_rows = x.numel() / dim;
+  at::Tensor squares = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(out_dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const Rows<scalar_t> rows(x);
+    float* sq = squares.mutable_data_ptr<float>();
+    for (int64_t r = 0; r < num_rows; ++r) {
+      const scalar_t* row = rows[r];
+      for (int64_t i = 0; i < dim; ++i) {
+        const float v = static_cast<float>(row[i]);
+        sq[r * dim + i] = v * v;
+      }
+    }
+    const at::Tensor sums = at::sum(squares, {-1}, /*keepdim=*/true).contiguous();
+    const float* sum = sums.const_data_ptr<float>();
+    const scalar_t* w = weight.contiguous().const_data_ptr<scalar_t>();
+    const float size = static_cast<float>(dim), epsilon = static_cast<float>(eps);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out_dtype, "rms_norm_out", [&] {
+      using out_t = scalar_t;
+      out_t* o = out.mutable_data_ptr<out_t>();
+      for (int64_t r = 0; r < num_rows; ++r) {
+        const float inverse = 1.0f / std::sqrt(sum[r] / size + epsilon);
+        const auto* row = rows[r];
+        for (int64_t i = 0; i < dim; ++i) {
+          using in_t = std::remove_cv_t<std::remove_pointer_t<decltype(row)>>;
+          const in_t normed = round_to<in_t>(static_cast<float>(row[i]) * inverse);
+          const in_t scaled =
+              round_to<in_t>(static_cast<float>(w[i]) * static_cast<float>(normed));
+          o[r * dim + i] = round_to<out_t>(static_cast<float>(scaled));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// apply_rope: x * cos + cat(-x2, x1) * sin, each product and the sum rounded to x's dtype.
+// x: [T, heads, D] with a contiguous last dimension; cos, sin: [T, 1, D], contiguous.
+at::Tensor fused_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t dim = x.size(-1), half = dim / 2, heads = x.numel() / (x.size(0) * dim);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope", [&] {
+    const Rows<scalar_t> rows(x);
+    const scalar_t* c = cos.const_data_ptr<scalar_t>();
+    const scalar_t* s = sin.const_data_ptr<scalar_t>();
+    scalar_t* o = out.mutable_data_ptr<scalar_t>();
+    auto f = [](scalar_t v) { return static_cast<float>(v); };
+    for (int64_t r = 0; r < x.size(0) * heads; ++r) {
+      const scalar_t* row = rows[r];
+      const scalar_t* ct = c + (r / heads) * dim;
+      const scalar_t* st = s + (r / heads) * dim;
+      scalar_t* out_row = o + r * dim;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = f(row[i]), b = f(row[i + half]);
+        out_row[i] = round_to<scalar_t>(f(round_to<scalar_t>(a * f(ct[i]))) +
+                                        f(round_to<scalar_t>(-b * f(st[i]))));
+        out_row[i + half] =
+            round_to<scalar_t>(f(round_to<scalar_t>(b * f(ct[i + half]))) +
+                               f(round_to<scalar_t>(a * f(st[i + half]))));
+      }
+    }
+  });
+  return out;
+}
+
+enum LinearKind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2, kInt4Strata = 3 };
 constexpr int64_t kInt4GroupSize = 32;  // replicas.model.quant.GROUP_SIZE
 
 // nn.Linear, or QuantizedLinear.forward on a CPU.
@@ -24,20 +142,50 @@ struct Linear {
   int64_t out_features = 0;
   at::Tensor weight, scales, bias;
 
-  at::Tensor operator()(const at::Tensor& x) const {
+  // Whether the product is torch's packed kernel, which takes bfloat16 rows.
+  bool packed() const { return kind == kInt8 || kind == kInt4; }
+
+  // The product in x's dtype; or, with out_dtype, rounded to that instead (a packed product's
+  // bfloat16 result kept for a sum in float32, which widens it exactly as .to(float32) would).
+  at::Tensor operator()(const at::Tensor& x,
+                        std::optional<at::ScalarType> out_dtype = std::nullopt) const {
     if (kind == kDense) {
-      return at::linear(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
+      at::Tensor y =
+          at::linear(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
+      return out_dtype ? y.to(*out_dtype) : y;
     }
     auto shape = x.sizes().vec();
-    at::Tensor rows = x.reshape({-1, in_features}).to(at::kBFloat16);
+    if (kind == kInt4Strata) {  // reads x as it is and returns float32
+      at::Tensor y = strata_native::int4_mm(x.reshape({-1, in_features}), weight, scales,
+                                            out_features, /*path=*/-1);
+      if (bias.defined()) y = at::add(y, bias);
+      shape.back() = out_features;
+      return y.to(out_dtype.value_or(x.scalar_type())).reshape(shape);
+    }
+    at::Tensor rows = x.reshape({-1, in_features}).to(at::kBFloat16);  // no-op if bfloat16
     at::Tensor y = kind == kInt8
         ? at::_weight_int8pack_mm(rows, weight, scales)
         : at::_weight_int4pack_mm_for_cpu(rows, weight, kInt4GroupSize, scales);
     if (bias.defined()) y = at::add(y, bias);
     shape.back() = out_features;
-    return y.to(x.scalar_type()).reshape(shape);
+    return y.to(out_dtype.value_or(x.scalar_type())).reshape(shape);
   }
 };
+
+// The dtype a product's input is rounded to first: bfloat16 for packed products (their
+// QuantizedLinear.forward starts with .to(bfloat16)), else the model's.
+at::ScalarType input_dtype(const std::vector<Linear>& linears, at::ScalarType model) {
+  for (const Linear& l : linears) {
+    if (!l.packed()) return model;
+  }
+  return at::kBFloat16;
+}
+
+// The dtype a product's result is left in for the residual sum: a packed product's bfloat16
+// in a float32 model (the sum widens it exactly, as .to(float32) would), else the model's.
+at::ScalarType sum_dtype(const Linear& l, at::ScalarType model) {
+  return l.packed() && model == at::kFloat ? at::kBFloat16 : model;
+}
 
 struct Layer {
   std::vector<Linear> qkv;  // one fused product, or q, k and v
@@ -163,31 +311,45 @@ class DecoderStack : public torch::CustomClassHolder {
     for (size_t n = 0; n < layers_.size(); ++n) {
       const Layer& layer = layers_[n];
       at::Tensor rows = cache_rows.slice(0, static_cast<int64_t>(n) * layer_rows);
-      at::Tensor attended = attention(layer, rms_norm(x, layer.attention_norm), cos, sin, rows,
-                                      write_rows, is_one_group, groups);
-      x = at::add(x, attended);
-      x = at::add(x, feed_forward(layer, rms_norm(x, layer.ffn_norm)));
+      const auto dtype = x.scalar_type();
+      at::Tensor normed = rms_norm(x, layer.attention_norm, input_dtype(layer.qkv, dtype));
+      x = at::add(x, attention(layer, normed, dtype, cos, sin, rows, write_rows, is_one_group,
+                               groups));
+      normed = rms_norm(x, layer.ffn_norm, input_dtype(layer.gate_up, dtype));
+      x = at::add(x, feed_forward(layer, normed, dtype));
     }
     return rms_norm(x, norm_);
   }
 
  private:
-  at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const {
-    return at::mul(weight, at::rms_norm(x, {x.size(-1)}, std::nullopt, eps_));
+  // RMSNorm.forward, then rounded to out_dtype (a packed product's bfloat16 input: the
+  // .to(bfloat16) QuantizedLinear.forward starts with). See fused_rms_norm.
+  at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight,
+                      std::optional<at::ScalarType> out_dtype = std::nullopt) const {
+    const auto out = out_dtype.value_or(x.scalar_type());
+    if (fusable(x, weight) && fusable_dtype(out)) return fused_rms_norm(x, weight, eps_, out);
+    return at::mul(weight, at::rms_norm(x, {x.size(-1)}, std::nullopt, eps_)).to(out);
   }
 
   static at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+    if (fusable(x, cos) && fusable(x, sin) && cos.is_contiguous() && sin.is_contiguous() &&
+        cos.size(-1) == x.size(-1) && cos.numel() == x.size(0) * x.size(-1)) {
+      return fused_rope(x, cos, sin);
+    }
     auto halves = x.chunk(2, -1);
     return at::add(at::mul(x, cos), at::mul(at::cat({at::neg(halves[1]), halves[0]}, -1), sin));
   }
 
-  at::Tensor attention(const Layer& layer, const at::Tensor& x, const at::Tensor& cos,
+  // Attention.forward of the normed x (in the qkv products' input dtype, see input_dtype), for
+  // a model of dtype. The output product's result is left in its own dtype for the residual sum.
+  at::Tensor attention(const Layer& layer, const at::Tensor& x, at::ScalarType dtype,
+                       const at::Tensor& cos,
                        const at::Tensor& sin, at::Tensor& rows, const at::Tensor& write_rows,
                        bool is_one_group, const std::vector<Group>& groups) const {
     const int64_t num_tokens = x.size(0);
     at::Tensor q, k, v;
     if (layer.qkv.size() == 1 && !layer.q_norm.defined()) {
-      at::Tensor qkv = layer.qkv[0](x);
+      at::Tensor qkv = layer.qkv[0](x, dtype);
       const int64_t qk_dim = (num_heads_ + num_kv_heads_) * head_dim_;
       at::Tensor qk =
           qkv.slice(1, 0, qk_dim).view({num_tokens, num_heads_ + num_kv_heads_, head_dim_});
@@ -197,11 +359,11 @@ class DecoderStack : public torch::CustomClassHolder {
       v = qkv.slice(1, qk_dim).view({num_tokens, num_kv_heads_, head_dim_});
     } else {
       if (layer.qkv.size() == 3) {
-        q = layer.qkv[0](x);
-        k = layer.qkv[1](x);
-        v = layer.qkv[2](x);
+        q = layer.qkv[0](x, dtype);
+        k = layer.qkv[1](x, dtype);
+        v = layer.qkv[2](x, dtype);
       } else {
-        auto split = layer.qkv[0](x).split_with_sizes(
+        auto split = layer.qkv[0](x, dtype).split_with_sizes(
             {num_heads_ * head_dim_, num_kv_heads_ * head_dim_, num_kv_heads_ * head_dim_}, -1);
         q = split[0];
         k = split[1];
@@ -232,7 +394,8 @@ class DecoderStack : public torch::CustomClassHolder {
         }
       }
     }
-    return layer.wo(out.reshape({num_tokens, -1}));
+    const at::Tensor attended = out.reshape({num_tokens, -1});
+    return layer.wo(attended, sum_dtype(layer.wo, dtype));
   }
 
   // attention._attend for a KV cache of values.
@@ -281,12 +444,14 @@ class DecoderStack : public torch::CustomClassHolder {
     return out.reshape({num_seqs * q_len, num_heads_, head_dim_}).to(dtype);
   }
 
-  static at::Tensor feed_forward(const Layer& layer, const at::Tensor& x) {
+  // FeedForward.forward of the normed x (as in attention), for a model of dtype.
+  static at::Tensor feed_forward(const Layer& layer, const at::Tensor& x, at::ScalarType dtype) {
     if (layer.gate_up.size() == 1) {
-      auto gate_up = layer.gate_up[0](x).chunk(2, -1);
-      return layer.w2(at::mul(at::silu(gate_up[0]), gate_up[1]));
+      auto gate_up = layer.gate_up[0](x, dtype).chunk(2, -1);
+      return layer.w2(at::mul(at::silu(gate_up[0]), gate_up[1]), sum_dtype(layer.w2, dtype));
     }
-    return layer.w2(at::mul(at::silu(layer.gate_up[0](x)), layer.gate_up[1](x)));
+    return layer.w2(
+        at::mul(at::silu(layer.gate_up[0](x, dtype)), layer.gate_up[1](x, dtype)), sum_dtype(layer.w2, dtype));
   }
 
   std::vector<Layer> layers_;
@@ -298,6 +463,9 @@ class DecoderStack : public torch::CustomClassHolder {
 }  // namespace
 
 TORCH_LIBRARY(strata_native, m) {
+  m.def("int4_mm(Tensor x, Tensor codes, Tensor scales, int out_features, int path=-1) -> Tensor",
+        &strata_native::int4_mm);
+  m.def("int4_path(int requested=-1) -> int", &strata_native::int4_path);
   m.class_<DecoderStack>("DecoderStack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double>())
       .def("forward", &DecoderStack::forward);

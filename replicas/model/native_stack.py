@@ -47,9 +47,11 @@ from replicas.model.quant import QuantizedLinear
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_stack.cpp")
+SOURCES = (SOURCE, SOURCE.with_name("int4_kernel.cpp"), SOURCE.with_name("int4_kernel.h"))
+"""What the library is built from (the key of its folder hashes them all)."""
 DIR_ENV = "STRATA_NATIVE_DIR"
 DECODER_STACKS = ("auto", "native", "eager")
-_KINDS = {"none": 0, "int8": 1, "int4": 2}  # native_stack.cpp's LinearKind
+_KINDS = {"none": 0, "int8": 1, "int4": 2, "int4/strata": 3}  # native_stack.cpp's LinearKind
 
 
 @cache
@@ -157,7 +159,8 @@ def _pack(model: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
 
     def linear(module: nn.Module) -> None:
         if isinstance(module, QuantizedLinear):
-            kind, extra = _KINDS[module.scheme], [module.scales]
+            name = f"{module.scheme}/strata" if module.kernel == "strata" else module.scheme
+            kind, extra = _KINDS[name], [module.scales]
         elif isinstance(module, nn.Linear):
             kind, extra = _KINDS["none"], []
         else:
@@ -199,7 +202,9 @@ def _built_library() -> Path:
     ).stdout.splitlines()[0]
     command = _compile_command(compiler)
     key = hashlib.sha256(
-        "\n".join([SOURCE.read_text(), torch.__version__, version, *command]).encode()
+        "\n".join(
+            [*(path.read_text() for path in SOURCES), torch.__version__, version, *command]
+        ).encode()
     ).hexdigest()[:16]
     folder = _native_dir() / key
     library = folder / "native_stack.so"
@@ -210,7 +215,7 @@ def _built_library() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if library.exists():  # built by another process while this one waited
             return library
-        logger.info("native decoder stack: compiling %s (once per torch and compiler)", SOURCE)
+        logger.info("native library: compiling %s (once per torch and compiler)", SOURCE.parent)
         with tempfile.TemporaryDirectory(dir=folder) as scratch:
             partial = Path(scratch) / library.name
             result = subprocess.run(
@@ -230,13 +235,15 @@ def _compile_command(compiler: str) -> list[str]:
     return [
         compiler,
         "-O2",
+        "-ffp-contract=off",
+        "-fopenmp",
         "-std=c++20",
         "-fPIC",
         "-shared",
         "-w",
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         *(f"-I{path}" for path in cpp_extension.include_paths()),
-        str(SOURCE),
+        *(str(path) for path in SOURCES if path.suffix == ".cpp"),
         f"-L{lib_dir}",
         "-lc10",
         "-ltorch_cpu",

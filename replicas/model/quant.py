@@ -69,13 +69,18 @@ class QuantizedLinear(nn.Module):
         weight: torch.Tensor,
         scales: torch.Tensor,
         bias: torch.Tensor | None,
+        kernel: str = "torch",
     ) -> None:
         super().__init__()
         self.scheme = scheme
+        self.kernel = kernel  # "torch" (its packed kernels) or "strata" (int4 only)
         self.in_features = in_features
         self.out_features = out_features
-        self.register_buffer("weight", weight)  # int8 [N, K] or the int4 kernel's packing
-        self.register_buffer("scales", scales)  # [N] or [K / GROUP_SIZE, N, 2] (scale, zero)
+        # int8 [N, K]; int4: torch's packing, or Strata's [N / 16, K / 8, 64] uint8
+        self.register_buffer("weight", weight)
+        # int8 [N]; int4: torch's [K / GROUP_SIZE, N, 2] (scale, zero), or Strata's
+        # [N / 16, K / GROUP_SIZE, 2, 16] float16 (d, m)
+        self.register_buffer("scales", scales)
         self.register_buffer("bias", bias)
 
     @classmethod
@@ -88,7 +93,9 @@ class QuantizedLinear(nn.Module):
         return cls("int8", k, n, codes, scale.to(COMPUTE_DTYPE), _bias(bias))
 
     @classmethod
-    def int4(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "QuantizedLinear":
+    def int4(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, kernel: str | None = None
+    ) -> "QuantizedLinear":
         """Asymmetric int4 of a float ``weight`` [N, K] in groups of ``GROUP_SIZE`` columns:
         each group's minimum and maximum are codes 0 and 15."""
         n, k = weight.shape
@@ -97,7 +104,7 @@ class QuantizedLinear(nn.Module):
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)
         scale = ((high - low) / 15).clamp(min=1e-12)
         codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
-        return cls.int4_groups(codes.reshape(n, k), scale, low + 8 * scale, bias)
+        return cls.int4_groups(codes.reshape(n, k), scale, low + 8 * scale, bias, kernel)
 
     @classmethod
     def int4_groups(
@@ -106,11 +113,20 @@ class QuantizedLinear(nn.Module):
         scale: torch.Tensor,
         zero: torch.Tensor,
         bias: torch.Tensor | None = None,
+        kernel: str | None = None,
     ) -> "QuantizedLinear":
         """From codes [N, K] in [0, 15] and per-group ``scale``, ``zero`` [N, K / GROUP_SIZE]:
-        ``w = (codes - 8) * scale + zero``."""
+        ``w = (codes - 8) * scale + zero``. ``kernel``: ``strata``, ``torch``, or ``None`` for
+        Strata's where its library is built and the scales fit its float16 (see the module
+        docstring)."""
         n, k = codes.shape
         _check_int4_shape(n, k)
+        if kernel in (None, "strata"):
+            strata = _strata_int4(codes, scale.float(), zero.float() - 8 * scale.float())
+            if strata is not None:
+                return cls("int4", k, n, *strata, _bias(bias), kernel="strata")
+            if kernel == "strata":
+                raise ValueError("Strata's int4 kernel cannot take this weight here")
         packed = torch._convert_weight_to_int4pack_for_cpu(
             codes.cpu().to(torch.int32).contiguous(), 1
         )
@@ -122,6 +138,8 @@ class QuantizedLinear(nn.Module):
         """The weight [N, K] as the kernels see it, in ``dtype``."""
         if self.scheme == "int8":
             return self.weight.to(dtype) * self.scales.to(dtype)[:, None]
+        if self.kernel == "strata":
+            return _strata_int4_weight(self.weight, self.scales, self.out_features).to(dtype)
         codes = _unpack_int4(self.weight, self.out_features, self.in_features)
         scale, zero = self.scales.to(dtype).transpose(0, 1).unbind(-1)  # [N, G] each
         groups = codes.to(dtype).reshape(self.out_features, -1, GROUP_SIZE) - 8
@@ -130,6 +148,13 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if self.kernel == "strata" and x.device.type == "cpu":  # takes x as it is
+            y = torch.ops.strata_native.int4_mm(
+                x.reshape(-1, self.in_features), self.weight, self.scales, self.out_features
+            )
+            if self.bias is not None:
+                y = y + self.bias
+            return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         rows = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
         if rows.device.type != "cpu":
             y = self._dense(rows)
@@ -150,7 +175,11 @@ class QuantizedLinear(nn.Module):
         return F.linear(rows, self.dequantized(rows.dtype))
 
     def extra_repr(self) -> str:
-        return f"{self.scheme}, in_features={self.in_features}, out_features={self.out_features}"
+        kernel = ", kernel=strata" if self.kernel == "strata" else ""
+        return (
+            f"{self.scheme}, in_features={self.in_features}, "
+            f"out_features={self.out_features}{kernel}"
+        )
 
 
 def _bias(bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -186,11 +215,46 @@ def _unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return codes_t.t().to(torch.uint8).to(device)
 
 
+def _strata_int4(
+    codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Codes [N, K] and ``w = d * q + m`` per group ([N, K / GROUP_SIZE] each) in the layout of
+    Strata's int4 kernel (``replicas/model/int4_kernel.cpp``): None where its library is not
+    built here, or where ``d`` loses more than float16's normal precision or ``m`` overflows
+    (then torch's kernel takes the weight)."""
+    from replicas.model import native_stack
+
+    if native_stack.load_error() is not None:
+        return None
+    d16, m16 = d.half(), m.half()
+    if not (torch.isfinite(d16).all() and torch.isfinite(m16).all()):
+        return None
+    if ((d16.float() - d).abs() > d.abs() * 2**-10).any():  # a float16 subnormal scale
+        return None
+    n, k = codes.shape
+    c = codes.to(torch.uint8).view(n // 16, 16, k // 8, 2, 4)  # [tile, row, octet, nibble, r]
+    packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 1, 3).reshape(n // 16, k // 8, 64)
+    tiles = [t.view(n // 16, 16, -1).permute(0, 2, 1) for t in (d16, m16)]  # [tile, group, row]
+    return packed.contiguous(), torch.stack(tiles, dim=2).contiguous()
+
+
+def _strata_int4_weight(packed: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    """The float32 weight [N, K] that ``_strata_int4``'s layout holds."""
+    tiles, octets, _ = packed.shape
+    c = packed.view(tiles, octets, 16, 4)
+    codes = torch.stack((c & 15, c >> 4), dim=3)  # [tile, octet, row, nibble, r]
+    codes = codes.permute(0, 2, 1, 3, 4).reshape(tiles * 16, octets * 8).float()
+    d, m = (scales[:, :, i].permute(0, 2, 1).reshape(tiles * 16, -1).float() for i in (0, 1))
+    w = codes.view(tiles * 16, -1, GROUP_SIZE) * d[..., None] + m[..., None]
+    return w.reshape(tiles * 16, -1)[:n]
+
+
 def quantize_model(
     model: nn.Module,
     scheme: str,
     int4_groups: Mapping[str, Int4Groups] | None = None,
     stored_bits: Mapping[str, int] | None = None,
+    int4_kernel: str = "torch",
 ) -> None:
     """Replaces every linear layer of a ``Transformer`` by a ``QuantizedLinear`` of ``scheme``,
     in place, fusing q/k/v and gate/up into one product each (fewer kernel calls per layer).
@@ -198,10 +262,12 @@ def quantize_model(
     ``int4_groups``: stored int4 codes by parameter name (a GGUF file's Q4 tensors), used as
     they are under ``int4``. ``stored_bits``: bits per weight as stored; under ``int4`` a weight
     stored at 5 bits or more is kept at int8 rather than lose the precision its file kept, and
-    so is one whose shape the int4 kernel does not take (``int4_fits``).
+    so is one whose shape the int4 kernel does not take (``int4_fits``). ``int4_kernel``:
+    ``torch`` or ``strata`` (where a weight's scales do not fit Strata's layout, torch's).
     """
     if scheme not in QUANTIZATIONS or scheme == "none":
         raise ValueError(f"quantization scheme must be int8 or int4, got {scheme!r}")
+    kernel = None if int4_kernel == "strata" else "torch"  # None: Strata's where it fits
     groups = dict(int4_groups or {})
     bits = dict(stored_bits or {})
     if model.args.tie_word_embeddings:  # the LM head is the embedding matrix as stored
@@ -219,9 +285,13 @@ def quantize_model(
         if wanted == "int4" and all(f"{n}.weight" in groups for n in names):
             stored = [groups[f"{n}.weight"] for n in names]
             return QuantizedLinear.int4_groups(
-                *(torch.cat(parts) for parts in zip(*stored, strict=True)), bias=bias
+                *(torch.cat(parts) for parts in zip(*stored, strict=True)),
+                bias=bias,
+                kernel=kernel,
             )
-        return getattr(QuantizedLinear, wanted)(weight, bias)
+        if wanted == "int4":
+            return QuantizedLinear.int4(weight, bias, kernel)
+        return QuantizedLinear.int8(weight, bias)
 
     with torch.no_grad():
         for i, layer in enumerate(model.layers):

@@ -360,13 +360,22 @@ def test_a_quantized_file_loads_as_measured_and_the_engine_runs_it(monkeypatch, 
         Candidate(*k, "native"): (p, d + 1.0 if k == ("bfloat16", "int8") else d - 3.0)
         for k, (p, d) in eager.items()
     }
+    # Strata's int4 kernel (native stack only): 1 ms a step faster at float32, slower at
+    # bfloat16.
+    stub |= {
+        Candidate(d, "int4", "native", "strata"): (p, s + (-1.0 if d == "float32" else 1.0))
+        for (d, q, stack, _), (p, s) in list(stub.items())
+        if q == "int4" and stack == "native"
+    }
     built = []
 
     def stub_time(model, dtype, timer=None, kv_cache_dtype="auto"):
         quantized = type(model.layers[0].attention.wqkv).__name__ == "QuantizedLinear"
         scheme = model.layers[0].attention.wqkv.scheme if quantized else "none"
         dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
-        candidate = Candidate(dtype_name, scheme, "eager" if model.native is None else "native")
+        kernel = model.layers[0].attention.wqkv.kernel if quantized else "torch"
+        stack = "eager" if model.native is None else "native"
+        candidate = Candidate(dtype_name, scheme, stack, kernel)
         built.append(candidate)
         prefill_ms, decode_ms = stub[candidate]
         return prefill_ms / 1e3, decode_ms / 1e3
@@ -375,12 +384,15 @@ def test_a_quantized_file_loads_as_measured_and_the_engine_runs_it(monkeypatch, 
     monkeypatch.setenv(autotune.CACHE_ENV, str(tmp_path / "choices.json"))
     loaded = load_model(str(path), torch.device("cpu"), "auto", quantization="auto")
     assert sorted(built) == sorted(stub)
-    # 256 x 5 + 128 x 21 ms = 3.97 s: float32/int4/native beats bfloat16/int8 eager (4.20 s);
-    # bfloat16/int4/native (3.34 s) decodes slower than its twin (21 ms): ineligible.
+    # 256 x 5 + 128 x 20 ms = 3.84 s: float32/int4-strata/native beats float32/int4/native
+    # (3.97 s) and bfloat16/int8 eager (4.20 s); bfloat16/int4/native (3.34 s) decodes slower
+    # than its twin (21 ms): ineligible.
     assert (loaded.dtype, loaded.quantization) == (torch.float32, "int4")
     assert loaded.decoder_stack == "native" and loaded.model.native is not None
     assert loaded.auto.source == "measured"
     assert loaded.model.layers[0].attention.wqkv.scheme == "int4"
+    assert loaded.model.layers[0].attention.wqkv.kernel == "strata"
+    assert str(loaded.auto.candidate) == "float32/int4-strata/native"
     built.clear()
     engine = Engine(EngineConfig(model=str(path), device="cpu", num_npu_blocks=16))
     assert built == []  # the engine's start took the cached choice

@@ -22,6 +22,59 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     return (y if bias is None else y + bias.double()).float()
 
 
+def strata_reference(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
+    """What Strata's int4 kernel computes, with the sums in float64: x quantized per group of 32
+    in two int8 passes as the kernel does it in float32 (``dx = max|v| / 127``, codes
+    ``v * 127 / max|v|`` rounded to nearest even, the second pass on ``v - code * dx``), then
+    ``d * sum_p dx_p * sum(q * qx_p) + m * sum(x)`` per group, for codes, ``d`` and ``m`` read
+    back from the layout by plain tensor ops."""
+    codes, d, m = _strata_parts(layer)
+    n = layer.out_features
+    groups = x.float().reshape(len(x), -1, GROUP_SIZE)
+    q = codes[:n].double().reshape(n, -1, GROUP_SIZE)
+    left, qpart = groups, 0
+    for _ in range(2):
+        amax = left.abs().amax(-1)
+        dx = amax / 127
+        inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+        qx = torch.round(left * inverse[..., None])
+        qpart = qpart + torch.einsum("ngk,rgk->rng", q, qx.double()) * dx.double()[:, None, :]
+        left = left - qx * dx[..., None]
+    y = (qpart * d[:n] + m[:n] * groups.double().sum(-1)[:, None, :]).sum(-1)
+    return y if layer.bias is None else y + layer.bias.double()
+
+
+def _strata_parts(layer: QuantizedLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes [N, K], d and m [N, K / 32] (float64) of a layer in Strata's int4 layout."""
+    tiles, octets, _ = layer.weight.shape
+    c = layer.weight.view(tiles, octets, 16, 4)
+    codes = torch.stack((c & 15, c >> 4), dim=3).permute(0, 2, 1, 3, 4).reshape(tiles * 16, -1)
+    d, m = (layer.scales[:, :, i].permute(0, 2, 1).reshape(tiles * 16, -1) for i in (0, 1))
+    return codes, d.double(), m.double()
+
+
+def _strata_built() -> bool:
+    from replicas.model import native_stack
+
+    return native_stack.load_error() is None
+
+
+def _layer(scheme: str, w: torch.Tensor, bias: torch.Tensor | None = None) -> QuantizedLinear:
+    """int8, int4 (torch's kernel) or int4/strata."""
+    if scheme == "int8":
+        return QuantizedLinear.int8(w, bias)
+    return QuantizedLinear.int4(w, bias, kernel="strata" if scheme == "int4/strata" else "torch")
+
+
+KERNELS = [
+    "torch",
+    pytest.param(
+        "strata",
+        marks=pytest.mark.skipif("not _strata_built()", reason="no native library here"),
+    ),
+]
+
+
 def test_int8_codes_are_within_half_a_step_of_the_weight():
     w = torch.randn(96, 64) * torch.linspace(0.1, 3, 96)[:, None]
     layer = QuantizedLinear.int8(w)
@@ -40,32 +93,73 @@ def test_int4_packing_round_trips_through_torchs_kernel_layout():
     assert torch.equal(_unpack_int4(packed, 192, 96).int(), codes)
 
 
-def test_int4_dequantized_weight_is_what_the_kernel_multiplies_by():
-    """The dequantized weight against the packed kernel itself: x = I gives W^T."""
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_int4_dequantized_weight_is_what_the_kernel_multiplies_by(kernel):
+    """The dequantized weight against the packed kernel itself: x = I gives W^T (one-hot rows
+    quantize exactly in Strata's kernel too)."""
     n, k = 128, 96
-    layer = QuantizedLinear.int4(torch.randn(n, k))
+    layer = QuantizedLinear.int4(torch.randn(n, k), kernel=kernel)
+    assert layer.kernel == kernel
     eye = torch.eye(k)
     by_kernel = layer(eye).T  # [N, K]: each weight, rounded once to bfloat16 by the kernel
     # Half a bfloat16 step of rounding (2^-9 relative), whichever order the kernel computes in.
     torch.testing.assert_close(layer.dequantized(torch.float32), by_kernel, rtol=2**-8, atol=1e-6)
 
 
-def test_int4_groups_dequantize_exactly():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_int4_groups_dequantize_exactly(kernel):
     n, k = 128, 64
     codes = torch.randint(0, 16, (n, k))
     scale = torch.rand(n, k // GROUP_SIZE) + 0.5
     zero = torch.randn(n, k // GROUP_SIZE)
-    layer = QuantizedLinear.int4_groups(codes, scale, zero)
-    # Scales and zeros are kept in bfloat16, the kernels' dtype.
-    s, z = scale.bfloat16().double(), zero.bfloat16().double()
-    expected = (codes.double() - 8).reshape(n, -1, GROUP_SIZE) * s[..., None] + z[..., None]
+    layer = QuantizedLinear.int4_groups(codes, scale, zero, kernel=kernel)
     got = layer.dequantized(torch.float32).double()
-    torch.testing.assert_close(got, expected.reshape(n, k), rtol=0, atol=1e-2 * s.max().item())
+    if kernel == "torch":  # scales and zeros kept in bfloat16, the kernel's dtype
+        s, z = scale.bfloat16().double(), zero.bfloat16().double()
+        expected = (codes.double() - 8).reshape(n, -1, GROUP_SIZE) * s[..., None] + z[..., None]
+        tolerance = 1e-2 * s.max().item()
+    else:  # d and m kept in float16, as GGUF stores them
+        d, m = scale.half().double(), (zero - 8 * scale).half().double()
+        expected = codes.double().reshape(n, -1, GROUP_SIZE) * d[..., None] + m[..., None]
+        tolerance = 1e-6
+    torch.testing.assert_close(got, expected.reshape(n, k), rtol=0, atol=tolerance)
 
 
-def test_int4_of_a_float_weight_is_within_half_a_step():
+@pytest.mark.skipif("not _strata_built()", reason="no native library here")
+def test_strata_int4_takes_what_float16_keeps_and_leaves_the_rest_to_torch():
+    """A scale below float16's normal range would lose precision in Strata's layout: the layer
+    goes to torch's kernel; and asking for Strata's there is an error."""
+    n, k = 64, 64
+    codes = torch.randint(0, 16, (n, k))
+    tiny = torch.full((n, k // GROUP_SIZE), 1e-6)
+    assert QuantizedLinear.int4_groups(codes, tiny, tiny * 8).kernel == "torch"
+    with pytest.raises(ValueError, match="Strata's int4 kernel"):
+        QuantizedLinear.int4_groups(codes, tiny, tiny * 8, kernel="strata")
+    assert QuantizedLinear.int4_groups(codes, tiny * 1e3, tiny).kernel == "strata"
+
+
+@pytest.mark.skipif("not _strata_built()", reason="no native library here")
+@pytest.mark.parametrize("shape", [(64, 32), (192, 256), (320, 1536)])
+def test_strata_int4_is_bitwise_the_same_on_every_instruction_path(shape):
+    """AVX-512 VNNI, AVX2 and plain C++ (each path this CPU has) give the same bits: integer
+    sums are exact and the float steps are the same on each."""
+    gen = torch.Generator().manual_seed(shape[1])
+    layer = QuantizedLinear.int4(torch.randn(*shape, generator=gen), kernel="strata")
+    x = torch.randn(7, shape[1], generator=gen) * torch.linspace(0.01, 30, shape[1])
+    best = torch.ops.strata_native.int4_path()
+    outs = [
+        torch.ops.strata_native.int4_mm(x, layer.weight, layer.scales, shape[0], path)
+        for path in range(best + 1)
+    ]
+    assert all(torch.equal(outs[0], out) for out in outs[1:]), best
+    expected = strata_reference(x, layer)  # float32 sums: ~1e-6 of the largest value
+    torch.testing.assert_close(outs[0].double(), expected, rtol=0, atol=1e-5 * expected.abs().max())
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_int4_of_a_float_weight_is_within_half_a_step(kernel):
     w = torch.randn(64, 128)
-    layer = QuantizedLinear.int4(w)
+    layer = QuantizedLinear.int4(w, kernel=kernel)
     groups = w.reshape(64, -1, GROUP_SIZE)
     step = (groups.amax(-1) - groups.amin(-1)) / 15
     error = (layer.dequantized(torch.float32) - w).reshape(64, -1, GROUP_SIZE).abs()
@@ -77,22 +171,32 @@ def test_int4_rejects_shapes_the_kernel_does_not_take():
         QuantizedLinear.int4(torch.randn(100, 64))
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize(
+    "scheme", ["int8", "int4", pytest.param("int4/strata", marks=KERNELS[1].marks)]
+)
 @pytest.mark.parametrize("rows", [1, 3, 33, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_forward_matches_the_dequantized_weight(scheme, rows, with_bias):
-    """The packed kernel (CPU) and the dense path (what CUDA runs) both give the product with
-    the dequantized weight."""
+    """The packed kernels (CPU) and the dense path (what CUDA runs) both give the product with
+    the dequantized weight; Strata's int4 kernel gives it with x quantized as it quantizes it."""
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(192, 256, generator=gen)
     bias = torch.randn(192, generator=gen) if with_bias else None
-    layer = getattr(QuantizedLinear, scheme)(w, bias)
+    layer = _layer(scheme, w, bias)
     x = torch.randn(rows, 256, generator=gen)
     y = layer(x)
     assert y.dtype == torch.float32 and y.shape == (rows, 192)
     expected = reference(x, layer.dequantized(torch.float32), layer.bias)
-    # bfloat16 output rounding (2^-8 relative) on values of magnitude ~ sqrt(256) * |w|.
-    torch.testing.assert_close(y, expected, rtol=1e-2, atol=0.15)
+    if scheme == "int4/strata":
+        exact = strata_reference(x, layer)
+        torch.testing.assert_close(y.double(), exact, rtol=0, atol=1e-5 * exact.abs().max())
+        # Against x unquantized: two int8 passes leave each x within max|x| / 254^2 of what
+        # the kernel multiplies, so each product within that times its group's sum of |w|,
+        # plus the bfloat16 rounding of x that the reference does.
+        torch.testing.assert_close(y, expected, rtol=1e-2, atol=0.15)
+    else:
+        # bfloat16 output rounding (2^-8 relative) on values of magnitude ~ sqrt(256) * |w|.
+        torch.testing.assert_close(y, expected, rtol=1e-2, atol=0.15)
     y3 = layer(x.reshape(1, rows, 256))
     assert y3.shape == (1, rows, 192)
     dense = layer._dense(x.to(torch.bfloat16)).float()
@@ -128,6 +232,10 @@ def test_gguf_q4_codes_equal_gguf_dequantization(kind, tmp_path):
     ours = (ours + zero.double()[..., None]).reshape(64, 96)
     expected = torch.from_numpy(dequantize(np.asarray(tensor.data), qtype).astype(np.float64))
     torch.testing.assert_close(ours, expected.reshape(64, 96), rtol=0, atol=1e-6)
+    if _strata_built():  # Strata's layout keeps d and m as the file's float16 values
+        layer = QuantizedLinear.int4_groups(codes, scale, zero, kernel="strata")
+        strata = layer.dequantized(torch.float64)
+        torch.testing.assert_close(strata, expected.reshape(64, 96), rtol=0, atol=1e-6)
 
 
 # ---- whole models -------------------------------------------------------------------------
@@ -192,12 +300,14 @@ def _tiny_auto():
     return load_model("tiny", torch.device("cpu"), quantization="auto")
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize(
+    "scheme", ["int8", "int4", pytest.param("int4/strata", marks=KERNELS[1].marks)]
+)
 def test_a_rows_product_is_bitwise_the_same_in_any_batch(scheme):
     """Prefix caching, chunked prefill and batching change how many rows a product has; they
     must not change a row's result, or caching would change greedy outputs."""
     gen = torch.Generator().manual_seed(7)
-    layer = getattr(QuantizedLinear, scheme)(torch.randn(192, 128, generator=gen))
+    layer = _layer(scheme, torch.randn(192, 128, generator=gen))
     x = torch.randn(300, 128, generator=gen)
     whole = layer(x)
     for start, stop in ((0, 1), (5, 6), (0, 12), (17, 80), (100, 300)):

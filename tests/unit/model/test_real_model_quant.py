@@ -35,15 +35,20 @@ def dense():
 
 @pytest.fixture(scope="module")
 def quantized(dense):
-    """int8 and int4 of the same loaded weights (what ``load_model`` does after loading)."""
+    """int8, int4 and int4 through Strata's kernel (where its library builds) of the same
+    loaded weights (what ``load_model`` does after loading)."""
+    from replicas.model import native_stack
+
     reader = open_gguf(SMOLLM2)
     bits = gguf_weight_bits(dense.model, reader)
     models = {}
-    for scheme in ("int8", "int4"):
+    schemes = ["int8", "int4"] + (["int4-strata"] if native_stack.load_error() is None else [])
+    for name in schemes:
+        scheme, _, kernel = name.partition("-")
         model = copy.deepcopy(dense.model)
         groups = gguf_int4_groups(model, reader) if scheme == "int4" else {}
-        quantize_model(model, scheme, groups, bits)
-        models[scheme] = model
+        quantize_model(model, scheme, groups, bits, int4_kernel=kernel or "torch")
+        models[name] = model
     return models
 
 
@@ -71,12 +76,17 @@ def test_int4_uses_the_files_codes_and_keeps_the_8_bit_lm_head(dense, quantized)
     assert model.output.scheme == "int8"
 
 
-@pytest.mark.parametrize(("scheme", "tolerance"), [("int8", 0.01), ("int4", 0.01)])
+@pytest.mark.parametrize(
+    ("scheme", "tolerance"), [("int8", 0.01), ("int4", 0.01), ("int4-strata", 0.01)]
+)
 def test_perplexity_is_within_tolerance_of_float32(
     dense, quantized, dense_perplexity, scheme, tolerance, record_property
 ):
     """int8 requantizes the file's weights per output channel; int4 serves the file's own
-    4-bit codes, so it should be as good as the file dequantized to float32."""
+    4-bit codes, so it should be as good as the file dequantized to float32, through torch's
+    kernel (bfloat16 activations) and Strata's (activations in two int8 passes)."""
+    if scheme not in quantized:
+        pytest.skip("Strata's native library is not built here")
     got = perplexity(quantized[scheme], dense.tokenizer.encode(TEXT), WINDOW)
     record_property(f"perplexity_{scheme}", got)
     print(f"\nperplexity float32 {dense_perplexity:.3f}, {scheme} {got:.3f}")
@@ -116,9 +126,15 @@ def test_int8_greedy_continuation_equals_float32_up_to_near_ties(dense, quantize
     assert sum(n == 16 for n in num_equal) >= 2
 
 
-def test_int4_serves_the_files_own_4_bit_codes(quantized):
+def test_int4_serves_the_files_own_4_bit_codes(dense):
     loaded = load_model(str(SMOLLM2), torch.device("cpu"), quantization="int4")
     assert loaded.quantization == "int4"
-    for ours, expected in zip(loaded.model.layers, quantized["int4"].layers, strict=True):
+    # The int4 kernel that auto measured fastest here, over the file's codes as they are.
+    reference = copy.deepcopy(dense.model)
+    reader = open_gguf(SMOLLM2)
+    kernel = loaded.model.layers[0].attention.wqkv.kernel
+    groups, bits = gguf_int4_groups(reference, reader), gguf_weight_bits(reference, reader)
+    quantize_model(reference, "int4", groups, bits, int4_kernel=kernel)
+    for ours, expected in zip(loaded.model.layers, reference.layers, strict=True):
         assert torch.equal(ours.attention.wqkv.weight, expected.attention.wqkv.weight)
         assert torch.equal(ours.attention.wqkv.scales, expected.attention.wqkv.scales)

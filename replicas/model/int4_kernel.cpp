@@ -1,0 +1,347 @@
+// Strata's int4 product: y = x W^T for W in int4 groups of 32 (w = d * q + m, q in [0, 15], d
+// and m float16 per output row and group), against activations quantized on the fly to int8 per
+// group of 32 (x ~ dx * qx, qx in [-127, 127]), the scheme llama.cpp runs GGUF Q4_1 with. A
+// group's integer dot product sum(q * qx) is exact in int32 whatever the instructions (AVX-512
+// VNNI, AVX2, or plain C++), and the float steps that follow are the same for every path, row
+// and batch:
+//
+//   acc += float(sum(q * qx)) * (d * dx);   acc += m * sx;   (group after group, in order)
+//
+// where sx is the float sum of the group's activations. So a row's result is bitwise the same
+// on every CPU path and whatever other rows share the call (the engine's outputs do not depend
+// on batching, chunking or prefix caching). The library is compiled with -ffp-contract=off and
+// the vector paths use separate multiplies and adds, as the scalar one does.
+//
+// Layout (replicas/model/quant.py, Int4Layout): codes in tiles of 16 output rows, one 64-byte
+// chunk per 8 input columns: byte 4 c + r holds row c's column 8 o + r in its low nibble and
+// column 8 o + 4 + r in its high nibble ([N / 16, K / 8, 64] uint8); d and m per tile and group
+// as [N / 16, K / 32, 2, 16] float16.
+
+#include "int4_kernel.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+
+namespace strata_native {
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kTile = 16;
+constexpr int64_t kRowBlock = 4;  // activation rows sharing one pass over a tile's weights
+
+// Activations of one call, quantized in two passes: per row and group, x ~ dx[0] * codes[0] +
+// dx[1] * codes[1], the second pass quantizing what the first left (so a row keeps about 15
+// bits of its group's largest value, not 8), and sx, the sum of x.
+struct QuantizedRows {
+  int64_t rows = 0, groups = 0;
+  std::vector<int8_t> codes[2];  // [rows, groups * 32] each
+  std::vector<float> dx[2], sx;  // [rows, groups] each
+};
+
+constexpr int kPasses = 2;
+
+// v rounded to the nearest integer, ties to even, for |v| < 2^22 (here at most 127): adding and
+// subtracting 1.5 * 2^23 leaves no fraction bits (std::nearbyint's result, without its call).
+inline float round_small(float v) {
+  constexpr float kShift = 12582912.0f;
+  volatile float shifted = v + kShift;
+  return shifted - kShift;
+}
+
+template <typename scalar_t>
+QuantizedRows quantize_rows(const at::Tensor& x) {
+  QuantizedRows q;
+  q.rows = x.size(0);
+  const int64_t k = x.size(1);
+  q.groups = k / kGroup;
+  for (int p = 0; p < kPasses; ++p) {
+    q.codes[p].resize(q.rows * k);
+    q.dx[p].resize(q.rows * q.groups);
+  }
+  q.sx.resize(q.rows * q.groups);
+  const scalar_t* data = x.const_data_ptr<scalar_t>();
+  at::parallel_for(0, q.rows, 16, [&](int64_t begin, int64_t end) {
+    float group[kGroup];
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t g = 0; g < q.groups; ++g) {
+        float sum = 0.0f;
+        for (int64_t i = 0; i < kGroup; ++i) {
+          group[i] = static_cast<float>(data[r * k + g * kGroup + i]);
+          sum += group[i];
+        }
+        q.sx[r * q.groups + g] = sum;
+        for (int p = 0; p < kPasses; ++p) {  // group[] becomes what the pass left
+          float amax = 0.0f;
+          for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(group[i]));
+          const float d = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+          int8_t* codes = q.codes[p].data() + r * k + g * kGroup;
+          for (int64_t i = 0; i < kGroup; ++i) {
+            const float code = round_small(group[i] * inverse);
+            codes[i] = static_cast<int8_t>(code);
+            group[i] = group[i] - code * d;
+          }
+          q.dx[p][r * q.groups + g] = d;
+        }
+      }
+    }
+  });
+  return q;
+}
+
+inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+// One tile (16 output rows) against activation rows [r0, r0 + n): plain C++.
+void tile_scalar(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q, int64_t r0,
+                 int64_t n, float* out, int64_t out_stride) {
+  const int64_t k = q.groups * kGroup;
+  for (int64_t r = r0; r < r0 + n; ++r) {
+    float acc[kTile] = {};
+    for (int64_t g = 0; g < q.groups; ++g) {
+      int32_t sums[kPasses][kTile] = {};
+      for (int p = 0; p < kPasses; ++p) {
+        for (int64_t o = 0; o < kGroup / 8; ++o) {
+          const uint8_t* chunk = codes + (g * 4 + o) * 64;
+          const int8_t* a = q.codes[p].data() + r * k + g * kGroup + o * 8;
+          for (int64_t c = 0; c < kTile; ++c) {
+            for (int64_t j = 0; j < 4; ++j) {
+              const uint8_t byte = chunk[4 * c + j];
+              sums[p][c] += (byte & 0x0F) * a[j] + (byte >> 4) * a[4 + j];
+            }
+          }
+        }
+      }
+      const uint16_t* dm = scales + g * 2 * kTile;
+      const int64_t at = r * q.groups + g;
+      for (int64_t c = 0; c < kTile; ++c) {
+        const float d = half_to_float(dm[c]);
+        for (int p = 0; p < kPasses; ++p) {
+          acc[c] = acc[c] + static_cast<float>(sums[p][c]) * (d * q.dx[p][at]);
+        }
+        acc[c] = acc[c] + half_to_float(dm[kTile + c]) * q.sx[at];
+      }
+    }
+    std::memcpy(out + (r - r0) * out_stride, acc, sizeof(acc));
+  }
+}
+
+// The vector paths take rows in blocks of R (a template argument, so that the accumulators stay
+// in registers) and keep four independent integer sums per row and group (even and odd
+// 8-column chunks, low and high nibbles), so that the multiply-adds do not wait on each other;
+// integer sums are exact in any order.
+template <int R>
+__attribute__((target("avx2,fma,f16c"))) void tile_avx2_rows(const uint8_t* codes,
+                                                            const uint16_t* scales,
+                                                            const QuantizedRows& q, int64_t r0,
+                                                            float* out, int64_t out_stride) {
+  const int64_t k = q.groups * kGroup;
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t half = 0; half < 2; ++half) {  // rows 0-7, then 8-15 of the tile
+    __m256 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < q.groups; ++g) {
+      __m256i sums[R][kPasses][2];
+      for (int i = 0; i < R; ++i) {
+        for (int p = 0; p < kPasses; ++p) sums[i][p][0] = sums[i][p][1] = _mm256_setzero_si256();
+      }
+      for (int64_t o = 0; o < kGroup / 8; ++o) {
+        const __m256i w = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(codes + (g * 4 + o) * 64 + half * 32));
+        const __m256i lo = _mm256_and_si256(w, low_nibbles);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low_nibbles);
+        for (int i = 0; i < R; ++i) {
+          for (int p = 0; p < kPasses; ++p) {
+            const int8_t* a = q.codes[p].data() + (r0 + i) * k + g * kGroup + o * 8;
+            int32_t a_lo, a_hi;
+            std::memcpy(&a_lo, a, 4);
+            std::memcpy(&a_hi, a + 4, 4);
+            // u8 x s8 pairs into int16 (at most 2 * 15 * 127 each, 4 * 15 * 127 for the two
+            // nibbles: no saturation), then pairs of those into int32: each 32-bit lane is
+            // one output row's sum over 8 columns.
+            const __m256i pairs =
+                _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(a_lo)),
+                                 _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a_hi)));
+            sums[i][p][o & 1] =
+                _mm256_add_epi32(sums[i][p][o & 1], _mm256_madd_epi16(pairs, ones));
+          }
+        }
+      }
+      const uint16_t* dm = scales + g * 2 * kTile + half * 8;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm)));
+      const __m256 m =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm + kTile)));
+      for (int i = 0; i < R; ++i) {
+        const int64_t at = (r0 + i) * q.groups + g;
+        for (int p = 0; p < kPasses; ++p) {
+          const __m256i sum = _mm256_add_epi32(sums[i][p][0], sums[i][p][1]);
+          const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(q.dx[p][at]));
+          acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_cvtepi32_ps(sum), scale));
+        }
+        acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(m, _mm256_set1_ps(q.sx[at])));
+      }
+    }
+    for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + i * out_stride + half * 8, acc[i]);
+  }
+}
+
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void tile_vnni_rows(
+    const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q, int64_t r0,
+    float* out, int64_t out_stride) {
+  const int64_t k = q.groups * kGroup;
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < q.groups; ++g) {
+    __m512i sums[R][kPasses][2];
+    for (int i = 0; i < R; ++i) {
+      for (int p = 0; p < kPasses; ++p) sums[i][p][0] = sums[i][p][1] = _mm512_setzero_si512();
+    }
+    for (int64_t o = 0; o < kGroup / 8; ++o) {
+      const __m512i w = _mm512_loadu_si512(codes + (g * 4 + o) * 64);
+      const __m512i lo = _mm512_and_si512(w, low_nibbles);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low_nibbles);
+      for (int i = 0; i < R; ++i) {
+        for (int p = 0; p < kPasses; ++p) {
+          const int8_t* a = q.codes[p].data() + (r0 + i) * k + g * kGroup + o * 8;
+          int32_t a_lo, a_hi;
+          std::memcpy(&a_lo, a, 4);
+          std::memcpy(&a_hi, a + 4, 4);
+          __m512i& sum = sums[i][p][o & 1];
+          sum = _mm512_dpbusd_epi32(sum, lo, _mm512_set1_epi32(a_lo));
+          sum = _mm512_dpbusd_epi32(sum, hi, _mm512_set1_epi32(a_hi));
+        }
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * 2 * kTile)));
+    const __m512 m = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * 2 * kTile + kTile)));
+    for (int i = 0; i < R; ++i) {
+      const int64_t at = (r0 + i) * q.groups + g;
+      for (int p = 0; p < kPasses; ++p) {
+        const __m512i sum = _mm512_add_epi32(sums[i][p][0], sums[i][p][1]);
+        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(q.dx[p][at]));
+        acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_cvtepi32_ps(sum), scale));
+      }
+      acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(m, _mm512_set1_ps(q.sx[at])));
+    }
+  }
+  for (int i = 0; i < R; ++i) _mm512_storeu_ps(out + i * out_stride, acc[i]);
+}
+
+// Rows [r0, r0 + n) of one tile, n <= kRowBlock, through the template instance for n.
+template <template <int> class Rows>
+void by_rows(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q, int64_t r0,
+             int64_t n, float* out, int64_t out_stride) {
+  switch (n) {
+    case 1: return Rows<1>::run(codes, scales, q, r0, out, out_stride);
+    case 2: return Rows<2>::run(codes, scales, q, r0, out, out_stride);
+    case 3: return Rows<3>::run(codes, scales, q, r0, out, out_stride);
+    default: return Rows<4>::run(codes, scales, q, r0, out, out_stride);
+  }
+}
+
+template <int R>
+struct Avx2Rows {
+  static void run(const uint8_t* c, const uint16_t* s, const QuantizedRows& q, int64_t r0,
+                  float* out, int64_t stride) {
+    tile_avx2_rows<R>(c, s, q, r0, out, stride);
+  }
+};
+
+template <int R>
+struct VnniRows {
+  static void run(const uint8_t* c, const uint16_t* s, const QuantizedRows& q, int64_t r0,
+                  float* out, int64_t stride) {
+    tile_vnni_rows<R>(c, s, q, r0, out, stride);
+  }
+};
+
+void tile_avx2(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q, int64_t r0,
+               int64_t n, float* out, int64_t out_stride) {
+  by_rows<Avx2Rows>(codes, scales, q, r0, n, out, out_stride);
+}
+
+void tile_avx512_vnni(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q,
+                      int64_t r0, int64_t n, float* out, int64_t out_stride) {
+  by_rows<VnniRows>(codes, scales, q, r0, n, out, out_stride);
+}
+
+using TileKernel = void (*)(const uint8_t*, const uint16_t*, const QuantizedRows&, int64_t,
+                            int64_t, float*, int64_t);
+
+int64_t best_path() {
+  static const int64_t path = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl")) {
+      return kPathAvx512Vnni;
+    }
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c")) {
+      return kPathAvx2;
+    }
+    return kPathScalar;
+  }();
+  return path;
+}
+
+TileKernel kernel_for(int64_t path) {
+  switch (std::min(path < 0 ? best_path() : path, best_path())) {
+    case kPathAvx512Vnni:
+      return tile_avx512_vnni;
+    case kPathAvx2:
+      return tile_avx2;
+    default:
+      return tile_scalar;
+  }
+}
+
+}  // namespace
+
+int64_t int4_path(int64_t requested) {
+  return std::min(requested < 0 ? best_path() : requested, best_path());
+}
+
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                   int64_t out_features, int64_t path) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "int4_mm: x must be a 2-D CPU tensor");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(2) == 64 &&
+                  codes.is_contiguous(),
+              "int4_mm: codes must be contiguous uint8 [N / 16, K / 8, 64]");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous(),
+              "int4_mm: scales must be contiguous float16 [N / 16, K / 32, 2, 16]");
+  const int64_t k = x.size(1), tiles = codes.size(0);
+  TORCH_CHECK(k % kGroup == 0 && codes.size(1) * 8 == k, "int4_mm: x has ", k,
+              " columns, the weight ", codes.size(1) * 8);
+  TORCH_CHECK(out_features <= tiles * kTile, "int4_mm: out_features beyond the packed rows");
+  const at::Tensor input = x.contiguous();
+  QuantizedRows q;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, input.scalar_type(), "int4_mm",
+                                  [&] { q = quantize_rows<scalar_t>(input); });
+  const int64_t rows = q.rows;
+  at::Tensor out = at::empty({rows, tiles * kTile}, x.options().dtype(at::kFloat));
+  const TileKernel kernel = kernel_for(path);
+  const uint8_t* code_data = codes.const_data_ptr<uint8_t>();
+  const uint16_t* scale_data = reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::Half>());
+  float* out_data = out.mutable_data_ptr<float>();
+  const int64_t tile_codes = (k / 8) * 64, tile_scales = (k / kGroup) * 2 * kTile;
+  // Enough tiles per task that a decode product of a few hundred rows stays on one thread.
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / (k * std::max<int64_t>(rows, 1)));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t r = 0; r < rows; r += kRowBlock) {
+        kernel(code_data + t * tile_codes, scale_data + t * tile_scales, q, r,
+               std::min(kRowBlock, rows - r), out_data + r * tiles * kTile + t * kTile,
+               tiles * kTile);
+      }
+    }
+  });
+  return tiles * kTile == out_features ? out : out.narrow(1, 0, out_features);
+}
+
+}  // namespace strata_native
