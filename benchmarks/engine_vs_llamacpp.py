@@ -165,7 +165,10 @@ class StrataSide:
         self.llm = llm
         loaded = llm.engine.loaded
         self.computes_with = loaded.quantization  # what auto chose, or the variant
-        self.runs = f"{llm.engine.config.dtype}/{loaded.quantization}/{loaded.decoder_stack}"
+        kernel = "-strata" if loaded.int4_kernel == "strata" else ""
+        self.runs = (
+            f"{llm.engine.config.dtype}/{loaded.quantization}{kernel}/{loaded.decoder_stack}"
+        )
         self.auto = loaded.auto  # the start-up measurement, where auto asked for one
         name = "/".join(dict.fromkeys(variant))
         self.name = f"Strata {name}" if name == self.runs else f"Strata {name} ({self.runs})"
@@ -423,8 +426,10 @@ def measure(sides: list[Side], s: Settings, vocab: int) -> Samples:
     return samples
 
 
-PRODUCTS = ("_weight_int4pack_mm", "_weight_int8pack_mm", "aten::mm", "aten::addmm")
-ATTENTION = ("scaled_dot_product_attention", "index_select", "index_copy", "aten::bmm")
+PRODUCTS = ("_weight_int4pack_mm", "_weight_int8pack_mm", "strata_native::int4_mm", "aten::mm")
+PRODUCTS += ("aten::addmm",)
+# "scaled_dot_product" also matches the CPU flash kernel's own event, where SDPA's time is.
+ATTENTION = ("scaled_dot_product", "index_select", "index_copy", "aten::bmm")
 
 
 def profile_decode(llm: LLM, s: Settings, vocab: int) -> dict[str, float]:
@@ -472,6 +477,8 @@ def measure_speculative(
         model=model,
         dtype=base.llm.engine.config.dtype,
         quantization=base.llm.engine.config.quantization,
+        decoder_stack=base.llm.engine.config.decoder_stack,
+        int4_kernel=base.llm.engine.config.int4_kernel,  # the same products: the same tokens
         speculative_ngram=s.speculative_ngram,
     )
     passage = TEXT.read_text()[: s.passage_chars]

@@ -47,6 +47,7 @@ FLAG_GROUPS: dict[str, tuple[Flag, ...]] = {
         Flag("model.dtype"),
         Flag("model.quantization"),
         Flag("model.decoder_stack"),
+        Flag("model.int4_kernel"),
         Flag("model.torch_compile"),
         Flag("model.max_model_len", "TOKENS"),
     ),

@@ -369,6 +369,14 @@ class ReplicaModelConfig(_Config):
         "or auto (each way timed with the dtype and quantization candidates at start-up, the "
         "faster kept; eager where native cannot run). Eager under torch_compile.",
     )
+    int4_kernel: Literal["auto", "strata", "torch"] = Field(
+        "auto",
+        description="The product of int4 weights under the native decoder stack: strata "
+        "(Strata's, in the native library: integer multiply-adds against activations "
+        "quantized in two int8 passes, bitwise the same on every CPU path), torch (its packed "
+        "kernel, bfloat16 activations) or auto (each timed with the candidates at start-up, "
+        "the faster kept). The eager stack and torch_compile use torch's.",
+    )
     torch_compile: bool = Field(
         False,
         description="Run the decoder stack through torch.compile (inductor; attention stays "

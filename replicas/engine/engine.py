@@ -108,6 +108,7 @@ class Engine:
             quantization=config.quantization,
             kv_cache_dtype=config.kv_cache_dtype,
             decoder_stack="eager" if config.torch_compile else config.decoder_stack,
+            int4_kernel=config.int4_kernel,
         )
         if config.torch_compile and self.loaded.model.compiled is None:
             self.loaded.model.compile_layers()
@@ -119,6 +120,7 @@ class Engine:
                 "dtype": dtype_name_of(dtype),
                 "quantization": self.loaded.quantization,
                 "decoder_stack": self.loaded.decoder_stack,
+                "int4_kernel": self.loaded.int4_kernel,
                 "kv_cache_dtype": next(iter(specs.values())).kv_format.name,
             }
         )
@@ -165,7 +167,7 @@ class Engine:
             self.loaded.name,
             self.device,
             config.dtype,
-            self.loaded.quantization,
+            self.loaded.quantization + ("/strata" if config.int4_kernel == "strata" else ""),
             config.kv_cache_dtype,
             "torch.compile" if config.torch_compile else config.decoder_stack,
             self.block_size,

@@ -20,6 +20,7 @@
 #include "int4_kernel.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <immintrin.h>
 
 #include <cmath>
@@ -309,6 +310,7 @@ int64_t int4_path(int64_t requested) {
 
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                    int64_t out_features, int64_t path) {
+  RECORD_FUNCTION("strata_native::int4_mm", std::vector<c10::IValue>());  // for profiles
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "int4_mm: x must be a 2-D CPU tensor");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(2) == 64 &&
                   codes.is_contiguous(),

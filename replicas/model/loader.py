@@ -30,7 +30,7 @@ from replicas.model.gguf import (
 )
 from replicas.model.hf import load_safetensors, read_hf_info
 from replicas.model.native_stack import DECODER_STACKS, load_error, unsupported
-from replicas.model.quant import QUANTIZATIONS, quantize_model
+from replicas.model.quant import INT4_KERNELS, QUANTIZATIONS, quantize_model
 from replicas.model.registry import build_model
 from replicas.model.resolve import resolve_model
 from replicas.model.tokenizer import ByteTokenizer, Tokenizer
@@ -47,6 +47,7 @@ class LoadedModel(NamedTuple):
     quantization: str = "none"  # how the linear weights are kept (replicas.model.quant)
     auto: Choice | None = None  # how ``auto`` was resolved, where it was measured
     decoder_stack: str = "eager"  # how the layers run (replicas.model.native_stack)
+    int4_kernel: str = "torch"  # int4's product: torch's or Strata's (replicas.model.quant)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -79,6 +80,7 @@ def load_model(
     quantization: str = "none",
     kv_cache_dtype: str = "auto",
     decoder_stack: str = "auto",
+    int4_kernel: str = "auto",
 ) -> LoadedModel:
     """A built-in model by name (seeded random weights), a packaged model, a local Hugging
     Face directory or a hub id (see ``resolve_model``).
@@ -89,6 +91,8 @@ def load_model(
     built-in models, whose random weights exist to test the engine: ``float32`` and ``none``
     there, the reference. ``decoder_stack``: ``native``, ``eager`` or ``auto``
     (``replicas.model.native_stack``; for the built-in models, native wherever it can run).
+    ``int4_kernel``: ``strata``, ``torch`` or ``auto``, the product of int4 weights under the
+    native stack (the eager stack runs torch's).
     The model comes back in eval mode with gradients off.
     """
     if quantization != "auto" and quantization not in QUANTIZATIONS:
@@ -99,10 +103,19 @@ def load_model(
     resolved = resolve_model(model, revision)
     if decoder_stack not in DECODER_STACKS:
         raise ValueError(f"decoder_stack must be one of {DECODER_STACKS}, got {decoder_stack!r}")
+    if int4_kernel not in INT4_KERNELS:
+        raise ValueError(f"int4_kernel must be one of {INT4_KERNELS}, got {int4_kernel!r}")
     load_dtype = "float32" if dtype_name == "auto" else dtype_name
     weights = _load_weights(model, resolved, device, torch_dtype(load_dtype), seed)
     stacks = _stacks(decoder_stack, weights.net, device)
-    kernels = ("torch", "strata") if "native" in stacks else ("torch",)
+    kernels = ("torch",)
+    if "native" in stacks and int4_kernel != "torch":
+        kernels = ("strata",) if int4_kernel == "strata" else ("torch", "strata")
+    elif int4_kernel == "strata":
+        raise ValueError(
+            "int4_kernel strata runs under the native decoder stack, which this model does not "
+            f"take here (decoder_stack {decoder_stack})"
+        )
     if resolved in BUILTIN_MODEL_ARGS:
         dtype_name = "float32" if dtype_name == "auto" else dtype_name
         quantization = "none" if quantization == "auto" else quantization
@@ -129,6 +142,7 @@ def load_model(
         choice.candidate.quantization,
         choice if choice.source != "fixed" else None,
         choice.candidate.stack,
+        choice.candidate.kernel,
     )
 
 

@@ -5,6 +5,9 @@
 // apply_rope, Attention.forward with cached_attention and _attend for a KV cache of values,
 // FeedForward.forward, QuantizedLinear.forward and TransformerBlock.forward. A change to one of
 // them must be made to both (tests/unit/model/test_native_stack.py compares them bitwise).
+// RMSNorm and the rotary embedding of a few decode rows run as fused passes that round exactly
+// where the op chains round (see fused_rms_norm); a packed product's bfloat16 input and output
+// are kept in bfloat16 where the next op widens them exactly anyway.
 
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
@@ -22,6 +25,11 @@ namespace {
 // reduced types computing in float and rounding once, as ATen's kernels do), and the library
 // is compiled with -ffp-contract=off so that no product and sum are fused. The one step whose
 // rounding depends on the CPU, RMSNorm's sum over the hidden dimension, is ATen's own at::sum.
+
+// The passes are plain loops on one thread: they win where ATen's per-op cost dominates (a few
+// decode rows), not on prefill chunks, where ATen's vectorised, threaded ops run instead (with
+// the same result).
+constexpr int64_t kFusedElements = 8 * 4096;
 
 bool fusable_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
@@ -327,12 +335,15 @@ class DecoderStack : public torch::CustomClassHolder {
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight,
                       std::optional<at::ScalarType> out_dtype = std::nullopt) const {
     const auto out = out_dtype.value_or(x.scalar_type());
-    if (fusable(x, weight) && fusable_dtype(out)) return fused_rms_norm(x, weight, eps_, out);
+    if (fusable(x, weight) && fusable_dtype(out) && x.numel() <= kFusedElements) {
+      return fused_rms_norm(x, weight, eps_, out);
+    }
     return at::mul(weight, at::rms_norm(x, {x.size(-1)}, std::nullopt, eps_)).to(out);
   }
 
   static at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-    if (fusable(x, cos) && fusable(x, sin) && cos.is_contiguous() && sin.is_contiguous() &&
+    if (fusable(x, cos) && fusable(x, sin) && x.numel() <= kFusedElements &&
+        cos.is_contiguous() && sin.is_contiguous() &&
         cos.size(-1) == x.size(-1) && cos.numel() == x.size(0) * x.size(-1)) {
       return fused_rope(x, cos, sin);
     }

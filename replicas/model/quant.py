@@ -25,6 +25,13 @@ Schemes (``w`` a weight, ``q`` its stored code):
   (``d * q + m``) blocks are exactly this grouping (``scale = d``; ``zero = 0`` or
   ``m + 8 d``), so their codes are used as stored, without requantizing.
 
+Strata's own int4 product (``kernel="strata"``; ``replicas/model/int4_kernel.cpp``, built with
+the native library) keeps ``w = d * q + m`` with float16 ``d``, ``m`` per row and group in
+tiles of 16 rows and quantizes the activations per group to int8 in two passes, so that a
+group's product is integer multiply-adds (AVX-512 VNNI, AVX2 or plain C++, bitwise the same);
+``auto`` measures it against torch's under the native stack (docs/design.md, "Strata's int4
+product").
+
 Only linear layers are quantized (every projection of every block and the LM head); the token
 embedding, which is only gathered, stays dense.
 """
@@ -48,6 +55,8 @@ class Int4Groups(NamedTuple):
 
 QUANTIZATIONS = ("none", "int8", "int4")
 """What ``replicas.config`` accepts besides ``auto`` (``replicas.model.autotune``)."""
+INT4_KERNELS = ("auto", "strata", "torch")
+"""``int4_kernel``'s values: Strata's product, torch's, or the faster measured."""
 
 GROUP_SIZE = 32
 COMPUTE_DTYPE = torch.bfloat16

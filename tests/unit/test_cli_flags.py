@@ -22,6 +22,7 @@ TODAY_FLAGS = [
     ("model", ("--dtype",), "value", None),
     ("model", ("--quantization",), "value", "{auto,none,int8,int4}"),  # was QUANTIZATION
     ("model", ("--decoder-stack",), "value", "{auto,native,eager}"),
+    ("model", ("--int4-kernel",), "value", "{auto,strata,torch}"),
     ("model", ("--torch-compile",), "switch", None),
     ("model", ("--max-model-len",), "value", "TOKENS"),
     ("cache", ("--block-size",), "value", "TOKENS"),
@@ -91,6 +92,7 @@ TODAY_MEANINGS = [
     (["--dtype", "float32"], {"model.dtype": "float32"}),
     (["--quantization", "int8"], {"model.quantization": "int8"}),
     (["--decoder-stack", "eager"], {"model.decoder_stack": "eager"}),
+    (["--int4-kernel", "torch"], {"model.int4_kernel": "torch"}),
     (["--torch-compile"], {"model.torch_compile": True}),
     (["--max-model-len", "64"], {"model.max_model_len": 64}),
     (["--block-size", "8"], {"model.block_size": 8}),

@@ -30,8 +30,14 @@ def model_of(args, dtype: torch.dtype, quantization: str, seed: int = 0):
     model = build_model(args)
     init_random_weights(model, seed)
     model = model.to(dtype)
-    if quantization != "none":
-        quantize_model(model, quantization)
+    if quantization != "none":  # int4-strata: int4 through Strata's kernel
+        scheme, _, kernel = quantization.partition("-")
+        # as if stored at 4 bits: a float checkpoint's weights would be kept at int8
+        bits = {name: 4 for name, _ in model.named_parameters()}
+        quantize_model(model, scheme, stored_bits=bits, int4_kernel=kernel or "torch")
+        if scheme == "int4":
+            kinds = {m.kernel for m in model.modules() if getattr(m, "scheme", "") == "int4"}
+            assert kinds == {kernel or "torch"}, kinds
     return model.eval().requires_grad_(False)
 
 
@@ -100,6 +106,8 @@ def metas(batch, kv_format=None):
         (torch.bfloat16, "none"),
         (torch.float32, "int8"),
         (torch.bfloat16, "int4"),
+        (torch.float32, "int4-strata"),
+        (torch.bfloat16, "int4-strata"),
     ],
 )
 def test_native_equals_eager_bitwise(variant, dtype, quantization):
@@ -176,6 +184,49 @@ def test_an_engine_gives_eager_tokens_natively_with_caching_on_and_off():
     finally:
         for llm in engines.values():
             llm.shutdown()
+
+
+def test_strata_int4_engine_tokens_are_the_same_with_caching_on_and_off():
+    """Strata's int4 kernel computes each row alone, so a prompt's tokens do not depend on what
+    is cached, chunked or batched beside it; it runs under the native stack only."""
+    from replicas.model.resolve import DEFAULT_MODEL, packaged_model_path
+
+    try:
+        smollm2 = str(packaged_model_path(DEFAULT_MODEL))
+    except ValueError as missing:
+        pytest.skip(str(missing))
+    no_cache = SchedulerConfig(prefix_cache_config=PrefixCacheConfig(enabled=False))
+    options = {"dtype": "float32", "quantization": "int4", "int4_kernel": "strata", "seed": 3}
+    engines = {
+        "cache": LLM(smollm2, **options),
+        "no cache": LLM(smollm2, **options, scheduler_config=no_cache),
+    }
+    try:
+        config = engines["cache"].engine.config
+        assert (config.quantization, config.int4_kernel) == ("int4", "strata")
+        wqkv = engines["cache"].engine.loaded.model.layers[0].attention.wqkv
+        assert wqkv.kernel == "strata"
+        runs = {}
+        for name, llm in engines.items():
+            batched = [list(o.token_ids) for o in llm.generate(PROMPTS, GREEDY)]
+            alone = [list(llm.generate(p, GREEDY).token_ids) for p in PROMPTS]
+            runs[name] = (batched, alone)
+        assert runs["cache"] == runs["no cache"]
+        assert runs["cache"][0] == runs["cache"][1]
+        assert engines["cache"].generate(PROMPTS[0], GREEDY).num_cached_tokens > 0
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
+    with pytest.raises(ValueError, match="int4_kernel strata runs under the native decoder"):
+        loader.load_model(
+            "tiny",
+            torch.device("cpu"),
+            quantization="int4",
+            decoder_stack="eager",
+            int4_kernel="strata",
+        )
+    with pytest.raises(ValueError, match="int4_kernel must be one of"):
+        loader.load_model("tiny", torch.device("cpu"), int4_kernel="fast")
 
 
 def test_without_a_compiler_auto_runs_eager_and_native_fails_naming_the_option(
