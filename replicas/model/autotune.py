@@ -21,8 +21,13 @@ The candidates are priced by the time of one representative request (``PROMPT_TO
 prefill and ``OUTPUT_TOKENS`` of decode) and the cheapest wins, with one more rule: a candidate
 in a narrower dtype than float32 is eligible only where it measured faster than float32 with the
 same weights and stack in prefill and in decode both (a narrower dtype costs precision, so it
-must pay in both phases). A weighted sum of the two times never picks a candidate that another
-eligible one beat in both.
+must pay in both phases); and a candidate with Strata's int4 kernel is eligible only where it
+measured faster than the same candidate with torch's kernel in prefill and in decode both (its
+activations pass through int8 twice, and a prefill chunk's many rows stand for a batch of
+decodes too, which one request's price leaves out: on a Zen 4 with AVX-512 VNNI it decodes one
+row about as fast as torch's kernel and 64 rows 1.3x slower; under AVX2 it is faster at every
+row count). A weighted sum of the two times never picks a candidate that another eligible one
+beat in both.
 
 The candidates: both dtypes (``CANDIDATE_DTYPES``) where ``dtype`` is ``auto``; ``none``,
 ``int8`` and ``int4`` where ``quantization`` is ``auto`` and the checkpoint is stored quantized
@@ -31,8 +36,9 @@ unasked, and on CUDA, where there are no packed kernels, neither is a quantized 
 ways of running the layers where ``decoder_stack`` is ``auto`` and the model can run natively
 here (``eager``, module by module in Python, and ``native``, one C++ loop over the same ops:
 ``replicas.model.native_stack``; the same outputs bitwise, so only their speed is chosen
-between). Each dtype and quantization is built once and timed each way. An explicit ``dtype``,
-``quantization`` or ``decoder_stack`` fixes that part of the choice.
+between), an int4 one natively with each int4 kernel where ``int4_kernel`` is ``auto``. Each
+dtype, quantization and kernel is built once and timed each way. An explicit ``dtype``,
+``quantization``, ``decoder_stack`` or ``int4_kernel`` fixes that part of the choice.
 
 A measurement taken while another process competed for the CPU is a guess about a quieter
 machine: while the candidates are timed, ``CPUShare`` compares this process's CPU time with the
@@ -164,15 +170,25 @@ def candidates(
     ]
 
 
+CHOICE_RULES = 2
+"""Raised whenever ``choose`` changes, so that no cached choice outlives the rules it followed."""
+
+
 def choose(timings: Sequence[Timing]) -> Candidate:
     """The cheapest eligible candidate by ``Timing.request_s`` (see the module docstring)."""
     float32 = {t.candidate[1:]: t for t in timings if t.candidate.dtype == "float32"}
+    torch_kernel = {t.candidate[:3]: t for t in timings if t.candidate.kernel == "torch"}
 
-    def eligible(t: Timing) -> bool:
-        twin = float32.get(t.candidate[1:])
-        if t.candidate.dtype == "float32" or twin is None:
+    def faster(t: Timing, twin: Timing | None) -> bool:
+        """Faster than ``twin`` in both phases, or nothing to beat."""
+        if twin is None:
             return True
         return t.prefill_s_per_token < twin.prefill_s_per_token and t.decode_s < twin.decode_s
+
+    def eligible(t: Timing) -> bool:
+        if t.candidate.kernel != "torch" and not faster(t, torch_kernel.get(t.candidate[:3])):
+            return False
+        return t.candidate.dtype == "float32" or faster(t, float32.get(t.candidate[1:]))
 
     return min(filter(eligible, timings), key=lambda t: t.request_s).candidate
 
@@ -373,7 +389,11 @@ def cache_key(
     kv_cache_dtype: str = "auto",
 ) -> str:
     """The key of a choice: this CPU, torch, the threads, the device, the model's files (path,
-    size and modification time), the candidates and the KV cache dtype they were timed with."""
+    size and modification time), the candidates and the KV cache dtype they were timed with,
+    the rules that chose (``CHOICE_RULES``) and the native library's sources (a changed kernel
+    is measured again)."""
+    from replicas.model.native_stack import SOURCES
+
     files = []
     for name in model_files:
         path = Path(name)
@@ -387,6 +407,8 @@ def cache_key(
         "model": files,
         "candidates": [list(c) for c in options],
         "kv_cache_dtype": kv_cache_dtype,
+        "rules": CHOICE_RULES,
+        "native": hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest(),
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:32]
 

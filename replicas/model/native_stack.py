@@ -218,14 +218,26 @@ def _built_library() -> Path:
         logger.info("native library: compiling %s (once per torch and compiler)", SOURCE.parent)
         with tempfile.TemporaryDirectory(dir=folder) as scratch:
             partial = Path(scratch) / library.name
-            result = subprocess.run(
-                [*command, "-o", str(partial)], capture_output=True, text=True, timeout=600
-            )
+            result = _compile(command, partial)
+            if result.returncode != 0 and OPENMP in command:
+                # A compiler without OpenMP (clang without libomp): the int4 product runs on
+                # one thread, everything else as before.
+                logger.info("native library: compiling without OpenMP (%s failed)", OPENMP)
+                result = _compile([c for c in command if c != OPENMP], partial)
             if result.returncode != 0:
                 errors = [line for line in result.stderr.splitlines() if "error" in line]
                 raise RuntimeError(f"compiling {SOURCE.name} failed: {' | '.join(errors[:3])}")
             os.replace(partial, library)
     return library
+
+
+OPENMP = "-fopenmp"  # torch's own libgomp serves it at run time (already loaded, same soname)
+
+
+def _compile(command: list[str], output: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*command, "-o", str(output)], capture_output=True, text=True, timeout=600
+    )
 
 
 def _compile_command(compiler: str) -> list[str]:
@@ -235,8 +247,8 @@ def _compile_command(compiler: str) -> list[str]:
     return [
         compiler,
         "-O2",
-        "-ffp-contract=off",
-        "-fopenmp",
+        "-ffp-contract=off",  # no product and sum fused: the fused passes round as ATen does
+        OPENMP,
         "-std=c++20",
         "-fPIC",
         "-shared",

@@ -61,10 +61,24 @@ def test_bfloat16_only_where_it_is_faster_in_prefill_and_decode_both():
     assert choose(timings) == F32_INT4
 
 
+def test_strata_int4_only_where_it_is_faster_than_torchs_in_prefill_and_decode_both():
+    torch4 = Candidate("float32", "int4", "native")
+    strata4 = Candidate("float32", "int4", "native", "strata")
+    # Cheaper overall (decode 1 ms faster) but slower to prefill: not eligible.
+    assert choose([timing(torch4, 1.1, 6.0), timing(strata4, 1.4, 5.0)]) == torch4
+    assert choose([timing(torch4, 1.1, 6.0), timing(strata4, 1.0, 5.9)]) == strata4
+    # A bfloat16 one must beat its float32 twin with the same kernel too.
+    bf16_strata = Candidate("bfloat16", "int4", "native", "strata")
+    timings = [timing(torch4, 1.1, 6.0), timing(strata4, 1.0, 5.5), timing(bf16_strata, 0.9, 5.6)]
+    assert choose(timings) == strata4
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_never_a_candidate_another_eligible_one_beat_in_both(seed):
     gen = torch.Generator().manual_seed(seed)
-    options = autotune.candidates("auto", "auto", True, torch.device("cpu"), ("eager", "native"))
+    options = autotune.candidates(
+        "auto", "auto", True, torch.device("cpu"), ("eager", "native"), ("torch", "strata")
+    )
     timings = [
         timing(c, *(float(v) for v in torch.rand(2, generator=gen) * 50 + 1)) for c in options
     ]
@@ -74,9 +88,13 @@ def test_never_a_candidate_another_eligible_one_beat_in_both(seed):
             other.prefill_s_per_token < chosen.prefill_s_per_token
             and other.decode_s < chosen.decode_s
         )
-        twin = next(t for t in timings if t.candidate == Candidate("float32", *other.candidate[1:]))
-        eligible = other.candidate.dtype == "float32" or (
+        twins = [Candidate("float32", *other.candidate[1:])]
+        if other.candidate.kernel == "strata":
+            twins.append(other.candidate._replace(kernel="torch"))
+        eligible = all(
             other.prefill_s_per_token < twin.prefill_s_per_token and other.decode_s < twin.decode_s
+            for twin in (next(t for t in timings if t.candidate == c) for c in twins)
+            if twin.candidate != other.candidate
         )
         assert not (beats and eligible), (other, chosen)
 
@@ -98,6 +116,14 @@ def test_candidates_follow_what_is_fixed_and_what_the_checkpoint_stores():
     assert autotune.candidates("bfloat16", "int4", True, cpu, ("eager", "native")) == [
         BF16_INT4,
         Candidate("bfloat16", "int4", "native"),
+    ]
+    # Both int4 kernels, for int4 on the native stack only.
+    both = ("torch", "strata")
+    assert autotune.candidates("bfloat16", "auto", True, cpu, ("eager", "native"), both) == [
+        Candidate("bfloat16", q, s, k)
+        for q in ("none", "int8", "int4")
+        for s in ("eager", "native")
+        for k in (both if (q, s) == ("int4", "native") else ("torch",))
     ]
 
 
@@ -360,10 +386,12 @@ def test_a_quantized_file_loads_as_measured_and_the_engine_runs_it(monkeypatch, 
         Candidate(*k, "native"): (p, d + 1.0 if k == ("bfloat16", "int8") else d - 3.0)
         for k, (p, d) in eager.items()
     }
-    # Strata's int4 kernel (native stack only): 1 ms a step faster at float32, slower at
+    # Strata's int4 kernel (native stack only): faster in both phases at float32, slower at
     # bfloat16.
     stub |= {
-        Candidate(d, "int4", "native", "strata"): (p, s + (-1.0 if d == "float32" else 1.0))
+        Candidate(d, "int4", "native", "strata"): (
+            (p - 0.5, s - 1.0) if d == "float32" else (p, s + 1.0)
+        )
         for (d, q, stack, _), (p, s) in list(stub.items())
         if q == "int4" and stack == "native"
     }
@@ -384,7 +412,7 @@ def test_a_quantized_file_loads_as_measured_and_the_engine_runs_it(monkeypatch, 
     monkeypatch.setenv(autotune.CACHE_ENV, str(tmp_path / "choices.json"))
     loaded = load_model(str(path), torch.device("cpu"), "auto", quantization="auto")
     assert sorted(built) == sorted(stub)
-    # 256 x 5 + 128 x 20 ms = 3.84 s: float32/int4-strata/native beats float32/int4/native
+    # 256 x 4.5 + 128 x 20 ms = 3.71 s: float32/int4-strata/native beats float32/int4/native
     # (3.97 s) and bfloat16/int8 eager (4.20 s); bfloat16/int4/native (3.34 s) decodes slower
     # than its twin (21 ms): ineligible.
     assert (loaded.dtype, loaded.quantization) == (torch.float32, "int4")

@@ -5,6 +5,7 @@ engine gives eager's greedy tokens with it, prefix caching on and off; without a
 ``auto`` runs eager and ``native`` fails at start-up naming the option."""
 
 import copy
+import os
 from dataclasses import replace
 
 import pytest
@@ -227,6 +228,27 @@ def test_strata_int4_engine_tokens_are_the_same_with_caching_on_and_off():
         )
     with pytest.raises(ValueError, match="int4_kernel must be one of"):
         loader.load_model("tiny", torch.device("cpu"), int4_kernel="fast")
+
+
+def test_a_compiler_without_openmp_still_builds_the_library(monkeypatch, tmp_path):
+    """-fopenmp only threads the int4 product: a compiler that refuses it (clang without
+    libomp) builds the library without it."""
+    import shutil
+    import subprocess
+
+    compiler = shutil.which(os.environ.get("CXX") or "c++")
+    wrapper = tmp_path / "cxx"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'for a in "$@"; do [ "$a" = -fopenmp ] && { echo "error: no OpenMP" >&2; exit 1; }; done\n'
+        f'exec {compiler} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CXX", str(wrapper))
+    monkeypatch.setenv(native_stack.DIR_ENV, str(tmp_path / "native"))
+    library = native_stack._built_library()
+    dynamic = subprocess.run(["readelf", "-d", str(library)], capture_output=True, text=True)
+    assert "libtorch_cpu" in dynamic.stdout and "libgomp" not in dynamic.stdout
 
 
 def test_without_a_compiler_auto_runs_eager_and_native_fails_naming_the_option(
