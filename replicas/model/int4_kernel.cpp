@@ -24,6 +24,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 namespace strata_native {
@@ -272,10 +273,26 @@ void tile_avx512_vnni(const uint8_t* codes, const uint16_t* scales, const Quanti
   by_rows<VnniRows>(codes, scales, q, r0, n, out, out_stride);
 }
 
+int64_t cpu_path();
+
 using TileKernel = void (*)(const uint8_t*, const uint16_t*, const QuantizedRows&, int64_t,
                             int64_t, float*, int64_t);
 
+// The best path this CPU has, at most STRATA_INT4_PATH's (avx512vnni, avx2 or scalar: to
+// measure a lesser CPU's path on this one).
 int64_t best_path() {
+  static const int64_t path = [] {
+    const char* cap = std::getenv("STRATA_INT4_PATH");
+    const int64_t limit = cap == nullptr                      ? kPathAvx512Vnni
+                          : std::strcmp(cap, "scalar") == 0 ? kPathScalar
+                          : std::strcmp(cap, "avx2") == 0   ? kPathAvx2
+                                                            : kPathAvx512Vnni;
+    return std::min(limit, cpu_path());
+  }();
+  return path;
+}
+
+int64_t cpu_path() {
   static const int64_t path = [] {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&

@@ -26,10 +26,10 @@ namespace {
 // is compiled with -ffp-contract=off so that no product and sum are fused. The one step whose
 // rounding depends on the CPU, RMSNorm's sum over the hidden dimension, is ATen's own at::sum.
 
-// The passes are plain loops on one thread: they win where ATen's per-op cost dominates (a few
-// decode rows), not on prefill chunks, where ATen's vectorised, threaded ops run instead (with
-// the same result).
-constexpr int64_t kFusedElements = 8 * 4096;
+// The passes are plain loops on one thread: they win where ATen's per-op cost dominates (a
+// decode row or a few), not on batches and prefill chunks, where ATen's vectorised, threaded
+// ops run instead (with the same result).
+constexpr int64_t kFusedElements = 4096;
 
 bool fusable_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
