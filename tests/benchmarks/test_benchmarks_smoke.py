@@ -251,8 +251,10 @@ def test_quick_run_writes_report(
         # The default's start-up choice and the timings it was made from are in the report.
         auto = document["strata"][0]
         assert auto["dtype"] == "auto" and auto["auto"]["chose"] == auto["runs"]
-        stacks = 2 if native_stack.load_error() is None else 1  # eager, and native if it runs
-        assert len(auto["auto"]["timings"]) == 6 * stacks
+        # 2 dtypes x 3 quantizations, each eager; and where the native stack runs, each native
+        # too, int4 with both int4 kernels.
+        native = native_stack.load_error() is None
+        assert len(auto["auto"]["timings"]) == (6 * 2 + 2 if native else 6)
         assert "What auto chose" in report and "torch_cpu_capability" in report
         # Speculative rows: both workloads, and drafting changes no token.
         spec = document["speculative"]
