@@ -247,7 +247,7 @@ def _compile_command(compiler: str) -> list[str]:
     return [
         compiler,
         "-O2",
-        "-ffp-contract=off",  # no product and sum fused: the fused passes round as ATen does
+        "-ffp-contract=off",  # no fused multiply-add: int4 kernel paths round alike
         OPENMP,
         "-std=c++20",
         "-fPIC",
