@@ -33,6 +33,14 @@ unfused float32 online softmax, by most in bfloat16, since torch has neither an 
 returns the log-sum-exp nor a bfloat16 GEMM with float32 output; so chunks are used for long
 contexts only.
 
+On a CPU, a group of decodes (one query per sequence) over a KV cache of values whose keys fit
+one chunk skips the gather and SDPA: ``strata_native::decode_attention`` (``decode_attention.cpp``,
+in the native library, used wherever that library builds, by the eager model and the native
+stack alike) reads each sequence's keys and values in place through the same row indices, in
+float32 with the softmax in base 2. At one query SDPA's set-up and the gather are most of the
+time (SmolLM2, 200 keys: about 60 us a layer against 20 on a Zen 4 core); its result is a
+sequence's own whatever the batch, and the same on every instruction path.
+
 All decodes (one new token each) attend as one group, each prefill chunk (several new tokens)
 as its own, and so does each of the batch's last ``num_solo_seqs`` sequences (draft tokens being
 verified: a row padded to a longer row's keys rounds differently from the same row alone, so a
@@ -422,6 +430,10 @@ def _attend(
     num_seqs, q_len = group.num_seqs, group.q_len
     num_heads, head_dim = q.shape[1:]
     heads_per_kv = num_heads // num_kv_heads
+    if q_len == 1 and len(group.chunks) == 1 and _strata_decodes(q, fmt):
+        return torch.ops.strata_native.decode_attention(
+            q, cache_rows, reads.rows[0], group.allowed, num_kv_heads
+        )
     if len(group.chunks) == 1:  # no combine: one fused SDPA over exactly the chunk's keys
         # 8-bit rows dequantize exactly into float32 (code * scale); narrowing them to
         # bfloat16 would cost a pass more than SDPA saves over float32 keys.
@@ -475,3 +487,14 @@ def _attend(
     out = (reads.o_all * weights).sum(0) / (reads.l_all * weights).sum(0)
     out = out.view(num_seqs, num_kv_heads, q_len, heads_per_kv, head_dim).transpose(1, 2)
     return out.reshape(num_seqs * q_len, num_heads, head_dim).to(q.dtype)
+
+
+def _strata_decodes(q: torch.Tensor, fmt: KVFormat) -> bool:
+    """Whether decodes of ``q`` over a cache of ``fmt`` take Strata's decode attention (see the
+    module docstring): on a CPU, a KV cache of values, a head size of a multiple of 16, and
+    the native library built."""
+    if q.device.type != "cpu" or fmt.is_quantized or q.shape[-1] % 16:
+        return False
+    from replicas.model import native_stack  # it imports this module
+
+    return native_stack.load_error() is None

@@ -14,6 +14,7 @@
 
 #include <cmath>
 
+#include "decode_attention.h"
 #include "int4_kernel.h"
 
 namespace {
@@ -285,16 +286,14 @@ class DecoderStack : public torch::CustomClassHolder {
     const int64_t num_seqs = g.num_seqs, q_len = g.q_len;
     const auto dtype = q.scalar_type();
     if (g.chunks.size() == 1) {
+      if (q_len == 1 && head_dim_ % 16 == 0) {  // decodes: Strata's decode attention
+        return strata_native::decode_attention(q.reshape({num_seqs, num_heads_, head_dim_}), rows,
+                                g.chunks[0].rows, g.allowed, num_kv_heads_, -1);
+      }
       auto kv = rows.index_select(0, g.chunks[0].rows)
                     .to(dtype)
                     .view({2, num_seqs, num_kv_heads_, -1, head_dim_})
                     .unbind(0);
-      if (q_len == 1) {
-        at::Tensor o = at::scaled_dot_product_attention(
-            q.reshape({num_seqs, num_kv_heads_, heads_per_kv, head_dim_}).to(dtype), kv[0],
-            kv[1], g.allowed);
-        return o.view({num_seqs, num_heads_, head_dim_}).to(dtype);
-      }
       at::Tensor o = at::scaled_dot_product_attention(
           q.reshape({num_seqs, q_len, num_heads_, head_dim_}).transpose(1, 2).to(dtype), kv[0],
           kv[1], g.allowed, 0.0, g.is_causal, std::nullopt, /*enable_gqa=*/true);
@@ -347,6 +346,10 @@ TORCH_LIBRARY(strata_native, m) {
   m.def("int4_mm(Tensor x, Tensor codes, Tensor scales, int out_features, int path=-1) -> Tensor",
         &strata_native::int4_mm);
   m.def("int4_path(int requested=-1) -> int", &strata_native::int4_path);
+  m.def("decode_attention(Tensor q, Tensor cache_rows, Tensor rows, Tensor? allowed, "
+        "int num_kv_heads, int path=-1) -> Tensor",
+        &strata_native::decode_attention);
+  m.def("decode_attention_path(int requested=-1) -> int", &strata_native::decode_attention_path);
   m.class_<DecoderStack>("DecoderStack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double>())
       .def("forward", &DecoderStack::forward);

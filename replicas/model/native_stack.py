@@ -47,7 +47,16 @@ from replicas.model.quant import QuantizedLinear
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_stack.cpp")
-SOURCES = (SOURCE, SOURCE.with_name("int4_kernel.cpp"), SOURCE.with_name("int4_kernel.h"))
+SOURCES = tuple(
+    SOURCE.with_name(name)
+    for name in (
+        "native_stack.cpp",
+        "int4_kernel.cpp",
+        "int4_kernel.h",
+        "decode_attention.cpp",
+        "decode_attention.h",
+    )
+)
 """What the library is built from (the key of its folder hashes them all)."""
 DIR_ENV = "STRATA_NATIVE_DIR"
 DECODER_STACKS = ("auto", "native", "eager")

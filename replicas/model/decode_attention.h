@@ -1,0 +1,27 @@
+// Strata's decode attention (decode_attention.cpp).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace strata_native {
+
+// The instruction paths of decode_attention, each also allowing the ones below it.
+constexpr int64_t kAttentionPathGeneric = 0;
+constexpr int64_t kAttentionPathAvx2 = 1;
+constexpr int64_t kAttentionPathAvx512 = 2;
+
+// The path decode_attention takes for `requested` (-1: the best this CPU has; else at most that).
+int64_t decode_attention_path(int64_t requested);
+
+// One query per sequence against its keys, read in place from a KV cache of values:
+// q [S, H, D] (any float dtype), cache_rows [R, D] (float32, bfloat16 or float16; a layer's
+// rows), rows [2 * S * num_kv_heads * W] int64 (the cache rows of each sequence's and kv head's
+// W keys, then of its values: attention._GroupReads), allowed [S, 1, 1, W] bool or none (True:
+// the key is seen). Returns [S, H, D] in q's dtype.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache_rows,
+                            const at::Tensor& rows, const std::optional<at::Tensor>& allowed,
+                            int64_t num_kv_heads, int64_t path);
+
+}  // namespace strata_native
