@@ -43,6 +43,7 @@ def run_case(
     poison=False,
     layers=(LAYER,),
     tolerance=1e-5,
+    head_dim=HEAD_DIM,
 ):
     """seqs: (seq_len, q_len, block table) per sequence; context already in the cache.
 
@@ -51,7 +52,7 @@ def run_case(
     holds (unused blocks, the tail of last blocks) with NaN and inf instead of noise.
     """
     gen = torch.Generator().manual_seed(0)
-    shape = (num_blocks, LAYERS, 2, BLOCK_SIZE, kv_heads, HEAD_DIM)
+    shape = (num_blocks, LAYERS, 2, BLOCK_SIZE, kv_heads, head_dim)
     if poison:
         cache = torch.full(shape, float("nan"))
         cache[1::2] = float("inf")
@@ -62,12 +63,12 @@ def run_case(
     for layer in layers:
         histories[layer] = []
         for seq_len, q_len, table in seqs:
-            k = torch.randn(seq_len, kv_heads, HEAD_DIM, generator=gen).to(dtype)
-            v = torch.randn(seq_len, kv_heads, HEAD_DIM, generator=gen).to(dtype)
+            k = torch.randn(seq_len, kv_heads, head_dim, generator=gen).to(dtype)
+            v = torch.randn(seq_len, kv_heads, head_dim, generator=gen).to(dtype)
             for p in range(seq_len - q_len):
                 cache[table[p // BLOCK_SIZE], layer, 0, p % BLOCK_SIZE] = k[p]
                 cache[table[p // BLOCK_SIZE], layer, 1, p % BLOCK_SIZE] = v[p]
-            q = torch.randn(q_len, heads, HEAD_DIM, generator=gen).to(dtype)
+            q = torch.randn(q_len, heads, head_dim, generator=gen).to(dtype)
             histories[layer].append((k, v, q))
     chunks = []
     for seq_len, q_len, table in seqs:
@@ -127,6 +128,13 @@ LONG = [
 ]
 
 
+@pytest.fixture(params=[8, 16], ids=["d8", "d16"])
+def head_dim(request):
+    """Head sizes: 8 decodes through SDPA, 16 (a multiple of 16) through Strata's decode
+    attention wherever the native library builds."""
+    return request.param
+
+
 @pytest.fixture(
     params=[(32, 96), (1, 0), (2, 0), (3, 3)],
     ids=["one_chunk", "chunks_of_1", "chunks_of_2", "chunks_of_3"],
@@ -145,12 +153,14 @@ def chunking(request, monkeypatch):
 
 @pytest.mark.parametrize("window", [None, 3, 6], ids=["full", "window3", "window6"])
 @pytest.mark.parametrize("seqs", [MIXED, DECODES], ids=["mixed", "decodes"])
-def test_matches_dense_attention(seqs, window, make_batch, chunk, chunking):
-    run_case(seqs, window, make_batch, chunk)
+def test_matches_dense_attention(seqs, window, make_batch, chunk, chunking, head_dim):
+    run_case(seqs, window, make_batch, chunk, head_dim=head_dim)
 
 
 @pytest.mark.parametrize("window", [None, 5, 7, 12], ids=["full", "w5", "w7", "w12"])
-def test_long_contexts_ignore_nan_and_inf_outside_their_keys(window, make_batch, chunk, chunking):
+def test_long_contexts_ignore_nan_and_inf_outside_their_keys(
+    window, make_batch, chunk, chunking, head_dim
+):
     """Shuffled tables, freed sliding blocks named 0 and tables padded with 0: block 0, every
     unused block and every unused position hold NaN or inf, and none reaches the output."""
     run_case(
@@ -162,11 +172,12 @@ def test_long_contexts_ignore_nan_and_inf_outside_their_keys(window, make_batch,
         stale_block=0,
         pad_block=0,
         poison=True,
+        head_dim=head_dim,
     )
 
 
 @pytest.mark.parametrize("window", [None, 6], ids=["full", "w6"])
-def test_bfloat16_cache_and_queries(window, make_batch, chunk, chunking):
+def test_bfloat16_cache_and_queries(window, make_batch, chunk, chunking, head_dim):
     """Scores and softmax run in float32: only the bfloat16 output rounding is left."""
     run_case(
         LONG,
@@ -177,11 +188,12 @@ def test_bfloat16_cache_and_queries(window, make_batch, chunk, chunking):
         num_blocks=LONG_BLOCKS,
         poison=True,
         tolerance=1e-2,
+        head_dim=head_dim,
     )
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(6, 2), (9, 3), (3, 3), (4, 1)])
-def test_grouped_query_attention(heads, kv_heads, make_batch, chunk, chunking):
+def test_grouped_query_attention(heads, kv_heads, make_batch, chunk, chunking, head_dim):
     run_case(
         LONG,
         7,
@@ -191,6 +203,7 @@ def test_grouped_query_attention(heads, kv_heads, make_batch, chunk, chunking):
         kv_heads=kv_heads,
         num_blocks=LONG_BLOCKS,
         poison=True,
+        head_dim=head_dim,
     )
 
 
