@@ -16,7 +16,11 @@ Each figure is the fastest of its runs (the one least disturbed by other process
 ``REPEATS`` prefills, ``DECODE_REPEATS`` decode steps (a step is a few milliseconds, so a burst
 of another process's work could otherwise decide between two candidates whose steps differ by
 a quarter; measured at a deployment's start, beside its other processes starting, 3 steps once
-put a native stack 4% behind the eager one that it beats by 25% on a quiet machine).
+put a native stack 4% behind the eager one that it beats by 25% on a quiet machine). The runs
+are spread over ``REPEATS`` rounds, each a prefill then a third of the decode steps, so that one
+slow stretch of a shared VM (its host's other guests: on the 2-core EPYC VM, one candidate's ten
+steps in a row once measured 8.8 ms, against 6.2 ms for the same candidate in the run before)
+cannot hold all of a candidate's runs.
 The candidates are priced by the time of one representative request (``PROMPT_TOKENS`` of
 prefill and ``OUTPUT_TOKENS`` of decode) and the cheapest wins, with one more rule: a candidate
 in a narrower dtype than float32 is eligible only where it measured faster than float32 with the
@@ -91,7 +95,7 @@ OUTPUT_TOKENS = 128
 PREFILL_TOKENS = 64
 DECODE_CONTEXT_TOKENS = 64
 REPEATS = 3
-DECODE_REPEATS = 10
+DECODE_REPEATS = 30
 MIN_CPU_SHARE = 0.8
 """Below this share of its threads' wall time on a CPU, a measurement is not cached."""
 CACHE_ENV = "STRATA_AUTOTUNE_CACHE"
@@ -170,8 +174,9 @@ def candidates(
     ]
 
 
-CHOICE_RULES = 2
-"""Raised whenever ``choose`` changes, so that no cached choice outlives the rules it followed."""
+CHOICE_RULES = 3
+"""Raised whenever ``choose`` or the timing changes, so that no cached choice outlives the rules
+it followed."""
 
 
 def choose(timings: Sequence[Timing]) -> Candidate:
@@ -230,18 +235,19 @@ def time_model(
         )
         model.compute_logits(model(batch, caches, kv_format))
 
-    def fastest(start: int, end: int, repeats: int) -> float:
-        forward(start, end)  # warm-up: first-touch of the cache and the kernels' set-up
-        times = []
-        for _ in range(repeats):
-            begin = timer()
-            forward(start, end)
-            times.append(timer() - begin)
-        return min(times)
+    def timed(start: int, end: int) -> float:
+        begin = timer()
+        forward(start, end)
+        return timer() - begin
 
-    prefill = fastest(0, PREFILL_TOKENS, REPEATS) / PREFILL_TOKENS
-    decode = fastest(DECODE_CONTEXT_TOKENS, DECODE_CONTEXT_TOKENS + 1, DECODE_REPEATS)
-    return prefill, decode
+    decode_span = (DECODE_CONTEXT_TOKENS, DECODE_CONTEXT_TOKENS + 1)
+    forward(0, PREFILL_TOKENS)  # warm-up: first-touch of the cache and the kernels' set-up
+    forward(*decode_span)
+    prefills, decodes = [], []
+    for _ in range(REPEATS):  # rounds, each a prefill and a burst of decode steps
+        prefills.append(timed(0, PREFILL_TOKENS))
+        decodes += [timed(*decode_span) for _ in range(DECODE_REPEATS // REPEATS)]
+    return min(prefills) / PREFILL_TOKENS, min(decodes)
 
 
 class CPUShare:

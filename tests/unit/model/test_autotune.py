@@ -344,6 +344,26 @@ def test_candidates_are_timed_over_the_configured_kv_cache_dtype(kv_cache_dtype,
     assert seen and all(s == (fmt.name, {fmt.storage_dtype}) for s in seen), seen
 
 
+def test_a_slow_stretch_as_long_as_all_decode_runs_does_not_decide_the_decode_time():
+    """The runs are spread over rounds: a slow stretch of the VM (10 s a run here) as long as
+    all the decode runs together, from the fourth timed run on, still leaves some decode runs
+    outside it (taken one after another after the prefills, it would hold every one)."""
+    model = load_model("tiny", torch.device("cpu"), "float32").model
+    durations = iter([0.001] * 3 + [10.0] * autotune.DECODE_REPEATS + [0.001] * 1000)
+    clock = [0.0]
+    calls = [0]
+
+    def timer() -> float:  # begin, then end: the scripted duration of each timed run
+        calls[0] += 1
+        if calls[0] % 2 == 0:
+            clock[0] += next(durations)
+        return clock[0]
+
+    prefill, decode = autotune.time_model(model, torch.float32, timer)
+    assert decode == pytest.approx(0.001)
+    assert prefill == pytest.approx(0.001 / autotune.PREFILL_TOKENS)
+
+
 def test_cache_path_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv(autotune.CACHE_ENV, "off")
     assert autotune.cache_path() is None
