@@ -38,7 +38,7 @@ one chunk skips the gather and SDPA: ``strata_native::decode_attention`` (``deco
 in the native library, used wherever that library builds, by the eager model and the native
 stack alike) reads each sequence's keys and values in place through the same row indices, in
 float32 with the softmax in base 2. At one query SDPA's set-up and the gather are most of the
-time (SmolLM2, 200 keys: about 60 us a layer against 20 on a Zen 4 core); its result is a
+time (SmolLM2, 200 keys: about 60 us a layer against 25 on a Zen 4 core); its result is a
 sequence's own whatever the batch, and the same on every instruction path.
 
 All decodes (one new token each) attend as one group, each prefill chunk (several new tokens)

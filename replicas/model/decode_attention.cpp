@@ -38,7 +38,6 @@ constexpr int64_t kLanes = 16;
 // The entry points of the paths are flattened: every call below them is inlined into a function
 // compiled for the path's instructions (always_inline would refuse a target-specific callee in a
 // template that is not itself compiled for the target).
-#define STRATA_INLINE inline
 #define STRATA_AVX512 __attribute__((target("avx512f"))) inline
 #define STRATA_AVX2 __attribute__((target("avx2,f16c"))) inline
 
@@ -122,21 +121,21 @@ struct Generic {
     float a[kLanes];
   };
   template <typename F>
-  static STRATA_INLINE V map(F f) {
+  static inline V map(F f) {
     V r;
     for (int64_t i = 0; i < kLanes; ++i) r.a[i] = f(i);
     return r;
   }
-  static STRATA_INLINE V load(const float* p) { return map([&](int64_t i) { return p[i]; }); }
-  static STRATA_INLINE void store(float* p, V v) { std::memcpy(p, v.a, sizeof(v.a)); }
-  static STRATA_INLINE V set1(float x) { return map([&](int64_t) { return x; }); }
-  static STRATA_INLINE V add(V x, V y) { return map([&](int64_t i) { return x.a[i] + y.a[i]; }); }
-  static STRATA_INLINE V sub(V x, V y) { return map([&](int64_t i) { return x.a[i] - y.a[i]; }); }
-  static STRATA_INLINE V mul(V x, V y) { return map([&](int64_t i) { return x.a[i] * y.a[i]; }); }
-  static STRATA_INLINE V max(V x, V y) {
+  static inline V load(const float* p) { return map([&](int64_t i) { return p[i]; }); }
+  static inline void store(float* p, V v) { std::memcpy(p, v.a, sizeof(v.a)); }
+  static inline V set1(float x) { return map([&](int64_t) { return x; }); }
+  static inline V add(V x, V y) { return map([&](int64_t i) { return x.a[i] + y.a[i]; }); }
+  static inline V sub(V x, V y) { return map([&](int64_t i) { return x.a[i] - y.a[i]; }); }
+  static inline V mul(V x, V y) { return map([&](int64_t i) { return x.a[i] * y.a[i]; }); }
+  static inline V max(V x, V y) {
     return map([&](int64_t i) { return x.a[i] > y.a[i] ? x.a[i] : y.a[i]; });  // maxps: NaN -> y
   }
-  static STRATA_INLINE void split(V x, V& n, V& power) {
+  static inline void split(V x, V& n, V& power) {
     for (int64_t i = 0; i < kLanes; ++i) {
       const int32_t k = static_cast<int32_t>(x.a[i] - 0.5f);
       n.a[i] = static_cast<float>(k);
@@ -144,7 +143,7 @@ struct Generic {
       std::memcpy(&power.a[i], &bits, sizeof(bits));
     }
   }
-  static STRATA_INLINE V load_bf16(const uint16_t* p) {
+  static inline V load_bf16(const uint16_t* p) {
     V r;
     for (int64_t i = 0; i < kLanes; ++i) {
       const uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
@@ -152,10 +151,10 @@ struct Generic {
     }
     return r;
   }
-  static STRATA_INLINE V load_f16(const uint16_t* p) {
+  static inline V load_f16(const uint16_t* p) {
     return map([&](int64_t i) { return static_cast<float>(c10::Half(p[i], c10::Half::from_bits())); });
   }
-  static STRATA_INLINE float sum_lanes(V v) {
+  static inline float sum_lanes(V v) {
     float* a = v.a;
     for (int64_t half = kLanes / 2; half >= 1; half /= 2) {
       for (int64_t i = 0; i < half; ++i) a[i] = a[i] + a[i + half];
@@ -166,7 +165,7 @@ struct Generic {
 
 // 2^x for x <= 0 (below -126 taken as -126: 2^-126 beside the maximum's 1 is nothing).
 template <typename P>
-STRATA_INLINE typename P::V exp2_nonpositive(typename P::V x) {
+inline typename P::V exp2_nonpositive(typename P::V x) {
   x = P::max(x, P::set1(-126.0f));
   typename P::V n, power;
   P::split(x, n, power);
@@ -183,17 +182,17 @@ STRATA_INLINE typename P::V exp2_nonpositive(typename P::V x) {
 
 // 16 values of a cache row from `p` as float32.
 template <typename P>
-STRATA_INLINE typename P::V load_row(const float* p) {
+inline typename P::V load_row(const float* p) {
   return P::load(p);
 }
 
 template <typename P>
-STRATA_INLINE typename P::V load_row(const at::BFloat16* p) {
+inline typename P::V load_row(const at::BFloat16* p) {
   return P::load_bf16(reinterpret_cast<const uint16_t*>(p));
 }
 
 template <typename P>
-STRATA_INLINE typename P::V load_row(const at::Half* p) {
+inline typename P::V load_row(const at::Half* p) {
   return P::load_f16(reinterpret_cast<const uint16_t*>(p));
 }
 
@@ -210,7 +209,7 @@ struct Problem {
 // keys keeps its accumulator in a register: per query row, its scores; then per row and 16
 // columns of the output, the weighted sum of the values.
 template <typename P, typename T>
-STRATA_INLINE void attend(const Problem& pr, int64_t begin, int64_t end) {
+inline void attend(const Problem& pr, int64_t begin, int64_t end) {
   using V = typename P::V;
   const int64_t d = pr.head_dim, w = pr.width;
   const int64_t w_padded = (w + kLanes - 1) / kLanes * kLanes;

@@ -350,7 +350,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   float* out_data = out.mutable_data_ptr<float>();
   const int64_t tile_codes = (k / 8) * 64, tile_scales = (k / kGroup) * 2 * kTile;
   // Tasks of at least 65,536 multiply-adds (4,096 / (K x rows) tiles): a decode row's product
-  // is split between the threads too (SmolLM2 at 2 threads: its decode step 5.3-5.7 ms against 6.0-6.2 with the
+  // is split between the threads too (SmolLM2 at 2 threads: its decode step 5.3-5.9 ms against 6.0-6.2 with the
   // products of a decode row kept on one thread), while the smallest products stay whole.
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 12) / (k * std::max<int64_t>(rows, 1)));
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
