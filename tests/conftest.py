@@ -12,3 +12,8 @@ if "STRATA_AUTOTUNE_CACHE" not in os.environ:
     _cache_dir = tempfile.mkdtemp(prefix="strata-tests-")
     os.environ["STRATA_AUTOTUNE_CACHE"] = os.path.join(_cache_dir, "autotune.json")
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+# And the whole session is one deployment in ``auto``'s sense: a choice measured on a machine too
+# busy for it to be cached is reused by every later engine of the session, so two engines a test
+# compares (cache on and off, a run and its reference) never take different products, which round
+# differently.
+os.environ.setdefault("STRATA_AUTOTUNE_SCOPE", "test-session")

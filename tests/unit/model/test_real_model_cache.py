@@ -36,16 +36,6 @@ STORY = "Write a short story about a lighthouse keeper who finds a message in a 
 FILLERS = [f"Note {n}. " + "The quick brown fox jumps over the lazy dog. " * 20 for n in range(6)]
 
 
-@pytest.fixture(autouse=True)
-def one_choice(monkeypatch):
-    """The engines compared here take one measured choice (``auto``'s deployment scope): on a
-    machine busy enough that the choice is not cached, two measurements could choose
-    differently, and different products round differently."""
-    from replicas.model import autotune
-
-    monkeypatch.setenv(autotune.SCOPE_ENV, "test_real_model_cache")
-
-
 def chats(llm: LLM, questions: list[str]) -> list[str]:
     return [
         llm.tokenizer.apply_chat_template(
