@@ -143,8 +143,9 @@ class ReplicaActor:
         device = placed_device(engine_config.device)
         if device != engine_config.device:
             engine_config = engine_config.model_copy(update={"device": device})
-        # The deployment's replicas (and their restarts) share one job: and so one ``auto`` choice.
-        os.environ[SCOPE_ENV] = f"ray-job-{ray.get_runtime_context().get_job_id()}"
+        # The deployment's replicas (and their restarts) share one job: and so one ``auto`` choice;
+        # a scope the environment names already (a deployment spanning jobs) is kept.
+        os.environ.setdefault(SCOPE_ENV, f"ray-job-{ray.get_runtime_context().get_job_id()}")
         self.engine = Engine(engine_config)
         # Before any KV event is recorded: the samples' blocks never reach the router.
         self._step_costs = measure_step_costs(self.engine) if measure_costs else None

@@ -49,9 +49,9 @@ machine: while the candidates are timed, ``CPUShare`` compares this process's CP
 wall time its threads had. Below ``MIN_CPU_SHARE`` (another process took the cores: measured on
 a 2-core EPYC, 0.99 alone and 0.49 beside two busy loops) the choice is logged as measured on a
 busy machine and kept only for this start's scope (``SCOPE_ENV``: the replica actor sets it to
-its deployment's Ray job, so the other replicas of the deployment and their restarts take the
-same choice, even after a quieter start elsewhere measured another); any other start measures
-again.
+its deployment's Ray job unless the environment names a scope already, so the other replicas of
+the deployment and their restarts take the same choice, even after a quieter start elsewhere
+measured another); any other start measures again.
 
 Every replica of a deployment must run the same choice: a greedy request must give the same
 tokens whichever replica serves it (or resumes it). So the measurement is taken under an

@@ -21,13 +21,16 @@ Whether it runs is ``decoder_stack``: ``auto`` (``replicas.model.autotune`` time
 both ways at start-up and keeps the faster), ``native`` or ``eager``. The library is compiled at
 first use, against the installed torch's headers, with the C++ compiler ``CXX`` names (else
 ``c++``; about 10 s on 2 cores), into ``$XDG_CACHE_HOME/strata/native/<key>/`` (``~/.cache`` by
-default; ``STRATA_NATIVE_DIR`` names another folder), the key hashing the source, torch's
-version and the compiler, so a restart loads it at once and an upgrade of torch rebuilds it.
-Builds are serialised by a lock beside it, so replicas starting together build it once. Where
+default; ``STRATA_NATIVE_DIR`` names another folder), the key hashing the source's text (not
+its path: a copy of the checkout, such as a Ray job's working directory, loads the same build),
+torch's version and the compiler, so a restart loads it at once and an upgrade of torch rebuilds
+it; builds of other sources that no process has loaded for 30 days are removed. Builds are
+serialised by a lock beside it, so replicas starting together build it once. Where
 it cannot be built (no compiler, a failed build), ``auto`` runs eager and logs why; ``native``
 fails at start-up saying why.
 """
 
+import contextlib
 import fcntl
 import hashlib
 import logging
@@ -35,6 +38,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from functools import cache
 from pathlib import Path
 
@@ -210,14 +214,23 @@ def _built_library() -> Path:
         [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
     ).stdout.splitlines()[0]
     command = _compile_command(compiler)
+    # The sources by their text and name, not where they lie: a copy of this checkout (the
+    # working directory of a ``ray job submit``) takes the build of the original.
+    where = {str(path): path.name for path in SOURCES}
     key = hashlib.sha256(
         "\n".join(
-            [*(path.read_text() for path in SOURCES), torch.__version__, version, *command]
+            [
+                *(path.read_text() for path in SOURCES),
+                torch.__version__,
+                version,
+                *(where.get(part, part) for part in command),
+            ]
         ).encode()
     ).hexdigest()[:16]
     folder = _native_dir() / key
     library = folder / "native_stack.so"
     if library.exists():
+        _forget_unused_builds(folder)
         return library
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "build.lock", "a") as lock:
@@ -237,7 +250,25 @@ def _built_library() -> Path:
                 errors = [line for line in result.stderr.splitlines() if "error" in line]
                 raise RuntimeError(f"compiling {SOURCE.name} failed: {' | '.join(errors[:3])}")
             os.replace(partial, library)
+    _forget_unused_builds(folder)
     return library
+
+
+UNUSED_BUILD_S = 30 * 24 * 3600
+"""A build of other sources (an older checkout) not loaded for this long is removed."""
+
+
+def _forget_unused_builds(current: Path) -> None:
+    """Marks ``current`` as used now and removes the builds beside it that no process has
+    loaded for ``UNUSED_BUILD_S`` (one is left per source change otherwise)."""
+    now = time.time()
+    with contextlib.suppress(OSError):
+        os.utime(current, (now, now))
+    with contextlib.suppress(OSError):
+        for folder in current.parent.iterdir():
+            if folder != current and folder.is_dir():
+                if now - folder.stat().st_mtime > UNUSED_BUILD_S:
+                    shutil.rmtree(folder, ignore_errors=True)
 
 
 OPENMP = "-fopenmp"  # torch's own libgomp serves it at run time (already loaded, same soname)

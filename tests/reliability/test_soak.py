@@ -1,13 +1,13 @@
 """The soak's short round on the real model (``tests/reliability/soak.py``): SmolLM2 on two
 replicas with the host tier, a mixed load, one replica kill. ``STRATA_SOAK_S`` sets its length
-(default 40 s); the documented 30-minute run is ``python -m tests.reliability.soak``."""
+(default 30 s); the documented 30-minute run is ``python -m tests.reliability.soak``."""
 
 import os
 
 from tests.reliability.conftest import serve_on_ray
 from tests.reliability.soak import run_soak, soak_config
 
-ROUND_S = float(os.environ.get("STRATA_SOAK_S", "40"))
+ROUND_S = float(os.environ.get("STRATA_SOAK_S", "30"))
 
 
 def test_a_short_soak_loses_nothing_and_holds_its_memory(ray_session):

@@ -252,6 +252,43 @@ def test_a_compiler_without_openmp_still_builds_the_library(monkeypatch, tmp_pat
     assert commands[1] == [c for c in commands[0] if c != native_stack.OPENMP]
 
 
+def test_a_copy_of_the_sources_loads_the_same_build_and_unused_builds_are_removed(
+    monkeypatch, tmp_path
+):
+    """The build's key is the sources' text, not their folder (a Ray job's working directory
+    is a copy of the checkout); builds nobody loaded for 30 days are removed, others kept."""
+    import os
+    import shutil
+    import subprocess
+    import time
+
+    builds = []
+
+    def compile_(command, output):
+        builds.append(command)
+        output.write_bytes(b"library")
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(native_stack, "_compile", compile_)
+    monkeypatch.setenv(native_stack.DIR_ENV, str(tmp_path / "builds"))
+    old, recent = tmp_path / "builds" / "old", tmp_path / "builds" / "recent"
+    for folder in (old, recent):
+        folder.mkdir(parents=True)
+    long_ago = time.time() - native_stack.UNUSED_BUILD_S - 60
+    os.utime(old, (long_ago, long_ago))
+    library = native_stack._built_library()
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for path in native_stack.SOURCES:
+        shutil.copy(path, copy / path.name)
+    monkeypatch.setattr(native_stack, "SOURCES", [copy / p.name for p in native_stack.SOURCES])
+    assert native_stack._built_library() == library
+    assert len(builds) == 1  # the copy loaded the first build
+    assert not old.exists() and recent.exists()
+    (copy / native_stack.SOURCES[0].name).write_text("// changed\n")
+    assert native_stack._built_library() != library and len(builds) == 2
+
+
 def test_without_a_compiler_auto_runs_eager_and_native_fails_naming_the_option(
     monkeypatch, tmp_path
 ):
