@@ -288,7 +288,9 @@ def _build_group(
     is_one_chunk = seqs[0].span <= ONE_CHUNK_BLOCKS * block_size
     chunk_len = (ONE_CHUNK_BLOCKS if is_one_chunk else CHUNK_BLOCKS) * block_size
     q_len, num_chunks = seqs[0].q_len, -(-seqs[0].span // chunk_len)
-    grid = _key_grid(table, slots, seqs, num_chunks * chunk_len, block_size, sliding_window)
+    # One chunk is as wide as the longest span (the first: a prefill, or decodes by span).
+    grid_len = num_chunks * chunk_len if num_chunks > 1 else seqs[0].span
+    grid = _key_grid(table, slots, seqs, grid_len, block_size, sliding_window)
     chunks = [
         _key_chunk(seqs, c * chunk_len, chunk_len, grid, sliding_window) for c in range(num_chunks)
     ]
@@ -335,17 +337,18 @@ def _key_grid(
     """The keys of ``seqs`` over ``grid_len`` positions from each one's ``grid_start``."""
     device = table.device
     q_len = seqs[0].q_len
-    seq_idx = torch.tensor([s.index for s in seqs], device=device)
-    grid_start = torch.tensor([s.grid_start for s in seqs], device=device)[:, None]
-    first_key = torch.tensor([s.first_key for s in seqs], device=device)[:, None]
-    seq_len = torch.tensor([s.seq_len for s in seqs], device=device)[:, None]
+    seq_idx, grid_start, first_key, seq_len, last_row = torch.tensor(
+        [[s.index, s.grid_start, s.first_key, s.seq_len, s.first_row + q_len - 1] for s in seqs],
+        device=device,
+    ).T[:, :, None]  # each [S, 1]
     pos = grid_start + torch.arange(grid_len, device=device)  # [S, grid]
     is_read = (pos >= first_key) & (pos < seq_len)
     cols = torch.div(pos, block_size, rounding_mode="floor").clamp(max=table.shape[1] - 1)
-    last_slot = slots[torch.tensor([s.first_row + s.q_len - 1 for s in seqs], device=device)]
-    last_block = torch.div(last_slot, block_size, rounding_mode="floor")[:, None]
-    blocks = torch.where(is_read, table[seq_idx[:, None], cols], last_block)
-    offsets = torch.where(is_read, pos % block_size, (last_slot % block_size)[:, None])
+    last_slot = slots[last_row]  # [S, 1]
+    blocks = torch.where(is_read, table[seq_idx, cols], last_slot // block_size)
+    offsets = torch.where(is_read, pos % block_size, last_slot % block_size)
+    if q_len == 1:  # a decode sees every key it reads (its window is its first key on)
+        return _KeyGrid(blocks, offsets, ~is_read[:, None, :])
     q_pos = seq_len - q_len + torch.arange(q_len, device=device)  # [S, q_len]
     hidden = ~is_read[:, None, :] | (pos[:, None, :] > q_pos[:, :, None])  # [S, q_len, grid]
     if sliding_window:
