@@ -129,16 +129,20 @@ class ModelRunner:
         sampled: list[int] = []
         groups = list(self.kv_caches)
         block_rows: list[dict[str, list[int]]] = []
-        rows: list[int] = []  # the batch sequence of each token
+        slots: dict[str, list[int]] = {g: [] for g in groups}  # each token's KV slot
         drafted: list[tuple[Request, tuple[int, ...], dict[str, list[int]]]] = []
+        size = self.block_size
 
         def add(token_ids: list[int] | tuple[int, ...], start: int, blocks: dict) -> None:
+            span = range(start, start + len(token_ids))
             input_ids.extend(token_ids)
-            positions.extend(range(start, start + len(token_ids)))
-            rows.extend([len(seq_lens)] * len(token_ids))
+            positions.extend(span)
             query_start_loc.append(query_start_loc[-1] + len(token_ids))
-            seq_lens.append(start + len(token_ids))
+            seq_lens.append(span.stop)
             block_rows.append(blocks)
+            for group in groups:
+                table = blocks[group]
+                slots[group].extend(table[p // size] * size + p % size for p in span)
 
         for i, item in enumerate(scheduled):
             request, drafts = item.request, item.draft_token_ids
@@ -156,33 +160,24 @@ class ModelRunner:
                 add([token_id], request.num_tokens + j, blocks)
                 logits_indices.append(query_start_loc[-1] - 1)
 
-        pos = torch.tensor(positions, dtype=torch.long)
-        tables, slot_mapping = self._block_tables(block_rows, rows, pos)
+        max_blocks = max(len(b) for blocks in block_rows for b in blocks.values())
         batch = ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            positions=pos.to(self.device),
+            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
-            block_tables=tables,
-            slot_mapping=slot_mapping,
+            block_tables={  # one row per sequence, padded with block 0
+                g: torch.tensor(
+                    [b[g] + [0] * (max_blocks - len(b[g])) for b in block_rows],
+                    dtype=torch.long,
+                    device=self.device,
+                )
+                for g in groups
+            },
+            slot_mapping={
+                g: torch.tensor(slots[g], dtype=torch.long, device=self.device) for g in groups
+            },
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=self.device),
             num_solo_seqs=sum(len(drafts) for _, drafts, _ in drafted),
         )
         return batch, sampled
-
-    def _block_tables(
-        self, block_rows: list[dict[str, list[int]]], rows: list[int], pos: torch.Tensor
-    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Per cache type: the batch's block table (one row per sequence, padded with block 0)
-        and each token's KV slot (``rows``: the sequence of each token, ``pos`` its position)."""
-        block_size = self.block_size
-        seq_of_token = torch.tensor(rows, dtype=torch.long)
-        max_blocks = max(len(b) for blocks in block_rows for b in blocks.values())
-        tables, slot_mapping = {}, {}
-        for group in self.kv_caches:
-            padded = [b[group] + [0] * (max_blocks - len(b[group])) for b in block_rows]
-            table = torch.tensor(padded, dtype=torch.long)
-            tables[group] = table.to(self.device)
-            slots = table[seq_of_token, pos // block_size] * block_size + pos % block_size
-            slot_mapping[group] = slots.to(self.device)
-        return tables, slot_mapping
