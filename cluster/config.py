@@ -83,6 +83,13 @@ class ServerConfig(_Section):
         description="A replica removed by a scale-in writes its hot blocks to its node's disk "
         "tier for at most this long before it exits.",
     )
+    keep_alive_s: float = Field(
+        30.0,
+        gt=0,
+        description="An idle keep-alive connection is closed after this long. Longer than "
+        "clients keep theirs (httpx, under the openai client, 5 s), so that no client sends a "
+        "request on a connection the server is closing.",
+    )
     watchdog_stall_s: float | None = Field(
         2.0,
         gt=0,

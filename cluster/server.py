@@ -91,7 +91,12 @@ def serve(config: ClusterConfig, reload: Callable[[], ClusterConfig] | None = No
     server = config.server
     uvicorn_server = uvicorn.Server(
         uvicorn.Config(
-            app, host=server.host, port=server.port, log_level="info", timeout_graceful_shutdown=5
+            app,
+            host=server.host,
+            port=server.port,
+            log_level="info",
+            timeout_graceful_shutdown=5,
+            timeout_keep_alive=server.keep_alive_s,
         )
     )
     print(

@@ -18,6 +18,7 @@ import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster.config import ServerConfig
 from tests.integration.conftest import ray_session  # noqa: F401  (the one shared Ray fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,6 +38,9 @@ class UvicornThread:
             lifespan="off",
             limit_concurrency=limit_concurrency,
             timeout_graceful_shutdown=5,
+            # As ``strata serve`` (``ServerConfig.keep_alive_s``): idle connections outlive the
+            # clients' own expiry (httpx: 5 s, uvicorn's default too).
+            timeout_keep_alive=ServerConfig().keep_alive_s,
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(
