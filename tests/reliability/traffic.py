@@ -151,9 +151,11 @@ def _answer(choices: list[dict], *, stream: bool) -> tuple[str, list[tuple[str, 
 async def send(client: httpx.AsyncClient, body: dict, tally: Tally) -> Outcome:
     """One request, checked; never raises, never waits past ``REQUEST_TIMEOUT_S``."""
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    stage = ["before the response's headers"]  # where a transport error struck, for its message
 
     async def exchange() -> Outcome:
         async with client.stream("POST", path, json=body) as response:
+            stage[0] = "after the response's headers"
             if response.status_code != 200:
                 return _error_outcome(response.status_code, await response.aread())
             if body["stream"]:
@@ -171,7 +173,10 @@ async def send(client: httpx.AsyncClient, body: dict, tally: Tally) -> Outcome:
     except TimeoutError:
         outcome = Outcome("error", f"no answer within {REQUEST_TIMEOUT_S} s (a hang): {body}")
     except (httpx.HTTPError, OSError, ValueError) as error:
-        outcome = Outcome("error", f"{type(error).__name__}: {error}")
+        cause = error.__cause__ or error.__context__
+        outcome = Outcome(
+            "error", f"{type(error).__name__}: {error} ({stage[0]}; cause: {cause!r}) {body}"
+        )
     outcome.body = body
     return outcome
 
