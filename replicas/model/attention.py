@@ -347,7 +347,8 @@ def _key_grid(
     last_slot = slots[last_row]  # [S, 1]
     blocks = torch.where(is_read, table[seq_idx, cols], last_slot // block_size)
     offsets = torch.where(is_read, pos % block_size, last_slot % block_size)
-    if q_len == 1:  # a decode sees every key it reads (its window is its first key on)
+    if q_len == 1:  # one query sees exactly the keys it reads: none after it, none before
+        # its window (first_key is where its window starts)
         return _KeyGrid(blocks, offsets, ~is_read[:, None, :])
     q_pos = seq_len - q_len + torch.arange(q_len, device=device)  # [S, q_len]
     hidden = ~is_read[:, None, :] | (pos[:, None, :] > q_pos[:, :, None])  # [S, q_len, grid]

@@ -91,8 +91,9 @@ def test_batch_job_through_ray_job_submit(ray_head, tmp_path):
     # The shipped config with its start-up measurement fixed (what ``auto`` chooses is no
     # subject here, and measuring it at one thread a replica is most of a minute).
     config = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
-    config["model"].update(dtype="float32", quantization="int4", decoder_stack="native")
-    config["model"].update(int4_kernel="torch")
+    config["model"].update(
+        dtype="float32", quantization="int4", decoder_stack="native", int4_kernel="torch"
+    )
     config_path = tmp_path / "config.yaml"
     config_path.write_text(yaml.safe_dump(config))
     command = [
