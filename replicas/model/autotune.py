@@ -20,7 +20,10 @@ put a native stack 4% behind the eager one that it beats by 25% on a quiet machi
 are spread over ``REPEATS`` rounds, each a prefill then a third of the decode steps, so that one
 slow stretch of a shared VM (its host's other guests: on the 2-core EPYC VM, one candidate's ten
 steps in a row once measured 8.8 ms, against 6.2 ms for the same candidate in the run before)
-cannot hold all of a candidate's runs.
+cannot hold all of a candidate's runs. A round's decode steps stop early once they have taken
+``DECODE_ROUND_S`` (at least ``MIN_DECODE_STEPS`` of them): a small model's candidates take a
+fraction of a second each as before, and a large model's slow candidates (a dense float32 decode
+step reads every weight: 4 GB for a billion parameters) take a few of their steps, not thirty.
 The candidates are priced by the time of one representative request (``PROMPT_TOKENS`` of
 prefill and ``OUTPUT_TOKENS`` of decode) and the cheapest wins, with one more rule: a candidate
 in a narrower dtype than float32 is eligible only where it measured faster than float32 with the
@@ -96,6 +99,10 @@ PREFILL_TOKENS = 64
 DECODE_CONTEXT_TOKENS = 64
 REPEATS = 3
 DECODE_REPEATS = 30
+DECODE_ROUND_S = 0.15
+"""A round's decode burst ends here (after ``MIN_DECODE_STEPS``) even short of its share of
+``DECODE_REPEATS``, so that a large model's slow step does not stretch its measurement."""
+MIN_DECODE_STEPS = 2
 MIN_CPU_SHARE = 0.8
 """Below this share of its threads' wall time on a CPU, a measurement is not cached."""
 CACHE_ENV = "STRATA_AUTOTUNE_CACHE"
@@ -174,7 +181,7 @@ def candidates(
     ]
 
 
-CHOICE_RULES = 3
+CHOICE_RULES = 4
 """Raised whenever ``choose`` or the timing changes, so that no cached choice outlives the rules
 it followed."""
 
@@ -246,7 +253,12 @@ def time_model(
     prefills, decodes = [], []
     for _ in range(REPEATS):  # rounds, each a prefill and a burst of decode steps
         prefills.append(timed(0, PREFILL_TOKENS))
-        decodes += [timed(*decode_span) for _ in range(DECODE_REPEATS // REPEATS)]
+        burst: list[float] = []
+        while len(burst) < DECODE_REPEATS // REPEATS and (
+            len(burst) < MIN_DECODE_STEPS or sum(burst) < DECODE_ROUND_S
+        ):
+            burst.append(timed(*decode_span))
+        decodes += burst
     return min(prefills) / PREFILL_TOKENS, min(decodes)
 
 

@@ -364,6 +364,29 @@ def test_a_slow_stretch_as_long_as_all_decode_runs_does_not_decide_the_decode_ti
     assert prefill == pytest.approx(0.001 / autotune.PREFILL_TOKENS)
 
 
+@pytest.mark.parametrize("step_s", [0.001, 1.0])
+def test_a_rounds_decode_steps_stop_at_its_time_budget(step_s):
+    """A step of 1 ms runs all of a round's share of ``DECODE_REPEATS``; a step of a second (a
+    large model's dense candidate) stops each round at ``MIN_DECODE_STEPS``, past the budget."""
+    model = load_model("tiny", torch.device("cpu"), "float32").model
+    clock, calls, timed = [0.0], [0], []
+
+    def timer() -> float:  # begin, then end: every timed run takes step_s
+        calls[0] += 1
+        if calls[0] % 2 == 0:
+            clock[0] += step_s
+            timed.append(step_s)
+        return clock[0]
+
+    _, decode = autotune.time_model(model, torch.float32, timer)
+    assert decode == pytest.approx(step_s)
+    decode_steps = len(timed) - autotune.REPEATS
+    if step_s * autotune.DECODE_REPEATS / autotune.REPEATS < autotune.DECODE_ROUND_S:
+        assert decode_steps == autotune.DECODE_REPEATS
+    else:
+        assert decode_steps == autotune.REPEATS * autotune.MIN_DECODE_STEPS
+
+
 def test_cache_path_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv(autotune.CACHE_ENV, "off")
     assert autotune.cache_path() is None
