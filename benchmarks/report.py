@@ -30,6 +30,7 @@ def machine_info() -> dict[str, object]:
         "cpu_model": cpu["model"],
         "cpu_flags": cpu["flags"],
         "torch_cpu_capability": cpu["torch_capability"],
+        "isa_limits": cpu["isa_limits"] or "none",
         "torch_version": torch.__version__,
         "torch_num_threads": torch.get_num_threads(),
         "cuda_available": torch.cuda.is_available(),

@@ -386,8 +386,13 @@ def cache_path() -> Path | None:
     return Path(base) / "strata" / "autotune.json"
 
 
+ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "STRATA_NATIVE_ISA")
+"""Environment variables that keep torch's, oneDNN's or Strata's kernels below what the CPU has."""
+
+
 def cpu_facts() -> dict[str, str]:
-    """The CPU as the choice depends on it: model name, flags (Linux), torch's capability."""
+    """The CPU as the choice depends on it: model name, flags (Linux), torch's capability, and
+    the instruction-set limits set in the environment (``ISA_LIMITS``), if any."""
     facts = {"model": "", "flags": ""}
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -397,6 +402,7 @@ def cpu_facts() -> dict[str, str]:
                 facts[key] = value.strip()
     facts["model"] = facts["model"] or platform.processor() or platform.machine()
     facts["torch_capability"] = torch.backends.cpu.get_cpu_capability()
+    facts["isa_limits"] = " ".join(f"{n}={os.environ[n]}" for n in ISA_LIMITS if n in os.environ)
     return facts
 
 

@@ -20,6 +20,7 @@
 // any batch, as prefix caching on and off needs.
 
 #include "decode_attention.h"
+#include "native_isa.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -276,6 +277,7 @@ __attribute__((flatten)) void attend_generic(const Problem& pr, int64_t b, int64
   attend<Generic, T>(pr, b, e);
 }
 
+// The best path this CPU has, at most STRATA_NATIVE_ISA's (native_isa.h).
 int64_t best_path() {
   static const int64_t path = [] {
     __builtin_cpu_init();
@@ -283,7 +285,7 @@ int64_t best_path() {
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return kAttentionPathAvx2;
     return kAttentionPathGeneric;
   }();
-  return path;
+  return std::min(isa_cap(), path);
 }
 
 template <typename T>

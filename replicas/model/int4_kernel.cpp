@@ -18,13 +18,13 @@
 // as [N / 16, K / 32, 2, 16] float16.
 
 #include "int4_kernel.h"
+#include "native_isa.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <immintrin.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 
 namespace strata_native {
@@ -278,19 +278,8 @@ int64_t cpu_path();
 using TileKernel = void (*)(const uint8_t*, const uint16_t*, const QuantizedRows&, int64_t,
                             int64_t, float*, int64_t);
 
-// The best path this CPU has, at most STRATA_INT4_PATH's (avx512vnni, avx2 or scalar: to
-// measure a lesser CPU's path on this one).
-int64_t best_path() {
-  static const int64_t path = [] {
-    const char* cap = std::getenv("STRATA_INT4_PATH");
-    const int64_t limit = cap == nullptr                      ? kPathAvx512Vnni
-                          : std::strcmp(cap, "scalar") == 0 ? kPathScalar
-                          : std::strcmp(cap, "avx2") == 0   ? kPathAvx2
-                                                            : kPathAvx512Vnni;
-    return std::min(limit, cpu_path());
-  }();
-  return path;
-}
+// The best path this CPU has, at most STRATA_NATIVE_ISA's (native_isa.h).
+int64_t best_path() { return std::min(isa_cap(), cpu_path()); }
 
 int64_t cpu_path() {
   static const int64_t path = [] {

@@ -59,10 +59,14 @@ SOURCES = tuple(
         "int4_kernel.h",
         "decode_attention.cpp",
         "decode_attention.h",
+        "native_isa.h",
     )
 )
 """What the library is built from (the key of its folder hashes them all)."""
 DIR_ENV = "STRATA_NATIVE_DIR"
+ISA_ENV = "STRATA_NATIVE_ISA"
+"""Caps the native kernels' instruction path (native_isa.h), to time a lesser CPU's paths here."""
+ISA_CAPS = ("avx512", "avx2", "scalar")
 DECODER_STACKS = ("auto", "native", "eager")
 _KINDS = {"none": 0, "int8": 1, "int4": 2, "int4/strata": 3}  # native_stack.cpp's LinearKind
 
@@ -70,7 +74,11 @@ _KINDS = {"none": 0, "int8": 1, "int4": 2, "int4/strata": 3}  # native_stack.cpp
 @cache
 def load_error() -> str | None:
     """Why the native library cannot be used in this process, or None once it is loaded
-    (built first where no build of this source, torch and compiler is cached)."""
+    (built first where no build of this source, torch and compiler is cached). An
+    ``STRATA_NATIVE_ISA`` that names no instruction path is a ``ValueError``."""
+    cap = os.environ.get(ISA_ENV)
+    if cap is not None and cap not in ISA_CAPS:
+        raise ValueError(f"{ISA_ENV}={cap!r} names no instruction path; use one of {ISA_CAPS}")
     try:
         library = _built_library()
         torch.ops.load_library(str(library))

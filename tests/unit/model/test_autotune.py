@@ -325,6 +325,21 @@ def test_the_cache_key_follows_the_threads_and_the_model_files(tmp_path):
     assert autotune.cache_key([model], cpu, [F32_NONE, BF16_NONE], "int8") != key
 
 
+def test_the_cache_key_follows_the_instruction_set_limits(tmp_path, monkeypatch):
+    """Kernels capped below the CPU's instruction sets (to measure a lesser CPU on this one)
+    time differently: their choice is not the uncapped one's."""
+    for name in autotune.ISA_LIMITS:
+        monkeypatch.delenv(name, raising=False)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"1")
+    cpu = torch.device("cpu")
+    key = autotune.cache_key([model], cpu, [F32_NONE, BF16_NONE])
+    assert autotune.cpu_facts()["isa_limits"] == ""
+    monkeypatch.setenv("STRATA_NATIVE_ISA", "avx2")
+    assert autotune.cpu_facts()["isa_limits"] == "STRATA_NATIVE_ISA=avx2"
+    assert autotune.cache_key([model], cpu, [F32_NONE, BF16_NONE]) != key
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "bfloat16"])
 def test_candidates_are_timed_over_the_configured_kv_cache_dtype(kv_cache_dtype, monkeypatch):
     """The timed forwards write and read a cache of the configured KV format: the caches the

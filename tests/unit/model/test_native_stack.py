@@ -5,6 +5,9 @@ engine gives eager's greedy tokens with it, prefix caching on and off; without a
 ``auto`` runs eager and ``native`` fails at start-up naming the option."""
 
 import copy
+import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -309,6 +312,30 @@ def test_without_a_compiler_auto_runs_eager_and_native_fails_naming_the_option(
     assert loader.load_model("tiny-hybrid", cpu).decoder_stack == "eager"
     with pytest.raises(ValueError, match="decoder_stack must be one of"):
         loader.load_model("tiny", cpu, decoder_stack="fast")
+
+
+def test_the_instruction_path_cap_holds_every_kernel_and_a_bad_one_fails_naming_it(monkeypatch):
+    """``STRATA_NATIVE_ISA=avx2`` keeps both native kernels at most on their AVX2 paths (read
+    once per process, so in a fresh one); a value that names no path fails before loading."""
+    script = (
+        "import torch; from replicas.model import native_stack; native_stack.load_error(); "
+        "print(torch.ops.strata_native.int4_path(), "
+        "torch.ops.strata_native.decode_attention_path())"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, native_stack.ISA_ENV: "avx2"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    int4, attention = map(int, run.stdout.split())
+    assert int4 == min(1, torch.ops.strata_native.int4_path())
+    assert attention == min(1, torch.ops.strata_native.decode_attention_path())
+    monkeypatch.setenv(native_stack.ISA_ENV, "avx9")
+    with pytest.raises(ValueError, match="STRATA_NATIVE_ISA='avx9'"):
+        native_stack.load_error.__wrapped__()
 
 
 def test_a_deep_copy_runs_natively_on_its_own_weights():
