@@ -226,6 +226,10 @@ class LlamaCppSide:
         self.held: dict[int, tuple[object, list[int]]] = {}  # prefix length -> (Llama, prefix)
         self.main.eval(list(range(1, 2 * BLOCK_SIZE)))  # warm-up
 
+    def system_info(self) -> str:
+        """What llama.cpp was built for and uses on this CPU (its instruction sets)."""
+        return self.lib.llama_print_system_info().decode().strip()
+
     def _open(self, n_ctx: int, **options: object) -> object:
         n_ctx = -(-n_ctx // 256) * 256  # llama.cpp pads contexts to 256
         return self.lib.Llama(model_path=self.path, n_ctx=n_ctx, **self.options, **options)
@@ -722,7 +726,7 @@ def run(
         ["engine", "measure", "value", "target", "verdict"],
         [[t["engine"], t["measure"], t["value"], t["target"], t["passed"]] for t in targets],
     )
-    report.sections.append(_notes(s, peer_note))
+    report.sections.append(_notes(s, peer_note, peer))
     report.figures["engine_vs_llamacpp.png"] = _plot(s, runs, llama)
     report.results = {
         "model": model,
@@ -732,6 +736,7 @@ def run(
         "perplexity_tokens": len(text_ids),
         "llama_cpp_version": peer.lib.__version__ if peer else None,
         "llama_cpp_options": peer.options if peer else None,
+        "llama_cpp_system_info": peer.system_info() if peer else None,
         "peer_note": peer_note,
         "strata": runs,
         "llama_cpp": llama,
@@ -960,8 +965,10 @@ def _ms_and_share(profile: dict[str, float], kind: str) -> str:
     return f"{profile[f'{kind} ms/step']:.2f} ({profile[f'{kind} share']:.0%})"
 
 
-def _notes(s: Settings, peer_note: str | None) -> str:
+def _notes(s: Settings, peer_note: str | None, peer: "LlamaCppSide | None") -> str:
     notes = [peer_note] if peer_note else []
+    if peer is not None:
+        notes.append(f"llama.cpp's build and CPU features: `{peer.system_info()}`")
     notes.append(
         f"Perplexity target: a variant that computes with {GGUF_4_BIT} keeps the GGUF file's "
         f"4-bit codes as stored, the weights llama.cpp computes with, so on the same "

@@ -329,10 +329,24 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache_rows,
   }
   TORCH_CHECK(head_dim % kLanes == 0, "decode_attention: head_dim ", head_dim,
               " is not a multiple of ", kLanes);
-  const at::Tensor scaled =
-      at::mul(q.to(at::kFloat), std::log2(M_E) / std::sqrt(double(head_dim))).contiguous();
+  const at::Tensor queries = q.stride(2) == 1 ? q : q.contiguous();
+  // The queries scaled by log2(e) / sqrt(D) in float32, rounded as at::mul(q.to(kFloat), scale)
+  // rounds them (the scale rounded to float, then one product per element), in one pass.
+  const float scale = static_cast<float>(std::log2(M_E) / std::sqrt(double(head_dim)));
+  std::vector<float> scaled(num_seqs * num_heads * head_dim);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention_q", [&] {
+    const scalar_t* data = queries.const_data_ptr<scalar_t>();
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const scalar_t* row = data + s * queries.stride(0) + h * queries.stride(1);
+        float* to = scaled.data() + (s * num_heads + h) * head_dim;
+        for (int64_t i = 0; i < head_dim; ++i) to[i] = static_cast<float>(row[i]) * scale;
+      }
+    }
+  });
+  const bool is_float = q.scalar_type() == at::kFloat;
   at::Tensor out = at::empty({num_seqs, num_heads, head_dim}, q.options().dtype(at::kFloat));
-  Problem problem{scaled.const_data_ptr<float>(), cache_rows.const_data_ptr(),
+  Problem problem{scaled.data(), cache_rows.const_data_ptr(),
                   rows.const_data_ptr<int64_t>(), seen, out.mutable_data_ptr<float>(),
                   num_seqs, num_heads, num_kv_heads, head_dim, width};
   Kernel kernel = nullptr;
@@ -355,7 +369,15 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache_rows,
   const int64_t work = std::max<int64_t>(1, (num_heads / num_kv_heads) * width * head_dim);
   const int64_t grain = std::max<int64_t>(1, (1 << 15) / work);
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) { kernel(problem, begin, end); });
-  return out.to(q.scalar_type());
+  if (is_float) return out;
+  // Rounded to q's dtype (to nearest even, as out.to(q's dtype) rounds), in one pass.
+  at::Tensor rounded = at::empty(out.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention_out", [&] {
+    const float* from = out.const_data_ptr<float>();
+    scalar_t* to = rounded.mutable_data_ptr<scalar_t>();
+    for (int64_t i = 0; i < out.numel(); ++i) to[i] = static_cast<scalar_t>(from[i]);
+  });
+  return rounded;
 }
 
 }  // namespace strata_native

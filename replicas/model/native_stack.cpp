@@ -5,19 +5,166 @@
 // apply_rope, Attention.forward with cached_attention and _attend for a KV cache of values,
 // FeedForward.forward, QuantizedLinear.forward and TransformerBlock.forward. A change to one of
 // them must be made to both (tests/unit/model/test_native_stack.py compares them bitwise).
-// A packed product's bfloat16 input and output are kept in bfloat16 where the next op widens
-// them exactly anyway.
+// RMSNorm and the rotary embedding of a few decode rows run as fused passes that round exactly
+// where the op chains round (see fused_rms_norm); a packed product's bfloat16 input and output
+// are kept in bfloat16 where the next op widens them exactly anyway.
 
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <cmath>
+#include <type_traits>
+#include <vector>
 
 #include "decode_attention.h"
 #include "int4_kernel.h"
 
 namespace {
+
+// Fused elementwise passes. Each replaces a chain of ATen ops with one loop that rounds exactly
+// where the chain rounds: every step of the chain is one correctly rounded operation per
+// element (products, sums, quotients, square roots, conversions to the tensor's dtype, the
+// reduced types computing in float and rounding once, as ATen's kernels do), and the library
+// is compiled with -ffp-contract=off so that no product and sum are fused. The one step whose
+// rounding depends on the CPU, RMSNorm's sum over the hidden dimension, is ATen's own at::sum.
+
+// The passes are plain loops on one thread: they win where ATen's per-op cost dominates (a
+// decode row or a few), not on batches and prefill chunks, where ATen's vectorised, threaded
+// ops run instead (with the same result).
+constexpr int64_t kFusedElements = 4096;
+
+bool fusable_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
+// A CPU tensor of a fusable dtype with unit stride in its last dimension, and a partner of the
+// same dtype.
+bool fusable(const at::Tensor& x, const at::Tensor& other) {
+  return x.device().is_cpu() && fusable_dtype(x.scalar_type()) &&
+         other.scalar_type() == x.scalar_type() && other.device().is_cpu() && x.dim() >= 2 &&
+         x.stride(-1) == 1 && x.size(-1) % 2 == 0;
+}
+
+template <typename scalar_t>
+inline scalar_t round_to(float v) {
+  return static_cast<scalar_t>(v);  // float: exact; BFloat16 and Half: round to nearest even
+}
+
+// Row r of x (any shape, last dimension contiguous) as a pointer, for rows in row-major order.
+template <typename scalar_t>
+struct Rows {
+  const scalar_t* base;
+  std::vector<int64_t> sizes, strides;  // of the dimensions before the last
+  explicit Rows(const at::Tensor& x) : base(x.const_data_ptr<scalar_t>()) {
+    for (int64_t d = 0; d + 1 < x.dim(); ++d) {
+      sizes.push_back(x.size(d));
+      strides.push_back(x.stride(d));
+    }
+  }
+  const scalar_t* operator[](int64_t r) const {
+    int64_t offset = 0;
+    for (int64_t d = static_cast<int64_t>(sizes.size()) - 1; d >= 0; --d) {
+      offset += (r % sizes[d]) * strides[d];
+      r /= sizes[d];
+    }
+    return base + offset;
+  }
+};
+
+// weight * F.rms_norm(x, eps) rounded to out_dtype. ATen's rms_norm computes in float:
+// pow(x, 2) (x * x), mean over the last dimension (at::sum, then divided by its size), add_(eps),
+// rsqrt (1 / sqrt), x times it, rounded to x's dtype; the weight product is then one more
+// rounded product in x's dtype.
+at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                          at::ScalarType out_dtype) {
+  const int64_t dim = x.size(-1), num_rows = x.numel() / dim;
+  at::Tensor squares = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(out_dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const Rows<scalar_t> rows(x);
+    float* sq = squares.mutable_data_ptr<float>();
+    for (int64_t r = 0; r < num_rows; ++r) {
+      const scalar_t* row = rows[r];
+      for (int64_t i = 0; i < dim; ++i) {
+        const float v = static_cast<float>(row[i]);
+        sq[r * dim + i] = v * v;
+      }
+    }
+    const at::Tensor sums = at::sum(squares, {-1}, /*keepdim=*/true).contiguous();
+    const float* sum = sums.const_data_ptr<float>();
+    const scalar_t* w = weight.contiguous().const_data_ptr<scalar_t>();
+    const float size = static_cast<float>(dim), epsilon = static_cast<float>(eps);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out_dtype, "rms_norm_out", [&] {
+      using out_t = scalar_t;
+      out_t* o = out.mutable_data_ptr<out_t>();
+      for (int64_t r = 0; r < num_rows; ++r) {
+        const float inverse = 1.0f / std::sqrt(sum[r] / size + epsilon);
+        const auto* row = rows[r];
+        for (int64_t i = 0; i < dim; ++i) {
+          using in_t = std::remove_cv_t<std::remove_pointer_t<decltype(row)>>;
+          const in_t normed = round_to<in_t>(static_cast<float>(row[i]) * inverse);
+          const in_t scaled =
+              round_to<in_t>(static_cast<float>(w[i]) * static_cast<float>(normed));
+          o[r * dim + i] = round_to<out_t>(static_cast<float>(scaled));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// apply_rope: x * cos + cat(-x2, x1) * sin, each product and the sum rounded to x's dtype.
+// x: [T, heads, D] with a contiguous last dimension; cos, sin: [T, 1, D], contiguous.
+at::Tensor fused_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t dim = x.size(-1), half = dim / 2, heads = x.numel() / (x.size(0) * dim);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope", [&] {
+    const Rows<scalar_t> rows(x);
+    const scalar_t* c = cos.const_data_ptr<scalar_t>();
+    const scalar_t* s = sin.const_data_ptr<scalar_t>();
+    scalar_t* o = out.mutable_data_ptr<scalar_t>();
+    auto f = [](scalar_t v) { return static_cast<float>(v); };
+    for (int64_t r = 0; r < x.size(0) * heads; ++r) {
+      const scalar_t* row = rows[r];
+      const scalar_t* ct = c + (r / heads) * dim;
+      const scalar_t* st = s + (r / heads) * dim;
+      scalar_t* out_row = o + r * dim;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = f(row[i]), b = f(row[i + half]);
+        out_row[i] = round_to<scalar_t>(f(round_to<scalar_t>(a * f(ct[i]))) +
+                                        f(round_to<scalar_t>(-b * f(st[i]))));
+        out_row[i + half] =
+            round_to<scalar_t>(f(round_to<scalar_t>(b * f(ct[i + half]))) +
+                               f(round_to<scalar_t>(a * f(st[i + half]))));
+      }
+    }
+  });
+  return out;
+}
+
+// rows.index_copy_(0, write_rows, cat({k, v}).view({-1, D}).to(rows' dtype)): each new token's
+// K and V rows converted to the cache's dtype (to nearest even, as .to rounds) and written to
+// their cache rows. k, v: [T, kv heads, D] with a contiguous last dimension.
+void write_kv(at::Tensor& rows, const at::Tensor& write_rows, const at::Tensor& k,
+              const at::Tensor& v) {
+  const int64_t dim = k.size(-1), per_tensor = k.numel() / dim;
+  const int64_t* targets = write_rows.const_data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv", [&] {
+    using in_t = scalar_t;
+    const Rows<in_t> sources[2] = {Rows<in_t>(k), Rows<in_t>(v)};
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, rows.scalar_type(), "write_kv_to", [&] {
+      scalar_t* cache = rows.mutable_data_ptr<scalar_t>();
+      for (int64_t i = 0; i < 2 * per_tensor; ++i) {
+        const in_t* from = sources[i / per_tensor][i % per_tensor];
+        TORCH_CHECK(targets[i] >= 0 && targets[i] < rows.size(0), "write_kv: cache row ",
+                    targets[i], " out of ", rows.size(0));
+        scalar_t* to = cache + targets[i] * dim;
+        for (int64_t j = 0; j < dim; ++j) to[j] = static_cast<scalar_t>(static_cast<float>(from[j]));
+      }
+    });
+  });
+}
 
 enum LinearKind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2, kInt4Strata = 3 };
 constexpr int64_t kInt4GroupSize = 32;  // replicas.model.quant.GROUP_SIZE
@@ -210,14 +357,23 @@ class DecoderStack : public torch::CustomClassHolder {
 
  private:
   // RMSNorm.forward, then rounded to out_dtype (a packed product's bfloat16 input: the
-  // .to(bfloat16) QuantizedLinear.forward starts with).
+  // .to(bfloat16) QuantizedLinear.forward starts with). See fused_rms_norm.
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight,
                       std::optional<at::ScalarType> out_dtype = std::nullopt) const {
+    const auto out = out_dtype.value_or(x.scalar_type());
+    if (fusable(x, weight) && fusable_dtype(out) && x.numel() <= kFusedElements) {
+      return fused_rms_norm(x, weight, eps_, out);
+    }
     at::Tensor y = at::mul(weight, at::rms_norm(x, {x.size(-1)}, std::nullopt, eps_));
     return out_dtype ? y.to(*out_dtype) : y;
   }
 
   static at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+    if (fusable(x, cos) && fusable(x, sin) && x.numel() <= kFusedElements &&
+        cos.is_contiguous() && sin.is_contiguous() &&
+        cos.size(-1) == x.size(-1) && cos.numel() == x.size(0) * x.size(-1)) {
+      return fused_rope(x, cos, sin);
+    }
     auto halves = x.chunk(2, -1);
     return at::add(at::mul(x, cos), at::mul(at::cat({at::neg(halves[1]), halves[0]}, -1), sin));
   }
@@ -262,7 +418,13 @@ class DecoderStack : public torch::CustomClassHolder {
       k = rope(k, cos, sin);
     }
     // cached_attention: the new tokens' K/V into the cache, then each group attends.
-    rows.index_copy_(0, write_rows, at::cat({k, v}).view({-1, head_dim_}).to(rows.scalar_type()));
+    if (fusable(k, v) && fusable_dtype(rows.scalar_type()) && rows.is_contiguous() &&
+        write_rows.scalar_type() == at::kLong && write_rows.is_contiguous() &&
+        write_rows.numel() * head_dim_ == 2 * k.numel() && 2 * k.numel() <= kFusedElements) {
+      write_kv(rows, write_rows, k, v);
+    } else {
+      rows.index_copy_(0, write_rows, at::cat({k, v}).view({-1, head_dim_}).to(rows.scalar_type()));
+    }
     at::Tensor out;
     if (is_one_group) {
       out = attend(q, rows, groups[0]);

@@ -1,15 +1,16 @@
 """The decoder stack as one native loop: the layers' ATen ops called from C++, not from Python.
 
-A batch-1 decode step of a small model is a few dozen small ops per layer (SmolLM2: about
-1,200 a step), and on a CPU a third or more of the step is the Python interpreter walking the
-modules and calling each op (profiled on a 2-core Zen 4: 35-40%; benchmarks/README.md). A GPU
-replays such a step as a CUDA graph; here ``native_stack.cpp`` walks the same layers in C++,
-calling the very ATen ops the eager model calls, in the same order with the same arguments. So
-nothing rounds differently: its outputs are bitwise eager's (``tests/unit/model/
-test_native_stack.py`` compares them for every dtype, quantization and layer variant, prefill
-and decode), and prefix caching, batching and speculative decoding give the outputs they give
-eager. That is what sets it apart from ``torch.compile`` (``replicas.model.compiled``), whose
-fused chains round once where eager rounds after each op.
+A batch-1 decode step of a small model is a few dozen small ops per layer (SmolLM2: about 1,200
+a step), and on a CPU a third or more of the step is the Python interpreter walking the modules
+and calling each op (profiled on a 2-core Zen 4: 35-40%; benchmarks/README.md). A GPU replays
+such a step as a CUDA graph; here ``native_stack.cpp`` walks the same layers in C++, calling
+the very ATen ops the eager model calls, in the same order with the same arguments (for a few
+decode rows, RMSNorm, the rotary embedding and the KV write are single loops that round exactly
+where those ops round). So nothing rounds differently: its outputs are bitwise eager's
+(``tests/unit/model/test_native_stack.py`` compares them for every dtype, quantization and
+layer variant, prefill and decode), and prefix caching, batching and speculative decoding give
+the outputs they give eager. That is what sets it apart from ``torch.compile``
+(``replicas.model.compiled``), whose fused chains round once where eager rounds after each op.
 
 Scope: models whose layers are all full attention (the Llama, Qwen2 and Qwen3 families; a
 model with sliding-window layers runs eager), on a CPU, with a KV cache of values (an 8-bit KV
@@ -295,7 +296,7 @@ def _compile_command(compiler: str) -> list[str]:
     return [
         compiler,
         "-O2",
-        "-ffp-contract=off",  # no fused multiply-add: int4 kernel paths round alike
+        "-ffp-contract=off",  # no fused multiply-add: fused passes round as ATen's ops do
         OPENMP,
         "-std=c++20",
         "-fPIC",
