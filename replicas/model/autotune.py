@@ -86,6 +86,7 @@ import torch
 
 from replicas.config import torch_dtype
 from replicas.model.batch import ForwardBatch
+from replicas.model.native_stack import ISA_ENV
 from replicas.model.transformer import Transformer
 
 logger = logging.getLogger(__name__)
@@ -386,7 +387,7 @@ def cache_path() -> Path | None:
     return Path(base) / "strata" / "autotune.json"
 
 
-ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "STRATA_NATIVE_ISA")
+ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", ISA_ENV)
 """Environment variables that keep torch's, oneDNN's or Strata's kernels below what the CPU has."""
 
 

@@ -5,9 +5,9 @@
 // apply_rope, Attention.forward with cached_attention and _attend for a KV cache of values,
 // FeedForward.forward, QuantizedLinear.forward and TransformerBlock.forward. A change to one of
 // them must be made to both (tests/unit/model/test_native_stack.py compares them bitwise).
-// RMSNorm and the rotary embedding of a few decode rows run as fused passes that round exactly
-// where the op chains round (see fused_rms_norm); a packed product's bfloat16 input and output
-// are kept in bfloat16 where the next op widens them exactly anyway.
+// RMSNorm, the rotary embedding and the KV write of a few decode rows run as fused passes that
+// round exactly where the op chains round (see fused_rms_norm); a packed product's bfloat16 input
+// and output are kept in bfloat16 where the next op widens them exactly anyway.
 
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
