@@ -371,7 +371,8 @@ class ReplicaModelConfig(_Config):
     )
     int4_kernel: Literal["auto", "strata", "torch"] = Field(
         "auto",
-        description="The product of int4 weights under the native decoder stack: strata "
+        description="The product of int4 weights (and of the int8 weights an int4 model "
+        "keeps, such as a GGUF file's Q8_0 LM head) under the native decoder stack: strata "
         "(Strata's, in the native library: integer multiply-adds against activations "
         "quantized in two int8 passes, bitwise the same on every CPU path), torch (its packed "
         "kernel, bfloat16 activations) or auto (each timed with the candidates at start-up, "

@@ -91,8 +91,8 @@ def load_model(
     built-in models, whose random weights exist to test the engine: ``float32`` and ``none``
     there, the reference. ``decoder_stack``: ``native``, ``eager`` or ``auto``
     (``replicas.model.native_stack``; for the built-in models, native wherever it can run).
-    ``int4_kernel``: ``strata``, ``torch`` or ``auto``, the product of int4 weights under the
-    native stack (the eager stack runs torch's).
+    ``int4_kernel``: ``strata``, ``torch`` or ``auto``, the product of int4 weights (and of the
+    int8 weights an int4 model keeps) under the native stack (the eager stack runs torch's).
     The model comes back in eval mode with gradients off.
     """
     if quantization != "auto" and quantization not in QUANTIZATIONS:

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "decode_attention.h"
-#include "int4_kernel.h"
+#include "quantized_mm.h"
 
 namespace {
 
@@ -166,7 +166,7 @@ void write_kv(at::Tensor& rows, const at::Tensor& write_rows, const at::Tensor& 
   });
 }
 
-enum LinearKind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2, kInt4Strata = 3 };
+enum LinearKind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2, kInt4Strata = 3, kInt8Strata = 4 };
 constexpr int64_t kInt4GroupSize = 32;  // replicas.model.quant.GROUP_SIZE
 
 // nn.Linear, or QuantizedLinear.forward on a CPU.
@@ -189,9 +189,10 @@ struct Linear {
       return out_dtype ? y.to(*out_dtype) : y;
     }
     auto shape = x.sizes().vec();
-    if (kind == kInt4Strata) {  // reads x as it is and returns float32
-      at::Tensor y = strata_native::int4_mm(x.reshape({-1, in_features}), weight, scales,
-                                            out_features, /*path=*/-1);
+    if (kind == kInt4Strata || kind == kInt8Strata) {  // read x as it is and return float32
+      const auto product = kind == kInt4Strata ? strata_native::int4_mm : strata_native::int8_mm;
+      at::Tensor y = product(x.reshape({-1, in_features}), weight, scales, out_features,
+                             /*path=*/-1);
       if (bias.defined()) y = at::add(y, bias);
       shape.back() = out_features;
       return y.to(out_dtype.value_or(x.scalar_type())).reshape(shape);
@@ -507,7 +508,9 @@ class DecoderStack : public torch::CustomClassHolder {
 TORCH_LIBRARY(strata_native, m) {
   m.def("int4_mm(Tensor x, Tensor codes, Tensor scales, int out_features, int path=-1) -> Tensor",
         &strata_native::int4_mm);
-  m.def("int4_path(int requested=-1) -> int", &strata_native::int4_path);
+  m.def("int8_mm(Tensor x, Tensor codes, Tensor scales, int out_features, int path=-1) -> Tensor",
+        &strata_native::int8_mm);
+  m.def("quantized_mm_path(int requested=-1) -> int", &strata_native::quantized_mm_path);
   m.def("decode_attention(Tensor q, Tensor cache_rows, Tensor rows, Tensor? allowed, "
         "int num_kv_heads, int path=-1) -> Tensor",
         &strata_native::decode_attention);

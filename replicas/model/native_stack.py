@@ -56,8 +56,8 @@ SOURCES = tuple(
     SOURCE.with_name(name)
     for name in (
         "native_stack.cpp",
-        "int4_kernel.cpp",
-        "int4_kernel.h",
+        "quantized_mm.cpp",
+        "quantized_mm.h",
         "decode_attention.cpp",
         "decode_attention.h",
         "native_isa.h",
@@ -69,7 +69,8 @@ ISA_ENV = "STRATA_NATIVE_ISA"
 """Caps the native kernels' instruction path (native_isa.h), to time a lesser CPU's paths here."""
 ISA_CAPS = ("avx512", "avx2", "scalar")
 DECODER_STACKS = ("auto", "native", "eager")
-_KINDS = {"none": 0, "int8": 1, "int4": 2, "int4/strata": 3}  # native_stack.cpp's LinearKind
+# native_stack.cpp's LinearKind
+_KINDS = {"none": 0, "int8": 1, "int4": 2, "int4/strata": 3, "int8/strata": 4}
 
 
 @cache

@@ -25,12 +25,12 @@ Schemes (``w`` a weight, ``q`` its stored code):
   (``d * q + m``) blocks are exactly this grouping (``scale = d``; ``zero = 0`` or
   ``m + 8 d``), so their codes are used as stored, without requantizing.
 
-Strata's own int4 product (``kernel="strata"``; ``replicas/model/int4_kernel.cpp``, built with
-the native library) keeps ``w = d * q + m`` with float16 ``d``, ``m`` per row and group in
-tiles of 16 rows and quantizes the activations per group to int8 in two passes, so that a
-group's product is integer multiply-adds (AVX-512 VNNI, AVX2 or plain C++, bitwise the same);
-``auto`` measures it against torch's under the native stack (docs/design.md, "Strata's int4
-product").
+Strata's own products (``kernel="strata"``; ``replicas/model/quantized_mm.cpp``, built with
+the native library) keep int4 as ``w = d * q + m`` and int8 as ``w = d * q`` with float16 ``d``
+(and ``m``) per row and group of ``GROUP_SIZE`` in tiles of 16 rows, and quantize the
+activations per group to int8 in two passes, so that a group's product is integer multiply-adds
+(AVX-512 VNNI, AVX2 or plain C++, bitwise the same); ``auto`` measures them against torch's
+under the native stack (docs/design.md, "Strata's int4 and int8 products").
 
 Only linear layers are quantized (every projection of every block and the LM head); the token
 embedding, which is only gathered, stays dense.
@@ -82,23 +82,36 @@ class QuantizedLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.scheme = scheme
-        self.kernel = kernel  # "torch" (its packed kernels) or "strata" (int4 only)
+        self.kernel = kernel  # "torch" (its packed kernels) or "strata" (Strata's)
         self.in_features = in_features
         self.out_features = out_features
-        # int8 [N, K]; int4: torch's packing, or Strata's [N / 16, K / 8, 64] uint8
+        # int8: [N, K], or Strata's [N / 16, K / 4, 64]; int4: torch's packing, or Strata's
+        # [N / 16, K / 8, 64] uint8
         self.register_buffer("weight", weight)
-        # int8 [N]; int4: torch's [K / GROUP_SIZE, N, 2] (scale, zero), or Strata's
-        # [N / 16, K / GROUP_SIZE, 2, 16] float16 (d, m)
+        # int8: [N], or Strata's [N / 16, K / GROUP_SIZE, 16] float16 (d); int4: torch's
+        # [K / GROUP_SIZE, N, 2] (scale, zero), or Strata's [N / 16, K / GROUP_SIZE, 2, 16]
+        # float16 (d, m)
         self.register_buffer("scales", scales)
         self.register_buffer("bias", bias)
 
     @classmethod
-    def int8(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "QuantizedLinear":
-        """Symmetric per-row int8 of a float ``weight`` [N, K]."""
+    def int8(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, kernel: str = "torch"
+    ) -> "QuantizedLinear":
+        """Symmetric int8 of a float ``weight`` [N, K]: per row for torch's kernel; per row and
+        group of ``GROUP_SIZE`` columns with float16 scales for Strata's (``kernel``
+        ``strata``, or ``None`` for Strata's where its library is built and the weight fits its
+        layout), which keeps a GGUF ``Q8_0`` weight's codes and scales as stored."""
+        n, k = weight.shape
+        if kernel in (None, "strata"):
+            strata = _strata_int8(weight)
+            if strata is not None:
+                return cls("int8", k, n, *strata, _bias(bias), kernel="strata")
+            if kernel == "strata":
+                raise ValueError("Strata's int8 kernel cannot take this weight here")
         w = weight.float()
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
         codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        n, k = weight.shape
         return cls("int8", k, n, codes, scale.to(COMPUTE_DTYPE), _bias(bias))
 
     @classmethod
@@ -145,10 +158,11 @@ class QuantizedLinear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype = COMPUTE_DTYPE) -> torch.Tensor:
         """The weight [N, K] as the kernels see it, in ``dtype``."""
+        if self.kernel == "strata":
+            unpack = _strata_int8_weight if self.scheme == "int8" else _strata_int4_weight
+            return unpack(self.weight, self.scales, self.out_features).to(dtype)
         if self.scheme == "int8":
             return self.weight.to(dtype) * self.scales.to(dtype)[:, None]
-        if self.kernel == "strata":
-            return _strata_int4_weight(self.weight, self.scales, self.out_features).to(dtype)
         codes = _unpack_int4(self.weight, self.out_features, self.in_features)
         scale, zero = self.scales.to(dtype).transpose(0, 1).unbind(-1)  # [N, G] each
         groups = codes.to(dtype).reshape(self.out_features, -1, GROUP_SIZE) - 8
@@ -158,7 +172,8 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if self.kernel == "strata" and x.device.type == "cpu":  # takes x as it is
-            y = torch.ops.strata_native.int4_mm(
+            product = getattr(torch.ops.strata_native, f"{self.scheme}_mm")
+            y = product(
                 x.reshape(-1, self.in_features), self.weight, self.scales, self.out_features
             )
             if self.bias is not None:
@@ -179,7 +194,7 @@ class QuantizedLinear(nn.Module):
         """The product through a dense GEMM, where there is no packed kernel: int8's per-row
         scale is applied to the output columns (``x (q s)^T = (x q^T) s``), so the weight is only
         cast, not scaled."""
-        if self.scheme == "int8":
+        if self.scheme == "int8" and self.kernel == "torch":
             return F.linear(rows, self.weight.to(rows.dtype)) * self.scales
         return F.linear(rows, self.dequantized(rows.dtype))
 
@@ -228,7 +243,7 @@ def _strata_int4(
     codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Codes [N, K] and ``w = d * q + m`` per group ([N, K / GROUP_SIZE] each) in the layout of
-    Strata's int4 kernel (``replicas/model/int4_kernel.cpp``): None where its library is not
+    Strata's int4 kernel (``replicas/model/quantized_mm.cpp``): None where its library is not
     built here, or where ``d`` loses more than float16's normal precision or ``m`` overflows
     (then torch's kernel takes the weight)."""
     from replicas.model import native_stack
@@ -258,6 +273,42 @@ def _strata_int4_weight(packed: torch.Tensor, scales: torch.Tensor, n: int) -> t
     return w.reshape(tiles * 16, -1)[:n]
 
 
+def _strata_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A float weight [N, K] as int8 codes ``round(w / d)`` with ``d = max|w| / 127`` (float16)
+    per row and group of ``GROUP_SIZE`` columns, in the layout of Strata's int8 kernel
+    (``replicas/model/quantized_mm.cpp``; rows padded with zeros to its tiles of 16): None
+    where its library is not built here, where ``K`` is not a multiple of ``GROUP_SIZE``, or
+    where a scale is not a normal float16."""
+    from replicas.model import native_stack
+
+    n, k = weight.shape
+    if k % GROUP_SIZE or native_stack.load_error() is not None:
+        return None
+    groups = weight.detach().float().cpu().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    d = groups.abs().amax(dim=-1) / 127
+    d16 = d.half()
+    if not torch.isfinite(d16).all() or ((d16.float() - d).abs() > d * 2**-10).any():
+        return None
+    inverse = torch.where(d16 > 0, 1 / d16.float(), torch.zeros_like(d))
+    codes = torch.round(groups * inverse[..., None]).clamp(-127, 127).to(torch.int8)
+    padded = -n % 16
+    codes = F.pad(codes.reshape(n, k), (0, 0, 0, padded))
+    d16 = F.pad(d16, (0, 0, 0, padded))
+    tiles = (n + padded) // 16
+    packed = codes.view(tiles, 16, k // 4, 4).permute(0, 2, 1, 3).reshape(tiles, k // 4, 64)
+    scales = d16.view(tiles, 16, -1).permute(0, 2, 1)  # [tile, group, row]
+    return packed.contiguous(), scales.contiguous()
+
+
+def _strata_int8_weight(packed: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    """The float32 weight [N, K] that ``_strata_int8``'s layout holds."""
+    tiles, quads, _ = packed.shape
+    codes = packed.view(tiles, quads, 16, 4).permute(0, 2, 1, 3).reshape(tiles * 16, quads * 4)
+    d = scales.permute(0, 2, 1).reshape(tiles * 16, -1).float()
+    w = codes.float().view(tiles * 16, -1, GROUP_SIZE) * d[..., None]
+    return w.reshape(tiles * 16, -1)[:n]
+
+
 def quantize_model(
     model: nn.Module,
     scheme: str,
@@ -272,11 +323,15 @@ def quantize_model(
     they are under ``int4``. ``stored_bits``: bits per weight as stored; under ``int4`` a weight
     stored at 5 bits or more is kept at int8 rather than lose the precision its file kept, and
     so is one whose shape the int4 kernel does not take (``int4_fits``). ``int4_kernel``:
-    ``torch`` or ``strata`` (where a weight's scales do not fit Strata's layout, torch's).
+    ``torch`` or ``strata``: under ``int4``, the product of the int4 weights and of the int8
+    ones kept beside them (a GGUF file's ``Q8_0`` LM head); where a weight does not fit Strata's
+    layout, torch's.
     """
     if scheme not in QUANTIZATIONS or scheme == "none":
         raise ValueError(f"quantization scheme must be int8 or int4, got {scheme!r}")
-    kernel = None if int4_kernel == "strata" else "torch"  # None: Strata's where it fits
+    # Strata's products for the int4 weights and the int8 ones kept beside them; None: where
+    # a weight fits them
+    kernel = None if int4_kernel == "strata" and scheme == "int4" else "torch"
     groups = dict(int4_groups or {})
     bits = dict(stored_bits or {})
     if model.args.tie_word_embeddings:  # the LM head is the embedding matrix as stored
@@ -300,7 +355,7 @@ def quantize_model(
             )
         if wanted == "int4":
             return QuantizedLinear.int4(weight, bias, kernel)
-        return QuantizedLinear.int8(weight, bias)
+        return QuantizedLinear.int8(weight, bias, kernel)
 
     with torch.no_grad():
         for i, layer in enumerate(model.layers):

@@ -35,12 +35,15 @@ def model_of(args, dtype: torch.dtype, quantization: str, seed: int = 0):
     model = model.to(dtype)
     if quantization != "none":  # int4-strata: int4 through Strata's kernel
         scheme, _, kernel = quantization.partition("-")
-        # as if stored at 4 bits: a float checkpoint's weights would be kept at int8
+        # as if stored at 4 bits: a float checkpoint's weights would be kept at int8; one
+        # block's down projection as if stored at 8 bits, kept at int8 (under int4-strata,
+        # through Strata's int8 kernel inside the stack, as the LM head is outside it)
         bits = {name: 4 for name, _ in model.named_parameters()}
+        bits["layers.0.feed_forward.w2.weight"] = 8
         quantize_model(model, scheme, stored_bits=bits, int4_kernel=kernel or "torch")
         if scheme == "int4":
-            kinds = {m.kernel for m in model.modules() if getattr(m, "scheme", "") == "int4"}
-            assert kinds == {kernel or "torch"}, kinds
+            kinds = {(m.scheme, m.kernel) for m in model.modules() if hasattr(m, "scheme")}
+            assert kinds == {("int4", kernel or "torch"), ("int8", kernel or "torch")}, kinds
     return model.eval().requires_grad_(False)
 
 
@@ -319,7 +322,7 @@ def test_the_instruction_path_cap_holds_every_kernel_and_a_bad_one_fails_naming_
     once per process, so in a fresh one); a value that names no path fails before loading."""
     script = (
         "import torch; from replicas.model import native_stack; native_stack.load_error(); "
-        "print(torch.ops.strata_native.int4_path(), "
+        "print(torch.ops.strata_native.quantized_mm_path(), "
         "torch.ops.strata_native.decode_attention_path())"
     )
     run = subprocess.run(
@@ -330,8 +333,8 @@ def test_the_instruction_path_cap_holds_every_kernel_and_a_bad_one_fails_naming_
         timeout=120,
     )
     assert run.returncode == 0, run.stderr
-    int4, attention = map(int, run.stdout.split())
-    assert int4 == min(1, torch.ops.strata_native.int4_path())
+    products, attention = map(int, run.stdout.split())
+    assert products == min(1, torch.ops.strata_native.quantized_mm_path())
     assert attention == min(1, torch.ops.strata_native.decode_attention_path())
     monkeypatch.setenv(native_stack.ISA_ENV, "avx9")
     with pytest.raises(ValueError, match="STRATA_NATIVE_ISA='avx9'"):

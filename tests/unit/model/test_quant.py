@@ -23,11 +23,11 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 
 
 def strata_reference(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
-    """What Strata's int4 kernel computes, with the sums in float64: x quantized per group of 32
-    in two int8 passes as the kernel does it in float32 (``dx = max|v| / 127``, codes
+    """What Strata's int4 and int8 kernels compute, with the sums in float64: x quantized per
+    group of 32 in two int8 passes as the kernel does it in float32 (``dx = max|v| / 127``, codes
     ``v * 127 / max|v|`` rounded to nearest even, the second pass on ``v - code * dx``), then
-    ``d * sum_p dx_p * sum(q * qx_p) + m * sum(x)`` per group, for codes, ``d`` and ``m`` read
-    back from the layout by plain tensor ops."""
+    ``d * sum_p dx_p * sum(q * qx_p) + m * sum(x)`` per group (int8: ``m = 0``), for codes,
+    ``d`` and ``m`` read back from the layout by plain tensor ops."""
     codes, d, m = _strata_parts(layer)
     n = layer.out_features
     groups = x.float().reshape(len(x), -1, GROUP_SIZE)
@@ -45,9 +45,13 @@ def strata_reference(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
 
 
 def _strata_parts(layer: QuantizedLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes [N, K], d and m [N, K / 32] (float64) of a layer in Strata's int4 layout."""
-    tiles, octets, _ = layer.weight.shape
-    c = layer.weight.view(tiles, octets, 16, 4)
+    """Codes [N, K], d and m [N, K / 32] (float64) of a layer in Strata's int4 or int8 layout."""
+    tiles, chunks, _ = layer.weight.shape
+    if layer.scheme == "int8":  # chunks of 16 rows x 4 columns; d per row and group
+        codes = layer.weight.view(tiles, chunks, 16, 4).permute(0, 2, 1, 3).reshape(tiles * 16, -1)
+        d = layer.scales.permute(0, 2, 1).reshape(tiles * 16, -1).double()
+        return codes, d, torch.zeros_like(d)
+    c = layer.weight.view(tiles, chunks, 16, 4)
     codes = torch.stack((c & 15, c >> 4), dim=3).permute(0, 2, 1, 3, 4).reshape(tiles * 16, -1)
     d, m = (layer.scales[:, :, i].permute(0, 2, 1).reshape(tiles * 16, -1) for i in (0, 1))
     return codes, d.double(), m.double()
@@ -60,10 +64,10 @@ def _strata_built() -> bool:
 
 
 def _layer(scheme: str, w: torch.Tensor, bias: torch.Tensor | None = None) -> QuantizedLinear:
-    """int8, int4 (torch's kernel) or int4/strata."""
-    if scheme == "int8":
-        return QuantizedLinear.int8(w, bias)
-    return QuantizedLinear.int4(w, bias, kernel="strata" if scheme == "int4/strata" else "torch")
+    """int8 or int4, through torch's kernel, or Strata's (``int8/strata``, ``int4/strata``)."""
+    name, _, kernel = scheme.partition("/")
+    build = QuantizedLinear.int8 if name == "int8" else QuantizedLinear.int4
+    return build(w, bias, kernel=kernel or "torch")
 
 
 KERNELS = [
@@ -72,6 +76,11 @@ KERNELS = [
         "strata",
         marks=pytest.mark.skipif("not _strata_built()", reason="no native library here"),
     ),
+]
+SCHEMES = [
+    "int8",
+    "int4",
+    *(pytest.param(s, marks=KERNELS[1].marks) for s in ("int8/strata", "int4/strata")),
 ]
 
 
@@ -139,21 +148,39 @@ def test_strata_int4_takes_what_float16_keeps_and_leaves_the_rest_to_torch():
 
 
 @pytest.mark.skipif("not _strata_built()", reason="no native library here")
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("shape", [(64, 32), (192, 256), (320, 1536)])
-def test_strata_int4_is_bitwise_the_same_on_every_instruction_path(shape):
+def test_strata_products_are_bitwise_the_same_on_every_instruction_path(scheme, shape):
     """AVX-512 VNNI, AVX2 and plain C++ (each path this CPU has) give the same bits: integer
     sums are exact and the float steps are the same on each."""
     gen = torch.Generator().manual_seed(shape[1])
-    layer = QuantizedLinear.int4(torch.randn(*shape, generator=gen), kernel="strata")
+    layer = _layer(f"{scheme}/strata", torch.randn(*shape, generator=gen))
     x = torch.randn(7, shape[1], generator=gen) * torch.linspace(0.01, 30, shape[1])
-    best = torch.ops.strata_native.int4_path()
-    outs = [
-        torch.ops.strata_native.int4_mm(x, layer.weight, layer.scales, shape[0], path)
-        for path in range(best + 1)
-    ]
+    best = torch.ops.strata_native.quantized_mm_path()
+    product = getattr(torch.ops.strata_native, f"{scheme}_mm")
+    outs = [product(x, layer.weight, layer.scales, shape[0], path) for path in range(best + 1)]
     assert all(torch.equal(outs[0], out) for out in outs[1:]), best
     expected = strata_reference(x, layer)  # float32 sums: ~1e-6 of the largest value
     torch.testing.assert_close(outs[0].double(), expected, rtol=0, atol=1e-5 * expected.abs().max())
+
+
+@pytest.mark.skipif("not _strata_built()", reason="no native library here")
+def test_strata_int8_keeps_a_q8_0_weight_as_stored_and_pads_its_rows():
+    """A GGUF ``Q8_0`` weight (``d * q`` per group of 32, ``d`` float16, the group's largest
+    ``|q|`` 127) comes back from Strata's int8 layout exactly, also where its rows are not a
+    multiple of the kernel's tiles of 16; torch's per-row int8 cannot keep it."""
+    gen = torch.Generator().manual_seed(5)
+    rows, groups = 50, 6
+    q = torch.randint(-126, 127, (rows, groups, GROUP_SIZE), generator=gen)
+    q[..., 3] = 127 * torch.where(torch.rand(rows, groups, generator=gen) < 0.5, -1, 1)
+    d = (torch.rand(rows, groups, 1, generator=gen) * 0.01 + 1e-4).half().float()
+    w = (q * d).reshape(rows, groups * GROUP_SIZE)
+    layer = QuantizedLinear.int8(w, kernel="strata")
+    assert layer.kernel == "strata" and layer.weight.shape == (4, groups * GROUP_SIZE // 4, 64)
+    assert torch.equal(layer.dequantized(torch.float32), w)
+    x = torch.randn(3, groups * GROUP_SIZE, generator=gen)
+    assert layer(x).shape == (3, rows)
+    assert not torch.equal(QuantizedLinear.int8(w).dequantized(torch.float32), w)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -171,14 +198,12 @@ def test_int4_rejects_shapes_the_kernel_does_not_take():
         QuantizedLinear.int4(torch.randn(100, 64))
 
 
-@pytest.mark.parametrize(
-    "scheme", ["int8", "int4", pytest.param("int4/strata", marks=KERNELS[1].marks)]
-)
+@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("rows", [1, 3, 33, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_forward_matches_the_dequantized_weight(scheme, rows, with_bias):
     """The packed kernels (CPU) and the dense path (what CUDA runs) both give the product with
-    the dequantized weight; Strata's int4 kernel gives it with x quantized as it quantizes it."""
+    the dequantized weight; Strata's kernels give it with x quantized as they quantize it."""
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(192, 256, generator=gen)
     bias = torch.randn(192, generator=gen) if with_bias else None
@@ -187,7 +212,7 @@ def test_forward_matches_the_dequantized_weight(scheme, rows, with_bias):
     y = layer(x)
     assert y.dtype == torch.float32 and y.shape == (rows, 192)
     expected = reference(x, layer.dequantized(torch.float32), layer.bias)
-    if scheme == "int4/strata":
+    if scheme.endswith("/strata"):
         exact = strata_reference(x, layer)
         torch.testing.assert_close(y.double(), exact, rtol=0, atol=1e-5 * exact.abs().max())
         # Against x unquantized: two int8 passes leave each x within max|x| / 254^2 of what
@@ -300,9 +325,7 @@ def _tiny_auto():
     return load_model("tiny", torch.device("cpu"), quantization="auto")
 
 
-@pytest.mark.parametrize(
-    "scheme", ["int8", "int4", pytest.param("int4/strata", marks=KERNELS[1].marks)]
-)
+@pytest.mark.parametrize("scheme", SCHEMES)
 def test_a_rows_product_is_bitwise_the_same_in_any_batch(scheme):
     """Prefix caching, chunked prefill and batching change how many rows a product has; they
     must not change a row's result, or caching would change greedy outputs."""

@@ -1,29 +1,38 @@
-// Strata's int4 product: y = x W^T for W in int4 groups of 32 (w = d * q + m, q in [0, 15], d
-// and m float16 per output row and group), against activations quantized on the fly to int8 per
-// group of 32 (x ~ dx * qx, qx in [-127, 127]), the scheme llama.cpp runs GGUF Q4_1 with. A
-// group's integer dot product sum(q * qx) is exact in int32 whatever the instructions (AVX-512
-// VNNI, AVX2, or plain C++), and the float steps that follow are the same for every path, row
-// and batch:
+// Strata's quantized products: y = x W^T for a weight W kept as integer codes with float16 scales
+// per output row and group of 32 input columns, against activations quantized on the fly to int8
+// per group of 32, the schemes llama.cpp runs GGUF Q4_1 and Q8_0 with:
 //
-//   acc += float(sum(q * qx)) * (d * dx);   acc += m * sx;   (group after group, in order)
+//   int4_mm: w = d * q + m, q in [0, 15]     int8_mm: w = d * q, q in [-127, 127]
 //
-// where sx is the float sum of the group's activations. So a row's result is bitwise the same
-// on every CPU path and whatever other rows share the call (the engine's outputs do not depend
-// on batching, chunking or prefix caching). The library is compiled with -ffp-contract=off and
-// the vector paths use separate multiplies and adds, as the scalar one does.
+// The activations are quantized in two passes (x ~ dx0 * qx0 + dx1 * qx1 per row and group,
+// qx in [-127, 127]; QuantizedRows). A group's integer dot product sum(q * qx) is exact in int32
+// whatever the instructions (AVX-512 VNNI, AVX2, or plain C++), and the float steps that follow
+// are the same for every path, row and batch:
 //
-// Layout (replicas/model/quant.py, Int4Layout): codes in tiles of 16 output rows, one 64-byte
-// chunk per 8 input columns: byte 4 c + r holds row c's column 8 o + r in its low nibble and
-// column 8 o + 4 + r in its high nibble ([N / 16, K / 8, 64] uint8); d and m per tile and group
-// as [N / 16, K / 32, 2, 16] float16.
+//   acc += float(sum(q * qx0)) * (d * dx0);  acc += float(sum(q * qx1)) * (d * dx1);
+//   acc += m * sx  (int4 only; sx the float sum of the group's activations)
+//
+// group after group, in order. So a row's result is bitwise the same on every CPU path and
+// whatever other rows share the call (the engine's outputs do not depend on batching, chunking or
+// prefix caching). The library is compiled with -ffp-contract=off and the vector paths use
+// separate multiplies and adds, as the scalar one does.
+//
+// Layouts (replicas/model/quant.py), both in tiles of 16 output rows, so that one 64-byte load
+// holds 16 rows' codes for a few columns and one VNNI multiply-add (16 lanes of 4 bytes) takes them:
+// - int4: one 64-byte chunk per 8 input columns: byte 4 c + r holds row c's column 8 o + r in its
+//   low nibble and column 8 o + 4 + r in its high nibble ([N / 16, K / 8, 64] uint8); d and m per
+//   tile and group as [N / 16, K / 32, 2, 16] float16.
+// - int8: one 64-byte chunk per 4 input columns: byte 4 c + r is row c's column 4 o + r
+//   ([N / 16, K / 4, 64] int8); d per tile and group as [N / 16, K / 32, 16] float16.
 
-#include "int4_kernel.h"
+#include "quantized_mm.h"
 #include "native_isa.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <immintrin.h>
 
+#include <array>
 #include <cmath>
 #include <cstring>
 
@@ -41,6 +50,7 @@ struct QuantizedRows {
   int64_t rows = 0, groups = 0;
   std::vector<int8_t> codes[2];  // [rows, groups * 32] each
   std::vector<float> dx[2], sx;  // [rows, groups] each
+  std::vector<int32_t> code_sums[2];  // [rows, groups] each: a group's sum of codes (int8_mm)
 };
 
 constexpr int kPasses = 2;
@@ -62,6 +72,7 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
   for (int p = 0; p < kPasses; ++p) {
     q.codes[p].resize(q.rows * k);
     q.dx[p].resize(q.rows * q.groups);
+    q.code_sums[p].resize(q.rows * q.groups);
   }
   q.sx.resize(q.rows * q.groups);
   const scalar_t* data = x.const_data_ptr<scalar_t>();
@@ -80,12 +91,15 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
           for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(group[i]));
           const float d = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
           int8_t* codes = q.codes[p].data() + r * k + g * kGroup;
+          int32_t code_sum = 0;
           for (int64_t i = 0; i < kGroup; ++i) {
             const float code = round_small(group[i] * inverse);
             codes[i] = static_cast<int8_t>(code);
+            code_sum += codes[i];
             group[i] = group[i] - code * d;
           }
           q.dx[p][r * q.groups + g] = d;
+          q.code_sums[p][r * q.groups + g] = code_sum;
         }
       }
     }
@@ -273,6 +287,153 @@ void tile_avx512_vnni(const uint8_t* codes, const uint16_t* scales, const Quanti
   by_rows<VnniRows>(codes, scales, q, r0, n, out, out_stride);
 }
 
+// ---- int8 ----------------------------------------------------------------------------------
+// The same structure as int4's, without the nibbles: a 64-byte chunk is 16 rows x 4 columns, a
+// group 8 chunks. The integer sums take the signed codes three ways: plain C++; AVX2 as
+// |w| (unsigned) times qx with w's sign (vpsignb) in vpmaddubsw, whose pairs stay within
+// 2 * 127 * 127 < 2^15 (no saturation); AVX-512 VNNI as w + 128 (unsigned: the code with its
+// sign bit flipped) in vpdpbusd, less 128 times the group's sum of activation codes.
+
+void int8_tile_scalar(const uint8_t* bytes, const uint16_t* scales, const QuantizedRows& q,
+                      int64_t r0, int64_t n, float* out, int64_t out_stride) {
+  const int8_t* codes = reinterpret_cast<const int8_t*>(bytes);
+  const int64_t k = q.groups * kGroup;
+  for (int64_t r = r0; r < r0 + n; ++r) {
+    float acc[kTile] = {};
+    for (int64_t g = 0; g < q.groups; ++g) {
+      int32_t sums[kPasses][kTile] = {};
+      for (int p = 0; p < kPasses; ++p) {
+        for (int64_t o = 0; o < kGroup / 4; ++o) {
+          const int8_t* chunk = codes + (g * 8 + o) * 64;
+          const int8_t* a = q.codes[p].data() + r * k + g * kGroup + o * 4;
+          for (int64_t c = 0; c < kTile; ++c) {
+            for (int64_t j = 0; j < 4; ++j) sums[p][c] += chunk[4 * c + j] * a[j];
+          }
+        }
+      }
+      const uint16_t* d = scales + g * kTile;
+      const int64_t at = r * q.groups + g;
+      for (int64_t c = 0; c < kTile; ++c) {
+        for (int p = 0; p < kPasses; ++p) {
+          acc[c] = acc[c] + static_cast<float>(sums[p][c]) * (half_to_float(d[c]) * q.dx[p][at]);
+        }
+      }
+    }
+    std::memcpy(out + (r - r0) * out_stride, acc, sizeof(acc));
+  }
+}
+
+template <int R>
+__attribute__((target("avx2,fma,f16c"))) void int8_tile_avx2_rows(const uint8_t* codes,
+                                                                 const uint16_t* scales,
+                                                                 const QuantizedRows& q,
+                                                                 int64_t r0, float* out,
+                                                                 int64_t out_stride) {
+  const int64_t k = q.groups * kGroup;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t half = 0; half < 2; ++half) {  // rows 0-7, then 8-15 of the tile
+    __m256 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < q.groups; ++g) {
+      __m256i sums[R][kPasses][2];
+      for (int i = 0; i < R; ++i) {
+        for (int p = 0; p < kPasses; ++p) sums[i][p][0] = sums[i][p][1] = _mm256_setzero_si256();
+      }
+      for (int64_t o = 0; o < kGroup / 4; ++o) {
+        const __m256i w = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(codes + (g * 8 + o) * 64 + half * 32));
+        const __m256i magnitude = _mm256_abs_epi8(w);
+        for (int i = 0; i < R; ++i) {
+          for (int p = 0; p < kPasses; ++p) {
+            int32_t a;
+            std::memcpy(&a, q.codes[p].data() + (r0 + i) * k + g * kGroup + o * 4, 4);
+            const __m256i signed_a = _mm256_sign_epi8(_mm256_set1_epi32(a), w);
+            const __m256i pairs = _mm256_maddubs_epi16(magnitude, signed_a);
+            sums[i][p][o & 1] = _mm256_add_epi32(sums[i][p][o & 1], _mm256_madd_epi16(pairs, ones));
+          }
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + g * kTile + half * 8)));
+      for (int i = 0; i < R; ++i) {
+        const int64_t at = (r0 + i) * q.groups + g;
+        for (int p = 0; p < kPasses; ++p) {
+          const __m256i sum = _mm256_add_epi32(sums[i][p][0], sums[i][p][1]);
+          const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(q.dx[p][at]));
+          acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_cvtepi32_ps(sum), scale));
+        }
+      }
+    }
+    for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + i * out_stride + half * 8, acc[i]);
+  }
+}
+
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void int8_tile_vnni_rows(
+    const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q, int64_t r0,
+    float* out, int64_t out_stride) {
+  const int64_t k = q.groups * kGroup;
+  const __m512i sign_bits = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < q.groups; ++g) {
+    __m512i sums[R][kPasses][2];
+    for (int i = 0; i < R; ++i) {
+      for (int p = 0; p < kPasses; ++p) sums[i][p][0] = sums[i][p][1] = _mm512_setzero_si512();
+    }
+    for (int64_t o = 0; o < kGroup / 4; ++o) {
+      const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(codes + (g * 8 + o) * 64), sign_bits);
+      for (int i = 0; i < R; ++i) {
+        for (int p = 0; p < kPasses; ++p) {
+          int32_t a;
+          std::memcpy(&a, q.codes[p].data() + (r0 + i) * k + g * kGroup + o * 4, 4);
+          __m512i& sum = sums[i][p][o & 1];
+          sum = _mm512_dpbusd_epi32(sum, w, _mm512_set1_epi32(a));
+        }
+      }
+    }
+    const __m512 d =
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kTile)));
+    for (int i = 0; i < R; ++i) {
+      const int64_t at = (r0 + i) * q.groups + g;
+      for (int p = 0; p < kPasses; ++p) {
+        const __m512i offset = _mm512_set1_epi32(128 * q.code_sums[p][at]);
+        const __m512i sum =
+            _mm512_sub_epi32(_mm512_add_epi32(sums[i][p][0], sums[i][p][1]), offset);
+        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(q.dx[p][at]));
+        acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_cvtepi32_ps(sum), scale));
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) _mm512_storeu_ps(out + i * out_stride, acc[i]);
+}
+
+template <int R>
+struct Int8Avx2Rows {
+  static void run(const uint8_t* c, const uint16_t* s, const QuantizedRows& q, int64_t r0,
+                  float* out, int64_t stride) {
+    int8_tile_avx2_rows<R>(c, s, q, r0, out, stride);
+  }
+};
+
+template <int R>
+struct Int8VnniRows {
+  static void run(const uint8_t* c, const uint16_t* s, const QuantizedRows& q, int64_t r0,
+                  float* out, int64_t stride) {
+    int8_tile_vnni_rows<R>(c, s, q, r0, out, stride);
+  }
+};
+
+void int8_tile_avx2(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q,
+                    int64_t r0, int64_t n, float* out, int64_t out_stride) {
+  by_rows<Int8Avx2Rows>(codes, scales, q, r0, n, out, out_stride);
+}
+
+void int8_tile_avx512_vnni(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q,
+                           int64_t r0, int64_t n, float* out, int64_t out_stride) {
+  by_rows<Int8VnniRows>(codes, scales, q, r0, n, out, out_stride);
+}
+
 int64_t cpu_path();
 
 using TileKernel = void (*)(const uint8_t*, const uint16_t*, const QuantizedRows&, int64_t,
@@ -297,50 +458,53 @@ int64_t cpu_path() {
   return path;
 }
 
-TileKernel kernel_for(int64_t path) {
-  switch (std::min(path < 0 ? best_path() : path, best_path())) {
-    case kPathAvx512Vnni:
-      return tile_avx512_vnni;
-    case kPathAvx2:
-      return tile_avx2;
-    default:
-      return tile_scalar;
-  }
-}
+// One kernel per instruction path, indexed by kPath*.
+using PathKernels = std::array<TileKernel, 3>;
+constexpr PathKernels kInt4Kernels = {tile_scalar, tile_avx2, tile_avx512_vnni};
+constexpr PathKernels kInt8Kernels = {int8_tile_scalar, int8_tile_avx2, int8_tile_avx512_vnni};
 
-}  // namespace
+// Shared by int4_mm and int8_mm: what a scheme's layout has per tile (and input column or
+// group), to check the arguments and step through them.
+struct Scheme {
+  const char* name;
+  at::ScalarType code_type;
+  int64_t columns_per_chunk;  // input columns per 64-byte chunk
+  int64_t scales_per_group;   // float16 values per tile and group
+  const PathKernels& kernels;
+};
 
-int64_t int4_path(int64_t requested) {
-  return std::min(requested < 0 ? best_path() : requested, best_path());
-}
-
-at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                   int64_t out_features, int64_t path) {
-  RECORD_FUNCTION("strata_native::int4_mm", std::vector<c10::IValue>());  // for profiles
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "int4_mm: x must be a 2-D CPU tensor");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(2) == 64 &&
-                  codes.is_contiguous(),
-              "int4_mm: codes must be contiguous uint8 [N / 16, K / 8, 64]");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous(),
-              "int4_mm: scales must be contiguous float16 [N / 16, K / 32, 2, 16]");
-  const int64_t k = x.size(1), tiles = codes.size(0);
-  TORCH_CHECK(k % kGroup == 0 && codes.size(1) * 8 == k, "int4_mm: x has ", k,
-              " columns, the weight ", codes.size(1) * 8);
-  TORCH_CHECK(out_features <= tiles * kTile, "int4_mm: out_features beyond the packed rows");
+at::Tensor quantized_mm(const Scheme& scheme, const at::Tensor& x, const at::Tensor& codes,
+                        const at::Tensor& scales, int64_t out_features, int64_t path) {
+  const char* name = scheme.name;
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), name, ": x must be a 2-D CPU tensor");
+  TORCH_CHECK(codes.scalar_type() == scheme.code_type && codes.dim() == 3 &&
+                  codes.size(2) == 64 && codes.is_contiguous(),
+              name, ": codes must be contiguous ", scheme.code_type, " [N / 16, K / ",
+              scheme.columns_per_chunk, ", 64]");
+  const int64_t k = x.size(1), tiles = codes.size(0), groups = k / kGroup;
+  TORCH_CHECK(k % kGroup == 0 && codes.size(1) * scheme.columns_per_chunk == k, name, ": x has ",
+              k, " columns, the weight ", codes.size(1) * scheme.columns_per_chunk);
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  scales.numel() == tiles * groups * scheme.scales_per_group,
+              name, ": scales must be contiguous float16 with ", scheme.scales_per_group,
+              " values per tile and group");
+  TORCH_CHECK(out_features <= tiles * kTile, name, ": out_features beyond the packed rows");
   const at::Tensor input = x.contiguous();
   QuantizedRows q;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, input.scalar_type(), "int4_mm",
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, input.scalar_type(), "quantized_mm",
                                   [&] { q = quantize_rows<scalar_t>(input); });
   const int64_t rows = q.rows;
   at::Tensor out = at::empty({rows, tiles * kTile}, x.options().dtype(at::kFloat));
-  const TileKernel kernel = kernel_for(path);
-  const uint8_t* code_data = codes.const_data_ptr<uint8_t>();
+  const TileKernel kernel = scheme.kernels[std::min(path < 0 ? best_path() : path, best_path())];
+  const uint8_t* code_data = static_cast<const uint8_t*>(codes.const_data_ptr());
   const uint16_t* scale_data = reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::Half>());
   float* out_data = out.mutable_data_ptr<float>();
-  const int64_t tile_codes = (k / 8) * 64, tile_scales = (k / kGroup) * 2 * kTile;
+  const int64_t tile_codes = (k / scheme.columns_per_chunk) * 64;
+  const int64_t tile_scales = groups * scheme.scales_per_group;
   // Tasks of at least 65,536 multiply-adds (4,096 / (K x rows) tiles): a decode row's product
-  // is split between the threads too (SmolLM2 at 2 threads: its decode step 5.3-5.9 ms against 6.0-6.2 with the
-  // products of a decode row kept on one thread), while the smallest products stay whole.
+  // is split between the threads too (SmolLM2 at 2 threads: its decode step 5.3-5.9 ms against
+  // 6.0-6.2 with the products of a decode row kept on one thread), while the smallest products
+  // stay whole.
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 12) / (k * std::max<int64_t>(rows, 1)));
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -352,6 +516,26 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
     }
   });
   return tiles * kTile == out_features ? out : out.narrow(1, 0, out_features);
+}
+
+}  // namespace
+
+int64_t quantized_mm_path(int64_t requested) {
+  return std::min(requested < 0 ? best_path() : requested, best_path());
+}
+
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                   int64_t out_features, int64_t path) {
+  RECORD_FUNCTION("strata_native::int4_mm", std::vector<c10::IValue>());  // for profiles
+  static const Scheme scheme{"int4_mm", at::kByte, 8, 2 * kTile, kInt4Kernels};
+  return quantized_mm(scheme, x, codes, scales, out_features, path);
+}
+
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                   int64_t out_features, int64_t path) {
+  RECORD_FUNCTION("strata_native::int8_mm", std::vector<c10::IValue>());  // for profiles
+  static const Scheme scheme{"int8_mm", at::kChar, 4, kTile, kInt8Kernels};
+  return quantized_mm(scheme, x, codes, scales, out_features, path);
 }
 
 }  // namespace strata_native

@@ -1,0 +1,25 @@
+// Strata's quantized products (quantized_mm.cpp).
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace strata_native {
+
+// The instruction paths of int4_mm and int8_mm, each also allowing the ones below it.
+constexpr int64_t kPathScalar = 0;
+constexpr int64_t kPathAvx2 = 1;
+constexpr int64_t kPathAvx512Vnni = 2;
+
+// The path the products take for `requested` (-1: the best this CPU has; else at most that).
+int64_t quantized_mm_path(int64_t requested);
+
+// x [M, K] (float32, bfloat16 or float16) times a packed weight [out_features, K] transposed:
+// float32 [M, out_features]. int4: codes uint8 [N / 16, K / 8, 64], scales float16
+// [N / 16, K / 32, 2, 16] (d, m); int8: codes int8 [N / 16, K / 4, 64], scales float16
+// [N / 16, K / 32, 16] (d). `path` as for quantized_mm_path.
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                   int64_t out_features, int64_t path);
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                   int64_t out_features, int64_t path);
+
+}  // namespace strata_native
