@@ -144,65 +144,77 @@ void tile_scalar(const uint8_t* codes, const uint16_t* scales, const QuantizedRo
 }
 
 // The vector paths take rows in blocks of R (a template argument, so that the accumulators stay
-// in registers) and keep four independent integer sums per row and group (even and odd
-// 8-column chunks, low and high nibbles), so that the multiply-adds do not wait on each other;
-// integer sums are exact in any order.
+// in registers); integer sums are exact in any order.
+//
+// AVX2: a 256-bit register holds 8 rows' codes for 8 columns, so a tile's 16 rows are two
+// halves, both taken at once so that each activation broadcast serves both. vpmaddubsw gives
+// u8 x s8 pairs in int16 (at most 2 * 15 * 127, 4 * 15 * 127 for the two nibbles); a group's
+// four chunks add up in int16 (at most 16 * 15 * 127 = 30,480 < 2^15: no wrap), and only then
+// does vpmaddwd widen the pairs to one int32 per row: one widening per group, not per chunk.
 template <int R>
 __attribute__((target("avx2,fma,f16c"))) void tile_avx2_rows(const uint8_t* codes,
-                                                            const uint16_t* scales,
-                                                            const QuantizedRows& q, int64_t r0,
-                                                            float* out, int64_t out_stride) {
+                                                             const uint16_t* scales,
+                                                             const QuantizedRows& q, int64_t r0,
+                                                             float* out, int64_t out_stride) {
   const int64_t k = q.groups * kGroup;
   const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t half = 0; half < 2; ++half) {  // rows 0-7, then 8-15 of the tile
-    __m256 acc[R];
-    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < q.groups; ++g) {
-      __m256i sums[R][kPasses][2];
+  __m256 acc[R][2];
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < q.groups; ++g) {
+    __m256i sums[R][kPasses][2];
+    for (int i = 0; i < R; ++i) {
+      for (int p = 0; p < kPasses; ++p) sums[i][p][0] = sums[i][p][1] = _mm256_setzero_si256();
+    }
+    for (int64_t o = 0; o < kGroup / 8; ++o) {
+      const uint8_t* chunk = codes + (g * 4 + o) * 64;
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32));
+      const __m256i lo0 = _mm256_and_si256(w0, low_nibbles);
+      const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low_nibbles);
+      const __m256i lo1 = _mm256_and_si256(w1, low_nibbles);
+      const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low_nibbles);
       for (int i = 0; i < R; ++i) {
-        for (int p = 0; p < kPasses; ++p) sums[i][p][0] = sums[i][p][1] = _mm256_setzero_si256();
-      }
-      for (int64_t o = 0; o < kGroup / 8; ++o) {
-        const __m256i w = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(codes + (g * 4 + o) * 64 + half * 32));
-        const __m256i lo = _mm256_and_si256(w, low_nibbles);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low_nibbles);
-        for (int i = 0; i < R; ++i) {
-          for (int p = 0; p < kPasses; ++p) {
-            const int8_t* a = q.codes[p].data() + (r0 + i) * k + g * kGroup + o * 8;
-            int32_t a_lo, a_hi;
-            std::memcpy(&a_lo, a, 4);
-            std::memcpy(&a_hi, a + 4, 4);
-            // u8 x s8 pairs into int16 (at most 2 * 15 * 127 each, 4 * 15 * 127 for the two
-            // nibbles: no saturation), then pairs of those into int32: each 32-bit lane is
-            // one output row's sum over 8 columns.
-            const __m256i pairs =
-                _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(a_lo)),
-                                 _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a_hi)));
-            sums[i][p][o & 1] =
-                _mm256_add_epi32(sums[i][p][o & 1], _mm256_madd_epi16(pairs, ones));
-          }
+        for (int p = 0; p < kPasses; ++p) {
+          const int8_t* a = q.codes[p].data() + (r0 + i) * k + g * kGroup + o * 8;
+          int32_t a_lo, a_hi;
+          std::memcpy(&a_lo, a, 4);
+          std::memcpy(&a_hi, a + 4, 4);
+          const __m256i b_lo = _mm256_set1_epi32(a_lo), b_hi = _mm256_set1_epi32(a_hi);
+          sums[i][p][0] = _mm256_add_epi16(
+              sums[i][p][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, b_lo),
+                                              _mm256_maddubs_epi16(hi0, b_hi)));
+          sums[i][p][1] = _mm256_add_epi16(
+              sums[i][p][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, b_lo),
+                                              _mm256_maddubs_epi16(hi1, b_hi)));
         }
       }
-      const uint16_t* dm = scales + g * 2 * kTile + half * 8;
+    }
+    for (int h = 0; h < 2; ++h) {
+      const uint16_t* dm = scales + g * 2 * kTile + h * 8;
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm)));
       const __m256 m =
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm + kTile)));
       for (int i = 0; i < R; ++i) {
         const int64_t at = (r0 + i) * q.groups + g;
         for (int p = 0; p < kPasses; ++p) {
-          const __m256i sum = _mm256_add_epi32(sums[i][p][0], sums[i][p][1]);
+          const __m256i sum = _mm256_madd_epi16(sums[i][p][h], ones);
           const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(q.dx[p][at]));
-          acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_cvtepi32_ps(sum), scale));
+          acc[i][h] = _mm256_add_ps(acc[i][h], _mm256_mul_ps(_mm256_cvtepi32_ps(sum), scale));
         }
-        acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(m, _mm256_set1_ps(q.sx[at])));
+        acc[i][h] = _mm256_add_ps(acc[i][h], _mm256_mul_ps(m, _mm256_set1_ps(q.sx[at])));
       }
     }
-    for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + i * out_stride + half * 8, acc[i]);
+  }
+  for (int i = 0; i < R; ++i) {
+    _mm256_storeu_ps(out + i * out_stride, acc[i][0]);
+    _mm256_storeu_ps(out + i * out_stride + 8, acc[i][1]);
   }
 }
 
+// AVX-512 VNNI: one register holds the tile's 16 rows for 8 columns, and vpdpbusd adds u8 x s8
+// products straight into int32; two sums per row and pass (even and odd chunks), so that the
+// multiply-adds do not wait on each other.
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void tile_vnni_rows(
     const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q, int64_t r0,
