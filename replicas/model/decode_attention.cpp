@@ -281,9 +281,9 @@ __attribute__((flatten)) void attend_generic(const Problem& pr, int64_t b, int64
 int64_t best_path() {
   static const int64_t path = [] {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return kAttentionPathAvx512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return kAttentionPathAvx2;
-    return kAttentionPathGeneric;
+    if (__builtin_cpu_supports("avx512f")) return kPathAvx512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return kPathAvx2;
+    return kPathScalar;
   }();
   return std::min(isa_cap(), path);
 }
@@ -291,9 +291,9 @@ int64_t best_path() {
 template <typename T>
 Kernel kernel_for(int64_t path) {
   switch (decode_attention_path(path)) {
-    case kAttentionPathAvx512:
+    case kPathAvx512:
       return attend_avx512<T>;
-    case kAttentionPathAvx2:
+    case kPathAvx2:
       return attend_avx2<T>;
     default:
       return attend_generic<T>;

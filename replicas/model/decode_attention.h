@@ -7,12 +7,8 @@
 
 namespace strata_native {
 
-// The instruction paths of decode_attention, each also allowing the ones below it.
-constexpr int64_t kAttentionPathGeneric = 0;
-constexpr int64_t kAttentionPathAvx2 = 1;
-constexpr int64_t kAttentionPathAvx512 = 2;
-
-// The path decode_attention takes for `requested` (-1: the best this CPU has; else at most that).
+// The path decode_attention takes for `requested` (-1: the best this CPU has; else at most that;
+// native_isa.h's kPath*).
 int64_t decode_attention_path(int64_t requested);
 
 // One query per sequence against its keys, read in place from a KV cache of values:

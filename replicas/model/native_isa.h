@@ -7,17 +7,22 @@
 
 namespace strata_native {
 
+// The instruction paths of the native kernels (quantized_mm, decode_attention), each also
+// allowing the ones below it: for the products, AVX-512 means its VNNI instructions too.
+constexpr int64_t kPathScalar = 0;
+constexpr int64_t kPathAvx2 = 1;
+constexpr int64_t kPathAvx512 = 2;
+
 // STRATA_NATIVE_ISA caps the instruction path of every native kernel (int4_mm, decode_attention):
 // "avx2" or "scalar", to measure a lesser CPU's paths on this one (with torch's own dispatch
-// capped by ATEN_CPU_CAPABILITY); unset or "avx512", the best this CPU has. The kernels number
-// their paths alike: 0 plain C++, 1 AVX2, 2 AVX-512. replicas/model/native_stack.py refuses any
-// other value before the library loads.
+// capped by ATEN_CPU_CAPABILITY); unset or "avx512", the best this CPU has.
+// replicas/model/native_stack.py refuses any other value before the library loads.
 inline int64_t isa_cap() {
   static const int64_t cap = [] {
     const char* value = std::getenv("STRATA_NATIVE_ISA");
-    if (value != nullptr && std::strcmp(value, "scalar") == 0) return int64_t{0};
-    if (value != nullptr && std::strcmp(value, "avx2") == 0) return int64_t{1};
-    return int64_t{2};
+    if (value != nullptr && std::strcmp(value, "scalar") == 0) return kPathScalar;
+    if (value != nullptr && std::strcmp(value, "avx2") == 0) return kPathAvx2;
+    return kPathAvx512;
   }();
   return cap;
 }

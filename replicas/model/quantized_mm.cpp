@@ -35,6 +35,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 namespace strata_native {
 namespace {
@@ -261,43 +262,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void tile_v
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(out + i * out_stride, acc[i]);
 }
 
-// Rows [r0, r0 + n) of one tile, n <= kRowBlock, through the template instance for n.
-template <template <int> class Rows>
-void by_rows(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q, int64_t r0,
-             int64_t n, float* out, int64_t out_stride) {
-  switch (n) {
-    case 1: return Rows<1>::run(codes, scales, q, r0, out, out_stride);
-    case 2: return Rows<2>::run(codes, scales, q, r0, out, out_stride);
-    case 3: return Rows<3>::run(codes, scales, q, r0, out, out_stride);
-    default: return Rows<4>::run(codes, scales, q, r0, out, out_stride);
-  }
-}
-
-template <int R>
-struct Avx2Rows {
-  static void run(const uint8_t* c, const uint16_t* s, const QuantizedRows& q, int64_t r0,
-                  float* out, int64_t stride) {
-    tile_avx2_rows<R>(c, s, q, r0, out, stride);
-  }
-};
-
-template <int R>
-struct VnniRows {
-  static void run(const uint8_t* c, const uint16_t* s, const QuantizedRows& q, int64_t r0,
-                  float* out, int64_t stride) {
-    tile_vnni_rows<R>(c, s, q, r0, out, stride);
-  }
-};
-
-void tile_avx2(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q, int64_t r0,
-               int64_t n, float* out, int64_t out_stride) {
-  by_rows<Avx2Rows>(codes, scales, q, r0, n, out, out_stride);
-}
-
-void tile_avx512_vnni(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q,
-                      int64_t r0, int64_t n, float* out, int64_t out_stride) {
-  by_rows<VnniRows>(codes, scales, q, r0, n, out, out_stride);
-}
 
 // ---- int8 ----------------------------------------------------------------------------------
 // The same structure as int4's, without the nibbles: a 64-byte chunk is 16 rows x 4 columns, a
@@ -420,30 +384,44 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void int8_t
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(out + i * out_stride, acc[i]);
 }
 
-template <int R>
-struct Int8Avx2Rows {
-  static void run(const uint8_t* c, const uint16_t* s, const QuantizedRows& q, int64_t r0,
-                  float* out, int64_t stride) {
-    int8_tile_avx2_rows<R>(c, s, q, r0, out, stride);
+// Rows [r0, r0 + n) of one tile, n <= kRowBlock, through the vector kernels' instance for n
+// (each keeps its accumulators in registers).
+template <typename Kernel>
+void by_rows(int64_t n, const Kernel& kernel) {
+  switch (n) {
+    case 1: return kernel(std::integral_constant<int, 1>{});
+    case 2: return kernel(std::integral_constant<int, 2>{});
+    case 3: return kernel(std::integral_constant<int, 3>{});
+    default: return kernel(std::integral_constant<int, 4>{});
   }
-};
+}
 
-template <int R>
-struct Int8VnniRows {
-  static void run(const uint8_t* c, const uint16_t* s, const QuantizedRows& q, int64_t r0,
-                  float* out, int64_t stride) {
-    int8_tile_vnni_rows<R>(c, s, q, r0, out, stride);
-  }
-};
+void tile_avx2(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q, int64_t r0,
+               int64_t n, float* out, int64_t out_stride) {
+  by_rows(n, [&](auto rows) {
+    tile_avx2_rows<decltype(rows)::value>(codes, scales, q, r0, out, out_stride);
+  });
+}
+
+void tile_avx512_vnni(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q,
+                      int64_t r0, int64_t n, float* out, int64_t out_stride) {
+  by_rows(n, [&](auto rows) {
+    tile_vnni_rows<decltype(rows)::value>(codes, scales, q, r0, out, out_stride);
+  });
+}
 
 void int8_tile_avx2(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q,
                     int64_t r0, int64_t n, float* out, int64_t out_stride) {
-  by_rows<Int8Avx2Rows>(codes, scales, q, r0, n, out, out_stride);
+  by_rows(n, [&](auto rows) {
+    int8_tile_avx2_rows<decltype(rows)::value>(codes, scales, q, r0, out, out_stride);
+  });
 }
 
 void int8_tile_avx512_vnni(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q,
                            int64_t r0, int64_t n, float* out, int64_t out_stride) {
-  by_rows<Int8VnniRows>(codes, scales, q, r0, n, out, out_stride);
+  by_rows(n, [&](auto rows) {
+    int8_tile_vnni_rows<decltype(rows)::value>(codes, scales, q, r0, out, out_stride);
+  });
 }
 
 int64_t cpu_path();
@@ -459,7 +437,7 @@ int64_t cpu_path() {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl")) {
-      return kPathAvx512Vnni;
+      return kPathAvx512;
     }
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
         __builtin_cpu_supports("f16c")) {

@@ -5,12 +5,8 @@
 
 namespace strata_native {
 
-// The instruction paths of int4_mm and int8_mm, each also allowing the ones below it.
-constexpr int64_t kPathScalar = 0;
-constexpr int64_t kPathAvx2 = 1;
-constexpr int64_t kPathAvx512Vnni = 2;
-
-// The path the products take for `requested` (-1: the best this CPU has; else at most that).
+// The path the products take for `requested` (-1: the best this CPU has; else at most that;
+// native_isa.h's kPath*).
 int64_t quantized_mm_path(int64_t requested);
 
 // x [M, K] (float32, bfloat16 or float16) times a packed weight [out_features, K] transposed:

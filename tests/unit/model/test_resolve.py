@@ -64,19 +64,22 @@ GENERATE = """
 import json, sys
 from cluster import LLM, SamplingParams
 from replicas.model.resolve import resolve_model
-name, revision = sys.argv[1:3] if len(sys.argv) > 2 else (sys.argv[1], None)
-out = {"path": resolve_model(name, revision)}
-# float32 pinned: with dtype auto each load measures (its files are another key), and on a busy
-# machine one may pick bfloat16, whose tokens differ.
-with LLM(name, revision=revision, dtype="float32") as llm:
-    out["tokens"] = llm.generate("hello world the cat", SamplingParams(max_tokens=6)).token_ids
-print(json.dumps(out))
+outs = []
+for name, revision in json.loads(sys.argv[1]):
+    out = {"path": resolve_model(name, revision)}
+    # float32 pinned: with dtype auto each load measures (its files are another key), and on a
+    # busy machine one may pick bfloat16, whose tokens differ.
+    with LLM(name, revision=revision, dtype="float32") as llm:
+        prompt = "hello world the cat"
+        out["tokens"] = llm.generate(prompt, SamplingParams(max_tokens=6)).token_ids
+    outs.append(out)
+print(json.dumps(outs))
 """
 
 
-def generate(home: Path, name: str, revision: str | None = None) -> dict:
-    args = [name] + ([revision] if revision else [])
-    code = f"import sys; sys.argv = ['x', *{args!r}]\n{GENERATE}"
+def generate(home: Path, *models: tuple[str, str | None]) -> list[dict]:
+    """Each (name, revision) resolved and loaded in one offline process, in turn."""
+    code = f"import sys; sys.argv = ['x', {json.dumps(list(models))!r}]\n{GENERATE}"
     run = run_offline(home, code)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -84,14 +87,19 @@ def generate(home: Path, name: str, revision: str | None = None) -> dict:
 
 def test_hub_id_loads_the_cached_snapshot_of_each_revision(hub_home):
     home, snapshots, sources = hub_home
-    main = generate(home, REPO)
-    v2 = generate(home, REPO, "v2")
-    by_commit = generate(home, REPO, "b" * 40)
+    main, v2, by_commit, main_dir, v2_dir = generate(
+        home,
+        (REPO, None),
+        (REPO, "v2"),
+        (REPO, "b" * 40),
+        (str(sources["main"]), None),
+        (str(sources["v2"]), None),
+    )
     assert Path(main["path"]) == snapshots["main"] and Path(v2["path"]) == snapshots["v2"]
     assert by_commit == v2
     # The same weights loaded from the plain directories give the same tokens.
-    assert main["tokens"] == generate(home, str(sources["main"]))["tokens"]
-    assert v2["tokens"] == generate(home, str(sources["v2"]))["tokens"]
+    assert main["tokens"] == main_dir["tokens"]
+    assert v2["tokens"] == v2_dir["tokens"]
     assert main["tokens"] != v2["tokens"]
 
 
