@@ -265,10 +265,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void tile_v
 
 // ---- int8 ----------------------------------------------------------------------------------
 // The same structure as int4's, without the nibbles: a 64-byte chunk is 16 rows x 4 columns, a
-// group 8 chunks. The integer sums take the signed codes three ways: plain C++; AVX2 as
-// |w| (unsigned) times qx with w's sign (vpsignb) in vpmaddubsw, whose pairs stay within
-// 2 * 127 * 127 < 2^15 (no saturation); AVX-512 VNNI as w + 128 (unsigned: the code with its
-// sign bit flipped) in vpdpbusd, less 128 times the group's sum of activation codes.
+// group 8 chunks. The integer sums take the signed codes three ways: plain C++; AVX2 as |w|
+// (unsigned) times qx with w's sign (vpsignb) in vpmaddubsw, whose pairs stay within
+// 2 * 127 * 127 < 2^15 (no saturation, but no room to add two: each chunk's pairs widen to int32
+// at once), both halves of a tile per activation broadcast as int4's; AVX-512 VNNI as w + 128
+// (unsigned: the code with its sign bit flipped) in vpdpbusd, less 128 times the group's sum of
+// activation codes.
 
 void int8_tile_scalar(const uint8_t* bytes, const uint16_t* scales, const QuantizedRows& q,
                       int64_t r0, int64_t n, float* out, int64_t out_stride) {
@@ -307,40 +309,46 @@ __attribute__((target("avx2,fma,f16c"))) void int8_tile_avx2_rows(const uint8_t*
                                                                  int64_t out_stride) {
   const int64_t k = q.groups * kGroup;
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t half = 0; half < 2; ++half) {  // rows 0-7, then 8-15 of the tile
-    __m256 acc[R];
-    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < q.groups; ++g) {
-      __m256i sums[R][kPasses][2];
+  __m256 acc[R][2];
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < q.groups; ++g) {
+    __m256i sums[R][kPasses][2];
+    for (int i = 0; i < R; ++i) {
+      for (int p = 0; p < kPasses; ++p) sums[i][p][0] = sums[i][p][1] = _mm256_setzero_si256();
+    }
+    for (int64_t o = 0; o < kGroup / 4; ++o) {
+      const int8_t* chunk = reinterpret_cast<const int8_t*>(codes) + (g * 8 + o) * 64;
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32));
+      const __m256i m0 = _mm256_abs_epi8(w0), m1 = _mm256_abs_epi8(w1);
       for (int i = 0; i < R; ++i) {
-        for (int p = 0; p < kPasses; ++p) sums[i][p][0] = sums[i][p][1] = _mm256_setzero_si256();
-      }
-      for (int64_t o = 0; o < kGroup / 4; ++o) {
-        const __m256i w = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(codes + (g * 8 + o) * 64 + half * 32));
-        const __m256i magnitude = _mm256_abs_epi8(w);
-        for (int i = 0; i < R; ++i) {
-          for (int p = 0; p < kPasses; ++p) {
-            int32_t a;
-            std::memcpy(&a, q.codes[p].data() + (r0 + i) * k + g * kGroup + o * 4, 4);
-            const __m256i signed_a = _mm256_sign_epi8(_mm256_set1_epi32(a), w);
-            const __m256i pairs = _mm256_maddubs_epi16(magnitude, signed_a);
-            sums[i][p][o & 1] = _mm256_add_epi32(sums[i][p][o & 1], _mm256_madd_epi16(pairs, ones));
-          }
-        }
-      }
-      const __m256 d = _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + g * kTile + half * 8)));
-      for (int i = 0; i < R; ++i) {
-        const int64_t at = (r0 + i) * q.groups + g;
         for (int p = 0; p < kPasses; ++p) {
-          const __m256i sum = _mm256_add_epi32(sums[i][p][0], sums[i][p][1]);
-          const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(q.dx[p][at]));
-          acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_cvtepi32_ps(sum), scale));
+          int32_t a;
+          std::memcpy(&a, q.codes[p].data() + (r0 + i) * k + g * kGroup + o * 4, 4);
+          const __m256i b = _mm256_set1_epi32(a);
+          const __m256i pairs0 = _mm256_maddubs_epi16(m0, _mm256_sign_epi8(b, w0));
+          const __m256i pairs1 = _mm256_maddubs_epi16(m1, _mm256_sign_epi8(b, w1));
+          sums[i][p][0] = _mm256_add_epi32(sums[i][p][0], _mm256_madd_epi16(pairs0, ones));
+          sums[i][p][1] = _mm256_add_epi32(sums[i][p][1], _mm256_madd_epi16(pairs1, ones));
         }
       }
     }
-    for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + i * out_stride + half * 8, acc[i]);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + g * kTile + h * 8)));
+      for (int i = 0; i < R; ++i) {
+        const int64_t at = (r0 + i) * q.groups + g;
+        for (int p = 0; p < kPasses; ++p) {
+          const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(q.dx[p][at]));
+          acc[i][h] =
+              _mm256_add_ps(acc[i][h], _mm256_mul_ps(_mm256_cvtepi32_ps(sums[i][p][h]), scale));
+        }
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    _mm256_storeu_ps(out + i * out_stride, acc[i][0]);
+    _mm256_storeu_ps(out + i * out_stride + 8, acc[i][1]);
   }
 }
 
