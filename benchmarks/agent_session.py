@@ -53,7 +53,7 @@ class Settings:
     answer_tokens: int = 16
 
 
-QUICK = Settings(sessions=2, requests=4, rounds=1, tools_tokens=600, call_tokens=160)
+QUICK = Settings(sessions=1, requests=4, rounds=1, tools_tokens=600, call_tokens=160)
 
 _TOPICS = ("orders", "invoices", "shipments", "customers", "tickets", "refunds", "inventory")
 _TOPICS += ("calendar", "weather", "flights", "hotels", "documents", "metrics", "alerts")
