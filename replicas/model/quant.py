@@ -239,6 +239,15 @@ def _unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return codes_t.t().to(torch.uint8).to(device)
 
 
+def _float16_scales(d: torch.Tensor) -> torch.Tensor | None:
+    """``d`` as the float16 scales of Strata's layouts, or None where one overflows or falls
+    below float16's normal range (loses more than its 10 bits of precision)."""
+    d16 = d.half()
+    if not torch.isfinite(d16).all() or ((d16.float() - d).abs() > d.abs() * 2**-10).any():
+        return None
+    return d16
+
+
 def _strata_int4(
     codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -250,10 +259,8 @@ def _strata_int4(
 
     if native_stack.load_error() is not None:
         return None
-    d16, m16 = d.half(), m.half()
-    if not (torch.isfinite(d16).all() and torch.isfinite(m16).all()):
-        return None
-    if ((d16.float() - d).abs() > d.abs() * 2**-10).any():  # a float16 subnormal scale
+    d16, m16 = _float16_scales(d), m.half()
+    if d16 is None or not torch.isfinite(m16).all():
         return None
     n, k = codes.shape
     c = codes.to(torch.uint8).view(n // 16, 16, k // 8, 2, 4)  # [tile, row, octet, nibble, r]
@@ -286,8 +293,8 @@ def _strata_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | No
         return None
     groups = weight.detach().float().cpu().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
     d = groups.abs().amax(dim=-1) / 127
-    d16 = d.half()
-    if not torch.isfinite(d16).all() or ((d16.float() - d).abs() > d * 2**-10).any():
+    d16 = _float16_scales(d)
+    if d16 is None:
         return None
     inverse = torch.where(d16 > 0, 1 / d16.float(), torch.zeros_like(d))
     codes = torch.round(groups * inverse[..., None]).clamp(-127, 127).to(torch.int8)
