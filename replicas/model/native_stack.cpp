@@ -174,6 +174,7 @@ struct Linear {
   int64_t kind = kDense;
   int64_t in_features = 0;
   int64_t out_features = 0;
+  int64_t passes = 2;  // the activations' int8 passes of Strata's products
   at::Tensor weight, scales, bias;
 
   // Whether the product is torch's packed kernel, which takes bfloat16 rows.
@@ -191,8 +192,8 @@ struct Linear {
     auto shape = x.sizes().vec();
     if (kind == kInt4Strata || kind == kInt8Strata) {  // read x as it is and return float32
       const auto product = kind == kInt4Strata ? strata_native::int4_mm : strata_native::int8_mm;
-      at::Tensor y = product(x.reshape({-1, in_features}), weight, scales, out_features,
-                             /*path=*/-1);
+      at::Tensor y =
+          product(x.reshape({-1, in_features}), weight, scales, out_features, passes, /*path=*/-1);
       if (bias.defined()) y = at::add(y, bias);
       shape.back() = out_features;
       return y.to(out_dtype.value_or(x.scalar_type())).reshape(shape);
@@ -309,6 +310,7 @@ class DecoderStack : public torch::CustomClassHolder {
       l.in_features = next_int();
       l.out_features = next_int();
       const bool has_bias = next_int();
+      l.passes = next_int();
       l.weight = next_tensor();
       if (l.kind != kDense) l.scales = next_tensor();
       if (has_bias) l.bias = next_tensor();
@@ -506,9 +508,11 @@ class DecoderStack : public torch::CustomClassHolder {
 }  // namespace
 
 TORCH_LIBRARY(strata_native, m) {
-  m.def("int4_mm(Tensor x, Tensor codes, Tensor scales, int out_features, int path=-1) -> Tensor",
+  m.def("int4_mm(Tensor x, Tensor codes, Tensor scales, int out_features, int passes=2, "
+        "int path=-1) -> Tensor",
         &strata_native::int4_mm);
-  m.def("int8_mm(Tensor x, Tensor codes, Tensor scales, int out_features, int path=-1) -> Tensor",
+  m.def("int8_mm(Tensor x, Tensor codes, Tensor scales, int out_features, int passes=2, "
+        "int path=-1) -> Tensor",
         &strata_native::int8_mm);
   m.def("quantized_mm_path(int requested=-1) -> int", &strata_native::quantized_mm_path);
   m.def("decode_attention(Tensor q, Tensor cache_rows, Tensor rows, Tensor? allowed, "

@@ -188,7 +188,10 @@ def _pack(model: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
             kind, extra = _KINDS["none"], []
         else:
             raise TypeError(f"the native decoder stack has no product for {type(module)}")
-        ints.extend([kind, module.in_features, module.out_features, module.bias is not None])
+        passes = getattr(module, "passes", 2)  # only Strata's products read it
+        ints.extend(
+            [kind, module.in_features, module.out_features, module.bias is not None, passes]
+        )
         tensors.extend([module.weight.detach(), *extra])
         if module.bias is not None:
             tensors.append(module.bias.detach())

@@ -28,9 +28,15 @@ Schemes (``w`` a weight, ``q`` its stored code):
 Strata's own products (``kernel="strata"``; ``replicas/model/quantized_mm.cpp``, built with
 the native library) keep int4 as ``w = d * q + m`` and int8 as ``w = d * q`` with float16 ``d``
 (and ``m``) per row and group of ``GROUP_SIZE`` in tiles of 16 rows, and quantize the
-activations per group to int8 in two passes, so that a group's product is integer multiply-adds
-(AVX-512 VNNI, AVX2 or plain C++, bitwise the same); ``auto`` measures them against torch's
-under the native stack (docs/design.md, "Strata's int4 and int8 products").
+activations per group to int8, so that a group's product is integer multiply-adds (AVX-512
+VNNI, AVX2 or plain C++, bitwise the same); ``auto`` measures them against torch's under the
+native stack (docs/design.md, "Strata's int4 and int8 products"). The activations take two int8
+passes (the second quantizing what the first left: about 15 bits) or one (8 bits, as llama.cpp
+does, and half the integer work), per layer: one for the attention output and feed-forward down
+projections (``wo``, ``w2``), whose errors only add to the residual stream, and two for the
+products that feed attention scores, the gated activation and the logits (``wqkv``, ``w13``,
+``output``), where rounding the activations to 8 bits costs the most perplexity
+(``quantize_model``).
 
 Only linear layers are quantized (every projection of every block and the LM head); the token
 embedding, which is only gathered, stays dense.
@@ -61,6 +67,10 @@ INT4_KERNELS = ("auto", "strata", "torch")
 GROUP_SIZE = 32
 COMPUTE_DTYPE = torch.bfloat16
 _INT4_TILE_ROWS = 64  # output sizes the CPU int4 kernels take: multiples of their widest tile
+# Strata's products: the activations' int8 passes of the layers that write to the residual
+# stream (wo, w2). SmolLM2 Q4_1 on tests/data/perplexity.txt: one pass there moves perplexity
+# from 32.57 to 32.65, one pass everywhere to 33.31 (llama.cpp: 32.66-32.85).
+RESIDUAL_PASSES = 1
 
 
 class QuantizedLinear(nn.Module):
@@ -79,10 +89,14 @@ class QuantizedLinear(nn.Module):
         scales: torch.Tensor,
         bias: torch.Tensor | None,
         kernel: str = "torch",
+        passes: int = 2,
     ) -> None:
         super().__init__()
+        if passes not in (1, 2):
+            raise ValueError(f"passes must be 1 or 2, got {passes!r}")
         self.scheme = scheme
         self.kernel = kernel  # "torch" (its packed kernels) or "strata" (Strata's)
+        self.passes = passes  # Strata's products: the activations' int8 passes
         self.in_features = in_features
         self.out_features = out_features
         # int8: [N, K], or Strata's [N / 16, K / 4, 64]; int4: torch's packing, or Strata's
@@ -96,17 +110,23 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def int8(
-        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, kernel: str = "torch"
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        kernel: str | None = "torch",
+        passes: int = 2,
     ) -> "QuantizedLinear":
         """Symmetric int8 of a float ``weight`` [N, K]: per row for torch's kernel; per row and
         group of ``GROUP_SIZE`` columns with float16 scales for Strata's (``kernel``
         ``strata``, or ``None`` for Strata's where its library is built and the weight fits its
-        layout), which keeps a GGUF ``Q8_0`` weight's codes and scales as stored."""
+        layout), which keeps a GGUF ``Q8_0`` weight's codes and scales as stored. ``passes``:
+        Strata's product quantizes the activations in one int8 pass or two (see the module
+        docstring)."""
         n, k = weight.shape
         if kernel in (None, "strata"):
             strata = _strata_int8(weight)
             if strata is not None:
-                return cls("int8", k, n, *strata, _bias(bias), kernel="strata")
+                return cls("int8", k, n, *strata, _bias(bias), kernel="strata", passes=passes)
             if kernel == "strata":
                 raise ValueError("Strata's int8 kernel cannot take this weight here")
         w = weight.float()
@@ -116,17 +136,22 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def int4(
-        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, kernel: str | None = None
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        kernel: str | None = None,
+        passes: int = 2,
     ) -> "QuantizedLinear":
         """Asymmetric int4 of a float ``weight`` [N, K] in groups of ``GROUP_SIZE`` columns:
-        each group's minimum and maximum are codes 0 and 15."""
+        each group's minimum and maximum are codes 0 and 15. ``kernel`` and ``passes`` as for
+        ``int4_groups``."""
         n, k = weight.shape
         _check_int4_shape(n, k)
         groups = weight.float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)
         scale = ((high - low) / 15).clamp(min=1e-12)
         codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
-        return cls.int4_groups(codes.reshape(n, k), scale, low + 8 * scale, bias, kernel)
+        return cls.int4_groups(codes.reshape(n, k), scale, low + 8 * scale, bias, kernel, passes)
 
     @classmethod
     def int4_groups(
@@ -136,17 +161,18 @@ class QuantizedLinear(nn.Module):
         zero: torch.Tensor,
         bias: torch.Tensor | None = None,
         kernel: str | None = None,
+        passes: int = 2,
     ) -> "QuantizedLinear":
         """From codes [N, K] in [0, 15] and per-group ``scale``, ``zero`` [N, K / GROUP_SIZE]:
         ``w = (codes - 8) * scale + zero``. ``kernel``: ``strata``, ``torch``, or ``None`` for
-        Strata's where its library is built and the scales fit its float16 (see the module
-        docstring)."""
+        Strata's where its library is built and the scales fit its float16; ``passes``: the
+        activations' int8 passes of Strata's product (see the module docstring)."""
         n, k = codes.shape
         _check_int4_shape(n, k)
         if kernel in (None, "strata"):
             strata = _strata_int4(codes, scale.float(), zero.float() - 8 * scale.float())
             if strata is not None:
-                return cls("int4", k, n, *strata, _bias(bias), kernel="strata")
+                return cls("int4", k, n, *strata, _bias(bias), kernel="strata", passes=passes)
             if kernel == "strata":
                 raise ValueError("Strata's int4 kernel cannot take this weight here")
         packed = torch._convert_weight_to_int4pack_for_cpu(
@@ -173,9 +199,8 @@ class QuantizedLinear(nn.Module):
         shape = x.shape
         if self.kernel == "strata" and x.device.type == "cpu":  # takes x as it is
             product = getattr(torch.ops.strata_native, f"{self.scheme}_mm")
-            y = product(
-                x.reshape(-1, self.in_features), self.weight, self.scales, self.out_features
-            )
+            rows = x.reshape(-1, self.in_features)
+            y = product(rows, self.weight, self.scales, self.out_features, self.passes)
             if self.bias is not None:
                 y = y + self.bias
             return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
@@ -199,7 +224,7 @@ class QuantizedLinear(nn.Module):
         return F.linear(rows, self.dequantized(rows.dtype))
 
     def extra_repr(self) -> str:
-        kernel = ", kernel=strata" if self.kernel == "strata" else ""
+        kernel = f", kernel=strata, passes={self.passes}" if self.kernel == "strata" else ""
         return (
             f"{self.scheme}, in_features={self.in_features}, "
             f"out_features={self.out_features}{kernel}"
@@ -346,7 +371,7 @@ def quantize_model(
             if "tok_embeddings.weight" in stored:
                 stored["output.weight"] = stored["tok_embeddings.weight"]
 
-    def quantized(names: list[str], linears: list[nn.Linear]) -> QuantizedLinear:
+    def quantized(names: list[str], linears: list[nn.Linear], passes: int = 2) -> QuantizedLinear:
         biases = [linear.bias for linear in linears]
         bias = None if biases[0] is None else torch.cat(biases)
         weight = torch.cat([linear.weight for linear in linears])
@@ -359,10 +384,11 @@ def quantize_model(
                 *(torch.cat(parts) for parts in zip(*stored, strict=True)),
                 bias=bias,
                 kernel=kernel,
+                passes=passes,
             )
         if wanted == "int4":
-            return QuantizedLinear.int4(weight, bias, kernel)
-        return QuantizedLinear.int8(weight, bias, kernel)
+            return QuantizedLinear.int4(weight, bias, kernel, passes)
+        return QuantizedLinear.int8(weight, bias, kernel, passes)
 
     with torch.no_grad():
         for i, layer in enumerate(model.layers):
@@ -371,8 +397,8 @@ def quantize_model(
             att.wqkv = quantized(
                 [f"{prefix}.attention.{w}" for w in ("wq", "wk", "wv")], [att.wq, att.wk, att.wv]
             )
-            att.wo = quantized([f"{prefix}.attention.wo"], [att.wo])
+            att.wo = quantized([f"{prefix}.attention.wo"], [att.wo], RESIDUAL_PASSES)
             ff.w13 = quantized([f"{prefix}.feed_forward.{w}" for w in ("w1", "w3")], [ff.w1, ff.w3])
-            ff.w2 = quantized([f"{prefix}.feed_forward.w2"], [ff.w2])
+            ff.w2 = quantized([f"{prefix}.feed_forward.w2"], [ff.w2], RESIDUAL_PASSES)
             del att.wq, att.wk, att.wv, ff.w1, ff.w3
         model.output = quantized(["output"], [model.output])

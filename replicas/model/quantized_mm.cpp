@@ -4,12 +4,13 @@
 //
 //   int4_mm: w = d * q + m, q in [0, 15]     int8_mm: w = d * q, q in [-127, 127]
 //
-// The activations are quantized in two passes (x ~ dx0 * qx0 + dx1 * qx1 per row and group,
-// qx in [-127, 127]; QuantizedRows). A group's integer dot product sum(q * qx) is exact in int32
-// whatever the instructions (AVX-512 VNNI, AVX2, or plain C++), and the float steps that follow
-// are the same for every path, row and batch:
+// The activations are quantized in one or two passes, the layer's choice (x ~ dx0 * qx0, or
+// dx0 * qx0 + dx1 * qx1, per row and group, qx in [-127, 127]; QuantizedRows). A group's
+// integer dot product sum(q * qx) is exact in int32 whatever the instructions (AVX-512 VNNI,
+// AVX2, or plain C++), and the float steps that follow are the same for every path, row and
+// batch:
 //
-//   acc += float(sum(q * qx0)) * (d * dx0);  acc += float(sum(q * qx1)) * (d * dx1);
+//   acc += float(sum(q * qx0)) * (d * dx0);  acc += float(sum(q * qx1)) * (d * dx1) (two passes);
 //   acc += m * sx  (int4 only; sx the float sum of the group's activations)
 //
 // group after group, in order. So a row's result is bitwise the same on every CPU path and
@@ -44,17 +45,19 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kTile = 16;
 constexpr int64_t kRowBlock = 4;  // activation rows sharing one pass over a tile's weights
 
-// Activations of one call, quantized in two passes: per row and group, x ~ dx[0] * codes[0] +
-// dx[1] * codes[1], the second pass quantizing what the first left (so a row keeps about 15
-// bits of its group's largest value, not 8), and sx, the sum of x.
+constexpr int kMaxPasses = 2;
+
+// Activations of one call, quantized in one or two passes: per row and group, x ~ dx[0] *
+// codes[0] (+ dx[1] * codes[1]), a second pass quantizing what the first left (so a row keeps
+// about 15 bits of its group's largest value, not 8; each pass is as much integer work again),
+// and sx, the sum of x.
 struct QuantizedRows {
   int64_t rows = 0, groups = 0;
-  std::vector<int8_t> codes[2];  // [rows, groups * 32] each
-  std::vector<float> dx[2], sx;  // [rows, groups] each
-  std::vector<int32_t> code_sums[2];  // [rows, groups] each: a group's sum of codes (int8_mm)
+  int passes = 0;
+  std::vector<int8_t> codes[kMaxPasses];  // [rows, groups * 32] each
+  std::vector<float> dx[kMaxPasses], sx;  // [rows, groups] each
+  std::vector<int32_t> code_sums[kMaxPasses];  // [rows, groups] each: sums of codes (int8_mm)
 };
-
-constexpr int kPasses = 2;
 
 // v rounded to the nearest integer, ties to even, for |v| < 2^22 (here at most 127): adding and
 // subtracting 1.5 * 2^23 leaves no fraction bits (std::nearbyint's result, without its call).
@@ -65,12 +68,13 @@ inline float round_small(float v) {
 }
 
 template <typename scalar_t>
-QuantizedRows quantize_rows(const at::Tensor& x) {
+QuantizedRows quantize_rows(const at::Tensor& x, int passes) {
   QuantizedRows q;
   q.rows = x.size(0);
+  q.passes = passes;
   const int64_t k = x.size(1);
   q.groups = k / kGroup;
-  for (int p = 0; p < kPasses; ++p) {
+  for (int p = 0; p < passes; ++p) {
     q.codes[p].resize(q.rows * k);
     q.dx[p].resize(q.rows * q.groups);
     q.code_sums[p].resize(q.rows * q.groups);
@@ -87,7 +91,7 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
           sum += group[i];
         }
         q.sx[r * q.groups + g] = sum;
-        for (int p = 0; p < kPasses; ++p) {  // group[] becomes what the pass left
+        for (int p = 0; p < passes; ++p) {  // group[] becomes what the pass left
           float amax = 0.0f;
           for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(group[i]));
           const float d = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
@@ -117,8 +121,8 @@ void tile_scalar(const uint8_t* codes, const uint16_t* scales, const QuantizedRo
   for (int64_t r = r0; r < r0 + n; ++r) {
     float acc[kTile] = {};
     for (int64_t g = 0; g < q.groups; ++g) {
-      int32_t sums[kPasses][kTile] = {};
-      for (int p = 0; p < kPasses; ++p) {
+      int32_t sums[kMaxPasses][kTile] = {};
+      for (int p = 0; p < q.passes; ++p) {
         for (int64_t o = 0; o < kGroup / 8; ++o) {
           const uint8_t* chunk = codes + (g * 4 + o) * 64;
           const int8_t* a = q.codes[p].data() + r * k + g * kGroup + o * 8;
@@ -134,7 +138,7 @@ void tile_scalar(const uint8_t* codes, const uint16_t* scales, const QuantizedRo
       const int64_t at = r * q.groups + g;
       for (int64_t c = 0; c < kTile; ++c) {
         const float d = half_to_float(dm[c]);
-        for (int p = 0; p < kPasses; ++p) {
+        for (int p = 0; p < q.passes; ++p) {
           acc[c] = acc[c] + static_cast<float>(sums[p][c]) * (d * q.dx[p][at]);
         }
         acc[c] = acc[c] + half_to_float(dm[kTile + c]) * q.sx[at];
@@ -152,7 +156,7 @@ void tile_scalar(const uint8_t* codes, const uint16_t* scales, const QuantizedRo
 // u8 x s8 pairs in int16 (at most 2 * 15 * 127, 4 * 15 * 127 for the two nibbles); a group's
 // four chunks add up in int16 (at most 16 * 15 * 127 = 30,480 < 2^15: no wrap), and only then
 // does vpmaddwd widen the pairs to one int32 per row: one widening per group, not per chunk.
-template <int R>
+template <int R, int P>
 __attribute__((target("avx2,fma,f16c"))) void tile_avx2_rows(const uint8_t* codes,
                                                              const uint16_t* scales,
                                                              const QuantizedRows& q, int64_t r0,
@@ -163,9 +167,9 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_rows(const uint8_t* code
   __m256 acc[R][2];
   for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < q.groups; ++g) {
-    __m256i sums[R][kPasses][2];
+    __m256i sums[R][P][2];
     for (int i = 0; i < R; ++i) {
-      for (int p = 0; p < kPasses; ++p) sums[i][p][0] = sums[i][p][1] = _mm256_setzero_si256();
+      for (int p = 0; p < P; ++p) sums[i][p][0] = sums[i][p][1] = _mm256_setzero_si256();
     }
     for (int64_t o = 0; o < kGroup / 8; ++o) {
       const uint8_t* chunk = codes + (g * 4 + o) * 64;
@@ -176,7 +180,7 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_rows(const uint8_t* code
       const __m256i lo1 = _mm256_and_si256(w1, low_nibbles);
       const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low_nibbles);
       for (int i = 0; i < R; ++i) {
-        for (int p = 0; p < kPasses; ++p) {
+        for (int p = 0; p < P; ++p) {
           const int8_t* a = q.codes[p].data() + (r0 + i) * k + g * kGroup + o * 8;
           int32_t a_lo, a_hi;
           std::memcpy(&a_lo, a, 4);
@@ -198,7 +202,7 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_rows(const uint8_t* code
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm + kTile)));
       for (int i = 0; i < R; ++i) {
         const int64_t at = (r0 + i) * q.groups + g;
-        for (int p = 0; p < kPasses; ++p) {
+        for (int p = 0; p < P; ++p) {
           const __m256i sum = _mm256_madd_epi16(sums[i][p][h], ones);
           const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(q.dx[p][at]));
           acc[i][h] = _mm256_add_ps(acc[i][h], _mm256_mul_ps(_mm256_cvtepi32_ps(sum), scale));
@@ -216,7 +220,7 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_rows(const uint8_t* code
 // AVX-512 VNNI: one register holds the tile's 16 rows for 8 columns, and vpdpbusd adds u8 x s8
 // products straight into int32; two sums per row and pass (even and odd chunks), so that the
 // multiply-adds do not wait on each other.
-template <int R>
+template <int R, int P>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void tile_vnni_rows(
     const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q, int64_t r0,
     float* out, int64_t out_stride) {
@@ -225,16 +229,16 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void tile_v
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < q.groups; ++g) {
-    __m512i sums[R][kPasses][2];
+    __m512i sums[R][P][2];
     for (int i = 0; i < R; ++i) {
-      for (int p = 0; p < kPasses; ++p) sums[i][p][0] = sums[i][p][1] = _mm512_setzero_si512();
+      for (int p = 0; p < P; ++p) sums[i][p][0] = sums[i][p][1] = _mm512_setzero_si512();
     }
     for (int64_t o = 0; o < kGroup / 8; ++o) {
       const __m512i w = _mm512_loadu_si512(codes + (g * 4 + o) * 64);
       const __m512i lo = _mm512_and_si512(w, low_nibbles);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low_nibbles);
       for (int i = 0; i < R; ++i) {
-        for (int p = 0; p < kPasses; ++p) {
+        for (int p = 0; p < P; ++p) {
           const int8_t* a = q.codes[p].data() + (r0 + i) * k + g * kGroup + o * 8;
           int32_t a_lo, a_hi;
           std::memcpy(&a_lo, a, 4);
@@ -251,7 +255,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void tile_v
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * 2 * kTile + kTile)));
     for (int i = 0; i < R; ++i) {
       const int64_t at = (r0 + i) * q.groups + g;
-      for (int p = 0; p < kPasses; ++p) {
+      for (int p = 0; p < P; ++p) {
         const __m512i sum = _mm512_add_epi32(sums[i][p][0], sums[i][p][1]);
         const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(q.dx[p][at]));
         acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_cvtepi32_ps(sum), scale));
@@ -279,8 +283,8 @@ void int8_tile_scalar(const uint8_t* bytes, const uint16_t* scales, const Quanti
   for (int64_t r = r0; r < r0 + n; ++r) {
     float acc[kTile] = {};
     for (int64_t g = 0; g < q.groups; ++g) {
-      int32_t sums[kPasses][kTile] = {};
-      for (int p = 0; p < kPasses; ++p) {
+      int32_t sums[kMaxPasses][kTile] = {};
+      for (int p = 0; p < q.passes; ++p) {
         for (int64_t o = 0; o < kGroup / 4; ++o) {
           const int8_t* chunk = codes + (g * 8 + o) * 64;
           const int8_t* a = q.codes[p].data() + r * k + g * kGroup + o * 4;
@@ -292,7 +296,7 @@ void int8_tile_scalar(const uint8_t* bytes, const uint16_t* scales, const Quanti
       const uint16_t* d = scales + g * kTile;
       const int64_t at = r * q.groups + g;
       for (int64_t c = 0; c < kTile; ++c) {
-        for (int p = 0; p < kPasses; ++p) {
+        for (int p = 0; p < q.passes; ++p) {
           acc[c] = acc[c] + static_cast<float>(sums[p][c]) * (half_to_float(d[c]) * q.dx[p][at]);
         }
       }
@@ -301,7 +305,7 @@ void int8_tile_scalar(const uint8_t* bytes, const uint16_t* scales, const Quanti
   }
 }
 
-template <int R>
+template <int R, int P>
 __attribute__((target("avx2,fma,f16c"))) void int8_tile_avx2_rows(const uint8_t* codes,
                                                                  const uint16_t* scales,
                                                                  const QuantizedRows& q,
@@ -312,9 +316,9 @@ __attribute__((target("avx2,fma,f16c"))) void int8_tile_avx2_rows(const uint8_t*
   __m256 acc[R][2];
   for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < q.groups; ++g) {
-    __m256i sums[R][kPasses][2];
+    __m256i sums[R][P][2];
     for (int i = 0; i < R; ++i) {
-      for (int p = 0; p < kPasses; ++p) sums[i][p][0] = sums[i][p][1] = _mm256_setzero_si256();
+      for (int p = 0; p < P; ++p) sums[i][p][0] = sums[i][p][1] = _mm256_setzero_si256();
     }
     for (int64_t o = 0; o < kGroup / 4; ++o) {
       const int8_t* chunk = reinterpret_cast<const int8_t*>(codes) + (g * 8 + o) * 64;
@@ -322,7 +326,7 @@ __attribute__((target("avx2,fma,f16c"))) void int8_tile_avx2_rows(const uint8_t*
       const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32));
       const __m256i m0 = _mm256_abs_epi8(w0), m1 = _mm256_abs_epi8(w1);
       for (int i = 0; i < R; ++i) {
-        for (int p = 0; p < kPasses; ++p) {
+        for (int p = 0; p < P; ++p) {
           int32_t a;
           std::memcpy(&a, q.codes[p].data() + (r0 + i) * k + g * kGroup + o * 4, 4);
           const __m256i b = _mm256_set1_epi32(a);
@@ -338,7 +342,7 @@ __attribute__((target("avx2,fma,f16c"))) void int8_tile_avx2_rows(const uint8_t*
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + g * kTile + h * 8)));
       for (int i = 0; i < R; ++i) {
         const int64_t at = (r0 + i) * q.groups + g;
-        for (int p = 0; p < kPasses; ++p) {
+        for (int p = 0; p < P; ++p) {
           const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(q.dx[p][at]));
           acc[i][h] =
               _mm256_add_ps(acc[i][h], _mm256_mul_ps(_mm256_cvtepi32_ps(sums[i][p][h]), scale));
@@ -352,7 +356,7 @@ __attribute__((target("avx2,fma,f16c"))) void int8_tile_avx2_rows(const uint8_t*
   }
 }
 
-template <int R>
+template <int R, int P>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void int8_tile_vnni_rows(
     const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q, int64_t r0,
     float* out, int64_t out_stride) {
@@ -361,14 +365,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void int8_t
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < q.groups; ++g) {
-    __m512i sums[R][kPasses][2];
+    __m512i sums[R][P][2];
     for (int i = 0; i < R; ++i) {
-      for (int p = 0; p < kPasses; ++p) sums[i][p][0] = sums[i][p][1] = _mm512_setzero_si512();
+      for (int p = 0; p < P; ++p) sums[i][p][0] = sums[i][p][1] = _mm512_setzero_si512();
     }
     for (int64_t o = 0; o < kGroup / 4; ++o) {
       const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(codes + (g * 8 + o) * 64), sign_bits);
       for (int i = 0; i < R; ++i) {
-        for (int p = 0; p < kPasses; ++p) {
+        for (int p = 0; p < P; ++p) {
           int32_t a;
           std::memcpy(&a, q.codes[p].data() + (r0 + i) * k + g * kGroup + o * 4, 4);
           __m512i& sum = sums[i][p][o & 1];
@@ -380,7 +384,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void int8_t
         _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kTile)));
     for (int i = 0; i < R; ++i) {
       const int64_t at = (r0 + i) * q.groups + g;
-      for (int p = 0; p < kPasses; ++p) {
+      for (int p = 0; p < P; ++p) {
         const __m512i offset = _mm512_set1_epi32(128 * q.code_sums[p][at]);
         const __m512i sum =
             _mm512_sub_epi32(_mm512_add_epi32(sums[i][p][0], sums[i][p][1]), offset);
@@ -392,43 +396,51 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void int8_t
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(out + i * out_stride, acc[i]);
 }
 
-// Rows [r0, r0 + n) of one tile, n <= kRowBlock, through the vector kernels' instance for n
-// (each keeps its accumulators in registers).
+// Rows [r0, r0 + n) of one tile, n <= kRowBlock, with q's passes, through the vector kernels'
+// instance for them (each keeps its accumulators in registers).
 template <typename Kernel>
-void by_rows(int64_t n, const Kernel& kernel) {
-  switch (n) {
-    case 1: return kernel(std::integral_constant<int, 1>{});
-    case 2: return kernel(std::integral_constant<int, 2>{});
-    case 3: return kernel(std::integral_constant<int, 3>{});
-    default: return kernel(std::integral_constant<int, 4>{});
-  }
+void by_rows(int64_t n, int passes, const Kernel& kernel) {
+  const auto with_rows = [&](auto p) {
+    switch (n) {
+      case 1: return kernel(std::integral_constant<int, 1>{}, p);
+      case 2: return kernel(std::integral_constant<int, 2>{}, p);
+      case 3: return kernel(std::integral_constant<int, 3>{}, p);
+      default: return kernel(std::integral_constant<int, 4>{}, p);
+    }
+  };
+  if (passes == 1) return with_rows(std::integral_constant<int, 1>{});
+  return with_rows(std::integral_constant<int, 2>{});
 }
 
-void tile_avx2(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q, int64_t r0,
-               int64_t n, float* out, int64_t out_stride) {
-  by_rows(n, [&](auto rows) {
-    tile_avx2_rows<decltype(rows)::value>(codes, scales, q, r0, out, out_stride);
+void tile_avx2(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q,
+               int64_t r0, int64_t n, float* out, int64_t out_stride) {
+  by_rows(n, q.passes, [&](auto rows, auto passes) {
+    constexpr int kRows = decltype(rows)::value, kPasses = decltype(passes)::value;
+    tile_avx2_rows<kRows, kPasses>(codes, scales, q, r0, out, out_stride);
   });
 }
 
 void tile_avx512_vnni(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q,
                       int64_t r0, int64_t n, float* out, int64_t out_stride) {
-  by_rows(n, [&](auto rows) {
-    tile_vnni_rows<decltype(rows)::value>(codes, scales, q, r0, out, out_stride);
+  by_rows(n, q.passes, [&](auto rows, auto passes) {
+    constexpr int kRows = decltype(rows)::value, kPasses = decltype(passes)::value;
+    tile_vnni_rows<kRows, kPasses>(codes, scales, q, r0, out, out_stride);
   });
 }
 
 void int8_tile_avx2(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q,
                     int64_t r0, int64_t n, float* out, int64_t out_stride) {
-  by_rows(n, [&](auto rows) {
-    int8_tile_avx2_rows<decltype(rows)::value>(codes, scales, q, r0, out, out_stride);
+  by_rows(n, q.passes, [&](auto rows, auto passes) {
+    constexpr int kRows = decltype(rows)::value, kPasses = decltype(passes)::value;
+    int8_tile_avx2_rows<kRows, kPasses>(codes, scales, q, r0, out, out_stride);
   });
 }
 
 void int8_tile_avx512_vnni(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q,
                            int64_t r0, int64_t n, float* out, int64_t out_stride) {
-  by_rows(n, [&](auto rows) {
-    int8_tile_vnni_rows<decltype(rows)::value>(codes, scales, q, r0, out, out_stride);
+  by_rows(n, q.passes, [&](auto rows, auto passes) {
+    constexpr int kRows = decltype(rows)::value, kPasses = decltype(passes)::value;
+    int8_tile_vnni_rows<kRows, kPasses>(codes, scales, q, r0, out, out_stride);
   });
 }
 
@@ -472,8 +484,10 @@ struct Scheme {
 };
 
 at::Tensor quantized_mm(const Scheme& scheme, const at::Tensor& x, const at::Tensor& codes,
-                        const at::Tensor& scales, int64_t out_features, int64_t path) {
+                        const at::Tensor& scales, int64_t out_features, int64_t passes,
+                        int64_t path) {
   const char* name = scheme.name;
+  TORCH_CHECK(passes == 1 || passes == 2, name, ": passes must be 1 or 2, got ", passes);
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), name, ": x must be a 2-D CPU tensor");
   TORCH_CHECK(codes.scalar_type() == scheme.code_type && codes.dim() == 3 &&
                   codes.size(2) == 64 && codes.is_contiguous(),
@@ -490,7 +504,7 @@ at::Tensor quantized_mm(const Scheme& scheme, const at::Tensor& x, const at::Ten
   const at::Tensor input = x.contiguous();
   QuantizedRows q;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, input.scalar_type(), "quantized_mm",
-                                  [&] { q = quantize_rows<scalar_t>(input); });
+                                  [&] { q = quantize_rows<scalar_t>(input, passes); });
   const int64_t rows = q.rows;
   at::Tensor out = at::empty({rows, tiles * kTile}, x.options().dtype(at::kFloat));
   const TileKernel kernel = scheme.kernels[std::min(path < 0 ? best_path() : path, best_path())];
@@ -523,17 +537,17 @@ int64_t quantized_mm_path(int64_t requested) {
 }
 
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                   int64_t out_features, int64_t path) {
+                   int64_t out_features, int64_t passes, int64_t path) {
   RECORD_FUNCTION("strata_native::int4_mm", std::vector<c10::IValue>());  // for profiles
   static const Scheme scheme{"int4_mm", at::kByte, 8, 2 * kTile, kInt4Kernels};
-  return quantized_mm(scheme, x, codes, scales, out_features, path);
+  return quantized_mm(scheme, x, codes, scales, out_features, passes, path);
 }
 
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                   int64_t out_features, int64_t path) {
+                   int64_t out_features, int64_t passes, int64_t path) {
   RECORD_FUNCTION("strata_native::int8_mm", std::vector<c10::IValue>());  // for profiles
   static const Scheme scheme{"int8_mm", at::kChar, 4, kTile, kInt8Kernels};
-  return quantized_mm(scheme, x, codes, scales, out_features, path);
+  return quantized_mm(scheme, x, codes, scales, out_features, passes, path);
 }
 
 }  // namespace strata_native

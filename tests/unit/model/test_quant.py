@@ -10,6 +10,7 @@ from torch import nn
 
 from replicas.model.quant import (
     GROUP_SIZE,
+    RESIDUAL_PASSES,
     QuantizedLinear,
     _unpack_int4,
     quantize_model,
@@ -24,8 +25,9 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 
 def strata_reference(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
     """What Strata's int4 and int8 kernels compute, with the sums in float64: x quantized per
-    group of 32 in two int8 passes as the kernel does it in float32 (``dx = max|v| / 127``, codes
-    ``v * 127 / max|v|`` rounded to nearest even, the second pass on ``v - code * dx``), then
+    group of 32 in the layer's int8 passes (one or two) as the kernel does it in float32
+    (``dx = max|v| / 127``, codes ``v * 127 / max|v|`` rounded to nearest even, a second pass on
+    ``v - code * dx``), then
     ``d * sum_p dx_p * sum(q * qx_p) + m * sum(x)`` per group (int8: ``m = 0``), for codes,
     ``d`` and ``m`` read back from the layout by plain tensor ops."""
     codes, d, m = _strata_parts(layer)
@@ -33,7 +35,7 @@ def strata_reference(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
     groups = x.float().reshape(len(x), -1, GROUP_SIZE)
     q = codes[:n].double().reshape(n, -1, GROUP_SIZE)
     left, qpart = groups, 0
-    for _ in range(2):
+    for _ in range(layer.passes):
         amax = left.abs().amax(-1)
         dx = amax / 127
         inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
@@ -63,11 +65,13 @@ def _strata_built() -> bool:
     return native_stack.load_error() is None
 
 
-def _layer(scheme: str, w: torch.Tensor, bias: torch.Tensor | None = None) -> QuantizedLinear:
+def _layer(
+    scheme: str, w: torch.Tensor, bias: torch.Tensor | None = None, passes: int = 2
+) -> QuantizedLinear:
     """int8 or int4, through torch's kernel, or Strata's (``int8/strata``, ``int4/strata``)."""
     name, _, kernel = scheme.partition("/")
     build = QuantizedLinear.int8 if name == "int8" else QuantizedLinear.int4
-    return build(w, bias, kernel=kernel or "torch")
+    return build(w, bias, kernel=kernel or "torch", passes=passes)
 
 
 KERNELS = [
@@ -150,15 +154,17 @@ def test_strata_int4_takes_what_float16_keeps_and_leaves_the_rest_to_torch():
 @pytest.mark.skipif("not _strata_built()", reason="no native library here")
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("shape", [(64, 32), (192, 256), (320, 1536)])
-def test_strata_products_are_bitwise_the_same_on_every_instruction_path(scheme, shape):
+@pytest.mark.parametrize("passes", [1, 2])
+def test_strata_products_are_bitwise_the_same_on_every_instruction_path(scheme, shape, passes):
     """AVX-512 VNNI, AVX2 and plain C++ (each path this CPU has) give the same bits: integer
     sums are exact and the float steps are the same on each."""
     gen = torch.Generator().manual_seed(shape[1])
-    layer = _layer(f"{scheme}/strata", torch.randn(*shape, generator=gen))
+    layer = _layer(f"{scheme}/strata", torch.randn(*shape, generator=gen), passes=passes)
     x = torch.randn(7, shape[1], generator=gen) * torch.linspace(0.01, 30, shape[1])
     best = torch.ops.strata_native.quantized_mm_path()
     product = getattr(torch.ops.strata_native, f"{scheme}_mm")
-    outs = [product(x, layer.weight, layer.scales, shape[0], path) for path in range(best + 1)]
+    weight, scales, n = layer.weight, layer.scales, shape[0]
+    outs = [product(x, weight, scales, n, passes, path) for path in range(best + 1)]
     assert all(torch.equal(outs[0], out) for out in outs[1:]), best
     expected = strata_reference(x, layer)  # float32 sums: ~1e-6 of the largest value
     torch.testing.assert_close(outs[0].double(), expected, rtol=0, atol=1e-5 * expected.abs().max())
@@ -181,6 +187,59 @@ def test_strata_int8_keeps_a_q8_0_weight_as_stored_and_pads_its_rows():
     x = torch.randn(3, groups * GROUP_SIZE, generator=gen)
     assert layer(x).shape == (3, rows)
     assert not torch.equal(QuantizedLinear.int8(w).dequantized(torch.float32), w)
+
+
+@pytest.mark.skipif("not _strata_built()", reason="no native library here")
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_one_activation_pass_keeps_8_bits_and_two_keep_15(scheme):
+    """Against x unquantized (float64), a product's error is within what its passes leave of
+    each group: ``max|x| / 254`` per element after one pass, ``max|x| / (254 * 254)`` after two
+    (the second pass quantizes the first's remainder, at most half its step), times the
+    group's sum of ``|w|``; plus float32 rounding."""
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(64, 256, generator=gen)
+    x = torch.randn(5, 256, generator=gen) * torch.linspace(0.1, 8, 256)
+    groups = x.double().reshape(5, -1, GROUP_SIZE)
+    errors = {}
+    for passes, step in ((1, 254), (2, 254 * 254)):
+        layer = _layer(f"{scheme}/strata", w, passes=passes)
+        weight = layer.dequantized(torch.float32).double()
+        exact = x.double() @ weight.T
+        w_sums = weight.abs().reshape(64, -1, GROUP_SIZE).sum(-1)  # [N, G]
+        bound = (groups.abs().amax(-1) / step) @ w_sums.T  # [rows, N]
+        error = (layer(x).double() - exact).abs()
+        assert (error <= bound + 1e-5 * exact.abs().max()).all(), passes
+        errors[passes] = error.mean().item()
+    assert errors[2] < errors[1] / 50, errors
+
+
+def test_quantize_model_gives_the_residual_writers_one_pass():
+    """Under Strata's products, the attention output and down projections (wo, w2) take one
+    activation pass, the others two (``RESIDUAL_PASSES``)."""
+    from replicas.model import load_model
+
+    if not _strata_built():
+        pytest.skip("no native library here")
+    model = load_model("tiny", torch.device("cpu")).model
+    quantize_model(model, "int4", int4_kernel="strata")
+    layer = model.layers[0]
+    passes = {
+        name: (module.kernel, module.passes)
+        for name, module in (
+            ("wqkv", layer.attention.wqkv),
+            ("wo", layer.attention.wo),
+            ("w13", layer.feed_forward.w13),
+            ("w2", layer.feed_forward.w2),
+        )
+    }
+    assert passes == {
+        "wqkv": ("strata", 2),
+        "wo": ("strata", RESIDUAL_PASSES),
+        "w13": ("strata", 2),
+        "w2": ("strata", RESIDUAL_PASSES),
+    }
+    with pytest.raises(ValueError, match="passes must be 1 or 2"):
+        QuantizedLinear.int4(torch.randn(64, 64), kernel="strata", passes=3)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
