@@ -32,11 +32,8 @@ activations per group to int8, so that a group's product is integer multiply-add
 VNNI, AVX2 or plain C++, bitwise the same); ``auto`` measures them against torch's under the
 native stack (docs/design.md, "Strata's int4 and int8 products"). The activations take two int8
 passes (the second quantizing what the first left: about 15 bits) or one (8 bits, as llama.cpp
-does, and half the integer work), per layer: one for the attention output and feed-forward down
-projections (``wo``, ``w2``), whose errors only add to the residual stream, and two for the
-products that feed attention scores, the gated activation and the logits (``wqkv``, ``w13``,
-``output``), where rounding the activations to 8 bits costs the most perplexity
-(``quantize_model``).
+does, and half the integer work), per layer: ``RESIDUAL_PASSES`` for the attention output and
+feed-forward down projections (``wo``, ``w2``), two for the rest (``quantize_model``).
 
 Only linear layers are quantized (every projection of every block and the LM head); the token
 embedding, which is only gathered, stays dense.
@@ -68,9 +65,13 @@ GROUP_SIZE = 32
 COMPUTE_DTYPE = torch.bfloat16
 _INT4_TILE_ROWS = 64  # output sizes the CPU int4 kernels take: multiples of their widest tile
 # Strata's products: the activations' int8 passes of the layers that write to the residual
-# stream (wo, w2). SmolLM2 Q4_1 on tests/data/perplexity.txt: one pass there moves perplexity
-# from 32.57 to 32.65, one pass everywhere to 33.31 (llama.cpp: 32.66-32.85).
-RESIDUAL_PASSES = 1
+# stream (wo, w2). One pass there costs little perplexity (SmolLM2 Q4_1 on
+# tests/data/perplexity.txt: 32.57 with two, 32.65 with one; one pass everywhere 33.31) and is
+# half their integer work, but it rounds wo's input, the attention output, to 8 bits: the
+# float32-level difference between a prompt's attention computed whole and after a cached
+# prefix then becomes whole 8-bit steps, enough to flip near-tied greedy tokens between cached
+# and uncached requests. So two, until attention is bitwise the same both ways.
+RESIDUAL_PASSES = 2
 
 
 class QuantizedLinear(nn.Module):

@@ -213,9 +213,9 @@ def test_one_activation_pass_keeps_8_bits_and_two_keep_15(scheme):
     assert errors[2] < errors[1] / 50, errors
 
 
-def test_quantize_model_gives_the_residual_writers_one_pass():
-    """Under Strata's products, the attention output and down projections (wo, w2) take one
-    activation pass, the others two (``RESIDUAL_PASSES``)."""
+def test_quantize_model_gives_the_residual_writers_their_passes():
+    """Under Strata's products, the attention output and down projections (wo, w2) take
+    ``RESIDUAL_PASSES`` activation passes, the others two."""
     from replicas.model import load_model
 
     if not _strata_built():
