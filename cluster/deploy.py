@@ -35,7 +35,7 @@ from cluster.backend import (
     ScaleResult,
 )
 from cluster.config import ClusterConfig
-from cluster.health import ACTOR_LOST, HEALTH_TIMEOUT_S, HealthMonitor
+from cluster.health import ACTOR_LOST, HEALTH_INTERVAL_S, HEALTH_TIMEOUT_S, HealthMonitor
 from cluster.membership import Membership
 from cluster.placement import init_ray, is_embedded, place_replicas
 from cluster.replica_link import StreamLostError
@@ -56,6 +56,18 @@ from replicas.sampling_params import SamplingParams
 from router.actor import RouterActor, measured_ttft_costs
 
 logger = logging.getLogger(__name__)
+
+ROUTER_CATCH_UP_S = HEALTH_INTERVAL_S + HEALTH_TIMEOUT_S
+"""How long one run of a request keeps asking the router again while it names replicas the
+deployment does not send requests to (draining, retired or lost), before such an answer counts
+as an attempt. The router hears of a drain, a retirement or a loss just after the deployment;
+a router that Ray restarted (at its start-up size, every start-up replica serving) is told the
+deployment's replicas within one round of the health monitor's pings (``cluster.health``)."""
+STALE_ROUTE_WAIT_S = 0.01
+"""The wait before asking the router again after its second such answer; it doubles with each
+answer after, up to ``STALE_ROUTE_MAX_WAIT_S``. The first is asked again at once: the route was
+most likely sent before the router heard of the change."""
+STALE_ROUTE_MAX_WAIT_S = 0.25
 
 
 class RayBackend:
@@ -224,7 +236,10 @@ class RayBackend:
         never ran it: the run is routed again, away from that replica. A replica whose waiting
         queue is full turns it away too: the router offers it to the next best replica, and
         only when every live replica is full does the client get 429. Once the run has
-        output, a loss raises ``_LostMidStream``."""
+        output, a loss raises ``_LostMidStream``. A router that names a replica the deployment
+        does not send requests to (``_member_route``) is asked again without that counting as
+        an attempt, for up to ``ROUTER_CATCH_UP_S``: a scale-in or a restart of the router
+        fails no request."""
         request_id = request.request_id
         token_ids = request.prompt_token_ids + (resumed.token_ids if resumed else [])
         hashes = block_hashes(token_ids, self.block_size, request.cache_salt)
@@ -232,20 +247,13 @@ class RayBackend:
         members = self.membership
         num_attempts = 2 * max(2, members.num_members())
         full: set[int] = set()
+        catch_up = _RouterCatchUp()
         for attempt in range(num_attempts):
             is_last = attempt == num_attempts - 1
-            if request.released is not None:
-                await request.released
-            index = await self._route(request_id, len(token_ids), hashes, full, key)
-            if not members.is_routable(index):
-                # Routed before the router heard of the drain: route again, never calling it.
-                request.released = self.router_calls.release(request_id)
-                continue
-            if not (self.health.is_alive(index) or is_last):
-                # The router has not heard of the loss yet (one that Ray restarted believes every
-                # replica live): tell it again and route again, before any call to the replica.
-                self.health.mark_lost(index)
-                request.released = self.router_calls.release(request_id)
+            index = await self._member_route(
+                request, len(token_ids), hashes, full, key, catch_up, is_last
+            )
+            if index is None:  # the router stayed behind the deployment: this attempt is spent
                 continue
             stream = self.links[index].generate(
                 request_id,
@@ -273,6 +281,39 @@ class RayBackend:
                     self.replicas[index].abort.remote(request_id)
                 request.released = self.router_calls.release(request_id)
         raise OverloadedError(f"replicas {sorted(full)} turned the request away; retry later")
+
+    async def _member_route(
+        self,
+        request: "_Request",
+        num_prompt_tokens: int,
+        hashes: list[BlockHash],
+        full: set[int],
+        cache_key: str | None,
+        catch_up: "_RouterCatchUp",
+        is_last: bool,
+    ) -> int | None:
+        """The replica the router picks (``_route``) once it is one the deployment sends
+        requests to: routable (``Membership.is_routable``) and, unless ``is_last``, live as far
+        as the health monitor knows. An answer naming another replica is a router behind the
+        deployment: it has not heard of the drain, the retirement or the loss yet, or Ray
+        restarted it and it has not been told the replicas yet. That replica is never called:
+        the router is told of a loss again, and asked again after ``catch_up``'s wait. None
+        once ``catch_up``'s time is spent (the caller counts the attempt)."""
+        members = self.membership
+        while True:
+            if request.released is not None:
+                await request.released
+            index = await self._route(
+                request.request_id, num_prompt_tokens, hashes, full, cache_key
+            )
+            routable = members.is_routable(index)
+            if routable and (self.health.is_alive(index) or is_last):
+                return index  # no await from here to the call: a drain waits for it
+            if routable:  # lost: told again at every sighting (a restarted router forgot it)
+                self.health.mark_lost(index)
+            request.released = self.router_calls.release(request.request_id)
+            if not await catch_up.wait():
+                return None
 
     def _after_failure(
         self, error: Exception, index: int, started: bool, is_last: bool, request_id: str
@@ -462,6 +503,30 @@ class _Request:
     cache_salt: str | None
     cache_hints: CacheHints | None
     released: asyncio.Future | None = None
+
+
+class _RouterCatchUp:
+    """The waits of one run of a request while the router names replicas the deployment does
+    not send requests to: none before asking again the first time, then
+    ``STALE_ROUTE_WAIT_S`` doubling up to ``STALE_ROUTE_MAX_WAIT_S``, for at most
+    ``ROUTER_CATCH_UP_S`` from the first such answer."""
+
+    def __init__(self) -> None:
+        self._deadline: float | None = None
+        self._wait_s = 0.0
+
+    async def wait(self) -> bool:
+        """Wait before the router is asked again; False, without waiting, once the time to
+        catch up is spent."""
+        loop = asyncio.get_running_loop()
+        if self._deadline is None:
+            self._deadline = loop.time() + ROUTER_CATCH_UP_S
+        remaining = self._deadline - loop.time()
+        if remaining <= 0:
+            return False
+        await asyncio.sleep(min(self._wait_s, remaining))
+        self._wait_s = min(max(2 * self._wait_s, STALE_ROUTE_WAIT_S), STALE_ROUTE_MAX_WAIT_S)
+        return True
 
 
 class _LostMidStream(ReplicaFailedError):

@@ -153,18 +153,22 @@ def test_resize_under_load_refuses_bad_sizes_and_removes_the_least_valuable(back
     assert sorted(live_indices(backend)) == sorted([survivor, 4])
     assert_clean(backend)
 
-    # Ray re-creates a killed router at its start-up size (2): the deployment tells it its
-    # replicas again, and it routes to the live ones only.
+    # Ray re-creates a killed router at its start-up size (2), every start-up replica serving:
+    # requests sent at once wait until the deployment has told it its replicas again, and it
+    # routes to the live ones only.
+    killed = ray.get(backend.router.ready.remote())
     ray.kill(backend.router, no_restart=False)
 
     async def after_restart():
         backend.health.ensure_running()
-        for _ in range(300):
-            stats = await backend.router.stats.remote()
-            if sorted(r.replica_index for r in stats.replicas) == sorted([survivor, 4]):
-                break
+        outputs = [await run_one(backend, f"after-{i}", prompts[i], PARAMS) for i in range(4)]
+        for _ in range(300):  # the restarted router, told the replicas
+            if await backend.router.ready.remote() != killed:
+                stats = await backend.router.stats.remote()
+                if sorted(r.replica_index for r in stats.replicas) == sorted([survivor, 4]):
+                    break
             await asyncio.sleep(0.1)
-        return [await run_one(backend, f"after-{i}", prompts[i], PARAMS) for i in range(4)]
+        return outputs
 
     outputs = run(after_restart())
     assert {o.replica_index for o in outputs} <= {survivor, 4}
