@@ -33,13 +33,17 @@ unfused float32 online softmax, by most in bfloat16, since torch has neither an 
 returns the log-sum-exp nor a bfloat16 GEMM with float32 output; so chunks are used for long
 contexts only.
 
-On a CPU, a group of decodes (one query per sequence) over a KV cache of values whose keys fit
-one chunk skips the gather and SDPA: ``strata_native::decode_attention`` (``decode_attention.cpp``,
-in the native library, used wherever that library builds, by the eager model and the native
-stack alike) reads each sequence's keys and values in place through the same row indices, in
-float32 with the softmax in base 2. At one query SDPA's set-up and the gather are most of the
-time (SmolLM2, 200 keys: about 60 us a layer against 25 on a Zen 4 core); its result is a
-sequence's own whatever the batch, and the same on every instruction path.
+On a CPU, over a KV cache of values (head size a multiple of 16, the native library built:
+``strata_attends``), every group reads its keys as one chunk however long (``AttentionMetadata.
+build(whole_spans=True)``), and skips the gather and SDPA: ``strata_native::decode_attention``
+(one query per sequence) and ``rows_attention`` (a prefill chunk) in ``decode_attention.cpp``,
+used by the eager model and the native stack alike, read each sequence's keys and values in
+place through the same row indices, in float32 with the softmax in base 2. At one query SDPA's
+set-up and the gather are most of the time; at a prefill's many rows it runs about as fast as
+SDPA. A row's result is its own whatever the batch, on every instruction path, and the same
+bits whether its position is computed in a prefill, in a chunk after cached keys or as a
+decode: prefix caching on and off give the same outputs. Elsewhere (CUDA, a quantized KV cache)
+chunks and SDPA run as above.
 
 All decodes (one new token each) attend as one group, each prefill chunk (several new tokens)
 as its own, and so does each of the batch's last ``num_solo_seqs`` sequences (draft tokens being
@@ -158,24 +162,31 @@ class AttentionMetadata:
         block_size: int,
         sliding_window: int | None,
         kv_format: KVFormat | None = None,
+        whole_spans: bool = False,
     ) -> "AttentionMetadata":
+        """``whole_spans``: every group reads its keys as one chunk, however long (for Strata's
+        attention, which reads them in place: ``strata_attends``)."""
         table = batch.block_tables[group]  # [B, max_blocks]
         slots = batch.slot_mapping[group]  # [T]
         decodes, groups = [], []
+
+        def group_of(seqs: list[_Seq]) -> AttentionGroup:
+            return _build_group(table, slots, seqs, block_size, sliding_window, whole_spans)
+
         first_solo = batch.num_seqs - batch.num_solo_seqs
         for i, seq_len in enumerate(batch.seq_lens):
             start, end = batch.query_start_loc[i], batch.query_start_loc[i + 1]
             if end - start == 1 and i >= first_solo:
                 seq = _Seq(i, start, seq_len, 1, block_size, sliding_window)
-                groups.append(_build_group(table, slots, [seq], block_size, sliding_window))
+                groups.append(group_of([seq]))
             elif end - start == 1:
                 decodes.append(_Seq(i, start, seq_len, 1, block_size, sliding_window))
             elif end > start:
                 seq = _Seq(i, start, seq_len, end - start, block_size, sliding_window)
-                groups.append(_build_group(table, slots, [seq], block_size, sliding_window))
+                groups.append(group_of([seq]))
         if decodes:
             decodes.sort(key=lambda s: -s.span)  # stable: batch order where it can
-            groups.append(_build_group(table, slots, decodes, block_size, sliding_window))
+            groups.append(group_of(decodes))
         whole = slice(0, batch.query_start_loc[-1])
         return cls(
             write_blocks=torch.div(slots, block_size, rounding_mode="floor"),
@@ -283,10 +294,12 @@ def _build_group(
     seqs: list[_Seq],
     block_size: int,
     sliding_window: int | None,
+    whole_spans: bool = False,
 ) -> AttentionGroup:
     """The chunks of ``seqs``: one prefill, or decodes sorted by span descending."""
-    is_one_chunk = seqs[0].span <= ONE_CHUNK_BLOCKS * block_size
+    is_one_chunk = whole_spans or seqs[0].span <= ONE_CHUNK_BLOCKS * block_size
     chunk_len = (ONE_CHUNK_BLOCKS if is_one_chunk else CHUNK_BLOCKS) * block_size
+    chunk_len = max(chunk_len, seqs[0].span) if is_one_chunk else chunk_len
     q_len, num_chunks = seqs[0].q_len, -(-seqs[0].span // chunk_len)
     # One chunk is as wide as the longest span (the first: a prefill, or decodes by span).
     grid_len = num_chunks * chunk_len if num_chunks > 1 else seqs[0].span
@@ -434,9 +447,13 @@ def _attend(
     num_seqs, q_len = group.num_seqs, group.q_len
     num_heads, head_dim = q.shape[1:]
     heads_per_kv = num_heads // num_kv_heads
-    if q_len == 1 and len(group.chunks) == 1 and _strata_decodes(q, fmt):
-        return torch.ops.strata_native.decode_attention(
-            q, cache_rows, reads.rows[0], group.allowed, num_kv_heads
+    if len(group.chunks) == 1 and strata_attends(q.device, fmt, head_dim):
+        if q_len == 1:
+            return torch.ops.strata_native.decode_attention(
+                q, cache_rows, reads.rows[0], group.allowed, num_kv_heads
+            )
+        return torch.ops.strata_native.rows_attention(
+            q, cache_rows, reads.rows[0], group.allowed, group.is_causal, q_len, num_kv_heads
         )
     if len(group.chunks) == 1:  # no combine: one fused SDPA over exactly the chunk's keys
         # 8-bit rows dequantize exactly into float32 (code * scale); narrowing them to
@@ -493,11 +510,11 @@ def _attend(
     return out.reshape(num_seqs * q_len, num_heads, head_dim).to(q.dtype)
 
 
-def _strata_decodes(q: torch.Tensor, fmt: KVFormat) -> bool:
-    """Whether decodes of ``q`` over a cache of ``fmt`` take Strata's decode attention (see the
-    module docstring): on a CPU, a KV cache of values, a head size of a multiple of 16, and
-    the native library built."""
-    if q.device.type != "cpu" or fmt.is_quantized or q.shape[-1] % 16:
+def strata_attends(device: torch.device, fmt: KVFormat | None, head_dim: int) -> bool:
+    """Whether a group of one chunk takes Strata's attention (see the module docstring): on a
+    CPU, a KV cache of values (``fmt`` None: values), a head size of a multiple of 16, and the
+    native library built."""
+    if device.type != "cpu" or (fmt is not None and fmt.is_quantized) or head_dim % 16:
         return False
     from replicas.model import native_stack  # it imports this module
 

@@ -1,23 +1,26 @@
-// Strata's decode attention: one query per sequence (a decode step, or a draft token attending
-// alone) against its keys, read in place from a KV cache of values through the row indices
-// attention._GroupReads computes. It does what one fused SDPA call does for such a group
-// (attention._attend), without gathering the keys into a tensor first and without SDPA's set-up,
-// which at one query is most of its time: SmolLM2's 9 heads over 200 bfloat16 keys take SDPA
-// and the gather about 60 us a layer on a Zen 4 core, this loop 25 (1,500 keys: 2,072 and 172).
+// Strata's attention on a CPU: query rows of one sequence (a decode step, a draft token
+// attending alone, or a prefill chunk, after cached keys or not) against its keys, read in place
+// from a KV cache of values through the row indices attention._GroupReads computes. It does what
+// one fused SDPA call does for such a group (attention._attend), without gathering the keys into
+// a tensor first and without SDPA's set-up, which at one query is most of its time.
 //
-// Per sequence and kv head, in float32 whatever the cache dtype, scores in base 2:
+// Per query row and head, in float32 whatever the cache dtype, scores in base 2:
 //
-//   s_j = (q * log2(e) / sqrt(D)) . k_j      for each key j the sequence sees (masked keys are
-//   m = max_j s_j,  p_j = 2^(s_j - m)         never read: padding may hold anything)
-//   out = (sum_j p_j v_j) / (sum_j p_j)      keys in order, one multiply and one add at a time
+//   s_j = (q * log2(e) / sqrt(D)) . k_j      for each key j the row sees (a value it does not
+//   m = max_j s_j,  p_j = 2^(s_j - m)         see is never read: padding may hold anything)
+//   out = (sum_j p_j v_j) / (sum_j p_j)
 //
-// A dot product keeps 16 lanes (lane i sums the products of columns i, i + 16, ...) added
-// pairwise at the end; 2^x is a degree-7 polynomial on [-1/2, 1/2] times a power of two
-// (relative error under 1e-8 before rounding). Every float step is the same on each
+// A score is the product of column 0, then each next column's added in one fused multiply-add,
+// in column order (16 keys at once, from a panel of the keys transposed); the weights' sum adds
+// one key at a time in key order, and each column of the weighted sum of the values one fused
+// multiply-add per key in key order; 2^x is a degree-7 polynomial on [-1/2, 1/2] times a power
+// of two (relative error under 1e-8 before rounding). Every float step is the same on each
 // instruction path (AVX-512: one register of 16 lanes; AVX2: two of 8; plain C++: an array of
-// 16; the library is compiled with -ffp-contract=off, so no path fuses a multiply-add), and a
-// sequence's result depends on nothing but its own keys: bitwise the same on every path and in
-// any batch, as prefix caching on and off needs.
+// 16 and std::fma; the library is compiled with -ffp-contract=off, so nothing else is fused),
+// and a row's result depends on nothing but the row and the keys it sees, in order: bitwise
+// the same on every path, in any batch, however the keys are padded or masked, and whether the
+// position is computed in a prefill, in a chunk after cached keys or as a decode. So prefix
+// caching on and off give the same bits.
 
 #include "decode_attention.h"
 #include "native_isa.h"
@@ -28,6 +31,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
@@ -40,7 +44,7 @@ constexpr int64_t kLanes = 16;
 // compiled for the path's instructions (always_inline would refuse a target-specific callee in a
 // template that is not itself compiled for the target).
 #define STRATA_AVX512 __attribute__((target("avx512f"))) inline
-#define STRATA_AVX2 __attribute__((target("avx2,f16c"))) inline
+#define STRATA_AVX2 __attribute__((target("avx2,fma,f16c"))) inline
 
 // Lanes 0-7 added pairwise as sum_lanes does (see below).
 STRATA_AVX2 float sum8(__m256 v) {
@@ -55,6 +59,8 @@ struct Avx512 {
   struct V {
     __m512 a;
   };
+  static constexpr int kValueChunks = 4;  // value columns summed at once, by kLanes
+  static constexpr int kScoreGroups = 2;  // groups of kLanes keys scored at once
   static STRATA_AVX512 V load(const float* p) { return {_mm512_loadu_ps(p)}; }
   static STRATA_AVX512 void store(float* p, V v) { _mm512_storeu_ps(p, v.a); }
   static STRATA_AVX512 V set1(float x) { return {_mm512_set1_ps(x)}; }
@@ -62,6 +68,7 @@ struct Avx512 {
   static STRATA_AVX512 V sub(V x, V y) { return {_mm512_sub_ps(x.a, y.a)}; }
   static STRATA_AVX512 V mul(V x, V y) { return {_mm512_mul_ps(x.a, y.a)}; }
   static STRATA_AVX512 V max(V x, V y) { return {_mm512_max_ps(x.a, y.a)}; }
+  static STRATA_AVX512 V fma(V x, V y, V z) { return {_mm512_fmadd_ps(x.a, y.a, z.a)}; }
   // (trunc(x - 1/2), as float; 2^that) for -126 <= x <= 0 (the nearest integer n to x, 2^n)
   static STRATA_AVX512 void split(V x, V& n, V& power) {
     const __m512i i = _mm512_cvttps_epi32(_mm512_sub_ps(x.a, _mm512_set1_ps(0.5f)));
@@ -75,6 +82,33 @@ struct Avx512 {
   static STRATA_AVX512 V load_f16(const uint16_t* p) {
     return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
   }
+  // dst[c * 16 + i] = src[i * 16 + c]: 16 rows of 16 floats transposed.
+  static STRATA_AVX512 void transpose16(const float* src, float* dst) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + 16 * i);
+    for (int i = 0; i < 16; i += 2) {
+      t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int b = 0; b < 16; b += 4) {  // r[b + k]: column 4L + k of rows b .. b + 3, lane L
+      const __m512d t0 = _mm512_castps_pd(t[b]), t1 = _mm512_castps_pd(t[b + 1]);
+      const __m512d t2 = _mm512_castps_pd(t[b + 2]), t3 = _mm512_castps_pd(t[b + 3]);
+      r[b] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
+      r[b + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
+      r[b + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
+      r[b + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
+    }
+    for (int k = 0; k < 4; ++k) {
+      const __m512 v = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x88);
+      const __m512 w = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x88);
+      const __m512 v1 = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xdd);
+      const __m512 w1 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xdd);
+      _mm512_storeu_ps(dst + 16 * k, _mm512_shuffle_f32x4(v, w, 0x88));
+      _mm512_storeu_ps(dst + 16 * (8 + k), _mm512_shuffle_f32x4(v, w, 0xdd));
+      _mm512_storeu_ps(dst + 16 * (4 + k), _mm512_shuffle_f32x4(v1, w1, 0x88));
+      _mm512_storeu_ps(dst + 16 * (12 + k), _mm512_shuffle_f32x4(v1, w1, 0xdd));
+    }
+  }
   static STRATA_AVX512 float sum_lanes(V v) {
     const __m256 lo = _mm512_castps512_ps256(v.a);
     const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v.a), 1));
@@ -86,6 +120,8 @@ struct Avx2 {
   struct V {
     __m256 lo, hi;  // lanes 0-7, 8-15
   };
+  static constexpr int kValueChunks = 1;
+  static constexpr int kScoreGroups = 1;
   static STRATA_AVX2 V load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
   static STRATA_AVX2 void store(float* p, V v) {
     _mm256_storeu_ps(p, v.lo);
@@ -96,6 +132,9 @@ struct Avx2 {
   static STRATA_AVX2 V sub(V x, V y) { return {_mm256_sub_ps(x.lo, y.lo), _mm256_sub_ps(x.hi, y.hi)}; }
   static STRATA_AVX2 V mul(V x, V y) { return {_mm256_mul_ps(x.lo, y.lo), _mm256_mul_ps(x.hi, y.hi)}; }
   static STRATA_AVX2 V max(V x, V y) { return {_mm256_max_ps(x.lo, y.lo), _mm256_max_ps(x.hi, y.hi)}; }
+  static STRATA_AVX2 V fma(V x, V y, V z) {
+    return {_mm256_fmadd_ps(x.lo, y.lo, z.lo), _mm256_fmadd_ps(x.hi, y.hi, z.hi)};
+  }
   static STRATA_AVX2 void split_half(__m256 x, __m256& n, __m256& power) {
     const __m256i i = _mm256_cvttps_epi32(_mm256_sub_ps(x, _mm256_set1_ps(0.5f)));
     n = _mm256_cvtepi32_ps(i);
@@ -114,6 +153,30 @@ struct Avx2 {
     return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
             _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
   }
+  // dst[c * 16 + i] = src[i * 16 + c]: 16 rows of 16 floats transposed, 8 by 8.
+  static STRATA_AVX2 void transpose16(const float* src, float* dst) {
+    for (int rb = 0; rb < 16; rb += 8) {
+      for (int cb = 0; cb < 16; cb += 8) {
+        __m256 a[8], t[8];
+        for (int i = 0; i < 8; ++i) a[i] = _mm256_loadu_ps(src + 16 * (rb + i) + cb);
+        for (int i = 0; i < 8; i += 2) {
+          t[i] = _mm256_unpacklo_ps(a[i], a[i + 1]);
+          t[i + 1] = _mm256_unpackhi_ps(a[i], a[i + 1]);
+        }
+        for (int b = 0; b < 8; b += 4) {  // a[b + k]: column 4L + k of rows b .. b + 3, lane L
+          a[b] = _mm256_shuffle_ps(t[b], t[b + 2], 0x44);
+          a[b + 1] = _mm256_shuffle_ps(t[b], t[b + 2], 0xEE);
+          a[b + 2] = _mm256_shuffle_ps(t[b + 1], t[b + 3], 0x44);
+          a[b + 3] = _mm256_shuffle_ps(t[b + 1], t[b + 3], 0xEE);
+        }
+        for (int k = 0; k < 4; ++k) {
+          _mm256_storeu_ps(dst + 16 * (cb + k) + rb, _mm256_permute2f128_ps(a[k], a[4 + k], 0x20));
+          _mm256_storeu_ps(dst + 16 * (cb + 4 + k) + rb,
+                           _mm256_permute2f128_ps(a[k], a[4 + k], 0x31));
+        }
+      }
+    }
+  }
   static STRATA_AVX2 float sum_lanes(V v) { return sum8(_mm256_add_ps(v.lo, v.hi)); }
 };
 
@@ -121,6 +184,8 @@ struct Generic {
   struct V {
     float a[kLanes];
   };
+  static constexpr int kValueChunks = 1;
+  static constexpr int kScoreGroups = 1;
   template <typename F>
   static inline V map(F f) {
     V r;
@@ -135,7 +200,10 @@ struct Generic {
   static inline V mul(V x, V y) { return map([&](int64_t i) { return x.a[i] * y.a[i]; }); }
   static inline V max(V x, V y) {
     return map([&](int64_t i) { return x.a[i] > y.a[i] ? x.a[i] : y.a[i]; });  // maxps: NaN -> y
+  }  static inline V fma(V x, V y, V z) {
+    return map([&](int64_t i) { return std::fma(x.a[i], y.a[i], z.a[i]); });
   }
+
   static inline void split(V x, V& n, V& power) {
     for (int64_t i = 0; i < kLanes; ++i) {
       const int32_t k = static_cast<int32_t>(x.a[i] - 0.5f);
@@ -154,6 +222,12 @@ struct Generic {
   }
   static inline V load_f16(const uint16_t* p) {
     return map([&](int64_t i) { return static_cast<float>(c10::Half(p[i], c10::Half::from_bits())); });
+  }
+  // dst[c * 16 + i] = src[i * 16 + c]: 16 rows of 16 floats transposed.
+  static inline void transpose16(const float* src, float* dst) {
+    for (int64_t i = 0; i < kLanes; ++i) {
+      for (int64_t c = 0; c < kLanes; ++c) dst[c * kLanes + i] = src[i * kLanes + c];
+    }
   }
   static inline float sum_lanes(V v) {
     float* a = v.a;
@@ -198,63 +272,241 @@ inline typename P::V load_row(const at::Half* p) {
 }
 
 struct Problem {
-  const float* q;  // [S, H, D], scaled by log2(e) / sqrt(D)
+  const float* q;        // [S * L, H, D], scaled by log2(e) / sqrt(D)
   const void* cache;
-  const int64_t* rows;  // [2, S, kv heads, W]
-  const bool* allowed;  // [S, W] or null
-  float* out;           // [S, H, D]
-  int64_t num_seqs, num_heads, num_kv_heads, head_dim, width;
+  const int64_t* rows;   // [2, S, kv heads, W]
+  const bool* allowed;   // [S * L, W] or null
+  const int64_t* first;  // [S * L] the first key each row sees
+  const int64_t* last;   // [S * L] one past the last
+  float* out;            // [S * L, H, D]
+  int64_t num_seqs, q_len, num_heads, num_kv_heads, head_dim, width, num_blocks;
 };
 
-// Tasks [begin, end) of a problem, a task being one sequence and kv head. Each loop over the
-// keys keeps its accumulator in a register: per query row, its scores; then per row and 16
-// columns of the output, the weighted sum of the values.
-template <typename P, typename T>
-inline void attend(const Problem& pr, int64_t begin, int64_t end) {
+// Sets entries [from, to) of a row's scores (indexed from key `origin`) to `value`.
+inline void fill(std::vector<float>& scores, int64_t origin, int64_t from, int64_t to, float value) {
+  for (int64_t j = from; j < to; ++j) scores[j - origin] = value;
+}
+
+// Up to kHeads query heads of one kv head run together: they see the same keys, so each key
+// (and value) loaded serves them all.
+constexpr int kHeads = 4;
+
+// Scores of NH heads of one row for NG groups of kLanes keys from `panel` (transposed keys:
+// [group, D, kLanes]): per key, the product of column 0, then each next column's added in one
+// fused multiply-add, in column order. scores[i] is head i's, indexed by group * kLanes.
+template <typename P, int NG, int NH>
+inline void score_groups(const float* const* q, const float* panel, int64_t d, int64_t group,
+                         float* const* scores) {
   using V = typename P::V;
-  const int64_t d = pr.head_dim, w = pr.width;
-  const int64_t w_padded = (w + kLanes - 1) / kLanes * kLanes;
+  V acc[NH][NG];
+#pragma GCC unroll 4
+  for (int h = 0; h < NH; ++h) {
+    const V q0 = P::set1(q[h][0]);
+#pragma GCC unroll 2
+    for (int i = 0; i < NG; ++i) acc[h][i] = P::mul(q0, P::load(panel + i * d * kLanes));
+  }
+  for (int64_t c = 1; c < d; ++c) {
+    V k[NG];
+#pragma GCC unroll 2
+    for (int i = 0; i < NG; ++i) k[i] = P::load(panel + (i * d + c) * kLanes);
+#pragma GCC unroll 4
+    for (int h = 0; h < NH; ++h) {
+      const V qc = P::set1(q[h][c]);
+#pragma GCC unroll 2
+      for (int i = 0; i < NG; ++i) acc[h][i] = P::fma(qc, k[i], acc[h][i]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < NH; ++h) {
+#pragma GCC unroll 2
+    for (int i = 0; i < NG; ++i) P::store(scores[h] + (group + i) * kLanes, acc[h][i]);
+  }
+}
+
+// Columns [c0, c0 + NC * kLanes) of NH heads' weighted sums of the values of keys [first, last)
+// (those `seen` hides skipped), in key order, one fused multiply-add each: weights[h][j] is
+// key j's weight for head h.
+template <typename P, typename T, int NC, int NH>
+inline void weigh_values(const float* const* weights, const T* cache, const int64_t* values,
+                         const bool* seen, int64_t first, int64_t last, int64_t d, int64_t c0,
+                         float* const* out) {
+  using V = typename P::V;
+  V acc[NH][NC];
+#pragma GCC unroll 4
+  for (int h = 0; h < NH; ++h) {
+#pragma GCC unroll 4
+    for (int i = 0; i < NC; ++i) acc[h][i] = P::set1(0.0f);
+  }
+  for (int64_t j = first; j < last; ++j) {
+    if (seen && !seen[j]) continue;
+    const T* value = cache + values[j] * d + c0;
+    V v[NC];
+#pragma GCC unroll 4
+    for (int i = 0; i < NC; ++i) v[i] = load_row<P>(value + i * kLanes);
+#pragma GCC unroll 4
+    for (int h = 0; h < NH; ++h) {
+      const V weight = P::set1(weights[h][j]);
+#pragma GCC unroll 4
+      for (int i = 0; i < NC; ++i) acc[h][i] = P::fma(weight, v[i], acc[h][i]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < NH; ++h) {
+#pragma GCC unroll 4
+    for (int i = 0; i < NC; ++i) P::store(out[h] + c0 + i * kLanes, acc[h][i]);
+  }
+}
+
+// The keys one query row sees: [first, last) of its sequence's, less those `seen` hides;
+// its scores fill whole groups of kLanes keys, groups [g0, g1) from the panel's first.
+struct RowKeys {
+  int64_t first, last, origin, g0, g1;
+  const bool* seen;
+};
+
+// A row's weights from its scores (indexed from the panel's first key, kLanes per group):
+// 2^(s - max), exactly 0 for a key it does not see.
+template <typename P>
+inline void softmax_weights(float* scores, const RowKeys& k) {
+  using V = typename P::V;
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  float* at = scores - k.origin;  // at[j]: key j's
+  const int64_t from = k.origin + k.g0 * kLanes, to = k.origin + k.g1 * kLanes;
+  auto hide = [&](float value) {
+    for (int64_t j = from; j < k.first; ++j) at[j] = value;
+    for (int64_t j = k.last; j < to; ++j) at[j] = value;
+    if (k.seen) {
+      for (int64_t j = k.first; j < k.last; ++j) {
+        if (!k.seen[j]) at[j] = value;
+      }
+    }
+  };
+  hide(minus_inf);
+  V maxima = P::set1(minus_inf);
+  for (int64_t g = k.g0; g < k.g1; ++g) maxima = P::max(maxima, P::load(scores + g * kLanes));
+  float lanes[kLanes];
+  P::store(lanes, maxima);
+  float max_score = minus_inf;
+  for (const float x : lanes) max_score = std::max(max_score, x);
+  const V m = P::set1(max_score);
+  for (int64_t g = k.g0; g < k.g1; ++g) {
+    P::store(scores + g * kLanes, exp2_nonpositive<P>(P::sub(P::load(scores + g * kLanes), m)));
+  }
+  hide(0.0f);
+}
+
+// NH heads of one query row: q[h] its scaled query, scores[h] room for its scores, out[h] its
+// output row.
+template <typename P, typename T, int NH>
+inline void attend_heads(const float* const* q, const float* panel, const T* cache,
+                         const int64_t* values, const RowKeys& k, int64_t d,
+                         float* const* scores, float* const* out) {
+  constexpr int64_t groups = P::kScoreGroups;
+  int64_t g = k.g0;
+  for (; g + groups <= k.g1; g += groups) {
+    score_groups<P, groups, NH>(q, panel + g * d * kLanes, d, g, scores);
+  }
+  for (; g < k.g1; ++g) score_groups<P, 1, NH>(q, panel + g * d * kLanes, d, g, scores);
+  const float* weights[NH];
+  for (int h = 0; h < NH; ++h) {
+    softmax_weights<P>(scores[h], k);
+    weights[h] = scores[h] - k.origin;
+  }
+  // Each head's sum of its weights, one key at a time in key order (a hidden key's 0 changes
+  // nothing): the same bits however the keys are laid out or padded.
+  float sums[NH];
+  for (int h = 0; h < NH; ++h) sums[h] = 0.0f;
+  for (int64_t j = k.first; j < k.last; ++j) {
+#pragma GCC unroll 4
+    for (int h = 0; h < NH; ++h) sums[h] = sums[h] + weights[h][j];
+  }
+  constexpr int64_t chunks = P::kValueChunks;
+  int64_t c0 = 0;
+  for (; c0 + chunks * kLanes <= d; c0 += chunks * kLanes) {
+    weigh_values<P, T, chunks, NH>(weights, cache, values, k.seen, k.first, k.last, d, c0, out);
+  }
+  for (; c0 < d; c0 += kLanes) {
+    weigh_values<P, T, 1, NH>(weights, cache, values, k.seen, k.first, k.last, d, c0, out);
+  }
+  for (int h = 0; h < NH; ++h) {
+    for (int64_t i = 0; i < d; ++i) out[h][i] = out[h][i] / sums[h];
+  }
+}
+
+// Tasks [begin, end) of a problem, a task being one sequence, kv head and block of query rows.
+// The keys the block sees are transposed into a panel of kLanes keys by D columns, so that a
+// query row's scores come kLanes keys at a time, one multiply-add per column; then, per row,
+// its softmax over kLanes keys at a time and the weighted sum of the values, kLanes columns at
+// a time. Every step a row takes depends on nothing but the row and the keys it sees.
+template <typename P, typename T>
+inline void attend(const Problem& pr, int64_t begin, int64_t end_task) {
+  using V = typename P::V;
+  const int64_t d = pr.head_dim, w = pr.width, big_l = pr.q_len;
   const int64_t heads = pr.num_heads / pr.num_kv_heads;
+  const int64_t rows_per_block = (big_l + pr.num_blocks - 1) / pr.num_blocks;
   const T* cache = static_cast<const T*>(pr.cache);
-  std::vector<float> scores(w_padded);
-  for (int64_t task = begin; task < end; ++task) {
-    const int64_t s = task / pr.num_kv_heads, g = task % pr.num_kv_heads;
+  std::vector<float> panel;   // [key group, D, kLanes]: the block's keys, transposed
+  std::vector<float> scores;  // [kHeads, groups * kLanes]: a row's scores, then weights
+  for (int64_t task = begin; task < end_task; ++task) {
+    // Blocks interleaved from both ends, so that threads share a causal prefill evenly.
+    const int64_t b = task % pr.num_blocks, rest = task / pr.num_blocks;
+    const int64_t block = b % 2 == 0 ? b / 2 : pr.num_blocks - 1 - b / 2;
+    const int64_t s = rest / pr.num_kv_heads, g = rest % pr.num_kv_heads;
+    const int64_t row0 = s * big_l + block * rows_per_block;
+    const int64_t row1 = s * big_l + std::min(big_l, (block + 1) * rows_per_block);
+    if (row0 >= row1) continue;
     const int64_t* keys = pr.rows + (s * pr.num_kv_heads + g) * w;
     const int64_t* values = keys + pr.num_seqs * pr.num_kv_heads * w;
-    const bool* seen = pr.allowed ? pr.allowed + s * w : nullptr;
-    for (int64_t h = g * heads; h < (g + 1) * heads; ++h) {
-      const float* q = pr.q + (s * pr.num_heads + h) * d;
-      float max_score = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < w_padded; ++j) {
-        float score = -std::numeric_limits<float>::infinity();
-        if (j < w && (!seen || seen[j])) {
-          const T* key = cache + keys[j] * d;
-          V dot = P::mul(P::load(q), load_row<P>(key));
-          for (int64_t c = kLanes; c < d; c += kLanes) {
-            dot = P::add(dot, P::mul(P::load(q + c), load_row<P>(key + c)));
-          }
-          score = P::sum_lanes(dot);
-          max_score = std::max(max_score, score);
+    int64_t lo = w, hi = 0;
+    for (int64_t r = row0; r < row1; ++r) {
+      lo = std::min(lo, pr.first[r]);
+      hi = std::max(hi, pr.last[r]);
+    }
+    const int64_t origin = lo / kLanes * kLanes;
+    const int64_t num_groups = (hi - origin + kLanes - 1) / kLanes;
+    panel.resize(num_groups * d * kLanes);
+    for (int64_t group = 0; group < num_groups; ++group) {
+      const int64_t j0 = origin + group * kLanes;
+      for (int64_t c = 0; c < d; c += kLanes) {  // 16 keys by 16 columns at a time
+        float tile[kLanes * kLanes];
+        for (int64_t i = 0; i < kLanes; ++i) {
+          const int64_t j = j0 + i;
+          const V row = j >= lo && j < hi ? load_row<P>(cache + keys[j] * d + c) : P::set1(0.0f);
+          P::store(tile + i * kLanes, row);
         }
-        scores[j] = score;
+        P::transpose16(tile, &panel[(group * d + c) * kLanes]);
       }
-      const V m = P::set1(max_score);
-      float sum = 0.0f;
-      for (int64_t j = 0; j < w_padded; j += kLanes) {
-        P::store(&scores[j], exp2_nonpositive<P>(P::sub(P::load(&scores[j]), m)));
-        for (int64_t i = j; i < std::min(j + kLanes, w); ++i) {
-          if (!seen || seen[i]) sum = sum + scores[i];
+    }
+    const int64_t stride = num_groups * kLanes;
+    scores.resize(kHeads * stride);
+    for (int64_t r = row0; r < row1; ++r) {
+      const int64_t first = pr.first[r], last = pr.last[r];
+      const RowKeys k{first, last, origin, (first - origin) / kLanes,
+                      (last - origin + kLanes - 1) / kLanes,
+                      pr.allowed ? pr.allowed + r * w : nullptr};
+      for (int64_t h0 = g * heads; h0 < (g + 1) * heads; h0 += kHeads) {
+        const int nh = static_cast<int>(std::min<int64_t>(kHeads, (g + 1) * heads - h0));
+        const float* q[kHeads];
+        float* score_rows[kHeads];
+        float* out[kHeads];
+        for (int h = 0; h < nh; ++h) {
+          q[h] = pr.q + (r * pr.num_heads + h0 + h) * d;
+          score_rows[h] = scores.data() + h * stride;
+          out[h] = pr.out + (r * pr.num_heads + h0 + h) * d;
         }
-      }
-      float* out = pr.out + (s * pr.num_heads + h) * d;
-      for (int64_t c = 0; c < d; c += kLanes) {
-        V acc = P::set1(0.0f);
-        for (int64_t j = 0; j < w; ++j) {
-          if (seen && !seen[j]) continue;
-          acc = P::add(acc, P::mul(P::set1(scores[j]), load_row<P>(cache + values[j] * d + c)));
+        switch (nh) {
+          case 4:
+            attend_heads<P, T, 4>(q, panel.data(), cache, values, k, d, score_rows, out);
+            break;
+          case 3:
+            attend_heads<P, T, 3>(q, panel.data(), cache, values, k, d, score_rows, out);
+            break;
+          case 2:
+            attend_heads<P, T, 2>(q, panel.data(), cache, values, k, d, score_rows, out);
+            break;
+          default:
+            attend_heads<P, T, 1>(q, panel.data(), cache, values, k, d, score_rows, out);
         }
-        P::store(out + c, acc);
-        for (int64_t i = c; i < c + kLanes; ++i) out[i] = out[i] / sum;
       }
     }
   }
@@ -268,7 +520,7 @@ __attribute__((target("avx512f"), flatten)) void attend_avx512(const Problem& pr
 }
 
 template <typename T>
-__attribute__((target("avx2,f16c"), flatten)) void attend_avx2(const Problem& pr, int64_t b, int64_t e) {
+__attribute__((target("avx2,fma,f16c"), flatten)) void attend_avx2(const Problem& pr, int64_t b, int64_t e) {
   attend<Avx2, T>(pr, b, e);
 }
 
@@ -282,7 +534,8 @@ int64_t best_path() {
   static const int64_t path = [] {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f")) return kPathAvx512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return kPathAvx2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c")) return kPathAvx2;
     return kPathScalar;
   }();
   return std::min(isa_cap(), path);
@@ -300,43 +553,51 @@ Kernel kernel_for(int64_t path) {
   }
 }
 
-}  // namespace
-
-int64_t decode_attention_path(int64_t requested) {
-  return std::min(requested < 0 ? best_path() : requested, best_path());
+// The kernel of `make` for a cache of cache_rows' dtype.
+template <typename K, typename Make>
+K for_cache(const at::Tensor& cache_rows, const char* name, Make make) {
+  switch (cache_rows.scalar_type()) {
+    case at::kFloat:
+      return make(static_cast<float*>(nullptr));
+    case at::kBFloat16:
+      return make(static_cast<at::BFloat16*>(nullptr));
+    case at::kHalf:
+      return make(static_cast<at::Half*>(nullptr));
+    default:
+      TORCH_CHECK(false, name, ": a cache of ", cache_rows.scalar_type(),
+                  " (float32, bfloat16 or float16 only)");
+  }
+  return K{};
 }
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache_rows,
-                            const at::Tensor& rows, const std::optional<at::Tensor>& allowed,
-                            int64_t num_kv_heads, int64_t path) {
-  RECORD_FUNCTION("strata_native::decode_attention", std::vector<c10::IValue>());
-  TORCH_CHECK(q.dim() == 3 && q.device().is_cpu(), "decode_attention: q must be [S, H, D] on a CPU");
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+// The checks both entry points make of their arguments; returns the keys' width W.
+int64_t check_arguments(const char* name, const at::Tensor& q, const at::Tensor& cache_rows,
+                        const at::Tensor& rows, int64_t num_seqs, int64_t num_kv_heads) {
+  TORCH_CHECK(q.dim() == 3 && q.device().is_cpu(), name, ": q must be [rows, H, D] on a CPU");
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0,
-              "decode_attention: ", num_heads, " heads do not share ", num_kv_heads, " kv heads");
+              name, ": ", num_heads, " heads do not share ", num_kv_heads, " kv heads");
   TORCH_CHECK(cache_rows.dim() == 2 && cache_rows.size(1) == head_dim && cache_rows.is_contiguous(),
-              "decode_attention: cache_rows must be contiguous [R, ", head_dim, "]");
+              name, ": cache_rows must be contiguous [R, ", head_dim, "]");
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() &&
-                  rows.numel() % (2 * num_seqs * num_kv_heads) == 0,
-              "decode_attention: rows must be contiguous int64 [2, S, kv heads, W]");
-  const int64_t width = rows.numel() / std::max<int64_t>(2 * num_seqs * num_kv_heads, 1);
-  const bool* seen = nullptr;
-  if (allowed && allowed->defined()) {
-    TORCH_CHECK(allowed->scalar_type() == at::kBool && allowed->is_contiguous() &&
-                    allowed->numel() == num_seqs * width,
-                "decode_attention: allowed must be contiguous bool [S, 1, 1, W]");
-    seen = allowed->const_data_ptr<bool>();
-  }
-  TORCH_CHECK(head_dim % kLanes == 0, "decode_attention: head_dim ", head_dim,
-              " is not a multiple of ", kLanes);
+                  rows.numel() % std::max<int64_t>(2 * num_seqs * num_kv_heads, 1) == 0,
+              name, ": rows must be contiguous int64 [2, S, kv heads, W]");
+  TORCH_CHECK(head_dim % kLanes == 0, name, ": head_dim ", head_dim, " is not a multiple of ",
+              kLanes);
+  return rows.numel() / std::max<int64_t>(2 * num_seqs * num_kv_heads, 1);
+}
+
+// The queries [N, H, D] scaled by log2(e) / sqrt(D) in float32, rounded as
+// at::mul(q.to(kFloat), scale) rounds them (the scale rounded to float, then one product per
+// element), in one pass.
+std::vector<float> scaled_queries(const at::Tensor& q) {
+  const int64_t num_rows = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const at::Tensor queries = q.stride(2) == 1 ? q : q.contiguous();
-  // The queries scaled by log2(e) / sqrt(D) in float32, rounded as at::mul(q.to(kFloat), scale)
-  // rounds them (the scale rounded to float, then one product per element), in one pass.
   const float scale = static_cast<float>(std::log2(M_E) / std::sqrt(double(head_dim)));
-  std::vector<float> scaled(num_seqs * num_heads * head_dim);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention_q", [&] {
+  std::vector<float> scaled(num_rows * num_heads * head_dim);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attention_q", [&] {
     const scalar_t* data = queries.const_data_ptr<scalar_t>();
-    for (int64_t s = 0; s < num_seqs; ++s) {
+    for (int64_t s = 0; s < num_rows; ++s) {
       for (int64_t h = 0; h < num_heads; ++h) {
         const scalar_t* row = data + s * queries.stride(0) + h * queries.stride(1);
         float* to = scaled.data() + (s * num_heads + h) * head_dim;
@@ -344,40 +605,98 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache_rows,
       }
     }
   });
-  const bool is_float = q.scalar_type() == at::kFloat;
-  at::Tensor out = at::empty({num_seqs, num_heads, head_dim}, q.options().dtype(at::kFloat));
-  Problem problem{scaled.data(), cache_rows.const_data_ptr(),
-                  rows.const_data_ptr<int64_t>(), seen, out.mutable_data_ptr<float>(),
-                  num_seqs, num_heads, num_kv_heads, head_dim, width};
-  Kernel kernel = nullptr;
-  switch (cache_rows.scalar_type()) {
-    case at::kFloat:
-      kernel = kernel_for<float>(path);
-      break;
-    case at::kBFloat16:
-      kernel = kernel_for<at::BFloat16>(path);
-      break;
-    case at::kHalf:
-      kernel = kernel_for<at::Half>(path);
-      break;
-    default:
-      TORCH_CHECK(false, "decode_attention: a cache of ", cache_rows.scalar_type(),
-                  " (float32, bfloat16 or float16 only)");
-  }
-  const int64_t tasks = num_seqs * num_kv_heads;
-  // A task is (H / kv heads) x W x D multiply-adds twice: keep small ones on one thread.
-  const int64_t work = std::max<int64_t>(1, (num_heads / num_kv_heads) * width * head_dim);
-  const int64_t grain = std::max<int64_t>(1, (1 << 15) / work);
-  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) { kernel(problem, begin, end); });
-  if (is_float) return out;
-  // Rounded to q's dtype (to nearest even, as out.to(q's dtype) rounds), in one pass.
+  return scaled;
+}
+
+// out (float32) rounded to q's dtype (to nearest even, as out.to(q's dtype) rounds), in one pass.
+at::Tensor in_dtype_of(const at::Tensor& out, const at::Tensor& q) {
+  if (q.scalar_type() == at::kFloat) return out;
   at::Tensor rounded = at::empty(out.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention_out", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attention_out", [&] {
     const float* from = out.const_data_ptr<float>();
     scalar_t* to = rounded.mutable_data_ptr<scalar_t>();
     for (int64_t i = 0; i < out.numel(); ++i) to[i] = static_cast<scalar_t>(from[i]);
   });
   return rounded;
+}
+
+}  // namespace
+
+int64_t decode_attention_path(int64_t requested) {
+  return std::min(requested < 0 ? best_path() : requested, best_path());
+}
+
+namespace {
+
+// Both entry points: q_len query rows per sequence (see decode_attention.h).
+at::Tensor attend_rows(const char* name, const at::Tensor& q, const at::Tensor& cache_rows,
+                       const at::Tensor& rows, const std::optional<at::Tensor>& allowed,
+                       bool is_causal, int64_t q_len, int64_t num_kv_heads, int64_t path) {
+  TORCH_CHECK(q_len > 0 && q.dim() == 3 && q.size(0) % q_len == 0, name,
+              ": q must be [S * q_len, H, D] for q_len ", q_len);
+  const int64_t num_seqs = q.size(0) / q_len, num_rows = q.size(0);
+  const int64_t width = check_arguments(name, q, cache_rows, rows, num_seqs, num_kv_heads);
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const bool* seen = nullptr;
+  if (allowed && allowed->defined()) {
+    TORCH_CHECK(allowed->scalar_type() == at::kBool && allowed->is_contiguous() &&
+                    allowed->numel() == num_rows * width,
+                name, ": allowed must be contiguous bool [S, 1, q_len, W]");
+    seen = allowed->const_data_ptr<bool>();
+  }
+  // Each row's first key and one past its last (between them, a mask may hide more).
+  std::vector<int64_t> bounds(2 * num_rows);
+  int64_t* first = bounds.data();
+  int64_t* last = first + num_rows;
+  for (int64_t r = 0; r < num_rows; ++r) {
+    int64_t lo = 0, hi = width;
+    if (seen) {
+      const bool* row = seen + r * width;
+      while (lo < width && !row[lo]) ++lo;
+      while (hi > lo && !row[hi - 1]) --hi;
+    } else if (is_causal) {
+      hi = std::min(width, width - q_len + r % q_len + 1);
+    }
+    TORCH_CHECK(hi > lo, name, ": query row ", r, " sees no key");
+    first[r] = lo;
+    last[r] = hi;
+  }
+  const std::vector<float> scaled = scaled_queries(q);
+  at::Tensor out = at::empty({num_rows, num_heads, head_dim}, q.options().dtype(at::kFloat));
+  // Blocks of query rows: a few per thread (each transposes the keys it sees once).
+  const int64_t num_blocks =
+      std::min<int64_t>((q_len + kLanes - 1) / kLanes, 4 * at::get_num_threads());
+  Problem problem{scaled.data(), cache_rows.const_data_ptr(), rows.const_data_ptr<int64_t>(),
+                  seen, first, last, out.mutable_data_ptr<float>(), num_seqs, q_len,
+                  num_heads, num_kv_heads, head_dim, width, num_blocks};
+  const Kernel kernel = for_cache<Kernel>(cache_rows, name, [&](auto* type) {
+    return kernel_for<std::remove_pointer_t<decltype(type)>>(path);
+  });
+  const int64_t tasks = num_seqs * num_kv_heads * num_blocks;
+  // A task is its rows x (H / kv heads) x W x D multiply-adds twice: keep small ones together.
+  const int64_t work = std::max<int64_t>(
+      1, (q_len / num_blocks) * (num_heads / num_kv_heads) * width * head_dim);
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / work);
+  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) { kernel(problem, begin, end); });
+  return in_dtype_of(out, q);
+}
+
+}  // namespace
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache_rows,
+                            const at::Tensor& rows, const std::optional<at::Tensor>& allowed,
+                            int64_t num_kv_heads, int64_t path) {
+  RECORD_FUNCTION("strata_native::decode_attention", std::vector<c10::IValue>());
+  return attend_rows("decode_attention", q, cache_rows, rows, allowed, false, 1, num_kv_heads,
+                     path);
+}
+
+at::Tensor rows_attention(const at::Tensor& q, const at::Tensor& cache_rows,
+                          const at::Tensor& rows, const std::optional<at::Tensor>& allowed,
+                          bool is_causal, int64_t q_len, int64_t num_kv_heads, int64_t path) {
+  RECORD_FUNCTION("strata_native::rows_attention", std::vector<c10::IValue>());
+  return attend_rows("rows_attention", q, cache_rows, rows, allowed, is_causal, q_len,
+                     num_kv_heads, path);
 }
 
 }  // namespace strata_native

@@ -20,4 +20,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache_rows,
                             const at::Tensor& rows, const std::optional<at::Tensor>& allowed,
                             int64_t num_kv_heads, int64_t path);
 
+// q_len query rows per sequence against its keys, with the arithmetic decode_attention gives
+// each row as a decode over the keys it sees (so bitwise the same): q [S * q_len, H, D],
+// sequence-major; allowed [S, 1, q_len, W] bool or none (then causal: row l sees keys
+// j <= W - q_len + l; or, not is_causal, every key). Returns [S * q_len, H, D] in q's dtype.
+at::Tensor rows_attention(const at::Tensor& q, const at::Tensor& cache_rows,
+                          const at::Tensor& rows, const std::optional<at::Tensor>& allowed,
+                          bool is_causal, int64_t q_len, int64_t num_kv_heads, int64_t path);
+
 }  // namespace strata_native

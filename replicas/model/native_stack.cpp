@@ -5,14 +5,17 @@
 // apply_rope, Attention.forward with cached_attention and _attend for a KV cache of values,
 // FeedForward.forward, QuantizedLinear.forward and TransformerBlock.forward. A change to one of
 // them must be made to both (tests/unit/model/test_native_stack.py compares them bitwise).
-// RMSNorm, the rotary embedding and the KV write of a few decode rows run as fused passes that
-// round exactly where the op chains round (see fused_rms_norm); a packed product's bfloat16 input
+// RMSNorm, the rotary embedding and the KV write run as fused passes over rows that round
+// exactly where the op chains round (see fused_rms_norm); a packed product's bfloat16 input
 // and output are kept in bfloat16 where the next op widens them exactly anyway.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -29,10 +32,18 @@ namespace {
 // is compiled with -ffp-contract=off so that no product and sum are fused. The one step whose
 // rounding depends on the CPU, RMSNorm's sum over the hidden dimension, is ATen's own at::sum.
 
-// The passes are plain loops on one thread: they win where ATen's per-op cost dominates (a
-// decode row or a few), not on batches and prefill chunks, where ATen's vectorised, threaded
-// ops run instead (with the same result).
-constexpr int64_t kFusedElements = 4096;
+// The passes are plain loops over rows, which are independent: a decode row or a few run on
+// one thread (where ATen's per-op cost would dominate), a batch or a prefill chunk on torch's
+// threads, kFusedGrain elements or more to a task. Either way one pass replaces the chain's
+// several over memory, each writing a new tensor.
+constexpr int64_t kFusedGrain = 16384;
+
+// for_rows(n, width, f): f(begin, end) over rows [0, n) of `width` elements, in parallel.
+template <typename F>
+void for_rows(int64_t num_rows, int64_t width, const F& f) {
+  const int64_t grain = std::max<int64_t>(1, kFusedGrain / std::max<int64_t>(width, 1));
+  at::parallel_for(0, num_rows, grain, f);
+}
 
 bool fusable_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
@@ -78,19 +89,22 @@ struct Rows {
 // rounded product in x's dtype.
 at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                           at::ScalarType out_dtype) {
+  RECORD_FUNCTION("strata_native::fused_rms_norm", std::vector<c10::IValue>());
   const int64_t dim = x.size(-1), num_rows = x.numel() / dim;
   at::Tensor squares = at::empty(x.sizes(), x.options().dtype(at::kFloat));
   at::Tensor out = at::empty(x.sizes(), x.options().dtype(out_dtype));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     const Rows<scalar_t> rows(x);
     float* sq = squares.mutable_data_ptr<float>();
-    for (int64_t r = 0; r < num_rows; ++r) {
-      const scalar_t* row = rows[r];
-      for (int64_t i = 0; i < dim; ++i) {
-        const float v = static_cast<float>(row[i]);
-        sq[r * dim + i] = v * v;
+    for_rows(num_rows, dim, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* row = rows[r];
+        for (int64_t i = 0; i < dim; ++i) {
+          const float v = static_cast<float>(row[i]);
+          sq[r * dim + i] = v * v;
+        }
       }
-    }
+    });
     const at::Tensor sums = at::sum(squares, {-1}, /*keepdim=*/true).contiguous();
     const float* sum = sums.const_data_ptr<float>();
     const scalar_t* w = weight.contiguous().const_data_ptr<scalar_t>();
@@ -98,17 +112,19 @@ at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& weight, double 
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out_dtype, "rms_norm_out", [&] {
       using out_t = scalar_t;
       out_t* o = out.mutable_data_ptr<out_t>();
-      for (int64_t r = 0; r < num_rows; ++r) {
-        const float inverse = 1.0f / std::sqrt(sum[r] / size + epsilon);
-        const auto* row = rows[r];
-        for (int64_t i = 0; i < dim; ++i) {
-          using in_t = std::remove_cv_t<std::remove_pointer_t<decltype(row)>>;
-          const in_t normed = round_to<in_t>(static_cast<float>(row[i]) * inverse);
-          const in_t scaled =
-              round_to<in_t>(static_cast<float>(w[i]) * static_cast<float>(normed));
-          o[r * dim + i] = round_to<out_t>(static_cast<float>(scaled));
+      for_rows(num_rows, dim, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+          const float inverse = 1.0f / std::sqrt(sum[r] / size + epsilon);
+          const auto* row = rows[r];
+          for (int64_t i = 0; i < dim; ++i) {
+            using in_t = std::remove_cv_t<std::remove_pointer_t<decltype(row)>>;
+            const in_t normed = round_to<in_t>(static_cast<float>(row[i]) * inverse);
+            const in_t scaled =
+                round_to<in_t>(static_cast<float>(w[i]) * static_cast<float>(normed));
+            o[r * dim + i] = round_to<out_t>(static_cast<float>(scaled));
+          }
         }
-      }
+      });
     });
   });
   return out;
@@ -117,6 +133,7 @@ at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& weight, double 
 // apply_rope: x * cos + cat(-x2, x1) * sin, each product and the sum rounded to x's dtype.
 // x: [T, heads, D] with a contiguous last dimension; cos, sin: [T, 1, D], contiguous.
 at::Tensor fused_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  RECORD_FUNCTION("strata_native::fused_rope", std::vector<c10::IValue>());
   at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t dim = x.size(-1), half = dim / 2, heads = x.numel() / (x.size(0) * dim);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope", [&] {
@@ -125,20 +142,22 @@ at::Tensor fused_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
     const scalar_t* s = sin.const_data_ptr<scalar_t>();
     scalar_t* o = out.mutable_data_ptr<scalar_t>();
     auto f = [](scalar_t v) { return static_cast<float>(v); };
-    for (int64_t r = 0; r < x.size(0) * heads; ++r) {
-      const scalar_t* row = rows[r];
-      const scalar_t* ct = c + (r / heads) * dim;
-      const scalar_t* st = s + (r / heads) * dim;
-      scalar_t* out_row = o + r * dim;
-      for (int64_t i = 0; i < half; ++i) {
-        const float a = f(row[i]), b = f(row[i + half]);
-        out_row[i] = round_to<scalar_t>(f(round_to<scalar_t>(a * f(ct[i]))) +
-                                        f(round_to<scalar_t>(-b * f(st[i]))));
-        out_row[i + half] =
-            round_to<scalar_t>(f(round_to<scalar_t>(b * f(ct[i + half]))) +
-                               f(round_to<scalar_t>(a * f(st[i + half]))));
+    for_rows(x.size(0) * heads, dim, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* row = rows[r];
+        const scalar_t* ct = c + (r / heads) * dim;
+        const scalar_t* st = s + (r / heads) * dim;
+        scalar_t* out_row = o + r * dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = f(row[i]), b = f(row[i + half]);
+          out_row[i] = round_to<scalar_t>(f(round_to<scalar_t>(a * f(ct[i]))) +
+                                          f(round_to<scalar_t>(-b * f(st[i]))));
+          out_row[i + half] =
+              round_to<scalar_t>(f(round_to<scalar_t>(b * f(ct[i + half]))) +
+                                 f(round_to<scalar_t>(a * f(st[i + half]))));
+        }
       }
-    }
+    });
   });
   return out;
 }
@@ -148,6 +167,7 @@ at::Tensor fused_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 // their cache rows. k, v: [T, kv heads, D] with a contiguous last dimension.
 void write_kv(at::Tensor& rows, const at::Tensor& write_rows, const at::Tensor& k,
               const at::Tensor& v) {
+  RECORD_FUNCTION("strata_native::write_kv", std::vector<c10::IValue>());
   const int64_t dim = k.size(-1), per_tensor = k.numel() / dim;
   const int64_t* targets = write_rows.const_data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv", [&] {
@@ -155,13 +175,15 @@ void write_kv(at::Tensor& rows, const at::Tensor& write_rows, const at::Tensor& 
     const Rows<in_t> sources[2] = {Rows<in_t>(k), Rows<in_t>(v)};
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, rows.scalar_type(), "write_kv_to", [&] {
       scalar_t* cache = rows.mutable_data_ptr<scalar_t>();
-      for (int64_t i = 0; i < 2 * per_tensor; ++i) {
-        const in_t* from = sources[i / per_tensor][i % per_tensor];
-        TORCH_CHECK(targets[i] >= 0 && targets[i] < rows.size(0), "write_kv: cache row ",
-                    targets[i], " out of ", rows.size(0));
-        scalar_t* to = cache + targets[i] * dim;
-        for (int64_t j = 0; j < dim; ++j) to[j] = static_cast<scalar_t>(static_cast<float>(from[j]));
-      }
+      for_rows(2 * per_tensor, dim, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const in_t* from = sources[i / per_tensor][i % per_tensor];
+          TORCH_CHECK(targets[i] >= 0 && targets[i] < rows.size(0), "write_kv: cache row ",
+                      targets[i], " out of ", rows.size(0));
+          scalar_t* to = cache + targets[i] * dim;
+          for (int64_t j = 0; j < dim; ++j) to[j] = static_cast<scalar_t>(static_cast<float>(from[j]));
+        }
+      });
     });
   });
 }
@@ -364,7 +386,7 @@ class DecoderStack : public torch::CustomClassHolder {
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight,
                       std::optional<at::ScalarType> out_dtype = std::nullopt) const {
     const auto out = out_dtype.value_or(x.scalar_type());
-    if (fusable(x, weight) && fusable_dtype(out) && x.numel() <= kFusedElements) {
+    if (fusable(x, weight) && fusable_dtype(out)) {
       return fused_rms_norm(x, weight, eps_, out);
     }
     at::Tensor y = at::mul(weight, at::rms_norm(x, {x.size(-1)}, std::nullopt, eps_));
@@ -372,8 +394,7 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
   static at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-    if (fusable(x, cos) && fusable(x, sin) && x.numel() <= kFusedElements &&
-        cos.is_contiguous() && sin.is_contiguous() &&
+    if (fusable(x, cos) && fusable(x, sin) && cos.is_contiguous() && sin.is_contiguous() &&
         cos.size(-1) == x.size(-1) && cos.numel() == x.size(0) * x.size(-1)) {
       return fused_rope(x, cos, sin);
     }
@@ -423,7 +444,7 @@ class DecoderStack : public torch::CustomClassHolder {
     // cached_attention: the new tokens' K/V into the cache, then each group attends.
     if (fusable(k, v) && fusable_dtype(rows.scalar_type()) && rows.is_contiguous() &&
         write_rows.scalar_type() == at::kLong && write_rows.is_contiguous() &&
-        write_rows.numel() * head_dim_ == 2 * k.numel() && 2 * k.numel() <= kFusedElements) {
+        write_rows.numel() * head_dim_ == 2 * k.numel()) {
       write_kv(rows, write_rows, k, v);
     } else {
       rows.index_copy_(0, write_rows, at::cat({k, v}).view({-1, head_dim_}).to(rows.scalar_type()));
@@ -451,14 +472,25 @@ class DecoderStack : public torch::CustomClassHolder {
     const int64_t num_seqs = g.num_seqs, q_len = g.q_len;
     const auto dtype = q.scalar_type();
     if (g.chunks.size() == 1) {
-      if (q_len == 1 && head_dim_ % 16 == 0) {  // decodes: Strata's decode attention
-        return strata_native::decode_attention(q.reshape({num_seqs, num_heads_, head_dim_}), rows,
-                                g.chunks[0].rows, g.allowed, num_kv_heads_, -1);
+      if (head_dim_ % 16 == 0) {  // Strata's attention (decode_attention.h)
+        if (q_len == 1) {
+          return strata_native::decode_attention(q.reshape({num_seqs, num_heads_, head_dim_}),
+                                                 rows, g.chunks[0].rows, g.allowed, num_kv_heads_, -1);
+        }
+        return strata_native::rows_attention(q.reshape({num_seqs * q_len, num_heads_, head_dim_}),
+                                             rows, g.chunks[0].rows, g.allowed, g.is_causal,
+                                             q_len, num_kv_heads_, -1);
       }
       auto kv = rows.index_select(0, g.chunks[0].rows)
                     .to(dtype)
                     .view({2, num_seqs, num_kv_heads_, -1, head_dim_})
                     .unbind(0);
+      if (q_len == 1) {  // decodes: the query rows of each kv head side by side, no GQA expand
+        at::Tensor o = at::scaled_dot_product_attention(
+            q.reshape({num_seqs, num_kv_heads_, heads_per_kv, head_dim_}).to(dtype), kv[0], kv[1],
+            g.allowed);
+        return o.view({num_seqs, num_heads_, head_dim_}).to(dtype);
+      }
       at::Tensor o = at::scaled_dot_product_attention(
           q.reshape({num_seqs, q_len, num_heads_, head_dim_}).transpose(1, 2).to(dtype), kv[0],
           kv[1], g.allowed, 0.0, g.is_causal, std::nullopt, /*enable_gqa=*/true);
@@ -518,6 +550,9 @@ TORCH_LIBRARY(strata_native, m) {
   m.def("decode_attention(Tensor q, Tensor cache_rows, Tensor rows, Tensor? allowed, "
         "int num_kv_heads, int path=-1) -> Tensor",
         &strata_native::decode_attention);
+  m.def("rows_attention(Tensor q, Tensor cache_rows, Tensor rows, Tensor? allowed, bool is_causal, "
+        "int q_len, int num_kv_heads, int path=-1) -> Tensor",
+        &strata_native::rows_attention);
   m.def("decode_attention_path(int requested=-1) -> int", &strata_native::decode_attention_path);
   m.class_<DecoderStack>("DecoderStack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double>())

@@ -66,11 +66,12 @@ COMPUTE_DTYPE = torch.bfloat16
 _INT4_TILE_ROWS = 64  # output sizes the CPU int4 kernels take: multiples of their widest tile
 # Strata's products: the activations' int8 passes of the layers that write to the residual
 # stream (wo, w2). One pass there costs little perplexity (SmolLM2 Q4_1 on
-# tests/data/perplexity.txt: 32.57 with two, 32.65 with one; one pass everywhere 33.31) and is
-# half their integer work, but it rounds wo's input, the attention output, to 8 bits: the
-# float32-level difference between a prompt's attention computed whole and after a cached
-# prefix then becomes whole 8-bit steps, enough to flip near-tied greedy tokens between cached
-# and uncached requests. So two, until attention is bitwise the same both ways.
+# tests/data/perplexity.txt: 32.57 with two, 32.65 with one, llama.cpp 32.66-32.85; one pass
+# everywhere 33.31) and is half their integer work. Caching on and off would stay equal with
+# one (Strata's attention gives a position the same bits computed whole or after a cached
+# prefix), but greedy answers move to the 8-bit activations' own: asked for the capital of
+# France, SmolLM2 answers "L'Étoile de la Cité, ..." as llama.cpp does, not "Paris" as with two
+# passes or float weights. So two.
 RESIDUAL_PASSES = 2
 
 

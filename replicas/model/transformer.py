@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from replicas.model.attention import AttentionMetadata, cached_attention
+from replicas.model.attention import AttentionMetadata, cached_attention, strata_attends
 from replicas.model.batch import ForwardBatch
 from replicas.model.compiled import CompiledLayers, run_layers
 from replicas.model.config import KVCacheSpec, ModelArgs
@@ -240,6 +240,7 @@ class Transformer(nn.Module):
                 block_size=cache.shape[3],
                 sliding_window=self.args.sliding_window if group == "sliding" else None,
                 kv_format=kv_format,
+                whole_spans=strata_attends(x.device, kv_format, self.args.head_dim),
             )
             for group, cache in kv_caches.items()
             if group in self.args.layer_types

@@ -16,7 +16,7 @@ import torch
 from cluster import LLM, SamplingParams
 from replicas.config import PrefixCacheConfig, SchedulerConfig
 from replicas.model import loader, native_stack
-from replicas.model.attention import AttentionMetadata
+from replicas.model.attention import AttentionMetadata, strata_attends
 from replicas.model.batch import ForwardBatch
 from replicas.model.builtin import BUILTIN_MODEL_ARGS, init_random_weights
 from replicas.model.quant import quantize_model
@@ -26,7 +26,7 @@ if native_stack.load_error() is not None:  # pragma: no cover - a machine withou
     pytest.skip(f"no native stack here: {native_stack.load_error()}", allow_module_level=True)
 
 BLOCK = 16
-BLOCKS_PER_SEQ = 112  # past ONE_CHUNK_BLOCKS: a long context attends in chunks
+BLOCKS_PER_SEQ = 112  # past ONE_CHUNK_BLOCKS: a long context (in chunks where SDPA serves)
 
 
 def model_of(args, dtype: torch.dtype, quantization: str, seed: int = 0):
@@ -51,6 +51,7 @@ VARIANTS = {
     "llama": BUILTIN_MODEL_ARGS["tiny"](),
     "qwen2 (q/k/v biases)": replace(BUILTIN_MODEL_ARGS["tiny"](), attention_bias=True),
     "qwen3 (q/k norms)": replace(BUILTIN_MODEL_ARGS["tiny"](), qk_norm=True),
+    "head size 40 (SDPA and chunks)": replace(BUILTIN_MODEL_ARGS["tiny"](), head_dim=40),
 }
 
 
@@ -100,8 +101,8 @@ def run_both(model, num_seqs: int, batches, kv_cache_dtype: str = "auto"):
     return outputs, caches
 
 
-def metas(batch, kv_format=None):
-    return {"full": AttentionMetadata.build(batch, "full", BLOCK, None, kv_format)}
+def metas(batch, kv_format=None, whole_spans=False):
+    return {"full": AttentionMetadata.build(batch, "full", BLOCK, None, kv_format, whole_spans)}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -130,9 +131,12 @@ def test_native_equals_eager_bitwise(variant, dtype, quantization):
         seqs.batch([(2, 30, 1700)]),  # a long chunk: its later rows see two chunks of keys
         seqs.batch([(2, 1700, 1701), (0, 54, 55)]),  # decodes over 107 and 4 blocks
     ]
-    groups = [len(metas(b)["full"].groups) for b in batches]
-    chunks = [max(len(g.chunks) for g in metas(b)["full"].groups) for b in batches]
-    assert groups[5:7] == [2, 3] and min(chunks[7:]) > 1  # every attention path is taken
+    # Every attention path is taken: Strata's attention over whole spans (head size a multiple
+    # of 16), else SDPA over one chunk and the online softmax over several.
+    whole = strata_attends(torch.device("cpu"), None, VARIANTS[variant].head_dim)
+    groups = [len(metas(b, None, whole)["full"].groups) for b in batches]
+    chunks = [max(len(g.chunks) for g in metas(b, None, whole)["full"].groups) for b in batches]
+    assert groups[5:7] == [2, 3] and (max(chunks) == 1 if whole else min(chunks[7:]) > 1)
     calls = []
     native_call = native_stack.NativeStack.__call__
 
@@ -148,6 +152,42 @@ def test_native_equals_eager_bitwise(variant, dtype, quantization):
         assert torch.equal(eager, native)
     assert torch.equal(caches["eager"]["full"], caches["native"]["full"])
     assert outputs["eager"][-1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["eager", "native"])
+@pytest.mark.parametrize(
+    "dtype, quantization", [(torch.float32, "int4-strata"), (torch.bfloat16, "none")]
+)
+def test_a_prompt_gives_the_same_bits_whole_after_a_cached_prefix_and_as_decodes(
+    native, dtype, quantization
+):
+    """What prefix caching on and off needs: a position's hidden state and K/V are the same bits
+    whether its prompt ran whole, as chunks after cached keys, or token by token as decodes
+    (sequence 1 repeats sequence 0's tokens; its context runs past ONE_CHUNK_BLOCKS)."""
+    if quantization == "int4-strata" and not native:
+        pytest.skip("Strata's int4 kernel runs under the native stack only")
+    model = model_of(VARIANTS["llama"], dtype, quantization)
+    seqs = Sequences(2, seed=4)
+    seqs.tokens[1] = seqs.tokens[0]
+    end = 1700
+    whole = [seqs.batch([(0, 0, end)])]
+    split = [seqs.batch([(1, 0, 600)]), seqs.batch([(1, 600, end - 3)])]
+    split += [seqs.batch([(1, p, p + 1)]) for p in range(end - 3, end)]
+    spec = model.kv_cache_specs(dtype, "auto")["full"]
+    cache = {"full": torch.zeros(spec.shape(2 * BLOCKS_PER_SEQ, BLOCK), dtype=spec.storage_dtype)}
+    model.use_native_stack(native)
+    try:
+        with torch.inference_mode():
+            hidden_whole = model(whole[0], cache, spec.kv_format)
+            hidden_split = torch.cat([model(b, cache, spec.kv_format) for b in split])
+    finally:
+        model.use_native_stack(False)
+    assert torch.equal(hidden_whole, hidden_split)
+    assert not torch.equal(hidden_whole[:600], hidden_split[600:1200])  # not a vacuous check
+    blocks = -(-end // BLOCK)
+    assert torch.equal(
+        cache["full"][:blocks], cache["full"][BLOCKS_PER_SEQ : BLOCKS_PER_SEQ + blocks]
+    )
 
 
 def test_only_an_8_bit_kv_cache_or_a_second_cache_group_runs_eager():
