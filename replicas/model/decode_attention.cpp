@@ -282,11 +282,6 @@ struct Problem {
   int64_t num_seqs, q_len, num_heads, num_kv_heads, head_dim, width, num_blocks;
 };
 
-// Sets entries [from, to) of a row's scores (indexed from key `origin`) to `value`.
-inline void fill(std::vector<float>& scores, int64_t origin, int64_t from, int64_t to, float value) {
-  for (int64_t j = from; j < to; ++j) scores[j - origin] = value;
-}
-
 // Up to kHeads query heads of one kv head run together: they see the same keys, so each key
 // (and value) loaded serves them all.
 constexpr int kHeads = 4;
