@@ -298,8 +298,10 @@ def _build_group(
 ) -> AttentionGroup:
     """The chunks of ``seqs``: one prefill, or decodes sorted by span descending."""
     is_one_chunk = whole_spans or seqs[0].span <= ONE_CHUNK_BLOCKS * block_size
-    chunk_len = (ONE_CHUNK_BLOCKS if is_one_chunk else CHUNK_BLOCKS) * block_size
-    chunk_len = max(chunk_len, seqs[0].span) if is_one_chunk else chunk_len
+    if is_one_chunk:  # as wide as the longest span (whole_spans: however long)
+        chunk_len = max(ONE_CHUNK_BLOCKS * block_size, seqs[0].span)
+    else:
+        chunk_len = CHUNK_BLOCKS * block_size
     q_len, num_chunks = seqs[0].q_len, -(-seqs[0].span // chunk_len)
     # One chunk is as wide as the longest span (the first: a prefill, or decodes by span).
     grid_len = num_chunks * chunk_len if num_chunks > 1 else seqs[0].span

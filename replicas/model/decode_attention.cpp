@@ -46,15 +46,8 @@ constexpr int64_t kLanes = 16;
 #define STRATA_AVX512 __attribute__((target("avx512f"))) inline
 #define STRATA_AVX2 __attribute__((target("avx2,fma,f16c"))) inline
 
-// Lanes 0-7 added pairwise as sum_lanes does (see below).
-STRATA_AVX2 float sum8(__m256 v) {
-  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-  return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
-}
-
 // 16 float lanes on each path: one AVX-512 register, two AVX2 registers, or an array. Each
-// operation is lane by lane, and sum_lanes adds the same pairs in the same order on every path.
+// operation is lane by lane, with the same rounding on every path.
 struct Avx512 {
   struct V {
     __m512 a;
@@ -108,11 +101,6 @@ struct Avx512 {
       _mm512_storeu_ps(dst + 16 * (4 + k), _mm512_shuffle_f32x4(v1, w1, 0x88));
       _mm512_storeu_ps(dst + 16 * (12 + k), _mm512_shuffle_f32x4(v1, w1, 0xdd));
     }
-  }
-  static STRATA_AVX512 float sum_lanes(V v) {
-    const __m256 lo = _mm512_castps512_ps256(v.a);
-    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v.a), 1));
-    return sum8(_mm256_add_ps(lo, hi));
   }
 };
 
@@ -177,7 +165,6 @@ struct Avx2 {
       }
     }
   }
-  static STRATA_AVX2 float sum_lanes(V v) { return sum8(_mm256_add_ps(v.lo, v.hi)); }
 };
 
 struct Generic {
@@ -228,13 +215,6 @@ struct Generic {
     for (int64_t i = 0; i < kLanes; ++i) {
       for (int64_t c = 0; c < kLanes; ++c) dst[c * kLanes + i] = src[i * kLanes + c];
     }
-  }
-  static inline float sum_lanes(V v) {
-    float* a = v.a;
-    for (int64_t half = kLanes / 2; half >= 1; half /= 2) {
-      for (int64_t i = 0; i < half; ++i) a[i] = a[i] + a[i + half];
-    }
-    return a[0];
   }
 };
 
