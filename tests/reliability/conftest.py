@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
+from ray.exceptions import ActorUnavailableError
 
 from cluster.config import ServerConfig
 from tests.integration.conftest import ray_session  # noqa: F401  (the one shared Ray fixture)
@@ -116,10 +117,14 @@ CLEAN = {"npu_blocks_used": 0, "host_blocks_used": 0, "num_unfinished": 0}
 
 def wait_until_clean(backend: Any, timeout_s: float = 60) -> list[dict[str, int]]:
     """Every replica's integrity check passes with no block in use and nothing unfinished
-    (bounded polling: aborts land at the next gap between engine steps)."""
+    (bounded polling: aborts land at the next gap between engine steps). A replica that Ray is
+    restarting (killed just before, and the health monitor has not noticed yet) is waited for."""
 
     def clean() -> list[dict[str, int]] | None:
-        reports = asyncio.run(backend.check_integrity())  # raises if an integrity check fails
+        try:
+            reports = asyncio.run(backend.check_integrity())  # raises if a check fails
+        except ActorUnavailableError:  # restarting: it comes back empty
+            return None
         return reports if all(report == CLEAN for report in reports) else None
 
     try:
