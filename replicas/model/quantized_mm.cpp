@@ -47,6 +47,18 @@ constexpr int64_t kRowBlock = 4;  // activation rows sharing one pass over a til
 
 constexpr int kMaxPasses = 2;
 
+// AVX2 has 16 vector registers: a block of rows keeps 4 x rows x passes accumulators in them
+// beside a chunk's weights, so two passes take rows two at a time (four would spill the sums to
+// memory on every multiply-add: 1.8x slower, measured).
+constexpr int64_t avx2_rows(int passes) { return passes == 2 ? 2 : kRowBlock; }
+
+// The vector kernels index their accumulators by loop counters (row, pass, chunk); the sums stay
+// in registers only where those loops are unrolled, which -O2 does not do on its own. The loop
+// over a group's chunks stays rolled where unrolling it lets the compiler reorder every
+// multiply-add ahead of the adds (AVX2: more live products than registers).
+#define STRATA_UNROLLED _Pragma("GCC unroll 8")
+#define STRATA_NOT_UNROLLED _Pragma("GCC unroll 1")
+
 // Activations of one call, quantized in one or two passes: per row and group, x ~ dx[0] *
 // codes[0] (+ dx[1] * codes[1]), a second pass quantizing what the first left (so a row keeps
 // about 15 bits of its group's largest value, not 8; each pass is as much integer work again),
@@ -164,13 +176,23 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_rows(const uint8_t* code
   const int64_t k = q.groups * kGroup;
   const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* rows[R][P];
+  STRATA_UNROLLED
+  for (int i = 0; i < R; ++i) {
+    STRATA_UNROLLED
+    for (int p = 0; p < P; ++p) rows[i][p] = q.codes[p].data() + (r0 + i) * k;
+  }
   __m256 acc[R][2];
+  STRATA_UNROLLED
   for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < q.groups; ++g) {
     __m256i sums[R][P][2];
+    STRATA_UNROLLED
     for (int i = 0; i < R; ++i) {
+      STRATA_UNROLLED
       for (int p = 0; p < P; ++p) sums[i][p][0] = sums[i][p][1] = _mm256_setzero_si256();
     }
+    STRATA_NOT_UNROLLED
     for (int64_t o = 0; o < kGroup / 8; ++o) {
       const uint8_t* chunk = codes + (g * 4 + o) * 64;
       const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
@@ -179,9 +201,11 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_rows(const uint8_t* code
       const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low_nibbles);
       const __m256i lo1 = _mm256_and_si256(w1, low_nibbles);
       const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low_nibbles);
+      STRATA_UNROLLED
       for (int i = 0; i < R; ++i) {
+        STRATA_UNROLLED
         for (int p = 0; p < P; ++p) {
-          const int8_t* a = q.codes[p].data() + (r0 + i) * k + g * kGroup + o * 8;
+          const int8_t* a = rows[i][p] + g * kGroup + o * 8;
           int32_t a_lo, a_hi;
           std::memcpy(&a_lo, a, 4);
           std::memcpy(&a_hi, a + 4, 4);
@@ -195,13 +219,16 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_rows(const uint8_t* code
         }
       }
     }
+    STRATA_UNROLLED
     for (int h = 0; h < 2; ++h) {
       const uint16_t* dm = scales + g * 2 * kTile + h * 8;
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm)));
       const __m256 m =
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm + kTile)));
+      STRATA_UNROLLED
       for (int i = 0; i < R; ++i) {
         const int64_t at = (r0 + i) * q.groups + g;
+        STRATA_UNROLLED
         for (int p = 0; p < P; ++p) {
           const __m256i sum = _mm256_madd_epi16(sums[i][p][h], ones);
           const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(q.dx[p][at]));
@@ -211,6 +238,7 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_rows(const uint8_t* code
       }
     }
   }
+  STRATA_UNROLLED
   for (int i = 0; i < R; ++i) {
     _mm256_storeu_ps(out + i * out_stride, acc[i][0]);
     _mm256_storeu_ps(out + i * out_stride + 8, acc[i][1]);
@@ -226,20 +254,32 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void tile_v
     float* out, int64_t out_stride) {
   const int64_t k = q.groups * kGroup;
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  const int8_t* rows[R][P];
+  STRATA_UNROLLED
+  for (int i = 0; i < R; ++i) {
+    STRATA_UNROLLED
+    for (int p = 0; p < P; ++p) rows[i][p] = q.codes[p].data() + (r0 + i) * k;
+  }
   __m512 acc[R];
+  STRATA_UNROLLED
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < q.groups; ++g) {
     __m512i sums[R][P][2];
+    STRATA_UNROLLED
     for (int i = 0; i < R; ++i) {
+      STRATA_UNROLLED
       for (int p = 0; p < P; ++p) sums[i][p][0] = sums[i][p][1] = _mm512_setzero_si512();
     }
+    STRATA_UNROLLED
     for (int64_t o = 0; o < kGroup / 8; ++o) {
       const __m512i w = _mm512_loadu_si512(codes + (g * 4 + o) * 64);
       const __m512i lo = _mm512_and_si512(w, low_nibbles);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low_nibbles);
+      STRATA_UNROLLED
       for (int i = 0; i < R; ++i) {
+        STRATA_UNROLLED
         for (int p = 0; p < P; ++p) {
-          const int8_t* a = q.codes[p].data() + (r0 + i) * k + g * kGroup + o * 8;
+          const int8_t* a = rows[i][p] + g * kGroup + o * 8;
           int32_t a_lo, a_hi;
           std::memcpy(&a_lo, a, 4);
           std::memcpy(&a_hi, a + 4, 4);
@@ -253,8 +293,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void tile_v
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * 2 * kTile)));
     const __m512 m = _mm512_cvtph_ps(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * 2 * kTile + kTile)));
+    STRATA_UNROLLED
     for (int i = 0; i < R; ++i) {
       const int64_t at = (r0 + i) * q.groups + g;
+      STRATA_UNROLLED
       for (int p = 0; p < P; ++p) {
         const __m512i sum = _mm512_add_epi32(sums[i][p][0], sums[i][p][1]);
         const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(q.dx[p][at]));
@@ -263,6 +305,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void tile_v
       acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(m, _mm512_set1_ps(q.sx[at])));
     }
   }
+  STRATA_UNROLLED
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(out + i * out_stride, acc[i]);
 }
 
@@ -313,22 +356,34 @@ __attribute__((target("avx2,fma,f16c"))) void int8_tile_avx2_rows(const uint8_t*
                                                                  int64_t out_stride) {
   const int64_t k = q.groups * kGroup;
   const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* rows[R][P];
+  STRATA_UNROLLED
+  for (int i = 0; i < R; ++i) {
+    STRATA_UNROLLED
+    for (int p = 0; p < P; ++p) rows[i][p] = q.codes[p].data() + (r0 + i) * k;
+  }
   __m256 acc[R][2];
+  STRATA_UNROLLED
   for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < q.groups; ++g) {
     __m256i sums[R][P][2];
+    STRATA_UNROLLED
     for (int i = 0; i < R; ++i) {
+      STRATA_UNROLLED
       for (int p = 0; p < P; ++p) sums[i][p][0] = sums[i][p][1] = _mm256_setzero_si256();
     }
+    STRATA_NOT_UNROLLED
     for (int64_t o = 0; o < kGroup / 4; ++o) {
       const int8_t* chunk = reinterpret_cast<const int8_t*>(codes) + (g * 8 + o) * 64;
       const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
       const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32));
       const __m256i m0 = _mm256_abs_epi8(w0), m1 = _mm256_abs_epi8(w1);
+      STRATA_UNROLLED
       for (int i = 0; i < R; ++i) {
+        STRATA_UNROLLED
         for (int p = 0; p < P; ++p) {
           int32_t a;
-          std::memcpy(&a, q.codes[p].data() + (r0 + i) * k + g * kGroup + o * 4, 4);
+          std::memcpy(&a, rows[i][p] + g * kGroup + o * 4, 4);
           const __m256i b = _mm256_set1_epi32(a);
           const __m256i pairs0 = _mm256_maddubs_epi16(m0, _mm256_sign_epi8(b, w0));
           const __m256i pairs1 = _mm256_maddubs_epi16(m1, _mm256_sign_epi8(b, w1));
@@ -337,11 +392,14 @@ __attribute__((target("avx2,fma,f16c"))) void int8_tile_avx2_rows(const uint8_t*
         }
       }
     }
+    STRATA_UNROLLED
     for (int h = 0; h < 2; ++h) {
       const __m256 d = _mm256_cvtph_ps(
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + g * kTile + h * 8)));
+      STRATA_UNROLLED
       for (int i = 0; i < R; ++i) {
         const int64_t at = (r0 + i) * q.groups + g;
+        STRATA_UNROLLED
         for (int p = 0; p < P; ++p) {
           const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(q.dx[p][at]));
           acc[i][h] =
@@ -350,6 +408,7 @@ __attribute__((target("avx2,fma,f16c"))) void int8_tile_avx2_rows(const uint8_t*
       }
     }
   }
+  STRATA_UNROLLED
   for (int i = 0; i < R; ++i) {
     _mm256_storeu_ps(out + i * out_stride, acc[i][0]);
     _mm256_storeu_ps(out + i * out_stride + 8, acc[i][1]);
@@ -362,19 +421,31 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void int8_t
     float* out, int64_t out_stride) {
   const int64_t k = q.groups * kGroup;
   const __m512i sign_bits = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int8_t* rows[R][P];
+  STRATA_UNROLLED
+  for (int i = 0; i < R; ++i) {
+    STRATA_UNROLLED
+    for (int p = 0; p < P; ++p) rows[i][p] = q.codes[p].data() + (r0 + i) * k;
+  }
   __m512 acc[R];
+  STRATA_UNROLLED
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < q.groups; ++g) {
     __m512i sums[R][P][2];
+    STRATA_UNROLLED
     for (int i = 0; i < R; ++i) {
+      STRATA_UNROLLED
       for (int p = 0; p < P; ++p) sums[i][p][0] = sums[i][p][1] = _mm512_setzero_si512();
     }
+    STRATA_UNROLLED
     for (int64_t o = 0; o < kGroup / 4; ++o) {
       const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(codes + (g * 8 + o) * 64), sign_bits);
+      STRATA_UNROLLED
       for (int i = 0; i < R; ++i) {
+        STRATA_UNROLLED
         for (int p = 0; p < P; ++p) {
           int32_t a;
-          std::memcpy(&a, q.codes[p].data() + (r0 + i) * k + g * kGroup + o * 4, 4);
+          std::memcpy(&a, rows[i][p] + g * kGroup + o * 4, 4);
           __m512i& sum = sums[i][p][o & 1];
           sum = _mm512_dpbusd_epi32(sum, w, _mm512_set1_epi32(a));
         }
@@ -382,8 +453,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void int8_t
     }
     const __m512 d =
         _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kTile)));
+    STRATA_UNROLLED
     for (int i = 0; i < R; ++i) {
       const int64_t at = (r0 + i) * q.groups + g;
+      STRATA_UNROLLED
       for (int p = 0; p < P; ++p) {
         const __m512i offset = _mm512_set1_epi32(128 * q.code_sums[p][at]);
         const __m512i sum =
@@ -393,6 +466,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void int8_t
       }
     }
   }
+  STRATA_UNROLLED
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(out + i * out_stride, acc[i]);
 }
 
@@ -414,10 +488,12 @@ void by_rows(int64_t n, int passes, const Kernel& kernel) {
 
 void tile_avx2(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q,
                int64_t r0, int64_t n, float* out, int64_t out_stride) {
-  by_rows(n, q.passes, [&](auto rows, auto passes) {
-    constexpr int kRows = decltype(rows)::value, kPasses = decltype(passes)::value;
-    tile_avx2_rows<kRows, kPasses>(codes, scales, q, r0, out, out_stride);
-  });
+  for (int64_t r = 0; r < n; r += avx2_rows(q.passes)) {
+    by_rows(std::min(avx2_rows(q.passes), n - r), q.passes, [&](auto rows, auto passes) {
+      constexpr int kRows = decltype(rows)::value, kPasses = decltype(passes)::value;
+      tile_avx2_rows<kRows, kPasses>(codes, scales, q, r0 + r, out + r * out_stride, out_stride);
+    });
+  }
 }
 
 void tile_avx512_vnni(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q,
@@ -430,10 +506,13 @@ void tile_avx512_vnni(const uint8_t* codes, const uint16_t* scales, const Quanti
 
 void int8_tile_avx2(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q,
                     int64_t r0, int64_t n, float* out, int64_t out_stride) {
-  by_rows(n, q.passes, [&](auto rows, auto passes) {
-    constexpr int kRows = decltype(rows)::value, kPasses = decltype(passes)::value;
-    int8_tile_avx2_rows<kRows, kPasses>(codes, scales, q, r0, out, out_stride);
-  });
+  for (int64_t r = 0; r < n; r += avx2_rows(q.passes)) {
+    by_rows(std::min(avx2_rows(q.passes), n - r), q.passes, [&](auto rows, auto passes) {
+      constexpr int kRows = decltype(rows)::value, kPasses = decltype(passes)::value;
+      int8_tile_avx2_rows<kRows, kPasses>(codes, scales, q, r0 + r, out + r * out_stride,
+                                          out_stride);
+    });
+  }
 }
 
 void int8_tile_avx512_vnni(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q,
