@@ -32,8 +32,8 @@ activations per group to int8, so that a group's product is integer multiply-add
 VNNI, AVX2 or plain C++, bitwise the same); ``auto`` measures them against torch's under the
 native stack (docs/design.md, "Strata's int4 and int8 products"). The activations take two int8
 passes (the second quantizing what the first left: about 15 bits) or one (8 bits, as llama.cpp
-does, and half the integer work), per layer: ``RESIDUAL_PASSES`` for the attention output and
-feed-forward down projections (``wo``, ``w2``), two for the rest (``quantize_model``).
+does, and half the integer work), per projection: ``ACTIVATION_PASSES`` (one for a layer's
+fused gate and up projection, two for the rest; ``quantize_model``).
 
 Only linear layers are quantized (every projection of every block and the LM head); the token
 embedding, which is only gathered, stays dense.
@@ -64,15 +64,16 @@ INT4_KERNELS = ("auto", "strata", "torch")
 GROUP_SIZE = 32
 COMPUTE_DTYPE = torch.bfloat16
 _INT4_TILE_ROWS = 64  # output sizes the CPU int4 kernels take: multiples of their widest tile
-# Strata's products: the activations' int8 passes of the layers that write to the residual
-# stream (wo, w2). One pass there costs little perplexity (SmolLM2 Q4_1 on
-# tests/data/perplexity.txt: 32.57 with two, 32.65 with one, llama.cpp 32.66-32.85; one pass
-# everywhere 33.31) and is half their integer work. Caching on and off would stay equal with
-# one (Strata's attention gives a position the same bits computed whole or after a cached
-# prefix), but greedy answers move to the 8-bit activations' own: asked for the capital of
-# France, SmolLM2 answers "L'Étoile de la Cité, ..." as llama.cpp does, not "Paris" as with two
-# passes or float weights. So two.
-RESIDUAL_PASSES = 2
+ACTIVATION_PASSES = {"wqkv": 2, "wo": 2, "w13": 1, "w2": 2, "output": 2}
+"""Strata's products: the activations' int8 passes of each projection (a layer's fused query,
+key and value; its attention output; its fused gate and up; its down; the LM head). One pass is
+half the integer work of two, and the gate and up projection is half a layer's multiply-adds;
+SmolLM2 Q4_1's perplexity of tests/data/perplexity.txt: 32.57 with two passes everywhere, 32.68
+with one on ``w13``, 32.99 with one on ``wqkv``, 32.65 with one on ``wo`` and ``w2``, 33.31 with
+one everywhere (llama.cpp 32.66-32.85 by build). One pass on ``wo`` and ``w2`` moves greedy
+answers to the 8-bit activations' own: asked for the capital of France, SmolLM2 answers
+"L'Étoile de la Cité, ..." as llama.cpp does; with one pass on ``w13`` alone it answers
+"The capital of France is Paris.", as with two passes everywhere or float weights."""
 
 
 class QuantizedLinear(nn.Module):
@@ -373,7 +374,7 @@ def quantize_model(
             if "tok_embeddings.weight" in stored:
                 stored["output.weight"] = stored["tok_embeddings.weight"]
 
-    def quantized(names: list[str], linears: list[nn.Linear], passes: int = 2) -> QuantizedLinear:
+    def quantized(names: list[str], linears: list[nn.Linear], passes: int) -> QuantizedLinear:
         biases = [linear.bias for linear in linears]
         bias = None if biases[0] is None else torch.cat(biases)
         weight = torch.cat([linear.weight for linear in linears])
@@ -397,10 +398,16 @@ def quantize_model(
             prefix = f"layers.{i}"
             att, ff = layer.attention, layer.feed_forward
             att.wqkv = quantized(
-                [f"{prefix}.attention.{w}" for w in ("wq", "wk", "wv")], [att.wq, att.wk, att.wv]
+                [f"{prefix}.attention.{w}" for w in ("wq", "wk", "wv")],
+                [att.wq, att.wk, att.wv],
+                ACTIVATION_PASSES["wqkv"],
             )
-            att.wo = quantized([f"{prefix}.attention.wo"], [att.wo], RESIDUAL_PASSES)
-            ff.w13 = quantized([f"{prefix}.feed_forward.{w}" for w in ("w1", "w3")], [ff.w1, ff.w3])
-            ff.w2 = quantized([f"{prefix}.feed_forward.w2"], [ff.w2], RESIDUAL_PASSES)
+            att.wo = quantized([f"{prefix}.attention.wo"], [att.wo], ACTIVATION_PASSES["wo"])
+            ff.w13 = quantized(
+                [f"{prefix}.feed_forward.{w}" for w in ("w1", "w3")],
+                [ff.w1, ff.w3],
+                ACTIVATION_PASSES["w13"],
+            )
+            ff.w2 = quantized([f"{prefix}.feed_forward.w2"], [ff.w2], ACTIVATION_PASSES["w2"])
             del att.wq, att.wk, att.wv, ff.w1, ff.w3
-        model.output = quantized(["output"], [model.output])
+        model.output = quantized(["output"], [model.output], ACTIVATION_PASSES["output"])

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from replicas.model.quant import (
+    ACTIVATION_PASSES,
     GROUP_SIZE,
-    RESIDUAL_PASSES,
     QuantizedLinear,
     _unpack_int4,
     quantize_model,
@@ -213,9 +213,8 @@ def test_one_activation_pass_keeps_8_bits_and_two_keep_15(scheme):
     assert errors[2] < errors[1] / 50, errors
 
 
-def test_quantize_model_gives_the_residual_writers_their_passes():
-    """Under Strata's products, the attention output and down projections (wo, w2) take
-    ``RESIDUAL_PASSES`` activation passes, the others two."""
+def test_quantize_model_gives_each_projection_its_passes():
+    """Under Strata's products, each projection takes its ``ACTIVATION_PASSES``."""
     from replicas.model import load_model
 
     if not _strata_built():
@@ -230,14 +229,10 @@ def test_quantize_model_gives_the_residual_writers_their_passes():
             ("wo", layer.attention.wo),
             ("w13", layer.feed_forward.w13),
             ("w2", layer.feed_forward.w2),
+            ("output", model.output),
         )
     }
-    assert passes == {
-        "wqkv": ("strata", 2),
-        "wo": ("strata", RESIDUAL_PASSES),
-        "w13": ("strata", 2),
-        "w2": ("strata", RESIDUAL_PASSES),
-    }
+    assert passes == {name: ("strata", n) for name, n in ACTIVATION_PASSES.items()}
     with pytest.raises(ValueError, match="passes must be 1 or 2"):
         QuantizedLinear.int4(torch.randn(64, 64), kernel="strata", passes=3)
 

@@ -84,7 +84,8 @@ def test_perplexity_is_within_tolerance_of_float32(
 ):
     """int8 requantizes the file's weights per output channel; int4 serves the file's own
     4-bit codes, so it should be as good as the file dequantized to float32, through torch's
-    kernel (bfloat16 activations) and Strata's (activations in two int8 passes)."""
+    kernel (bfloat16 activations) and Strata's (activations in int8 passes,
+    ``quant.ACTIVATION_PASSES``)."""
     if scheme not in quantized:
         pytest.skip("Strata's native library is not built here")
     got = perplexity(quantized[scheme], dense.tokenizer.encode(TEXT), WINDOW)
