@@ -21,6 +21,11 @@
 // the same on every path, in any batch, however the keys are padded or masked, and whether the
 // position is computed in a prefill, in a chunk after cached keys or as a decode. So prefix
 // caching on and off give the same bits.
+//
+// The work is laid out for the memory it reads: a block of query rows transposes the keys it
+// sees once, and its rows run in tiles of (row, head) pairs, so that each key column and value
+// loaded serves a whole tile, where one row at a time would read every value once per row. A
+// tile interleaves its pairs' steps and changes none of them.
 
 #include "decode_attention.h"
 #include "native_isa.h"
@@ -29,6 +34,7 @@
 #include <ATen/record_function.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -54,6 +60,7 @@ struct Avx512 {
   };
   static constexpr int kValueChunks = 4;  // value columns summed at once, by kLanes
   static constexpr int kScoreGroups = 2;  // groups of kLanes keys scored at once
+  static constexpr int kPairs = 6;        // (query row, head) pairs at once (values: 24 sums)
   static STRATA_AVX512 V load(const float* p) { return {_mm512_loadu_ps(p)}; }
   static STRATA_AVX512 void store(float* p, V v) { _mm512_storeu_ps(p, v.a); }
   static STRATA_AVX512 V set1(float x) { return {_mm512_set1_ps(x)}; }
@@ -110,6 +117,7 @@ struct Avx2 {
   };
   static constexpr int kValueChunks = 1;
   static constexpr int kScoreGroups = 1;
+  static constexpr int kPairs = 6;
   static STRATA_AVX2 V load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
   static STRATA_AVX2 void store(float* p, V v) {
     _mm256_storeu_ps(p, v.lo);
@@ -173,6 +181,7 @@ struct Generic {
   };
   static constexpr int kValueChunks = 1;
   static constexpr int kScoreGroups = 1;
+  static constexpr int kPairs = 4;
   template <typename F>
   static inline V map(F f) {
     V r;
@@ -263,18 +272,21 @@ struct Problem {
 };
 
 // Up to kHeads query heads of one kv head run together: they see the same keys, so each key
-// (and value) loaded serves them all.
+// (and value) loaded serves them all. So do up to P::kPairs / heads query rows of a sequence
+// that see the same first key and no mask (a prefill or a chunk after cached keys): a tile of
+// (row, head) pairs reads each key and value once for all of them, where one row at a time
+// would read them once per row.
 constexpr int kHeads = 4;
 
-// Scores of NH heads of one row for NG groups of kLanes keys from `panel` (transposed keys:
+// Scores of NH (row, head) pairs for NG groups of kLanes keys from `panel` (transposed keys:
 // [group, D, kLanes]): per key, the product of column 0, then each next column's added in one
-// fused multiply-add, in column order. scores[i] is head i's, indexed by group * kLanes.
+// fused multiply-add, in column order. scores[i] is pair i's, indexed by group * kLanes.
 template <typename P, int NG, int NH>
 inline void score_groups(const float* const* q, const float* panel, int64_t d, int64_t group,
                          float* const* scores) {
   using V = typename P::V;
   V acc[NH][NG];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int h = 0; h < NH; ++h) {
     const V q0 = P::set1(q[h][0]);
 #pragma GCC unroll 2
@@ -284,33 +296,36 @@ inline void score_groups(const float* const* q, const float* panel, int64_t d, i
     V k[NG];
 #pragma GCC unroll 2
     for (int i = 0; i < NG; ++i) k[i] = P::load(panel + (i * d + c) * kLanes);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int h = 0; h < NH; ++h) {
       const V qc = P::set1(q[h][c]);
 #pragma GCC unroll 2
       for (int i = 0; i < NG; ++i) acc[h][i] = P::fma(qc, k[i], acc[h][i]);
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int h = 0; h < NH; ++h) {
 #pragma GCC unroll 2
     for (int i = 0; i < NG; ++i) P::store(scores[h] + (group + i) * kLanes, acc[h][i]);
   }
 }
 
-// Columns [c0, c0 + NC * kLanes) of NH heads' weighted sums of the values of keys [first, last)
+// Columns [c0, c0 + NC * kLanes) of NH pairs' weighted sums of the values of keys [first, last)
 // (those `seen` hides skipped), in key order, one fused multiply-add each: weights[h][j] is
-// key j's weight for head h.
+// key j's weight for pair h. The sums start at 0, or with `resume` at what out holds (the sums
+// over the keys before `first`, which a tile's last rows go on from).
 template <typename P, typename T, int NC, int NH>
 inline void weigh_values(const float* const* weights, const T* cache, const int64_t* values,
                          const bool* seen, int64_t first, int64_t last, int64_t d, int64_t c0,
-                         float* const* out) {
+                         float* const* out, bool resume) {
   using V = typename P::V;
   V acc[NH][NC];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int h = 0; h < NH; ++h) {
 #pragma GCC unroll 4
-    for (int i = 0; i < NC; ++i) acc[h][i] = P::set1(0.0f);
+    for (int i = 0; i < NC; ++i) {
+      acc[h][i] = resume ? P::load(out[h] + c0 + i * kLanes) : P::set1(0.0f);
+    }
   }
   for (int64_t j = first; j < last; ++j) {
     if (seen && !seen[j]) continue;
@@ -318,14 +333,14 @@ inline void weigh_values(const float* const* weights, const T* cache, const int6
     V v[NC];
 #pragma GCC unroll 4
     for (int i = 0; i < NC; ++i) v[i] = load_row<P>(value + i * kLanes);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int h = 0; h < NH; ++h) {
       const V weight = P::set1(weights[h][j]);
 #pragma GCC unroll 4
       for (int i = 0; i < NC; ++i) acc[h][i] = P::fma(weight, v[i], acc[h][i]);
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int h = 0; h < NH; ++h) {
 #pragma GCC unroll 4
     for (int i = 0; i < NC; ++i) P::store(out[h] + c0 + i * kLanes, acc[h][i]);
@@ -370,49 +385,93 @@ inline void softmax_weights(float* scores, const RowKeys& k) {
   hide(0.0f);
 }
 
-// NH heads of one query row: q[h] its scaled query, scores[h] room for its scores, out[h] its
-// output row.
-template <typename P, typename T, int NH>
-inline void attend_heads(const float* const* q, const float* panel, const T* cache,
-                         const int64_t* values, const RowKeys& k, int64_t d,
+// Columns [c0, c0 + NC * kLanes) of NP pairs' weighted sums of the values: over the keys
+// [first, common) all of them see at once, then each pair's on over the rest of its own.
+template <typename P, typename T, int NC, int NP>
+inline void weigh_tile(const float* const* weights, const T* cache, const int64_t* values,
+                       const RowKeys* const* k, int64_t first, int64_t common, int64_t d,
+                       int64_t c0, float* const* out) {
+  const bool* seen = k[0]->seen;
+  weigh_values<P, T, NC, NP>(weights, cache, values, seen, first, common, d, c0, out, false);
+  for (int p = 0; p < NP; ++p) {
+    if (k[p]->last > common) {
+      weigh_values<P, T, NC, 1>(&weights[p], cache, values, seen, common, k[p]->last, d, c0,
+                                &out[p], true);
+    }
+  }
+}
+
+// NP (row, head) pairs of rows that see the same first key and, when a mask hides keys, of one
+// row: q[p] its scaled query, k[p] the keys its row sees, scores[p] room for its scores, out[p]
+// its output row. Every step of a pair is the one it takes alone: its scores cover groups
+// [g0, g1) of its own keys (the tile scores the groups of all, the others unused), its weights
+// and their sum run over its own keys in key order, and its values' sum goes over the keys all
+// the tile's rows see, then on (resumed) over the rest of its own.
+template <typename P, typename T, int NP>
+inline void attend_pairs(const float* const* q, const float* panel, const T* cache,
+                         const int64_t* values, const RowKeys* const* k, int64_t d,
                          float* const* scores, float* const* out) {
+  const int64_t first = k[0]->first, g0 = k[0]->g0;
+  int64_t g1 = k[0]->g1, common = k[0]->last;
+  for (int p = 1; p < NP; ++p) {
+    g1 = std::max(g1, k[p]->g1);
+    common = std::min(common, k[p]->last);
+  }
   constexpr int64_t groups = P::kScoreGroups;
-  int64_t g = k.g0;
-  for (; g + groups <= k.g1; g += groups) {
-    score_groups<P, groups, NH>(q, panel + g * d * kLanes, d, g, scores);
+  int64_t g = g0;
+  for (; g + groups <= g1; g += groups) {
+    score_groups<P, groups, NP>(q, panel + g * d * kLanes, d, g, scores);
   }
-  for (; g < k.g1; ++g) score_groups<P, 1, NH>(q, panel + g * d * kLanes, d, g, scores);
-  const float* weights[NH];
-  for (int h = 0; h < NH; ++h) {
-    softmax_weights<P>(scores[h], k);
-    weights[h] = scores[h] - k.origin;
+  for (; g < g1; ++g) score_groups<P, 1, NP>(q, panel + g * d * kLanes, d, g, scores);
+  const float* weights[NP];
+  for (int p = 0; p < NP; ++p) {
+    softmax_weights<P>(scores[p], *k[p]);
+    weights[p] = scores[p] - k[p]->origin;
   }
-  // Each head's sum of its weights, one key at a time in key order (a hidden key's 0 changes
+  // Each pair's sum of its weights, one key at a time in key order (a hidden key's 0 changes
   // nothing): the same bits however the keys are laid out or padded.
-  float sums[NH];
-  for (int h = 0; h < NH; ++h) sums[h] = 0.0f;
-  for (int64_t j = k.first; j < k.last; ++j) {
-#pragma GCC unroll 4
-    for (int h = 0; h < NH; ++h) sums[h] = sums[h] + weights[h][j];
+  float sums[NP];
+  for (int p = 0; p < NP; ++p) sums[p] = 0.0f;
+  for (int64_t j = first; j < common; ++j) {
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) sums[p] = sums[p] + weights[p][j];
+  }
+  for (int p = 0; p < NP; ++p) {
+    for (int64_t j = common; j < k[p]->last; ++j) sums[p] = sums[p] + weights[p][j];
   }
   constexpr int64_t chunks = P::kValueChunks;
   int64_t c0 = 0;
   for (; c0 + chunks * kLanes <= d; c0 += chunks * kLanes) {
-    weigh_values<P, T, chunks, NH>(weights, cache, values, k.seen, k.first, k.last, d, c0, out);
+    weigh_tile<P, T, chunks, NP>(weights, cache, values, k, first, common, d, c0, out);
   }
   for (; c0 < d; c0 += kLanes) {
-    weigh_values<P, T, 1, NH>(weights, cache, values, k.seen, k.first, k.last, d, c0, out);
+    weigh_tile<P, T, 1, NP>(weights, cache, values, k, first, common, d, c0, out);
   }
-  for (int h = 0; h < NH; ++h) {
-    for (int64_t i = 0; i < d; ++i) out[h][i] = out[h][i] / sums[h];
+  for (int p = 0; p < NP; ++p) {
+    for (int64_t i = 0; i < d; ++i) out[p][i] = out[p][i] / sums[p];
   }
+}
+
+// attend_pairs for np pairs, 1 <= np <= NP_MAX.
+template <typename P, typename T, int NP_MAX, int NP = 1>
+inline void attend_tile(int np, const float* const* q, const float* panel, const T* cache,
+                        const int64_t* values, const RowKeys* const* k, int64_t d,
+                        float* const* scores, float* const* out) {
+  if constexpr (NP < NP_MAX) {
+    if (np > NP) {
+      attend_tile<P, T, NP_MAX, NP + 1>(np, q, panel, cache, values, k, d, scores, out);
+      return;
+    }
+  }
+  attend_pairs<P, T, NP>(q, panel, cache, values, k, d, scores, out);
 }
 
 // Tasks [begin, end) of a problem, a task being one sequence, kv head and block of query rows.
 // The keys the block sees are transposed into a panel of kLanes keys by D columns, so that a
-// query row's scores come kLanes keys at a time, one multiply-add per column; then, per row,
-// its softmax over kLanes keys at a time and the weighted sum of the values, kLanes columns at
-// a time. Every step a row takes depends on nothing but the row and the keys it sees.
+// query row's scores come kLanes keys at a time, one multiply-add per column; then, per tile of
+// rows (attend_pairs), their softmax over kLanes keys at a time and the weighted sums of the
+// values, kLanes columns at a time. Every step a row takes depends on nothing but the row and
+// the keys it sees.
 template <typename P, typename T>
 inline void attend(const Problem& pr, int64_t begin, int64_t end_task) {
   using V = typename P::V;
@@ -421,7 +480,8 @@ inline void attend(const Problem& pr, int64_t begin, int64_t end_task) {
   const int64_t rows_per_block = (big_l + pr.num_blocks - 1) / pr.num_blocks;
   const T* cache = static_cast<const T*>(pr.cache);
   std::vector<float> panel;   // [key group, D, kLanes]: the block's keys, transposed
-  std::vector<float> scores;  // [kHeads, groups * kLanes]: a row's scores, then weights
+  constexpr int kMaxPairs = std::max(P::kPairs, kHeads);
+  std::vector<float> scores;  // [kMaxPairs, groups * kLanes]: a tile's scores, then weights
   for (int64_t task = begin; task < end_task; ++task) {
     // Blocks interleaved from both ends, so that threads share a causal prefill evenly.
     const int64_t b = task % pr.num_blocks, rest = task / pr.num_blocks;
@@ -453,35 +513,33 @@ inline void attend(const Problem& pr, int64_t begin, int64_t end_task) {
       }
     }
     const int64_t stride = num_groups * kLanes;
-    scores.resize(kHeads * stride);
-    for (int64_t r = row0; r < row1; ++r) {
-      const int64_t first = pr.first[r], last = pr.last[r];
-      const RowKeys k{first, last, origin, (first - origin) / kLanes,
-                      (last - origin + kLanes - 1) / kLanes,
-                      pr.allowed ? pr.allowed + r * w : nullptr};
-      for (int64_t h0 = g * heads; h0 < (g + 1) * heads; h0 += kHeads) {
-        const int nh = static_cast<int>(std::min<int64_t>(kHeads, (g + 1) * heads - h0));
-        const float* q[kHeads];
-        float* score_rows[kHeads];
-        float* out[kHeads];
-        for (int h = 0; h < nh; ++h) {
-          q[h] = pr.q + (r * pr.num_heads + h0 + h) * d;
-          score_rows[h] = scores.data() + h * stride;
-          out[h] = pr.out + (r * pr.num_heads + h0 + h) * d;
+    scores.resize(kMaxPairs * stride);
+    for (int64_t h0 = g * heads; h0 < (g + 1) * heads; h0 += kHeads) {
+      const int nh = static_cast<int>(std::min<int64_t>(kHeads, (g + 1) * heads - h0));
+      const int64_t tile_rows = pr.allowed ? 1 : std::max(1, P::kPairs / nh);
+      for (int64_t r0 = row0; r0 < row1;) {
+        RowKeys row_keys[kMaxPairs];
+        const RowKeys* pair_keys[kMaxPairs];
+        const float* q[kMaxPairs];
+        float* score_rows[kMaxPairs];
+        float* out[kMaxPairs];
+        int np = 0;
+        int64_t r = r0;
+        for (; r < row1 && r < r0 + tile_rows && pr.first[r] == pr.first[r0]; ++r) {
+          const int64_t first = pr.first[r], last = pr.last[r];
+          RowKeys& k = row_keys[r - r0];
+          k = {first, last, origin, (first - origin) / kLanes,
+               (last - origin + kLanes - 1) / kLanes, pr.allowed ? pr.allowed + r * w : nullptr};
+          for (int h = 0; h < nh; ++h, ++np) {
+            pair_keys[np] = &k;
+            q[np] = pr.q + (r * pr.num_heads + h0 + h) * d;
+            score_rows[np] = scores.data() + np * stride;
+            out[np] = pr.out + (r * pr.num_heads + h0 + h) * d;
+          }
         }
-        switch (nh) {
-          case 4:
-            attend_heads<P, T, 4>(q, panel.data(), cache, values, k, d, score_rows, out);
-            break;
-          case 3:
-            attend_heads<P, T, 3>(q, panel.data(), cache, values, k, d, score_rows, out);
-            break;
-          case 2:
-            attend_heads<P, T, 2>(q, panel.data(), cache, values, k, d, score_rows, out);
-            break;
-          default:
-            attend_heads<P, T, 1>(q, panel.data(), cache, values, k, d, score_rows, out);
-        }
+        attend_tile<P, T, kMaxPairs>(np, q, panel.data(), cache, values, pair_keys, d,
+                                     score_rows, out);
+        r0 = r;
       }
     }
   }
@@ -623,12 +681,14 @@ at::Tensor attend_rows(const char* name, const at::Tensor& q, const at::Tensor& 
   std::vector<int64_t> bounds(2 * num_rows);
   int64_t* first = bounds.data();
   int64_t* last = first + num_rows;
+  bool has_holes = false;  // a mask hides a key between some row's first and last
   for (int64_t r = 0; r < num_rows; ++r) {
     int64_t lo = 0, hi = width;
     if (seen) {
       const bool* row = seen + r * width;
       while (lo < width && !row[lo]) ++lo;
       while (hi > lo && !row[hi - 1]) --hi;
+      has_holes = has_holes || !std::all_of(row + lo, row + hi, [](bool b) { return b; });
     } else if (is_causal) {
       hi = std::min(width, width - q_len + r % q_len + 1);
     }
@@ -636,11 +696,19 @@ at::Tensor attend_rows(const char* name, const at::Tensor& q, const at::Tensor& 
     first[r] = lo;
     last[r] = hi;
   }
+  // A mask that hides only keys before a row's first or after its last (a chunk after cached
+  // keys, a sliding window) says nothing the bounds do not: without it, rows tile.
+  if (!has_holes) seen = nullptr;
   const std::vector<float> scaled = scaled_queries(q);
   at::Tensor out = at::empty({num_rows, num_heads, head_dim}, q.options().dtype(at::kFloat));
-  // Blocks of query rows: a few per thread (each transposes the keys it sees once).
-  const int64_t num_blocks =
-      std::min<int64_t>((q_len + kLanes - 1) / kLanes, 4 * at::get_num_threads());
+  // Blocks of query rows: a few per thread (each transposes the keys it sees once), and at
+  // least two tasks per thread where the rows allow, so that a short chunk's few sequences and
+  // kv heads (3 tasks for 2 threads) still share out evenly.
+  const int64_t threads = at::get_num_threads();
+  const int64_t num_blocks = std::min<int64_t>(
+      std::max<int64_t>((q_len + kLanes - 1) / kLanes,
+                        (2 * threads + num_seqs * num_kv_heads - 1) / (num_seqs * num_kv_heads)),
+      std::min<int64_t>((q_len + 1) / 2, 4 * threads));
   Problem problem{scaled.data(), cache_rows.const_data_ptr(), rows.const_data_ptr<int64_t>(),
                   seen, first, last, out.mutable_data_ptr<float>(), num_seqs, q_len,
                   num_heads, num_kv_heads, head_dim, width, num_blocks};

@@ -26,7 +26,8 @@ def ops():
 def problem(seed, num_seqs, q_len, heads, kv_heads, head_dim, width, dtype, mask):
     """Random queries and cache rows, each sequence's keys and values at random rows. ``mask``:
     "causal" (keys 0 .. width - q_len + l for row l, no mask tensor), "window" (that, less the
-    keys more than 5 back; the rows no key sees NaN, so reading one would show) or "none"."""
+    keys more than 5 back), "holes" (causal, less every third key: hidden between a row's first
+    and last) or "none". The rows no query sees hold NaN, so reading one would show."""
     gen = torch.Generator().manual_seed(seed)
     num_rows = 2 * num_seqs * kv_heads * width + 16
     cache = torch.randn(num_rows, head_dim, generator=gen).to(dtype)
@@ -37,11 +38,15 @@ def problem(seed, num_seqs, q_len, heads, kv_heads, head_dim, width, dtype, mask
     seen = key[None, :] <= pos[:, None]  # [q_len, width]
     if mask == "window":
         seen &= key[None, :] > pos[:, None] - 5
+    if mask == "holes":
+        seen &= key[None, :] % 3 != 1
+    if mask in ("window", "holes"):
         per_head = rows.view(2, num_seqs, kv_heads, width)
         cache[per_head[:, :, :, ~seen.any(0)]] = float("nan")
     if mask == "none":
         seen = torch.ones(q_len, width, dtype=torch.bool)
-    allowed = seen.expand(num_seqs, 1, q_len, width).contiguous() if mask == "window" else None
+    masked = mask in ("window", "holes")
+    allowed = seen.expand(num_seqs, 1, q_len, width).contiguous() if masked else None
     return q, cache, rows, allowed, mask == "causal", seen
 
 
@@ -66,7 +71,7 @@ CASES = [  # (sequences, rows, heads, kv heads, head size, keys)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("mask", ["causal", "window", "none"])
+@pytest.mark.parametrize("mask", ["causal", "window", "holes", "none"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
 def test_matches_float64_attention_and_never_reads_a_hidden_value(dtype, mask, case):
     num_seqs, q_len, heads, kv_heads, head_dim, width = case
@@ -82,7 +87,7 @@ def test_matches_float64_attention_and_never_reads_a_hidden_value(dtype, mask, c
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("mask", ["causal", "window"])
+@pytest.mark.parametrize("mask", ["causal", "window", "holes"])
 def test_each_row_is_its_decode_bitwise_on_every_instruction_path(dtype, mask):
     num_seqs, q_len, heads, kv_heads, head_dim, width = 2, 37, 6, 2, 64, 100
     q, cache, rows, allowed, causal, seen = problem(
