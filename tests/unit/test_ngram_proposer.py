@@ -1,11 +1,12 @@
 """The n-gram prompt-lookup proposer: exact drafts, the longest suffix first, the latest match;
-the backoff of a request whose drafts keep failing."""
+the backoff of a request whose drafts keep failing, and its one-token probes."""
 
 import math
 
 import pytest
 
 from replicas.engine.ngram_proposer import (
+    BACKOFF_DRAFT_LEN,
     MAX_DRAFT_INTERVAL,
     NGRAM_MAX_LEN,
     NGRAM_MIN_LEN,
@@ -114,10 +115,10 @@ def test_a_request_whose_drafts_are_never_accepted_drafts_log_times():
         return 0
 
     drafted = drive(proposer, num_steps, reject)
-    # Steps 1, 2, 4, 8, ... (1-based) while the interval doubles, then every 32nd; a draft
-    # that is verified is K tokens long.
+    # Steps 1, 2, 4, 8, ... (1-based) while the interval doubles, then every 32nd; the first
+    # draft is K tokens long, each after it a one-token probe.
     assert drafted == [0, 1, 3, 7, 15, 31, 63, 95, 127, 159, 191]
-    assert lengths == [4] * len(drafted)
+    assert lengths == [4] + [BACKOFF_DRAFT_LEN] * (len(drafted) - 1)
     for n in range(1, 2 * MAX_DRAFT_INTERVAL + 1):
         assert sum(step < n for step in drafted) <= math.log2(n) + 1
     assert len(drafted) <= math.log2(64) + 1 + (num_steps - 64) / MAX_DRAFT_INTERVAL
@@ -137,13 +138,16 @@ def test_a_request_whose_drafts_are_accepted_drafts_k_every_step():
 
 def test_an_accepted_token_ends_the_backoff():
     proposer = NgramProposer(4)
+    lengths = []
 
     def accept(step: int, draft: list[int]) -> int:
+        lengths.append(len(draft))
         return 1 if step == 7 else 0  # one token of the draft at step 8 (1-based)
 
-    # Failures at 1, 2, 4; the draft verified at 8 passes a token, so 9 drafts again; failures
-    # at 9 and 10 start the backoff afresh (one failure alone drops nothing).
+    # Failures at 1, 2, 4; the probe verified at 8 passes its token, so 9 drafts K tokens again;
+    # failures at 9 and 10 start the backoff afresh (one failure alone drops nothing).
     assert drive(proposer, 20, accept) == [0, 1, 3, 7, 8, 9, 11, 15]
+    assert lengths == [4, 1, 1, 1, 4, 1, 1, 1]
 
 
 def test_release_drops_the_index_and_the_backoff():

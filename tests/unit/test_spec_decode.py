@@ -15,7 +15,7 @@ import torch
 
 from cluster import LLM, KVOffloadConfig, PrefixCacheConfig, SamplingParams, SchedulerConfig
 from replicas.engine.core import EngineCore, StepResult
-from replicas.engine.ngram_proposer import MAX_DRAFT_INTERVAL
+from replicas.engine.ngram_proposer import BACKOFF_DRAFT_LEN, MAX_DRAFT_INTERVAL
 from replicas.engine.request import Request
 from replicas.engine.sampler import Sampler
 from replicas.engine.scheduler import SchedulerOutput
@@ -246,7 +246,7 @@ def test_a_request_whose_drafts_are_never_accepted_backs_off():
     assert request.output_token_ids == script[12:112]
     assert core.spec_decode.num_accepted_tokens == 0
     # Each decode step adds one token; those whose lookup finds a draft (with room for one),
-    # numbered from 1: only the 1st, 2nd, 4th, 8th, ... are verified.
+    # numbered from 1: only the 1st, 2nd, 4th, 8th, ... are verified, all but the first as probes.
     decodes = executor.steps[1:]
     found = [
         i
@@ -257,7 +257,7 @@ def test_a_request_whose_drafts_are_never_accepted_backs_off():
     drafted = [i for i, [s] in enumerate(decodes) if s.draft_token_ids]
     assert drafted == [found[j - 1] for j in (1, 2, 4, 8, 16, 32, 64)]
     assert len(drafted) <= math.log2(len(decodes)) + 1
-    assert core.spec_decode.num_draft_tokens == 4 * len(drafted)
+    assert core.spec_decode.num_draft_tokens == 4 + BACKOFF_DRAFT_LEN * (len(drafted) - 1)
     assert core.scheduler.proposer.num_requests == 0
 
 
@@ -390,7 +390,8 @@ def mutated_repeats(seed: int) -> list[int]:
 def test_drafts_back_off_by_their_rule_on_the_built_in_model():
     """Step by step, a draft is verified whenever the lookup (done here by brute force) finds
     one, except after f >= 2 drafts in a row with nothing accepted, when the next 2^(f-1) - 1
-    found are dropped; the outputs are plain decoding's."""
+    found are dropped; after a failure, a draft is a one-token probe until a token passes; the
+    outputs are plain decoding's."""
     params = SamplingParams(max_tokens=80, ignore_eos=True)
     plain = LLM("tiny")
     llm = LLM("tiny", scheduler_config=SchedulerConfig(speculative_ngram=4))
@@ -415,7 +416,7 @@ def test_drafts_back_off_by_their_rule_on_the_built_in_model():
                 to_skip -= 1
                 num_skipped += 1
             else:
-                assert drafted == min(4, room)
+                assert drafted == min(BACKOFF_DRAFT_LEN if failures else 4, room)
                 failures = 0 if accepted else failures + 1
                 num_failed += not accepted
                 to_skip = min(2 ** (failures - 1), MAX_DRAFT_INTERVAL) - 1 if failures else 0
