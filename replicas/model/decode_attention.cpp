@@ -117,7 +117,7 @@ struct Avx2 {
   };
   static constexpr int kValueChunks = 1;
   static constexpr int kScoreGroups = 1;
-  static constexpr int kPairs = 6;
+  static constexpr int kPairs = 6;  // 12 of the 16 registers hold sums, 3 a key or value row
   static STRATA_AVX2 V load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
   static STRATA_AVX2 void store(float* p, V v) {
     _mm256_storeu_ps(p, v.lo);
