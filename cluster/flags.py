@@ -49,6 +49,7 @@ FLAG_GROUPS: dict[str, tuple[Flag, ...]] = {
         Flag("model.decoder_stack"),
         Flag("model.int4_kernel"),
         Flag("model.torch_compile"),
+        Flag("model.cuda_graphs"),
         Flag("model.max_model_len", "TOKENS"),
     ),
     "cache": (
@@ -125,6 +126,7 @@ FLAG_NAMES: dict[str, tuple[str, ...]] = {
     "data_parallel_size": ("--data-parallel-size", "-dp"),
     "model.model": ("model",),  # positional
     "scheduler.prefix_cache_config.enabled": ("--no-enable-prefix-caching",),
+    "model.cuda_graphs": ("--enforce-eager",),
     "scheduler.prefix_cache_config.reservation_share": ("--prefix-reservation-share",),
     "scheduler.kv_offload_config.host_memory_bytes": ("--experimental-kv-offload-host-memory-gb",),
     "scheduler.kv_offload_config.disk_bytes": ("--experimental-kv-offload-disk-gb",),

@@ -388,6 +388,11 @@ class ReplicaModelConfig(_Config):
     device: str = Field(
         "auto", description="auto (cuda if available, else cpu), cpu, cuda or cuda:N."
     )
+    cuda_graphs: bool = Field(
+        True,
+        description="On a GPU, replay decode steps as CUDA graphs captured at start-up, one "
+        "per batch-size bucket (one launch a step); off: every kernel launched from Python.",
+    )
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
     num_npu_blocks: int | None = Field(
         None,

@@ -3,9 +3,11 @@
 #
 #   bash scripts/gpu-check.sh
 #
-# It runs the tests marked `cuda` (tests/gpu) and the `transfer` and `reload-vs-recompute`
-# benchmarks on the GPU, prints one `gpu-check:` line per figure and exits non-zero if anything
-# failed. On a machine without an NVIDIA GPU it says so and exits 0.
+# It runs the `gpu-engine` benchmark (the device's measured ceilings, then decode and prefill of
+# the 8B-shaped built-in model against them), the tests marked `cuda` (tests/gpu) and the
+# `transfer` and `reload-vs-recompute` benchmarks on the GPU, prints one `gpu-check:` line per
+# figure, writes every figure to one JSON ($OUT_DIR/gpu-check.json) and exits non-zero if
+# anything failed. On a machine without an NVIDIA GPU it says so and exits 0.
 #
 # Python, in this order of preference:
 #   1. $STRATA_PYTHON, when set;
@@ -209,7 +211,7 @@ say "set-up took $(($(now) - START)) s"
 
 # ---- checks --------------------------------------------------------------------------------
 mkdir -p "$OUT_DIR"
-rm -rf "$OUT_DIR/pytest.xml" "$OUT_DIR/transfer" "$OUT_DIR/reload-vs-recompute" "$OUT_DIR/reload-smollm2"
+rm -rf "$OUT_DIR/pytest.xml" "$OUT_DIR/gpu-engine" "$OUT_DIR/transfer" "$OUT_DIR/reload-vs-recompute" "$OUT_DIR/reload-smollm2"
 FAILURES=()
 export PYTHONUNBUFFERED=1
 
@@ -244,7 +246,34 @@ run_step() {  # name, cap in seconds, command...
     return "$rc"
 }
 
-run_step "pytest -m cuda" 300 "$PY" -m pytest -q -p no:cacheprovider -rs -m cuda tests/gpu \
+ENGINE_FLAGS=()
+[ "$DEVICE" = cpu ] && ENGINE_FLAGS=(--quick)  # an 8B model is a GPU's work
+if run_step "benchmark gpu-engine" 200 "$PY" -m benchmarks.gpu_engine "${ENGINE_FLAGS[@]}" \
+    --device "$DEVICE" --output "$OUT_DIR/gpu-engine"; then
+    "$PY" - "$OUT_DIR/gpu-engine/results.json" <<'EOF' || FAILURES+=("gpu-engine results")
+import json, sys
+
+r = json.load(open(sys.argv[1]))
+c = r["ceilings"]
+nan = float("nan")
+print(f"gpu-check: ceilings on {r['device']}: copy {c['copy_gb_per_s']:.0f} GB/s (read + "
+      f"written), pinned h2d {c.get('h2d_gib_per_s', nan):.1f} GiB/s, d2h "
+      f"{c.get('d2h_gib_per_s', nan):.1f} GiB/s, bf16 {c['bf16_tflop_per_s']:.0f} TFLOP/s")
+for d in r["decode"]:
+    print(f"gpu-check: decode {r['model']} batch {d['batch']} context {d['context']}: "
+          f"step {d.get('step_ms', nan):.2f} ms (graph), eager {d['eager_ms']:.2f} ms, "
+          f"ceiling {d['ceiling_ms']:.2f} ms, step/ceiling {d['step_over_ceiling']:.2f}, GPU busy "
+          f"{d.get('gpu_busy_share', nan):.2f}, graph tokens = eager "
+          f"{d.get('graph_tokens_equal_eager', '-')}")
+for kind, counts in r["launches_per_decode_step"].items():
+    print(f"gpu-check: launches per decode step ({kind}): {counts}")
+for p in r["prefill"]:
+    print(f"gpu-check: cold prefill {r['model']} {p['tokens']} tokens: {p['ms']:.1f} ms, "
+          f"{p['tflop_per_s']:.0f} TFLOP/s, {p['share_of_peak']:.2f} of measured bf16 peak")
+EOF
+fi
+
+run_step "pytest -m cuda" 220 "$PY" -m pytest -q -p no:cacheprovider -rs -m cuda tests/gpu \
     --junitxml="$OUT_DIR/pytest.xml"
 "$PY" - "$OUT_DIR/pytest.xml" "$DEVICE" <<'EOF' || FAILURES+=("pytest -m cuda (no test ran on the GPU)")
 import sys
@@ -314,6 +343,31 @@ for size in results["sizes"]:
 EOF
     fi
 fi
+
+# One JSON of the whole run (benchmarks/results/gpu/ keeps a copy of each run on a GPU).
+"$PY" - "$OUT_DIR" "$(nvidia-smi -L 2>/dev/null | head -n 1)" <<'EOF'
+import json, pathlib, sys, xml.etree.ElementTree as ElementTree
+
+out = pathlib.Path(sys.argv[1])
+document = {"device": sys.argv[2] or "cpu (dry run)"}
+for name in ("gpu-engine", "transfer", "reload-vs-recompute", "reload-smollm2"):
+    path = out / name / "results.json"
+    if path.exists():
+        document[name] = json.loads(path.read_text())
+try:
+    suite = ElementTree.parse(out / "pytest.xml").getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    document["pytest_cuda"] = {k: suite.get(k) for k in ("tests", "failures", "errors", "skipped")}
+    document["pytest_cuda"]["cases"] = {
+        case.get("name"): "skipped" if case.find("skipped") is not None else
+        "failed" if case.find("failure") is not None or case.find("error") is not None else "passed"
+        for case in suite.iter("testcase")
+    }
+except (OSError, ElementTree.ParseError):
+    pass
+(out / "gpu-check.json").write_text(json.dumps(document, indent=2) + "\n")
+print(f"gpu-check: wrote {out / 'gpu-check.json'}")
+EOF
 
 # ---- verdict -------------------------------------------------------------------------------
 TOTAL=$(($(now) - START))

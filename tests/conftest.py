@@ -17,3 +17,8 @@ if "STRATA_AUTOTUNE_CACHE" not in os.environ:
 # compares (cache on and off, a run and its reference) never take different products, which round
 # differently.
 os.environ.setdefault("STRATA_AUTOTUNE_SCOPE", "test-session")
+# CUDA's paged attention kernels (replicas.model.paged_attention) run on a CPU in Triton's
+# interpreter, which Triton sets up only if told before its first import. A GPU runs them
+# compiled (``nvidia-smi`` answering is the cue: torch is not imported yet).
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")

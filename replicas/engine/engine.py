@@ -138,6 +138,9 @@ class Engine:
             self.device,
             dtype,
             config.kv_cache_dtype,
+            max_num_seqs=config.scheduler_config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            cuda_graphs=config.cuda_graphs,
         )
         self.disk = self._open_disk(plan.num_disk_blocks) if plan.num_disk_blocks else None
         self.kv_cache = self._kv_cache_manager(specs, plan)

@@ -1,14 +1,22 @@
-"""The only component that builds tensors: KV tensors, batch tensors, the forward pass."""
+"""The only component that builds tensors: KV tensors, batch tensors, the forward pass.
+
+On a GPU the batch goes to the device in one pinned copy with the paged attention kernels'
+metadata, and decode steps replay CUDA graphs (``replicas.engine.cuda_batch``,
+``replicas.engine.cuda_graphs``)."""
 
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
+from replicas.engine.cuda_batch import CudaBatchBuilder, GroupGeometry, HostBatch
+from replicas.engine.cuda_graphs import DecodeGraphs
 from replicas.engine.request import Request
 from replicas.engine.scheduler import ScheduledRequest
 from replicas.kv.records import BlockCopy
 from replicas.model import ForwardBatch, LoadedModel
+from replicas.model.fusion import fuse_projections
+from replicas.model.paged_attention import uses_gpu_kernels
 from replicas.sampling_params import MAX_TOP_LOGPROBS
 
 SCORE_ROWS = 64  # prompt positions turned into logits at a time (a row is vocab floats)
@@ -44,6 +52,9 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         kv_cache_dtype: str = "auto",
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         self.model = loaded.model
         self.device = device
@@ -58,6 +69,38 @@ class ModelRunner:
             )
             for group, spec in self.specs.items()
         }
+        self._cuda_batches: CudaBatchBuilder | None = None
+        self.graphs: DecodeGraphs | None = None
+        if uses_gpu_kernels(device):
+            self._set_up_gpu(max_num_seqs, max_model_len, cuda_graphs)
+
+    def _set_up_gpu(self, max_num_seqs: int, max_model_len: int | None, graphs: bool) -> None:
+        """Fused float products, the one-copy batches of the paged kernels, and decode graphs
+        (``replicas.engine.cuda_batch``, ``replicas.engine.cuda_graphs``)."""
+        fuse_projections(self.model)
+        args = self.model.args
+        num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        geometry = [
+            GroupGeometry(
+                name=group,
+                sliding_window=spec.sliding_window or 0,
+                kv_format=spec.kv_format,
+                num_kv_heads=spec.num_kv_heads,
+                heads_per_kv=args.num_heads // args.num_kv_heads,
+                dense_prefill=not spec.sliding_window
+                and not spec.kv_format.is_quantized
+                and spec.storage_dtype == spec.dtype,
+            )
+            for group, spec in self.specs.items()
+        ]
+        self._cuda_batches = CudaBatchBuilder(geometry, self.block_size, self.device, num_sms)
+        if graphs:
+            max_len = max_model_len or args.max_position_embeddings
+            max_blocks = -(-max_len // self.block_size)
+            self.graphs = DecodeGraphs(
+                self.model, self.kv_caches, geometry, max_num_seqs, max_blocks, num_sms
+            )
+            self.graphs.capture()
 
     @property
     def block_bytes(self) -> int:
@@ -83,7 +126,13 @@ class ModelRunner:
         the sampled requests' batch indices; and the scores of the prompt tokens this step's
         positions predict for requests that asked for prompt logprobs (the first
         ``vocab_size`` logits only)."""
-        batch, sampled = self._build_batch(scheduled)
+        host, sampled = self._host_batch(scheduled)
+        if self.graphs is not None and self.graphs.can_run(host):
+            logits = self.graphs.run(host)  # decodes only: no prompt to score
+            if host.logits_indices != list(range(len(host.seq_lens))):
+                logits = logits[torch.tensor(host.logits_indices, device=self.device)]
+            return logits, sampled, []
+        batch = self._batch(host)
         hidden = self.model(batch, self.kv_caches, self.kv_format)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         scores = [
@@ -114,35 +163,30 @@ class ModelRunner:
             top_logprobs += values.tolist()
         return PromptScores(index, start + 1, logprobs, top_ids, top_logprobs)
 
-    def _build_batch(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch, list[int]]:
-        """The batch of the scheduled tokens, sequence ``i`` being ``scheduled[i]``. A request
-        with draft tokens is its last token there, and each draft token is a sequence of its
-        own after all of them (position after position, on the same blocks), so that it
-        attends as the decode it stands for does: alone (``ForwardBatch.num_solo_seqs``), so that
-        it neither pads the decodes' group nor is padded by it; the model writes every new
-        token's KV before any attends, so each draft token sees those before it."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
-        sampled: list[int] = []
+    def _host_batch(self, scheduled: list[ScheduledRequest]) -> tuple[HostBatch, list[int]]:
+        """The integers of the batch of the scheduled tokens, sequence ``i`` being
+        ``scheduled[i]``. A request with draft tokens is its last token there, and each draft
+        token is a sequence of its own after all of them (position after position, on the
+        same blocks), so that it attends as the decode it stands for does: alone
+        (``ForwardBatch.num_solo_seqs``), so that it neither pads the decodes' group nor is
+        padded by it; the model writes every new token's KV before any attends, so each draft
+        token sees those before it."""
         groups = list(self.kv_caches)
-        block_rows: list[dict[str, list[int]]] = []
-        slots: dict[str, list[int]] = {g: [] for g in groups}  # each token's KV slot
+        host = HostBatch([], [], [0], [], [], {g: [] for g in groups}, [], 0)
         drafted: list[tuple[Request, tuple[int, ...], dict[str, list[int]]]] = []
+        sampled: list[int] = []
         size = self.block_size
 
         def add(token_ids: list[int] | tuple[int, ...], start: int, blocks: dict) -> None:
             span = range(start, start + len(token_ids))
-            input_ids.extend(token_ids)
-            positions.extend(span)
-            query_start_loc.append(query_start_loc[-1] + len(token_ids))
-            seq_lens.append(span.stop)
-            block_rows.append(blocks)
+            host.input_ids.extend(token_ids)
+            host.positions.extend(span)
+            host.query_start_loc.append(host.query_start_loc[-1] + len(token_ids))
+            host.seq_lens.append(span.stop)
+            host.block_rows.append(blocks)
             for group in groups:
                 table = blocks[group]
-                slots[group].extend(table[p // size] * size + p % size for p in span)
+                host.slots[group].extend(table[p // size] * size + p % size for p in span)
 
         for i, item in enumerate(scheduled):
             request, drafts = item.request, item.draft_token_ids
@@ -151,33 +195,37 @@ class ModelRunner:
             blocks = {g: [b or 0 for b in item.block_tables[g]] for g in groups}
             add(request.all_token_ids[start:end], start, blocks)
             if item.is_sampled:
-                logits_indices.append(query_start_loc[-1] - 1)
+                host.logits_indices.append(host.query_start_loc[-1] - 1)
                 sampled.append(i)
             if drafts:
                 drafted.append((request, drafts, blocks))
         for request, drafts, blocks in drafted:
             for j, token_id in enumerate(drafts):
                 add([token_id], request.num_tokens + j, blocks)
-                logits_indices.append(query_start_loc[-1] - 1)
+                host.logits_indices.append(host.query_start_loc[-1] - 1)
+        host.num_solo_seqs = sum(len(drafts) for _, drafts, _ in drafted)
+        return host, sampled
 
-        max_blocks = max(len(b) for blocks in block_rows for b in blocks.values())
-        batch = ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
+    def _batch(self, host: HostBatch) -> ForwardBatch:
+        """The batch's tensors: through one pinned copy on a GPU, one by one elsewhere."""
+        if self._cuda_batches is not None:
+            return self._cuda_batches.build(host)
+        max_blocks = max(len(b) for blocks in host.block_rows for b in blocks.values())
+        groups = list(self.kv_caches)
+
+        def tensor(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        return ForwardBatch(
+            input_ids=tensor(host.input_ids),
+            positions=tensor(host.positions),
+            query_start_loc=host.query_start_loc,
+            seq_lens=host.seq_lens,
             block_tables={  # one row per sequence, padded with block 0
-                g: torch.tensor(
-                    [b[g] + [0] * (max_blocks - len(b[g])) for b in block_rows],
-                    dtype=torch.long,
-                    device=self.device,
-                )
+                g: tensor([b[g] + [0] * (max_blocks - len(b[g])) for b in host.block_rows])
                 for g in groups
             },
-            slot_mapping={
-                g: torch.tensor(slots[g], dtype=torch.long, device=self.device) for g in groups
-            },
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=self.device),
-            num_solo_seqs=sum(len(drafts) for _, drafts, _ in drafted),
+            slot_mapping={g: tensor(host.slots[g]) for g in groups},
+            logits_indices=tensor(host.logits_indices),
+            num_solo_seqs=host.num_solo_seqs,
         )
-        return batch, sampled

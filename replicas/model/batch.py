@@ -18,8 +18,12 @@ token may be stale (those blocks were freed): attention never reads them.
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from replicas.model.paged_attention import PagedAttentionMetadata
 
 
 @dataclass(slots=True)
@@ -35,6 +39,10 @@ class ForwardBatch:
     # attend each alone over exactly its keys, as the decode it stands for would when alone,
     # not padded into the group of the other decodes (padding changes the rounding).
     num_solo_seqs: int = 0
+    # On a GPU, each group's metadata for the paged attention kernels, built by the model
+    # runner as device tensors (``replicas.model.paged_attention``); then the host lists above
+    # are not read by the forward, which a CUDA graph may replay.
+    paged: "dict[str, PagedAttentionMetadata] | None" = None
 
     @property
     def num_seqs(self) -> int:

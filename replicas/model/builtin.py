@@ -1,7 +1,11 @@
-"""Built-in models: small transformers with seeded random weights and the byte tokenizer.
+"""Built-in models: transformers with seeded random weights and the byte tokenizer.
 
-They need no files, so every test and demo runs offline. The weights are drawn on the CPU from
-a ``torch.Generator`` seeded by the caller, so one seed gives the same model on every machine.
+They need no files, so every test and demo runs offline. The small ones' weights are drawn on
+the CPU from a ``torch.Generator`` seeded by the caller, so one seed gives the same model on
+every machine. The real-shape ones (``llama3-8b-shape``, ``qwen3-8b-shape``: the vocabulary,
+layer count and shapes of Llama-3-8B and Qwen3-8B) exist to measure a GPU at real sizes: their
+weights are drawn on the device they load to, in the dtype they load in (bfloat16 for ``auto``),
+never staged in float32 on the host.
 Embeddings and LM head are scaled so that logits are peaked (top-1 leads top-2 by several units
 on most tokens): greedy outputs then agree between batched, chunked and cached computations
 despite float rounding.
@@ -47,9 +51,59 @@ def _tiny_hybrid() -> ModelArgs:
     )
 
 
+def _llama3_8b_shape() -> ModelArgs:
+    return ModelArgs(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        max_position_embeddings=131072,
+        bos_token_id=ByteTokenizer.BOS,
+        eos_token_ids=(ByteTokenizer.EOS,),
+        name="llama3-8b-shape",
+    )
+
+
+def _qwen3_8b_shape() -> ModelArgs:
+    return ModelArgs(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        qk_norm=True,
+        bos_token_id=ByteTokenizer.BOS,
+        eos_token_ids=(ByteTokenizer.EOS,),
+        name="qwen3-8b-shape",
+        architecture="Qwen3ForCausalLM",
+    )
+
+
 BUILTIN_MODEL_ARGS: MappingProxyType[str, Callable[[], ModelArgs]] = MappingProxyType(
-    {"tiny": _tiny, "tiny-hybrid": _tiny_hybrid}
+    {
+        "tiny": _tiny,
+        "tiny-hybrid": _tiny_hybrid,
+        "llama3-8b-shape": _llama3_8b_shape,
+        "qwen3-8b-shape": _qwen3_8b_shape,
+    }
 )
+REAL_SHAPE_MODELS = frozenset({"llama3-8b-shape", "qwen3-8b-shape"})
 BUILTIN_MODELS: tuple[str, ...] = tuple(BUILTIN_MODEL_ARGS)
 
 EMBEDDING_STD = 1.0
@@ -57,9 +111,11 @@ LM_HEAD_GAIN = 12.0  # logits std before the final norm's scale; sets how peaked
 RESIDUAL_GAIN = 0.5  # scale of the residual branches' output projections
 
 
-def init_random_weights(model: Transformer, seed: int) -> None:
-    """Fills ``model`` (float32, on the CPU) with weights drawn from ``seed``."""
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+def init_random_weights(model: Transformer, seed: int, on_device: bool = False) -> None:
+    """Fills ``model`` with weights drawn from ``seed``: on the CPU in float32 and copied (the
+    same values everywhere), or ``on_device``, where the weights are, in their dtype."""
+    device = next(model.parameters()).device if on_device else torch.device("cpu")
+    generator = torch.Generator(device=device).manual_seed(seed)
     args = model.args
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -77,11 +133,26 @@ def init_random_weights(model: Transformer, seed: int) -> None:
                 std = RESIDUAL_GAIN / math.sqrt(fan_in * args.num_layers)
             else:
                 std = 1.0 / math.sqrt(fan_in)
-            param.copy_(torch.randn(param.shape, generator=generator) * std)
+            dtype = param.dtype if on_device else torch.float32
+            param.copy_(
+                torch.randn(param.shape, generator=generator, device=device, dtype=dtype) * std
+            )
 
 
-def build_builtin_model(name: str, seed: int) -> Transformer:
-    """The built-in model ``name`` with weights drawn from ``seed``, float32 on the CPU."""
-    model = build_model(BUILTIN_MODEL_ARGS[name]())
-    init_random_weights(model, seed)
+def build_builtin_model(
+    name: str, seed: int, device: torch.device | None = None, dtype: torch.dtype | None = None
+) -> Transformer:
+    """The built-in model ``name`` with weights drawn from ``seed``, on ``device`` in ``dtype``
+    (default: float32 on the CPU); a real-shape model's weights are drawn there directly."""
+    device = torch.device("cpu") if device is None else device
+    dtype = torch.float32 if dtype is None else dtype
+    if name not in REAL_SHAPE_MODELS:
+        model = build_model(BUILTIN_MODEL_ARGS[name]())
+        init_random_weights(model, seed)
+        return model.to(device=device, dtype=dtype)
+    with torch.device("meta"):
+        model = build_model(BUILTIN_MODEL_ARGS[name]())
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.tie_weights()
+    init_random_weights(model, seed, on_device=True)
     return model

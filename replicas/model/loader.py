@@ -17,7 +17,7 @@ from replicas.model.autotune import (
     candidates,
     tune,
 )
-from replicas.model.builtin import BUILTIN_MODEL_ARGS, build_builtin_model
+from replicas.model.builtin import BUILTIN_MODEL_ARGS, REAL_SHAPE_MODELS, build_builtin_model
 from replicas.model.config import ModelArgs
 from replicas.model.gguf import (
     gguf_int4_groups,
@@ -106,6 +106,8 @@ def load_model(
     if int4_kernel not in INT4_KERNELS:
         raise ValueError(f"int4_kernel must be one of {INT4_KERNELS}, got {int4_kernel!r}")
     load_dtype = "float32" if dtype_name == "auto" else dtype_name
+    if resolved in REAL_SHAPE_MODELS:
+        load_dtype = _builtin_dtype(resolved, dtype_name)
     weights = _load_weights(model, resolved, device, torch_dtype(load_dtype), seed)
     stacks = _stacks(decoder_stack, weights.net, device)
     kernels = ("torch",)
@@ -117,7 +119,7 @@ def load_model(
             f"take here (decoder_stack {decoder_stack})"
         )
     if resolved in BUILTIN_MODEL_ARGS:
-        dtype_name = "float32" if dtype_name == "auto" else dtype_name
+        dtype_name = _builtin_dtype(resolved, dtype_name)
         quantization = "none" if quantization == "auto" else quantization
         stacks, kernels = stacks[-1:], kernels[-1:]
     options = candidates(dtype_name, quantization, weights.is_quantized, device, stacks, kernels)
@@ -146,6 +148,14 @@ def load_model(
     )
 
 
+def _builtin_dtype(model: str, dtype_name: str) -> str:
+    """What ``auto`` is for a built-in model: float32 (the reference) for the small ones,
+    bfloat16 for the real-shape ones (measured at the size they are served at)."""
+    if dtype_name != "auto":
+        return dtype_name
+    return "bfloat16" if model in REAL_SHAPE_MODELS else "float32"
+
+
 def _stacks(decoder_stack: str, net: Transformer, device: torch.device) -> tuple[str, ...]:
     """The ways of running ``net``'s layers to choose among: ``native`` last."""
     if decoder_stack == "eager":
@@ -172,7 +182,7 @@ def _load_weights(
         return _Weights(name, net, tokenizer, [model], gguf_weight_bits(net, reader), reader)
     args, tokenizer = _model_info(model, name)
     if model in BUILTIN_MODEL_ARGS:
-        net = build_builtin_model(model, seed).to(device=device, dtype=dtype)
+        net = build_builtin_model(model, seed, device, dtype)
         return _Weights(name, net, tokenizer, [], {})
     net = _empty_model(args, device, dtype)
     load_safetensors(net, Path(model))

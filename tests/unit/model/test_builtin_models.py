@@ -9,7 +9,19 @@ BLOCK_SIZE = 16
 
 
 def test_names():
-    assert BUILTIN_MODELS == ("tiny", "tiny-hybrid")
+    assert BUILTIN_MODELS == ("tiny", "tiny-hybrid", "llama3-8b-shape", "qwen3-8b-shape")
+
+
+def test_real_shapes_have_the_real_parameter_counts():
+    """Built on the meta device (nothing allocated): Llama-3-8B's 8,030,261,248 parameters
+    and Qwen3-8B's 8,190,735,360, as their model cards count them."""
+    from replicas.model.builtin import BUILTIN_MODEL_ARGS
+    from replicas.model.registry import build_model
+
+    for name, count in (("llama3-8b-shape", 8_030_261_248), ("qwen3-8b-shape", 8_190_735_360)):
+        with torch.device("meta"):
+            net = build_model(BUILTIN_MODEL_ARGS[name]())
+        assert sum(p.numel() for p in net.parameters()) == count, name
 
 
 def test_same_seed_same_weights():
