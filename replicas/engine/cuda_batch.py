@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from replicas.model.batch import ForwardBatch
+from replicas.model.config import KVCacheSpec
 from replicas.model.kv_format import KVFormat
 from replicas.model.paged_attention import PagedAttentionMetadata, decode_splits, tile_queries
 
@@ -33,6 +34,25 @@ class GroupGeometry:
     num_kv_heads: int
     heads_per_kv: int
     dense_prefill: bool  # a prefill with no cached keys may attend by SDPA over its own K/V
+
+
+def geometries(specs: "dict[str, KVCacheSpec]", heads_per_kv: int) -> list[GroupGeometry]:
+    """The geometry of each cache group of ``specs``. A prefill with no cached keys attends by
+    SDPA over its own K/V only where the cache holds them as they are (a float cache in the
+    model's dtype) and without a window."""
+    return [
+        GroupGeometry(
+            name=group,
+            sliding_window=spec.sliding_window or 0,
+            kv_format=spec.kv_format,
+            num_kv_heads=spec.num_kv_heads,
+            heads_per_kv=heads_per_kv,
+            dense_prefill=not spec.sliding_window
+            and not spec.kv_format.is_quantized
+            and spec.storage_dtype == spec.dtype,
+        )
+        for group, spec in specs.items()
+    ]
 
 
 @dataclass(slots=True)
@@ -135,7 +155,12 @@ class CudaBatchBuilder:
         return slots, tile_array, table, tuple(dense)
 
     def _copy(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
-        """One pinned buffer holding ``parts`` end to end, copied to the device; their views."""
+        """One pinned buffer holding ``parts`` end to end, copied to the device; their views
+        (on a CPU, where the kernels' tests run them, the buffer itself)."""
+        if self.device.type != "cuda":
+            flat = torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]))
+            bounds = np.cumsum([0] + [p.size for p in parts])
+            return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         total = sum(p.size for p in parts)
         if self._copied is not None:
             self._copied.synchronize()  # the copy still reading the buffer has landed

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from replicas.engine.cuda_batch import CudaBatchBuilder, GroupGeometry, HostBatch
+from replicas.engine.cuda_batch import CudaBatchBuilder, HostBatch, geometries
 from replicas.engine.cuda_graphs import DecodeGraphs
 from replicas.engine.request import Request
 from replicas.engine.scheduler import ScheduledRequest
@@ -80,19 +80,7 @@ class ModelRunner:
         fuse_projections(self.model)
         args = self.model.args
         num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        geometry = [
-            GroupGeometry(
-                name=group,
-                sliding_window=spec.sliding_window or 0,
-                kv_format=spec.kv_format,
-                num_kv_heads=spec.num_kv_heads,
-                heads_per_kv=args.num_heads // args.num_kv_heads,
-                dense_prefill=not spec.sliding_window
-                and not spec.kv_format.is_quantized
-                and spec.storage_dtype == spec.dtype,
-            )
-            for group, spec in self.specs.items()
-        ]
+        geometry = geometries(self.specs, args.num_heads // args.num_kv_heads)
         self._cuda_batches = CudaBatchBuilder(geometry, self.block_size, self.device, num_sms)
         if graphs:
             max_len = max_model_len or args.max_position_embeddings

@@ -96,10 +96,23 @@ def paged_attention(
     Returns [T, H, D] in q's dtype.
     """
     num_tokens, _, head_dim = q.shape
-    fmt = meta.kv_format
     cache = kv_cache[:, layer]  # [blocks, 2, block_size, Hkv, row_width]
-    rows = fmt.quantize(torch.stack([k, v]).view(-1, head_dim)).view(2, num_tokens, -1)
-    _write(rows, cache, meta.slot_mapping)
+    rows = meta.kv_format.quantize(torch.stack([k, v]).view(-1, head_dim))
+    _write(rows.view(2, num_tokens, -1), cache, meta.slot_mapping)
+    return attend_written(q, k, v, kv_cache, layer, meta)
+
+
+def attend_written(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    meta: PagedAttentionMetadata,
+) -> torch.Tensor:
+    """``paged_attention`` once the new tokens' K/V are in the cache (``k``, ``v``: their
+    values, which a prefill with no cached keys attends directly)."""
+    cache = kv_cache[:, layer]
     out = torch.empty_like(q)
     if meta.decode_seqs is not None:
         _attend(q, cache, out, meta, meta.decode_seqs, None, meta.num_decode_splits)
@@ -109,12 +122,12 @@ def paged_attention(
     for start, length in meta.dense:  # heads expanded: flash attention takes no GQA
         window = slice(start, start + length)
         o = F.scaled_dot_product_attention(
-            q[window].transpose(0, 1),
-            k[window].repeat_interleave(group, 1).transpose(0, 1),
-            v[window].repeat_interleave(group, 1).transpose(0, 1),
+            q[window].transpose(0, 1).unsqueeze(0),
+            k[window].repeat_interleave(group, 1).transpose(0, 1).unsqueeze(0),
+            v[window].repeat_interleave(group, 1).transpose(0, 1).unsqueeze(0),
             is_causal=True,
         )
-        out[window] = o.transpose(0, 1)
+        out[window] = o[0].transpose(0, 1)
     return out
 
 
@@ -230,30 +243,38 @@ def triton_next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+@functools.cache
+def jit_kernels(module: str, on_gpu: bool) -> dict[str, object]:
+    """The public functions of kernel module ``module`` (``replicas.model.paged_kernels``,
+    ``replicas.model.fused_kernels``) compiled for the GPU, or run by Triton's interpreter on
+    CPU tensors, which needs ``TRITON_INTERPRET=1`` set before triton is first imported (Triton's
+    own helpers are wrapped for the interpreter only then; tests/conftest.py sets it on a
+    machine without CUDA)."""
+    if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            "Strata's Triton kernels run on a CPU only in Triton's interpreter: set "
+            "TRITON_INTERPRET=1 before triton is imported"
+        )
+    import importlib
+    import inspect
+
+    import triton
+
+    source = importlib.import_module(module)
+    return {
+        name: triton.jit(function)
+        for name, function in inspect.getmembers(source, inspect.isfunction)
+        if function.__module__ == module and not name.startswith("_")
+    }
+
+
+def kernels(on_gpu: bool) -> "_Kernels":
+    found = jit_kernels("replicas.model.paged_kernels", on_gpu)
+    return _Kernels(found["write_rows"], found["attend"], found["combine"])
+
+
 @dataclass(frozen=True, slots=True)
 class _Kernels:
     write: object
     attend: object
     combine: object
-
-
-@functools.cache
-def kernels(on_gpu: bool) -> _Kernels:
-    """The kernels compiled for the GPU, or run by Triton's interpreter on CPU tensors (which
-    needs ``TRITON_INTERPRET=1`` set before triton is first imported: Triton's own helpers are
-    wrapped for the interpreter only then; tests/conftest.py sets it on a machine without CUDA).
-    """
-    if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(
-            "the paged attention kernels run on a CPU only in Triton's interpreter: set "
-            "TRITON_INTERPRET=1 before triton is imported"
-        )
-    import triton
-
-    from replicas.model import paged_kernels
-
-    return _Kernels(
-        triton.jit(paged_kernels.write_rows),
-        triton.jit(paged_kernels.attend),
-        triton.jit(paged_kernels.combine),
-    )

@@ -15,9 +15,9 @@ from replicas.model.attention import AttentionMetadata, cached_attention, strata
 from replicas.model.batch import ForwardBatch
 from replicas.model.compiled import CompiledLayers, run_layers
 from replicas.model.config import KVCacheSpec, ModelArgs
+from replicas.model.gpu_layers import run_paged_layers
 from replicas.model.kv_format import KVFormat, kv_format
 from replicas.model.native_stack import NativeStack
-from replicas.model.paged_attention import PagedAttentionMetadata, paged_attention
 
 
 class RMSNorm(nn.Module):
@@ -89,8 +89,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,  # [T, 1, D]
         sin: torch.Tensor,
         kv_cache: torch.Tensor,  # [num_blocks, layers_in_group, 2, block_size, Hkv, D]
-        # None: in a compiled graph (``replicas.model.compiled``); paged: on a GPU
-        meta: AttentionMetadata | PagedAttentionMetadata | None,
+        meta: AttentionMetadata | None,  # None: in a compiled graph (``replicas.model.compiled``)
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         heads = (self.num_heads, self.num_kv_heads)
@@ -112,9 +111,7 @@ class Attention(nn.Module):
             if self.q_norm is not None and self.k_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if isinstance(meta, PagedAttentionMetadata):
-            out = paged_attention(q, k, v, kv_cache, self.layer_in_group, meta)
-        elif meta is None:
+        if meta is None:
             out = torch.ops.strata.cached_attention(
                 q, k, v, kv_cache, self.layer_in_group, self.group
             )
@@ -237,8 +234,8 @@ class Transformer(nn.Module):
         values in each cache's dtype."""
         x = self.tok_embeddings(batch.input_ids)  # [T, hidden]
         cos, sin = self._rope(batch.positions, x.dtype)  # [T, 1, D]
-        if batch.paged is not None:
-            return run_layers(self.layers, self.norm, x, cos, sin, kv_caches, batch.paged)
+        if batch.paged is not None:  # on a GPU (``replicas.model.gpu_layers``)
+            return run_paged_layers(self.layers, self.norm, x, cos, sin, kv_caches, batch.paged)
         metas = {
             group: AttentionMetadata.build(
                 batch,
