@@ -229,3 +229,15 @@ def _empty_model(args: ModelArgs, device: torch.device, dtype: torch.dtype) -> T
     net = net.to(dtype=dtype).to_empty(device=device)
     net.tie_weights()
     return net
+
+
+def checkpoint_bytes(model: str, revision: str | None = None) -> int:
+    """Bytes of the files that hold ``model``'s weights (a GGUF file, a directory's
+    safetensors); 0 for a built-in model. Resolves ``model`` as ``load_model`` does."""
+    resolved = resolve_model(model, revision)
+    if resolved in BUILTIN_MODEL_ARGS:
+        return 0
+    path = Path(resolved)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.glob("*.safetensors"))
