@@ -19,6 +19,7 @@ from replicas.model.autotune import (
 )
 from replicas.model.builtin import BUILTIN_MODEL_ARGS, build_builtin_model
 from replicas.model.config import ModelArgs
+from replicas.model.device_defaults import auto_dtype, device_quantization
 from replicas.model.gguf import (
     gguf_int4_groups,
     gguf_model_info,
@@ -89,8 +90,9 @@ def load_model(
     ``dtype``), ``int8``, ``int4`` or ``auto``. What ``auto`` means is measured on this machine
     (``replicas.model.autotune``, over a KV cache of ``kv_cache_dtype``), except for the
     built-in models, whose random weights exist to test the engine: ``float32`` and ``none``
-    there, the reference. ``decoder_stack``: ``native``, ``eager`` or ``auto``
-    (``replicas.model.native_stack``; for the built-in models, native wherever it can run).
+    there, the reference; on CUDA ``auto`` is bfloat16 and ``none``, and int8 and int4 are
+    refused (``replicas.model.device_defaults``). ``decoder_stack``: ``native``, ``eager`` or
+    ``auto`` (``replicas.model.native_stack``; for the built-in models, native wherever it can run).
     ``int4_kernel``: ``strata``, ``torch`` or ``auto``, the product of int4 weights (and of the
     int8 weights an int4 model keeps) under the native stack (the eager stack runs torch's).
     The model comes back in eval mode with gradients off.
@@ -105,6 +107,9 @@ def load_model(
         raise ValueError(f"decoder_stack must be one of {DECODER_STACKS}, got {decoder_stack!r}")
     if int4_kernel not in INT4_KERNELS:
         raise ValueError(f"int4_kernel must be one of {INT4_KERNELS}, got {int4_kernel!r}")
+    is_builtin = resolved in BUILTIN_MODEL_ARGS
+    dtype_name = auto_dtype(dtype_name, device.type, is_builtin)
+    quantization = device_quantization(quantization, device.type)
     load_dtype = "float32" if dtype_name == "auto" else dtype_name
     weights = _load_weights(model, resolved, device, torch_dtype(load_dtype), seed)
     stacks = _stacks(decoder_stack, weights.net, device)
@@ -116,8 +121,7 @@ def load_model(
             "int4_kernel strata runs under the native decoder stack, which this model does not "
             f"take here (decoder_stack {decoder_stack})"
         )
-    if resolved in BUILTIN_MODEL_ARGS:
-        dtype_name = "float32" if dtype_name == "auto" else dtype_name
+    if is_builtin:
         quantization = "none" if quantization == "auto" else quantization
         stacks, kernels = stacks[-1:], kernels[-1:]
     options = candidates(dtype_name, quantization, weights.is_quantized, device, stacks, kernels)
@@ -129,6 +133,7 @@ def load_model(
         cache_key(weights.files, device, options, kv_cache_dtype),
         cache_path(),
         kv_cache_dtype=kv_cache_dtype,
+        device_type=device.type,
     )
     if choice.source != "fixed":
         logger.info("auto: %s chose %s", weights.name, choice.describe())
