@@ -84,7 +84,7 @@ class RayBackend:
             _check_host_memory(config, engine_config, args)
         init_ray(config.ray)
         size = config.data_parallel_size
-        self.placement = place_replicas(config.ray, engine_config.device, size)
+        self.placement = place_replicas(config.ray, engine_config, args, size)
         engine_config = self._with_threads(engine_config)
         self.router = (
             ray.remote(RouterActor)
@@ -143,7 +143,7 @@ class RayBackend:
             if self._start_config.ray.cpus_per_replica is not None
             else " (ray.cpus_per_replica unset: the available CPUs shared among the replicas)",
         )
-        return engine_config.model_copy(update={"num_threads": threads})
+        return self.placement.pinned(engine_config).model_copy(update={"num_threads": threads})
 
     def _introduce_replicas(self, replicas: list[ray.actor.ActorHandle]) -> list[str]:
         """Wait for the replicas to start, tell the router what it needs of them (their
@@ -469,7 +469,7 @@ class RayBackend:
         divided by the new size (running replicas keep their shares), the threads of the
         start-up bundle. Raises ``ValueError`` when a share holds no block or, on an embedded
         Ray, the new host tiers do not fit in this machine's memory."""
-        engine_config = config.engine_config()
+        engine_config = self.placement.pinned(config.engine_config())
         if self._embedded:
             total = deployment_host_bytes(self._args, engine_config, 1) * num_new
             if total:

@@ -55,6 +55,8 @@ FLAG_GROUPS: dict[str, tuple[Flag, ...]] = {
     "cache": (
         Flag("model.block_size", "TOKENS"),
         Flag("model.num_npu_blocks", "N"),
+        Flag("model.npu_kv_memory_bytes", "GIB"),
+        Flag("model.npu_kv_memory_fraction", "F"),
         Flag("model.kv_cache_dtype"),
         Flag("scheduler.prefix_cache_config.enabled"),
         Flag("scheduler.prefix_cache_config.reservation_share", "SHARE"),
@@ -130,6 +132,7 @@ FLAG_NAMES: dict[str, tuple[str, ...]] = {
     "scheduler.prefix_cache_config.reservation_share": ("--prefix-reservation-share",),
     "scheduler.kv_offload_config.host_memory_bytes": ("--experimental-kv-offload-host-memory-gb",),
     "scheduler.kv_offload_config.disk_bytes": ("--experimental-kv-offload-disk-gb",),
+    "model.npu_kv_memory_bytes": ("--npu-kv-memory-gb",),
     "routing.policy": ("--data-parallel-routing-policy",),
 }
 """The flags whose name is not the rule's (the reference system's spellings)."""

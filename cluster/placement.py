@@ -2,10 +2,18 @@
 the CPUs, GPU share and custom resources that replica reserves.
 
     placement group (ray.placement_strategy: PACK, SPREAD, ...)
-      bundle 0: {CPU: cpus_per_replica, GPU: gpus_per_replica, **resources_per_replica}
+      bundle 0: {CPU: cpus_per_replica, GPU: gpus_per_replica, memory: bytes,
+                 **resources_per_replica}
       (unset: the machine's cores shared among the replicas, see ``cpus_per_replica``)
       bundle 1: ...
       replica i runs in bundle i and reserves all of it
+
+``memory`` is the host memory the replica will hold (``replicas.kv.sizing.replica_memory``):
+on a CPU its weights, NPU KV pool and host tier, with the pool sized here, before the replicas
+start, from the memory Ray schedules on a node shared by all of them, and pinned in their
+config (``ReplicaPlacement.pinned``), so that every replica gets the pool it declared; on a GPU
+its host tier (the pool is in HBM, sized by the replica). Ray's placement and its memory
+monitor then see what each replica holds.
 
 A resize keeps the bundle of every replica as it was at start-up. A replica removed by a
 scale-in frees its bundle: the next replica a scale-out adds takes a free bundle before a new
@@ -30,6 +38,10 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import RayConfig
+from replicas.config import EngineConfig
+from replicas.kv.sizing import ReplicaMemory, replica_memory
+from replicas.model import ModelArgs
+from replicas.model.loader import checkpoint_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +92,10 @@ class ReplicaPlacement:
     num_cpus: float
     num_gpus: float
     resources: dict[str, float]
+    memory_bytes: int = 0
+    """Host memory each replica declares (Ray's ``memory`` resource); 0: none declared."""
+    npu_kv_memory_bytes: int | None = None
+    """The NPU KV pool sized for each replica here (CPU replicas); None: each sizes its own."""
     bundles: dict[int, tuple[PlacementGroup, int]] = field(default_factory=dict)
     """Replica index -> (group, bundle index) it runs in."""
     free: list[tuple[PlacementGroup, int]] = field(default_factory=list)
@@ -93,20 +109,26 @@ class ReplicaPlacement:
     @property
     def bundle(self) -> dict[str, float]:
         """What one replica reserves."""
-        bundle = {"CPU": self.num_cpus, **self.resources}
-        if self.num_gpus:
-            bundle["GPU"] = self.num_gpus
-        return bundle
+        return _bundle(self.num_cpus, self.num_gpus, self.memory_bytes, self.resources)
+
+    def pinned(self, config: EngineConfig) -> EngineConfig:
+        """``config`` with the NPU KV pool sized for each replica here, if one was."""
+        if self.npu_kv_memory_bytes is None:
+            return config
+        return config.model_copy(update={"npu_kv_memory_bytes": self.npu_kv_memory_bytes})
 
     def actor_options(self, index: int) -> dict[str, object]:
         """Ray actor options that put replica ``index`` in its bundle, reserving all of it."""
         group, bundle_index = self.bundles[index]
-        return {
+        options: dict[str, object] = {
             "num_cpus": self.num_cpus,
             "num_gpus": self.num_gpus,
             "resources": self.resources,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(group, bundle_index),
         }
+        if self.memory_bytes:
+            options["memory"] = self.memory_bytes
+        return options
 
     def num_placeable(self) -> float:
         """How many more replicas the cluster can hold now: the free bundles, plus the bundles
@@ -205,15 +227,49 @@ def cpus_per_replica(config: RayConfig, num_gpus: float, num_replicas: int) -> f
     return max(share, 0.0)
 
 
-def place_replicas(config: RayConfig, device: str, num_replicas: int) -> ReplicaPlacement:
-    """Reserve one bundle per replica and wait until Ray has placed them all. Raises
-    ``RuntimeError`` (having released the reservation) when the cluster cannot hold them."""
-    num_gpus = gpus_per_replica(config, device, num_replicas)
-    num_cpus = cpus_per_replica(config, num_gpus, num_replicas)
-    bundle = {"CPU": num_cpus, **config.resources_per_replica}
+def _bundle(
+    num_cpus: float, num_gpus: float, memory_bytes: int, resources: dict[str, float]
+) -> dict[str, float]:
+    bundle = {"CPU": num_cpus, **resources}
     if num_gpus:
         bundle["GPU"] = num_gpus
-    elif device == "auto" and ray.cluster_resources().get("GPU"):
+    if memory_bytes:
+        bundle["memory"] = memory_bytes
+    return bundle
+
+
+def plan_replica_memory(
+    engine_config: EngineConfig, args: ModelArgs, num_gpus: float, num_replicas: int
+) -> ReplicaMemory:
+    """One replica's host memory (``replicas.kv.sizing.replica_memory``), its CPU pool sized
+    from the smallest alive node's ``memory`` resource shared by every replica (a replica
+    spread to another node then holds less than that node could give it)."""
+    node_memory = min(
+        (n["Resources"].get("memory", 0.0) for n in ray.nodes() if n["Alive"]), default=0.0
+    )
+    return replica_memory(
+        args,
+        engine_config,
+        on_gpu=bool(num_gpus),
+        node_memory_bytes=int(node_memory),
+        num_node_replicas=num_replicas,
+        checkpoint_bytes=checkpoint_bytes(engine_config.model, engine_config.revision),
+    )
+
+
+def place_replicas(
+    config: RayConfig, engine_config: EngineConfig, args: ModelArgs, num_replicas: int
+) -> ReplicaPlacement:
+    """Reserve one bundle per replica, its memory included (``plan_replica_memory``), and wait
+    until Ray has placed them all. Raises ``RuntimeError`` (having released the reservation)
+    when the cluster cannot hold them."""
+    device = engine_config.device
+    num_gpus = gpus_per_replica(config, device, num_replicas)
+    num_cpus = cpus_per_replica(config, num_gpus, num_replicas)
+    memory = plan_replica_memory(engine_config, args, num_gpus, num_replicas)
+    logger.info("each replica declares %d bytes of memory to Ray: %s", *memory[1:])
+    bundle = _bundle(num_cpus, num_gpus, memory.declared_bytes, config.resources_per_replica)
+    if not num_gpus and device == "auto" and ray.cluster_resources().get("GPU"):
         logger.warning(
             "the Ray cluster has GPUs but no replica reserves one (ray.gpus_per_replica): "
             "replicas run on the CPU (a replica uses a GPU only when its placement bundle "
@@ -226,6 +282,14 @@ def place_replicas(config: RayConfig, device: str, num_replicas: int) -> Replica
         remove_placement_group(group)
         raise RuntimeError(
             f"cannot place {num_replicas} replicas needing {bundle} each on this Ray cluster "
-            f"({ray.cluster_resources()}); lower data_parallel_size or ray.cpus_per_replica"
+            f"({ray.cluster_resources()}); lower data_parallel_size or ray.cpus_per_replica, "
+            "or set npu_kv_memory_bytes lower"
         ) from error
-    return ReplicaPlacement(group, num_cpus, num_gpus, config.resources_per_replica)
+    return ReplicaPlacement(
+        group,
+        num_cpus,
+        num_gpus,
+        config.resources_per_replica,
+        memory.declared_bytes,
+        memory.npu_kv_memory_bytes,
+    )

@@ -29,6 +29,14 @@ RETAINED_SHARE_OPTION = "--experimental-kv-offload-retained-share"
 DISK_PATH_OPTION = "--experimental-kv-offload-disk-path"
 DISK_GB_OPTION = "--experimental-kv-offload-disk-gb"
 SPECULATIVE_NGRAM_OPTION = "--speculative-ngram"
+KV_FRACTION_OPTION = "--npu-kv-memory-fraction"
+
+GPU_KV_MEMORY_FRACTION = 0.9
+"""``npu_kv_memory_fraction``'s default on CUDA: the rest is headroom for what the activation
+reserve does not count (the allocator's fragmentation, CUDA graphs, kernels' workspaces)."""
+CPU_KV_MEMORY_FRACTION = 0.5
+"""``npu_kv_memory_fraction``'s default on a CPU, whose RAM also holds the process itself, the
+tokenizer, the autotuner's candidates while they are timed and every other program."""
 
 IMMEDIATE_PROMOTION = "immediate"
 """The ``write_through_threshold`` that copies every block to host when it is first written."""
@@ -400,10 +408,20 @@ class ReplicaModelConfig(_Config):
         description="KV blocks in the NPU tier per replica (of the global cache type); "
         "None: what npu_kv_memory_bytes holds.",
     )
-    npu_kv_memory_bytes: int = Field(
-        256 * 2**20,
+    npu_kv_memory_bytes: int | None = Field(
+        None,
         ge=1,
-        description="NPU KV memory per replica in bytes, used when num_npu_blocks is None.",
+        description="NPU KV memory per replica in bytes, used when num_npu_blocks is None; "
+        "None: sized from the memory the device has left after the weights and one step's "
+        "activations, times npu_kv_memory_fraction (replicas.kv.sizing).",
+    )
+    npu_kv_memory_fraction: float | None = Field(
+        None,
+        description="Share (above 0, at most 1) of the memory its device has left after the "
+        f"weights and one step's activations that a replica's NPU KV pool takes, when neither "
+        f"num_npu_blocks nor npu_kv_memory_bytes is set: of the GPU's free memory on CUDA, of "
+        f"the RAM available to each of a node's replicas after the host tier on a CPU. None: "
+        f"{GPU_KV_MEMORY_FRACTION} on CUDA, {CPU_KV_MEMORY_FRACTION} on a CPU.",
     )
     max_model_len: int | None = Field(
         None,
@@ -416,6 +434,12 @@ class ReplicaModelConfig(_Config):
     def _check_model(self) -> "ReplicaModelConfig":
         if self.dtype != "auto":
             torch_dtype(self.dtype)
+        fraction = self.npu_kv_memory_fraction
+        if fraction is not None and not (math.isfinite(fraction) and 0.0 < fraction <= 1.0):
+            raise ValueError(
+                f"npu_kv_memory_fraction ({KV_FRACTION_OPTION}) must be a number above 0 and at "
+                f"most 1, got {fraction}"
+            )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         return self

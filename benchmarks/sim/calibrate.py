@@ -162,7 +162,7 @@ def calibrate(name: str) -> HardwareProfile:
         kv_bytes_per_token=kv_bytes_per_token,
         dtype="float32",
         kv_head_dim=next(iter(specs.values())).head_dim,
-        npu_kv_memory_bytes=256 * 2**20,  # EngineConfig's default NPU KV memory
+        npu_kv_memory_bytes=256 * 2**20,  # the tiny pool on a CPU: 4 contexts (kv/sizing.py)
         max_model_len=16384,  # the tiny model's max_position_embeddings
         **compute,
         h2d_bytes_per_s=bandwidth,

@@ -20,6 +20,7 @@ from replicas.kv.hashing import BlockHash
 from replicas.kv.host_memory import check_host_capacity
 from replicas.kv.manager import KVCacheManager, ReloadCosts, ReservationPolicy
 from replicas.kv.records import CacheStats, CacheTypeSpec, CacheTypeUsage
+from replicas.kv.sizing import PoolSize, device_memory, module_bytes, size_npu_pool
 
 if TYPE_CHECKING:
     from replicas.kv.disk import DiskStats, DiskStore
@@ -126,9 +127,10 @@ class Engine:
         )
         self.tokenizer = self.loaded.tokenizer
         self.block_size = config.block_size
-        plan = plan_cache(specs, config, self.loaded.args.max_position_embeddings)
+        pool = self._size_npu_pool(specs)
+        plan = plan_cache(specs, config, self.loaded.args.max_position_embeddings, pool.num_blocks)
         self.num_npu_blocks = plan.num_npu_blocks[next(iter(specs))]
-        self.max_model_len = self._resolve_max_model_len()
+        self.max_model_len = pool.max_model_len
         if plan.num_host_blocks:  # fail before any bookkeeping is built
             check_host_capacity(plan.host_bytes)
         self.runner = ModelRunner(
@@ -380,23 +382,18 @@ class Engine:
         return outputs
 
     # ---- checks ------------------------------------------------------------------------------
-    def _resolve_max_model_len(self) -> int:
-        pool_tokens = self.num_npu_blocks * self.block_size
-        model_limit = self.loaded.args.max_position_embeddings
-        if self.config.max_model_len is None:
-            return min(model_limit, pool_tokens)
-        if self.config.max_model_len > pool_tokens:
-            raise ValueError(
-                f"max_model_len={self.config.max_model_len} exceeds the NPU KV pool "
-                f"({self.num_npu_blocks} blocks of {self.block_size} tokens = {pool_tokens} "
-                "tokens); raise num_npu_blocks or lower max_model_len"
-            )
-        if self.config.max_model_len > model_limit:
-            raise ValueError(
-                f"max_model_len={self.config.max_model_len} exceeds the model's "
-                f"max_position_embeddings ({model_limit})"
-            )
-        return self.config.max_model_len
+    def _size_npu_pool(self, specs: dict[str, KVCacheSpec]) -> PoolSize:
+        """The NPU pool from the memory the device has left now that the weights are loaded
+        (``replicas.kv.sizing``), logged in one line with how it was sized."""
+        pool = size_npu_pool(
+            device_memory(self.device),
+            self.loaded.args,
+            specs,
+            self.config,
+            weights_bytes=module_bytes(self.loaded.model),
+        )
+        logger.info("engine: NPU KV pool from %s", pool.reason)
+        return pool
 
     def validate_prompt(self, prompt: str | list[int]) -> list[int]:
         """The prompt's token ids; ``ValueError`` if the engine can never serve it."""

@@ -67,30 +67,41 @@ def _blocks_per_request(spec: KVCacheSpec, num_tokens: int, chunk: int, block_si
     return min(full, math.ceil((spec.sliding_window - 1 + chunk) / block_size) + 1)
 
 
-def plan_npu_blocks(
+def cache_type_shares(
     specs: dict[str, KVCacheSpec], config: EngineConfig, max_positions: int
-) -> dict[str, int]:
-    """NPU blocks per cache type; the first (global) type gets ``num_npu_blocks`` if set."""
+) -> dict[str, float]:
+    """Each cache type's blocks per block of the primary (first, global) type: the ratio of one
+    request's blocks, for a request of ``max_model_len`` (else ``max_positions``) tokens."""
     block_size = config.block_size
     num_tokens = config.max_model_len or max_positions
     chunk = min(config.scheduler_config.max_num_batched_tokens, num_tokens)
     per_request = {
         g: _blocks_per_request(s, num_tokens, chunk, block_size) for g, s in specs.items()
     }
-    primary = next(iter(specs))
-    share = {g: per_request[g] / per_request[primary] for g in specs}
-    if config.num_npu_blocks is not None:
-        num_primary = config.num_npu_blocks
-    else:
-        bytes_per_primary_block = sum(
-            share[g] * s.block_bytes(block_size) for g, s in specs.items()
+    primary = per_request[next(iter(specs))]
+    return {g: per_request[g] / primary for g in specs}
+
+
+def plan_npu_blocks(
+    specs: dict[str, KVCacheSpec],
+    config: EngineConfig,
+    max_positions: int,
+    num_primary: int | None = None,
+) -> dict[str, int]:
+    """NPU blocks per cache type: the first (global) type gets ``num_primary`` (a pool sized by
+    ``replicas.kv.sizing.size_npu_pool``), else what ``num_npu_blocks`` or
+    ``npu_kv_memory_bytes`` sets; ``ValueError`` when none is given."""
+    block_size = config.block_size
+    num_tokens = config.max_model_len or max_positions
+    chunk = min(config.scheduler_config.max_num_batched_tokens, num_tokens)
+    share = cache_type_shares(specs, config, max_positions)
+    if num_primary is None:
+        num_primary = configured_npu_blocks(specs, config, max_positions)
+    if num_primary is None:
+        raise ValueError(
+            "npu_kv_memory_bytes is None (sized from device memory): size the pool with "
+            "replicas.kv.sizing.size_npu_pool, or set npu_kv_memory_bytes or num_npu_blocks"
         )
-        num_primary = int(config.npu_kv_memory_bytes // bytes_per_primary_block)
-        if num_primary < 1:
-            raise ValueError(
-                f"npu_kv_memory_bytes={config.npu_kv_memory_bytes} is smaller than one KV block "
-                f"({math.ceil(bytes_per_primary_block)} bytes)"
-            )
     plan = {}
     for group, spec in specs.items():
         blocks = max(1, math.ceil(num_primary * share[group]))
@@ -99,6 +110,34 @@ def plan_npu_blocks(
             blocks = min(num_primary, max(blocks, floor_blocks))
         plan[group] = blocks
     return plan
+
+
+def primary_block_bytes(
+    specs: dict[str, KVCacheSpec], config: EngineConfig, max_positions: int
+) -> float:
+    """The NPU bytes one block of the primary cache type brings with it: its own and each
+    other type's share of blocks (``cache_type_shares``)."""
+    share = cache_type_shares(specs, config, max_positions)
+    return sum(share[g] * s.block_bytes(config.block_size) for g, s in specs.items())
+
+
+def configured_npu_blocks(
+    specs: dict[str, KVCacheSpec], config: EngineConfig, max_positions: int
+) -> int | None:
+    """The primary cache type's NPU blocks that ``num_npu_blocks`` or ``npu_kv_memory_bytes``
+    sets; None when neither is (the pool is sized from memory: ``replicas.kv.sizing``)."""
+    if config.num_npu_blocks is not None:
+        return config.num_npu_blocks
+    if config.npu_kv_memory_bytes is None:
+        return None
+    per_block = primary_block_bytes(specs, config, max_positions)
+    num_primary = int(config.npu_kv_memory_bytes // per_block)
+    if num_primary < 1:
+        raise ValueError(
+            f"npu_kv_memory_bytes={config.npu_kv_memory_bytes} is smaller than one KV block "
+            f"({math.ceil(per_block)} bytes)"
+        )
+    return num_primary
 
 
 def replica_host_bytes(host_memory_bytes: int, data_parallel_size: int, block_bytes: int) -> int:
@@ -228,10 +267,15 @@ def plan_disk_blocks(
 
 
 def plan_cache(
-    specs: dict[str, KVCacheSpec], config: EngineConfig, max_positions: int
+    specs: dict[str, KVCacheSpec],
+    config: EngineConfig,
+    max_positions: int,
+    num_primary: int | None = None,
 ) -> CachePlan:
+    """Every tier's blocks per cache type; the primary type's NPU blocks are ``num_primary``
+    (``replicas.kv.sizing.size_npu_pool``), else the configured ones."""
     block_bytes = {g: s.block_bytes(config.block_size) for g, s in specs.items()}
-    npu = plan_npu_blocks(specs, config, max_positions)
+    npu = plan_npu_blocks(specs, config, max_positions, num_primary)
     offload = config.scheduler_config.kv_offload_config
     host = plan_host_blocks(offload, npu, block_bytes)
     disk = plan_disk_blocks(offload, npu, block_bytes)
@@ -251,9 +295,18 @@ def plan_cache(
 def deployment_host_bytes(args: ModelArgs, config: EngineConfig, data_parallel_size: int) -> int:
     """Host KV bytes the whole deployment will allocate: ``data_parallel_size`` replicas of
     ``config`` (one replica's config, holding its share of a byte budget), planned as the
-    engine plans them, from the model's config alone (no weights)."""
+    engine plans them, from the model's config alone (no weights); a pool sized from memory is
+    estimated as on this machine's CPU (``replicas.kv.sizing.plan_cpu_pool``)."""
     if not config.scheduler_config.kv_offload_config.is_active:
         return 0
     specs = kv_cache_specs(args, config.dtype, config.kv_cache_dtype)
-    plan = plan_cache(specs, config, args.max_position_embeddings)
+    num_primary = None
+    if configured_npu_blocks(specs, config, args.max_position_embeddings) is None:
+        from replicas.kv import sizing  # sizing plans with this module's rules
+
+        weights = sizing.estimate_weights_bytes(args, config.dtype, config.quantization)
+        memory = sizing.device_memory(torch.device("cpu")).free_bytes
+        pool = sizing.plan_cpu_pool(args, config, memory, data_parallel_size, weights)
+        num_primary = pool.num_blocks
+    plan = plan_cache(specs, config, args.max_position_embeddings, num_primary)
     return data_parallel_size * plan.host_bytes

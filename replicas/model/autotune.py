@@ -45,7 +45,8 @@ beat in both.
 The candidates: both dtypes (``CANDIDATE_DTYPES``) where ``dtype`` is ``auto``; ``none``,
 ``int8`` and ``int4`` where ``quantization`` is ``auto`` and the checkpoint is stored quantized
 (a GGUF file of 4- to 8-bit tensors), else ``none`` (a float checkpoint is never quantized
-unasked, and on CUDA, where there are no packed kernels, neither is a quantized one); and both
+unasked, and on CUDA, where there are no packed kernels, neither is a quantized one: there
+``replicas.model.device_defaults`` fixes the dtype and quantization before any timing); and both
 ways of running the layers where ``decoder_stack`` is ``auto`` and the model can run natively
 here (``eager``, module by module in Python, and ``native``, one C++ loop over the same ops:
 ``replicas.model.native_stack``; the same outputs bitwise, so only their speed is chosen
@@ -53,14 +54,15 @@ between), an int4 one natively with each int4 kernel where ``int4_kernel`` is ``
 dtype, quantization and kernel is built once and timed each way. An explicit ``dtype``,
 ``quantization``, ``decoder_stack`` or ``int4_kernel`` fixes that part of the choice.
 
-A measurement taken while another process competed for the CPU is a guess about a quieter
-machine: while the candidates are timed, ``CPUShare`` compares this process's CPU time with the
-wall time its threads had. Below ``MIN_CPU_SHARE`` (another process took the cores: measured on
-a 2-core EPYC, 0.99 alone and 0.49 beside two busy loops) the choice is logged as measured on a
-busy machine and kept only for this start's scope (``SCOPE_ENV``: the replica actor sets it to
-its deployment's Ray job unless the environment names a scope already, so the other replicas of
-the deployment and their restarts take the same choice, even after a quieter start elsewhere
-measured another); any other start measures again.
+On CUDA every timed forward is synchronized before and after, and the CPU share below is not
+taken (a process timing a GPU waits on it). A measurement taken while another process competed
+for the CPU is a guess about a quieter machine: while the candidates are timed, ``CPUShare``
+compares this process's CPU time with the wall time its threads had. Below ``MIN_CPU_SHARE``
+(another process took the cores: measured on a 2-core EPYC, 0.99 alone and 0.49 beside two busy
+loops) the choice is logged as measured on a busy machine and kept only for this start's scope
+(``SCOPE_ENV``: the replica actor sets it to its deployment's Ray job unless the environment
+names a scope already, so the other replicas of the deployment and their restarts take the same
+choice, even after a quieter start elsewhere measured another); any other start measures again.
 
 Every replica of a deployment must run the same choice: a greedy request must give the same
 tokens whichever replica serves it (or resumes it). So the measurement is taken under an
@@ -76,13 +78,10 @@ timings it was made from beside every configuration measured.
 """
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
 import os
-import platform
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -91,8 +90,11 @@ from typing import NamedTuple
 import torch
 
 from replicas.config import torch_dtype
+from replicas.model.autotune_cache import CACHE_ENV as CACHE_ENV
+from replicas.model.autotune_cache import ISA_LIMITS as ISA_LIMITS
+from replicas.model.autotune_cache import cache_path as cache_path
+from replicas.model.autotune_cache import cpu_facts, locked, read_cache, write_cache
 from replicas.model.batch import ForwardBatch
-from replicas.model.native_stack import ISA_ENV
 from replicas.model.transformer import Transformer
 
 logger = logging.getLogger(__name__)
@@ -112,7 +114,6 @@ DECODE_ROUND_S = 0.15
 MIN_DECODE_STEPS = 2
 MIN_CPU_SHARE = 0.8
 """Below this share of its threads' wall time on a CPU, a measurement is not cached."""
-CACHE_ENV = "STRATA_AUTOTUNE_CACHE"
 SCOPE_ENV = "STRATA_AUTOTUNE_SCOPE"
 """Names the deployment a start belongs to; a busy machine's choice is reused within it only."""
 _BLOCK_SIZE = 16
@@ -188,7 +189,7 @@ def candidates(
     ]
 
 
-CHOICE_RULES = 5
+CHOICE_RULES = 6
 """Raised whenever ``choose`` or the timing changes, so that no cached choice outlives the rules
 it followed."""
 
@@ -250,8 +251,10 @@ def time_model(
         model.compute_logits(model(batch, caches, kv_format))
 
     def timed(start: int, end: int) -> float:
+        synchronize(device)  # on CUDA, time the device's work, not the launches
         begin = timer()
         forward(start, end)
+        synchronize(device)
         return timer() - begin
 
     decode_span = (DECODE_CONTEXT_TOKENS, DECODE_CONTEXT_TOKENS + 1)
@@ -269,15 +272,26 @@ def time_model(
     return min(prefills) / PREFILL_TOKENS, min(decodes)
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (CUDA runs asynchronously; a CPU has none queued)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class CPUShare:
     """From its creation on: the CPU time this process used, as a share of the wall time its
-    ``torch.get_num_threads()`` threads had (1: nothing else ran on their cores)."""
+    ``torch.get_num_threads()`` threads had (1: nothing else ran on their cores). A process
+    timing a GPU waits on the device, so its CPU share says nothing of other processes: there
+    it is 1."""
 
-    def __init__(self) -> None:
+    def __init__(self, device_type: str = "cpu") -> None:
+        self._device_type = device_type
         self._wall = time.perf_counter()
         self._cpu = time.process_time()
 
     def fraction(self) -> float:
+        if self._device_type != "cpu":
+            return 1.0
         wall = (time.perf_counter() - self._wall) * torch.get_num_threads()
         return (time.process_time() - self._cpu) / wall if wall > 0 else 1.0
 
@@ -289,6 +303,7 @@ def tune(
     cache_file: Path | None,
     timer: Callable[[], float] = time.perf_counter,
     kv_cache_dtype: str = "auto",
+    device_type: str = "cpu",
 ) -> Choice:
     """The choice among ``options``: from ``cache_file`` under ``key`` when an earlier start
     measured it, else by timing the model ``build`` makes of each (built and dropped one at a
@@ -299,19 +314,19 @@ def tune(
         return Choice(options[0], (), "fixed")
     scope = os.environ.get(SCOPE_ENV) or None
     if cache_file is None:
-        return _measure(options, build, timer, kv_cache_dtype)
+        return _measure(options, build, timer, kv_cache_dtype, device_type)
     cached = _cached_choice(cache_file, key, options, scope)
     if cached is not None:
         return cached
-    with _locked(cache_file):
+    with locked(cache_file):
         cached = _cached_choice(cache_file, key, options, scope)  # measured while we waited
         if cached is not None:
             return cached
-        choice = _measure(options, build, timer, kv_cache_dtype)
+        choice = _measure(options, build, timer, kv_cache_dtype, device_type)
         if choice.source == "measured":
-            _write_cache(cache_file, key, choice)
+            write_cache(cache_file, key, choice)
         elif scope is not None:
-            _write_cache(cache_file, _scoped(key, scope), choice)
+            write_cache(cache_file, _scoped(key, scope), choice)
     return choice
 
 
@@ -320,7 +335,7 @@ def _cached_choice(
 ) -> Choice | None:
     """This scope's own choice first (a busy machine's, which its replicas keep even after a
     quieter start measured), then the machine's."""
-    data = _read_cache(cache_file)
+    data = read_cache(cache_file)
     for name in ([_scoped(key, scope)] if scope else []) + [key]:
         with contextlib.suppress(KeyError, TypeError, ValueError):
             return _choice_from_json(data[name], options)
@@ -331,30 +346,14 @@ def _scoped(key: str, scope: str) -> str:
     return f"{key}@{scope}"
 
 
-@contextlib.contextmanager
-def _locked(cache_file: Path):
-    """An exclusive lock beside ``cache_file`` (none where the folder cannot be written)."""
-    try:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(cache_file.with_name(cache_file.name + ".lock"), "a")  # noqa: SIM115
-    except OSError:
-        yield
-        return
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def _measure(
     options: Sequence[Candidate],
     build: Callable[[Candidate], Transformer],
     timer: Callable[[], float],
     kv_cache_dtype: str,
+    device_type: str,
 ) -> Choice:
-    share = CPUShare()
+    share = CPUShare(device_type)
     # each model is built once, for every stack that runs it
     builds = dict.fromkeys((c.dtype, c.quantization, c.kernel) for c in options)
     timings = _timed(builds, options, build, timer, kv_cache_dtype)
@@ -432,36 +431,6 @@ def _timed(
     return timings
 
 
-def cache_path() -> Path | None:
-    """The per-machine choice cache: ``STRATA_AUTOTUNE_CACHE`` (``off``: none), else
-    ``$XDG_CACHE_HOME/strata/autotune.json`` (``~/.cache`` by default)."""
-    configured = os.environ.get(CACHE_ENV)
-    if configured:
-        return None if configured.lower() in ("off", "0", "none") else Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "strata" / "autotune.json"
-
-
-ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", ISA_ENV)
-"""Environment variables that keep torch's, oneDNN's or Strata's kernels below what the CPU has."""
-
-
-def cpu_facts() -> dict[str, str]:
-    """The CPU as the choice depends on it: model name, flags (Linux), torch's capability, and
-    the instruction-set limits set in the environment (``ISA_LIMITS``), if any."""
-    facts = {"model": "", "flags": ""}
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            name, _, value = line.partition(":")
-            key = {"model name": "model", "flags": "flags", "Features": "flags"}.get(name.strip())
-            if key and not facts[key]:
-                facts[key] = value.strip()
-    facts["model"] = facts["model"] or platform.processor() or platform.machine()
-    facts["torch_capability"] = torch.backends.cpu.get_cpu_capability()
-    facts["isa_limits"] = " ".join(f"{n}={os.environ[n]}" for n in ISA_LIMITS if n in os.environ)
-    return facts
-
-
 def cache_key(
     model_files: Sequence[Path | str],
     device: torch.device,
@@ -491,32 +460,6 @@ def cache_key(
         "native": hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest(),
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:32]
-
-
-def _read_cache(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _write_cache(path: Path, key: str, choice: Choice) -> None:
-    """Add ``choice`` under ``key``, atomically (the file is replaced whole; writers hold the
-    lock)."""
-    data = _read_cache(path)
-    data[key] = {
-        "choice": list(choice.candidate),
-        "timings": [[*t.candidate, t.prefill_s_per_token, t.decode_s] for t in choice.timings],
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as f:
-            json.dump(data, f, indent=1)
-        os.replace(f.name, path)
-    except OSError as error:
-        logger.warning("auto: could not write the choice cache %s: %s", path, error)
 
 
 def _choice_from_json(entry: dict, options: Sequence[Candidate]) -> Choice:

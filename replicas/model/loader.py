@@ -19,6 +19,7 @@ from replicas.model.autotune import (
 )
 from replicas.model.builtin import BUILTIN_MODEL_ARGS, REAL_SHAPE_MODELS, build_builtin_model
 from replicas.model.config import ModelArgs
+from replicas.model.device_defaults import auto_dtype, device_quantization
 from replicas.model.gguf import (
     gguf_int4_groups,
     gguf_model_info,
@@ -89,8 +90,9 @@ def load_model(
     ``dtype``), ``int8``, ``int4`` or ``auto``. What ``auto`` means is measured on this machine
     (``replicas.model.autotune``, over a KV cache of ``kv_cache_dtype``), except for the
     built-in models, whose random weights exist to test the engine: ``float32`` and ``none``
-    there, the reference. ``decoder_stack``: ``native``, ``eager`` or ``auto``
-    (``replicas.model.native_stack``; for the built-in models, native wherever it can run).
+    there, the reference; on CUDA ``auto`` is bfloat16 and ``none``, and int8 and int4 are
+    refused (``replicas.model.device_defaults``). ``decoder_stack``: ``native``, ``eager`` or
+    ``auto`` (``replicas.model.native_stack``; for the built-in models, native wherever it can run).
     ``int4_kernel``: ``strata``, ``torch`` or ``auto``, the product of int4 weights (and of the
     int8 weights an int4 model keeps) under the native stack (the eager stack runs torch's).
     The model comes back in eval mode with gradients off.
@@ -105,9 +107,12 @@ def load_model(
         raise ValueError(f"decoder_stack must be one of {DECODER_STACKS}, got {decoder_stack!r}")
     if int4_kernel not in INT4_KERNELS:
         raise ValueError(f"int4_kernel must be one of {INT4_KERNELS}, got {int4_kernel!r}")
+    is_builtin = resolved in BUILTIN_MODEL_ARGS
+    if resolved in REAL_SHAPE_MODELS and dtype_name == "auto":
+        dtype_name = "bfloat16"  # measured at the size it is served at, never staged in float32
+    dtype_name = auto_dtype(dtype_name, device.type, is_builtin)
+    quantization = device_quantization(quantization, device.type)
     load_dtype = "float32" if dtype_name == "auto" else dtype_name
-    if resolved in REAL_SHAPE_MODELS:
-        load_dtype = _builtin_dtype(resolved, dtype_name)
     weights = _load_weights(model, resolved, device, torch_dtype(load_dtype), seed)
     stacks = _stacks(decoder_stack, weights.net, device)
     kernels = ("torch",)
@@ -118,8 +123,7 @@ def load_model(
             "int4_kernel strata runs under the native decoder stack, which this model does not "
             f"take here (decoder_stack {decoder_stack})"
         )
-    if resolved in BUILTIN_MODEL_ARGS:
-        dtype_name = _builtin_dtype(resolved, dtype_name)
+    if is_builtin:
         quantization = "none" if quantization == "auto" else quantization
         stacks, kernels = stacks[-1:], kernels[-1:]
     options = candidates(dtype_name, quantization, weights.is_quantized, device, stacks, kernels)
@@ -131,6 +135,7 @@ def load_model(
         cache_key(weights.files, device, options, kv_cache_dtype),
         cache_path(),
         kv_cache_dtype=kv_cache_dtype,
+        device_type=device.type,
     )
     if choice.source != "fixed":
         logger.info("auto: %s chose %s", weights.name, choice.describe())
@@ -146,14 +151,6 @@ def load_model(
         choice.candidate.stack,
         choice.candidate.kernel,
     )
-
-
-def _builtin_dtype(model: str, dtype_name: str) -> str:
-    """What ``auto`` is for a built-in model: float32 (the reference) for the small ones,
-    bfloat16 for the real-shape ones (measured at the size they are served at)."""
-    if dtype_name != "auto":
-        return dtype_name
-    return "bfloat16" if model in REAL_SHAPE_MODELS else "float32"
 
 
 def _stacks(decoder_stack: str, net: Transformer, device: torch.device) -> tuple[str, ...]:
@@ -239,3 +236,15 @@ def _empty_model(args: ModelArgs, device: torch.device, dtype: torch.dtype) -> T
     net = net.to(dtype=dtype).to_empty(device=device)
     net.tie_weights()
     return net
+
+
+def checkpoint_bytes(model: str, revision: str | None = None) -> int:
+    """Bytes of the files that hold ``model``'s weights (a GGUF file, a directory's
+    safetensors); 0 for a built-in model. Resolves ``model`` as ``load_model`` does."""
+    resolved = resolve_model(model, revision)
+    if resolved in BUILTIN_MODEL_ARGS:
+        return 0
+    path = Path(resolved)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.glob("*.safetensors"))

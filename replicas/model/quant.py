@@ -14,8 +14,10 @@ rows a dense bfloat16 GEMM over the weight dequantized for the call is faster: a
 computes each row alone, bitwise the same whatever else is in the batch, so the products add
 nothing to what chunking, batching and prefix caching change in an output (float32-level
 differences elsewhere; ``tests/unit/model/test_quant.py``). A dense GEMM's rounding depends on
-its shape, which at bfloat16 precision flips near-tied greedy tokens. Where no packed kernel
-exists (CUDA) the dense path runs. benchmarks/README.md (``engine-vs-llamacpp``) has the figures.
+its shape, which at bfloat16 precision flips near-tied greedy tokens. The layers run on CPUs
+only: on CUDA the loader dequantizes a quantized checkpoint and refuses int8 and int4
+(``replicas.model.device_defaults``), and a layer moved there raises rather than unpack or cast
+its weight on every call. benchmarks/README.md (``engine-vs-llamacpp``) has the figures.
 
 Schemes (``w`` a weight, ``q`` its stored code):
 
@@ -207,24 +209,19 @@ class QuantizedLinear(nn.Module):
             if self.bias is not None:
                 y = y + self.bias
             return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        if x.device.type != "cpu":
+            raise RuntimeError(
+                f"QuantizedLinear ({self.scheme}) runs on CPUs only, got a {x.device.type} "
+                "input; load the model with quantization none on this device"
+            )
         rows = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
-        if rows.device.type != "cpu":
-            y = self._dense(rows)
-        elif self.scheme == "int8":
+        if self.scheme == "int8":
             y = torch._weight_int8pack_mm(rows, self.weight, self.scales)
         else:
             y = torch._weight_int4pack_mm_for_cpu(rows, self.weight, GROUP_SIZE, self.scales)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
-
-    def _dense(self, rows: torch.Tensor) -> torch.Tensor:
-        """The product through a dense GEMM, where there is no packed kernel: int8's per-row
-        scale is applied to the output columns (``x (q s)^T = (x q^T) s``), so the weight is only
-        cast, not scaled."""
-        if self.scheme == "int8" and self.kernel == "torch":
-            return F.linear(rows, self.weight.to(rows.dtype)) * self.scales
-        return F.linear(rows, self.dequantized(rows.dtype))
 
     def extra_repr(self) -> str:
         kernel = f", kernel=strata, passes={self.passes}" if self.kernel == "strata" else ""

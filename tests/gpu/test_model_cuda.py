@@ -4,6 +4,8 @@ layers give on ``cuda`` what they give on the CPU (the same code path, pure torc
 import pytest
 import torch
 
+from replicas.config import EngineConfig
+from replicas.engine.engine import Engine
 from replicas.model.attention import AttentionMetadata, cached_attention
 from replicas.model.batch import ForwardBatch
 from replicas.model.quant import QuantizedLinear
@@ -73,10 +75,15 @@ def test_chunked_attention_on_cuda_equals_the_cpu(device):
 
 @pytest.mark.parametrize("device", CUDA_ONLY)
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_quantized_linear_on_cuda_equals_its_dequantized_weight(device, scheme):
+def test_quantized_linear_refuses_cuda_rather_than_unpack_on_every_call(device, scheme):
     gen = torch.Generator().manual_seed(1)
     layer = getattr(QuantizedLinear, scheme)(torch.randn(192, 256, generator=gen))
-    x = torch.randn(5, 256, generator=gen)
-    expected = (x.bfloat16().double() @ layer.dequantized(torch.float32).double().T).float()
-    got = layer.to(device)(x.to(device)).cpu()
-    torch.testing.assert_close(got, expected, rtol=1e-2, atol=0.15)
+    with pytest.raises(RuntimeError, match="runs on CPUs only"):
+        layer.to(device)(torch.randn(5, 256, generator=gen).to(device))
+
+
+@pytest.mark.parametrize("device", CUDA_ONLY)
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_weights_on_cuda_are_refused_at_start_up(device, scheme):
+    with pytest.raises(ValueError, match=f"quantization {scheme} has no kernel on cuda"):
+        Engine(EngineConfig(model="tiny", device=device, quantization=scheme))

@@ -233,8 +233,10 @@ def test_a_full_replica_passes_the_request_to_the_next_best_one(deploy):
 
 def test_replicas_are_sized_to_the_cpus_ray_gives_them(deploy, ray_session):
     """Unset ``cpus_per_replica``: the available CPUs shared among the replicas, and each
-    replica computes with one torch thread per whole CPU it reserved; an explicit setting wins."""
-    config = make_config(dp=1)
+    replica computes with one torch thread per whole CPU it reserved; an explicit setting wins.
+    Unset pool: sized before the replica starts (the tiny model's four contexts), pinned in its
+    config and declared to Ray with its weights as the bundle's memory."""
+    config = make_config(dp=1, num_npu_blocks=None)
     auto = config.model_copy(
         update={"ray": config.ray.model_copy(update={"cpus_per_replica": None})}
     )
@@ -248,6 +250,9 @@ def test_replicas_are_sized_to_the_cpus_ray_gives_them(deploy, ray_session):
     try:
         assert backend.placement.num_cpus == int(total)  # one replica: the whole machine
         assert backend.replica_infos[0]["num_threads"] == int(total)
+        assert backend.replica_infos[0]["num_npu_blocks"] == 4096
+        assert backend.placement.npu_kv_memory_bytes == 4096 * 65536
+        assert 4096 * 65536 < backend.placement.bundle["memory"] < 300 * 2**20
     finally:
         backend.shutdown()
     explicit = deploy(make_config(dp=1), "t-sized-explicit")

@@ -28,6 +28,8 @@ TODAY_FLAGS = [
     ("model", ("--max-model-len",), "value", "TOKENS"),
     ("cache", ("--block-size",), "value", "TOKENS"),
     ("cache", ("--num-npu-blocks",), "value", "N"),
+    ("cache", ("--npu-kv-memory-gb",), "value", "GIB"),
+    ("cache", ("--npu-kv-memory-fraction",), "value", "F"),
     ("cache", ("--kv-cache-dtype",), "value", "{auto,float32,bfloat16,float16,fp8_e4m3,int8}"),
     ("cache", ("--no-enable-prefix-caching",), "switch", None),
     ("cache", ("--prefix-reservation-share",), "value", "SHARE"),
@@ -99,6 +101,8 @@ TODAY_MEANINGS = [
     (["--max-model-len", "64"], {"model.max_model_len": 64}),
     (["--block-size", "8"], {"model.block_size": 8}),
     (["--num-npu-blocks", "40"], {"model.num_npu_blocks": 40}),
+    (["--npu-kv-memory-gb", "0.5"], {"model.npu_kv_memory_bytes": 2**29}),
+    (["--npu-kv-memory-fraction", "0.3"], {"model.npu_kv_memory_fraction": 0.3}),
     (["--kv-cache-dtype", "int8"], {"model.kv_cache_dtype": "int8"}),
     (
         ["--no-enable-prefix-caching"],

@@ -22,6 +22,9 @@ class FixedShare:
 
     fraction_value = 1.0
 
+    def __init__(self, device_type: str = "cpu") -> None:
+        self.device_type = device_type
+
     def fraction(self) -> float:
         return self.fraction_value
 
@@ -336,6 +339,10 @@ def test_cpu_share_tells_a_busy_thread_from_one_that_waits(monkeypatch):
     # The core was this thread's for much of the time (a busy machine shares it), and a
     # sleeping thread's share is near nothing.
     assert working > 0.25 and waiting < 0.1
+    # A process timing a GPU waits on it: its CPU share does not make the machine busy.
+    share = autotune.CPUShare("cuda")
+    time.sleep(0.05)
+    assert share.fraction() == 1.0
 
 
 def test_the_cache_key_follows_the_threads_and_the_model_files(tmp_path):

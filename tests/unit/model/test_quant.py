@@ -278,9 +278,6 @@ def test_forward_matches_the_dequantized_weight(scheme, rows, with_bias):
         torch.testing.assert_close(y, expected, rtol=1e-2, atol=0.15)
     y3 = layer(x.reshape(1, rows, 256))
     assert y3.shape == (1, rows, 192)
-    dense = layer._dense(x.to(torch.bfloat16)).float()
-    dense = dense if layer.bias is None else dense + layer.bias.float()
-    torch.testing.assert_close(dense, expected, rtol=1e-2, atol=0.15)
 
 
 # ---- GGUF 4-bit codes ---------------------------------------------------------------------
