@@ -13,6 +13,7 @@ The copy is queued on the current stream before the forward, so it lands first; 
 buffer is refilled only once the previous step's copy is done (an event).
 """
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -160,7 +161,7 @@ class CudaBatchBuilder:
         if self.device.type != "cuda":
             flat = torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]))
             bounds = np.cumsum([0] + [p.size for p in parts])
-            return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+            return [flat[a:b] for a, b in itertools.pairwise(bounds)]
         total = sum(p.size for p in parts)
         if self._copied is not None:
             self._copied.synchronize()  # the copy still reading the buffer has landed
