@@ -44,11 +44,14 @@ class Settings:
     batches: tuple[int, ...] = (1, 32)
     contexts: tuple[int, ...] = (1024, 8192)
     prefills: tuple[int, ...] = (2048, 8192)
+    prefill_chunk: int = 2048  # also measured in chunks of this many tokens (the paged kernels)
     steps: int = 20
     seed: int = 0
 
 
-QUICK = Settings(model="tiny", batches=(1, 4), contexts=(128, 512), prefills=(256,), steps=3)
+QUICK = Settings(
+    model="tiny", batches=(1, 4), contexts=(128, 512), prefills=(256,), prefill_chunk=96, steps=3
+)
 
 
 def _clock(fn, device: torch.device, repeats: int) -> float:
@@ -106,20 +109,38 @@ def _host_decode(batch: int, context: int, ids: torch.Tensor, group: str) -> Hos
     )
 
 
-def _host_prefill(length: int, ids: torch.Tensor, group: str) -> HostBatch:
-    blocks = list(range(1, 1 + -(-length // BLOCK_SIZE)))
+def _host_prefill(end: int, ids: torch.Tensor, group: str, start: int = 0) -> HostBatch:
+    """One prompt's tokens ``start:end``, after ``start`` cached ones."""
+    blocks = list(range(1, 1 + -(-end // BLOCK_SIZE)))
     return HostBatch(
-        input_ids=ids[:length].tolist(),
-        positions=list(range(length)),
-        query_start_loc=[0, length],
-        seq_lens=[length],
+        input_ids=ids[start:end].tolist(),
+        positions=list(range(start, end)),
+        query_start_loc=[0, end - start],
+        seq_lens=[end],
         block_rows=[{group: blocks}],
         slots={
-            group: [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(length)]
+            group: [
+                blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, end)
+            ]
         },
-        logits_indices=[length - 1],
+        logits_indices=[end - start - 1],
         num_solo_seqs=0,
     )
+
+
+def _prefill(runner: ModelRunner, length: int, chunk: int, ids, group: str) -> float:
+    """Seconds to prefill ``length`` tokens in chunks of ``chunk`` (the later chunks attend
+    to the earlier ones through the paged kernels)."""
+    hosts = [
+        _host_prefill(min(start + chunk, length), ids, group, start)
+        for start in range(0, length, chunk)
+    ]
+
+    def prefill() -> None:
+        for host in hosts:
+            _eager_logits(runner, host).argmax(-1).tolist()
+
+    return _clock(prefill, runner.device, 3)
 
 
 def _eager_logits(runner: ModelRunner, host: HostBatch) -> torch.Tensor:
@@ -236,18 +257,19 @@ def measure(settings: Settings, device: torch.device, quick: bool) -> dict[str, 
             launches["graph"] = _launches(runner, host, graphs=True)
     prefills = []
     for length in settings.prefills:
-        host = _host_prefill(length, ids, group)
-        seconds = _clock(lambda h=host: _eager_logits(runner, h).argmax(-1).tolist(), device, 3)
-        tflops = _prefill_flops(model, length) / seconds / 1e12
-        prefills.append(
-            {
-                "tokens": length,
-                "ms": 1e3 * seconds,
-                "tflop_per_s": tflops,
-                "share_of_peak": tflops / limits["bf16_tflop_per_s"],
-            }
-        )
-        print(f"gpu-engine prefill {prefills[-1]}", flush=True)
+        for chunk in sorted({length, min(length, settings.prefill_chunk)}, reverse=True):
+            seconds = _prefill(runner, length, chunk, ids, group)
+            tflops = _prefill_flops(model, length) / seconds / 1e12
+            prefills.append(
+                {
+                    "tokens": length,
+                    "chunk": chunk,
+                    "ms": 1e3 * seconds,
+                    "tflop_per_s": tflops,
+                    "share_of_peak": tflops / limits["bf16_tflop_per_s"],
+                }
+            )
+            print(f"gpu-engine prefill {prefills[-1]}", flush=True)
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "model": settings.model,
@@ -322,8 +344,11 @@ def run(
     )
     report.add_table(
         "Cold prefill",
-        ["tokens", "ms", "TFLOP/s", "share of bf16 peak"],
-        [[p["tokens"], p["ms"], p["tflop_per_s"], p["share_of_peak"]] for p in results["prefill"]],
+        ["tokens", "chunk", "ms", "TFLOP/s", "share of bf16 peak"],
+        [
+            [p["tokens"], p["chunk"], p["ms"], p["tflop_per_s"], p["share_of_peak"]]
+            for p in results["prefill"]
+        ],
     )
     report.results = {"settings": asdict(settings), "targets": TARGETS, **results}
     return report.write(output_dir)

@@ -268,7 +268,8 @@ for d in r["decode"]:
 for kind, counts in r["launches_per_decode_step"].items():
     print(f"gpu-check: launches per decode step ({kind}): {counts}")
 for p in r["prefill"]:
-    print(f"gpu-check: cold prefill {r['model']} {p['tokens']} tokens: {p['ms']:.1f} ms, "
+    print(f"gpu-check: cold prefill {r['model']} {p['tokens']} tokens in chunks of "
+          f"{p['chunk']}: {p['ms']:.1f} ms, "
           f"{p['tflop_per_s']:.0f} TFLOP/s, {p['share_of_peak']:.2f} of measured bf16 peak")
 EOF
 fi
