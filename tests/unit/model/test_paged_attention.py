@@ -107,11 +107,9 @@ def _meta(fmt, table, seq_lens, q_lens, slots, window, splits, q, kv_heads, dens
     ("fmt_name", "dtype", "window", "splits", "tolerance"),
     [
         ("auto", torch.float32, None, 1, 1e-5),
-        ("auto", torch.float32, None, 4, 1e-5),
-        ("auto", torch.bfloat16, None, 2, 2e-2),
-        ("int8", torch.float32, None, 2, 1e-5),
-        ("fp8_e4m3", torch.bfloat16, None, 1, 2e-2),
-        ("auto", torch.float32, 20, 2, 1e-5),
+        ("auto", torch.bfloat16, None, 4, 2e-2),
+        ("int8", torch.float32, 20, 2, 1e-5),
+        ("fp8_e4m3", torch.bfloat16, None, 2, 2e-2),
     ],
 )
 def test_matches_float64_reference(fmt_name, dtype, window, splits, tolerance):
