@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from replicas import fake_cuda
 from replicas.cache_hints import CacheHints
 from replicas.config import EngineConfig, dtype_name_of
 from replicas.engine.core import EngineCore, SpecDecodeStats
@@ -557,6 +558,8 @@ class _ComputeTime:
 
 
 def resolve_device(device: str) -> torch.device:
+    if device.startswith("cuda") and fake_cuda.is_requested():
+        fake_cuda.activate()  # the CUDA path on the CPU, with a GPU's device checks
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():

@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from replicas.engine.logits_processor import LogitsProcessor
 from replicas.engine.request import Request
 from replicas.outputs import TokenLogprob
 from replicas.sampling_params import MIN_TOP_P
@@ -19,13 +20,17 @@ class SampleResult(NamedTuple):
 
 
 class Sampler:
-    """Greedy rows are decided together; sampled rows one by one with their own filters.
+    """Samples a batch's next tokens on the logits' device, all rows together.
 
-    A request with a ``seed`` draws from its own generator, so its tokens do not depend on what
-    else is in the batch; unseeded requests share the engine's generator.
+    Greedy rows take the argmax. Sampled rows go through temperature, top-k and top-p as one
+    batch and draw by the exponential race (``argmax(probs / q)`` with ``q ~ Exp(1)`` per token,
+    which is what ``torch.multinomial`` draws one token by): the noise of a request with a
+    ``seed`` comes from its own generator, so its tokens do not depend on what else is in the
+    batch; unseeded rows draw theirs together from the engine's generator, in batch order. The
+    host waits once per step, for the tokens (and once more for logprobs when asked).
 
     Rows whose parameters process logits (``SamplingParams.processes_logits``) are processed on a
-    copy, in the order ``SamplingParams`` documents; logprobs are always those of the model's
+    copy (``replicas.engine.logits_processor``); logprobs are always those of the model's
     logits. A request with structured outputs has a grammar matcher here (from ``grammar()``,
     which returns the ``replicas.engine.structured_output.GrammarCompiler`` of the tokenizer),
     advanced by every token it is given.
@@ -41,38 +46,54 @@ class Sampler:
         self.device = device
         self.eos_token_ids = list(eos_token_ids)
         self.grammar = grammar
+        self.processor = LogitsProcessor(eos_token_ids)
         self._shared = torch.Generator(device=device).manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
         self._matchers: dict[str, GrammarMatcher] = {}
-        self._seen_in_prompt: dict[str, torch.Tensor] = {}
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         """``logits``: [B, vocab] float32, row i for ``requests[i]``."""
         processed = logits
-        rows = [i for i, r in enumerate(requests) if r.sampling_params.processes_logits]
-        if rows:
+        if any(r.sampling_params.processes_logits for r in requests):
             processed = logits.clone()
-            for row in rows:
-                self._process(processed[row], requests[row])
-        tokens = processed.argmax(dim=-1).tolist()
-        for row, request in enumerate(requests):
-            params = request.sampling_params
-            if params.is_greedy:
-                continue
-            scores = processed[row] / params.temperature
-            if params.top_k > 0 and params.top_k < scores.numel():
-                kth = torch.topk(scores, params.top_k).values[-1]
-                scores = scores.masked_fill(scores < kth, float("-inf"))
-            if params.top_p < 1.0:
-                scores = _top_p_filter(scores, max(params.top_p, MIN_TOP_P))
-            probs = torch.softmax(scores, dim=-1)
-            generator = self._generator(request)
-            tokens[row] = int(torch.multinomial(probs, 1, generator=generator).item())
+            biases = {
+                i: self._matcher(r).bias()
+                for i, r in enumerate(requests)
+                if r.sampling_params.structured_outputs is not None
+            }
+            self.processor.process(processed, requests, biases)
+        chosen = processed.argmax(dim=-1)
+        sampled = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
+        if sampled:
+            # Unseeded rows first: their noise is one draw from the shared generator.
+            sampled.sort(key=lambda i: requests[i].sampling_params.seed is not None)
+            rows = torch.tensor(sampled, dtype=torch.long, device=logits.device)
+            chosen[rows] = self._draw(processed[rows], [requests[i] for i in sampled])
+        tokens = chosen.tolist()
         for row, request in enumerate(requests):
             matcher = self._matchers.get(request.request_id)
             if matcher is not None:
                 matcher.accept(tokens[row])
-        return SampleResult(tokens, self._logprobs(logits, requests, tokens))
+        return SampleResult(tokens, self._logprobs(logits, requests, chosen, tokens))
+
+    def _draw(self, scores: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """One token per row of ``scores`` [S, vocab] (row j for ``requests[j]``, the unseeded
+        ones first), as a tensor on the device."""
+        params = [r.sampling_params for r in requests]
+        temperature = torch.tensor(
+            [p.temperature for p in params], dtype=scores.dtype, device=scores.device
+        )
+        scores = scores / temperature[:, None]
+        scores = _top_k_filter(scores, [p.top_k for p in params])
+        scores = _top_p_filter(scores, [max(p.top_p, MIN_TOP_P) for p in params])
+        probs = torch.softmax(scores, dim=-1)
+        noise = torch.empty_like(probs)
+        num_unseeded = sum(p.seed is None for p in params)
+        if num_unseeded:
+            noise[:num_unseeded].exponential_(generator=self._shared)
+        for j in range(num_unseeded, len(requests)):
+            noise[j].exponential_(generator=self._generator(requests[j]))
+        return (probs / noise).argmax(dim=-1)
 
     def verify_drafts(
         self,
@@ -110,41 +131,7 @@ class Sampler:
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
         self._matchers.pop(request_id, None)
-        self._seen_in_prompt.pop(request_id, None)
-
-    def _process(self, row: torch.Tensor, request: Request) -> None:
-        """Apply the grammar, min_tokens, logit_bias and the penalties to one row, in place."""
-        params = request.sampling_params
-        if params.structured_outputs is not None:
-            self._matcher(request).apply_mask(row)  # masks commute with the rest: -inf stays
-        if request.num_output_tokens < params.min_tokens:
-            banned = [t for t in (*self.eos_token_ids, *params.stop_token_ids) if t < row.numel()]
-            kept = row.clone() if params.structured_outputs is not None else None
-            row[banned] = float("-inf")
-            if kept is not None and not torch.isfinite(row).any():
-                row.copy_(kept)  # a complete structured output may end before min_tokens
-        if params.logit_bias:
-            ids = [t for t in params.logit_bias if t < row.numel()]
-            row[ids] += torch.tensor([params.logit_bias[t] for t in ids], dtype=row.dtype)
-        if params.repetition_penalty != 1.0:
-            seen = self._seen(request, row.numel())
-            values = row[seen]
-            penalty = params.repetition_penalty
-            row[seen] = torch.where(values > 0, values / penalty, values * penalty)
-        if (params.presence_penalty or params.frequency_penalty) and request.output_token_ids:
-            output = torch.tensor(request.output_token_ids, dtype=torch.long)
-            counts = torch.bincount(output, minlength=row.numel())[: row.numel()].to(row.dtype)
-            row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
-
-    def _seen(self, request: Request, vocab_size: int) -> torch.Tensor:
-        """Token ids in the prompt or the output so far (the repetition penalty's set)."""
-        prompt = self._seen_in_prompt.get(request.request_id)
-        if prompt is None:
-            prompt = torch.tensor(request.prompt_token_ids, dtype=torch.long).unique()
-            self._seen_in_prompt[request.request_id] = prompt
-        output = torch.tensor(request.output_token_ids, dtype=torch.long)
-        seen = torch.cat([prompt, output]).unique()
-        return seen[seen < vocab_size]
+        self.processor.release(request_id)
 
     def _matcher(self, request: Request) -> "GrammarMatcher":
         matcher = self._matchers.get(request.request_id)
@@ -158,20 +145,25 @@ class Sampler:
         return matcher
 
     def _logprobs(
-        self, logits: torch.Tensor, requests: list[Request], tokens: list[int]
+        self, logits: torch.Tensor, requests: list[Request], chosen: torch.Tensor, tokens: list[int]
     ) -> list[TokenLogprob | None]:
         out: list[TokenLogprob | None] = [None] * len(requests)
         rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
         if not rows:
             return out
-        scores = torch.log_softmax(logits[rows], dim=-1)
-        chosen = scores.gather(1, torch.tensor([[tokens[i]] for i in rows])).squeeze(1).tolist()
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        scores = torch.log_softmax(logits[index], dim=-1)
+        chosen_scores = scores.gather(1, chosen[index, None]).squeeze(1).tolist()
         num_top = max(requests[i].sampling_params.logprobs for i in rows)
-        top_values, top_ids = scores.topk(num_top, dim=-1) if num_top else (None, None)
+        top_ids: list[list[int]] = [[] for _ in rows]
+        top_values: list[list[float]] = [[] for _ in rows]
+        if num_top:
+            values, ids = scores.topk(num_top, dim=-1)
+            top_ids, top_values = ids.tolist(), values.tolist()
         for j, row in enumerate(rows):
             k = requests[row].sampling_params.logprobs
-            top = tuple(zip(top_ids[j, :k].tolist(), top_values[j, :k].tolist())) if k else ()
-            out[row] = TokenLogprob(tokens[row], chosen[j], top)
+            top = tuple(zip(top_ids[j][:k], top_values[j][:k]))
+            out[row] = TokenLogprob(tokens[row], chosen_scores[j], top)
         return out
 
     def _generator(self, request: Request) -> torch.Generator:
@@ -185,11 +177,29 @@ class Sampler:
         return generator
 
 
-def _top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability reaches ``top_p``."""
-    sorted_scores, order = torch.sort(scores, descending=True)
-    cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
+def _top_k_filter(scores: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """Keep, in row j, the tokens scoring at least its ``top_k[j]``-th best (0, -1 or the
+    whole vocabulary: all of them)."""
+    width = scores.shape[-1]
+    if not any(0 < k < width for k in top_k):
+        return scores
+    ranks = [k - 1 if 0 < k < width else width - 1 for k in top_k]
+    ranks_t = torch.tensor(ranks, dtype=torch.long, device=scores.device)[:, None]
+    kth = scores.sort(dim=-1, descending=True).values.gather(1, ranks_t)
+    has_k = torch.tensor([0 < k < width for k in top_k], device=scores.device)[:, None]
+    return scores.masked_fill((scores < kth) & has_k, float("-inf"))
+
+
+def _top_p_filter(scores: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """Keep, in row j, the smallest set of most likely tokens whose probability reaches
+    ``top_p[j]`` (1: all of them)."""
+    if all(p >= 1.0 for p in top_p):
+        return scores
+    sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+    probs = torch.softmax(sorted_scores, dim=-1)
     # Drop a token when the tokens before it already reach top_p; the top token always stays.
-    drop = (cumulative - torch.softmax(sorted_scores, dim=-1)) >= top_p
+    limit = torch.tensor(top_p, dtype=scores.dtype, device=scores.device)[:, None]
+    has_p = torch.tensor([p < 1.0 for p in top_p], device=scores.device)[:, None]
+    drop = ((probs.cumsum(dim=-1) - probs) >= limit) & has_p
     sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
-    return torch.empty_like(scores).scatter_(0, order, sorted_scores)
+    return torch.empty_like(scores).scatter_(-1, order, sorted_scores)

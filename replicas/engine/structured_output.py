@@ -266,7 +266,8 @@ class GrammarCompiler:
 
 class GrammarMatcher:
     """One sequence's state in a compiled grammar (not thread-safe: one sequence, one thread).
-    The mask of a state is computed at most once, by the first ``apply_mask`` there."""
+    The mask of a state is computed at most once, by the first ``bias`` (or ``apply_mask``)
+    there."""
 
     def __init__(self, compiler: GrammarCompiler, matcher: Any) -> None:
         self._compiler = compiler
@@ -275,7 +276,9 @@ class GrammarMatcher:
         self._bias: np.ndarray | None = None  # the current state's mask, +inf/-inf per token
         self._ended = False  # whether an EOS token was accepted
 
-    def _current_bias(self) -> np.ndarray:
+    def bias(self) -> np.ndarray:
+        """The current state's mask as float32 [vocab_size]: +inf where a token may follow,
+        -inf where it may not (the minimum with a logit is the masked logit). Read-only."""
         if self._bias is None:
             bitmask = self._bitmask  # after EOS, llguidance's mask allows the EOS ids only
             self._matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
@@ -291,7 +294,7 @@ class GrammarMatcher:
         width = self._compiler.vocab_size
         if logits.dim() != 1 or logits.shape[0] != width:
             raise ValueError(f"logits must be one row of {width}, got shape {tuple(logits.shape)}")
-        bias = self._current_bias()
+        bias = self.bias()
         if logits.device.type == "cpu" and logits.dtype == torch.float32:
             row = logits.detach().numpy()
             np.minimum(row, bias, out=row)

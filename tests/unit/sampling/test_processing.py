@@ -17,9 +17,9 @@ def processed_row(logits: list[float], prompt: list[int], output: list[int], **p
     request = Request("r", prompt, SamplingParams(max_tokens=8, **params), 16)
     for token in output:
         request.append_output_token(token)
-    row = torch.tensor(logits)
-    sampler._process(row, request)
-    return row.tolist()
+    rows = torch.tensor([logits])
+    sampler.processor.process(rows, [request], {})
+    return rows[0].tolist()
 
 
 def test_frequency_and_presence_penalties_count_output_tokens_only():
