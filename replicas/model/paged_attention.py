@@ -66,7 +66,9 @@ class PagedAttentionMetadata:
 def uses_gpu_kernels(device: torch.device) -> bool:
     """Whether a model on ``device`` attends through these kernels: a real GPU (the CPU-only
     device-checking mode, ``STRATA_FAKE_CUDA=1``, runs the CUDA path's torch code instead)."""
-    return device.type == "cuda" and os.environ.get("STRATA_FAKE_CUDA") != "1"
+    from replicas import fake_cuda
+
+    return device.type == "cuda" and not fake_cuda.is_active()
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_keys: int, num_sms: int) -> int:
