@@ -471,7 +471,7 @@ def _attend(
                 v,
                 attn_mask=group.allowed,
             )
-            return o.view(num_seqs, num_heads, head_dim).to(q.dtype)
+            return o.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
         o = F.scaled_dot_product_attention(
             q.reshape(num_seqs, q_len, num_heads, head_dim).transpose(1, 2).to(dtype),
             k,
