@@ -212,6 +212,32 @@ def _prefill_flops(model, length: int) -> float:
     return 2 * length * linear + attention + 2 * args.vocab_size * args.hidden_size
 
 
+def _decode(runner, settings, shape, ids, group, sizes, bandwidth: float) -> dict:
+    """One decode row: (batch, context) ``shape``; ``sizes``: (weight bytes, KV bytes a token)."""
+    batch, context = shape
+    host = _host_decode(batch, context, ids, group)
+    row = {"batch": batch, "context": context}
+    row.update(_decode_row(runner, host, settings, runner.device))
+    row["ceiling_ms"] = 1e3 * (sizes[0] + batch * context * sizes[1]) / bandwidth
+    row["step_over_ceiling"] = row.get("step_ms", row["eager_ms"]) / row["ceiling_ms"]
+    print(f"gpu-engine decode {row}", flush=True)
+    return row
+
+
+def _prefill_row(runner, length: int, chunk: int, ids, group: str, peak: float) -> dict:
+    seconds = _prefill(runner, length, chunk, ids, group)
+    tflops = _prefill_flops(runner.model, length) / seconds / 1e12
+    row = {
+        "tokens": length,
+        "chunk": chunk,
+        "ms": 1e3 * seconds,
+        "tflop_per_s": tflops,
+        "share_of_peak": tflops / peak,
+    }
+    print(f"gpu-engine prefill {row}", flush=True)
+    return row
+
+
 def measure(settings: Settings, device: torch.device, quick: bool) -> dict[str, object]:
     limits = ceilings(device, quick)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -236,40 +262,24 @@ def measure(settings: Settings, device: torch.device, quick: bool) -> dict[str, 
     ids = torch.randint(0, 256, (longest,), generator=torch.Generator().manual_seed(0))
     weight_bytes = _weights_read(model)
     kv_per_token = spec.block_bytes(BLOCK_SIZE) // BLOCK_SIZE
-    decodes = []
-    for context in settings.contexts:
-        for batch in settings.batches:
-            host = _host_decode(batch, context, ids, group)
-            row = {"batch": batch, "context": context}
-            row.update(_decode_row(runner, host, settings, device))
-            bound_s = (weight_bytes + batch * context * kv_per_token) / (
-                limits["copy_gb_per_s"] * 1e9
-            )
-            row["ceiling_ms"] = 1e3 * bound_s
-            row["step_over_ceiling"] = row.get("step_ms", row["eager_ms"]) / row["ceiling_ms"]
-            decodes.append(row)
-            print(f"gpu-engine decode {row}", flush=True)
+    bandwidth = limits["copy_gb_per_s"] * 1e9
+    decodes = [
+        _decode(runner, settings, (batch, context), ids, group, (weight_bytes, kv_per_token),
+                bandwidth)
+        for context in settings.contexts
+        for batch in settings.batches
+    ]  # fmt: skip
     launches = {}
     if device.type == "cuda":
         host = _host_decode(max(settings.batches), min(settings.contexts), ids, group)
         launches = {"eager": _launches(runner, host, graphs=False)}
         if runner.graphs is not None:
             launches["graph"] = _launches(runner, host, graphs=True)
-    prefills = []
-    for length in settings.prefills:
-        for chunk in sorted({length, min(length, settings.prefill_chunk)}, reverse=True):
-            seconds = _prefill(runner, length, chunk, ids, group)
-            tflops = _prefill_flops(model, length) / seconds / 1e12
-            prefills.append(
-                {
-                    "tokens": length,
-                    "chunk": chunk,
-                    "ms": 1e3 * seconds,
-                    "tflop_per_s": tflops,
-                    "share_of_peak": tflops / limits["bf16_tflop_per_s"],
-                }
-            )
-            print(f"gpu-engine prefill {prefills[-1]}", flush=True)
+    prefills = [
+        _prefill_row(runner, length, chunk, ids, group, limits["bf16_tflop_per_s"])
+        for length in settings.prefills
+        for chunk in sorted({length, min(length, settings.prefill_chunk)}, reverse=True)
+    ]
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "model": settings.model,
@@ -299,6 +309,10 @@ def run(
         device if device not in (None, "auto") else "cuda" if torch.cuda.is_available() else "cpu"
     )
     results = measure(settings, where, quick)
+    return _report(settings, results, command, quick).write(output_dir)
+
+
+def _report(settings: Settings, results: dict, command: str, quick: bool) -> Report:
     report = Report(
         NAME,
         "The CUDA engine against the device's limits",
@@ -351,7 +365,7 @@ def run(
         ],
     )
     report.results = {"settings": asdict(settings), "targets": TARGETS, **results}
-    return report.write(output_dir)
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:

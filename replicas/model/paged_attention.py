@@ -175,15 +175,7 @@ def _attend(
     scales = cache.view(torch.float16) if quant else cache
     num_tiles = tile_seqs.shape[0]
     split = num_splits > 1
-    if split:
-        partial_o = torch.empty(
-            (num_splits, num_tokens, num_heads, head_dim), device=q.device, dtype=torch.float32
-        )
-        partial_ml = torch.empty(
-            (num_splits, 2, num_tokens, num_heads), device=q.device, dtype=torch.float32
-        )
-    else:
-        partial_o = partial_ml = out
+    partial_o, partial_ml = _partials(q, num_splits) if split else (out, out)
     on_gpu = q.device.type == "cuda"
     kernels(on_gpu).attend[(num_tiles, num_kv_heads, num_splits)](
         q,
@@ -197,14 +189,9 @@ def _attend(
         meta.query_start,
         tile_seqs,
         tile_starts if tile_starts is not None else tile_seqs,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        cache.stride(0),
-        cache.stride(1),
-        cache.stride(2),
-        cache.stride(3),
+        *q.stride()[:2],
+        *out.stride()[:2],
+        *cache.stride()[:4],
         meta.block_table.stride(0),
         math.log2(math.e) / math.sqrt(head_dim),
         meta.sliding_window,
@@ -225,20 +212,35 @@ def _attend(
         **({"num_stages": 2} if on_gpu else {}),
     )
     if split:
-        kernels(on_gpu).combine[(num_tiles, num_heads)](
-            partial_o,
-            partial_ml,
-            out,
-            tile_seqs,
-            meta.query_start,
-            out.stride(0),
-            out.stride(1),
-            num_tokens,
-            NUM_SPLITS=num_splits,
-            NUM_HEADS=num_heads,
-            HEAD_DIM=head_dim,
-            D_P2=triton_next_power_of_2(head_dim),
-        )
+        _combine(partial_o, partial_ml, out, tile_seqs, meta.query_start, num_splits)
+
+
+def _partials(q: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each share's float32 ``o`` [splits, T, H, D] and ``m``, ``l`` [splits, 2, T, H]."""
+    num_tokens, num_heads, head_dim = q.shape
+    shape = (num_splits, num_tokens, num_heads)
+    return (
+        torch.empty((*shape, head_dim), device=q.device, dtype=torch.float32),
+        torch.empty((num_splits, 2, num_tokens, num_heads), device=q.device, dtype=torch.float32),
+    )
+
+
+def _combine(partial_o, partial_ml, out, tile_seqs, query_start, num_splits: int) -> None:
+    num_splits, num_tokens, num_heads, head_dim = partial_o.shape
+    kernels(out.device.type == "cuda").combine[(tile_seqs.shape[0], num_heads)](
+        partial_o,
+        partial_ml,
+        out,
+        tile_seqs,
+        query_start,
+        out.stride(0),
+        out.stride(1),
+        num_tokens,
+        NUM_SPLITS=num_splits,
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        D_P2=triton_next_power_of_2(head_dim),
+    )
 
 
 def triton_next_power_of_2(n: int) -> int:
