@@ -17,9 +17,10 @@ MAX_LOGIT_BIAS = 100.0
 class SamplingParams:
     """Per-request sampling settings. Invalid values raise ``ValueError`` naming the field.
 
-    ``temperature == 0`` is greedy decoding. ``top_k == 0`` (or -1) and ``top_p == 1`` disable
-    those filters. ``seed`` makes a sampled request reproducible on its own. ``stop`` strings end
-    the output before the matched string; ``stop_token_ids`` end it after the matched token.
+    ``temperature == 0`` is greedy decoding. ``top_k == 0`` (or -1), ``top_p == 1`` and
+    ``min_p == 0`` disable those filters (``min_p`` keeps the tokens at least that share of the
+    likeliest one's probability, after temperature; applied before top-k and top-p). ``seed``
+    makes a sampled request reproducible on its own. ``stop`` strings end the output before the matched string; ``stop_token_ids`` end it after the matched token.
 
     Logits processing, in this order, before temperature and the filters (greedy rows too):
     the structured-output mask; ``min_tokens`` forbids EOS and ``stop_token_ids`` until that
@@ -46,6 +47,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
@@ -79,6 +81,8 @@ class SamplingParams:
             raise ValueError(
                 f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}"
             )
+        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
         ):

@@ -1,5 +1,6 @@
 """Turn each sequence's last-token logits into its next token (and, when asked, its logprobs)."""
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -84,6 +85,7 @@ class Sampler:
             [p.temperature for p in params], dtype=scores.dtype, device=scores.device
         )
         scores = scores / temperature[:, None]
+        scores = _min_p_filter(scores, [p.min_p for p in params])
         scores = _top_k_filter(scores, [p.top_k for p in params])
         scores = _top_p_filter(scores, [max(p.top_p, MIN_TOP_P) for p in params])
         probs = torch.softmax(scores, dim=-1)
@@ -175,6 +177,19 @@ class Sampler:
             generator = torch.Generator(device=self.device).manual_seed(seed)
             self._generators[request.request_id] = generator
         return generator
+
+
+def _min_p_filter(scores: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Keep, in row j, the tokens whose probability is at least ``min_p[j]`` times the likeliest
+    one's (0: all of them): scores at least the top score plus ``log(min_p[j])``."""
+    if not any(p > 0 for p in min_p):
+        return scores
+    offsets = [math.log(p) if p > 0 else -math.inf for p in min_p]
+    floor = (
+        scores.amax(dim=-1, keepdim=True)
+        + torch.tensor(offsets, dtype=scores.dtype, device=scores.device)[:, None]
+    )
+    return scores.masked_fill(scores < floor, float("-inf"))
 
 
 def _top_k_filter(scores: torch.Tensor, top_k: list[int]) -> torch.Tensor:

@@ -13,6 +13,8 @@ from cluster import SamplingParams
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.1}, "top_p"),
         ({"top_k": -2}, "top_k"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.5}, "min_p"),
         ({"seed": "x"}, "seed"),
         ({"seed": 2**64}, "seed"),
         ({"temperature": float("inf")}, "temperature"),

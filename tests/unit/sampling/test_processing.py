@@ -124,3 +124,17 @@ def test_best_of_returns_the_likeliest_sequences():
 
 def _fields(params: SamplingParams) -> dict:
     return {name: getattr(params, name) for name in params.__dataclass_fields__}
+
+
+def test_min_p_keeps_tokens_within_its_share_of_the_likeliest():
+    """Probabilities 0.5, 0.25, 0.125, 0.125 (temperature 1): of 64 seeded draws each lands on
+    a token min_p keeps (at least min_p x 0.5), and every kept token is drawn."""
+    probs = torch.tensor([0.5, 0.25, 0.125, 0.125])
+    logits = probs.log()[None].repeat(64, 1)
+    for min_p, expected in ((0.2, {0, 1, 2, 3}), (0.3, {0, 1}), (0.6, {0}), (1.0, {0})):
+        sampler = Sampler(0, torch.device("cpu"))
+        requests = [
+            Request(f"r{i}", [1], SamplingParams(temperature=1.0, min_p=min_p, seed=i), 16)
+            for i in range(64)
+        ]
+        assert set(sampler.sample(logits.clone(), requests).token_ids) == expected, min_p
