@@ -20,7 +20,8 @@ class SamplingParams:
     ``temperature == 0`` is greedy decoding. ``top_k == 0`` (or -1), ``top_p == 1`` and
     ``min_p == 0`` disable those filters (``min_p`` keeps the tokens at least that share of the
     likeliest one's probability, after temperature; applied before top-k and top-p). ``seed``
-    makes a sampled request reproducible on its own. ``stop`` strings end the output before the matched string; ``stop_token_ids`` end it after the matched token.
+    makes a sampled request reproducible on its own. ``stop`` strings end the output before the
+    matched string; ``stop_token_ids`` end it after the matched token.
 
     Logits processing, in this order, before temperature and the filters (greedy rows too):
     the structured-output mask; ``min_tokens`` forbids EOS and ``stop_token_ids`` until that
