@@ -249,16 +249,19 @@ class Serving:
     def _constraint(
         self, body: GenerationRequest, constraint: StructuredOutputs | None
     ) -> StructuredOutputs | None:
-        """The request's structured output (``response_format`` and the like), checked against
-        the grammar compiler; without one, the endpoint's own ``constraint`` (tool calls)."""
+        """The endpoint's own ``constraint`` (tool calls: ``ToolPlan.constraint``, set only
+        where calls win over a text format), else the request's structured output
+        (``response_format`` and the like). Either way the structured output is checked
+        against the grammar compiler: a bad one is a 400 naming its field."""
         try:
             structured, structured_param = body.structured()
         except ValueError as error:
             raise APIError.bad_request(str(error), "response_format") from None
         try:
             if structured is not None:
-                constraint = StructuredOutputs(**structured)
-                self._grammar().validate(constraint)
+                own = StructuredOutputs(**structured)
+                self._grammar().validate(own)
+                constraint = constraint or own
         except ValueError as error:
             raise APIError.bad_request(str(error), structured_param) from None
         return constraint
@@ -372,9 +375,15 @@ class Serving:
         finals: dict[int, RequestOutput] = {}
         latest: dict[int, RequestOutput] = {}  # each choice's last output so far
         finish_reason = "abort"  # unless the stream reaches its end
+        num_prompt_tokens = sum(len(token_ids) for token_ids in generation.prompts)
+        n = generation.sampling_params.n
         try:
             async with contextlib.aclosing(outputs):
+                # The role chunks come before any token: the prompts, cached as far as known.
+                cached = first[2].num_cached_tokens if first[1] == 0 else 0
                 for chunk in renderer.first_chunks(len(generation.prompts)):
+                    if generation.continuous_usage:
+                        chunk.usage = running_usage(num_prompt_tokens, {}, n, cached)
                     yield renderer.encode(chunk)
                 item: SequenceOutput | None = first
                 while item is not None:
@@ -386,7 +395,7 @@ class Serving:
                     chunk = renderer.chunk(index, output)
                     if chunk is not None:
                         if generation.continuous_usage:
-                            chunk.usage = running_usage(latest, generation.sampling_params.n)
+                            chunk.usage = running_usage(num_prompt_tokens, latest, n)
                         yield renderer.encode(chunk)
                     if output.finished:
                         finals[index] = output
