@@ -19,7 +19,9 @@ Extensions beyond OpenAI: ``top_k``, ``min_tokens``, ``repetition_penalty``,
 ``stop_token_ids``, ``ignore_eos``, ``cache_salt`` (a per-tenant salt of the prefix-cache block
 hashes: requests reuse cached KV only from requests with the same salt) and, named as vLLM names
 them, ``structured_outputs`` (``{"json": schema}``, ``{"regex": ...}``, ``{"choice": [...]}``,
-``{"json_object": true}``) and the older ``guided_json``, ``guided_regex``, ``guided_choice``.
+``{"json_object": true}``, ``{"grammar": ...}`` in Lark (llguidance's dialect) or GBNF, as vLLM's
+guidance backend reads it) and the older ``guided_json``, ``guided_regex``, ``guided_choice``,
+``guided_grammar``.
 """
 
 import json
@@ -89,6 +91,16 @@ class ResetPrefixCacheRequest(_Body):
     tier: Literal["all", "npu", "host", "disk"] = Field(
         "all", description="Which tier's unreferenced cached blocks to forget."
     )
+    # vLLM's query flags, for clients of its /reset_prefix_cache.
+    reset_running_requests: bool = Field(
+        False, description="vLLM's: also preempt running requests; only false is served."
+    )
+    reset_external: bool = Field(
+        False, description="vLLM's: also the offloaded (external) cache; tier all includes it."
+    )
+    reset_connector: bool = Field(
+        False, description="vLLM's older name of reset_external; tier all includes it."
+    )
 
 
 class ScaleRequest(_Body):
@@ -155,6 +167,9 @@ class StructuredOutputsParams(_Body):
     regex: str | None = Field(None, description="A regular expression to match.")
     choice: list[str] | None = Field(None, description="One of these strings.")
     json_object: bool | None = Field(None, description="Any JSON object.")
+    grammar: str | None = Field(
+        None, description="A grammar the whole output matches: Lark (llguidance's) or GBNF."
+    )
 
 
 class PromptCacheOptions(_Body):
@@ -224,6 +239,7 @@ class GenerationRequest(_Body):
     guided_json: dict[str, Any] | str | None = Field(None, description="Extension (legacy).")
     guided_regex: str | None = Field(None, description="Extension (legacy).")
     guided_choice: list[str] | None = Field(None, description="Extension (legacy).")
+    guided_grammar: str | None = Field(None, description="Extension (legacy).")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -305,6 +321,8 @@ class GenerationRequest(_Body):
             found.append(({"regex": self.guided_regex}, "guided_regex"))
         if self.guided_choice is not None:
             found.append(({"choice": self.guided_choice}, "guided_choice"))
+        if self.guided_grammar is not None:
+            found.append(({"grammar": self.guided_grammar}, "guided_grammar"))
         if not found:
             return None, None
         if len(found) > 1:

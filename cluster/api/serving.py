@@ -12,9 +12,11 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, fields
+from typing import Any
 
 from fastapi import Request
 from jinja2.exceptions import TemplateError
+from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
 from starlette.responses import Response
 
 from cluster.api.cache_breakpoints import breakpoint_tokens
@@ -259,6 +261,8 @@ class Serving:
             raise APIError.bad_request(str(error), "response_format") from None
         try:
             if structured is not None:
+                if structured.get("grammar") is not None:  # GBNF as vLLM's guidance reads it
+                    structured = {**structured, "grammar": _lark(structured["grammar"])}
                 own = StructuredOutputs(**structured)
                 self._grammar().validate(own)
                 constraint = constraint or own
@@ -420,6 +424,17 @@ class Serving:
             tracker.finish(finish_reason)
         if renderer.stream_end:
             yield renderer.stream_end
+
+
+def _lark(grammar: Any) -> Any:
+    """``grammar`` in Lark (llguidance's dialect): as given, or converted from GBNF (llama.cpp's
+    ``::=`` rules). ``ValueError`` when it is neither."""
+    if not isinstance(grammar, str) or is_lark_syntax(grammar):
+        return grammar  # StructuredOutputs says what is wrong with a non-string
+    try:
+        return gbnf_to_lark(grammar)
+    except Exception as error:  # the converter raises its own kinds
+        raise ValueError(f"structured_outputs.grammar is neither Lark nor GBNF: {error}") from None
 
 
 def _sampling_params(
