@@ -1,9 +1,13 @@
-"""``strata serve``: deploy on Ray and serve the OpenAI-compatible HTTP API until stopped."""
+"""``strata serve``: deploy on Ray and serve the OpenAI-compatible HTTP API until stopped, then
+stop everything it started."""
 
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 import sys
+import traceback
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
@@ -17,6 +21,12 @@ if TYPE_CHECKING:
     from cluster.deploy import RayBackend
 
 logger = logging.getLogger(__name__)
+
+GRACEFUL_SHUTDOWN_S = 4.0
+"""How long requests in flight may run on after a stop was asked for."""
+STOP_GRACE_S = 2.0
+"""How long an embedded Ray's processes have to exit on SIGTERM before they are killed: with
+the graceful shutdown, ``strata serve`` ends within 10 s of a signal."""
 
 
 def build_app(config: ClusterConfig, name: str = "strata") -> tuple["FastAPI", "RayBackend"]:
@@ -78,9 +88,44 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 def serve(config: ClusterConfig, reload: Callable[[], ClusterConfig] | None = None) -> None:
-    """Serve until interrupted (Ctrl-C or SIGTERM), then shut every actor down. With
-    ``reload`` (re-reads the config file), SIGHUP applies a changed size (``cluster.reload``)."""
+    """Serve until interrupted (Ctrl-C or SIGTERM, to this process or its process group), then
+    stop. With ``reload`` (re-reads the config file), SIGHUP applies a changed size
+    (``cluster.reload``).
+
+    On a Ray cluster this process joined, stopping kills this deployment's actors through Ray.
+    An embedded Ray (started here, no address) is this process's own: its processes are stopped
+    directly (``stop_local_processes``) and this process then ends at once. A signal to the
+    process group (a terminal's Ctrl-C, ``kill -TERM -PGID``, a supervisor) reaches Ray's GCS
+    and raylet too, and they exit; any call through Ray would then wait a minute for the GCS
+    (Ray's reconnect timeout), and so would Ray's own clean-up at interpreter exit."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from cluster.placement import is_embedded
+
+    if not is_embedded(config.ray):
+        _serve(config, reload, release=True)
+        return
+    status = 0
+    try:
+        _serve(config, reload, release=False)
+    except SystemExit as exit_:  # a start-up failure, or SIGTERM while deploying
+        status = exit_.code if isinstance(exit_.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the stop is bounded: a second signal waits
+        signal.signal(sig, signal.SIG_IGN)
+    stop_local_processes()
+    print("strata: stopped", flush=True)
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _serve(
+    config: ClusterConfig, reload: Callable[[], ClusterConfig] | None, *, release: bool
+) -> None:
+    """Deploy, serve until a signal stops uvicorn; ``release``: then kill the deployment's
+    actors through Ray."""
     from cluster.deploy import ReplicaStartError
 
     try:
@@ -88,6 +133,9 @@ def serve(config: ClusterConfig, reload: Callable[[], ClusterConfig] | None = No
     except (MemoryError, ReplicaStartError) as error:  # one sentence, not a traceback
         print(f"strata: error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2 if isinstance(error, MemoryError) else 1) from None
+    # ray.init made SIGTERM exit with status 15; it asks for a stop, as Ctrl-C does (uvicorn
+    # handles both while it serves, then raises the signal it got again).
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     server = config.server
     uvicorn_server = uvicorn.Server(
         uvicorn.Config(
@@ -95,7 +143,7 @@ def serve(config: ClusterConfig, reload: Callable[[], ClusterConfig] | None = No
             host=server.host,
             port=server.port,
             log_level="info",
-            timeout_graceful_shutdown=5,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
             timeout_keep_alive=server.keep_alive_s,
         )
     )
@@ -116,7 +164,28 @@ def serve(config: ClusterConfig, reload: Callable[[], ClusterConfig] | None = No
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
             runner.run(run())
     except KeyboardInterrupt:
-        pass  # uvicorn already shut down gracefully; re-raised by asyncio.run on SIGINT
+        pass  # uvicorn already shut down gracefully; the signal is raised again after it
     finally:
-        backend.shutdown()
-        print("strata: stopped", flush=True)
+        if release:
+            backend.shutdown()
+            print("strata: stopped", flush=True)
+
+
+def stop_local_processes(grace_s: float = STOP_GRACE_S) -> None:
+    """Stops every process this one started, and theirs (an embedded Ray: GCS, raylet, their
+    agents and the actors' workers): SIGTERM to all at once, SIGKILL to those still running
+    after ``grace_s``. Twice, in case a worker was started meanwhile."""
+    import psutil
+
+    for _ in range(2):
+        processes = psutil.Process().children(recursive=True)
+        if not processes:
+            return
+        for process in processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.terminate()
+        _, alive = psutil.wait_procs(processes, timeout=grace_s)
+        for process in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        psutil.wait_procs(alive, timeout=1.0)

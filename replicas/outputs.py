@@ -1,6 +1,7 @@
 """What the engine reports about a request."""
 
 import operator
+import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -58,12 +59,35 @@ class RequestOutput:
     def num_cached_tokens_in(self, tier: Tier) -> int:
         return tier_count(self.num_cached_tokens_by_tier, tier)
 
+    # Renamed in 0.1: kept, with a DeprecationWarning, until the next release removes them.
+    @property
+    def num_npu_cached_tokens(self) -> int:
+        """Deprecated: ``num_cached_tokens_in("npu")``."""
+        _warn_renamed("num_npu_cached_tokens", 'num_cached_tokens_in("npu")')
+        return self.num_cached_tokens_in(Tier.NPU)
+
+    @property
+    def num_host_cached_tokens(self) -> int:
+        """Deprecated: ``num_cached_tokens_in("host")`` (and ``("disk")``, which it counted
+        too: a disk block reaches the NPU through the host tier)."""
+        _warn_renamed("num_host_cached_tokens", 'num_cached_tokens_in("host")')
+        return self.num_cached_tokens_in(Tier.HOST) + self.num_cached_tokens_in(Tier.DISK)
+
     @property
     def ttft_s(self) -> float | None:
         """Time to first token in seconds, from arrival."""
         if self.first_token_time is None:
             return None
         return self.first_token_time - self.arrival_time
+
+
+def _warn_renamed(old: str, new: str) -> None:
+    warnings.warn(
+        f"RequestOutput.{old} is deprecated and will be removed in the next release; "
+        f"use RequestOutput.{new}",
+        DeprecationWarning,
+        stacklevel=3,  # the caller reading the attribute
+    )
 
 
 class OutputDelta(NamedTuple):

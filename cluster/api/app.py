@@ -8,13 +8,17 @@
     GET  /metrics               Prometheus text (needs the key unless metrics_public)
     POST /v1/admin/reset_prefix_cache   forget every replica's unreferenced cached blocks of a
                                 tier (``tier`` in the JSON body or the query: all, npu, host,
-                                disk)
+                                disk); also as vLLM's ``POST /reset_prefix_cache`` and SGLang's
+                                ``POST /flush_cache``, with the same key rule
     POST /v1/admin/scale        resize the deployment: {"data_parallel_size": N} (400 naming
                                 data_parallel_size for a bad size, 409 for a deployment that
                                 cannot be resized; both leave it as it was)
 
-Request path: APIKeyGuard (401) -> BodySizeLimit (413) -> route: parse the JSON body (400) ->
-``Serving`` checks and generates. Every error is OpenAI-shaped (``cluster.api.errors``).
+Every ``GET`` path answers ``HEAD`` too (``HeadAsGet``: the GET's status and headers, no body).
+
+Request path: HeadAsGet -> APIKeyGuard (401) -> BodySizeLimit (413) -> route: parse the JSON
+body (400) -> ``Serving`` checks and generates. Every error is OpenAI-shaped
+(``cluster.api.errors``).
 """
 
 import asyncio
@@ -31,7 +35,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
 from cluster.api.errors import APIError, describe_validation_error, install_error_handlers
-from cluster.api.middleware import APIKeyGuard, BodySizeLimit
+from cluster.api.middleware import APIKeyGuard, BodySizeLimit, HeadAsGet
 from cluster.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -59,6 +63,7 @@ logger = logging.getLogger(__name__)
 B = TypeVar("B", bound=BaseModel)
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 2**20
+RESET_PATHS = ("/v1/admin/reset_prefix_cache", "/reset_prefix_cache", "/flush_cache")
 
 
 async def read_body(request: Request, model: type[B]) -> B:
@@ -123,10 +128,12 @@ def create_app(
     if api_key is not None:
         public_paths = {"/health", "/metrics"} if metrics_public else {"/health"}
         app.add_middleware(APIKeyGuard, api_keys=api_key, public_paths=public_paths)
+    app.add_middleware(HeadAsGet)  # the outermost: every check sees the GET it stands for
     responses = ResponsesAPI(serving, ResponseStore(response_store or ResponseStoreConfig()))
     _add_generation_routes(app, serving, responses)
     _add_model_routes(app, backend, serving)
     _add_operation_routes(app, backend, metrics, watchdog)
+    _add_reset_routes(app, backend)
     return app
 
 
@@ -225,7 +232,7 @@ def _add_model_routes(app: FastAPI, backend: Backend, serving: Serving) -> None:
 def _add_operation_routes(
     app: FastAPI, backend: Backend, metrics: StrataMetrics, watchdog: LoopWatchdog | None
 ) -> None:
-    """What operators call: health, the prefix-cache reset and the Prometheus metrics."""
+    """What operators call: health, scaling and the Prometheus metrics."""
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -242,21 +249,6 @@ def _add_operation_routes(
             body = {"status": "unavailable", "live_replicas": 0, **loop, **error.body()}
             return JSONResponse(body, status_code=503)
         return JSONResponse({"status": "ok", "live_replicas": num_live, **loop})
-
-    @app.post("/v1/admin/reset_prefix_cache")
-    async def reset_prefix_cache(request: Request) -> JSONResponse:
-        query = dict(request.query_params)
-        if await request.body():
-            body = await read_body(request, ResetPrefixCacheRequest)
-            if "tier" in query and query["tier"] != body.tier:
-                raise APIError.bad_request("'tier' is given twice, differently", "tier")
-        else:
-            try:
-                body = ResetPrefixCacheRequest.model_validate(query)
-            except ValidationError as error:
-                raise describe_validation_error(error) from None
-        await backend.reset_prefix_cache(body.tier)
-        return JSONResponse({"status": "ok", "tier": body.tier})
 
     @app.post("/v1/admin/scale")
     async def scale(request: Request) -> JSONResponse:
@@ -279,3 +271,32 @@ def _add_operation_routes(
             logger.warning("metrics: the backend's stats are unavailable", exc_info=True)
             stats = None
         return Response(metrics.render(stats), media_type=CONTENT_TYPE)
+
+
+def _add_reset_routes(app: FastAPI, backend: Backend) -> None:
+    """The prefix-cache reset, at Strata's path and at vLLM's and SGLang's."""
+
+    async def reset_prefix_cache(request: Request) -> JSONResponse:
+        query = dict(request.query_params)
+        if await request.body():
+            body = await read_body(request, ResetPrefixCacheRequest)
+            if "tier" in query and query["tier"] != body.tier:
+                raise APIError.bad_request("'tier' is given twice, differently", "tier")
+        else:
+            try:
+                body = ResetPrefixCacheRequest.model_validate(query, strict=False)  # strings
+            except ValidationError as error:
+                raise describe_validation_error(error) from None
+        if body.reset_running_requests:
+            raise APIError.bad_request(
+                "reset_running_requests is not served: blocks that running requests hold are "
+                "kept; the reset forgets every other cached block",
+                "reset_running_requests",
+            )
+        await backend.reset_prefix_cache(body.tier)
+        return JSONResponse({"status": "ok", "tier": body.tier})
+
+    # Strata's path, and vLLM's and SGLang's for the tools written against them (aiperf's
+    # --reset-kv-cache, sglang's bench --flush-cache): one handler, one auth rule.
+    for path in RESET_PATHS:
+        app.post(path, name=f"reset_prefix_cache{path.replace('/', '_')}")(reset_prefix_cache)

@@ -1,6 +1,7 @@
-"""Checks that run before any route: the API key (401), then the body size (413).
+"""What runs before any route: ``HEAD`` answered as ``GET``, then the checks: the API key
+(401), then the body size (413).
 
-Both are plain ASGI middleware, so they never buffer a streaming response and answer in the
+All are plain ASGI middleware, so they never buffer a streaming response and answer in the
 OpenAI error shape without reaching the app.
 """
 
@@ -108,3 +109,26 @@ class BodySizeLimit:
             code="request_too_large",
         )
         await error.response()(scope, receive, send)
+
+
+class HeadAsGet:
+    """Answers ``HEAD`` on every path as ``GET`` would, status and headers (``content-length``
+    included) without the body (RFC 9110, 9.3.2): FastAPI routes declared with ``GET`` answer
+    only that method. A path without a ``GET`` still answers 405, with its ``Allow``."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_head(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                if message.get("more_body", False):
+                    return  # the body's pieces are not sent; its end is, empty
+                message = {"type": "http.response.body", "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, send_head)

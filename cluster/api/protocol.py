@@ -1,4 +1,6 @@
-"""Bodies of the OpenAI-compatible API: requests validated here, responses built here.
+"""Bodies of the OpenAI-compatible API: the requests, validated here (their base ``_Body`` in
+``cluster.api.body``, chat messages and function tools in ``cluster.api.messages``), and the
+answers' bodies (``cluster.api.answers``); every one of them is importable from here.
 
 Fields a body does not declare are ignored and logged by name (vLLM's behaviour: clients
 written for other servers send extensions of their own); fields Strata knows but cannot honour
@@ -19,67 +21,56 @@ Extensions beyond OpenAI: ``top_k``, ``min_tokens``, ``repetition_penalty``,
 ``stop_token_ids``, ``ignore_eos``, ``cache_salt`` (a per-tenant salt of the prefix-cache block
 hashes: requests reuse cached KV only from requests with the same salt) and, named as vLLM names
 them, ``structured_outputs`` (``{"json": schema}``, ``{"regex": ...}``, ``{"choice": [...]}``,
-``{"json_object": true}``) and the older ``guided_json``, ``guided_regex``, ``guided_choice``.
+``{"json_object": true}``, ``{"grammar": ...}`` in Lark (llguidance's dialect) or GBNF, as vLLM's
+guidance backend reads it) and the older ``guided_json``, ``guided_regex``, ``guided_choice``,
+``guided_grammar``.
 """
 
 import json
 from typing import Any, Literal
 
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
-    ModelWrapValidatorHandler,
-    PrivateAttr,
-    SerializerFunctionWrapHandler,
     ValidationInfo,
     field_validator,
-    model_serializer,
     model_validator,
 )
 
+from cluster.api.answers import (  # noqa: F401  (the answer bodies, named here too)
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    DeltaFunction,
+    DeltaMessage,
+    DeltaToolCall,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    TopLogprob,
+    Usage,
+)
+from cluster.api.body import _Body, ignored_fields  # noqa: F401
+from cluster.api.messages import (  # noqa: F401  (the chat messages and tools, named here too)
+    ChatMessage,
+    ChatTool,
+    FunctionCall,
+    FunctionDefinition,
+    NamedFunction,
+    NamedToolChoice,
+    ToolCall,
+)
 from replicas.cache_hints import DEFAULT_TTL, RETENTION_TTLS_S, CacheHints, parse_ttl
 
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions endpoint's bound
-
-
-class _Body(BaseModel):
-    """A request body (or a part of one). Fields it does not declare are dropped, and their
-    names kept for ``ignored_fields`` (the app logs them), as vLLM does: clients written for
-    other servers send extensions of their own, which must not fail a request."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-    _ignored: tuple[str, ...] = PrivateAttr(default=())
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _note_ignored(cls, data: Any, handler: ModelWrapValidatorHandler) -> Any:
-        body = handler(data)
-        if isinstance(data, dict) and isinstance(body, _Body):
-            known = _known_names(cls)
-            body._ignored = tuple(str(key) for key in data if key not in known)
-        return body
-
-
-def _known_names(model: type[BaseModel]) -> frozenset[str]:
-    names = set(model.model_fields)
-    names.update(f.alias for f in model.model_fields.values() if f.alias is not None)
-    return frozenset(names)
-
-
-def ignored_fields(body: BaseModel, where: str = "") -> list[str]:
-    """Dotted names of every field of ``body`` (and of the bodies inside it) that was given
-    but is not served, e.g. ``["messages.0.audio", "foo"]``."""
-    found = [f"{where}{name}" for name in getattr(body, "_ignored", ())]
-    for name in type(body).model_fields:
-        value = getattr(body, name)
-        items = enumerate(value) if isinstance(value, list) else [(None, value)]
-        for index, item in items:
-            if isinstance(item, BaseModel):
-                path = name if index is None else f"{name}.{index}"
-                found += ignored_fields(item, f"{where}{path}.")
-    return found
 
 
 class ResetPrefixCacheRequest(_Body):
@@ -88,6 +79,16 @@ class ResetPrefixCacheRequest(_Body):
 
     tier: Literal["all", "npu", "host", "disk"] = Field(
         "all", description="Which tier's unreferenced cached blocks to forget."
+    )
+    # vLLM's query flags, for clients of its /reset_prefix_cache.
+    reset_running_requests: bool = Field(
+        False, description="vLLM's: also preempt running requests; only false is served."
+    )
+    reset_external: bool = Field(
+        False, description="vLLM's: also the offloaded (external) cache; tier all includes it."
+    )
+    reset_connector: bool = Field(
+        False, description="vLLM's older name of reset_external; tier all includes it."
     )
 
 
@@ -155,6 +156,9 @@ class StructuredOutputsParams(_Body):
     regex: str | None = Field(None, description="A regular expression to match.")
     choice: list[str] | None = Field(None, description="One of these strings.")
     json_object: bool | None = Field(None, description="Any JSON object.")
+    grammar: str | None = Field(
+        None, description="A grammar the whole output matches: Lark (llguidance's) or GBNF."
+    )
 
 
 class PromptCacheOptions(_Body):
@@ -224,6 +228,7 @@ class GenerationRequest(_Body):
     guided_json: dict[str, Any] | str | None = Field(None, description="Extension (legacy).")
     guided_regex: str | None = Field(None, description="Extension (legacy).")
     guided_choice: list[str] | None = Field(None, description="Extension (legacy).")
+    guided_grammar: str | None = Field(None, description="Extension (legacy).")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -305,6 +310,8 @@ class GenerationRequest(_Body):
             found.append(({"regex": self.guided_regex}, "guided_regex"))
         if self.guided_choice is not None:
             found.append(({"choice": self.guided_choice}, "guided_choice"))
+        if self.guided_grammar is not None:
+            found.append(({"grammar": self.guided_grammar}, "guided_grammar"))
         if not found:
             return None, None
         if len(found) > 1:
@@ -367,134 +374,6 @@ def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in value
     )
-
-
-class FunctionDefinition(_Body):
-    name: str = Field(..., description="The function's name: letters, digits, _ and -.")
-    description: str | None = Field(None, description="What it does, shown to the model.")
-    parameters: dict[str, Any] | None = Field(
-        None, description="A JSON schema of its arguments (an object); omitted: none."
-    )
-    strict: bool | None = Field(None, description="Accepted; arguments always follow the schema.")
-
-
-class ChatTool(_Body):
-    type: str = Field("function", description='Only "function" tools are served.')
-    function: FunctionDefinition | None = Field(None, description="The function offered.")
-
-
-class NamedFunction(_Body):
-    name: str = Field(..., description="The function to call.")
-
-
-class NamedToolChoice(_Body):
-    type: str = Field("function", description='"function".')
-    function: NamedFunction = Field(..., description="The function the model must call.")
-
-
-class FunctionCall(_Body):
-    name: str = Field(..., description="The called function.")
-    arguments: str = Field("", description="Its arguments as a JSON text.")
-
-
-class ToolCall(_Body):
-    """A tool call, in an assistant message of the history and in answers."""
-
-    id: str = Field("", description="The call's id, echoed by the tool message answering it.")
-    type: Literal["function"] = Field("function", description='"function".')
-    function: FunctionCall = Field(..., description="What was called, with which arguments.")
-
-    def to_template(self) -> dict[str, Any]:
-        try:
-            arguments: Any = json.loads(self.function.arguments)
-        except ValueError:
-            arguments = None
-        if not isinstance(arguments, dict):  # templates read an object's keys; else the text
-            arguments = self.function.arguments
-        function = {"name": self.function.name, "arguments": arguments}
-        return {"id": self.id, "type": "function", "function": function}
-
-
-class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
-        "user", description="Who speaks."
-    )
-    content: str | None = Field(None, description="Text, or a list of text parts.")
-    name: str | None = Field(None, description="Speaker name, passed to the chat template.")
-    tool_calls: list[ToolCall] | None = Field(
-        None, description="An assistant message's tool calls (its content may then be null)."
-    )
-    tool_call_id: str | None = Field(None, description="The call a tool message answers.")
-    _cache_breakpoints: tuple[tuple[int, float | None], ...] = PrivateAttr(default=())
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _find_breakpoints(cls, data: Any, handler: ModelWrapValidatorHandler) -> Any:
-        """Where in ``content`` each text part marked with ``prompt_cache_breakpoint`` ends."""
-        message = handler(data)
-        parts = data.get("content") if isinstance(data, dict) else None
-        if isinstance(message, ChatMessage) and isinstance(parts, list):
-            message._cache_breakpoints = _content_breakpoints(parts)
-        return message
-
-    @property
-    def cache_breakpoints(self) -> tuple[tuple[int, float | None], ...]:
-        """``(end, ttl_s)`` per breakpoint: the offset in ``content`` where its part ends, and
-        its own lifetime (None: the request's)."""
-        return self._cache_breakpoints
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _join_text_parts(cls, value: Any) -> Any:
-        if value is None or isinstance(value, str):
-            return value
-        if isinstance(value, list) and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            for p in value
-        ):
-            return "".join(p["text"] for p in value)
-        raise ValueError(
-            "message content must be a string or a list of text parts "
-            '({"type": "text", "text": ...}); other content types are not supported'
-        )
-
-    @model_validator(mode="after")
-    def _check_tool_fields(self) -> "ChatMessage":
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError(f"tool_calls are only allowed in assistant messages, not {self.role}")
-        if self.role == "tool" and self.tool_call_id is None:
-            raise ValueError("a tool message needs the tool_call_id of the call it answers")
-        return self
-
-    def to_template(self) -> dict[str, Any]:
-        """The message as chat templates read it; tool calls in Hugging Face's shape (their
-        arguments parsed when they are a JSON object)."""
-        message: dict[str, Any] = {"role": self.role, "content": self.content or ""}
-        if self.name is not None:
-            message["name"] = self.name
-        if self.tool_calls:
-            message["tool_calls"] = [call.to_template() for call in self.tool_calls]
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        return message
-
-
-def _content_breakpoints(parts: list[dict]) -> tuple[tuple[int, float | None], ...]:
-    found: list[tuple[int, float | None]] = []
-    end = 0
-    for part in parts:
-        text = part.get("text") if isinstance(part, dict) else None
-        end += len(text) if isinstance(text, str) else 0
-        marker = part.get("prompt_cache_breakpoint") if isinstance(part, dict) else None
-        if marker is None:
-            continue
-        if not isinstance(marker, dict) or marker.get("mode", "explicit") != "explicit":
-            raise ValueError(
-                'prompt_cache_breakpoint must be {"mode": "explicit"} with an optional ttl'
-            )
-        ttl = marker.get("ttl")
-        found.append((end, None if ttl is None else parse_ttl(ttl, "prompt_cache_breakpoint.ttl")))
-    return tuple(found)
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -563,153 +442,3 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 # ---- responses ----------------------------------------------------------------------------
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = Field(0, description="Prompt tokens served from the prefix cache.")
-
-
-class Usage(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
-
-
-class CompletionLogprobs(BaseModel):
-    """The legacy completions shape: parallel lists, one entry per token."""
-
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str = ""
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
-    choices: list[CompletionChoice] = Field(default_factory=list)
-    usage: Usage | None = None
-
-
-class AssistantMessage(BaseModel):
-    """The answer's message; ``tool_calls`` is left out when there are none, as OpenAI does,
-    and ``content`` is null when the model only called tools."""
-
-    role: Literal["assistant"] = "assistant"
-    content: str | None = ""
-    tool_calls: list[ToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        message = handler(self)
-        if message.get("tool_calls") is None:
-            message.pop("tool_calls", None)
-        return message
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None = None
-    refusal: list[ChatTokenLogprob] | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage = Field(default_factory=AssistantMessage)
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
-    choices: list[ChatChoice] = Field(default_factory=list)
-    usage: Usage | None = None
-
-
-class _DropNone(BaseModel):
-    """A chunk's part: fields with nothing to add are left out, as OpenAI does."""
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {key: value for key, value in handler(self).items() if value is not None}
-
-
-class DeltaFunction(_DropNone):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(_DropNone):
-    """A tool call's part in a chunk: its first carries ``id``, ``type`` and the name, the next
-    ones fragments of ``arguments`` (clients concatenate them)."""
-
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunction | None = None
-
-
-class DeltaMessage(BaseModel):
-    """What a chunk adds; fields with nothing to add are left out, as OpenAI does."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {key: value for key, value in handler(self).items() if value is not None}
-
-
-class ChatStreamChoice(BaseModel):
-    index: int = 0
-    delta: DeltaMessage = Field(default_factory=DeltaMessage)
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
-    choices: list[ChatStreamChoice] = Field(default_factory=list)
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "strata"
-    max_model_len: int = Field(0, description="Most tokens (prompt plus output) of one request.")
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard] = Field(default_factory=list)

@@ -47,11 +47,27 @@ def usage_of(outputs: Sequence[RequestOutput], num_choices_per_prompt: int = 1) 
     return _usage(outputs[::num_choices_per_prompt], outputs)
 
 
-def running_usage(latest: dict[int, RequestOutput], num_choices_per_prompt: int = 1) -> Usage:
-    """Usage so far of a streamed request, from each choice's latest output (choice ``i`` of
-    prompt ``p`` at index ``p * n + i``): vLLM's ``continuous_usage_stats``."""
+def running_usage(
+    num_prompt_tokens: int,
+    latest: dict[int, RequestOutput],
+    num_choices_per_prompt: int = 1,
+    num_cached_tokens: int = 0,
+) -> Usage:
+    """Usage so far of a streamed request (vLLM's ``continuous_usage_stats``): every prompt's
+    tokens, known before any output, and each choice's latest output (choice ``i`` of prompt
+    ``p`` at index ``p * n + i``), its prompt's cached tokens counted from its first choice.
+    ``num_cached_tokens``: cached tokens known besides ``latest`` (the role chunks, sent
+    before any output's tokens, count those of the first output)."""
     prompts = [o for index, o in latest.items() if index % num_choices_per_prompt == 0]
-    return _usage(prompts, list(latest.values()))
+    num_completion = sum(len(o.token_ids) for o in latest.values())
+    return Usage(
+        prompt_tokens=num_prompt_tokens,
+        completion_tokens=num_completion,
+        total_tokens=num_prompt_tokens + num_completion,
+        prompt_tokens_details=PromptTokensDetails(
+            cached_tokens=num_cached_tokens + sum(o.num_cached_tokens for o in prompts)
+        ),
+    )
 
 
 def _usage(prompts: Sequence[RequestOutput], outputs: Sequence[RequestOutput]) -> Usage:

@@ -12,9 +12,11 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, fields
+from typing import Any
 
 from fastapi import Request
 from jinja2.exceptions import TemplateError
+from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
 from starlette.responses import Response
 
 from cluster.api.cache_breakpoints import breakpoint_tokens
@@ -249,16 +251,21 @@ class Serving:
     def _constraint(
         self, body: GenerationRequest, constraint: StructuredOutputs | None
     ) -> StructuredOutputs | None:
-        """The request's structured output (``response_format`` and the like), checked against
-        the grammar compiler; without one, the endpoint's own ``constraint`` (tool calls)."""
+        """The endpoint's own ``constraint`` (tool calls: ``ToolPlan.constraint``, set only
+        where calls win over a text format), else the request's structured output
+        (``response_format`` and the like). Either way the structured output is checked
+        against the grammar compiler: a bad one is a 400 naming its field."""
         try:
             structured, structured_param = body.structured()
         except ValueError as error:
             raise APIError.bad_request(str(error), "response_format") from None
         try:
             if structured is not None:
-                constraint = StructuredOutputs(**structured)
-                self._grammar().validate(constraint)
+                if structured.get("grammar") is not None:  # GBNF as vLLM's guidance reads it
+                    structured = {**structured, "grammar": _lark(structured["grammar"])}
+                own = StructuredOutputs(**structured)
+                self._grammar().validate(own)
+                constraint = constraint or own
         except ValueError as error:
             raise APIError.bad_request(str(error), structured_param) from None
         return constraint
@@ -372,9 +379,15 @@ class Serving:
         finals: dict[int, RequestOutput] = {}
         latest: dict[int, RequestOutput] = {}  # each choice's last output so far
         finish_reason = "abort"  # unless the stream reaches its end
+        num_prompt_tokens = sum(len(token_ids) for token_ids in generation.prompts)
+        n = generation.sampling_params.n
         try:
             async with contextlib.aclosing(outputs):
+                # The role chunks come before any token: the prompts, cached as far as known.
+                cached = first[2].num_cached_tokens if first[1] == 0 else 0
                 for chunk in renderer.first_chunks(len(generation.prompts)):
+                    if generation.continuous_usage:
+                        chunk.usage = running_usage(num_prompt_tokens, {}, n, cached)
                     yield renderer.encode(chunk)
                 item: SequenceOutput | None = first
                 while item is not None:
@@ -386,7 +399,7 @@ class Serving:
                     chunk = renderer.chunk(index, output)
                     if chunk is not None:
                         if generation.continuous_usage:
-                            chunk.usage = running_usage(latest, generation.sampling_params.n)
+                            chunk.usage = running_usage(num_prompt_tokens, latest, n)
                         yield renderer.encode(chunk)
                     if output.finished:
                         finals[index] = output
@@ -411,6 +424,17 @@ class Serving:
             tracker.finish(finish_reason)
         if renderer.stream_end:
             yield renderer.stream_end
+
+
+def _lark(grammar: Any) -> Any:
+    """``grammar`` in Lark (llguidance's dialect): as given, or converted from GBNF (llama.cpp's
+    ``::=`` rules). ``ValueError`` when it is neither."""
+    if not isinstance(grammar, str) or is_lark_syntax(grammar):
+        return grammar  # StructuredOutputs says what is wrong with a non-string
+    try:
+        return gbnf_to_lark(grammar)
+    except Exception as error:  # the converter raises its own kinds
+        raise ValueError(f"structured_outputs.grammar is neither Lark nor GBNF: {error}") from None
 
 
 def _sampling_params(

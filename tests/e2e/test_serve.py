@@ -1,20 +1,16 @@
 """`strata serve` as users run it: one process on an embedded Ray, used with the openai client."""
 
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.e2e.test_serve_shutdown import free_port, start_serve, stop_and_check
+
 openai = pytest.importorskip("openai")
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m"  # what configs/default.yaml serves
 SYSTEM = (
     "You are a helpful assistant for a travel agency. You answer questions about geography, "
@@ -22,59 +18,16 @@ SYSTEM = (
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    """The default config on a free port; stopped at the end as a terminal's Ctrl-C stops it
+    (SIGINT to the process group), within 10 s and with every Ray process gone."""
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "cluster.cli",
-                "serve",
-                "--config",
-                "configs/default.yaml",
-                "--port",
-                str(port),
-                "--num-cpus",
-                "2",
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"strata serve exited early:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
-                if response.status == 200:
-                    break
-        except OSError:
-            time.sleep(1)
-    else:
-        os.killpg(process.pid, signal.SIGKILL)
-        pytest.fail(f"strata serve did not become healthy:\n{log.read_text()[-3000:]}")
-    yield base
-    process.send_signal(signal.SIGINT)
-    try:
-        code = process.wait(timeout=60)
-        assert code == 0, f"exit {code}:\n{log.read_text()[-3000:]}"
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+    args = ["--config", "configs/default.yaml", "--num-cpus", "2"]
+    process = start_serve(args, log, port)
+    yield f"http://127.0.0.1:{port}"
+    stop_and_check(process, signal.SIGINT, to_group=True, log=log)
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,16 @@
 """Tool calling through the official ``openai`` client against the default real model
 (SmolLM2-135M-Instruct, greedy) on 127.0.0.1: required and named calls parse and follow their
-schemas, auto answers or calls, streamed calls reassemble to the answered ones, a tool
-conversation reuses its first turn's cached prompt, and bad tools are 400s."""
+schemas, auto answers or calls, streamed calls reassemble to the answered ones (also through the
+client's own stream helper), a call cut by max_tokens leaks no markup, a tool conversation reuses
+its first turn's cached prompt, and bad tools are 400s."""
 
 import json
+import typing
 from collections.abc import Iterator
 
 import jsonschema
 import openai
+import pydantic
 import pytest
 import torch
 
@@ -242,6 +245,72 @@ def test_streamed_calls_reassemble_to_the_answered_ones(client, model_name):
         assert len(set(ids.values())) == len(ids)
 
 
+class Weather(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=24)
+    unit: typing.Literal["celsius", "fahrenheit"] | None = None
+
+
+def test_the_clients_stream_helper_parses_streamed_calls(client, model_name):
+    """openai's own ``chat.completions.stream`` helper: it accumulates every entry of a chunk
+    and parses the finished arguments into the tool's pydantic model. Each chunk holds one
+    entry per call index, the header with the arguments' first fragment (OpenAI's shape)."""
+    tool = openai.pydantic_function_tool(Weather, name="get_weather")
+    deltas, headers = [], []
+    with client.chat.completions.stream(
+        model=model_name,
+        messages=ASK,
+        tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        **GREEDY,
+    ) as stream:
+        for event in stream:
+            if event.type == "chunk":
+                entries = (
+                    event.chunk.choices[0].delta.tool_calls or [] if event.chunk.choices else []
+                )
+                assert len({e.index for e in entries}) == len(entries)
+                headers += [e for e in entries if e.id is not None]
+            elif event.type == "tool_calls.function.arguments.delta":
+                deltas.append(event.arguments_delta)
+        final = stream.get_final_completion()
+    [header] = headers
+    assert header.function.name == "get_weather" and header.function.arguments.startswith("{")
+    [call] = final.choices[0].message.tool_calls
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert "".join(deltas) == call.function.arguments
+    assert isinstance(call.function.parsed_arguments, Weather)
+
+
+def test_a_call_cut_by_max_tokens_never_leaks_markup(client, model_name):
+    """Calls allowed in parallel and required: the model calls until max_tokens cuts it. The
+    answer and the stream keep the calls begun (the last as far as written), never markup in
+    ``content``, and say ``length``."""
+    body = dict(model=model_name, messages=ASK, tools=TOOLS[:1], tool_choice="required")
+    for max_tokens in (23, 41, 50):  # in arguments, in the next tag, before its name
+        answer = client.chat.completions.create(temperature=0, max_tokens=max_tokens, **body)
+        choice = answer.choices[0]
+        assert choice.finish_reason == "length", choice
+        assert choice.message.content is None, choice.message.content
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        assert all(name == "get_weather" for name, _ in calls)
+        for _, arguments in calls[:-1]:  # every call before the last is whole
+            jsonschema.validate(json.loads(arguments), SCHEMAS["get_weather"])
+        content, streamed, finish_reason = "", {}, None
+        chunks = client.chat.completions.create(
+            temperature=0, max_tokens=max_tokens, stream=True, **body
+        )
+        for chunk in chunks:
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            finish_reason = chunk.choices[0].finish_reason or finish_reason
+            for call in delta.tool_calls or []:
+                name, arguments = streamed.get(call.index, ("", ""))
+                name = call.function.name or name
+                streamed[call.index] = (name, arguments + (call.function.arguments or ""))
+        assert content == "" and finish_reason == "length"
+        assert [streamed[i] for i in sorted(streamed)] == calls
+
+
 def test_a_tool_conversation_reuses_the_first_turns_prompt(client, model_name, server):
     tools = TOOLS[:4]
     first = client.chat.completions.create(
@@ -285,8 +354,9 @@ def test_a_tool_conversation_reuses_the_first_turns_prompt(client, model_name, s
         ({"tools": TOOLS[:2], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
          "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"tools": TOOLS[:1], "tool_choice": "required",
-          "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tools": TOOLS[:1], "tool_choice": "required",  # the call wins; the format is checked
+          "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 1}}}},
+         "response_format"),
     ],
 )  # fmt: skip
 def test_bad_tools_are_400_naming_the_field(client, model_name, kwargs, param):

@@ -3,6 +3,9 @@ carries what the step added to every request of a subscriber; added up, the same
 text as one stream per request."""
 
 import asyncio
+import warnings
+
+import pytest
 
 from replicas.actor import ReplicaActor
 from replicas.config import EngineConfig
@@ -177,3 +180,17 @@ def test_a_delta_carries_the_cached_tokens_per_tier():
     assert rebuilt == output
     assert rebuilt.num_cached_tokens_by_tier == (16, 32, 0)
     assert [rebuilt.num_cached_tokens_in(t) for t in ("npu", Tier.HOST, Tier.DISK)] == [16, 32, 0]
+
+
+def test_the_renamed_cached_token_counts_still_read_with_a_deprecation_warning():
+    output = RequestOutput(
+        "r", [1] * 64, [2], "x", [2], "x", True, "stop", 48, (16, 24, 8), 0.0, 0.0, 0.0
+    )
+    with pytest.warns(DeprecationWarning, match=r'num_cached_tokens_in\("npu"\)') as caught:
+        assert output.num_npu_cached_tokens == 16
+    assert caught[0].filename == __file__  # points at the reader, not at replicas/outputs.py
+    with pytest.warns(DeprecationWarning, match="num_host_cached_tokens is deprecated"):
+        assert output.num_host_cached_tokens == 24 + 8  # disk blocks came through the host
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert output.num_cached_tokens_in(Tier.HOST) == 24  # the new name does not warn

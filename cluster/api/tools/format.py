@@ -38,6 +38,21 @@ class StreamPiece:
         self.content += other.content
         self.calls += other.calls
 
+    def calls_by_index(self) -> list[CallDelta]:
+        """The call deltas merged into one per call index, in the order the calls began: a
+        call's name and the first fragment of its arguments in one delta, as OpenAI streams
+        them (clients that read one entry per index per chunk lose nothing)."""
+        merged: dict[int, CallDelta] = {}
+        for delta in self.calls:
+            before = merged.get(delta.index)
+            if before is None:
+                merged[delta.index] = delta
+            else:
+                name = before.name if before.name is not None else delta.name
+                arguments = before.arguments + delta.arguments
+                merged[delta.index] = CallDelta(delta.index, name, arguments)
+        return list(merged.values())
+
 
 @dataclass(frozen=True, slots=True)
 class ParsedCall:
@@ -61,8 +76,12 @@ class ToolCallStream(ABC):
         """The content and call deltas that ``text`` (the output's next piece) releases."""
 
     @abstractmethod
-    def finish(self) -> StreamPiece:
-        """What was held back, at the end of the output (a call cut short stays cut short)."""
+    def finish(self, is_cut: bool = False) -> StreamPiece:
+        """What was held back, at the end of the output. ``is_cut``: the output ended at its
+        token limit (``finish_reason: "length"``). A call cut short after its name stays a
+        call, its arguments as far as they were written (what a stream has already sent); a
+        call cut before its name is dropped, and so is the start of a call's markup held back
+        at a cut or after a call: markup never reaches ``content``."""
 
     @property
     @abstractmethod
@@ -100,11 +119,12 @@ class ToolFormat(ABC):
     def stream(self) -> ToolCallStream:
         """A fresh incremental parser of one output."""
 
-    def parse(self, text: str) -> ParsedOutput:
-        """A whole output as content and calls, exactly as a stream of it would give them."""
+    def parse(self, text: str, is_cut: bool = False) -> ParsedOutput:
+        """A whole output as content and calls, exactly as a stream of it would give them
+        (``is_cut``: the output ended at its token limit, see ``ToolCallStream.finish``)."""
         stream = self.stream()
         piece = stream.feed(text)
-        piece.extend(stream.finish())
+        piece.extend(stream.finish(is_cut))
         names: dict[int, str] = {}
         arguments: dict[int, str] = {}
         for delta in piece.calls:

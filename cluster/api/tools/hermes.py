@@ -73,11 +73,12 @@ class HermesStream(ToolCallStream):
                 break  # waits for more text
         return piece
 
-    def finish(self) -> StreamPiece:
+    def finish(self, is_cut: bool = False) -> StreamPiece:
         piece = StreamPiece()
-        if self._state == "text":
-            text = self._buffer.lstrip() if self._num_calls else self._buffer
-            piece.content = text
+        # In the text state only an end that may begin ``<tool_call>`` is left: text at a
+        # normal stop before any call, the start of a call's markup after a call or at a cut.
+        if self._state == "text" and not (is_cut or self._num_calls):
+            piece.content = self._buffer
         self._buffer = ""  # a call cut short before its name is dropped with its markup
         return piece
 

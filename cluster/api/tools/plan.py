@@ -11,9 +11,10 @@ or a 400 naming the bad field (OpenAI's ``tools[0].function.parameters`` style).
     named         one call of that function                       yes
 
 ``parallel_tool_calls: false`` allows one call at most; a named function is called exactly
-once. A request whose output is already constrained (``response_format``,
-``structured_outputs``...) may not require a call; with ``auto`` its constraint wins and no
-calls are parsed.
+once. When the output is also constrained (``response_format``, ``structured_outputs``...,
+the Responses API's ``text.format``), a required or named call wins, as OpenAI serves the
+pair: the output is the call, and the constraint applies to text, of which there is none. With
+``auto`` the constraint wins and no calls are parsed.
 """
 
 import json
@@ -69,16 +70,11 @@ def plan_tools(
         constrained_by = body.structured()[1]
     except ValueError as error:  # several output constraints at once
         raise APIError.bad_request(str(error), "response_format") from None
-    if constrained_by is not None and choice in ("required", "function"):
-        what = "required" if choice == "required" else f"naming {function_name}"
-        raise APIError.bad_request(
-            f"tool_choice {what} cannot be combined with {constrained_by}: the output must "
-            f"be a tool call, which {constrained_by} does not describe; drop one of them",
-            "tool_choice",
-        )
     fmt = tool_format(format_name)
     constraint = None
-    if constrained_by is None:  # none: text that holds no call's markup
+    # A call that must be made wins over an output constraint, as in OpenAI's API: the output
+    # is the call, and the constraint describes text, of which there is none.
+    if constrained_by is None or choice in ("required", "function"):
         called = [
             (n, p)
             for n, p in functions

@@ -2,10 +2,16 @@
 ``tool_calls`` by the request's tool format.
 
 Non-streaming, each choice's message gets the parsed calls (``content`` null when there is no
-text besides them). Streaming, each choice's text goes through the format's incremental parser:
-the first delta of a call carries its ``index``, ``id``, ``type`` and name (with empty
-arguments), the next ones fragments of its arguments, which clients concatenate. A choice that
-called a tool and stopped ends with ``finish_reason: "tool_calls"``.
+text besides them). Streaming, each choice's text goes through the format's incremental parser;
+a chunk holds one entry per call index (OpenAI's shape): a call's first entry carries its
+``index``, ``id``, ``type``, name and the first fragment of its arguments (empty when none is
+written yet), the next ones further fragments, which clients concatenate. A choice that called a
+tool and stopped ends with ``finish_reason: "tool_calls"``.
+
+An output cut at its token limit (``finish_reason: "length"``) keeps the calls it began after
+their names, the last one with its arguments as far as they were written, as OpenAI's API
+answers and as a stream has already sent them; a call cut before its name, and any start of a
+call's markup, is dropped, never returned as ``content``.
 """
 
 import secrets
@@ -68,9 +74,9 @@ class ToolChatRenderer(ChatRenderer):
         stream = self._streams.setdefault(index, self.tool_format.stream())
         piece = stream.feed(output.new_text)
         if output.finished:
-            piece.extend(stream.finish())
+            piece.extend(stream.finish(is_cut=output.finish_reason == "length"))
         calls = []
-        for delta in piece.calls:
+        for delta in piece.calls_by_index():
             if delta.name is not None:
                 call_id = self._ids.new()
                 function = DeltaFunction(name=delta.name, arguments=delta.arguments)
@@ -93,7 +99,7 @@ class ToolChatRenderer(ChatRenderer):
     ) -> ChatCompletionResponse:
         answer = super().response(choices, usage)
         for choice, (_, final) in zip(answer.choices, choices):
-            parsed = self.tool_format.parse(final.text)
+            parsed = self.tool_format.parse(final.text, is_cut=final.finish_reason == "length")
             calls = tool_calls_of(parsed, self._ids)
             choice.message.tool_calls = calls
             choice.message.content = parsed.content if calls else (parsed.content or "")

@@ -1,5 +1,6 @@
-"""POST /v1/admin/reset_prefix_cache: the tier from the body or the query, bad tiers refused
-with an OpenAI-style 400, and a real engine's cached blocks gone afterwards."""
+"""POST /v1/admin/reset_prefix_cache (and vLLM's /reset_prefix_cache, SGLang's /flush_cache):
+the tier from the body or the query, bad tiers refused with an OpenAI-style 400, and a real
+engine's cached blocks gone afterwards. HEAD on every GET path."""
 
 import pytest
 from fastapi.testclient import TestClient
@@ -48,6 +49,44 @@ def test_bad_requests_are_400_and_reset_nothing(scripted, scripted_client, kwarg
     assert error["type"] == "invalid_request_error"
     assert scripted.resets == []
     assert scripted_client.post(PATH).status_code == 200  # still serving
+
+
+@pytest.mark.parametrize("path", ["/reset_prefix_cache", "/flush_cache"])
+def test_vllms_and_sglangs_reset_paths_are_the_admin_reset(scripted, scripted_client, path):
+    assert scripted_client.post(path).json() == {"status": "ok", "tier": "all"}
+    # vLLM's query flags: what Strata does anyway is accepted, the rest refused by name.
+    flags = {"reset_external": "true", "reset_connector": "false"}
+    assert scripted_client.post(path, params=flags).status_code == 200
+    assert scripted_client.post(path, json={"tier": "npu"}).json()["tier"] == "npu"
+    error = assert_error(
+        scripted_client.post(path, params={"reset_running_requests": "true"}),
+        400,
+        param="reset_running_requests",
+    )
+    assert "not served" in error["message"]
+    assert_error(scripted_client.get(path), 405)  # a reset is never a GET (nor a HEAD)
+    assert_error(scripted_client.post(path, params={"tier": "tape"}), 400, param="tier")
+    assert scripted.resets == ["all", "all", "npu"]
+
+
+def test_head_is_answered_on_every_get_path(scripted_client):
+    app = scripted_client.app
+    paths = {
+        route.path.replace("{response_id}", "resp_x").replace("{model:path}", "scripted")
+        for route in app.routes
+        if "GET" in getattr(route, "methods", ())
+    }
+    assert {"/metrics", "/health", "/v1/models", "/tokenizer_info"} <= paths
+    for path in sorted(paths):
+        got, head = scripted_client.get(path), scripted_client.head(path)
+        assert head.status_code == got.status_code != 405, path
+        assert head.content == b"", path
+        assert head.headers["content-type"] == got.headers["content-type"], path
+        if path not in ("/metrics", "/health"):  # their bodies change between two calls
+            assert head.headers["content-length"] == str(len(got.content)), path
+    assert scripted_client.head("/metrics").status_code == 200
+    head = scripted_client.head("/v1/completions")  # no GET there: no HEAD either
+    assert head.status_code == 405 and head.headers["allow"] == "POST"
 
 
 def _param(kwargs: dict) -> str | None:

@@ -32,11 +32,14 @@ def test_requests_without_the_key_are_401(guarded, headers):
         ("GET", "/v1/models", None),
         ("GET", "/v1/unknown", None),
         ("POST", "/v1/admin/reset_prefix_cache", {"tier": "all"}),
+        ("POST", "/reset_prefix_cache", None),  # vLLM's path: the same rule
+        ("POST", "/flush_cache", None),  # SGLang's
+        ("HEAD", "/v1/models", None),
     ]:
         response = client.request(method, path, json=body, headers=headers)
-        error = assert_error(response, 401)
-        assert error["code"] == "invalid_api_key"
-        assert response.headers["www-authenticate"] == "Bearer"
+        assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer"
+        if method != "HEAD":
+            assert assert_error(response, 401)["code"] == "invalid_api_key"
 
 
 def test_the_key_opens_every_endpoint(guarded):
@@ -44,7 +47,8 @@ def test_the_key_opens_every_endpoint(guarded):
     assert client.post("/v1/completions", json=COMPLETION, headers=GOOD).status_code == 200
     assert client.get("/v1/models", headers=GOOD).status_code == 200
     assert client.get("/metrics", headers=GOOD).status_code == 200
-    assert client.post("/v1/admin/reset_prefix_cache", headers=GOOD).status_code == 200
+    for path in ("/v1/admin/reset_prefix_cache", "/reset_prefix_cache", "/flush_cache"):
+        assert client.post(path, headers=GOOD).status_code == 200
     # Authorized mistakes still get their own status.
     assert_error(client.get("/v1/unknown", headers=GOOD), 404)
     assert_error(client.post("/v1/completions", content=b"{", headers=GOOD), 400)

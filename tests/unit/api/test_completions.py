@@ -100,6 +100,17 @@ def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(client):
         client.post("/v1/chat/completions", json={**chat, "stream_options": options})
     )
     assert events[-2]["usage"]["completion_tokens"] == 3
+    # The first (role) chunk too, before any token: vLLM's shape.
+    role, *rest = events
+    assert role["choices"][0]["delta"]["role"] == "assistant"
+    num_prompt = events[-1]["usage"]["prompt_tokens"]
+    assert role["usage"]["prompt_tokens"] == num_prompt > 0
+    assert role["usage"]["completion_tokens"] == 0 and role["usage"]["total_tokens"] == num_prompt
+    assert all(c["usage"] is not None for c in rest)
+    # The prompt cached the second time: the role chunk says so already.
+    again = parse_sse(client.post("/v1/chat/completions", json={**chat, "stream_options": options}))
+    cached = again[-1]["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert again[0]["usage"]["prompt_tokens_details"]["cached_tokens"] == cached > 0
 
 
 def test_repeated_prompt_reports_cached_tokens(client, engine):

@@ -79,6 +79,21 @@ BAD_COMPLETIONS = [
     (b'{"prompt": "x", "structured_outputs": {"regex": "(a"}}', "structured_outputs", "regex"),
     (b'{"prompt": "x", "structured_outputs": {"choice": []}}', "structured_outputs", "choice"),
     (
+        b'{"prompt": "x", "structured_outputs": {"grammar": "start: (("}}',
+        "structured_outputs",
+        "grammar",
+    ),
+    (
+        b'{"prompt": "x", "structured_outputs": {"grammar": "root ::= ("}}',
+        "structured_outputs",
+        "GBNF",
+    ),
+    (
+        b'{"prompt": "x", "structured_outputs": {"structural_tag": "t"}}',
+        "structured_outputs",
+        "got none",
+    ),
+    (
         b'{"prompt": "x", "guided_regex": "a+", "response_format": {"type": "json_object"}}',
         "response_format",
         "several",
@@ -118,6 +133,33 @@ def test_unknown_fields_are_ignored_and_logged_by_name(client, caplog):
     assert "messages.0.audio_ref" in caplog.records[-1].getMessage()
     assert "metadata" not in caplog.records[-1].getMessage()  # known, and changes nothing
     assert_still_serving(client)
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"structured_outputs": {"grammar": 'start: "yes" | "no"'}},
+        {"structured_outputs": {"grammar": 'root ::= "yes" | "no"'}},  # GBNF
+        {"guided_grammar": 'start: "yes" | "no"'},
+    ],
+)
+def test_a_grammar_is_served_and_not_logged_as_ignored(client, caplog, field):
+    """The log agrees with the answer: a grammar is a known field, and the output follows it."""
+    with caplog.at_level("WARNING", logger="cluster.api.app"):
+        response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 8, **field})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] in ("yes", "no")
+    assert not [r for r in caplog.records if "ignoring fields" in r.getMessage()]
+
+
+def test_an_unknown_structured_outputs_field_is_logged_and_named_in_the_400(client, caplog):
+    with caplog.at_level("WARNING", logger="cluster.api.app"):
+        body = {"prompt": "x", "structured_outputs": {"structural_tag": "t"}}
+        response = client.post("/v1/completions", json=body)
+    error = assert_error(response, 400, "structured_outputs")
+    assert "grammar" in error["message"]  # among the fields it may set
+    [warning] = [r.getMessage() for r in caplog.records if "ignoring fields" in r.getMessage()]
+    assert "structured_outputs.structural_tag" in warning and "grammar" not in warning
 
 
 def test_neutral_values_of_optional_parameters_are_accepted(client):

@@ -348,25 +348,33 @@ def output(text: str, new_text: str, finished: bool, reason: str = "stop") -> Re
     )
 
 
+def stream_chunks(renderer, index: int, text: str, step: int, reason: str = "stop") -> list[dict]:
+    """The chunks ``renderer`` sends for ``text`` arriving ``step`` characters at a time."""
+    chunks, done = [], 0
+    for end in [*range(step, len(text), step), len(text)]:
+        finished = end == len(text)
+        chunk = renderer.chunk(index, output(text[:end], text[done:end], finished, reason))
+        done = end
+        if chunk is not None:
+            chunks.append(json.loads(chunk.model_dump_json()))
+    return chunks
+
+
 def test_renderer_streams_call_deltas_and_answers_the_same_calls():
     text = f"Hm.{CALL_WEATHER}\n{CALL_TIME}"
     renderer = ToolChatRenderer("m", ByteTokenizer(), num_choices=2, tool_format=HERMES)
     chunks = []
     for index in range(2):  # two choices: ids never repeat across them
-        done = 0
-        for end in [*range(5, len(text), 7), len(text)]:
-            finished = end == len(text)
-            chunk = renderer.chunk(index, output(text[:end], text[done:end], finished))
-            done = end
-            if chunk is not None:
-                chunks.append(json.loads(chunk.model_dump_json()))
+        chunks += stream_chunks(renderer, index, text, 7)
     content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
     assert content == "Hm.Hm."
-    deltas = [d for c in chunks for d in c["choices"][0]["delta"].get("tool_calls", [])]
+    entries = [c["choices"][0]["delta"].get("tool_calls", []) for c in chunks]
+    assert all(len({e["index"] for e in chunk}) == len(chunk) for chunk in entries)
+    deltas = [d for chunk in entries for d in chunk]
     firsts = [d for d in deltas if "id" in d]
-    assert [(d["index"], d["type"], d["function"]) for d in firsts] == [
-        (0, "function", {"name": "get_weather", "arguments": ""}),
-        (1, "function", {"name": "get_time", "arguments": ""}),
+    assert [(d["index"], d["type"], d["function"]["name"]) for d in firsts] == [
+        (0, "function", "get_weather"),
+        (1, "function", "get_time"),
     ] * 2
     assert len({d["id"] for d in firsts}) == 4
     assert all(d["id"].startswith("call_") and len(d["id"]) == 29 for d in firsts)
@@ -402,3 +410,73 @@ def test_renderer_streams_call_deltas_and_answers_the_same_calls():
     message = cut.choices[0].message
     assert cut.choices[0].finish_reason == "length" and message.content is None
     assert message.tool_calls[0].function.arguments == '{"cit'
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, 200])
+def test_a_chunk_holds_one_entry_per_call_with_the_header_and_first_arguments_together(step):
+    """OpenAI's shape: clients that read the first entry of an index (instructor's partial
+    streaming, llama-index) must not lose the arguments' first fragment."""
+    text = f"{CALL_WEATHER}\n{CALL_TIME}"
+    renderer = ToolChatRenderer("m", ByteTokenizer(), tool_format=HERMES)
+    chunks = stream_chunks(renderer, 0, text, step)
+    for chunk in chunks:
+        entries = chunk["choices"][0]["delta"].get("tool_calls", [])
+        assert len({e["index"] for e in entries}) == len(entries)
+        for entry in entries:
+            if "id" in entry:  # the first fragment rides with the header, when it was there
+                arguments = entry["function"]["arguments"]
+                assert arguments == "" or arguments.startswith("{")
+    first_entries = {}  # what a client reading one entry per index per chunk gets
+    for chunk in chunks:
+        for entry in chunk["choices"][0]["delta"].get("tool_calls", []):
+            first_entries.setdefault(entry["index"], []).append(entry["function"]["arguments"])
+    assert ["".join(pieces) for pieces in first_entries.values()] == [
+        '{"city": "Paris"}',
+        '{"zone": "CET"}',
+    ]
+    if step == 200:  # one chunk: each call's header and whole arguments in one entry
+        entries = chunks[0]["choices"][0]["delta"]["tool_calls"]
+        assert [(e["function"]["name"], e["function"]["arguments"]) for e in entries] == [
+            ("get_weather", '{"city": "Paris"}'),
+            ("get_time", '{"zone": "CET"}'),
+        ]
+
+
+@pytest.mark.parametrize(
+    "text, calls",
+    [
+        (
+            f"{CALL_WEATHER}\n{CALL_TIME}\n<tool_call",
+            [("get_weather", '{"city": "Paris"}'), ("get_time", '{"zone": "CET"}')],
+        ),
+        (f'{CALL_WEATHER}\n<tool_call>\n{{"name": "get_ti', [("get_weather", '{"city": "Paris"}')]),
+        (
+            f"{CALL_WEATHER}\n{CALL_TIME[:50]}",
+            [("get_weather", '{"city": "Paris"}'), ("get_time", '{"zo')],
+        ),
+        ("<tool_c", []),
+        ("Let me see <tool_ca", []),
+    ],
+)
+def test_a_cut_output_never_leaks_markup_into_content(text, calls):
+    """max_tokens cut the output (finish_reason length): the calls begun are kept (the last
+    as far as it was written, as OpenAI answers), markup is never content, streamed or not."""
+    renderer = ToolChatRenderer("m", ByteTokenizer(), tool_format=HERMES)
+    answer = renderer.response([(0, output(text, "", True, "length"))], None)
+    choice = answer.choices[0]
+    expected_content = "Let me see " if text.startswith("Let") else None
+    assert choice.finish_reason == "length"
+    assert choice.message.content == (expected_content or ("" if not calls else None))
+    got = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    assert got == calls
+    for step in (1, 4, 50):
+        chunks = stream_chunks(renderer, 0, text, step, reason="length")
+        streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+        assert streamed == (expected_content or "")
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        renderer = ToolChatRenderer("m", ByteTokenizer(), tool_format=HERMES)
+
+
+def test_text_ending_like_a_tag_is_content_when_the_output_stopped():
+    assert HERMES.parse("a <tool_c").content == "a <tool_c"
+    assert HERMES.parse("a <tool_c", is_cut=True).content == "a "

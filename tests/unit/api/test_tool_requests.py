@@ -74,10 +74,9 @@ def bad(function: dict) -> dict:
         ({"tool_choice": {"type": "function", "function": {"name": "ping"}}}, "tool_choice",
          "no tools"),
         ({"tools": [PING], "tool_choice": "sometimes"}, "tool_choice", "one of none, auto"),
-        ({"tools": [PING], "tool_choice": "required", "response_format": {"type": "json_object"}},
-         "tool_choice", "response_format"),
-        ({"tools": [PING], "tool_choice": {"type": "function", "function": {"name": "ping"}},
-          "structured_outputs": {"regex": "a+"}}, "tool_choice", "structured_outputs"),
+        ({"tools": [PING], "tool_choice": "required",
+          "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}},
+         "response_format", "json"),  # a forced call wins, but a bad format is still a 400
         ({"messages": [{"role": "tool", "content": "42"}]}, "messages", "tool_call_id"),
         ({"messages": [{"role": "user", "content": "x", "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
@@ -89,6 +88,23 @@ def test_bad_tools_are_400s_naming_the_field(client, body, param, words):
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["param"] == param and words in error["message"], error
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [{"response_format": {"type": "json_object"}}, {"structured_outputs": {"regex": "a+"}}],
+)
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "ping"}}])
+def test_a_forced_call_wins_over_an_output_constraint(client, choice, constraint):
+    """As OpenAI serves the pair: the output is the call; the constraint is for text."""
+    body = {"tools": [PING], "tool_choice": choice, "parallel_tool_calls": False, **constraint}
+    answer = chat(client, max_tokens=60, temperature=0, **body)
+    assert answer.status_code == 200, answer.text
+    choice_ = answer.json()["choices"][0]
+    assert choice_["finish_reason"] == "tool_calls" and choice_["message"]["content"] is None
+    assert [c["function"] for c in choice_["message"]["tool_calls"]] == [
+        {"name": "ping", "arguments": "{}"}
+    ]
 
 
 @pytest.mark.parametrize("choice", ["none", "auto"])
@@ -132,8 +148,10 @@ def test_a_streamed_call_reassembles_to_the_answered_one(client, engine):
     chunks = [json.loads(e) for e in events[:-1]]
     deltas = [d for c in chunks for d in c["choices"][0]["delta"].get("tool_calls", [])]
     assert deltas[0]["index"] == 0 and deltas[0]["type"] == "function"
-    assert deltas[0]["function"] == {"name": "ping", "arguments": ""}
+    # The header and the arguments' first fragment in one entry, one entry per chunk.
+    assert deltas[0]["function"] == {"name": "ping", "arguments": "{"}
     assert "".join(d["function"].get("arguments", "") for d in deltas) == "{}"
+    assert all(len(c["choices"][0]["delta"].get("tool_calls", [])) <= 1 for c in chunks)
     assert all(c["choices"][0]["delta"].get("content") in (None, "") for c in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     assert_engine_clean(engine)
