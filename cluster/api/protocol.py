@@ -16,7 +16,7 @@ and the prompt-cache fields ``prompt_cache_key``, ``prompt_cache_options`` (``mo
 ``prompt_cache_retention`` and a chat text part's ``prompt_cache_breakpoint``, read into one
 ``CacheHints`` (``GenerationRequest.cache_hints``; lifetimes: ``replicas.cache_hints``).
 
-Extensions beyond OpenAI: ``top_k``, ``min_tokens``, ``repetition_penalty``,
+Extensions beyond OpenAI: ``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``,
 ``stream_options.continuous_usage_stats`` (vLLM's: the usage so far on every chunk),
 ``stop_token_ids``, ``ignore_eos``, ``cache_salt`` (a per-tenant salt of the prefix-cache block
 hashes: requests reuse cached KV only from requests with the same salt) and, named as vLLM names
@@ -190,6 +190,11 @@ class GenerationRequest(_Body):
     temperature: float = Field(1.0, description="Sampling temperature; 0 is greedy.")
     top_p: float = Field(1.0, description="Nucleus sampling mass in (0, 1].")
     top_k: int = Field(0, description="Extension: sample among the k likeliest (0 or -1: off).")
+    min_p: float = Field(
+        0.0,
+        description="Extension: keep the tokens with at least this share of the likeliest "
+        "token's probability (0: off).",
+    )
     seed: int | None = Field(None, description="Makes a sampled request reproducible.")
     stop: str | list[str] | None = Field(None, description="Strings that end the output.")
     stop_token_ids: list[int] | None = Field(None, description="Extension: ending token ids.")

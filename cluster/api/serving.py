@@ -452,6 +452,7 @@ def _sampling_params(
             temperature=body.temperature,
             top_p=body.top_p,
             top_k=body.top_k,
+            min_p=body.min_p,
             seed=body.seed,
             stop=body.stop,
             stop_token_ids=list(body.stop_token_ids or []),

@@ -121,6 +121,7 @@ class ResponsesRequest(_Body):
     )
     # Extensions beyond OpenAI, passed on to chat completions as they are.
     top_k: int | None = Field(None, description="Extension: sample among the k likeliest.")
+    min_p: float | None = Field(None, description="Extension: min-p sampling, as chat takes it.")
     seed: int | None = Field(None, description="Extension: makes sampling reproducible.")
     stop: str | list[str] | None = Field(None, description="Extension: strings that end it.")
     cache_salt: str | None = Field(None, description="Extension: per-tenant prefix-cache salt.")

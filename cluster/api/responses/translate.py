@@ -48,6 +48,7 @@ PASSED_ON = (
     "temperature",
     "top_p",
     "top_k",
+    "min_p",
     "seed",
     "stop",
     "cache_salt",

@@ -48,6 +48,7 @@ BAD_COMPLETIONS = [
     (b'{"prompt": "x", "temperature": "hot"}', "temperature", "temperature"),
     (b'{"prompt": "x", "top_p": 0}', "top_p", "top_p"),
     (b'{"prompt": "x", "top_k": -2}', "top_k", "top_k"),
+    (b'{"prompt": "x", "min_p": 1.5}', "min_p", "min_p"),
     (b'{"prompt": "x", "stop": 5}', "stop", "stop"),
     (b'{"prompt": "x", "stop": [""]}', "stop", "stop"),
     (b'{"prompt": "x", "stop_token_ids": [-1]}', "stop_token_ids", "stop_token_ids"),
