@@ -25,16 +25,8 @@ GB, GIB = 10**9, 2**30
 
 
 def llama_8b(max_positions: int = 131072) -> ModelArgs:
-    return ModelArgs(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        max_position_embeddings=max_positions,
-    )
+    """Llama-3-8B's shape (the built-in ``llama3-8b-shape``), its context set."""
+    return replace(BUILTIN_MODEL_ARGS["llama3-8b-shape"](), max_position_embeddings=max_positions)
 
 
 def smollm2_1_7b() -> ModelArgs:
