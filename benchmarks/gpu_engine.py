@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.report import Report
+from benchmarks.report import Report, new_figure
 from replicas.engine.cuda_batch import HostBatch
 from replicas.engine.model_runner import ModelRunner
 from replicas.model import load_model
@@ -50,7 +50,7 @@ class Settings:
 
 
 QUICK = Settings(
-    model="tiny", batches=(1, 4), contexts=(128, 512), prefills=(256,), prefill_chunk=96, steps=3
+    model="tiny", batches=(1, 2), contexts=(64, 160), prefills=(128,), prefill_chunk=48, steps=2
 )
 
 
@@ -74,7 +74,7 @@ def _sync(device: torch.device) -> None:
 
 def ceilings(device: torch.device, quick: bool) -> dict[str, float]:
     """The device's measured limits: copy GB/s (read + written), pinned copies, bf16 TFLOP/s."""
-    size = (2**26 if quick else 2**30) // 2  # bfloat16 elements: 64 MiB or 1 GiB
+    size = (2**24 if quick else 2**30) // 2  # bfloat16 elements: 16 MiB or 1 GiB
     src = torch.randn(size, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     copy_s = _clock(lambda: dst.copy_(src), device, 5 if quick else 20)
@@ -83,7 +83,7 @@ def ceilings(device: torch.device, quick: bool) -> dict[str, float]:
         host = torch.empty(size, dtype=torch.bfloat16).pin_memory()
         out["h2d_gib_per_s"] = 2 * size / _clock(lambda: src.copy_(host), device, 5) / 2**30
         out["d2h_gib_per_s"] = 2 * size / _clock(lambda: host.copy_(src), device, 5) / 2**30
-    n = 1024 if quick or device.type != "cuda" else 8192
+    n = 256 if quick or device.type != "cuda" else 8192
     a = torch.randn((n, n), device=device, dtype=torch.bfloat16)
     b = torch.randn((n, n), device=device, dtype=torch.bfloat16)
     matmul_s = _clock(lambda: a @ b, device, 3 if quick else 10)
@@ -364,8 +364,39 @@ def _report(settings: Settings, results: dict, command: str, quick: bool) -> Rep
             for p in results["prefill"]
         ],
     )
+    report.figures["gpu-engine.png"] = _figure(results)
     report.results = {"settings": asdict(settings), "targets": TARGETS, **results}
     return report
+
+
+def _figure(results: dict):
+    """Decode step time against its ceiling per (batch, context); prefill share of peak."""
+    figure, (left, right) = new_figure(2)
+    rows = results["decode"]
+    labels = [f"b{r['batch']} {r['context']}" for r in rows]
+    positions = range(len(rows))
+    left.bar(
+        [p - 0.2 for p in positions],
+        [r.get("step_ms", r["eager_ms"]) for r in rows],
+        width=0.4,
+        label="step",
+    )
+    left.bar(
+        [p + 0.2 for p in positions],
+        [r["ceiling_ms"] for r in rows],
+        width=0.4,
+        label="bandwidth ceiling",
+    )
+    left.set_xticks(list(positions), labels)
+    left.set_ylabel("ms per decode step")
+    left.legend()
+    prefill = results["prefill"]
+    right.bar(
+        [f"{p['tokens']}/{p['chunk']}" for p in prefill], [p["share_of_peak"] for p in prefill]
+    )
+    right.set_xlabel("prompt tokens / chunk")
+    right.set_ylabel("share of measured bf16 peak")
+    return figure
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,6 +54,15 @@ EXPECTED = {
         "configs.host+adaptive.mean_ttft_s",
         "ratios.host+adaptive_over_host+write-back_mean",
     ],
+    "gpu-engine": [
+        "ceilings.copy_gb_per_s",
+        "ceilings.bf16_tflop_per_s",
+        "decode.*.eager_ms",
+        "decode.*.ceiling_ms",
+        "decode.*.step_over_ceiling",
+        "prefill.*.ms",
+        "prefill.*.tflop_per_s",
+    ],
     "scaling": [
         "sim.summary.cache-aware.hit_rate",
         "sim.summary.random.ttft_mean_s",
