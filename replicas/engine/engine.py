@@ -245,13 +245,16 @@ class Engine:
         }
 
     def close(self) -> None:
-        """Hand the planned disk writes to the disk stores, finish them and release the disk
-        slabs (no-op without a disk tier)."""
-        if not self.disk:
-            return
-        for _ in range(2):  # a landed host store plans its disk store at threshold 0
-            self.core.run_transfers(self.kv_cache.take_transfer_plan(), wait=True)
-        for store in self.disk.values():
+        """Hand the planned disk writes to the disk stores, land every copy still in flight
+        (the cache manager unlocks their host blocks) and unpin the host slab, then finish the
+        disk writes and release the disk slabs (no-op without a host tier)."""
+        if self.disk:
+            for _ in range(2):  # a landed host store plans its disk store at threshold 0
+                self.core.run_transfers(self.kv_cache.take_transfer_plan(), wait=True)
+        if self.transfer is not None:
+            for landed in self.transfer.close():
+                self.kv_cache.complete_transfer(landed)
+        for store in (self.disk or {}).values():
             store.close()
 
     # ---- requests ----------------------------------------------------------------------------
