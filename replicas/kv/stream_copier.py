@@ -109,10 +109,11 @@ class TorchCudaRuntime:
         if not self._pins:
             return
         error = torch.cuda.cudart().cudaHostRegister(address, num_bytes, 0)
-        if int(error) != 0:
+        code = int(getattr(error, "value", error))  # a pybind11 enum, 0 for cudaSuccess
+        if code != 0:
             raise MemoryError(
                 f"cudaHostRegister of {num_bytes / 2**30:.2f} GiB of host memory for the host "
-                f"KV tier failed (error {int(error)})"
+                f"KV tier failed (CUDA error {code})"
             )
 
     def unregister(self, address: int) -> None:
@@ -134,6 +135,11 @@ def copy_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+_Piece = tuple[str, list[BlockCopy], torch.Tensor]
+"""Stores of one cache type gathered together: its name, the copies, their NPU ids on the
+device."""
+
+
 @dataclass(slots=True)
 class _InFlight:
     """One plan's copies: landed when every event has completed."""
@@ -141,6 +147,7 @@ class _InFlight:
     plan: TransferPlan
     events: list[CopyEvent]
     stored: dict[str, set[int]] = field(default_factory=dict)  # host ids its stores write
+    held: list[torch.Tensor] = field(default_factory=list)  # device memory its copies read
 
     def query(self) -> bool:
         return all(event.query() for event in self.events)
@@ -186,10 +193,12 @@ class StreamCopier:
         compute = self.runtime.current_stream()
         flight = _InFlight(plan, [])
         if plan.stores:
+            rounds = self._rounds(plan.stores)  # block ids copied to the device, on compute
+            flight.held = [ids for pieces in rounds for _, _, ids in pieces]
             self.store_stream.wait_stream(compute)
             gathered, stored = self.runtime.new_event(), self.runtime.new_event()
             with self.runtime.use(self.store_stream):
-                self._store(plan.stores, gathered)
+                self._store(rounds, gathered)
                 stored.record(self.store_stream)
             for name, copies in _by_cache_type(plan.stores):
                 flight.stored[name] = {c.dst for c in copies}
@@ -231,35 +240,47 @@ class StreamCopier:
             if not host_ids.isdisjoint(flight.stored.get(cache_type, ())):
                 yield flight.events[0]  # a plan with stores records their event first
 
-    def _store(self, stores: list[BlockCopy], gathered: CopyEvent) -> None:
-        """Gather the stores' NPU blocks into the staging rings and copy them to their host
+    def _rounds(self, stores: list[BlockCopy]) -> list[list[_Piece]]:
+        """The stores in pieces of at most a staging ring, each with its NPU block ids on the
+        device: every cache type's first piece in the first round, then one piece a round.
+
+        The ids are copied on the compute stream, idle between steps (the engine waited for
+        the last step's tokens): on a side stream a copy from pageable memory could wait for
+        the bus copies of earlier stores still on it. ``_InFlight.held`` keeps them until the
+        plan lands, so their memory is not reused before the gathers read it."""
+        first_round, overflow = [], []
+        for name, copies in _by_cache_type(stores):
+            capacity, device = len(self.staging[name]), self.npu_caches[name].device
+            for i in range(0, len(copies), capacity):
+                piece = copies[i : i + capacity]
+                ids = torch.tensor([c.src for c in piece], dtype=torch.long).to(device)
+                if i:
+                    overflow.append([(name, piece, ids)])
+                else:
+                    first_round.append((name, piece, ids))
+        return [first_round, *overflow]
+
+    def _store(self, rounds: list[list[_Piece]], gathered: CopyEvent) -> None:
+        """Gather each round's NPU blocks into the staging rings, then copy them to their host
         blocks, one copy per run of consecutive host ids; ``gathered`` is recorded after the
         last gather. Every cache type's first ring-full is gathered before any bus copy, so the
         compute stream waits for bus copies only when a plan overflows a ring."""
-        first_round, overflow = [], []
-        for name, copies in _by_cache_type(stores):
-            capacity = len(self.staging[name])
-            pieces = [(name, copies[i : i + capacity]) for i in range(0, len(copies), capacity)]
-            first_round.append(pieces[0])
-            overflow.extend([piece] for piece in pieces[1:])
-        rounds = [first_round, *overflow]
         for index, pieces in enumerate(rounds):
-            starts = [self._gather(name, piece) for name, piece in pieces]
+            starts = [self._gather(name, ids) for name, _, ids in pieces]
             if index == len(rounds) - 1:
                 gathered.record(self.store_stream)
-            for (name, piece), start in zip(pieces, starts):
+            for (name, piece, _), start in zip(pieces, starts):
                 ring, host = self.staging[name], self.host_caches[name]
                 positions = list(range(start, start + len(piece)))
                 for s, d, n in copy_runs(positions, [c.dst for c in piece]):
                     host[d : d + n].copy_(ring[s : s + n], non_blocking=True)
 
-    def _gather(self, name: str, piece: list[BlockCopy]) -> int:
-        """Gather ``piece``'s NPU blocks into the next range of the ring; returns its start."""
-        ring, npu = self.staging[name], self.npu_caches[name]
-        start = self._next[name] if self._next[name] + len(piece) <= len(ring) else 0
-        self._next[name] = start + len(piece)
-        ids = torch.tensor([c.src for c in piece], dtype=torch.long).to(npu.device)
-        torch.index_select(npu, 0, ids, out=ring[start : start + len(piece)])
+    def _gather(self, name: str, ids: torch.Tensor) -> int:
+        """Gather NPU blocks ``ids`` into the next range of the ring; returns its start."""
+        ring, npu, num_blocks = self.staging[name], self.npu_caches[name], len(ids)
+        start = self._next[name] if self._next[name] + num_blocks <= len(ring) else 0
+        self._next[name] = start + num_blocks
+        torch.index_select(npu, 0, ids, out=ring[start : start + num_blocks])
         return start
 
     def _load(self, name: str, copies: list[BlockCopy]) -> None:
