@@ -18,7 +18,7 @@ from replicas.engine.executor import ModelExecutor
 from replicas.kv.capacity import CachePlan, plan_cache
 from replicas.kv.handover import HANDOVER_BATCH_BLOCKS
 from replicas.kv.hashing import BlockHash
-from replicas.kv.host_memory import check_host_capacity
+from replicas.kv.host_memory import check_host_capacity, host_tier_bytes
 from replicas.kv.manager import KVCacheManager, ReloadCosts, ReservationPolicy
 from replicas.kv.records import CacheStats, CacheTypeSpec, CacheTypeUsage
 from replicas.kv.sizing import PoolSize, device_memory, module_bytes, size_npu_pool
@@ -133,7 +133,8 @@ class Engine:
         self.num_npu_blocks = plan.num_npu_blocks[next(iter(specs))]
         self.max_model_len = pool.max_model_len
         if plan.num_host_blocks:  # fail before any bookkeeping is built
-            check_host_capacity(plan.host_bytes)
+            pools = [n * plan.block_bytes[g] for g, n in plan.num_host_blocks.items()]
+            check_host_capacity(host_tier_bytes(pools, pinned=self.device.type == "cuda"))
         self.runner = ModelRunner(
             self.loaded,
             plan.num_npu_blocks,

@@ -100,6 +100,12 @@ def slab_bytes(pool_bytes: list[int], page_bytes: int = SLAB_ALIGN_BYTES) -> int
     return _round_up(offset, page_bytes)
 
 
+def host_tier_bytes(pool_bytes: list[int], *, pinned: bool) -> int:
+    """Host memory the host pools take: one pinned slab (``slab_bytes``) on CUDA, the pools'
+    own bytes on CPU."""
+    return slab_bytes(pool_bytes) if pinned else sum(pool_bytes)
+
+
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
