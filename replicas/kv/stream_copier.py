@@ -192,6 +192,7 @@ class StreamCopier:
         the loads only."""
         compute = self.runtime.current_stream()
         flight = _InFlight(plan, [])
+        self._in_flight.append(flight)  # before the loads: one may read this plan's stores
         if plan.stores:
             rounds = self._rounds(plan.stores)  # block ids copied to the device, on compute
             flight.held = [ids for pieces in rounds for _, _, ids in pieces]
@@ -216,7 +217,6 @@ class StreamCopier:
                 loaded.record(self.load_stream)
             compute.wait_event(loaded)
             flight.events.append(loaded)
-        self._in_flight.append(flight)
 
     def poll(self, wait: bool = False) -> list[TransferPlan]:
         """Plans whose copies have all landed, in submission order (all of them if ``wait``)."""

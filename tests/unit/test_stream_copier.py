@@ -174,6 +174,18 @@ def test_a_load_of_a_block_still_being_stored_waits_on_the_device_for_that_store
     assert torch.equal(npu[0], before[2]) and torch.equal(host[6], before[2])
 
 
+def test_a_load_of_a_block_stored_in_the_same_plan_waits_for_that_store():
+    transfer, rt = make()
+    npu = transfer.npu_caches["full"]
+    before = npu.clone()
+    # Write-back stores NPU block 2 to host block 5; another request adopts host block 5.
+    transfer.submit(TransferPlan([BlockCopy(2, 5)], [BlockCopy(5, 6)]))
+    stored, loaded = "e1", "e2"  # e0: the gather
+    assert ("wait_event", "loads", stored) in rt.log
+    assert rt.log.index(("record", stored, "stores")) < rt.log.index(("record", loaded, "loads"))
+    assert torch.equal(npu[6], before[2])
+
+
 def test_a_disk_store_waits_on_the_cpu_for_the_store_into_its_host_block():
     transfer, rt = make()
     written = []
