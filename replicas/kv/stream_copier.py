@@ -54,6 +54,10 @@ class CopyEvent(Protocol):
 
     def synchronize(self) -> None: ...
 
+    def elapsed_time(self, end_event: "CopyEvent") -> float:
+        """Milliseconds from this event to ``end_event`` (both made with ``timing``)."""
+        ...
+
 
 class CopyStream(Protocol):
     def wait_stream(self, stream: "CopyStream") -> None: ...
@@ -66,7 +70,7 @@ class CopyRuntime(Protocol):
 
     def new_stream(self) -> CopyStream: ...
 
-    def new_event(self) -> CopyEvent: ...
+    def new_event(self, timing: bool = False) -> CopyEvent: ...
 
     def current_stream(self) -> CopyStream:
         """The compute stream: the one the forward pass runs on."""
@@ -96,8 +100,8 @@ class TorchCudaRuntime:
     def new_stream(self) -> CopyStream:
         return torch.cuda.Stream(self.device)
 
-    def new_event(self) -> CopyEvent:
-        return torch.cuda.Event()
+    def new_event(self, timing: bool = False) -> CopyEvent:
+        return torch.cuda.Event(enable_timing=timing)
 
     def current_stream(self) -> CopyStream:
         return torch.cuda.current_stream(self.device)
@@ -148,6 +152,7 @@ class _InFlight:
     events: list[CopyEvent]
     stored: dict[str, set[int]] = field(default_factory=dict)  # host ids its stores write
     held: list[torch.Tensor] = field(default_factory=list)  # device memory its copies read
+    timed: list[tuple[CopyEvent, CopyEvent]] = field(default_factory=list)  # (begin, end)
 
     def query(self) -> bool:
         return all(event.query() for event in self.events)
@@ -182,6 +187,7 @@ class StreamCopier:
         }
         self._next = dict.fromkeys(npu_caches, 0)  # where each ring's next gather goes
         self._in_flight: deque[_InFlight] = deque()
+        self.seconds = 0.0  # device time of the landed plans' copies, per stream
 
     @property
     def staging_bytes(self) -> int:
@@ -197,8 +203,9 @@ class StreamCopier:
             rounds = self._rounds(plan.stores)  # block ids copied to the device, on compute
             flight.held = [ids for pieces in rounds for _, _, ids in pieces]
             self.store_stream.wait_stream(compute)
-            gathered, stored = self.runtime.new_event(), self.runtime.new_event()
+            gathered, stored = self.runtime.new_event(), self.runtime.new_event(timing=True)
             with self.runtime.use(self.store_stream):
+                flight.timed.append((self._begin(self.store_stream), stored))
                 self._store(rounds, gathered)
                 stored.record(self.store_stream)
             for name, copies in _by_cache_type(plan.stores):
@@ -210,8 +217,9 @@ class StreamCopier:
             for name, copies in _by_cache_type(plan.loads):
                 for event in self._stores_into(name, {c.src for c in copies}):
                     self.load_stream.wait_event(event)
-            loaded = self.runtime.new_event()
+            loaded = self.runtime.new_event(timing=True)
             with self.runtime.use(self.load_stream):
+                flight.timed.append((self._begin(self.load_stream), loaded))
                 for name, copies in _by_cache_type(plan.loads):
                     self._load(name, copies)
                 loaded.record(self.load_stream)
@@ -227,8 +235,16 @@ class StreamCopier:
                 flight.synchronize()
             elif not flight.query():
                 break
-            done.append(self._in_flight.popleft().plan)
+            self._in_flight.popleft()
+            self.seconds += sum(begin.elapsed_time(end) for begin, end in flight.timed) / 1e3
+            done.append(flight.plan)
         return done
+
+    def _begin(self, stream: CopyStream) -> CopyEvent:
+        """A timing event recorded on ``stream`` now: where a plan's copies on it start."""
+        event = self.runtime.new_event(timing=True)
+        event.record(stream)
+        return event
 
     def land_stores_into(self, cache_type: str, host_ids: set[int]) -> None:
         """Wait on the CPU for every store in flight into one of ``host_ids``."""

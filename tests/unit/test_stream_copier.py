@@ -35,6 +35,9 @@ class Event:
             self.log.append(("cpu_wait", self.name))
         self.done = True
 
+    def elapsed_time(self, end_event: "Event") -> float:
+        return 2.0  # milliseconds, whatever the copies
+
 
 class Stream:
     def __init__(self, log: list, name: str) -> None:
@@ -60,7 +63,7 @@ class Recorder:
     def new_stream(self) -> Stream:
         return Stream(self.log, next(self.stream_names))
 
-    def new_event(self) -> Event:
+    def new_event(self, timing: bool = False) -> Event:
         self.events.append(Event(self.log, f"e{len(self.events)}"))
         return self.events[-1]
 
@@ -124,13 +127,15 @@ def test_compute_waits_for_the_gather_and_the_loads_but_not_for_the_stores_bus_c
     plan = TransferPlan([BlockCopy(3, 0), BlockCopy(1, 1)], [BlockCopy(5, 3)])
     rt.log.clear()
     transfer.submit(plan)
-    gathered, stored, loaded = "e0", "e1", "e2"
+    gathered, stored, loaded = "e0", "e1", "e3"  # e2, e4: where each stream's copies begin
     assert rt.log == [
         ("wait_stream", "stores", "compute"),
+        ("record", "e2", "stores"),
         ("record", gathered, "stores"),
         ("record", stored, "stores"),
         ("wait_event", "compute", gathered),
         ("wait_stream", "loads", "compute"),
+        ("record", "e4", "loads"),
         ("record", loaded, "loads"),
         ("wait_event", "compute", loaded),
     ]
@@ -140,7 +145,9 @@ def test_compute_waits_for_the_gather_and_the_loads_but_not_for_the_stores_bus_c
     rt.complete(gathered, loaded)
     assert transfer.poll() == []  # the store is still on the bus: its host blocks stay locked
     rt.complete(stored)
+    seconds = transfer.stats.seconds
     assert transfer.poll() == [plan]
+    assert transfer.stats.seconds - seconds == pytest.approx(0.004)  # 2 ms a stream, timed
 
 
 def test_plans_are_reported_in_submission_order_only_once_landed():
@@ -150,27 +157,27 @@ def test_plans_are_reported_in_submission_order_only_once_landed():
     disk_only = TransferPlan([], [], disk_loads=(DiskCopy(2, b"k"),))
     for plan in (first, second, disk_only):
         transfer.submit(plan)
-    rt.complete("e2")  # the second plan's load
+    rt.complete("e3")  # the second plan's load
     assert transfer.poll() == []
     rt.complete("e0", "e1")
     assert transfer.poll() == [first, second, disk_only]
     third = TransferPlan([BlockCopy(1, 1)], [])
     transfer.submit(third)
     assert transfer.poll(wait=True) == [third]
-    assert ("cpu_wait", "e4") in rt.log
+    assert ("cpu_wait", "e6") in rt.log
 
 
 def test_a_load_of_a_block_still_being_stored_waits_on_the_device_for_that_store_only():
     transfer, rt = make()
     npu, host = transfer.npu_caches["full"], transfer.host_caches["full"]
     before = npu.clone()
-    transfer.submit(TransferPlan([BlockCopy(2, 6)], []))  # e0 gathered, e1 stored
-    transfer.submit(TransferPlan([BlockCopy(4, 7)], []))  # e2, e3
+    transfer.submit(TransferPlan([BlockCopy(2, 6)], []))  # e0 gathered, e1 stored, e2 begun
+    transfer.submit(TransferPlan([BlockCopy(4, 7)], []))  # e3, e4, e5
     rt.log.clear()
     transfer.submit(TransferPlan([], [BlockCopy(6, 0), BlockCopy(3, 1)]))
     assert ("wait_event", "loads", "e1") in rt.log
     assert not any(entry[0] == "cpu_wait" for entry in rt.log)
-    assert ("wait_event", "loads", "e3") not in rt.log  # host block 7 is not read
+    assert ("wait_event", "loads", "e4") not in rt.log  # host block 7 is not read
     assert torch.equal(npu[0], before[2]) and torch.equal(host[6], before[2])
 
 
@@ -180,7 +187,7 @@ def test_a_load_of_a_block_stored_in_the_same_plan_waits_for_that_store():
     before = npu.clone()
     # Write-back stores NPU block 2 to host block 5; another request adopts host block 5.
     transfer.submit(TransferPlan([BlockCopy(2, 5)], [BlockCopy(5, 6)]))
-    stored, loaded = "e1", "e2"  # e0: the gather
+    stored, loaded = "e1", "e3"  # e0: the gather
     assert ("wait_event", "loads", stored) in rt.log
     assert rt.log.index(("record", stored, "stores")) < rt.log.index(("record", loaded, "loads"))
     assert torch.equal(npu[6], before[2])
@@ -196,8 +203,8 @@ def test_a_disk_store_waits_on_the_cpu_for_the_store_into_its_host_block():
 
     transfer.disk = {"full": Disk()}
     npu = transfer.npu_caches["full"]
-    transfer.submit(TransferPlan([BlockCopy(5, 2)], []))  # e0, e1
-    transfer.submit(TransferPlan([BlockCopy(6, 3)], []))  # e2, e3
+    transfer.submit(TransferPlan([BlockCopy(5, 2)], []))  # e0 gathered, e1 stored, e2 begun
+    transfer.submit(TransferPlan([BlockCopy(6, 3)], []))  # e3, e4, e5
     rt.log.clear()
     transfer.submit(TransferPlan([], [], disk_stores=(DiskCopy(2, b"k"),)))
     assert rt.log == [("cpu_wait", "e1")]  # the store into host block 2, not the other
@@ -218,7 +225,7 @@ def test_stores_beyond_the_staging_ring_are_gathered_piece_by_piece(staging_bloc
     for c in copies:
         assert torch.equal(host[c.cache_type][c.dst], before[c.cache_type][c.src]), c
     records = [e for e in rt.log if e[0] == "record"]
-    assert records == [("record", "e0", "stores"), ("record", "e1", "stores")]
+    assert records == [("record", e, "stores") for e in ("e2", "e0", "e1")]
     assert len(transfer.poll(wait=True)) == 1
 
 
