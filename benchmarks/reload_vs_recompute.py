@@ -417,8 +417,9 @@ def _add_tables(
         ],
     )
     report.sections.append(
-        "*host load copy* is the transfer component's time for the host hit's load (gather from "
-        "the host pool and scatter into the NPU pool); the rest of *host - npu* is the engine "
+        "*host load copy* is the transfer component's time for the host hit's load (on a CPU "
+        "one fused copy; on CUDA the copies' device time, direct from the pinned host slab); "
+        "the rest of *host - npu* is the engine "
         "step around it. See the `transfer` scenario for the copy's throughput. *bytes per "
         "block* is what one block's load moved (scales included); *ref* is "
         f"{labels[reference]}, measured in the same repetitions."
