@@ -125,8 +125,9 @@ class HostSlab:
 
     torch's pinned allocator rounds each allocation up to a power of two (a 40 GiB pool pins
     64 GiB); a mapping of our own pins what the pools need. Reserved hugepages back it when
-    enough are free (``MAP_HUGETLB``), else regular pages with transparent hugepages advised.
-    ``MAP_POPULATE`` faults every page in at start-up, so no transfer pays a first touch.
+    enough are free (``MAP_HUGETLB``, faulted in by ``MAP_POPULATE``), else regular pages with
+    transparent hugepages advised, then written once. Either way every page is resident before
+    the first transfer.
     """
 
     def __init__(
@@ -136,25 +137,10 @@ class HostSlab:
         what: str = "host KV tier",
     ) -> None:
         sizes = {name: _nbytes(shape, dtype) for name, (shape, dtype) in shapes.items()}
-        info = read_meminfo()
-        huge = info.get("Hugepagesize", 0)
-        exact = slab_bytes(list(sizes.values()))
-        self.on_hugepages = False
-        if huge and slab_bytes(list(sizes.values()), huge) <= huge * info.get("HugePages_Free", 0):
-            self.nbytes = slab_bytes(list(sizes.values()), huge)  # the free hugepages hold it
-            self._map = _mmap(self.nbytes, MAP_HUGETLB)
-            self.on_hugepages = self._map is not None
-        if not self.on_hugepages:
-            self.nbytes = exact
-            check_host_capacity(self.nbytes, what, hugepages=False)  # the engine warned
-            self._map = _mmap(self.nbytes, 0)
-            if self._map is None:
-                raise MemoryError(
-                    f"could not map {self.nbytes / 2**30:.2f} GiB of host memory for the {what}"
-                )
-            if hasattr(self._map, "madvise"):
-                self._map.madvise(mmap.MADV_HUGEPAGE)
+        self._map, self.nbytes, self.on_hugepages = _map_slab(list(sizes.values()), what)
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        if not self.on_hugepages:
+            self._bytes.fill_(0)  # fault every page in now (as huge ones where THP allows)
         self.address = self._bytes.data_ptr()
         self._registrar: HostRegistrar | None = registrar
         registrar.register(self.address, self.nbytes)
@@ -185,12 +171,33 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
+def _map_slab(pool_bytes: list[int], what: str) -> "tuple[mmap.mmap, int, bool]":
+    """The slab's mapping, its size and whether reserved hugepages back it: hugepages when
+    enough are free and the kernel grants them, else regular pages (transparent hugepages
+    advised) after the capacity check."""
+    info = read_meminfo()
+    huge = info.get("Hugepagesize", 0)
+    if huge and slab_bytes(pool_bytes, huge) <= huge * info.get("HugePages_Free", 0):
+        num_bytes = slab_bytes(pool_bytes, huge)  # the free hugepages hold it
+        mapped = _mmap(num_bytes, MAP_HUGETLB | getattr(mmap, "MAP_POPULATE", 0))
+        if mapped is not None:
+            return mapped, num_bytes, True
+    num_bytes = slab_bytes(pool_bytes)
+    check_host_capacity(num_bytes, what, hugepages=False)  # the engine warned already
+    mapped = _mmap(num_bytes, 0)
+    if mapped is None:
+        raise MemoryError(
+            f"could not map {num_bytes / 2**30:.2f} GiB of host memory for the {what}"
+        )
+    if hasattr(mapped, "madvise"):
+        mapped.madvise(mmap.MADV_HUGEPAGE)
+    return mapped, num_bytes, False
+
+
 def _mmap(num_bytes: int, extra_flags: int) -> "mmap.mmap | None":
-    """An anonymous private mapping, populated; None when the kernel refuses ``extra_flags``."""
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0) | extra_flags
+    """An anonymous private mapping; None when the kernel refuses ``extra_flags``."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | extra_flags
     try:
         return mmap.mmap(-1, num_bytes, flags=flags)
     except OSError:
-        if not extra_flags:
-            raise
         return None
