@@ -14,7 +14,14 @@ dropped* also has the kernel drop the slab file's cached pages first
 repetition the engines take turns in rotating order; on each, cold runs first (it writes the
 prefix and resets every tier, disk included) and the other modes then take turns in rotating
 order. An idle engine step after each request lands its planned stores, and the disk writes are
-waited for, so no measured request pays for an earlier one's copies."""
+waited for, so no measured request pays for an earlier one's copies.
+
+Beside the TTFTs (``benchmarks.tier_copies``, on the first engine): the load and store GiB/s
+of the transfer component for the blocks of the largest prefix (at most ``COPY_BLOCKS``),
+against plain pinned copies of the same bytes, and the delay a store of the smallest prefix's
+blocks (one write-through store) adds to the decode step it runs beside. An 8B-shaped built-in
+model (``llama3-8b-shape``, ``qwen3-8b-shape``) measures 2k, 8k and 32k-token prefixes
+(``REAL_SHAPE``; 2k and 8k with ``--quick``)."""
 
 import random
 import shutil
@@ -25,6 +32,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from benchmarks import tier_copies
 from benchmarks.report import Report, new_figure
 from benchmarks.workload import (
     BLOCK_SIZE,
@@ -42,6 +50,7 @@ from benchmarks.workload import (
 )
 from cluster import LLM, KVOffloadConfig
 from replicas.kv.events import Tier
+from replicas.model.builtin import REAL_SHAPE_MODELS
 
 NAME = "reload-vs-recompute"
 MODES = ("cold", "npu", "host", "disk", "disk_dropped")
@@ -60,6 +69,10 @@ class Settings:
 
 
 QUICK = Settings(prefix_lens=(256, 1024), repeats=2)
+REAL_SHAPE = Settings(prefix_lens=(2048, 8192, 32768), repeats=3)
+REAL_SHAPE_QUICK = Settings(prefix_lens=(2048, 8192), repeats=2)
+COPY_BLOCKS = 512  # the most blocks of the copy rates' plans (1 GiB of an 8B model's KV)
+STORE_DELAY_STEPS = 16  # decode steps with a store beside them, and as many without
 
 
 def _measure(
@@ -133,7 +146,10 @@ def run(
     side by side (default ``KV_CACHE_DTYPES``; ``auto``: the engine dtype)."""
     if dtypes is not None and len(dtypes) != 1:
         raise ValueError(f"reload-vs-recompute measures one dtype at a time, got {list(dtypes)}")
-    settings = QUICK if quick else Settings()
+    if model in REAL_SHAPE_MODELS:
+        settings = REAL_SHAPE_QUICK if quick else REAL_SHAPE
+    else:
+        settings = QUICK if quick else Settings()
     # A prefix longer than the model's context becomes the most whole blocks that fit.
     limit = model_context_len(model) - settings.suffix_len - 8
     prefix_lens = tuple(dict.fromkeys(fit_length(n, limit) for n in settings.prefix_lens))
@@ -158,6 +174,7 @@ def run(
             sizes.append(_size_row(prefix_len, name, kv_names[name], medians, reference))
         all_samples[str(prefix_len)] = samples
     block_bytes = {name: _loaded_block_bytes(llm) for name, llm in llms.items()}
+    copies = _copies(llms[reference], settings)
     for row in sizes:
         row["block_bytes"] = block_bytes[row["kv_cache_dtype"]]
     device_name = str(next(iter(llms.values())).engine.device)
@@ -177,6 +194,7 @@ def run(
         __doc__.split("\n\n", 1)[1].strip(),
     )
     _add_tables(report, settings, sizes, labels, reference)
+    _add_copy_tables(report, copies, labels[reference])
     report.figures["ttft_by_tier.png"] = _plot(sizes, labels)
     report.results = {
         "model": model,
@@ -189,8 +207,47 @@ def run(
         "settings": asdict(settings),
         "sizes": sizes,
         "samples_s": all_samples,
+        **copies,
     }
     return report.write(output_dir)
+
+
+def _copies(llm: LLM, settings: Settings) -> dict[str, dict[str, float]]:
+    """The transfer component's copy rates and one store's delay to a decode step."""
+    largest = max(settings.prefix_lens) // BLOCK_SIZE
+    smallest = min(settings.prefix_lens) // BLOCK_SIZE
+    return {
+        "copy_rates": tier_copies.copy_rates(llm, min(largest, COPY_BLOCKS), settings.repeats),
+        "store_delay": tier_copies.store_delay(llm, smallest, STORE_DELAY_STEPS),
+    }
+
+
+def _add_copy_tables(report: Report, copies: dict[str, dict[str, float]], label: str) -> None:
+    rates, delay = copies["copy_rates"], copies["store_delay"]
+    report.add_table(
+        f"Host tier copies of {rates['num_blocks']} blocks ({rates['bytes'] / 2**20:.0f} MiB, "
+        f"KV {label}), GiB/s, against plain pinned copies of the same bytes",
+        ["direction", "host ids in order", "host ids shuffled", "pinned copy", "in order / pinned"],
+        [
+            [
+                name,
+                rates[f"{kind}_in_order_gib_per_s"],
+                rates[f"{kind}_shuffled_gib_per_s"],
+                rates[f"pinned_{bus}_gib_per_s"],
+                rates[f"{kind}_over_pinned"],
+            ]
+            for name, kind, bus in (
+                ("load (host -> NPU)", "load", "h2d"),
+                ("store", "store", "d2h"),
+            )
+        ],
+    )
+    report.add_table(
+        f"A store of {delay['num_blocks']} blocks ({delay['bytes'] / 2**20:.0f} MiB) beside a "
+        "decode step (medians)",
+        ["step (ms)", "step with the store (ms)", "delay"],
+        [[1e3 * delay["step_s"], 1e3 * delay["step_with_store_s"], delay["delay"]]],
+    )
 
 
 def _build_engines(
@@ -204,8 +261,10 @@ def _build_engines(
     to the KV dtype of an engine already built (``auto`` and the engine dtype) is dropped."""
     max_len = max(settings.prefix_lens) + settings.suffix_len
     num_npu_blocks = -(-max_len // BLOCK_SIZE) + 2 * BLOCK_SIZE
-    # The widest block (float32 KV) sizes every disk tier: twice the NPU tier of any KV dtype.
-    disk_bytes = 2 * num_npu_blocks * kv_block_bytes(model, "float32", "float32")
+    # The widest block of the engine dtype sizes every disk tier: twice any KV dtype's NPU tier.
+    dtype = str(options.get("dtype", "float32"))
+    widest = dtype if dtype in ("float32", "bfloat16", "float16") else "float32"
+    disk_bytes = 2 * num_npu_blocks * kv_block_bytes(model, widest, widest)
     llms: dict[str, LLM] = {}
     disk_dirs = []
     for name in dict.fromkeys(kv_cache_dtypes or KV_CACHE_DTYPES):
@@ -358,8 +417,9 @@ def _add_tables(
         ],
     )
     report.sections.append(
-        "*host load copy* is the transfer component's time for the host hit's load (gather from "
-        "the host pool and scatter into the NPU pool); the rest of *host - npu* is the engine "
+        "*host load copy* is the transfer component's time for the host hit's load (on a CPU "
+        "one fused copy; on CUDA the copies' device time, direct from the pinned host slab); "
+        "the rest of *host - npu* is the engine "
         "step around it. See the `transfer` scenario for the copy's throughput. *bytes per "
         "block* is what one block's load moved (scales included); *ref* is "
         f"{labels[reference]}, measured in the same repetitions."

@@ -9,7 +9,8 @@ s - 1 further decode sub-steps::
     first    = fixed + sum over prefill chunks (per_token * n + per_token_context * n *
                (ctx + n / 2)) + [per_seq * decodes + per_context_token * contexts]
                + loads * block_bytes / h2d_bandwidth + latency            (if any load)
-               + stores * block_bytes / d2h_bandwidth + latency  (unless stores overlap compute)
+               + stores * block_bytes / d2h_bandwidth + latency  (unless stores overlap compute;
+                 then 2 * stores * block_bytes / device_copy_bandwidth: their gather)
     tail     = (s - 1) * sub_step                                          (if any decode)
 
 ``loads`` counts every load of the step's plan, a waiting request's prefetch loads included:
@@ -64,6 +65,9 @@ class HardwareProfile:
     d2h_bytes_per_s: float
     transfer_latency_s: float
     stores_overlap_compute: bool
+    # Device copies, bytes read + written: an overlapped store's gather on the device, which the
+    # next forward pass waits for (0: not charged).
+    device_copy_bytes_per_s: float = 0.0
     disk_read_bytes_per_s: float = 0.0  # the disk tier (0: the profile models none)
     disk_latency_s: float = 0.0  # per batch of reads
     dtype: str = ""  # the engine dtype kv_bytes_per_token counts in ("": only auto KV)
@@ -157,9 +161,15 @@ class CostModel:
         return p.disk_latency_s + num_blocks * self.block_bytes / p.disk_read_bytes_per_s
 
     def store_s(self, num_blocks: int) -> float:
-        if not num_blocks or self.profile.stores_overlap_compute:
-            return 0.0
+        """What the step waits for of ``num_blocks`` stores: the bus copy, or where stores
+        overlap compute only their gather into device staging (``replicas.kv.stream_copier``)."""
         p = self.profile
+        if not num_blocks:
+            return 0.0
+        if p.stores_overlap_compute:
+            if p.device_copy_bytes_per_s <= 0:
+                return 0.0
+            return 2 * num_blocks * self.block_bytes / p.device_copy_bytes_per_s
         return p.transfer_latency_s + num_blocks * self.block_bytes / p.d2h_bytes_per_s
 
     def transfer_s(self, plan: TransferPlan) -> float:

@@ -308,7 +308,7 @@ class AsyncEngine:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
-        disk = getattr(self.engine, "disk", None)
-        self._stepper.shutdown(wait=bool(disk))  # a step in flight ends before the disk closes
-        if disk:
-            self.engine.close()  # the disk tier's writes in flight, and its slabs
+        tiers = getattr(self.engine, "transfer", None) is not None
+        self._stepper.shutdown(wait=tiers)  # a step in flight ends before the tiers close
+        if tiers:
+            self.engine.close()  # copies and disk writes in flight, the pinned slab, disk slabs

@@ -18,7 +18,7 @@ from replicas.engine.executor import ModelExecutor
 from replicas.kv.capacity import CachePlan, plan_cache
 from replicas.kv.handover import HANDOVER_BATCH_BLOCKS
 from replicas.kv.hashing import BlockHash
-from replicas.kv.host_memory import check_host_capacity
+from replicas.kv.host_memory import check_host_capacity, host_tier_bytes
 from replicas.kv.manager import KVCacheManager, ReloadCosts, ReservationPolicy
 from replicas.kv.records import CacheStats, CacheTypeSpec, CacheTypeUsage
 from replicas.kv.sizing import PoolSize, device_memory, module_bytes, size_npu_pool
@@ -133,7 +133,8 @@ class Engine:
         self.num_npu_blocks = plan.num_npu_blocks[next(iter(specs))]
         self.max_model_len = pool.max_model_len
         if plan.num_host_blocks:  # fail before any bookkeeping is built
-            check_host_capacity(plan.host_bytes)
+            pools = [n * plan.block_bytes[g] for g, n in plan.num_host_blocks.items()]
+            check_host_capacity(host_tier_bytes(pools, pinned=self.device.type == "cuda"))
         self.runner = ModelRunner(
             self.loaded,
             plan.num_npu_blocks,
@@ -245,13 +246,16 @@ class Engine:
         }
 
     def close(self) -> None:
-        """Hand the planned disk writes to the disk stores, finish them and release the disk
-        slabs (no-op without a disk tier)."""
-        if not self.disk:
-            return
-        for _ in range(2):  # a landed host store plans its disk store at threshold 0
-            self.core.run_transfers(self.kv_cache.take_transfer_plan(), wait=True)
-        for store in self.disk.values():
+        """Hand the planned disk writes to the disk stores, land every copy still in flight
+        (the cache manager unlocks their host blocks) and unpin the host slab, then finish the
+        disk writes and release the disk slabs (no-op without a host tier)."""
+        if self.disk:
+            for _ in range(2):  # a landed host store plans its disk store at threshold 0
+                self.core.run_transfers(self.kv_cache.take_transfer_plan(), wait=True)
+        if self.transfer is not None:
+            for landed in self.transfer.close():
+                self.kv_cache.complete_transfer(landed)
+        for store in (self.disk or {}).values():
             store.close()
 
     # ---- requests ----------------------------------------------------------------------------

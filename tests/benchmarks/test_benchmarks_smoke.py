@@ -37,6 +37,12 @@ EXPECTED = {
         "sizes.*.block_bytes",
         "sizes.*.ratios.host_over_reference_host",
         "sizes.*.ratios.load_over_reference_load",
+        "copy_rates.load_in_order_gib_per_s",
+        "copy_rates.store_shuffled_gib_per_s",
+        "copy_rates.pinned_h2d_gib_per_s",
+        "copy_rates.load_over_pinned",
+        "store_delay.step_s",
+        "store_delay.step_with_store_s",
     ],
     "churn": [
         "unbounded_hit_rate",

@@ -1,5 +1,5 @@
 """Every request feature through ``device="cuda"`` on the fake CUDA device (STRATA_FAKE_CUDA)
-gives what the CPU gives: the CUDA code path (staged host-tier copies on streams, SDPA
+gives what the CPU gives: the CUDA code path (direct host-tier copies on side streams, SDPA
 attention, device-side sampling) runs with a GPU's device checks, so a CPU tensor that reaches
 a CUDA op fails here as it would on a GPU."""
 
@@ -37,7 +37,7 @@ def fake_env(monkeypatch):
 def assert_on_fake_cuda(engine: Engine) -> None:
     assert fake_cuda.is_active() and engine.device.type == "cuda"
     assert all(isinstance(c, FakeCudaTensor) for c in engine.runner.kv_caches.values())
-    assert engine.transfer is not None and engine.transfer.is_cuda and engine.transfer.staged
+    assert engine.transfer is not None and engine.transfer.is_cuda and engine.transfer.streamed
 
 
 def test_every_feature_on_cuda_equals_the_cpu(fake_env):
