@@ -215,7 +215,7 @@ say "set-up took $(($(now) - START)) s"
 
 # ---- checks --------------------------------------------------------------------------------
 mkdir -p "$OUT_DIR"
-rm -rf "$OUT_DIR/pytest.xml" "$OUT_DIR/gpu-engine" "$OUT_DIR/transfer" "$OUT_DIR/reload-vs-recompute" "$OUT_DIR/reload-smollm2"
+rm -rf "$OUT_DIR/pytest.xml" "$OUT_DIR/gpu-engine" "$OUT_DIR/transfer" "$OUT_DIR/reload-vs-recompute" "$OUT_DIR/reload-smollm2" "$OUT_DIR/reload-8b"
 FAILURES=()
 export PYTHONUNBUFFERED=1
 
@@ -278,7 +278,7 @@ for p in r["prefill"]:
 EOF
 fi
 
-run_step "pytest -m cuda" 220 "$PY" -m pytest -q -p no:cacheprovider -rs -m cuda tests/gpu \
+run_step "pytest -m cuda" 200 "$PY" -m pytest -q -p no:cacheprovider -rs -m cuda tests/gpu \
     --junitxml="$OUT_DIR/pytest.xml"
 "$PY" - "$OUT_DIR/pytest.xml" "$DEVICE" <<'EOF' || FAILURES+=("pytest -m cuda (no test ran on the GPU)")
 import sys
@@ -349,13 +349,38 @@ EOF
     fi
 fi
 
+RELOAD_8B=(--model llama3-8b-shape --dtype bfloat16 --kv-cache-dtype auto)
+[ "$DEVICE" = cpu ] && RELOAD_8B=(--quick --kv-cache-dtype auto)  # an 8B model is a GPU's work
+if run_step "benchmark reload-vs-recompute 8b" 240 "$PY" -m benchmarks run reload-vs-recompute \
+    "${RELOAD_8B[@]}" --device "$DEVICE" --output "$OUT_DIR/reload-8b"; then
+    "$PY" - "$OUT_DIR/reload-8b/results.json" <<'EOF' || FAILURES+=("reload-8b results")
+import json, sys
+
+r = json.load(open(sys.argv[1]))
+for s in r["sizes"]:
+    t = {m: 1e3 * v for m, v in s["median_ttft_s"].items()}
+    q = s["ratios"]
+    print(f"gpu-check: reload-vs-recompute {r.get('model', '?')} {s['prefix_len']}-token prefix: "
+          f"TTFT cold {t['cold']:.1f} ms, NPU {t['npu']:.1f}, host {t['host']:.1f}, disk "
+          f"{t['disk']:.1f} (host/cold {q['host_over_cold']:.3f}, disk/cold {q['disk_over_cold']:.3f})")
+c, d = r.get("copy_rates"), r.get("store_delay")
+if c:
+    print(f"gpu-check: host tier load {c['load_in_order_gib_per_s']:.1f} GiB/s "
+          f"({c['load_over_pinned']:.2f} of pinned {c['pinned_h2d_gib_per_s']:.1f}), store "
+          f"{c['store_in_order_gib_per_s']:.1f} ({c['store_over_pinned']:.2f})")
+if d:
+    print(f"gpu-check: a {d['bytes'] / 2**20:.0f} MiB store delays a decode step "
+          f"{1e3 * d['step_s']:.2f} -> {1e3 * d['step_with_store_s']:.2f} ms ({d['delay']:+.3f})")
+EOF
+fi
+
 # One JSON of the whole run (benchmarks/results/gpu/ keeps a copy of each run on a GPU).
 "$PY" - "$OUT_DIR" "$(nvidia-smi -L 2>/dev/null | head -n 1)" <<'EOF'
 import json, pathlib, sys, xml.etree.ElementTree as ElementTree
 
 out = pathlib.Path(sys.argv[1])
 document = {"device": sys.argv[2] or "cpu (dry run)"}
-for name in ("gpu-engine", "transfer", "reload-vs-recompute", "reload-smollm2"):
+for name in ("gpu-engine", "transfer", "reload-vs-recompute", "reload-smollm2", "reload-8b"):
     path = out / name / "results.json"
     if path.exists():
         document[name] = json.loads(path.read_text())
