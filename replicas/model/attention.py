@@ -33,8 +33,8 @@ unfused float32 online softmax, by most in bfloat16, since torch has neither an 
 returns the log-sum-exp nor a bfloat16 GEMM with float32 output; so chunks are used for long
 contexts only.
 
-On a CPU, over a KV cache of values (head size a multiple of 16, the native library built:
-``strata_attends``), every group reads its keys as one chunk however long (``AttentionMetadata.
+On a CPU (head size a multiple of 16, the native library built: ``strata_attends``), every
+group reads its keys as one chunk however long (``AttentionMetadata.
 build(whole_spans=True)``), and skips the gather and SDPA: ``strata_native::decode_attention``
 (one query per sequence) and ``rows_attention`` (a prefill chunk) in ``decode_attention.cpp``,
 used by the eager model and the native stack alike, read each sequence's keys and values in
@@ -42,7 +42,9 @@ place through the same row indices, in float32 with the softmax in base 2. At on
 set-up and the gather are most of the time; at a prefill's many rows it runs about as fast as
 SDPA. A row's result is its own whatever the batch, on every instruction path, and the same
 bits whether its position is computed in a prefill, in a chunk after cached keys or as a
-decode: prefix caching on and off give the same outputs. Elsewhere (CUDA, a quantized KV cache)
+decode: prefix caching on and off give the same outputs. An 8-bit cache's rows are first
+dequantized into float32 (``code * scale``, exact), a few sequences' at a time, so a position's
+keys are the same numbers whichever forward reads them and the same holds. Elsewhere (CUDA)
 chunks and SDPA run as above.
 
 All decodes (one new token each) attend as one group, each prefill chunk (several new tokens)
@@ -79,6 +81,7 @@ from replicas.model.kv_format import KVFormat, float_format
 
 CHUNK_BLOCKS = 32  # blocks per chunk of a long context; see the module docstring
 ONE_CHUNK_BLOCKS = 96  # a group whose key spans all fit in this many blocks reads one chunk
+DEQUANTIZED_ROWS = 1 << 16  # most 8-bit K/V rows one call of Strata's attention dequantizes
 
 
 @dataclass(slots=True)
@@ -450,13 +453,9 @@ def _attend(
     num_heads, head_dim = q.shape[1:]
     heads_per_kv = num_heads // num_kv_heads
     if len(group.chunks) == 1 and strata_attends(q.device, fmt, head_dim):
-        if q_len == 1:
-            return torch.ops.strata_native.decode_attention(
-                q, cache_rows, reads.rows[0], group.allowed, num_kv_heads
-            )
-        return torch.ops.strata_native.rows_attention(
-            q, cache_rows, reads.rows[0], group.allowed, group.is_causal, q_len, num_kv_heads
-        )
+        if fmt.is_quantized:
+            return _strata_attends_dequantized(q, cache_rows, fmt, num_kv_heads, group, reads)
+        return _strata_attention(q, cache_rows, reads.rows[0], num_kv_heads, group)
     if len(group.chunks) == 1:  # no combine: one fused SDPA over exactly the chunk's keys
         # 8-bit rows dequantize exactly into float32 (code * scale); narrowing them to
         # bfloat16 would cost a pass more than SDPA saves over float32 keys.
@@ -512,11 +511,55 @@ def _attend(
     return out.reshape(num_seqs * q_len, num_heads, head_dim).to(q.dtype)
 
 
+def _strata_attention(
+    q: torch.Tensor,
+    values: torch.Tensor,
+    rows: torch.Tensor,
+    num_kv_heads: int,
+    group: AttentionGroup,
+    allowed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Strata's attention of ``q`` over the rows ``rows`` of ``values`` (rows of values)."""
+    allowed = group.allowed if allowed is None else allowed
+    if group.q_len == 1:
+        return torch.ops.strata_native.decode_attention(q, values, rows, allowed, num_kv_heads)
+    return torch.ops.strata_native.rows_attention(
+        q, values, rows, allowed, group.is_causal, group.q_len, num_kv_heads
+    )
+
+
+def _strata_attends_dequantized(
+    q: torch.Tensor,
+    cache_rows: torch.Tensor,
+    fmt: KVFormat,
+    num_kv_heads: int,
+    group: AttentionGroup,
+    reads: _GroupReads,
+) -> torch.Tensor:
+    """Strata's attention over an 8-bit cache: the rows a group reads, dequantized into
+    float32 (``code * scale``, exact), a few sequences at a time (at most
+    ``DEQUANTIZED_ROWS`` rows, or one sequence's). Each row's keys and values are the same
+    float32 numbers whichever call reads them, so a position gets the same bits in a prefill,
+    after cached keys or as a decode, as over a cache of values."""
+    rows = reads.rows[0].view(2, group.num_seqs, num_kv_heads, -1)
+    per_call = max(1, DEQUANTIZED_ROWS // rows[:, 0].numel())
+    outs = []
+    for first in range(0, group.num_seqs, per_call):
+        seqs = slice(first, min(group.num_seqs, first + per_call))
+        part = rows[:, seqs].flatten()
+        values = fmt.dequantize(cache_rows.index_select(0, part), torch.float32)
+        index = torch.arange(part.numel(), device=part.device)
+        allowed = None if group.allowed is None else group.allowed[seqs]
+        q_rows = q[seqs.start * group.q_len : seqs.stop * group.q_len]
+        outs.append(_strata_attention(q_rows, values, index, num_kv_heads, group, allowed))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
 def strata_attends(device: torch.device, fmt: KVFormat | None, head_dim: int) -> bool:
     """Whether a group of one chunk takes Strata's attention (see the module docstring): on a
-    CPU, a KV cache of values (``fmt`` None: values), a head size of a multiple of 16, and the
-    native library built."""
-    if device.type != "cpu" or (fmt is not None and fmt.is_quantized) or head_dim % 16:
+    CPU, a head size of a multiple of 16, and the native library built. An 8-bit cache (``fmt``
+    quantized) is read through a float32 copy of the rows of a few sequences at a time."""
+    if device.type != "cpu" or head_dim % 16:
         return False
     from replicas.model import native_stack  # it imports this module
 
