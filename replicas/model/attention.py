@@ -455,7 +455,13 @@ def _attend(
     if len(group.chunks) == 1 and strata_attends(q.device, fmt, head_dim):
         if fmt.is_quantized:
             return _strata_attends_dequantized(q, cache_rows, fmt, num_kv_heads, group, reads)
-        return _strata_attention(q, cache_rows, reads.rows[0], num_kv_heads, group)
+        if q_len == 1:
+            return torch.ops.strata_native.decode_attention(
+                q, cache_rows, reads.rows[0], group.allowed, num_kv_heads
+            )
+        return torch.ops.strata_native.rows_attention(
+            q, cache_rows, reads.rows[0], group.allowed, group.is_causal, q_len, num_kv_heads
+        )
     if len(group.chunks) == 1:  # no combine: one fused SDPA over exactly the chunk's keys
         # 8-bit rows dequantize exactly into float32 (code * scale); narrowing them to
         # bfloat16 would cost a pass more than SDPA saves over float32 keys.
@@ -511,23 +517,6 @@ def _attend(
     return out.reshape(num_seqs * q_len, num_heads, head_dim).to(q.dtype)
 
 
-def _strata_attention(
-    q: torch.Tensor,
-    values: torch.Tensor,
-    rows: torch.Tensor,
-    num_kv_heads: int,
-    group: AttentionGroup,
-    allowed: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Strata's attention of ``q`` over the rows ``rows`` of ``values`` (rows of values)."""
-    allowed = group.allowed if allowed is None else allowed
-    if group.q_len == 1:
-        return torch.ops.strata_native.decode_attention(q, values, rows, allowed, num_kv_heads)
-    return torch.ops.strata_native.rows_attention(
-        q, values, rows, allowed, group.is_causal, group.q_len, num_kv_heads
-    )
-
-
 def _strata_attends_dequantized(
     q: torch.Tensor,
     cache_rows: torch.Tensor,
@@ -536,22 +525,27 @@ def _strata_attends_dequantized(
     group: AttentionGroup,
     reads: _GroupReads,
 ) -> torch.Tensor:
-    """Strata's attention over an 8-bit cache: the rows a group reads, dequantized into
-    float32 (``code * scale``, exact), a few sequences at a time (at most
-    ``DEQUANTIZED_ROWS`` rows, or one sequence's). Each row's keys and values are the same
-    float32 numbers whichever call reads them, so a position gets the same bits in a prefill,
-    after cached keys or as a decode, as over a cache of values."""
+    """Strata's attention over an 8-bit cache: the rows a group reads, dequantized into float32
+    (``code * scale``, exact) a few sequences at a time (``DEQUANTIZED_ROWS`` rows, or one
+    sequence's). A key is the same float32 numbers whichever forward reads it, so a position
+    gets the same bits in a prefill, after cached keys or as a decode."""
     rows = reads.rows[0].view(2, group.num_seqs, num_kv_heads, -1)
     per_call = max(1, DEQUANTIZED_ROWS // rows[:, 0].numel())
     outs = []
     for first in range(0, group.num_seqs, per_call):
-        seqs = slice(first, min(group.num_seqs, first + per_call))
+        seqs = slice(first, first + per_call)
         part = rows[:, seqs].flatten()
         values = fmt.dequantize(cache_rows.index_select(0, part), torch.float32)
         index = torch.arange(part.numel(), device=part.device)
         allowed = None if group.allowed is None else group.allowed[seqs]
-        q_rows = q[seqs.start * group.q_len : seqs.stop * group.q_len]
-        outs.append(_strata_attention(q_rows, values, index, num_kv_heads, group, allowed))
+        q_part = q[first * group.q_len : (first + per_call) * group.q_len]
+        if group.q_len == 1:
+            op = torch.ops.strata_native.decode_attention
+            outs.append(op(q_part, values, index, allowed, num_kv_heads))
+        else:
+            op = torch.ops.strata_native.rows_attention
+            args = (allowed, group.is_causal, group.q_len, num_kv_heads)
+            outs.append(op(q_part, values, index, *args))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
