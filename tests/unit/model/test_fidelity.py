@@ -30,6 +30,7 @@ except ValueError as missing:
 
 OUTPUT_LEN = 16
 NUM_PROMPTS = 4  # the first chat and plain prompts, alternating
+DTYPES = ("float32", "bfloat16")
 MAX_MARGIN = 1.0  # logits; SmolLM2's top logits are 15-30 apart from the rest
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -47,10 +48,17 @@ def cpu_model(dtype: str, quantization: str, **options):
 
 
 @pytest.fixture(scope="module")
-def reference():
+def int4_models():
+    """Both engine dtypes with the file's int4 codes through Strata's kernel, as auto builds
+    its int4 candidates."""
+    return {dtype: cpu_model(dtype, "int4", int4_kernel="strata") for dtype in DTYPES}
+
+
+@pytest.fixture(scope="module")
+def reference(int4_models):
     """(transformers' model, prompts, end-of-generation ids, its float32 greedy outputs)."""
     model = load_transformers(SMOLLM2)
-    tokenizer = cpu_model("float32", "none").tokenizer
+    tokenizer = int4_models["float32"].tokenizer
     prompts = [p for _, p in load_prompts(tokenizer, NUM_PROMPTS)]
     eos = set(tokenizer.eos_token_ids)
     outputs = [transformers_greedy(model, p, OUTPUT_LEN, eos) for p in prompts]
@@ -65,17 +73,12 @@ def test_the_helpers_measure_what_they_say():
     assert until_eos([4, 5, 7], {2}, 2) == [4, 5]
 
 
-@pytest.mark.parametrize(
-    "dtype, quantization, kernel",
-    [("float32", "int4", "strata"), ("bfloat16", "int4", "strata")],
-)
-def test_greedy_outputs_leave_transformers_only_at_near_ties(
-    reference, dtype, quantization, kernel
-):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_greedy_outputs_leave_transformers_only_at_near_ties(reference, int4_models, dtype):
     """float32 weights give transformers' tokens exactly (test_gguf.py); int4 weights are the
     file's own codes, so what moves a token is the 8-bit activations, and bfloat16."""
     model, prompts, eos, expected = reference
-    loaded = cpu_model(dtype, quantization, int4_kernel=kernel)
+    loaded = int4_models[dtype]
     outputs = [
         until_eos(o, eos, OUTPUT_LEN) for o in engine_greedy(loaded, prompts, max_tokens=OUTPUT_LEN)
     ]
@@ -84,7 +87,7 @@ def test_greedy_outputs_leave_transformers_only_at_near_ties(
     margins = [
         float_margin(model, p, e, o) for p, e, o in zip(prompts, expected, outputs, strict=True)
     ]
-    print(f"\n{dtype}/{quantization}: first divergence {firsts}, float margins {margins}")
+    print(f"\n{dtype}/int4: first divergence {firsts}, float margins {margins}")
     assert max(margins) <= MAX_MARGIN, (firsts, margins)
 
 
@@ -126,16 +129,9 @@ def run_engine(loaded, kv_cache_dtype: str, prompts: list[list[int]], caching: b
     return outputs, cached
 
 
-@pytest.fixture(scope="module")
-def int4_models():
-    return {
-        dtype: cpu_model(dtype, "int4", int4_kernel="strata") for dtype in ("float32", "bfloat16")
-    }
-
-
 @pytest.mark.parametrize(
     "dtype, kv_cache_dtype",
-    [("float32", "int8"), ("bfloat16", "int8"), ("bfloat16", "fp8_e4m3")],
+    [("float32", "fp8_e4m3"), ("bfloat16", "int8")],
 )
 def test_caching_on_gives_the_outputs_of_caching_off(int4_models, dtype, kv_cache_dtype):
     """The issue's case among them: bfloat16 weights, int8 K/V. The shared system prompt is
