@@ -31,7 +31,7 @@ except ValueError as missing:
 OUTPUT_LEN = 16
 NUM_PROMPTS = 4  # the first chat and plain prompts, alternating
 DTYPES = ("float32", "bfloat16")
-MAX_MARGIN = 1.0  # logits; SmolLM2's top logits are 15-30 apart from the rest
+MAX_MARGIN = 1.0  # logits; at most 0.68 over the benchmark's 24 prompts and 8 engines
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
