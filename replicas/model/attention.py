@@ -33,8 +33,8 @@ unfused float32 online softmax, by most in bfloat16, since torch has neither an 
 returns the log-sum-exp nor a bfloat16 GEMM with float32 output; so chunks are used for long
 contexts only.
 
-On a CPU, over a KV cache of values (head size a multiple of 16, the native library built:
-``strata_attends``), every group reads its keys as one chunk however long (``AttentionMetadata.
+On a CPU (head size a multiple of 16, the native library built: ``strata_attends``), every
+group reads its keys as one chunk however long (``AttentionMetadata.
 build(whole_spans=True)``), and skips the gather and SDPA: ``strata_native::decode_attention``
 (one query per sequence) and ``rows_attention`` (a prefill chunk) in ``decode_attention.cpp``,
 used by the eager model and the native stack alike, read each sequence's keys and values in
@@ -42,7 +42,9 @@ place through the same row indices, in float32 with the softmax in base 2. At on
 set-up and the gather are most of the time; at a prefill's many rows it runs about as fast as
 SDPA. A row's result is its own whatever the batch, on every instruction path, and the same
 bits whether its position is computed in a prefill, in a chunk after cached keys or as a
-decode: prefix caching on and off give the same outputs. Elsewhere (CUDA, a quantized KV cache)
+decode: prefix caching on and off give the same outputs. An 8-bit cache's rows are first
+dequantized into float32 (``code * scale``, exact), a few sequences' at a time, so a position's
+keys are the same numbers whichever forward reads them and the same holds. Elsewhere (CUDA)
 chunks and SDPA run as above.
 
 All decodes (one new token each) attend as one group, each prefill chunk (several new tokens)
@@ -79,6 +81,7 @@ from replicas.model.kv_format import KVFormat, float_format
 
 CHUNK_BLOCKS = 32  # blocks per chunk of a long context; see the module docstring
 ONE_CHUNK_BLOCKS = 96  # a group whose key spans all fit in this many blocks reads one chunk
+DEQUANTIZED_ROWS = 1 << 16  # most 8-bit K/V rows one call of Strata's attention dequantizes
 
 
 @dataclass(slots=True)
@@ -450,6 +453,8 @@ def _attend(
     num_heads, head_dim = q.shape[1:]
     heads_per_kv = num_heads // num_kv_heads
     if len(group.chunks) == 1 and strata_attends(q.device, fmt, head_dim):
+        if fmt.is_quantized:
+            return _strata_attends_dequantized(q, cache_rows, fmt, num_kv_heads, group, reads)
         if q_len == 1:
             return torch.ops.strata_native.decode_attention(
                 q, cache_rows, reads.rows[0], group.allowed, num_kv_heads
@@ -512,11 +517,43 @@ def _attend(
     return out.reshape(num_seqs * q_len, num_heads, head_dim).to(q.dtype)
 
 
+def _strata_attends_dequantized(
+    q: torch.Tensor,
+    cache_rows: torch.Tensor,
+    fmt: KVFormat,
+    num_kv_heads: int,
+    group: AttentionGroup,
+    reads: _GroupReads,
+) -> torch.Tensor:
+    """Strata's attention over an 8-bit cache: the rows a group reads, dequantized into float32
+    (``code * scale``, exact) a few sequences at a time (``DEQUANTIZED_ROWS`` rows, or one
+    sequence's). A key is the same float32 numbers whichever forward reads it, so a position
+    gets the same bits in a prefill, after cached keys or as a decode."""
+    rows = reads.rows[0].view(2, group.num_seqs, num_kv_heads, -1)
+    per_call = max(1, DEQUANTIZED_ROWS // rows[:, 0].numel())
+    outs = []
+    for first in range(0, group.num_seqs, per_call):
+        seqs = slice(first, first + per_call)
+        part = rows[:, seqs].flatten()
+        values = fmt.dequantize(cache_rows.index_select(0, part), torch.float32)
+        index = torch.arange(part.numel(), device=part.device)
+        allowed = None if group.allowed is None else group.allowed[seqs]
+        q_part = q[first * group.q_len : (first + per_call) * group.q_len]
+        if group.q_len == 1:
+            op = torch.ops.strata_native.decode_attention
+            outs.append(op(q_part, values, index, allowed, num_kv_heads))
+        else:
+            op = torch.ops.strata_native.rows_attention
+            args = (allowed, group.is_causal, group.q_len, num_kv_heads)
+            outs.append(op(q_part, values, index, *args))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
 def strata_attends(device: torch.device, fmt: KVFormat | None, head_dim: int) -> bool:
     """Whether a group of one chunk takes Strata's attention (see the module docstring): on a
-    CPU, a KV cache of values (``fmt`` None: values), a head size of a multiple of 16, and the
-    native library built."""
-    if device.type != "cpu" or (fmt is not None and fmt.is_quantized) or head_dim % 16:
+    CPU, a head size of a multiple of 16, and the native library built. An 8-bit cache (``fmt``
+    quantized) is read through a float32 copy of the rows of a few sequences at a time."""
+    if device.type != "cpu" or head_dim % 16:
         return False
     from replicas.model import native_stack  # it imports this module
 

@@ -181,6 +181,11 @@ EXPECTED = {
         "speculative.*.plain_tokens_per_s",
         "speculative.*.speculative_tokens_per_s",
     ],
+    "fidelity": [  # needs SmolLM2 and transformers; llama.cpp's row where it is installed
+        "settings.output_len",
+        "divergence.reference_lengths.*",
+        "caching.*.num_prompts",
+    ],
     "api-fields": [
         "choices.n.prompt_tokens_computed",
         "choices.separate.prompt_tokens_computed",
@@ -213,7 +218,11 @@ NEEDS_SMOLLM2 = pytest.mark.skipif(
 NEEDS_LLAMA_CPP = pytest.mark.skipif(
     importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed"
 )
-MARKS = {"decode": [NEEDS_SMOLLM2], "engine-vs-llamacpp": [NEEDS_SMOLLM2]}
+MARKS = {
+    "decode": [NEEDS_SMOLLM2],
+    "engine-vs-llamacpp": [NEEDS_SMOLLM2],
+    "fidelity": [NEEDS_SMOLLM2],
+}
 
 
 def _values(document: object, path: list[str]) -> list[object]:

@@ -100,9 +100,9 @@ def test_bad_arguments_are_refused_naming_the_problem():
         op()(q, cache, rows, allowed.float(), 2)
 
 
-def test_the_attention_module_takes_it_for_cpu_decodes_of_a_cache_of_values():
+def test_the_attention_module_takes_it_for_cpu_decodes_of_a_cache_of_values_or_8_bit_codes():
     q = torch.zeros(2, 4, 64)
     assert attention.strata_attends(q.device, float_format(torch.bfloat16), 64)
     assert not attention.strata_attends(q.device, float_format(torch.bfloat16), 40)
-    assert not attention.strata_attends(q.device, kv_format("int8", torch.float32), 64)
+    assert attention.strata_attends(q.device, kv_format("int8", torch.float32), 64)
     assert not attention.strata_attends(torch.device("meta"), float_format(torch.float32), 64)

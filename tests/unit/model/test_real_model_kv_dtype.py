@@ -17,7 +17,7 @@ except ValueError as missing:
 
 TEXT = (Path(__file__).parents[2] / "data" / "perplexity.txt").read_text()
 WINDOW = 512
-# Targets of the issue; measured: +0.05% (int8) and +0.04% (fp8_e4m3), see docs/design.md.
+# Targets of the issue; measured: -0.002% (int8) and -0.33% (fp8_e4m3), see docs/design.md.
 MAX_INCREASE = {"int8": 0.01, "fp8_e4m3": 0.02}
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
