@@ -64,6 +64,17 @@ class SamplingParams:
     min_tokens: int = 0
     structured_outputs: "StructuredOutputs | None" = None
 
+    def _check_filters(self) -> None:
+        """top_p, top_k and min_p in range."""
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(
+                f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}"
+            )
+        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
             raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
@@ -76,14 +87,7 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number, got {self.temperature!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(
-                f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}"
-            )
-        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        self._check_filters()
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
         ):

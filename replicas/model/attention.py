@@ -463,29 +463,7 @@ def _attend(
             q, cache_rows, reads.rows[0], group.allowed, group.is_causal, q_len, num_kv_heads
         )
     if len(group.chunks) == 1:  # no combine: one fused SDPA over exactly the chunk's keys
-        # 8-bit rows dequantize exactly into float32 (code * scale); narrowing them to
-        # bfloat16 would cost a pass more than SDPA saves over float32 keys.
-        dtype = torch.float32 if fmt.is_quantized else q.dtype
-        k, v = fmt.dequantize(cache_rows.index_select(0, reads.rows[0]), dtype).view(
-            2, num_seqs, num_kv_heads, -1, head_dim
-        )
-        if q_len == 1:  # decodes: the query rows of each kv head side by side, no GQA expand
-            o = F.scaled_dot_product_attention(
-                q.reshape(num_seqs, num_kv_heads, heads_per_kv, head_dim).to(dtype),
-                k,
-                v,
-                attn_mask=group.allowed,
-            )
-            return o.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
-        o = F.scaled_dot_product_attention(
-            q.reshape(num_seqs, q_len, num_heads, head_dim).transpose(1, 2).to(dtype),
-            k,
-            v,
-            attn_mask=group.allowed,
-            is_causal=group.is_causal,
-            enable_gqa=True,
-        )
-        return o.transpose(1, 2).reshape(num_seqs * q_len, num_heads, head_dim).to(q.dtype)
+        return _sdpa_one_chunk(q, cache_rows, fmt, num_kv_heads, group, reads)
 
     # [S * Q, H, D] -> [S * kv_heads, Q * heads_per_kv, D]: the query rows of each kv head,
     # query-major so that a range of queries is a range of rows; float32, scaled so that the
@@ -515,6 +493,43 @@ def _attend(
     out = (reads.o_all * weights).sum(0) / (reads.l_all * weights).sum(0)
     out = out.view(num_seqs, num_kv_heads, q_len, heads_per_kv, head_dim).transpose(1, 2)
     return out.reshape(num_seqs * q_len, num_heads, head_dim).to(q.dtype)
+
+
+def _sdpa_one_chunk(
+    q: torch.Tensor,
+    cache_rows: torch.Tensor,
+    fmt: KVFormat,
+    num_kv_heads: int,
+    group: AttentionGroup,
+    reads: _GroupReads,
+) -> torch.Tensor:
+    """A group of one chunk: one fused SDPA call over exactly its keys, no combine."""
+    num_seqs, q_len = group.num_seqs, group.q_len
+    num_heads, head_dim = q.shape[1:]
+    heads_per_kv = num_heads // num_kv_heads
+    # 8-bit rows dequantize exactly into float32 (code * scale); narrowing them to
+    # bfloat16 would cost a pass more than SDPA saves over float32 keys.
+    dtype = torch.float32 if fmt.is_quantized else q.dtype
+    k, v = fmt.dequantize(cache_rows.index_select(0, reads.rows[0]), dtype).view(
+        2, num_seqs, num_kv_heads, -1, head_dim
+    )
+    if q_len == 1:  # decodes: the query rows of each kv head side by side, no GQA expand
+        o = F.scaled_dot_product_attention(
+            q.reshape(num_seqs, num_kv_heads, heads_per_kv, head_dim).to(dtype),
+            k,
+            v,
+            attn_mask=group.allowed,
+        )
+        return o.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+    o = F.scaled_dot_product_attention(
+        q.reshape(num_seqs, q_len, num_heads, head_dim).transpose(1, 2).to(dtype),
+        k,
+        v,
+        attn_mask=group.allowed,
+        is_causal=group.is_causal,
+        enable_gqa=True,
+    )
+    return o.transpose(1, 2).reshape(num_seqs * q_len, num_heads, head_dim).to(q.dtype)
 
 
 def _strata_attends_dequantized(
