@@ -104,6 +104,7 @@ def serve(config: ClusterConfig, reload: Callable[[], ClusterConfig] | None = No
     if not is_embedded(config.ray):
         _serve(config, reload, release=True)
         return
+    adopt_orphans()
     status = 0
     try:
         _serve(config, reload, release=False)
@@ -171,10 +172,26 @@ def _serve(
             print("strata: stopped", flush=True)
 
 
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+
+
+def adopt_orphans() -> None:
+    """Makes this process the parent of any process it started, however deep, whose own parent
+    exits first (Linux's child subreaper): a signal to the process group ends the raylet at
+    once, and its actors' workers, still exiting, would otherwise pass to init, out of
+    ``stop_local_processes``'s reach. A no-op where the kernel has no such call."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
 def stop_local_processes(grace_s: float = STOP_GRACE_S) -> None:
     """Stops every process this one started, and theirs (an embedded Ray: GCS, raylet, their
-    agents and the actors' workers): SIGTERM to all at once, SIGKILL to those still running
-    after ``grace_s``. Twice, in case a worker was started meanwhile."""
+    agents and the actors' workers, kept as children by ``adopt_orphans`` when their parent
+    exited first): SIGTERM to all at once, SIGKILL to those still running after ``grace_s``,
+    and every one reaped. Twice, in case a worker was started meanwhile."""
     import psutil
 
     for _ in range(2):
