@@ -13,43 +13,35 @@ import torch
 from replicas import fake_cuda
 from replicas.cache_hints import CacheHints
 from replicas.config import EngineConfig, dtype_name_of
+from replicas.engine import assembly
 from replicas.engine.core import EngineCore, SpecDecodeStats
 from replicas.engine.executor import ModelExecutor
-from replicas.kv.capacity import CachePlan, plan_cache
-from replicas.kv.handover import HANDOVER_BATCH_BLOCKS
-from replicas.kv.hashing import BlockHash
-from replicas.kv.host_memory import check_host_capacity, host_tier_bytes
-from replicas.kv.manager import KVCacheManager, ReloadCosts, ReservationPolicy
-from replicas.kv.records import CacheStats, CacheTypeSpec, CacheTypeUsage
-from replicas.kv.sizing import PoolSize, device_memory, module_bytes, size_npu_pool
-
-if TYPE_CHECKING:
-    from replicas.kv.disk import DiskStats, DiskStore
 from replicas.engine.model_runner import ModelRunner
 from replicas.engine.output_processor import OutputProcessor
 from replicas.engine.prompt_logprobs import PromptLogprobsCache
 from replicas.engine.request import Request
+from replicas.engine.request_checks import RequestChecks
 from replicas.engine.sampler import Sampler
-from replicas.kv.retention import ADAPTIVE, OFF, ON, BlockCosts, RetentionStats, tuning_hint
+from replicas.engine.step_meter import StepMeter, StepTimes
+from replicas.kv.capacity import plan_cache
+from replicas.kv.handover import HANDOVER_BATCH_BLOCKS
+from replicas.kv.hashing import BlockHash
+from replicas.kv.host_memory import check_host_capacity, host_tier_bytes
+from replicas.kv.manager import ReloadCosts
+from replicas.kv.records import CacheStats, CacheTypeUsage
+from replicas.kv.retention import RetentionStats
 from replicas.kv.transfer import KVTransfer, TransferStats
-from replicas.model import KVCacheSpec, LoadedModel, load_model
+from replicas.model import LoadedModel
 from replicas.outputs import RequestOutput
-from replicas.prompt import check_prompt_length
 from replicas.resume import ResumeState
 from replicas.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from replicas.kv.disk import DiskStats
+
+__all__ = ["Engine", "EngineStats", "StepTimes", "resolve_device", "sum_stats"]
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class StepTimes:
-    """Where a busy engine's time goes: ``step_seconds`` inside its steps, ``gap_seconds``
-    between a step and the next one while requests were unfinished (the serving layer's share:
-    dispatching outputs, taking requests in, waiting for the event loop)."""
-
-    num_steps: int = 0
-    step_seconds: float = 0.0
-    gap_seconds: float = 0.0
 
 
 @dataclass(slots=True)
@@ -101,34 +93,12 @@ class Engine:
         self.device = resolve_device(config.device)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        self.loaded = loaded or load_model(
-            config.model,
-            self.device,
-            config.dtype,
-            seed=config.seed,
-            revision=config.revision,
-            quantization=config.quantization,
-            kv_cache_dtype=config.kv_cache_dtype,
-            decoder_stack="eager" if config.torch_compile else config.decoder_stack,
-            int4_kernel=config.int4_kernel,
-        )
-        if config.torch_compile and self.loaded.model.compiled is None:
-            self.loaded.model.compile_layers()
-        dtype = self.loaded.dtype
-        specs = self.loaded.model.kv_cache_specs(dtype, config.kv_cache_dtype)
-        # What ``auto`` resolved to, so that everything after reads the dtypes the engine runs.
-        self.config = config = config.model_copy(
-            update={
-                "dtype": dtype_name_of(dtype),
-                "quantization": self.loaded.quantization,
-                "decoder_stack": self.loaded.decoder_stack,
-                "int4_kernel": self.loaded.int4_kernel,
-                "kv_cache_dtype": next(iter(specs.values())).kv_format.name,
-            }
-        )
+        self.loaded = loaded or assembly.load(config, self.device)
+        specs = self.loaded.model.kv_cache_specs(self.loaded.dtype, config.kv_cache_dtype)
+        self.config = config = _resolved(config, self.loaded, specs)
         self.tokenizer = self.loaded.tokenizer
         self.block_size = config.block_size
-        pool = self._size_npu_pool(specs)
+        pool = assembly.npu_pool(self.device, self.loaded, specs, config)
         plan = plan_cache(specs, config, self.loaded.args.max_position_embeddings, pool.num_blocks)
         self.num_npu_blocks = plan.num_npu_blocks[next(iter(specs))]
         self.max_model_len = pool.max_model_len
@@ -140,70 +110,37 @@ class Engine:
             plan.num_npu_blocks,
             self.block_size,
             self.device,
-            dtype,
+            self.loaded.dtype,
             config.kv_cache_dtype,
             max_num_seqs=config.scheduler_config.max_num_seqs,
             max_model_len=self.max_model_len,
             cuda_graphs=config.cuda_graphs,
         )
-        self.disk = self._open_disk(plan.num_disk_blocks) if plan.num_disk_blocks else None
-        self.kv_cache = self._kv_cache_manager(specs, plan)
+        kv_caches = self.runner.kv_caches
+        self.disk = (
+            assembly.open_disk(config, self.loaded, kv_caches, plan.num_disk_blocks)
+            if plan.num_disk_blocks
+            else None
+        )
+        self.kv_cache = assembly.kv_cache_manager(config, specs, plan, self.disk)
         self.transfer = (
-            KVTransfer(self.runner.kv_caches, plan.num_host_blocks, disk=self.disk)
+            KVTransfer(kv_caches, plan.num_host_blocks, disk=self.disk)
             if plan.num_host_blocks
             else None
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._grammar = None  # a GrammarCompiler, built for the first structured request
+        self.checks = RequestChecks(
+            self.tokenizer, self.loaded.args.vocab_size, self.max_model_len, config.scheduler_config
+        )
         self.sampler = Sampler(
-            config.seed, self.device, self.tokenizer.eos_token_ids, grammar=self._compiler
+            config.seed, self.device, self.tokenizer.eos_token_ids, grammar=self.checks.compiler
         )
         self.core = self._engine_core()
-        self._step_times = StepTimes()
-        self._busy_since: float | None = None  # end of the last step, while work remained
-        self._compute = _ComputeTime()  # per token, from steps with a prefill's worth of tokens
-        self.tuning_hint_interval_s = (
-            config.scheduler_config.kv_offload_config.tuning_hint_interval_s
-            if plan.num_host_blocks
-            else None
+        offload = config.scheduler_config.kv_offload_config
+        self.meter = StepMeter(
+            self.kv_cache, self.transfer, self.block_size, offload.tuning_hint_interval_s
         )
-        self._last_hint = time.monotonic()
-        logger.info(
-            "engine: model %s on %s (%s, weights: %s, KV: %s, layers: %s), block size %d, "
-            "max_model_len %d",
-            self.loaded.name,
-            self.device,
-            config.dtype,
-            self.loaded.quantization + ("/strata" if config.int4_kernel == "strata" else ""),
-            config.kv_cache_dtype,
-            "torch.compile" if config.torch_compile else config.decoder_stack,
-            self.block_size,
-            self.max_model_len,
-        )
-
-    def _kv_cache_manager(self, specs: dict[str, KVCacheSpec], plan: CachePlan) -> KVCacheManager:
-        """The replica's KV cache: one cache type per KV spec, sized by ``plan``, with the
-        configured prefix-cache and host-tier policies."""
-        sched = self.config.scheduler_config
-        offload = sched.kv_offload_config
-        return KVCacheManager(
-            block_size=self.block_size,
-            cache_types=[
-                CacheTypeSpec(
-                    g, plan.num_npu_blocks[g], plan.num_host_blocks.get(g, 0), spec.sliding_window
-                )
-                for g, spec in specs.items()
-            ],
-            enable_prefix_caching=sched.prefix_cache_config.enabled,
-            reservations=ReservationPolicy(sched.prefix_cache_config.reservation_share),
-            write_through_threshold=offload.promotion_threshold,
-            write_back=offload.write_back,
-            retention=offload.retention,
-            curve_sample_rate=offload.miss_ratio_curve_sample_rate,
-            disk=self.disk,
-            retained_share=offload.retained_share,
-            reuse_partial_blocks=True,
-        )
+        _log_start(self)
 
     def _engine_core(self) -> EngineCore:
         """The step loop over this engine's scheduler config, cache, executor and transfer."""
@@ -217,33 +154,6 @@ class Engine:
             text=self.output_processor,
             prompt_scores=PromptLogprobsCache(self.block_size),
         )
-
-    def _open_disk(self, num_disk_blocks: dict[str, int]) -> "dict[str, DiskStore]":
-        """One disk store per cache type under the configured path, keyed by this model's
-        fingerprint (a store that cannot open its files is off, with a warning)."""
-        from replicas.kv.disk import DiskStore, model_fingerprint
-
-        loaded = self.loaded
-        architecture = f"{type(loaded.model).__name__}|{loaded.args!r}|{loaded.quantization}"
-        # The KV dtype (format) is the layout of the blocks' bytes: another one, another directory.
-        fingerprint = model_fingerprint(
-            loaded.model, architecture, self.config.kv_cache_dtype, self.block_size
-        )
-        path = self.config.scheduler_config.kv_offload_config.disk_path
-        return {
-            cache_type: DiskStore(
-                path,
-                fingerprint,
-                cache_type,
-                tuple(self.runner.kv_caches[cache_type].shape[1:]),
-                self.runner.kv_caches[cache_type].dtype,
-                num_slots,
-                max_retained=int(
-                    self.config.scheduler_config.kv_offload_config.retained_share * num_slots
-                ),
-            )
-            for cache_type, num_slots in num_disk_blocks.items()
-        }
 
     def close(self) -> None:
         """Hand the planned disk writes to the disk stores, land every copy still in flight
@@ -275,10 +185,10 @@ class Engine:
         ``resumed``: the output a lost replica generated for it (``replicas.resume``)."""
         params = sampling_params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
-        token_ids = self.validate_prompt(prompt)
-        self.validate_params(params)
+        token_ids = self.checks.prompt(prompt)
+        self.checks.params(params)
         if resumed is not None:
-            self.validate_resumed(len(token_ids), params, resumed)
+            self.checks.resumed(len(token_ids), params, resumed)
         request = Request(
             request_id,
             token_ids,
@@ -298,7 +208,7 @@ class Engine:
         """Stop a request and free its blocks; None if it is unknown or already finished."""
         request = self.core.abort(request_id)
         if not self.core.has_unfinished_requests():
-            self._busy_since = None  # idle from here on: not a gap between steps
+            self.meter.idle()
         return self._outputs([request])[0] if request is not None else None
 
     def shed_waiting(self) -> list[str]:
@@ -308,7 +218,7 @@ class Engine:
         for request in shed:
             self.output_processor.release(request.request_id)
         if not self.core.has_unfinished_requests():
-            self._busy_since = None
+            self.meter.idle()
         return [request.request_id for request in shed]
 
     def has_unfinished_requests(self) -> bool:
@@ -326,58 +236,12 @@ class Engine:
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the requests that produced a token or finished."""
-        start = time.perf_counter()
-        times = self._step_times
-        if self._busy_since is not None:
-            times.gap_seconds += start - self._busy_since
+        start = self.meter.start()
         tokens_before = self.core.num_scheduled_tokens
         outputs = self._outputs(self.core.step())
-        end = time.perf_counter()
-        times.num_steps += 1
-        times.step_seconds += end - start
-        self._busy_since = end if self.core.has_unfinished_requests() else None
-        if self.transfer is not None:
-            self._after_step(end - start, self.core.num_scheduled_tokens - tokens_before)
+        num_tokens = self.core.num_scheduled_tokens - tokens_before
+        self.meter.stop(start, num_tokens, busy=self.core.has_unfinished_requests())
         return outputs
-
-    def _after_step(self, seconds: float, num_tokens: int) -> None:
-        """With a host tier: measure what a block costs to compute and to copy, for the
-        adaptive policy; log the tuning hint every ``tuning_hint_interval_s``."""
-        if num_tokens >= self.block_size:
-            self._compute.add(seconds, num_tokens)
-        if self._step_times.num_steps % COST_UPDATE_STEPS == 0:
-            costs = self.block_costs()
-            if costs is not None:
-                self.kv_cache.set_block_costs(costs)
-        interval = self.tuning_hint_interval_s
-        now = time.monotonic()
-        if interval is not None and now - self._last_hint >= interval:
-            self._last_hint = now
-            for line in self.tuning_hints():
-                logger.info("%s", line)
-
-    def block_costs(self) -> BlockCosts | None:
-        """Measured seconds per block: recompute (from steps that computed at least a block),
-        reload and store (the transfers' time per block moved; both share it); None until both
-        have been measured."""
-        per_token = self._compute.per_token()
-        stats = self.transfer.stats if self.transfer else None
-        moved = stats.blocks_loaded + stats.blocks_stored if stats else 0
-        if per_token is None or not moved:
-            return None
-        per_copy = stats.seconds / moved
-        return BlockCosts(per_token * self.block_size, per_copy, per_copy)
-
-    def tuning_hints(self) -> list[str]:
-        """One line per cache type with a host tier (see ``kv_retention.tuning_hint``)."""
-        cache = self.kv_cache
-        policy = ADAPTIVE if cache.retention == "adaptive" else (ON if cache.write_back else OFF)
-        lines = []
-        for cache_type, stats in cache.retention_stats().items():
-            line = tuning_hint(cache_type, stats, cache.stats.queries, policy)
-            if line is not None:
-                lines.append(line)
-        return lines
 
     def _outputs(self, requests: list[Request]) -> list[RequestOutput]:
         outputs = [self.output_processor.output(r) for r in requests]
@@ -387,82 +251,11 @@ class Engine:
         return outputs
 
     # ---- checks ------------------------------------------------------------------------------
-    def _size_npu_pool(self, specs: dict[str, KVCacheSpec]) -> PoolSize:
-        """The NPU pool from the memory the device has left now that the weights are loaded
-        (``replicas.kv.sizing``), logged in one line with how it was sized."""
-        pool = size_npu_pool(
-            device_memory(self.device),
-            self.loaded.args,
-            specs,
-            self.config,
-            weights_bytes=module_bytes(self.loaded.model),
-        )
-        logger.info("engine: NPU KV pool from %s", pool.reason)
-        return pool
-
     def validate_prompt(self, prompt: str | list[int]) -> list[int]:
         """The prompt's token ids; ``ValueError`` if the engine can never serve it."""
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        check_prompt_length(len(token_ids), self.max_model_len)
-        vocab_size = self.loaded.args.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise ValueError(
-                f"prompt token id {bad} is outside the vocabulary (0..{vocab_size - 1})"
-            )
-        sched = self.config.scheduler_config
-        if not sched.enable_chunked_prefill and len(token_ids) > sched.max_num_batched_tokens:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens, more than max_num_batched_tokens="
-                f"{sched.max_num_batched_tokens}, and chunked prefill is disabled"
-            )
-        return token_ids
-
-    def validate_resumed(
-        self, num_prompt_tokens: int, params: SamplingParams, resumed: ResumeState
-    ) -> None:
-        """Raise ``ValueError`` unless ``resumed`` can continue: fewer output tokens than
-        ``max_tokens`` and, with the prompt, than ``max_model_len``, all in the vocabulary, one
-        logprob each when the request asks for them, and no prompt to score."""
-        num_output = resumed.num_output_tokens
-        if num_output >= params.max_tokens or num_prompt_tokens + num_output >= self.max_model_len:
-            raise ValueError(f"a resumed request with {num_output} output tokens is complete")
-        vocab_size = self.loaded.args.vocab_size
-        if any(not 0 <= t < vocab_size for t in resumed.output_token_ids):
-            raise ValueError("a resumed output token is outside the vocabulary")
-        num_logprobs = len(resumed.logprobs) if resumed.logprobs is not None else None
-        if params.logprobs is not None and num_logprobs != num_output:
-            raise ValueError("a resumed request asking for logprobs needs one per output token")
-        if params.prompt_logprobs is not None:
-            raise ValueError("a resumed request cannot score its prompt again")
+        return self.checks.prompt(prompt)
 
     # ---- introspection -----------------------------------------------------------------------
-    def validate_params(self, params: SamplingParams) -> None:
-        """Raise ``ValueError`` naming the field for what this engine cannot honour: an ``n``
-        above one (``cluster.choices`` fans those out), a token id outside the vocabulary, a
-        schema the grammar library rejects."""
-        if params.num_sequences > 1:
-            raise ValueError("the engine serves one sequence per request: use n=1 here")
-        vocab_size = self.tokenizer.vocab_size
-        for token_id in params.logit_bias or ():
-            if token_id >= vocab_size:
-                raise ValueError(f"logit_bias: token id {token_id} is not below {vocab_size}")
-        if params.structured_outputs is not None:
-            self._compiler(params.structured_outputs)
-
-    def _compiler(self, spec=None):
-        """The grammar compiler (``replicas.engine.structured_output``), built on first use; with a
-        ``spec``, that spec is compiled (cached) or rejected."""
-        if self._grammar is None:
-            from replicas.engine.structured_output import GrammarCompiler
-
-            self._grammar = GrammarCompiler(self.tokenizer, self.tokenizer.vocab_size)
-        if spec is not None:
-            self._grammar.validate(spec)
-        return self._grammar
-
     def stats(self) -> EngineStats:
         return EngineStats(
             cache=self.kv_cache.stats,
@@ -471,7 +264,7 @@ class Engine:
             num_waiting=self.core.num_waiting,
             num_preemptions=self.core.num_preemptions,
             cache_types=self.kv_cache.usage(),
-            steps=dataclasses.replace(self._step_times),
+            steps=dataclasses.replace(self.meter.times),
             retention=self.kv_cache.retention_stats(),
             disk={c: store.stats() for c, store in (self.disk or {}).items()},
             reload_costs=self.kv_cache.reload_costs(),
@@ -485,8 +278,7 @@ class Engine:
             raise RuntimeError("reset_counters needs an idle engine")
         self.kv_cache.stats = CacheStats()
         self.core.spec_decode = SpecDecodeStats()
-        self._step_times = StepTimes()
-        self._busy_since = None
+        self.meter.reset()
 
     def reset_prefix_cache(self, tier: str = "all") -> None:
         """Forget cached blocks nobody uses, in ``tier`` ("all", "npu", "host", "disk")."""
@@ -540,27 +332,6 @@ class Engine:
         return self.kv_cache.stats.disk_blocks_loaded - loaded_before
 
 
-COST_UPDATE_STEPS = 16
-"""Steps between updates of the measured block costs the adaptive policy reads."""
-
-
-class _ComputeTime:
-    """Seconds per computed token, an exponential average over steps."""
-
-    __slots__ = ("_per_token",)
-
-    def __init__(self) -> None:
-        self._per_token: float | None = None
-
-    def add(self, seconds: float, num_tokens: int) -> None:
-        sample = seconds / num_tokens
-        previous = self._per_token
-        self._per_token = sample if previous is None else 0.9 * previous + 0.1 * sample
-
-    def per_token(self) -> float | None:
-        return self._per_token
-
-
 def resolve_device(device: str) -> torch.device:
     if device.startswith("cuda") and fake_cuda.is_requested():
         fake_cuda.activate()  # the CUDA path on the CPU, with a GPU's device checks
@@ -569,3 +340,33 @@ def resolve_device(device: str) -> torch.device:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} but CUDA is not available on this machine")
     return torch.device(device)
+
+
+def _resolved(config: EngineConfig, loaded: LoadedModel, specs: dict) -> EngineConfig:
+    """``config`` with what ``auto`` resolved to, so that everything after reads the dtypes and
+    ways the engine runs."""
+    return config.model_copy(
+        update={
+            "dtype": dtype_name_of(loaded.dtype),
+            "quantization": loaded.quantization,
+            "decoder_stack": loaded.decoder_stack,
+            "int4_kernel": loaded.int4_kernel,
+            "kv_cache_dtype": next(iter(specs.values())).kv_format.name,
+        }
+    )
+
+
+def _log_start(engine: Engine) -> None:
+    config = engine.config
+    logger.info(
+        "engine: model %s on %s (%s, weights: %s, KV: %s, layers: %s), block size %d, "
+        "max_model_len %d",
+        engine.loaded.name,
+        engine.device,
+        config.dtype,
+        engine.loaded.quantization + ("/strata" if config.int4_kernel == "strata" else ""),
+        config.kv_cache_dtype,
+        "torch.compile" if config.torch_compile else config.decoder_stack,
+        engine.block_size,
+        engine.max_model_len,
+    )

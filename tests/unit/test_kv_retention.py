@@ -470,8 +470,8 @@ def test_the_engine_logs_its_hint_periodically(caplog):
         ),
     )
     engine = Engine(config)
-    engine.tuning_hint_interval_s = 0.0
-    with caplog.at_level(logging.INFO, logger="replicas.engine.engine"):
+    engine.meter.tuning_hint_interval_s = 0.0
+    with caplog.at_level(logging.INFO, logger="replicas.engine.step_meter"):
         engine.add_request("a", list(range(40)), SamplingParams(max_tokens=2))
         while engine.has_unfinished_requests():
             engine.step()
