@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from replicas.model import attention
+from replicas.model import attention_metadata
 from replicas.model.attention import AttentionMetadata, cached_attention
 
 BLOCK_SIZE = 4
@@ -146,8 +146,8 @@ def chunking(request, monkeypatch):
     chunk and longer ones in chunks of 3, so one batch mixes both kinds of group.
     """
     chunk_blocks, one_chunk_blocks = request.param
-    monkeypatch.setattr(attention, "CHUNK_BLOCKS", chunk_blocks)
-    monkeypatch.setattr(attention, "ONE_CHUNK_BLOCKS", one_chunk_blocks)
+    monkeypatch.setattr(attention_metadata, "CHUNK_BLOCKS", chunk_blocks)
+    monkeypatch.setattr(attention_metadata, "ONE_CHUNK_BLOCKS", one_chunk_blocks)
     return request.param
 
 
@@ -212,8 +212,8 @@ def test_every_layer_reuses_the_metadata(make_batch, chunk, chunking):
 
 
 def test_chunks_are_at_most_chunk_blocks_long(make_batch, chunk, monkeypatch):
-    monkeypatch.setattr(attention, "CHUNK_BLOCKS", 2)
-    monkeypatch.setattr(attention, "ONE_CHUNK_BLOCKS", 3)
+    monkeypatch.setattr(attention_metadata, "CHUNK_BLOCKS", 2)
+    monkeypatch.setattr(attention_metadata, "ONE_CHUNK_BLOCKS", 3)
     tables = [table for _, _, table in LONG]
     chunks = [
         chunk([0] * seq_len, seq_len - q_len, q_len, {"g": table})
