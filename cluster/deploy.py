@@ -7,67 +7,46 @@ the HTTP API and the offline ``LLM`` use to reach them.
                ◀──outputs: one message per step, all of this app's requests (ReplicaLink)
 
 ``cluster.placement`` decides where the replicas run and ``cluster.health`` watches them; this
-module wires the actors together and serves requests, routing one again when its replica is
-lost before it started, and resuming it on another replica when its replica is lost after it
-started (``replicas.resume``).
+module starts the actors, wires them together and stops them; ``cluster.dispatch`` serves the
+requests (routing one again when its replica is lost before it started, resuming it on another
+replica when its replica is lost after it started).
 
 ``scale`` resizes the deployment while it serves (``cluster.resize``); ``cluster.membership``
 keeps the replicas by index and their roles (joining, serving, draining, retired).
 """
 
 import asyncio
-import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayActorError
 
 from cluster.backend import (
     ClusterStats,
     FrontStats,
-    NoLiveReplicaError,
-    OverloadedError,
-    ReplicaFailedError,
     ReplicaStats,
     ScaleResult,
 )
 from cluster.config import ClusterConfig
-from cluster.health import ACTOR_LOST, HEALTH_INTERVAL_S, HEALTH_TIMEOUT_S, HealthMonitor
+from cluster.dispatch import Dispatcher, Request
+from cluster.health import ACTOR_LOST, HEALTH_TIMEOUT_S, HealthMonitor
 from cluster.membership import Membership
 from cluster.placement import init_ray, is_embedded, place_replicas
-from cluster.replica_link import StreamLostError
 from cluster.resize import ReplicaStartError, Resizer
 from cluster.router_calls import RouterCalls
-from replicas.actor import ReplicaActor, ReplicaUnavailableError
+from replicas.actor import ReplicaActor
 from replicas.cache_hints import CacheHints
 from replicas.config import EngineConfig
-from replicas.engine.async_engine import EngineDeadError
 from replicas.kv.capacity import deployment_host_bytes
-from replicas.kv.hashing import BlockHash, block_hashes
 from replicas.kv.host_memory import check_host_capacity
 from replicas.model import ModelArgs, load_model_info
 from replicas.outputs import RequestOutput
-from replicas.prompt import check_prompt_length
-from replicas.resume import resumed_params
 from replicas.sampling_params import SamplingParams
 from router.actor import RouterActor, measured_ttft_costs
+from router.router import ReplicaRole
 
 logger = logging.getLogger(__name__)
-
-ROUTER_CATCH_UP_S = HEALTH_INTERVAL_S + HEALTH_TIMEOUT_S
-"""How long one run of a request keeps asking the router again while it names replicas the
-deployment does not send requests to (draining, retired or lost), before such an answer counts
-as an attempt. The router hears of a drain, a retirement or a loss just after the deployment;
-a router that Ray restarted (at its start-up size, every start-up replica serving) is told the
-deployment's replicas within one round of the health monitor's pings (``cluster.health``)."""
-STALE_ROUTE_WAIT_S = 0.01
-"""The wait before asking the router again after its second such answer; it doubles with each
-answer after, up to ``STALE_ROUTE_MAX_WAIT_S``. The first is asked again at once: the route was
-most likely sent before the router heard of the change."""
-STALE_ROUTE_MAX_WAIT_S = 0.25
 
 
 class RayBackend:
@@ -101,8 +80,6 @@ class RayBackend:
         incarnations = self._introduce_replicas(replicas)
         self.membership = Membership(replicas, self.replica_infos)
         self.router_calls = RouterCalls(self.router)
-        self._num_routes = 0
-        self._route_seconds = 0.0
         self.health = HealthMonitor(
             replicas,
             self.router,
@@ -120,12 +97,16 @@ class RayBackend:
             lambda actor: ray.kill(actor, no_restart=True),
             self._new_engine_config,
         )
-        self.num_rerouted = 0  # requests routed again because their replica was lost first
-        self.num_overload_reroutes = 0  # requests a full replica turned away, offered elsewhere
-        self.num_resumed = 0  # requests resumed elsewhere after their replica was lost
-        self.max_resumes = config.server.max_resumes
         self.max_model_len = int(self.replica_infos[0]["max_model_len"])
         self.block_size = engine_config.block_size
+        self.dispatcher = Dispatcher(
+            self.membership,
+            self.health,
+            self.router_calls,
+            self.block_size,
+            self.max_model_len,
+            config.server.max_resumes,
+        )
         self.model_name = config.served_model_name
         logger.info("deployed %d replicas of %s: %s", size, config.model.model, self.replica_infos)
 
@@ -174,8 +155,8 @@ class RayBackend:
         """Each replica's ``ReplicaLink``, by replica index."""
         return self.membership.links
 
-    # ---- serving -----------------------------------------------------------------------------
-    async def generate(
+    # ---- serving (cluster.dispatch) ---------------------------------------------------------
+    def generate(
         self,
         request_id: str,
         prompt_token_ids: list[int],
@@ -183,198 +164,12 @@ class RayBackend:
         cache_salt: str | None = None,
         cache_hints: CacheHints | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """A replica lost after the request's first output, when it is not the replica's
-        engine that failed, is replaced: the request is resumed on the best live replica from
-        the output sent so far (``replicas.resume``), at most ``max_resumes`` times; the
-        outputs continue as if nothing happened. Past that, or with no live replica to take
-        it, the request fails with ``ReplicaFailedError``."""
-        self.health.ensure_running()
-        check_prompt_length(len(prompt_token_ids), self.max_model_len)  # before routing
-        request = _Request(request_id, prompt_token_ids, cache_salt, cache_hints)
-        last: RequestOutput | None = None  # the last output sent, once there is one
-        lost: _LostMidStream | None = None  # the loss that made it resume
-        num_resumes = 0
-        counted = True  # the current run is counted in num_resumed (or is not a resume)
-        while True:
-            params = (
-                sampling_params if last is None else resumed_params(sampling_params, num_resumes)
-            )
-            try:  # closed at once when the caller stops early: its finally aborts the run
-                async with contextlib.aclosing(self._serve(request, params, last)) as outputs:
-                    async for output in outputs:
-                        if last is not None and not counted:  # a resumed run goes on
-                            self.num_resumed += 1
-                            counted = True
-                        last = output
-                        yield output
-                return
-            except _LostMidStream as error:
-                if num_resumes >= self.max_resumes:
-                    raise
-                lost = error
-            except (NoLiveReplicaError, OverloadedError):
-                if lost is None:
-                    raise  # nothing ran: the client may retry
-                raise lost from None  # no live replica can take the resumed request
-            num_resumes += 1
-            counted = False
-            logger.warning(
-                "replica %s was lost after request %s had %d output tokens; resuming it "
-                "elsewhere (resume %d of at most %d)",
-                last.replica_index,
-                request_id,
-                len(last.token_ids),
-                num_resumes,
-                self.max_resumes,
-            )
-
-    async def _serve(
-        self, request: "_Request", params: SamplingParams, resumed: RequestOutput | None
-    ) -> AsyncIterator[RequestOutput]:
-        """One run of the request to its end (continuing ``resumed``, when given). A replica
-        lost before the run's first output, or turning it away because its engine failed,
-        never ran it: the run is routed again, away from that replica. A replica whose waiting
-        queue is full turns it away too: the router offers it to the next best replica, and
-        only when every live replica is full does the client get 429. Once the run has
-        output, a loss raises ``_LostMidStream``. A router that names a replica the deployment
-        does not send requests to (``_member_route``) is asked again without that counting as
-        an attempt, for up to ``ROUTER_CATCH_UP_S``: a scale-in or a restart of the router
-        fails no request."""
-        request_id = request.request_id
-        token_ids = request.prompt_token_ids + (resumed.token_ids if resumed else [])
-        hashes = block_hashes(token_ids, self.block_size, request.cache_salt)
-        key = request.cache_hints.key if request.cache_hints is not None else None
-        members = self.membership
-        num_attempts = 2 * max(2, members.num_members())
-        full: set[int] = set()
-        catch_up = _RouterCatchUp()
-        for attempt in range(num_attempts):
-            is_last = attempt == num_attempts - 1
-            index = await self._member_route(
-                request, len(token_ids), hashes, full, key, catch_up, is_last
-            )
-            if index is None:  # the router stayed behind the deployment: this attempt is spent
-                continue
-            stream = self.links[index].generate(
-                request_id,
-                request.prompt_token_ids,
-                params,
-                request.cache_salt,
-                request.cache_hints,
-                resumed,
-            )
-            started = finished = False
-            members.in_flight[index] += 1  # no await since the routable check: a drain waits
-            try:
-                async for output in stream:
-                    started, finished = True, output.finished
-                    yield output
-                return
-            except _REPLICA_ERRORS as error:
-                finished = self._after_failure(error, index, started, is_last, request_id)
-                if finished:
-                    full.add(index)
-            finally:
-                members.in_flight[index] -= 1
-                await stream.aclose()
-                if not finished:  # also after a loss: a restarted replica may have it queued
-                    self.replicas[index].abort.remote(request_id)
-                request.released = self.router_calls.release(request_id)
-        raise OverloadedError(f"replicas {sorted(full)} turned the request away; retry later")
-
-    async def _member_route(
-        self,
-        request: "_Request",
-        num_prompt_tokens: int,
-        hashes: list[BlockHash],
-        full: set[int],
-        cache_key: str | None,
-        catch_up: "_RouterCatchUp",
-        is_last: bool,
-    ) -> int | None:
-        """The replica the router picks (``_route``) once it is one the deployment sends
-        requests to: routable (``Membership.is_routable``) and, unless ``is_last``, live as far
-        as the health monitor knows. An answer naming another replica is a router behind the
-        deployment: it has not heard of the drain, the retirement or the loss yet, or Ray
-        restarted it and it has not been told the replicas yet. That replica is never called:
-        the router is told of a loss again, and asked again after ``catch_up``'s wait. None
-        once ``catch_up``'s time is spent (the caller counts the attempt)."""
-        members = self.membership
-        while True:
-            if request.released is not None:
-                await request.released
-            index = await self._route(
-                request.request_id, num_prompt_tokens, hashes, full, cache_key
-            )
-            routable = members.is_routable(index)
-            if routable and (self.health.is_alive(index) or is_last):
-                return index  # no await from here to the call: a drain waits for it
-            if routable:  # lost: told again at every sighting (a restarted router forgot it)
-                self.health.mark_lost(index)
-            request.released = self.router_calls.release(request.request_id)
-            if not await catch_up.wait():
-                return None
-
-    def _after_failure(
-        self, error: Exception, index: int, started: bool, is_last: bool, request_id: str
-    ) -> bool:
-        """What a failure of replica ``index`` does to a request: True when the replica's
-        waiting queue was full (it never queued the request); False when the request is to be
-        routed again; otherwise raises the error that ends this run of it."""
-        cause = error.cause if isinstance(error, RayTaskError) else error
-        if isinstance(cause, OverloadedError) and not started:
-            self.num_overload_reroutes += 1
-            return True
-        if isinstance(cause, (ValueError, EngineDeadError)) or (
-            isinstance(error, RayTaskError) and not isinstance(cause, ReplicaUnavailableError)
-        ):
-            raise _unwrap(cause, index) from None
-        if index in self.membership.draining and not started and not is_last:
-            self.num_rerouted += 1  # shed by a drain before it started: it runs elsewhere
-            logger.info("request %s left draining replica %d; routing it again", request_id, index)
-            return False
-        self.health.mark_lost(index)
-        message = f"replica {index} failed while serving the request: {type(error).__name__}"
-        if started:
-            raise _LostMidStream(message) from None
-        if is_last:
-            raise ReplicaFailedError(message) from None
-        self.num_rerouted += 1
-        logger.warning(
-            "replica %d was lost before request %s started; routing it again", index, request_id
-        )
-        return False
-
-    async def _route(
-        self,
-        request_id: str,
-        num_prompt_tokens: int,
-        hashes: list[BlockHash],
-        full: set[int],
-        cache_key: str | None = None,
-    ) -> int:
-        """The replica the router picks, not one of ``full`` (their waiting queues turned the
-        request away). Calls to a router that Ray is restarting wait for it
-        (``max_task_retries=-1``) rather than fail."""
-        start = time.perf_counter()
-        try:
-            decision = await self.router_calls.route(
-                request_id, num_prompt_tokens, hashes, full | self.membership.draining, cache_key
-            )
-        except NoLiveReplicaError:
-            if full:
-                raise OverloadedError(
-                    f"every live replica ({len(full)}) has a full waiting queue; retry later"
-                ) from None
-            raise
-        finally:
-            self._num_routes += 1
-            self._route_seconds += time.perf_counter() - start
-        return decision.replica_index
+        """The request's outputs, kept going through replica losses (``Dispatcher.generate``)."""
+        request = Request(request_id, prompt_token_ids, cache_salt, cache_hints)
+        return self.dispatcher.generate(request, sampling_params)
 
     async def abort(self, request_id: str) -> None:
-        for index in self.membership.members():
-            self.replicas[index].abort.remote(request_id)
+        self.dispatcher.abort(request_id)
 
     async def num_live_replicas(self) -> int:
         self.health.ensure_running()
@@ -403,14 +198,15 @@ class RayBackend:
         )
 
     def front_stats(self) -> FrontStats:
+        counts = self.dispatcher.counts
         return FrontStats(
-            num_routes=self._num_routes,
+            num_routes=counts.num_routes,
             num_route_calls=self.router_calls.num_route_calls,
-            route_seconds=self._route_seconds,
+            route_seconds=counts.route_seconds,
             num_stream_messages=sum(link.num_messages for link in self.links),
             num_stream_items=sum(link.num_items for link in self.links),
             stream_seconds=sum(link.seconds for link in self.links),
-            num_resumed=self.num_resumed,
+            num_resumed=counts.num_resumed,
         )
 
     # ---- admin -------------------------------------------------------------------------------
@@ -485,63 +281,11 @@ class RayBackend:
         self._release()
 
     def _release(self) -> None:
-        retired = self.membership.retired
+        retired = self.membership.with_role(ReplicaRole.RETIRED)
         for actor in [r for i, r in enumerate(self.replicas) if i not in retired]:
             ray.kill(actor, no_restart=True)
         ray.kill(self.router, no_restart=True)
         self.placement.remove()
-
-
-@dataclass(slots=True)
-class _Request:
-    """What the backend keeps of a request to run it again, and the router's release of its
-    last attempt (routed again only once it is done: an async actor may run calls out of
-    order)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    cache_salt: str | None
-    cache_hints: CacheHints | None
-    released: asyncio.Future | None = None
-
-
-class _RouterCatchUp:
-    """The waits of one run of a request while the router names replicas the deployment does
-    not send requests to: none before asking again the first time, then
-    ``STALE_ROUTE_WAIT_S`` doubling up to ``STALE_ROUTE_MAX_WAIT_S``, for at most
-    ``ROUTER_CATCH_UP_S`` from the first such answer."""
-
-    def __init__(self) -> None:
-        self._deadline: float | None = None
-        self._wait_s = 0.0
-
-    async def wait(self) -> bool:
-        """Wait before the router is asked again; False, without waiting, once the time to
-        catch up is spent."""
-        loop = asyncio.get_running_loop()
-        if self._deadline is None:
-            self._deadline = loop.time() + ROUTER_CATCH_UP_S
-        remaining = self._deadline - loop.time()
-        if remaining <= 0:
-            return False
-        await asyncio.sleep(min(self._wait_s, remaining))
-        self._wait_s = min(max(2 * self._wait_s, STALE_ROUTE_WAIT_S), STALE_ROUTE_MAX_WAIT_S)
-        return True
-
-
-class _LostMidStream(ReplicaFailedError):
-    """The replica serving a request was lost after the request's first output."""
-
-
-_REPLICA_ERRORS = (
-    RayTaskError,
-    *ACTOR_LOST,
-    StreamLostError,
-    EngineDeadError,
-    ValueError,
-    ReplicaUnavailableError,  # a draining replica shed the request before it started
-)
-"""What a replica link raises for a request (``ReplicaLink.generate``)."""
 
 
 def _check_host_memory(config: ClusterConfig, engine_config: EngineConfig, args: ModelArgs) -> None:
@@ -556,11 +300,3 @@ def _last_line(error: Exception) -> str:
     """The last line of a remote traceback: the exception that ended it."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return lines[-1] if lines else type(error).__name__
-
-
-def _unwrap(cause: BaseException, index: int) -> Exception:
-    if isinstance(cause, OverloadedError):
-        return OverloadedError(str(cause))
-    if isinstance(cause, ValueError):
-        return ValueError(str(cause))
-    return ReplicaFailedError(f"replica {index} failed: {cause!r}")

@@ -95,6 +95,11 @@ class ReplicaLink:
             self._queues.pop(request_id, None)
             ack.cancel()
 
+    def abort(self, request_id: str) -> None:
+        """Ask the replica to stop ``request_id`` and free its blocks, fire-and-forget (a lost
+        replica has nothing to free; a restarted one may have it queued)."""
+        self.replica.abort.remote(request_id)
+
     async def _submit(
         self,
         subscriber: str,

@@ -11,7 +11,7 @@
 No request is lost: the backend never sends a request to a draining replica (it routes again a
 request the router placed there before it heard of the drain, ``RayBackend._serve``), a shed
 request never started and runs elsewhere, and the actor is killed only once this process has no
-request on it (``Membership.in_flight``).
+request on it (``Member.in_flight``).
 """
 
 import asyncio
@@ -181,7 +181,7 @@ class Resizer:
                 logger.warning("scale-out: replica %d did not warm up: %s", index, error)
         incarnation = await replica.ready.remote()
         self.health.add(index, replica, incarnation)
-        self.membership.joining.discard(index)
+        self.membership.start_serving(index)
         await self.router.start_routing.remote(index)
 
     async def _abandon(self, indices: list[int]) -> None:
@@ -219,7 +219,8 @@ class Resizer:
                 choice.losses,
             )
         self._set_size(self.membership.target_size - num_to_remove)
-        self.membership.draining.update(victims)  # before the router hears: see _serve
+        for index in victims:  # before the router hears: see cluster.dispatch
+            self.membership.drain(index)
         await asyncio.gather(*(self.router.set_draining.remote(v) for v in victims))
         await asyncio.gather(*(self._drain(v) for v in victims))
         return choices
@@ -265,9 +266,9 @@ class Resizer:
         timeout_s = self.config.server.drain_timeout_s
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while members.in_flight[index] and loop.time() < deadline:
+        while members[index].in_flight and loop.time() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
-        if members.in_flight[index]:
+        if members[index].in_flight:
             try:
                 num_shed = await replica.shed_waiting.remote()
                 logger.info(
@@ -279,7 +280,7 @@ class Resizer:
                 )
             except (*ACTOR_LOST, RayTaskError) as error:  # lost: its requests take that path
                 logger.warning("scale-in: replica %d did not shed its queue: %s", index, error)
-            while members.in_flight[index]:  # running requests end: max_tokens bounds them
+            while members[index].in_flight:  # running requests end: max_tokens bounds them
                 await asyncio.sleep(DRAIN_POLL_S)
         snapshot = None
         if self.has_disk and self.health.is_alive(index):

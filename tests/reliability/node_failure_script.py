@@ -101,8 +101,8 @@ async def scenario(backend: RayBackend, cluster: Cluster, worker, doomed: int) -
         "live_after_kill": live_after_kill,
         "rejoined": rejoined,
         "final_ok": all(getattr(r, "finished", False) for _, r in final),
-        "rerouted": backend.num_rerouted,
-        "resumed": backend.num_resumed,
+        "rerouted": backend.dispatcher.counts.num_rerouted,
+        "resumed": backend.dispatcher.counts.num_resumed,
     }
 
 

@@ -81,7 +81,8 @@ async def wait_unreachable(replica, incarnation: str) -> None:
 def test_killing_a_replica_loses_no_request(served, ray_session):
     server, backend = served
     old_incarnation = backend.health.incarnations[0]
-    rerouted_before, resumed_before = backend.num_rerouted, backend.num_resumed
+    counts = backend.dispatcher.counts
+    rerouted_before, resumed_before = counts.num_rerouted, counts.num_resumed
     router_views: set[tuple[int, ...]] = set()
 
     async def scenario():
@@ -115,7 +116,7 @@ def test_killing_a_replica_loses_no_request(served, ray_session):
         o for sent, answered, o in tally.timeline if sent <= killed_at <= answered and o.tokens
     ]
     replayed = asyncio.run(replay([o.body for o in in_flight], server.url))
-    resumed = backend.num_resumed - resumed_before
+    resumed = backend.dispatcher.counts.num_resumed - resumed_before
     figures(
         "replica_kill",
         requests=tally.total,
@@ -125,7 +126,7 @@ def test_killing_a_replica_loses_no_request(served, ray_session):
         in_flight_on_killed_replica=on_replica_0.num_running + on_replica_0.num_waiting,
         running_on_killed_replica=on_replica_0.num_running,
         greedy_in_flight_compared=len(in_flight),
-        rerouted=backend.num_rerouted - rerouted_before,
+        rerouted=backend.dispatcher.counts.num_rerouted - rerouted_before,
         router_views=sorted(router_views),
         replicas=reports,
     )
@@ -141,7 +142,7 @@ def test_killing_a_replica_loses_no_request(served, ray_session):
             [lp for _, lp in again.tokens], abs=1e-3
         )
     counted = metric_sum(scrape(server.url), "strata_requests_resumed_total")
-    assert counted == backend.num_resumed
+    assert counted == backend.dispatcher.counts.num_resumed
     assert (1,) in router_views  # the router dropped replica 0 ...
     assert backend.health.incarnations[0] != old_incarnation  # ... and re-added its restarted self
 
@@ -165,7 +166,7 @@ def test_an_engine_failure_restarts_only_that_replica(served):
     server, backend = served
     wait_for_both_live(backend, server.url)
     incarnations = list(backend.health.incarnations)
-    rerouted_before = backend.num_rerouted
+    rerouted_before = backend.dispatcher.counts.num_rerouted
     # Long enough to be running on both replicas when the poison arrives 0.5 s later.
     normal = SamplingParams(max_tokens=512, ignore_eos=True)
     poison = SamplingParams(max_tokens=4, temperature=0.7)
@@ -205,7 +206,7 @@ def test_an_engine_failure_restarts_only_that_replica(served):
         restarted=restarted,
         bystanders_served=len(served),
         newcomers_served=len(newcomers),
-        rerouted=backend.num_rerouted - rerouted_before,
+        rerouted=backend.dispatcher.counts.num_rerouted - rerouted_before,
     )
     assert len(restarted) == 1
     for result in results:

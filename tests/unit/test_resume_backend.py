@@ -12,6 +12,7 @@ import pytest
 from cluster.backend import NoLiveReplicaError, ReplicaFailedError
 from cluster.choices import generate_choices, generate_sequences
 from cluster.deploy import RayBackend
+from cluster.dispatch import Dispatcher
 from cluster.membership import Membership
 from replicas.engine.structured_output import StructuredOutputs
 from replicas.outputs import OutputDelta
@@ -103,9 +104,9 @@ def in_process_backend(replicas: list[InProcessReplica], max_resumes: int = 2) -
     backend.membership = Membership(numbered, [{"node_id": "node"} for _ in replicas])
     backend.max_model_len = 512
     backend.block_size = 16
-    backend.max_resumes = max_resumes
-    backend.num_rerouted = backend.num_overload_reroutes = backend.num_resumed = 0
-    backend._num_routes, backend._route_seconds = 0, 0.0
+    backend.dispatcher = Dispatcher(
+        backend.membership, health, backend.router_calls, 16, 512, max_resumes
+    )
     return backend
 
 
@@ -139,7 +140,8 @@ def test_a_request_lost_mid_stream_resumes_on_the_survivor(cut_at):
     outputs, backend = resumed(params, cut_at)
     assert_continuous(outputs, want)
     assert {o.replica_index for o in outputs} == {0, 1}
-    assert backend.num_resumed == 1 and backend.num_rerouted == 0
+    counts = backend.dispatcher.counts
+    assert counts.num_resumed == 1 and counts.num_rerouted == 0
     # The survivor was asked for the prompt and the output sent so far.
     assert backend.router_calls.routed[-1] == ("r", len(PROMPT) + cut_at)
     # The client's figures are the first replica's: arrival, first token, cached prompt.
@@ -166,7 +168,7 @@ def test_a_stop_string_straddling_the_cut_still_stops():
         want = reference(params)[-1]
         outputs, backend = resumed(params, k)
         assert_continuous(outputs, want)
-        assert want.finish_reason == "stop" and backend.num_resumed == 1
+        assert want.finish_reason == "stop" and backend.dispatcher.counts.num_resumed == 1
         cases += 1
     if not cases:
         pytest.skip("no ASCII stretch in this model's output to cut at")
@@ -212,7 +214,7 @@ def test_n_choices_resume_each_from_its_own_output():
     for index in range(3):
         outputs = [s.output for s in sequences if s.sequence_index == index]
         assert_continuous(outputs, want[index])
-    assert backend.num_resumed >= 1
+    assert backend.dispatcher.counts.num_resumed >= 1
 
 
 def test_past_the_resume_limit_the_request_fails_as_before():
@@ -223,7 +225,7 @@ def test_past_the_resume_limit_the_request_fails_as_before():
     backend = in_process_backend([CutReplica(5), CutReplica(9)], max_resumes=1)
     with pytest.raises(ReplicaFailedError, match=r"^replica 1 failed while serving the request"):
         asyncio.run(asyncio.wait_for(collect(backend, "r", params), 120))
-    assert backend.num_resumed == 1
+    assert backend.dispatcher.counts.num_resumed == 1
 
 
 def test_with_no_live_replica_to_take_it_the_request_fails_as_before():
@@ -231,4 +233,4 @@ def test_with_no_live_replica_to_take_it_the_request_fails_as_before():
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     with pytest.raises(ReplicaFailedError, match=r"^replica 0 failed while serving the request"):
         asyncio.run(asyncio.wait_for(collect(backend, "r", params), 120))
-    assert backend.num_resumed == 0
+    assert backend.dispatcher.counts.num_resumed == 0

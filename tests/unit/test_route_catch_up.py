@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from ray.exceptions import ActorDiedError
 
-import cluster.deploy as deploy
+import cluster.dispatch as dispatch
 from cluster.backend import OverloadedError, ReplicaFailedError
 from replicas.sampling_params import SamplingParams
 from tests.unit.test_resume_backend import CutReplica, collect, in_process_backend
@@ -72,7 +72,7 @@ def behind(role: str):
     if role == "retired":
         backend.membership.retire(0)
     backend.health.live.discard(0)
-    router = backend.router_calls = RestartedRouter(backend.health)
+    router = backend.dispatcher.router_calls = RestartedRouter(backend.health)
     return backend, router, gone
 
 
@@ -97,7 +97,7 @@ def test_a_request_waits_for_a_restarted_router_to_be_told_the_replicas(role):
     assert {o.replica_index for o in outputs} == {1}
     assert gone.num_submits == 0
     assert router.answers[0] == 0 and router.answers[-1] == 1
-    assert backend.num_rerouted == 0
+    assert backend.dispatcher.counts.num_rerouted == 0
 
 
 @pytest.mark.parametrize(
@@ -108,7 +108,7 @@ def test_a_request_waits_for_a_restarted_router_to_be_told_the_replicas(role):
     ],
 )
 def test_a_router_that_stays_behind_ends_the_request_as_before(monkeypatch, role, error, message):
-    monkeypatch.setattr(deploy, "ROUTER_CATCH_UP_S", 0.2)
+    monkeypatch.setattr(dispatch, "ROUTER_CATCH_UP_S", 0.2)
     backend, router, gone = behind(role)
     with pytest.raises(error, match=message):
         asyncio.run(asyncio.wait_for(collect(backend, "r", PARAMS), 60))
