@@ -195,7 +195,7 @@ def test_a_disk_that_fails_to_write_leaves_a_two_tier_cache(
     def failing_disk(fd, data, offset):
         raise OSError(errno, message)
 
-    monkeypatch.setattr(kv_disk.os, "pwrite", failing_disk)
+    monkeypatch.setattr(os, "pwrite", failing_disk)
     with caplog.at_level(logging.WARNING, logger="replicas.kv.disk"):
         run(failing, seen, "a")
         failing.disk["full"].flush()
@@ -226,13 +226,13 @@ def test_a_hung_disk_read_times_out_and_frees_every_block(tmp_path, cold, monkey
     seen, prompt = prompt_pair(9)
     warm_disk(tmp_path, seen)
     restarted = engine(tmp_path)
-    slow_read = restarted.disk["full"]._read
+    slow_read = restarted.disk["full"]._file.read
 
     def hung(*args):
         time.sleep(0.6)
         return slow_read(*args)
 
-    monkeypatch.setattr(restarted.disk["full"], "_read", hung)
+    monkeypatch.setattr(restarted.disk["full"]._file, "read", hung)
     monkeypatch.setattr(onboarding, "ONBOARD_TIMEOUT_MIN_S", 0.2)
     monkeypatch.setattr(onboarding, "ONBOARD_TIMEOUT_FACTOR", 0.0)
     output = run(restarted, prompt)
@@ -249,9 +249,9 @@ def test_a_request_aborted_while_its_disk_reads_run_frees_every_block(tmp_path, 
     seen, prompt = prompt_pair(10)
     warm_disk(tmp_path, seen)
     restarted = engine(tmp_path)
-    slow_read = restarted.disk["full"]._read
+    slow_read = restarted.disk["full"]._file.read
     monkeypatch.setattr(
-        restarted.disk["full"], "_read", lambda *a: (time.sleep(0.05), slow_read(*a))[1]
+        restarted.disk["full"]._file, "read", lambda *a: (time.sleep(0.05), slow_read(*a))[1]
     )
     restarted.add_request("r", prompt, GREEDY)
     restarted.step()
@@ -387,8 +387,8 @@ def test_a_read_landing_while_the_step_schedules_is_not_a_stall(tmp_path, cold, 
     warm_disk(tmp_path, seen)
     restarted = engine(tmp_path)
     store = restarted.disk["full"]
-    slow_read = store._read
-    monkeypatch.setattr(store, "_read", lambda *a: (time.sleep(0.002), slow_read(*a))[1])
+    slow_read = store._file.read
+    monkeypatch.setattr(store._file, "read", lambda *a: (time.sleep(0.002), slow_read(*a))[1])
     schedule = restarted.core.scheduler.schedule
 
     def schedule_then_let_reads_land():

@@ -1,0 +1,179 @@
+"""The own slab's slot index, in memory: which block each slot holds, least recently used
+first, the free slots, the generation counter, the hit weight each own record carries, and
+the retention deadlines that keep some blocks ahead of ordinary ones.
+
+No IO: the store (``replicas.kv.disk.store.DiskStore``) writes what this index decides. The
+engine thread alone calls it. Deadlines live here only, so after a restart every block is
+ordinary.
+"""
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+from replicas.kv.disk.record import NO_HEAT, Heat, Recovered
+from replicas.kv.hashing import BlockHash
+from replicas.kv.records import TierUsage
+
+
+class Placement(NamedTuple):
+    """Where a newly stored block goes: its slot, the generation its record gets, and the own
+    block it replaced (None when the slot was free)."""
+
+    slot: int
+    generation: int
+    evicted: BlockHash | None
+
+
+class OwnSlots:
+    """The blocks of the own slab by key: LRU among ordinary blocks, retained blocks skipped
+    while an ordinary one is left (``take``). ``max_retained`` bounds the retained blocks;
+    ``clock`` times their deadlines."""
+
+    def __init__(self, num_slots: int, max_retained: int, clock: Callable[[], float]) -> None:
+        self.num_slots = num_slots
+        self.max_retained = max_retained
+        self.clock = clock
+        self.num_evicted = 0  # own blocks overwritten by newer ones
+        self._own: OrderedDict[BlockHash, int] = OrderedDict()  # key -> slot, oldest first
+        self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self._generation = 0
+        self._heat: dict[BlockHash, Heat] = {}
+        self._retained: dict[BlockHash, float] = {}  # key -> deadline on ``clock``
+        self._deadlines: list[tuple[float, BlockHash]] = []  # heap; stale entries skipped
+
+    def restore(self, found: list[Recovered]) -> None:
+        """Take back the blocks the slab held before a restart (oldest generation first): of
+        two records of one key, the newer is kept and the older's slot is free."""
+        for generation, slot, key, heat in found:
+            self._own.pop(key, None)
+            self._own[key] = slot
+            self._heat[key] = heat
+            self._generation = max(self._generation, generation)
+        held = set(self._own.values())
+        self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in held]
+
+    # ---- what the index holds ------------------------------------------------------------------
+    def __contains__(self, key: BlockHash) -> bool:
+        return key in self._own
+
+    def __len__(self) -> int:
+        return len(self._own)
+
+    def __iter__(self) -> Iterator[BlockHash]:
+        """The own keys, least recently used first."""
+        return iter(self._own)
+
+    def slot_of(self, key: BlockHash) -> int | None:
+        return self._own.get(key)
+
+    def heat_of(self, key: BlockHash) -> Heat | None:
+        """The hit weight an own block's record carries (None for another slab's block)."""
+        return self._heat.get(key)
+
+    def ordinary_heats(self) -> Iterator[tuple[BlockHash, Heat]]:
+        """(key, heat) per own block not retained, least recently used first."""
+        return ((k, self._heat.get(k, NO_HEAT)) for k in self._own if k not in self._retained)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def usage(self) -> TierUsage:
+        """The own slab: slots, none in use (a read copies out at once), cached, retained."""
+        return TierUsage(self.num_slots, 0, len(self._own), len(self._retained))
+
+    # ---- changes -------------------------------------------------------------------------------
+    def touch(self, key: BlockHash) -> None:
+        """Make an own block the most recently used."""
+        self._own.move_to_end(key)
+
+    def take(self, key: BlockHash, heat: Heat) -> Placement:
+        """Give a new key (not held) a slot: a free one, else the evictee's (``_evictee``)."""
+        evicted = None
+        if self._free:
+            slot = self._free.pop()
+        else:
+            evicted = self._evictee()
+            slot = self._own.pop(evicted)
+            self._retained.pop(evicted, None)
+            self._heat.pop(evicted, None)
+            self.num_evicted += 1
+        self._own[key] = slot
+        self._generation += 1
+        self._heat[key] = heat
+        return Placement(slot, self._generation, evicted)
+
+    def _evictee(self) -> BlockHash:
+        """The own block a store replaces: the least recently used ordinary one; retained ones
+        met on the way move to the back. Only when every own block is retained, the least
+        recently used of them."""
+        if self._retained:
+            self.expire()
+        for _ in range(len(self._own)):
+            key = next(iter(self._own))
+            if key not in self._retained:
+                return key
+            self._own.move_to_end(key)
+        return next(iter(self._own))
+
+    def reweigh(self, key: BlockHash, heat: Heat) -> int | None:
+        """Give an own block a new heat; its slot (None, and nothing changed, if not own)."""
+        slot = self._own.get(key)
+        if slot is not None:
+            self._heat[key] = heat
+        return slot
+
+    def forget(self, key: BlockHash) -> int | None:
+        """Free an own block's slot; the slot (None for a key not held)."""
+        slot = self._own.pop(key, None)
+        self._retained.pop(key, None)
+        self._heat.pop(key, None)
+        if slot is not None:
+            self._free.append(slot)
+        return slot
+
+    def clear(self) -> list[BlockHash]:
+        """Free every slot; the keys forgotten, least recently used first."""
+        keys = list(self._own)
+        self._own.clear()
+        self._retained.clear()
+        self._heat.clear()
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        return keys
+
+    # ---- retention -----------------------------------------------------------------------------
+    def retain(self, key: BlockHash, until: float) -> bool:
+        """Keep an own block ahead of ordinary ones until ``until`` (a later deadline extends
+        it); False when it is not an own block or ``max_retained`` are retained already."""
+        if until <= 0.0 or key not in self._own:
+            return False
+        if key in self._retained:
+            self._retained[key] = max(self._retained[key], until)  # its heap entry follows
+            return True
+        self.expire()
+        if len(self._retained) >= self.max_retained:
+            return False
+        self._retained[key] = until
+        heapq.heappush(self._deadlines, (until, key))
+        if len(self._deadlines) > 2 * len(self._retained) + 16:  # entries of evicted blocks
+            self._deadlines = [(until, k) for k, until in self._retained.items()]
+            heapq.heapify(self._deadlines)
+        return True
+
+    @property
+    def num_retained(self) -> int:
+        """Own blocks retained (as of the last expiry)."""
+        return len(self._retained)
+
+    def expire(self) -> None:
+        """Make every own block whose deadline has passed ordinary again (mutates)."""
+        now = self.clock()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            until, key = heapq.heappop(self._deadlines)
+            current = self._retained.get(key)
+            if current is not None and current > until:  # extended: its entry moves on
+                heapq.heappush(self._deadlines, (current, key))
+            elif current is not None:
+                del self._retained[key]
