@@ -41,7 +41,7 @@ Only linear layers are quantized (every projection of every block and the LM hea
 embedding, which is only gathered, stays dense.
 """
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import torch
@@ -359,17 +359,74 @@ def quantize_model(
     ones kept beside them (a GGUF file's ``Q8_0`` LM head); where a weight does not fit Strata's
     layout, torch's.
     """
+    for i, layer in enumerate(model.layers):
+        quantize_layer(layer, f"layers.{i}", scheme, int4_groups, stored_bits, int4_kernel)
+    quantize_output(model, scheme, int4_groups, stored_bits, int4_kernel)
+
+
+def quantize_layer(
+    layer: nn.Module,
+    prefix: str,
+    scheme: str,
+    int4_groups: Mapping[str, Int4Groups] | None = None,
+    stored_bits: Mapping[str, int] | None = None,
+    int4_kernel: str = "torch",
+) -> None:
+    """``quantize_model`` on one decoder layer, whose parameters are named ``prefix.*`` in
+    ``int4_groups`` and ``stored_bits`` (a model built a layer at a time quantizes each layer
+    as it is read)."""
+    quantized = _quantizer(scheme, int4_groups, stored_bits, int4_kernel)
+    with torch.no_grad():
+        att, ff = layer.attention, layer.feed_forward
+        att.wqkv = quantized(
+            [f"{prefix}.attention.{w}" for w in ("wq", "wk", "wv")],
+            [att.wq, att.wk, att.wv],
+            ACTIVATION_PASSES["wqkv"],
+        )
+        att.wo = quantized([f"{prefix}.attention.wo"], [att.wo], ACTIVATION_PASSES["wo"])
+        ff.w13 = quantized(
+            [f"{prefix}.feed_forward.{w}" for w in ("w1", "w3")],
+            [ff.w1, ff.w3],
+            ACTIVATION_PASSES["w13"],
+        )
+        ff.w2 = quantized([f"{prefix}.feed_forward.w2"], [ff.w2], ACTIVATION_PASSES["w2"])
+        del att.wq, att.wk, att.wv, ff.w1, ff.w3
+
+
+def quantize_output(
+    model: nn.Module,
+    scheme: str,
+    int4_groups: Mapping[str, Int4Groups] | None = None,
+    stored_bits: Mapping[str, int] | None = None,
+    int4_kernel: str = "torch",
+) -> None:
+    """``quantize_model`` on the LM head; a tied head is the embedding matrix as stored."""
+    groups = dict(int4_groups or {})
+    bits = dict(stored_bits or {})
+    if model.args.tie_word_embeddings:
+        for stored in (groups, bits):
+            if "tok_embeddings.weight" in stored:
+                stored["output.weight"] = stored["tok_embeddings.weight"]
+    quantized = _quantizer(scheme, groups, bits, int4_kernel)
+    with torch.no_grad():
+        model.output = quantized(["output"], [model.output], ACTIVATION_PASSES["output"])
+
+
+def _quantizer(
+    scheme: str,
+    int4_groups: Mapping[str, Int4Groups] | None,
+    stored_bits: Mapping[str, int] | None,
+    int4_kernel: str,
+) -> Callable[[list[str], list[nn.Linear], int], QuantizedLinear]:
+    """The function that makes one ``QuantizedLinear`` of linear layers named ``names``
+    (concatenated by rows), following ``quantize_model``'s rules."""
     if scheme not in QUANTIZATIONS or scheme == "none":
         raise ValueError(f"quantization scheme must be int8 or int4, got {scheme!r}")
     # Strata's products for the int4 weights and the int8 ones kept beside them; None: where
     # a weight fits them
     kernel = None if int4_kernel == "strata" and scheme == "int4" else "torch"
-    groups = dict(int4_groups or {})
-    bits = dict(stored_bits or {})
-    if model.args.tie_word_embeddings:  # the LM head is the embedding matrix as stored
-        for stored in (groups, bits):
-            if "tok_embeddings.weight" in stored:
-                stored["output.weight"] = stored["tok_embeddings.weight"]
+    groups = int4_groups or {}
+    bits = stored_bits or {}
 
     def quantized(names: list[str], linears: list[nn.Linear], passes: int) -> QuantizedLinear:
         biases = [linear.bias for linear in linears]
@@ -390,21 +447,4 @@ def quantize_model(
             return QuantizedLinear.int4(weight, bias, kernel, passes)
         return QuantizedLinear.int8(weight, bias, kernel, passes)
 
-    with torch.no_grad():
-        for i, layer in enumerate(model.layers):
-            prefix = f"layers.{i}"
-            att, ff = layer.attention, layer.feed_forward
-            att.wqkv = quantized(
-                [f"{prefix}.attention.{w}" for w in ("wq", "wk", "wv")],
-                [att.wq, att.wk, att.wv],
-                ACTIVATION_PASSES["wqkv"],
-            )
-            att.wo = quantized([f"{prefix}.attention.wo"], [att.wo], ACTIVATION_PASSES["wo"])
-            ff.w13 = quantized(
-                [f"{prefix}.feed_forward.{w}" for w in ("w1", "w3")],
-                [ff.w1, ff.w3],
-                ACTIVATION_PASSES["w13"],
-            )
-            ff.w2 = quantized([f"{prefix}.feed_forward.w2"], [ff.w2], ACTIVATION_PASSES["w2"])
-            del att.wq, att.wk, att.wv, ff.w1, ff.w3
-        model.output = quantized(["output"], [model.output], ACTIVATION_PASSES["output"])
+    return quantized
