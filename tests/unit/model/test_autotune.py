@@ -457,12 +457,14 @@ def test_built_in_models_resolve_auto_to_the_float32_reference():
 
 
 def test_a_quantized_file_loads_as_measured_and_the_engine_runs_it(monkeypatch, tmp_path):
-    """SmolLM2's Q4_1 file with dtype and quantization auto: every candidate is built and
-    timed (here by a stub timing per candidate), and the model and the engine run the one the
-    rule picks."""
+    """SmolLM2's Q4_1 file with dtype and quantization auto: every candidate is built as a
+    probe of some of its layers and timed (here by a stub timing per candidate, and nothing for
+    what is not the layers, so that pricing at the model's depth scales every candidate alike),
+    and the model and the engine run the one the rule picks, built whole."""
     from replicas.config import EngineConfig
     from replicas.engine.engine import Engine
     from replicas.model.resolve import DEFAULT_MODEL, packaged_model_path
+    from replicas.model.streamed import probe_size
 
     try:
         path = packaged_model_path(DEFAULT_MODEL)
@@ -501,10 +503,13 @@ def test_a_quantized_file_loads_as_measured_and_the_engine_runs_it(monkeypatch, 
         stack = "eager" if model.native is None else "native"
         candidate = Candidate(dtype_name, scheme, stack, kernel)
         built.append(candidate)
+        depths.append(model.args.num_layers)
         prefill_ms, decode_ms = stub[candidate]
         return prefill_ms / 1e3, decode_ms / 1e3
 
+    depths = []
     monkeypatch.setattr(autotune, "time_model", stub_time)
+    monkeypatch.setattr(autotune, "time_rest", lambda *args: (0.0, 0.0))
     monkeypatch.setenv(autotune.CACHE_ENV, str(tmp_path / "choices.json"))
     loaded = load_model(str(path), torch.device("cpu"), "auto", quantization="auto")
     assert sorted(built[: len(stub)]) == sorted(stub)  # every candidate, then the finalists
@@ -512,6 +517,8 @@ def test_a_quantized_file_loads_as_measured_and_the_engine_runs_it(monkeypatch, 
     # 256 x 4.5 + 128 x 20 ms = 3.71 s: float32/int4-strata/native beats float32/int4/native
     # (3.97 s) and bfloat16/int8 eager (4.20 s); bfloat16/int4/native (3.34 s) decodes slower
     # than its twin (21 ms): ineligible.
+    assert set(depths) == {probe_size(loaded.args)} and 2 <= depths[0] < loaded.args.num_layers
+    assert len(loaded.model.layers) == loaded.args.num_layers == 30
     assert (loaded.dtype, loaded.quantization) == (torch.float32, "int4")
     assert loaded.decoder_stack == "native" and loaded.model.native is not None
     assert loaded.auto.source == "measured"
