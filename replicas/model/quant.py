@@ -135,8 +135,8 @@ class QuantizedLinear(nn.Module):
             if kernel == "strata":
                 raise ValueError("Strata's int8 kernel cannot take this weight here")
         w = weight.float()
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
-        codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        scale = _abs_max(w, dim=1).clamp(min=1e-12) / 127
+        codes = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
         return cls("int8", k, n, codes, scale.to(COMPUTE_DTYPE), _bias(bias))
 
     @classmethod
@@ -155,7 +155,7 @@ class QuantizedLinear(nn.Module):
         groups = weight.float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)
         scale = ((high - low) / 15).clamp(min=1e-12)
-        codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
+        codes = (groups - low[..., None]).div_(scale[..., None]).round_().clamp_(0, 15)
         return cls.int4_groups(codes.reshape(n, k), scale, low + 8 * scale, bias, kernel, passes)
 
     @classmethod
@@ -229,6 +229,11 @@ class QuantizedLinear(nn.Module):
             f"{self.scheme}, in_features={self.in_features}, "
             f"out_features={self.out_features}{kernel}"
         )
+
+
+def _abs_max(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x.abs().amax(dim)`` (the same values: both are exact) without a copy of ``x``."""
+    return torch.maximum(x.amax(dim=dim), x.amin(dim=dim).neg_())
 
 
 def _bias(bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -317,12 +322,12 @@ def _strata_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | No
     if k % GROUP_SIZE or native_stack.load_error() is not None:
         return None
     groups = weight.detach().float().cpu().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
-    d = groups.abs().amax(dim=-1) / 127
+    d = _abs_max(groups, dim=-1) / 127
     d16 = _float16_scales(d)
     if d16 is None:
         return None
     inverse = torch.where(d16 > 0, 1 / d16.float(), torch.zeros_like(d))
-    codes = torch.round(groups * inverse[..., None]).clamp(-127, 127).to(torch.int8)
+    codes = (groups * inverse[..., None]).round_().clamp_(-127, 127).to(torch.int8)
     padded = -n % 16
     codes = F.pad(codes.reshape(n, k), (0, 0, 0, padded))
     d16 = F.pad(d16, (0, 0, 0, padded))
@@ -431,7 +436,7 @@ def _quantizer(
     def quantized(names: list[str], linears: list[nn.Linear], passes: int) -> QuantizedLinear:
         biases = [linear.bias for linear in linears]
         bias = None if biases[0] is None else torch.cat(biases)
-        weight = torch.cat([linear.weight for linear in linears])
+        weight = torch.cat([x.weight for x in linears]) if len(linears) > 1 else linears[0].weight
         wanted = scheme if all(bits.get(f"{n}.weight", 16) <= 4 for n in names) else "int8"
         if wanted == "int4" and not int4_fits(*weight.shape):
             wanted = "int8"
