@@ -145,7 +145,61 @@ def _dequantize(tensor: Any, data: np.ndarray) -> np.ndarray:
 
     if tensor.tensor_type == GGMLQuantizationType.F32:
         return np.array(data, dtype=np.float32)  # a copy: the file is mapped read-only
+    fast = _TORCH_DEQUANTIZE.get(tensor.tensor_type.name)
+    if fast is not None and data.ndim == 2:
+        blocks = torch.from_numpy(np.ascontiguousarray(data)).view(-1, _BLOCK_BYTES[fast])
+        return fast(blocks).view(data.shape[0], -1).numpy()
     return dequantize(np.asarray(data), tensor.tensor_type)
+
+
+def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The float16 at byte ``at`` of each block [B, bytes], as float32 [B, 1]."""
+    return blocks[:, at : at + 2].contiguous().view(torch.float16).float()
+
+
+def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    """``Q4_0`` blocks [B, 18] as float32 [B, 32]: ``d * (q - 8)`` (gguf-py's order of ops)."""
+    q = blocks[:, 2:]
+    codes = torch.cat((q & 15, q >> 4), dim=1).to(torch.int8) - 8
+    return _f16(blocks, 0) * codes.float()
+
+
+def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    """``Q8_0`` blocks [B, 34] as float32 [B, 32]: ``d * q``."""
+    return _f16(blocks, 0) * blocks[:, 2:].contiguous().view(torch.int8).float()
+
+
+def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    """``Q4_K`` blocks [B, 144] as float32 [B, 256]: ``(d sc) q - dmin m`` per 32 weights, the
+    eight 6-bit scales and mins packed in 12 bytes (gguf-py's ``Q4_K.get_scale_min``)."""
+    n = blocks.shape[0]
+    low, high, mixed = blocks[:, 4:8], blocks[:, 8:12], blocks[:, 12:16]
+    sc = torch.cat((low & 63, (mixed & 15) | ((low >> 2) & 48)), dim=1).float()
+    m = torch.cat((high & 63, (mixed >> 4) | ((high >> 2) & 48)), dim=1).float()
+    d = (_f16(blocks, 0) * sc).view(n, 8, 1)
+    dm = (_f16(blocks, 2) * m).view(n, 8, 1)
+    q = blocks[:, 16:].view(n, 4, 1, 32)
+    codes = torch.cat((q & 15, q >> 4), dim=2).view(n, 8, 32).float()
+    return (d * codes - dm).view(n, 256)
+
+
+def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    """``Q6_K`` blocks [B, 210] as float32 [B, 256]: ``(d scale) (q - 32)`` per 16 weights, q's
+    low 4 bits in ``ql`` and high 2 in ``qh``."""
+    n = blocks.shape[0]
+    ql = blocks[:, :128].reshape(n, 2, 1, 64)
+    ql = torch.cat((ql & 15, ql >> 4), dim=2).view(n, 8, 32)
+    qh = blocks[:, 128:192].reshape(n, 2, 1, 32)
+    qh = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=2).view(n, 8, 32)
+    codes = ((ql | (qh << 4)).to(torch.int8) - 32).view(n, 16, 16).float()
+    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
+    d = (_f16(blocks, 208) * scales).view(n, 16, 1)
+    return (d * codes).view(n, 256)
+
+
+# The types dequantized by torch (several threads; the same float32 values as gguf-py's numpy)
+_TORCH_DEQUANTIZE = {"Q4_0": _q4_0, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q6_K": _q6_k}
+_BLOCK_BYTES = {_q4_0: 18, _q8_0: 34, _q4_k: 144, _q6_k: 210}
 
 
 def _read_rows(tensor: Any, start: int, count: int, fd: int) -> np.ndarray:
