@@ -27,7 +27,7 @@ from replicas.model.native_stack import DECODER_STACKS, load_error, unsupported
 from replicas.model.quant import INT4_KERNELS, QUANTIZATIONS, quantize_model
 from replicas.model.registry import build_model
 from replicas.model.resolve import resolve_model
-from replicas.model.streamed import Weights, build_streamed, probe_layers
+from replicas.model.streamed import Weights, build_streamed, probe_layers, release_freed_memory
 from replicas.model.tokenizer import ByteTokenizer, Tokenizer
 from replicas.model.transformer import Transformer
 
@@ -174,6 +174,7 @@ def _load_checkpoint(
     spent = {"build": 0.0}
 
     def build_probe(candidate: Candidate) -> Transformer:
+        release_freed_memory()  # the last probe's
         start = time.perf_counter()
         net = build_streamed(args, weights, candidate, device, probe)
         spent["build"] += time.perf_counter() - start
@@ -189,8 +190,10 @@ def _load_checkpoint(
         device_type=device.type,
         layers=args.num_layers,
     )
+    release_freed_memory()
     tuned = time.perf_counter()
     net = build_streamed(args, weights, choice.candidate, device)
+    release_freed_memory()  # what the build's temporaries left in the heap
     built = time.perf_counter()
     if choice.source != "fixed":
         logger.info("auto: %s chose %s", name, choice.describe())

@@ -15,6 +15,8 @@ A *probe* is the same model with only some of its decoder layers (``probe_layers
 the model's structure, and a layer costs the same in a probe as in the whole model.
 """
 
+import contextlib
+import ctypes
 import math
 from collections.abc import Sequence
 from dataclasses import replace
@@ -90,6 +92,14 @@ def build_streamed(
     net.eval()
     net.requires_grad_(False)
     return net
+
+
+def release_freed_memory() -> None:
+    """Hands the C heap's free pages back to the system (glibc's ``malloc_trim``): a build's
+    temporaries of a few MiB each are freed into the heap, not to the system, and would stay in
+    the process's resident memory beside the model (on SmolLM2-360M, 0.55 GB of 1.75)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _read(module: nn.Module, prefix: str, weights: Weights, device: torch.device) -> None:
