@@ -27,7 +27,13 @@ from replicas.model.native_stack import DECODER_STACKS, load_error, unsupported
 from replicas.model.quant import INT4_KERNELS, QUANTIZATIONS, quantize_model
 from replicas.model.registry import build_model
 from replicas.model.resolve import resolve_model
-from replicas.model.streamed import Weights, build_streamed, probe_layers, release_freed_memory
+from replicas.model.streamed import (
+    KeptFloat,
+    Weights,
+    build_streamed,
+    probe_layers,
+    release_freed_memory,
+)
 from replicas.model.tokenizer import ByteTokenizer, Tokenizer
 from replicas.model.transformer import Transformer
 
@@ -172,11 +178,12 @@ def _load_checkpoint(
     options = request.options(shape, device, weights.is_quantized)
     probe = probe_layers(args, weights.stored_bits)
     spent = {"build": 0.0}
+    kept = [KeptFloat(weights, ["tok_embeddings.weight"])]  # the probes' embedding, read once
 
     def build_probe(candidate: Candidate) -> Transformer:
         release_freed_memory()  # the last probe's
         start = time.perf_counter()
-        net = build_streamed(args, weights, candidate, device, probe)
+        net = build_streamed(args, kept[0], candidate, device, probe)
         spent["build"] += time.perf_counter() - start
         return net
 
@@ -190,6 +197,7 @@ def _load_checkpoint(
         device_type=device.type,
         layers=args.num_layers,
     )
+    kept.clear()
     release_freed_memory()
     tuned = time.perf_counter()
     net = build_streamed(args, weights, choice.candidate, device)

@@ -54,6 +54,36 @@ class Weights(Protocol):
     def int4_groups(self, name: str) -> Int4Groups | None: ...
 
 
+class KeptFloat:
+    """``weights`` with the tensors ``names`` kept in float32 once read: ``auto`` builds a probe
+    for each candidate, and reading SmolLM2-1.7B's ``Q6_K`` embedding (49,152 x 2,048) takes
+    longer than building the rest of a probe. A kept tensor is cast from its float32 values,
+    as it would be read."""
+
+    def __init__(self, weights: Weights, names: Sequence[str]) -> None:
+        self._weights, self._names = weights, set(names)
+        self._kept: dict[str, torch.Tensor] = {}
+        self.stored_bits, self.files = weights.stored_bits, weights.files
+
+    @property
+    def is_quantized(self) -> bool:
+        return self._weights.is_quantized
+
+    def copy_into(self, name: str, target: torch.Tensor) -> None:
+        if name not in self._names:
+            self._weights.copy_into(name, target)
+            return
+        if name not in self._kept:
+            values = torch.empty(target.shape, dtype=torch.float32, device=target.device)
+            self._weights.copy_into(name, values)
+            self._kept[name] = values
+        with torch.no_grad():
+            target.copy_(self._kept[name])
+
+    def int4_groups(self, name: str) -> Int4Groups | None:
+        return self._weights.int4_groups(name)
+
+
 def build_streamed(
     args: ModelArgs,
     weights: Weights,
