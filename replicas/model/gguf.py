@@ -130,15 +130,42 @@ def open_gguf(path: str | Path) -> Any:
 @functools.lru_cache(maxsize=2)
 def _open_gguf(path: Path, size: int, mtime_ns: int) -> Any:
     try:
-        from gguf import GGUFReader
+        reader = _plain_reader()
     except ImportError as error:
         raise ValueError(
             f"reading the GGUF file {path} needs the gguf package: pip install gguf"
         ) from error
     try:
-        return GGUFReader(str(path))
+        return reader(str(path))
     except (ValueError, OSError) as error:
         raise ValueError(f"{path} is not a readable GGUF file: {error}") from error
+
+
+@functools.cache
+def _plain_reader() -> type:
+    """``gguf.GGUFReader`` over a plain array view of its memory map, and knowing its path.
+
+    The reader slices its map once per metadata item (a string of the vocabulary is three
+    slices), and a slice of an ``np.memmap`` is a memmap made through Python-level hooks: for
+    SmolLM2's 49,152 tokens and 48,900 merges, 2.2 s of parsing against 0.8 s over a plain view
+    of the same map (which the view keeps open)."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    class PlainReader(GGUFReader):
+        def __init__(self, path: str, mode: str = "r") -> None:
+            self.path = path
+            super().__init__(path, mode)
+
+        @property
+        def data(self) -> np.ndarray:
+            return self._plain
+
+        @data.setter
+        def data(self, value: np.ndarray) -> None:
+            self._plain = value.view(np.ndarray)
+
+    return PlainReader
 
 
 def read_gguf_info(path: str | Path, name: str = "") -> tuple[ModelArgs, HFTokenizer]:

@@ -58,7 +58,7 @@ class GGUFWeights:
     """
 
     def __init__(self, reader: Any, args: ModelArgs, path: str | Path = "") -> None:
-        self.path = str(path or getattr(reader.data, "filename", ""))
+        self.path = str(path or getattr(reader, "path", "") or getattr(reader.data, "filename", ""))
         with torch.device("meta"):
             model = build_model(args)
         self._tensors = _checked_tensors(model, reader, self.path)
