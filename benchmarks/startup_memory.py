@@ -61,13 +61,13 @@ def run_child(
     child = subprocess.Popen(
         command, cwd=code, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    watched_peak = 0
+    watched_peak, start = 0, time.perf_counter()
     while child.poll() is None:
         watched_peak = max(watched_peak, _rss_kib(child.pid))
         if watched_peak > limit_gib * 2**20:
             child.kill()
             child.wait()
-            return {"killed_above_gib": limit_gib}
+            return {"killed_above_gib": limit_gib, "after_s": time.perf_counter() - start}
         time.sleep(0.05)
     out, err = child.communicate()
     if child.returncode != 0:
