@@ -340,7 +340,7 @@ def tune(
     if len(options) == 1:
         return Choice(options[0], (), "fixed")
     scope = os.environ.get(SCOPE_ENV) or None
-    how = _How(timer, kv_cache_dtype, device_type, layers)
+    how = _How(timer, kv_cache_dtype, device_type, layers, {})
     if cache_file is None:
         return _measure(options, build, how)
     cached = _cached_choice(cache_file, key, options, scope)
@@ -381,6 +381,7 @@ class _How(NamedTuple):
     kv_cache_dtype: str
     device_type: str
     layers: int | None  # the model's depth, where the built models are probes
+    rests: dict  # time_rest's timings by the form of the probe's embedding and LM head
 
 
 def _measure(
@@ -445,7 +446,8 @@ def _timed(
 ) -> dict[Candidate, Timing]:
     """Each of ``options`` timed, its model built once per (dtype, quantization, kernel) in
     the order of ``builds`` and dropped before the next; a probe's timings priced at the
-    model's depth (what is not its layers timed once per build: ``time_rest``)."""
+    model's depth (what is not its layers timed by ``time_rest`` once per form of the
+    embedding and LM head: int8 and torch's int4 builds keep a Q8_0 head alike)."""
     timings = {}
     for dtype_name, quantization, kernel in builds:
         model = build(Candidate(dtype_name, quantization, kernel=kernel))
@@ -453,7 +455,10 @@ def _timed(
         depth = model.args.num_layers
         rest = None
         if how.layers is not None and depth < how.layers:
-            rest = time_rest(model, dtype, how.timer, how.kv_cache_dtype)
+            head = (dtype_name, type(model.output).__name__, model.output.extra_repr())
+            if head not in how.rests:
+                how.rests[head] = time_rest(model, dtype, how.timer, how.kv_cache_dtype)
+            rest = how.rests[head]
         for candidate in options:
             if candidate[:2] + candidate[3:] != (dtype_name, quantization, kernel):
                 continue
