@@ -167,3 +167,49 @@ def test_torchs_dequantization_is_gguf_pys_bit_for_bit(kind):
     assert ours.shape == expected.shape and np.array_equal(
         ours.view(np.uint32), expected.view(np.uint32)
     )
+
+
+def test_a_probes_timings_are_priced_at_the_models_depth():
+    """What is not the layers once, the layers' share of the probe times depth / probe depth:
+    a probe of 4 layers at 10 ms a token over 2 ms of rest stands for 24 layers at 50 ms."""
+    from replicas.model.autotune import at_depth
+
+    assert at_depth((0.010, 0.030), (0.002, 0.006), 4, 24) == pytest.approx((0.050, 0.150))
+    assert at_depth((0.001, 0.030), (0.002, 0.006), 4, 24) == pytest.approx((0.002, 0.150))
+
+
+def test_time_rest_times_the_model_without_its_layers_and_gives_them_back():
+    from replicas.model import autotune, load_model
+
+    net = load_model("tiny", CPU).model
+    layers, calls = net.layers, []
+    for layer in layers:
+        layer.register_forward_hook(lambda *args: calls.append(1))
+    autotune.time_rest(net, torch.float32)
+    assert calls == [] and net.layers is layers
+    net.use_native_stack(False)  # hooks see eager layers only
+    autotune.time_model(net, torch.float32)
+    assert len(calls) > 0
+
+
+def test_tune_times_the_rest_once_per_form_of_the_head(monkeypatch, small_gguf):
+    """float32 int8 and torch's int4 keep the (Q8_0 or Q4_0 tied) head alike or not: the rest
+    is timed once per distinct head, and never for a whole model."""
+    from replicas.model import autotune
+
+    args, _ = read_gguf_info(small_gguf)
+    weights = GGUFWeights(open_gguf(small_gguf), args, small_gguf)
+    heads = []
+    monkeypatch.setattr(autotune, "time_model", lambda *a, **k: (1e-3, 1e-2))
+    monkeypatch.setattr(
+        autotune, "time_rest", lambda net, *a: heads.append(net.output.extra_repr()) or (0, 0)
+    )
+    options = [Candidate("float32", q) for q in ("none", "int8", "int4")]
+    choice = autotune.tune(
+        options, lambda c: build_streamed(args, weights, c, CPU, [0]), "k", None, layers=3
+    )
+    assert len(heads) == len(set(heads)) >= 2
+    assert all(t.decode_s == pytest.approx(3e-2) for t in choice.timings)  # 1 layer of 3
+    heads.clear()
+    autotune.tune(options, lambda c: build_streamed(args, weights, c, CPU), "k", None, layers=3)
+    assert heads == []
