@@ -73,6 +73,10 @@ class KeptFloat:
         if name not in self._names:
             self._weights.copy_into(name, target)
             return
+        if name not in self._kept and target.dtype == torch.float32:
+            self._weights.copy_into(name, target)  # kept as read: no second copy
+            self._kept[name] = target.detach()
+            return
         if name not in self._kept:
             values = torch.empty(target.shape, dtype=torch.float32, device=target.device)
             self._weights.copy_into(name, values)
@@ -82,6 +86,11 @@ class KeptFloat:
 
     def int4_groups(self, name: str) -> Int4Groups | None:
         return self._weights.int4_groups(name)
+
+    def shared(self, name: str, dtype: torch.dtype) -> torch.Tensor | None:
+        """The kept float32 tensor itself, for a float32 parameter ``name`` once it has been
+        read (a float32 probe's embedding is the kept one, not a second copy), else None."""
+        return self._kept.get(name) if dtype == torch.float32 else None
 
 
 def build_streamed(
@@ -135,8 +144,13 @@ def release_freed_memory() -> None:
 def _read(module: nn.Module, prefix: str, weights: Weights, device: torch.device) -> None:
     """``module``'s parameters made on ``device`` (in the dtype they have) and read."""
     module.to_empty(device=device)
+    shared = getattr(weights, "shared", lambda *_: None)
     for name, param in module.named_parameters():
-        weights.copy_into(f"{prefix}.{name}", param)
+        kept = shared(f"{prefix}.{name}", param.dtype)
+        if kept is not None and kept.device == param.device:
+            param.data = kept  # nothing computes in place on a weight
+        else:
+            weights.copy_into(f"{prefix}.{name}", param)
 
 
 def _int4_groups(weights: Weights, names: list[str]) -> dict[str, Int4Groups]:

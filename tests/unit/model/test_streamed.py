@@ -213,3 +213,25 @@ def test_tune_times_the_rest_once_per_form_of_the_head(monkeypatch, small_gguf):
     heads.clear()
     autotune.tune(options, lambda c: build_streamed(args, weights, c, CPU), "k", None, layers=3)
     assert heads == []
+
+
+def test_probes_built_over_a_kept_embedding_are_those_built_without(small_gguf, make_batch, chunk):
+    """``KeptFloat``: the embedding is read once; a float32 probe's embedding is the kept
+    tensor itself, and every probe computes what it computes when read from the file."""
+    from replicas.model.streamed import KeptFloat
+
+    args, _ = read_gguf_info(small_gguf)
+    weights = GGUFWeights(open_gguf(small_gguf), args, small_gguf)
+    reads = []
+    original = weights.copy_into
+    weights.copy_into = lambda name, target: reads.append(name) or original(name, target)
+    kept = KeptFloat(weights, ["tok_embeddings.weight"])
+    nets = []
+    for candidate in (CANDIDATES[1], CANDIDATES[0], CANDIDATES[4], CANDIDATES[0]):
+        net = build_streamed(args, kept, candidate, CPU, [1])
+        expected = build_streamed(args, weights, candidate, CPU, [1])
+        assert torch.equal(logits(net, make_batch, chunk), logits(expected, make_batch, chunk))
+        nets.append(net)
+    float32 = [n.tok_embeddings.weight for n in (nets[1], nets[3])]
+    assert float32[0].data_ptr() == float32[1].data_ptr()
+    assert reads.count("tok_embeddings.weight") == 1 + 4  # once kept, once per plain build
