@@ -3,8 +3,9 @@ run this model fastest here, chosen by timing them at start-up, never by a CPU-f
 
 Machines differ: the packed int4 and int8 kernels are the fastest decode on one CPU and the
 slowest prefill on another; bfloat16 doubles one CPU's prefill and divides another's by six.
-So each candidate is built from the loaded weights and timed on this CPU, with this process's
-threads, for a fraction of a second:
+So each candidate is built and timed on this CPU, with this process's threads, for a fraction of
+a second; a checkpoint's candidate as a probe of a few of its layers, whose timings are priced at
+the model's depth (``at_depth``, ``time_rest``; ``replicas.model.streamed``):
 
 * prefill: one forward of ``PREFILL_TOKENS`` fresh tokens, per token;
 * decode: one forward of a single token after ``DECODE_CONTEXT_TOKENS`` of context.
