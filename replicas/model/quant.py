@@ -64,6 +64,7 @@ INT4_KERNELS = ("auto", "strata", "torch")
 """``int4_kernel``'s values: Strata's product, torch's, or the faster measured."""
 
 GROUP_SIZE = 32
+_CHUNK_ROWS = 4096  # rows quantized at once (a multiple of the kernels' tiles of 16 and 64)
 COMPUTE_DTYPE = torch.bfloat16
 _INT4_TILE_ROWS = 64  # output sizes the CPU int4 kernels take: multiples of their widest tile
 ACTIVATION_PASSES = {"wqkv": 2, "wo": 2, "w13": 1, "w2": 2, "output": 2}
@@ -134,10 +135,14 @@ class QuantizedLinear(nn.Module):
                 return cls("int8", k, n, *strata, _bias(bias), kernel="strata", passes=passes)
             if kernel == "strata":
                 raise ValueError("Strata's int8 kernel cannot take this weight here")
-        w = weight.float()
-        scale = _abs_max(w, dim=1).clamp(min=1e-12) / 127
-        codes = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
-        return cls("int8", k, n, codes, scale.to(COMPUTE_DTYPE), _bias(bias))
+        codes, scales = [], []
+        for rows in weight.split(_CHUNK_ROWS):  # row by row: a few MiB of float at a time
+            w = rows.float()
+            scale = _abs_max(w, dim=1).clamp(min=1e-12) / 127
+            codes.append((w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8))
+            scales.append(scale)
+        scale = torch.cat(scales).to(COMPUTE_DTYPE)
+        return cls("int8", k, n, torch.cat(codes), scale, _bias(bias))
 
     @classmethod
     def int4(
@@ -152,11 +157,17 @@ class QuantizedLinear(nn.Module):
         ``int4_groups``."""
         n, k = weight.shape
         _check_int4_shape(n, k)
-        groups = weight.float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
-        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-        scale = ((high - low) / 15).clamp(min=1e-12)
-        codes = (groups - low[..., None]).div_(scale[..., None]).round_().clamp_(0, 15)
-        return cls.int4_groups(codes.reshape(n, k), scale, low + 8 * scale, bias, kernel, passes)
+        codes, scales, zeros = [], [], []
+        for rows in weight.split(_CHUNK_ROWS):  # row by row: a few MiB of float at a time
+            groups = rows.float().reshape(-1, k // GROUP_SIZE, GROUP_SIZE)
+            low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+            scale = ((high - low) / 15).clamp(min=1e-12)
+            q = (groups - low[..., None]).div_(scale[..., None]).round_().clamp_(0, 15)
+            codes.append(q.to(torch.uint8).reshape(-1, k))  # 0 to 15: exact
+            scales.append(scale)
+            zeros.append(low + 8 * scale)
+        scale, zero = torch.cat(scales), torch.cat(zeros)
+        return cls.int4_groups(torch.cat(codes), scale, zero, bias, kernel, passes)
 
     @classmethod
     def int4_groups(
@@ -321,13 +332,17 @@ def _strata_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | No
     n, k = weight.shape
     if k % GROUP_SIZE or native_stack.load_error() is not None:
         return None
-    groups = weight.detach().float().cpu().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
-    d = _abs_max(groups, dim=-1) / 127
-    d16 = _float16_scales(d)
-    if d16 is None:
-        return None
-    inverse = torch.where(d16 > 0, 1 / d16.float(), torch.zeros_like(d))
-    codes = (groups * inverse[..., None]).round_().clamp_(-127, 127).to(torch.int8)
+    parts, scales = [], []
+    for rows in weight.detach().split(_CHUNK_ROWS):  # tiles of 16 rows: each chunk's own
+        groups = rows.float().cpu().reshape(-1, k // GROUP_SIZE, GROUP_SIZE)
+        d = _abs_max(groups, dim=-1) / 127
+        d16 = _float16_scales(d)
+        if d16 is None:
+            return None
+        inverse = torch.where(d16 > 0, 1 / d16.float(), torch.zeros_like(d))
+        parts.append((groups * inverse[..., None]).round_().clamp_(-127, 127).to(torch.int8))
+        scales.append(d16)
+    codes, d16 = torch.cat(parts), torch.cat(scales)
     padded = -n % 16
     codes = F.pad(codes.reshape(n, k), (0, 0, 0, padded))
     d16 = F.pad(d16, (0, 0, 0, padded))
