@@ -662,19 +662,7 @@ def run(
     num_blocks = sum(_blocks(c + s.chunk_len) for c in s.context_lens) + _blocks(s.prompt_len)
     num_blocks += sum(s.batch_sizes) * _blocks(decode_len) + 2 * BLOCK_SIZE
     max_model_len = min(max(s.prompt_len, *s.context_lens, decode_len) + 2 * BLOCK_SIZE, limit)
-    strata, startup_s = [], []
-    for d, q, st in s.variants:  # each start-up timed (auto's measurement or cached choice)
-        start = time.perf_counter()
-        llm = build_llm(
-            num_npu_blocks=num_blocks,
-            max_model_len=max_model_len,
-            model=model,
-            dtype=d,
-            quantization=q,
-            decoder_stack=st,
-        )
-        startup_s.append(time.perf_counter() - start)
-        strata.append(StrataSide(llm, (d, q, st), max(s.batch_sizes)))
+    strata, startup_s = _strata_sides(s, model, num_blocks, max_model_len)
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # all variants
     peer, peer_note = open_peer(path, threads, max(s.prompt_len, decode_len) + BLOCK_SIZE)
     if peer_note:
@@ -755,6 +743,27 @@ def run(
         "compiled": compiled,
     }
     return report.write(output_dir)
+
+
+def _strata_sides(
+    s: Settings, model: str, num_blocks: int, max_model_len: int
+) -> tuple[list[StrataSide], list[float]]:
+    """One engine per variant, and each one's start-up time (``auto``'s measurement or its
+    cached choice, and the build)."""
+    sides, startup_s = [], []
+    for d, q, st in s.variants:
+        start = time.perf_counter()
+        llm = build_llm(
+            num_npu_blocks=num_blocks,
+            max_model_len=max_model_len,
+            model=model,
+            dtype=d,
+            quantization=q,
+            decoder_stack=st,
+        )
+        startup_s.append(time.perf_counter() - start)
+        sides.append(StrataSide(llm, (d, q, st), max(s.batch_sizes)))
+    return sides, startup_s
 
 
 def _blocks(num_tokens: int) -> int:
