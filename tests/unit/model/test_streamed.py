@@ -235,3 +235,30 @@ def test_probes_built_over_a_kept_embedding_are_those_built_without(small_gguf, 
     float32 = [n.tok_embeddings.weight for n in (nets[1], nets[3])]
     assert float32[0].data_ptr() == float32[1].data_ptr()
     assert reads.count("tok_embeddings.weight") == 1 + 4  # once kept, once per plain build
+
+
+def test_a_safetensors_directory_is_measured_on_probes_and_built_as_chosen(
+    hf_checkpoint, monkeypatch, tmp_path, make_batch, chunk
+):
+    """A float checkpoint (two shards) with dtype auto: probes of some layers are timed, and the
+    model built as chosen is the one an explicit dtype loads."""
+    from replicas.model import autotune, load_model
+    from tests.unit.model.test_gguf import llama_config as tiny_llama
+
+    directory, _ = hf_checkpoint(tiny_llama(num_hidden_layers=6), max_shard_size="20KB")
+    assert len(list(directory.glob("*.safetensors"))) > 1
+    depths = []
+    bfloat16_faster = {torch.float32: (2e-3, 2e-2), torch.bfloat16: (1e-3, 1e-2)}
+    monkeypatch.setattr(
+        autotune,
+        "time_model",
+        lambda net, dtype, *a: depths.append(net.args.num_layers) or bfloat16_faster[dtype],
+    )
+    monkeypatch.setattr(autotune, "time_rest", lambda *a: (0.0, 0.0))
+    monkeypatch.setenv(autotune.CACHE_ENV, str(tmp_path / "choices.json"))
+    loaded = load_model(str(directory), CPU, "auto", decoder_stack="eager")
+    assert loaded.dtype == torch.bfloat16 and loaded.auto.source.startswith("measured")
+    assert depths and max(depths) < 6 and len(loaded.model.layers) == 6
+    explicit = load_model(str(directory), CPU, "bfloat16", decoder_stack="eager")
+    got = logits(loaded.model, make_batch, chunk)
+    assert torch.equal(got, logits(explicit.model, make_batch, chunk))
