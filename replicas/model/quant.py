@@ -41,7 +41,7 @@ Only linear layers are quantized (every projection of every block and the LM hea
 embedding, which is only gathered, stays dense.
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -117,7 +117,7 @@ class QuantizedLinear(nn.Module):
     @classmethod
     def int8(
         cls,
-        weight: torch.Tensor,
+        weight: torch.Tensor | Sequence[torch.Tensor],
         bias: torch.Tensor | None = None,
         kernel: str | None = "torch",
         passes: int = 2,
@@ -127,8 +127,9 @@ class QuantizedLinear(nn.Module):
         ``strata``, or ``None`` for Strata's where its library is built and the weight fits its
         layout), which keeps a GGUF ``Q8_0`` weight's codes and scales as stored. ``passes``:
         Strata's product quantizes the activations in one int8 pass or two (see the module
-        docstring)."""
-        n, k = weight.shape
+        docstring). A sequence of weights is their rows one after the other (a fused
+        projection's), never copied into one float tensor."""
+        n, k = _shape(weight)
         if kernel in (None, "strata"):
             strata = _strata_int8(weight)
             if strata is not None:
@@ -136,7 +137,7 @@ class QuantizedLinear(nn.Module):
             if kernel == "strata":
                 raise ValueError("Strata's int8 kernel cannot take this weight here")
         codes, scales = [], []
-        for rows in weight.split(_CHUNK_ROWS):  # row by row: a few MiB of float at a time
+        for rows in _chunks(weight):  # row by row: a few MiB of float at a time
             w = rows.float()
             scale = _abs_max(w, dim=1).clamp(min=1e-12) / 127
             codes.append((w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8))
@@ -147,18 +148,18 @@ class QuantizedLinear(nn.Module):
     @classmethod
     def int4(
         cls,
-        weight: torch.Tensor,
+        weight: torch.Tensor | Sequence[torch.Tensor],
         bias: torch.Tensor | None = None,
         kernel: str | None = None,
         passes: int = 2,
     ) -> "QuantizedLinear":
         """Asymmetric int4 of a float ``weight`` [N, K] in groups of ``GROUP_SIZE`` columns:
         each group's minimum and maximum are codes 0 and 15. ``kernel`` and ``passes`` as for
-        ``int4_groups``."""
-        n, k = weight.shape
+        ``int4_groups``; a sequence of weights as for ``int8``."""
+        n, k = _shape(weight)
         _check_int4_shape(n, k)
         codes, scales, zeros = [], [], []
-        for rows in weight.split(_CHUNK_ROWS):  # row by row: a few MiB of float at a time
+        for rows in _chunks(weight):  # row by row: a few MiB of float at a time
             groups = rows.float().reshape(-1, k // GROUP_SIZE, GROUP_SIZE)
             low, high = groups.amin(dim=-1), groups.amax(dim=-1)
             scale = ((high - low) / 15).clamp(min=1e-12)
@@ -242,6 +243,19 @@ class QuantizedLinear(nn.Module):
         )
 
 
+def _shape(weight: torch.Tensor | Sequence[torch.Tensor]) -> tuple[int, int]:
+    """[N, K] of a weight, or of weights one after the other by rows."""
+    parts = [weight] if isinstance(weight, torch.Tensor) else list(weight)
+    return sum(p.shape[0] for p in parts), parts[0].shape[1]
+
+
+def _chunks(weight: torch.Tensor | Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """A weight's rows (or those of weights one after the other), ``_CHUNK_ROWS`` at most at a
+    time."""
+    for part in [weight] if isinstance(weight, torch.Tensor) else weight:
+        yield from part.split(_CHUNK_ROWS)
+
+
 def _abs_max(x: torch.Tensor, dim: int) -> torch.Tensor:
     """``x.abs().amax(dim)`` (the same values: both are exact) without a copy of ``x``."""
     return torch.maximum(x.amax(dim=dim), x.amin(dim=dim).neg_())
@@ -321,7 +335,9 @@ def _strata_int4_weight(packed: torch.Tensor, scales: torch.Tensor, n: int) -> t
     return w.reshape(tiles * 16, -1)[:n]
 
 
-def _strata_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _strata_int8(
+    weight: torch.Tensor | Sequence[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A float weight [N, K] as int8 codes ``round(w / d)`` with ``d = max|w| / 127`` (float16)
     per row and group of ``GROUP_SIZE`` columns, in the layout of Strata's int8 kernel
     (``replicas/model/quantized_mm.cpp``; rows padded with zeros to its tiles of 16): None
@@ -329,12 +345,12 @@ def _strata_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | No
     where a scale is not a normal float16."""
     from replicas.model import native_stack
 
-    n, k = weight.shape
+    n, k = _shape(weight)
     if k % GROUP_SIZE or native_stack.load_error() is not None:
         return None
     parts, scales = [], []
-    for rows in weight.detach().split(_CHUNK_ROWS):  # tiles of 16 rows: each chunk's own
-        groups = rows.float().cpu().reshape(-1, k // GROUP_SIZE, GROUP_SIZE)
+    for rows in _chunks(weight):  # rows are quantized alone; tiles are packed at the end
+        groups = rows.detach().float().cpu().reshape(-1, k // GROUP_SIZE, GROUP_SIZE)
         d = _abs_max(groups, dim=-1) / 127
         d16 = _float16_scales(d)
         if d16 is None:
@@ -451,9 +467,9 @@ def _quantizer(
     def quantized(names: list[str], linears: list[nn.Linear], passes: int) -> QuantizedLinear:
         biases = [linear.bias for linear in linears]
         bias = None if biases[0] is None else torch.cat(biases)
-        weight = torch.cat([x.weight for x in linears]) if len(linears) > 1 else linears[0].weight
+        weight = [x.weight for x in linears]  # fused by rows as they are quantized
         wanted = scheme if all(bits.get(f"{n}.weight", 16) <= 4 for n in names) else "int8"
-        if wanted == "int4" and not int4_fits(*weight.shape):
+        if wanted == "int4" and not int4_fits(*_shape(weight)):
             wanted = "int8"
         if wanted == "int4" and all(f"{n}.weight" in groups for n in names):
             stored = [groups[f"{n}.weight"] for n in names]

@@ -423,8 +423,9 @@ def test_fused_projections_keep_biases_norms_and_ties(variant, scheme, make_batc
 
 @pytest.mark.parametrize("scheme", ["int8", "int4", "strata-int8", "strata-int4"])
 def test_quantizing_a_few_rows_at_a_time_gives_the_same_layer(scheme, monkeypatch):
-    """Rows are quantized a chunk at a time (a few MiB of float); every scale is a row's or a
-    row group's own, so the layer is the one quantized whole."""
+    """Rows are quantized a chunk at a time (a few MiB of float), and a fused projection's
+    weights one after the other; every scale is a row's or a row group's own, so the layer is
+    the one quantized whole."""
     from replicas.model import quant
 
     if scheme.startswith("strata") and not _strata_built():
@@ -438,3 +439,5 @@ def test_quantizing_a_few_rows_at_a_time_gives_the_same_layer(scheme, monkeypatc
     assert torch.equal(whole.weight, chunked.weight) and torch.equal(whole.scales, chunked.scales)
     x = torch.randn(3, 96)
     assert torch.equal(whole(x), chunked(x))
+    parts = make([weight[:128], weight[128:]], kernel=kernel)  # a fused projection's weights
+    assert torch.equal(whole.weight, parts.weight) and torch.equal(whole.scales, parts.scales)
