@@ -146,9 +146,9 @@ def _plain_reader() -> type:
     """``gguf.GGUFReader`` over a plain array view of its memory map, and knowing its path.
 
     The reader slices its map once per metadata item (a string of the vocabulary is three
-    slices), and a slice of an ``np.memmap`` is a memmap made through Python-level hooks: for
-    SmolLM2's 49,152 tokens and 48,900 merges, 2.2 s of parsing against 0.8 s over a plain view
-    of the same map (which the view keeps open)."""
+    slices), and a slice of an ``np.memmap`` is a memmap made through Python-level hooks, which
+    for a large vocabulary take most of the parsing; a plain view of the same map (which keeps
+    it open) has none (figures in benchmarks/README.md)."""
     import numpy as np
     from gguf import GGUFReader
 

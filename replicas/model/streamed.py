@@ -36,8 +36,15 @@ MIN_PROBE_LAYERS = 2
 PROBE_HEAD_RATIO = 2
 """A probe's layers hold at least this many times the LM head's weights: its timings are priced
 at the model's depth by subtracting what is not its layers (``autotune.at_depth``), and the
-smaller the layers' share of a probe's time, the more its noise is multiplied (SmolLM2-135M's
-head holds as many weights as 8 of its 30 layers)."""
+smaller the layers' share of a probe's time, the more its noise is multiplied (a small model's
+head can hold as many weights as a quarter of its layers)."""
+
+
+RELEASE_EVERY = 4
+"""Quantized layers between two ``release_freed_memory`` calls while a model is built: the
+freed float weights of every layer would otherwise stay in the heap until the end and raise the
+peak, while releasing after every layer costs page faults as the next layer takes the pages
+back (figures in benchmarks/README.md)."""
 
 
 class Weights(Protocol):
@@ -56,8 +63,8 @@ class Weights(Protocol):
 
 class KeptFloat:
     """``weights`` with the tensors ``names`` kept in float32 once read: ``auto`` builds a probe
-    for each candidate, and reading SmolLM2-1.7B's ``Q6_K`` embedding (49,152 x 2,048) takes
-    longer than building the rest of a probe. A kept tensor is cast from its float32 values,
+    for each candidate, and a large vocabulary's embedding can take longer to read than the
+    rest of a probe to build. A kept tensor is cast from its float32 values,
     as it would be read."""
 
     def __init__(self, weights: Weights, names: Sequence[str]) -> None:
@@ -112,13 +119,15 @@ def build_streamed(
     net.to(dtype=torch_dtype(candidate.dtype))
     scheme, kernel = candidate.quantization, candidate.kernel
     _read(net.tok_embeddings, "tok_embeddings", weights, device)
-    for layer, index in zip(net.layers, layers, strict=True):
+    for built, (layer, index) in enumerate(zip(net.layers, layers, strict=True), 1):
         prefix = f"layers.{index}"
         _read(layer, prefix, weights, device)
         if scheme != "none":
             names = [f"{prefix}.{n}" for n, _ in layer.named_parameters()]
             groups = _int4_groups(weights, names) if scheme == "int4" else None
             quantize_layer(layer, prefix, scheme, groups, weights.stored_bits, kernel)
+            if built % RELEASE_EVERY == 0:
+                release_freed_memory()  # the layers' float weights and temporaries
     _read(net.norm, "norm", weights, device)
     if args.tie_word_embeddings:
         net.tie_weights()
@@ -136,7 +145,7 @@ def build_streamed(
 def release_freed_memory() -> None:
     """Hands the C heap's free pages back to the system (glibc's ``malloc_trim``): a build's
     temporaries of a few MiB each are freed into the heap, not to the system, and would stay in
-    the process's resident memory beside the model (on SmolLM2-360M, 0.55 GB of 1.75)."""
+    the process's resident memory beside the model."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
