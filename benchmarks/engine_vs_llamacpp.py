@@ -35,6 +35,7 @@ llama-cpp-python, or when it dies evaluating a few tokens in a child process (na
 
 import math
 import random
+import resource
 import signal
 import subprocess
 import sys
@@ -661,21 +662,8 @@ def run(
     num_blocks = sum(_blocks(c + s.chunk_len) for c in s.context_lens) + _blocks(s.prompt_len)
     num_blocks += sum(s.batch_sizes) * _blocks(decode_len) + 2 * BLOCK_SIZE
     max_model_len = min(max(s.prompt_len, *s.context_lens, decode_len) + 2 * BLOCK_SIZE, limit)
-    strata = [
-        StrataSide(
-            build_llm(
-                num_npu_blocks=num_blocks,
-                max_model_len=max_model_len,
-                model=model,
-                dtype=d,
-                quantization=q,
-                decoder_stack=st,
-            ),
-            (d, q, st),
-            max(s.batch_sizes),
-        )
-        for d, q, st in s.variants
-    ]
+    strata, startup_s = _strata_sides(s, model, num_blocks, max_model_len)
+    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # all variants
     peer, peer_note = open_peer(path, threads, max(s.prompt_len, decode_len) + BLOCK_SIZE)
     if peer_note:
         print(peer_note)
@@ -699,8 +687,9 @@ def run(
 
     llama = summary(peer.name, samples, s, perplexities[peer.name]) if peer else None
     runs = []
-    for side, (d, q, st) in zip(strata, s.variants):
+    for side, (d, q, st), up in zip(strata, s.variants, startup_s):
         entry = {"dtype": d, "quantization": q, "decoder_stack": st, "runs": side.runs}
+        entry["startup_s"] = up
         entry |= {"computes_with": side.computes_with, "auto": _auto(side)}
         entry |= summary(side.name, samples, s, perplexities[side.name])
         entry["decode_profile"] = profiles[side.name]
@@ -741,6 +730,7 @@ def run(
         "model_path": path,
         "settings": asdict(s),
         "threads": threads,
+        "peak_rss_mib_after_loading": peak_rss_mib,
         "perplexity_tokens": len(text_ids),
         "llama_cpp_version": peer.lib.__version__ if peer else None,
         "llama_cpp_options": peer.options if peer else None,
@@ -753,6 +743,27 @@ def run(
         "compiled": compiled,
     }
     return report.write(output_dir)
+
+
+def _strata_sides(
+    s: Settings, model: str, num_blocks: int, max_model_len: int
+) -> tuple[list[StrataSide], list[float]]:
+    """One engine per variant, and each one's start-up time (``auto``'s measurement or its
+    cached choice, and the build)."""
+    sides, startup_s = [], []
+    for d, q, st in s.variants:
+        start = time.perf_counter()
+        llm = build_llm(
+            num_npu_blocks=num_blocks,
+            max_model_len=max_model_len,
+            model=model,
+            dtype=d,
+            quantization=q,
+            decoder_stack=st,
+        )
+        startup_s.append(time.perf_counter() - start)
+        sides.append(StrataSide(llm, (d, q, st), max(s.batch_sizes)))
+    return sides, startup_s
 
 
 def _blocks(num_tokens: int) -> int:
@@ -903,8 +914,8 @@ def _auto_table(report: Report, runs: list[dict]) -> None:
     report.add_table(
         f"Every variant's representative request ({PROMPT_TOKENS} prompt tokens at its cold "
         f"prefill rate, {OUTPUT_TOKENS} tokens at its batch-1 decode rate)",
-        ["engine", "runs", "request s"],
-        [[r["name"], r["runs"], r["request_s"]] for r in runs],
+        ["engine", "runs", "request s", "start-up s"],
+        [[r["name"], r["runs"], r["request_s"], r["startup_s"]] for r in runs],
     )
 
 

@@ -3,8 +3,9 @@ run this model fastest here, chosen by timing them at start-up, never by a CPU-f
 
 Machines differ: the packed int4 and int8 kernels are the fastest decode on one CPU and the
 slowest prefill on another; bfloat16 doubles one CPU's prefill and divides another's by six.
-So each candidate is built from the loaded weights and timed on this CPU, with this process's
-threads, for a fraction of a second:
+So each candidate is built and timed on this CPU, with this process's threads, for a fraction of
+a second; a checkpoint's candidate as a probe of a few of its layers, whose timings are priced at
+the model's depth (``at_depth``, ``time_rest``; ``replicas.model.streamed``):
 
 * prefill: one forward of ``PREFILL_TOKENS`` fresh tokens, per token;
 * decode: one forward of a single token after ``DECODE_CONTEXT_TOKENS`` of context.
@@ -78,8 +79,6 @@ timings it was made from beside every configuration measured.
 """
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
 import time
@@ -88,12 +87,16 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from torch import nn
 
 from replicas.config import torch_dtype
 from replicas.model.autotune_cache import CACHE_ENV as CACHE_ENV
+from replicas.model.autotune_cache import CHOICE_RULES as CHOICE_RULES
 from replicas.model.autotune_cache import ISA_LIMITS as ISA_LIMITS
+from replicas.model.autotune_cache import cache_key as cache_key
 from replicas.model.autotune_cache import cache_path as cache_path
-from replicas.model.autotune_cache import cpu_facts, locked, read_cache, write_cache
+from replicas.model.autotune_cache import cpu_facts as cpu_facts
+from replicas.model.autotune_cache import locked, read_cache, write_cache
 from replicas.model.batch import ForwardBatch
 from replicas.model.transformer import Transformer
 
@@ -189,11 +192,6 @@ def candidates(
     ]
 
 
-CHOICE_RULES = 6
-"""Raised whenever ``choose`` or the timing changes, so that no cached choice outlives the rules
-it followed."""
-
-
 def choose(timings: Sequence[Timing]) -> Candidate:
     """The cheapest eligible candidate by ``Timing.request_s`` (see the module docstring)."""
     float32 = {t.candidate[1:]: t for t in timings if t.candidate.dtype == "float32"}
@@ -272,6 +270,34 @@ def time_model(
     return min(prefills) / PREFILL_TOKENS, min(decodes)
 
 
+def time_rest(
+    model: Transformer,
+    dtype: torch.dtype,
+    timer: Callable[[], float] = time.perf_counter,
+    kv_cache_dtype: str = "auto",
+) -> tuple[float, float]:
+    """``time_model`` of ``model`` without its decoder layers: the embedding, the final norm,
+    the LM head and what a forward does once whatever its depth (eager: the native stack runs
+    the layers)."""
+    layers, native = model.layers, model.native
+    model.layers, model.native = nn.ModuleList(), None
+    try:
+        return time_model(model, dtype, timer, kv_cache_dtype)
+    finally:
+        model.layers, model.native = layers, native
+
+
+def at_depth(
+    probe: tuple[float, float], rest: tuple[float, float], probe_layers: int, layers: int
+) -> tuple[float, float]:
+    """A probe's (prefill per token, decode step) times priced at ``layers`` decoder layers:
+    what is not the layers (``rest``) once, and the probe's layers' share ``layers /
+    probe_layers`` times (never below nothing)."""
+    return tuple(
+        r + layers * max(0.0, p - r) / probe_layers for p, r in zip(probe, rest, strict=True)
+    )
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for ``device``'s queued work (CUDA runs asynchronously; a CPU has none queued)."""
     if device.type == "cuda":
@@ -304,17 +330,20 @@ def tune(
     timer: Callable[[], float] = time.perf_counter,
     kv_cache_dtype: str = "auto",
     device_type: str = "cpu",
+    layers: int | None = None,
 ) -> Choice:
     """The choice among ``options``: from ``cache_file`` under ``key`` when an earlier start
     measured it, else by timing the model ``build`` makes of each (built and dropped one at a
     time, over a KV cache of ``kv_cache_dtype``) and stored there; a busy machine's choice
     (``CPUShare``) is stored for this start's scope only. Measuring holds the cache's lock, so
-    starts on one machine measure in turn."""
+    starts on one machine measure in turn. ``layers``: the model's depth, where ``build``
+    makes a probe of fewer layers (its timings are priced at this depth: ``at_depth``)."""
     if len(options) == 1:
         return Choice(options[0], (), "fixed")
     scope = os.environ.get(SCOPE_ENV) or None
+    how = _How(timer, kv_cache_dtype, device_type, layers, {})
     if cache_file is None:
-        return _measure(options, build, timer, kv_cache_dtype, device_type)
+        return _measure(options, build, how)
     cached = _cached_choice(cache_file, key, options, scope)
     if cached is not None:
         return cached
@@ -322,7 +351,7 @@ def tune(
         cached = _cached_choice(cache_file, key, options, scope)  # measured while we waited
         if cached is not None:
             return cached
-        choice = _measure(options, build, timer, kv_cache_dtype, device_type)
+        choice = _measure(options, build, how)
         if choice.source == "measured":
             write_cache(cache_file, key, choice)
         elif scope is not None:
@@ -346,17 +375,23 @@ def _scoped(key: str, scope: str) -> str:
     return f"{key}@{scope}"
 
 
+class _How(NamedTuple):
+    """How candidates are timed (see ``tune``)."""
+
+    timer: Callable[[], float]
+    kv_cache_dtype: str
+    device_type: str
+    layers: int | None  # the model's depth, where the built models are probes
+    rests: dict  # time_rest's timings by the form of the probe's embedding and LM head
+
+
 def _measure(
-    options: Sequence[Candidate],
-    build: Callable[[Candidate], Transformer],
-    timer: Callable[[], float],
-    kv_cache_dtype: str,
-    device_type: str,
+    options: Sequence[Candidate], build: Callable[[Candidate], Transformer], how: _How
 ) -> Choice:
-    share = CPUShare(device_type)
+    share = CPUShare(how.device_type)
     # each model is built once, for every stack that runs it
     builds = dict.fromkeys((c.dtype, c.quantization, c.kernel) for c in options)
-    timings = _timed(builds, options, build, timer, kv_cache_dtype)
+    timings = _timed(builds, options, build, how)
     # The finalists again, in the reverse order: a slow stretch of a shared VM that held one
     # finalist's first runs must not decide between it and its rival.
     finalists = _finalists(list(timings.values()))
@@ -364,7 +399,7 @@ def _measure(
         again_builds = dict.fromkeys(
             reversed([(c.dtype, c.quantization, c.kernel) for c in finalists])
         )
-        again = _timed(again_builds, finalists, build, timer, kv_cache_dtype)
+        again = _timed(again_builds, finalists, build, how)
         for candidate, t in again.items():
             first = timings[candidate]
             timings[candidate] = Timing(
@@ -408,58 +443,33 @@ def _timed(
     builds: dict[tuple[str, str, str], None],
     options: Sequence[Candidate],
     build: Callable[[Candidate], Transformer],
-    timer: Callable[[], float],
-    kv_cache_dtype: str,
+    how: _How,
 ) -> dict[Candidate, Timing]:
     """Each of ``options`` timed, its model built once per (dtype, quantization, kernel) in
-    the order of ``builds`` and dropped before the next."""
+    the order of ``builds`` and dropped before the next; a probe's timings priced at the
+    model's depth (what is not its layers timed by ``time_rest`` once per form of the
+    embedding and LM head: int8 and torch's int4 builds keep a Q8_0 head alike)."""
     timings = {}
     for dtype_name, quantization, kernel in builds:
         model = build(Candidate(dtype_name, quantization, kernel=kernel))
         dtype = torch_dtype(dtype_name)
+        depth = model.args.num_layers
+        rest = None
+        if how.layers is not None and depth < how.layers:
+            head = (dtype_name, type(model.output).__name__, model.output.extra_repr())
+            if head not in how.rests:
+                how.rests[head] = time_rest(model, dtype, how.timer, how.kv_cache_dtype)
+            rest = how.rests[head]
         for candidate in options:
-            if (candidate.dtype, candidate.quantization, candidate.kernel) == (
-                dtype_name,
-                quantization,
-                kernel,
-            ):
-                model.use_native_stack(candidate.stack == "native")
-                timings[candidate] = Timing(
-                    candidate, *time_model(model, dtype, timer, kv_cache_dtype)
-                )
+            if candidate[:2] + candidate[3:] != (dtype_name, quantization, kernel):
+                continue
+            model.use_native_stack(candidate.stack == "native")
+            timed = time_model(model, dtype, how.timer, how.kv_cache_dtype)
+            if rest is not None:
+                timed = at_depth(timed, rest, depth, how.layers)
+            timings[candidate] = Timing(candidate, *timed)
         del model
     return timings
-
-
-def cache_key(
-    model_files: Sequence[Path | str],
-    device: torch.device,
-    options: Sequence[Candidate],
-    kv_cache_dtype: str = "auto",
-) -> str:
-    """The key of a choice: this CPU, torch, the threads, the device, the model's files (path,
-    size and modification time), the candidates and the KV cache dtype they were timed with,
-    the rules that chose (``CHOICE_RULES``) and the native library's sources (a changed kernel
-    is measured again)."""
-    from replicas.model.native_stack import SOURCES
-
-    files = []
-    for name in model_files:
-        path = Path(name)
-        stat = path.stat() if path.exists() else None
-        files.append([str(path), stat.st_size if stat else 0, stat.st_mtime_ns if stat else 0])
-    facts = {
-        "cpu": cpu_facts(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "device": str(device),
-        "model": files,
-        "candidates": [list(c) for c in options],
-        "kv_cache_dtype": kv_cache_dtype,
-        "rules": CHOICE_RULES,
-        "native": hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest(),
-    }
-    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def _choice_from_json(entry: dict, options: Sequence[Candidate]) -> Choice:

@@ -1,15 +1,17 @@
 """The per-machine file that keeps ``auto``'s choices (``replicas.model.autotune``): where it
 is, the lock that makes replicas starting together measure in turn, reading and replacing it
-whole, and the CPU facts its keys hold."""
+whole, and the key of a choice (the CPU facts, the model's files, the rules' version)."""
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
 import platform
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -46,6 +48,42 @@ def cache_path() -> Path | None:
         return None if configured.lower() in ("off", "0", "none") else Path(configured)
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "strata" / "autotune.json"
+
+
+CHOICE_RULES = 7
+"""Raised whenever ``autotune.choose`` or the timing changes, so that no cached choice outlives
+the rules it followed (7: candidates timed on a probe, priced at the model's depth)."""
+
+
+def cache_key(
+    model_files: Sequence[Path | str],
+    device: torch.device,
+    options: Sequence[Sequence[str]],
+    kv_cache_dtype: str = "auto",
+) -> str:
+    """The key of a choice: this CPU, torch, the threads, the device, the model's files (path,
+    size and modification time), the candidates and the KV cache dtype they were timed with,
+    the rules that chose (``CHOICE_RULES``) and the native library's sources (a changed kernel
+    is measured again)."""
+    from replicas.model.native_stack import SOURCES
+
+    files = []
+    for name in model_files:
+        path = Path(name)
+        stat = path.stat() if path.exists() else None
+        files.append([str(path), stat.st_size if stat else 0, stat.st_mtime_ns if stat else 0])
+    facts = {
+        "cpu": cpu_facts(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "device": str(device),
+        "model": files,
+        "candidates": [list(c) for c in options],
+        "kv_cache_dtype": kv_cache_dtype,
+        "rules": CHOICE_RULES,
+        "native": hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest(),
+    }
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:32]
 
 
 ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", ISA_ENV)

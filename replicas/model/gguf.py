@@ -2,8 +2,8 @@
 
 A GGUF file holds the hyper-parameters and the tokenizer as metadata under llama.cpp's key
 names, and the weights as (often quantized) tensors. ``read_gguf_info`` turns the metadata into
-``ModelArgs`` and an ``HFTokenizer`` that tokenizes as llama.cpp does; ``load_gguf_weights``
-dequantizes the tensors, a slice of rows at a time, into a ``Transformer``'s parameters.
+``ModelArgs`` and an ``HFTokenizer`` that tokenizes as llama.cpp does; the tensors are read
+and dequantized by ``replicas.model.gguf_weights`` (whose names this module re-exports).
 
 Two conventions differ from Hugging Face checkpoints:
 
@@ -21,7 +21,7 @@ applied by its registry entry's ``gguf_args``.
 import functools
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,32 +29,22 @@ import numpy as np
 import torch
 
 from replicas.model.config import ModelArgs
-from replicas.model.quant import Int4Groups
-from replicas.model.registry import Architecture, architectures, get_architecture
-from replicas.model.tensor_names import check_tensor_names
+from replicas.model.gguf_weights import GGUF_TENSOR_TYPES as GGUF_TENSOR_TYPES
+from replicas.model.gguf_weights import GGUFWeights as GGUFWeights
+from replicas.model.gguf_weights import _dequantize
+from replicas.model.gguf_weights import gguf_int4_groups as gguf_int4_groups
+from replicas.model.gguf_weights import gguf_weight_bits as gguf_weight_bits
+from replicas.model.gguf_weights import int4_groups_of_tensor as int4_groups_of_tensor
+from replicas.model.gguf_weights import load_gguf_weights as load_gguf_weights
+from replicas.model.gguf_weights import permute_rotary as permute_rotary
+from replicas.model.gguf_weights import unpermute_rotary as unpermute_rotary
+from replicas.model.registry import Architecture, architectures
 from replicas.model.tokenizer import HFTokenizer
-from replicas.model.transformer import Transformer, rope_inv_freq
+from replicas.model.transformer import rope_inv_freq
 
 logger = logging.getLogger(__name__)
 
-# Tensor types dequantized at load; the names are ggml's.
-GGUF_TENSOR_TYPES = (
-    "F32",
-    "F16",
-    "BF16",
-    "Q4_0",
-    "Q4_1",
-    "Q5_0",
-    "Q5_1",
-    "Q8_0",
-    "Q2_K",
-    "Q3_K",
-    "Q4_K",
-    "Q5_K",
-    "Q6_K",
-)
 _MAGIC = b"GGUF"
-_CHUNK_BYTES = 64 << 20  # float32 bytes dequantized at once
 
 # llama.cpp's token types (tokenizer.ggml.token_type).
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 2, 3, 4
@@ -140,15 +130,42 @@ def open_gguf(path: str | Path) -> Any:
 @functools.lru_cache(maxsize=2)
 def _open_gguf(path: Path, size: int, mtime_ns: int) -> Any:
     try:
-        from gguf import GGUFReader
+        reader = _plain_reader()
     except ImportError as error:
         raise ValueError(
             f"reading the GGUF file {path} needs the gguf package: pip install gguf"
         ) from error
     try:
-        return GGUFReader(str(path))
+        return reader(str(path))
     except (ValueError, OSError) as error:
         raise ValueError(f"{path} is not a readable GGUF file: {error}") from error
+
+
+@functools.cache
+def _plain_reader() -> type:
+    """``gguf.GGUFReader`` over a plain array view of its memory map, and knowing its path.
+
+    The reader slices its map once per metadata item (a string of the vocabulary is three
+    slices), and a slice of an ``np.memmap`` is a memmap made through Python-level hooks, which
+    for a large vocabulary take most of the parsing; a plain view of the same map (which keeps
+    it open) has none (figures in benchmarks/README.md)."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    class PlainReader(GGUFReader):
+        def __init__(self, path: str, mode: str = "r") -> None:
+            self.path = path
+            super().__init__(path, mode)
+
+        @property
+        def data(self) -> np.ndarray:
+            return self._plain
+
+        @data.setter
+        def data(self, value: np.ndarray) -> None:
+            self._plain = value.view(np.ndarray)
+
+    return PlainReader
 
 
 def read_gguf_info(path: str | Path, name: str = "") -> tuple[ModelArgs, HFTokenizer]:
@@ -466,160 +483,9 @@ def _split_merge(merge: str) -> tuple[str, str]:
     return merge[:at], merge[at + 1 :]
 
 
-# ---- weights -----------------------------------------------------------------------------------
-
-# Tensors that carry no parameter of ours (rope_freqs becomes ModelArgs.rope_scaling).
-_IGNORED_TENSORS = frozenset(("rope_freqs.weight",))
-_ROTARY_PROJECTIONS = (".attention.wq.", ".attention.wk.")  # our q and k, weight and bias
-
-
-def load_gguf_weights(model: Transformer, reader: Any, path: str | Path = "") -> None:
-    """Copies every weight of ``model`` from an open GGUF file, dequantized to the parameters'
-    dtype.
-
-    Raises ValueError naming missing, unexpected or mis-shaped tensors and tensor types that
-    cannot be dequantized, before copying anything.
-    """
-    path = path or getattr(reader.data, "filename", "")
-    architecture = get_architecture(model.args.architecture)
-    names = architecture.gguf_tensor_names
-    params = {names.tensor_name(name): p for name, p in model.named_parameters()}
-    tensors = {t.name: t for t in reader.tensors if t.name not in _IGNORED_TENSORS}
-    check_tensor_names(params, tensors, f"GGUF file {path}")
-    unsupported = sorted(
-        f"{key} ({t.tensor_type.name})"
-        for key, t in tensors.items()
-        if t.tensor_type.name not in GGUF_TENSOR_TYPES
-    )
-    if unsupported:
-        raise ValueError(
-            f"GGUF file {path} has tensors of types Strata cannot dequantize: "
-            + ", ".join(unsupported)
-            + "; supported: "
-            + ", ".join(GGUF_TENSOR_TYPES)
-        )
-    for key, t in tensors.items():
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        if shape != tuple(params[key].shape):
-            raise ValueError(
-                f"tensor {key} in {Path(str(path)).name} has shape {shape}, "
-                f"expected {tuple(params[key].shape)}"
-            )
-    head_dim = model.args.head_dim
-    rotary = {
-        names.tensor_name(name)
-        for name, _ in model.named_parameters()
-        if architecture.gguf_interleaved_rotary and any(p in name for p in _ROTARY_PROJECTIONS)
-    }
-    with torch.no_grad():
-        for key, t in tensors.items():
-            param = params[key]
-            unpermute = key in rotary
-            for start, values in _dequantized_rows(t, head_dim if unpermute else 1):
-                if unpermute:
-                    values = unpermute_rotary(values, head_dim)
-                param[start : start + values.shape[0]].copy_(values)
-
-
 def _find_tensor(reader: Any, name: str) -> Any:
     return next((t for t in reader.tensors if t.name == name), None)
 
 
 def _has_tensor(reader: Any, name: str) -> bool:
     return _find_tensor(reader, name) is not None
-
-
-def _dequantize(tensor: Any, data: np.ndarray) -> np.ndarray:
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    if tensor.tensor_type == GGMLQuantizationType.F32:
-        return np.array(data, dtype=np.float32)  # a copy: the file is mapped read-only
-    return dequantize(np.asarray(data), tensor.tensor_type)
-
-
-def _dequantized_rows(tensor: Any, group: int) -> Iterator[tuple[int, torch.Tensor]]:
-    """(first row, float32 rows) of ``tensor``, a few MiB at a time, in multiples of
-    ``group`` rows."""
-    data = tensor.data
-    if data.ndim == 1:
-        yield 0, torch.from_numpy(np.ascontiguousarray(_dequantize(tensor, data)))
-        return
-    rows = data.shape[0]
-    row_values = int(tensor.n_elements) // rows
-    step = max(group, _CHUNK_BYTES // (4 * row_values) // group * group)
-    for start in range(0, rows, step):
-        values = _dequantize(tensor, data[start : start + step])
-        yield start, torch.from_numpy(np.ascontiguousarray(values))
-
-
-def unpermute_rotary(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Undoes llama.cpp's converter on Llama q/k rows (``[heads * head_dim, ...]``): within each
-    head it stored the rotary pairs interleaved (row ``2j + k`` holds half ``k``, index ``j``);
-    we keep the two halves apart (row ``k * head_dim / 2 + j``)."""
-    shape = rows.shape
-    heads = rows.reshape(-1, head_dim // 2, 2, *shape[1:])
-    return heads.transpose(1, 2).reshape(shape)
-
-
-def permute_rotary(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """What llama.cpp's converter does to Llama q/k rows; the inverse of ``unpermute_rotary``."""
-    shape = rows.shape
-    heads = rows.reshape(-1, 2, head_dim // 2, *shape[1:])
-    return heads.transpose(1, 2).reshape(shape)
-
-
-# Bits per weight of each stored type; a stored type at more than 4 bits is never served at 4.
-_TYPE_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5}
-_TYPE_BITS |= {"Q5_K": 5, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q3_K": 3, "Q2_K": 2}
-
-
-def gguf_weight_bits(model: Transformer, reader: Any) -> dict[str, int]:
-    """Bits per weight as stored in the file, by ``model``'s parameter name."""
-    names = get_architecture(model.args.architecture).gguf_tensor_names
-    types = {t.name: t.tensor_type.name for t in reader.tensors}
-    return {
-        name: _TYPE_BITS[types[names.tensor_name(name)]]
-        for name, _ in model.named_parameters()
-        if names.tensor_name(name) in types
-    }
-
-
-def gguf_int4_groups(model: Transformer, reader: Any) -> dict[str, Int4Groups]:
-    """The stored codes of every ``Q4_0`` / ``Q4_1`` weight, by ``model``'s parameter name, rows
-    in ``model``'s order (Llama's rotary rows put back as ``load_gguf_weights`` does)."""
-    architecture = get_architecture(model.args.architecture)
-    names = architecture.gguf_tensor_names
-    tensors = {t.name: t for t in reader.tensors}
-    groups = {}
-    for name, _ in model.named_parameters():
-        t = tensors.get(names.tensor_name(name))
-        if t is None or t.tensor_type.name not in ("Q4_0", "Q4_1"):
-            continue
-        stored = int4_groups_of_tensor(t)
-        if architecture.gguf_interleaved_rotary and any(p in name for p in _ROTARY_PROJECTIONS):
-            stored = Int4Groups(*(unpermute_rotary(x, model.args.head_dim) for x in stored))
-        groups[name] = stored
-    return groups
-
-
-def int4_groups_of_tensor(tensor: Any) -> Int4Groups:
-    """The codes, scales and zeros of a ``Q4_0`` or ``Q4_1`` tensor [N, K] as stored.
-
-    A ``Q4_1`` block of 32 weights is ``d`` (f16), ``m`` (f16) and 16 bytes of codes: weight
-    ``j < 16`` is the low nibble of byte ``j``, weight ``j + 16`` its high nibble, and its value
-    ``d * q + m``; a ``Q4_0`` block has no ``m`` and the value ``d * (q - 8)``.
-    """
-    has_min = tensor.tensor_type.name == "Q4_1"
-    data = np.asarray(tensor.data)
-    blocks = data.reshape(data.shape[0], -1, 20 if has_min else 18)
-
-    def half(offset: int) -> torch.Tensor:
-        raw = np.ascontiguousarray(blocks[..., offset : offset + 2])
-        return torch.from_numpy(raw.view(np.float16)[..., 0].astype(np.float32))
-
-    packed = torch.from_numpy(np.ascontiguousarray(blocks[..., 4 if has_min else 2 :]))
-    codes = torch.cat((packed & 15, packed >> 4), dim=-1).flatten(1)  # [N, K]
-    scale = half(0)
-    zero = half(2) + 8 * scale if has_min else torch.zeros_like(scale)
-    return Int4Groups(codes, scale, zero)

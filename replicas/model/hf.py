@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from replicas.model.config import ModelArgs
-from replicas.model.registry import Architecture, architectures, get_architecture
+from replicas.model.registry import Architecture, architectures, build_model, get_architecture
 from replicas.model.tensor_names import check_tensor_names
 from replicas.model.tokenizer import HFTokenizer
 from replicas.model.transformer import Transformer
@@ -117,30 +117,58 @@ def load_safetensors(model: Transformer, directory: Path) -> None:
 
     Raises ValueError naming missing, unexpected or mis-shaped tensors before copying anything.
     """
+    weights = SafetensorsWeights(directory, model.args)
+    for name, param in model.named_parameters():
+        weights.copy_into(name, param)
+
+
+class SafetensorsWeights:
+    """The weights of a Hugging Face directory's safetensors files for a model of ``args``, by
+    our parameter names, read one tensor at a time (``replicas.model.streamed``); checked
+    against the model (names and shapes) before anything is read."""
+
+    is_quantized = False
+
+    def __init__(self, directory: Path, args: ModelArgs) -> None:
+        with torch.device("meta"):
+            model = build_model(args)
+        self._where = _checked_keys(model, directory)
+        self.stored_bits: dict[str, int] = {}  # a float checkpoint: nothing stored quantized
+        self.files = sorted(str(p) for p in Path(directory).glob("*") if p.is_file())
+
+    def copy_into(self, name: str, target: torch.Tensor) -> None:
+        from safetensors import safe_open
+
+        path, key = self._where[name]
+        with safe_open(str(path), framework="pt") as f, torch.no_grad():
+            target.copy_(f.get_tensor(key))
+
+    def int4_groups(self, name: str) -> None:
+        return None
+
+
+def _checked_keys(model: Transformer, directory: Path) -> dict[str, tuple[Path, str]]:
+    """(file, tensor key) of each of ``model``'s parameters, by parameter name."""
     from safetensors import safe_open
 
     names = get_architecture(model.args.architecture).hf_tensor_names
     params = {names.tensor_name(name): p for name, p in model.named_parameters()}
     # A tied head shares the embedding's parameter; the checkpoint may still hold a copy.
     tied_head = names.tensor_name("output.weight") if model.args.tie_word_embeddings else None
-    files = _safetensors_files(directory)
-    keys_by_file: dict[Path, list[str]] = {}
-    for path in files:
+    where = {}
+    for path in _safetensors_files(directory):
         with safe_open(str(path), framework="pt") as f:
             names_in_file = f.keys()  # safe_open objects are not iterable
-            keys = [k for k in names_in_file if not _is_ignored(k, tied_head)]
-            keys_by_file[path] = keys
-            for key in keys:
+            for key in names_in_file:
+                if _is_ignored(key, tied_head):
+                    continue
+                where[key] = path
                 if key in params and tuple(f.get_slice(key).get_shape()) != params[key].shape:
                     raise ValueError(
                         f"tensor {key} in {path.name} has shape "
                         f"{tuple(f.get_slice(key).get_shape())}, expected "
                         f"{tuple(params[key].shape)}"
                     )
-    found = [k for keys in keys_by_file.values() for k in keys]
-    check_tensor_names(params, found, f"checkpoint {directory}")
-    with torch.no_grad():
-        for path, keys in keys_by_file.items():
-            with safe_open(str(path), framework="pt") as f:
-                for key in keys:
-                    params[key].copy_(f.get_tensor(key))
+    check_tensor_names(params, list(where), f"checkpoint {directory}")
+    ours = {names.tensor_name(name): name for name, _ in model.named_parameters()}
+    return {ours[key]: (path, key) for key, path in where.items()}

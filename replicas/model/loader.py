@@ -3,8 +3,9 @@
 that the architecture's registry entry names (see ``replicas.model.registry``)."""
 
 import logging
+import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -20,20 +21,19 @@ from replicas.model.autotune import (
 from replicas.model.builtin import BUILTIN_MODEL_ARGS, REAL_SHAPE_MODELS, build_builtin_model
 from replicas.model.config import ModelArgs
 from replicas.model.device_defaults import auto_dtype, device_quantization
-from replicas.model.gguf import (
-    gguf_int4_groups,
-    gguf_model_info,
-    gguf_weight_bits,
-    is_gguf_file,
-    load_gguf_weights,
-    open_gguf,
-    read_gguf_info,
-)
-from replicas.model.hf import load_safetensors, read_hf_info
+from replicas.model.gguf import GGUFWeights, is_gguf_file, open_gguf, read_gguf_info
+from replicas.model.hf import SafetensorsWeights, read_hf_info
 from replicas.model.native_stack import DECODER_STACKS, load_error, unsupported
 from replicas.model.quant import INT4_KERNELS, QUANTIZATIONS, quantize_model
 from replicas.model.registry import build_model
 from replicas.model.resolve import resolve_model
+from replicas.model.streamed import (
+    KeptFloat,
+    Weights,
+    build_streamed,
+    probe_layers,
+    release_freed_memory,
+)
 from replicas.model.tokenizer import ByteTokenizer, Tokenizer
 from replicas.model.transformer import Transformer
 
@@ -57,19 +57,12 @@ class LoadedModel(NamedTuple):
 
 
 class _Weights(NamedTuple):
-    """A checkpoint loaded in one dtype, before its linear weights are quantized."""
+    """A built-in model's weights made in one dtype, before its linear weights are quantized."""
 
     name: str
     net: Transformer
     tokenizer: Tokenizer
-    files: list[str]  # what the checkpoint was read from (the choice cache's key)
-    stored_bits: dict  # bits per weight as stored
-    gguf_reader: Any = None  # a GGUF file's, to read its int4 codes where a candidate needs them
-    int4_groups: dict | None = None  # stored int4 codes by parameter name (GGUF Q4 tensors)
-
-    @property
-    def is_quantized(self) -> bool:
-        return any(bits <= 8 for bits in self.stored_bits.values())
+    files: list[str]  # what the weights were read from (the choice cache's key): none
 
 
 def load_model(
@@ -95,6 +88,8 @@ def load_model(
     ``auto`` (``replicas.model.native_stack``; for the built-in models, native wherever it can run).
     ``int4_kernel``: ``strata``, ``torch`` or ``auto``, the product of int4 weights (and of the
     int8 weights an int4 model keeps) under the native stack (the eager stack runs torch's).
+    A checkpoint's model is built a tensor at a time in the configuration chosen
+    (``replicas.model.streamed``); ``auto`` times its candidates on a probe of a few layers.
     The model comes back in eval mode with gradients off.
     """
     if quantization != "auto" and quantization not in QUANTIZATIONS:
@@ -112,40 +107,134 @@ def load_model(
         dtype_name = "bfloat16"  # measured at the size it is served at, never staged in float32
     dtype_name = auto_dtype(dtype_name, device.type, is_builtin)
     quantization = device_quantization(quantization, device.type)
-    load_dtype = "float32" if dtype_name == "auto" else dtype_name
-    weights = _load_weights(model, resolved, device, torch_dtype(load_dtype), seed)
-    stacks = _stacks(decoder_stack, weights.net, device)
-    kernels = ("torch",)
-    if "native" in stacks and int4_kernel != "torch":
-        kernels = ("strata",) if int4_kernel == "strata" else ("torch", "strata")
-    elif int4_kernel == "strata":
-        raise ValueError(
-            "int4_kernel strata runs under the native decoder stack, which this model does not "
-            f"take here (decoder_stack {decoder_stack})"
-        )
+    request = _Request(dtype_name, quantization, decoder_stack, int4_kernel, kv_cache_dtype)
     if is_builtin:
-        quantization = "none" if quantization == "auto" else quantization
-        stacks, kernels = stacks[-1:], kernels[-1:]
-    options = candidates(dtype_name, quantization, weights.is_quantized, device, stacks, kernels)
-    if weights.gguf_reader is not None and any(c.quantization == "int4" for c in options):
-        weights = weights._replace(int4_groups=gguf_int4_groups(weights.net, weights.gguf_reader))
+        return _load_builtin(model, resolved, device, seed, request)
+    return _load_checkpoint(model, resolved, device, request)
+
+
+class _Request(NamedTuple):
+    """What ``load_model`` was asked for, ``auto`` where it is to be chosen."""
+
+    dtype: str
+    quantization: str
+    decoder_stack: str
+    int4_kernel: str
+    kv_cache_dtype: str
+
+    def options(
+        self, net: Transformer, device: torch.device, is_quantized: bool, last: bool = False
+    ) -> list[Candidate]:
+        """The candidates among which ``auto`` chooses for ``net`` (see ``candidates``);
+        ``last``: only the last stack and int4 kernel (native and Strata's where they run)."""
+        stacks = _stacks(self.decoder_stack, net, device)
+        kernels = ("torch",)
+        if "native" in stacks and self.int4_kernel != "torch":
+            kernels = ("strata",) if self.int4_kernel == "strata" else ("torch", "strata")
+        elif self.int4_kernel == "strata":
+            raise ValueError(
+                "int4_kernel strata runs under the native decoder stack, which this model does "
+                f"not take here (decoder_stack {self.decoder_stack})"
+            )
+        if last:
+            stacks, kernels = stacks[-1:], kernels[-1:]
+        return candidates(self.dtype, self.quantization, is_quantized, device, stacks, kernels)
+
+
+def _load_builtin(
+    name: str, resolved: str, device: torch.device, seed: int, request: _Request
+) -> LoadedModel:
+    """A built-in model: random weights made whole in one dtype, then converted (they are
+    small, and their random weights are made in one order)."""
+    load_dtype = "float32" if request.dtype == "auto" else request.dtype
+    weights = _load_weights(name, resolved, device, torch_dtype(load_dtype), seed)
+    quantization = "none" if request.quantization == "auto" else request.quantization
+    options = request._replace(quantization=quantization).options(weights.net, device, False, True)
     choice = tune(
         options,
         lambda candidate: _finish(weights, candidate, device, copy=True),
-        cache_key(weights.files, device, options, kv_cache_dtype),
+        cache_key(weights.files, device, options, request.kv_cache_dtype),
         cache_path(),
-        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_dtype=request.kv_cache_dtype,
         device_type=device.type,
     )
-    if choice.source != "fixed":
-        logger.info("auto: %s chose %s", weights.name, choice.describe())
     net = _finish(weights, choice.candidate, device, copy=False)
+    return _loaded(net, weights.tokenizer, choice)
+
+
+def _load_checkpoint(
+    name: str, resolved: str, device: torch.device, request: _Request
+) -> LoadedModel:
+    """A GGUF file or a safetensors directory: ``auto`` measured on a probe (built from the
+    probe's tensors alone, one candidate at a time), or read from the choice cache, then the
+    chosen configuration built a tensor at a time (``replicas.model.streamed``)."""
+    args, tokenizer = _model_info(resolved, name)
+    if is_gguf_file(resolved):
+        weights: Weights = GGUFWeights(open_gguf(resolved), args, resolved)
+    else:
+        weights = SafetensorsWeights(Path(resolved), args)
+    with torch.device("meta"):
+        shape = build_model(args)
+    options = request.options(shape, device, weights.is_quantized)
+    probe = probe_layers(args, weights.stored_bits)
+    spent = {"build": 0.0}
+    kept = [KeptFloat(weights, ["tok_embeddings.weight"])]  # the probes' embedding, read once
+
+    def build_probe(candidate: Candidate) -> Transformer:
+        release_freed_memory()  # the last probe's
+        start = time.perf_counter()
+        net = build_streamed(args, kept[0], candidate, device, probe)
+        spent["build"] += time.perf_counter() - start
+        return net
+
+    start = time.perf_counter()
+    choice = tune(
+        options,
+        build_probe,
+        cache_key(weights.files, device, options, request.kv_cache_dtype),
+        cache_path(),
+        kv_cache_dtype=request.kv_cache_dtype,
+        device_type=device.type,
+        layers=args.num_layers,
+    )
+    kept.clear()
+    release_freed_memory()
+    tuned = time.perf_counter()
+    net = build_streamed(args, weights, choice.candidate, device)
+    release_freed_memory()  # what the build's temporaries left in the heap
+    built = time.perf_counter()
+    if choice.source != "fixed":
+        logger.info("auto: %s chose %s", name, choice.describe())
+    logger.info(
+        "loaded %s as %s (%s): %s; model built in %.1f s",
+        name,
+        choice.candidate,
+        choice.source,
+        _probe_note(choice, probe, args, spent["build"], tuned - start),
+        built - tuned,
+    )
+    return _loaded(net, tokenizer, choice)
+
+
+def _probe_note(
+    choice: Choice, probe: list[int], args: ModelArgs, build_s: float, tune_s: float
+) -> str:
+    """What choosing took, for the start-up log."""
+    if not choice.source.startswith("measured"):
+        return "nothing measured"
+    return (
+        f"candidates timed on a probe of layers {probe} of {args.num_layers} "
+        f"(probes built in {build_s:.1f} s, timed in {tune_s - build_s:.1f} s)"
+    )
+
+
+def _loaded(net: Transformer, tokenizer: Tokenizer, choice: Choice) -> LoadedModel:
     net.use_native_stack(choice.candidate.stack == "native")
     return LoadedModel(
         net.args.name,
         net.args,
         net,
-        weights.tokenizer,
+        tokenizer,
         choice.candidate.quantization,
         choice if choice.source != "fixed" else None,
         choice.candidate.stack,
@@ -169,22 +258,10 @@ def _stacks(decoder_stack: str, net: Transformer, device: torch.device) -> tuple
 def _load_weights(
     name: str, model: str, device: torch.device, dtype: torch.dtype, seed: int
 ) -> _Weights:
-    """The weights of resolved ``model`` in ``dtype`` (a GGUF file's int4 codes are read later,
-    only where a candidate keeps its weights at int4)."""
-    if is_gguf_file(model):
-        reader = open_gguf(model)
-        args, tokenizer = gguf_model_info(reader, name)
-        net = _empty_model(args, device, dtype)
-        load_gguf_weights(net, reader, model)
-        return _Weights(name, net, tokenizer, [model], gguf_weight_bits(net, reader), reader)
-    args, tokenizer = _model_info(model, name)
-    if model in BUILTIN_MODEL_ARGS:
-        net = build_builtin_model(model, seed, device, dtype)
-        return _Weights(name, net, tokenizer, [], {})
-    net = _empty_model(args, device, dtype)
-    load_safetensors(net, Path(model))
-    files = sorted(str(p) for p in Path(model).glob("*") if p.is_file())
-    return _Weights(name, net, tokenizer, files, {})
+    """The weights of built-in ``model`` in ``dtype``."""
+    _, tokenizer = _model_info(model, name)
+    net = build_builtin_model(model, seed, device, dtype)
+    return _Weights(name, net, tokenizer, [])
 
 
 def _finish(
@@ -200,13 +277,7 @@ def _finish(
     else:
         net = weights.net.to(dtype)
     if candidate.quantization != "none":
-        quantize_model(
-            net,
-            candidate.quantization,
-            weights.int4_groups,
-            weights.stored_bits,
-            int4_kernel=candidate.kernel,
-        )
+        quantize_model(net, candidate.quantization, int4_kernel=candidate.kernel)
         net.to(device)
     net.eval()
     net.requires_grad_(False)

@@ -41,7 +41,7 @@ Only linear layers are quantized (every projection of every block and the LM hea
 embedding, which is only gathered, stays dense.
 """
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -64,6 +64,7 @@ INT4_KERNELS = ("auto", "strata", "torch")
 """``int4_kernel``'s values: Strata's product, torch's, or the faster measured."""
 
 GROUP_SIZE = 32
+_CHUNK_ROWS = 4096  # rows quantized at once (a multiple of the kernels' tiles of 16 and 64)
 COMPUTE_DTYPE = torch.bfloat16
 _INT4_TILE_ROWS = 64  # output sizes the CPU int4 kernels take: multiples of their widest tile
 ACTIVATION_PASSES = {"wqkv": 2, "wo": 2, "w13": 1, "w2": 2, "output": 2}
@@ -116,7 +117,7 @@ class QuantizedLinear(nn.Module):
     @classmethod
     def int8(
         cls,
-        weight: torch.Tensor,
+        weight: torch.Tensor | Sequence[torch.Tensor],
         bias: torch.Tensor | None = None,
         kernel: str | None = "torch",
         passes: int = 2,
@@ -126,37 +127,48 @@ class QuantizedLinear(nn.Module):
         ``strata``, or ``None`` for Strata's where its library is built and the weight fits its
         layout), which keeps a GGUF ``Q8_0`` weight's codes and scales as stored. ``passes``:
         Strata's product quantizes the activations in one int8 pass or two (see the module
-        docstring)."""
-        n, k = weight.shape
+        docstring). A sequence of weights is their rows one after the other (a fused
+        projection's), never copied into one float tensor."""
+        n, k = _shape(weight)
         if kernel in (None, "strata"):
             strata = _strata_int8(weight)
             if strata is not None:
                 return cls("int8", k, n, *strata, _bias(bias), kernel="strata", passes=passes)
             if kernel == "strata":
                 raise ValueError("Strata's int8 kernel cannot take this weight here")
-        w = weight.float()
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
-        codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        return cls("int8", k, n, codes, scale.to(COMPUTE_DTYPE), _bias(bias))
+        codes, scales = [], []
+        for rows in _chunks(weight):  # row by row: a few MiB of float at a time
+            w = rows.float()
+            scale = _abs_max(w, dim=1).clamp(min=1e-12) / 127
+            codes.append((w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8))
+            scales.append(scale)
+        scale = torch.cat(scales).to(COMPUTE_DTYPE)
+        return cls("int8", k, n, torch.cat(codes), scale, _bias(bias))
 
     @classmethod
     def int4(
         cls,
-        weight: torch.Tensor,
+        weight: torch.Tensor | Sequence[torch.Tensor],
         bias: torch.Tensor | None = None,
         kernel: str | None = None,
         passes: int = 2,
     ) -> "QuantizedLinear":
         """Asymmetric int4 of a float ``weight`` [N, K] in groups of ``GROUP_SIZE`` columns:
         each group's minimum and maximum are codes 0 and 15. ``kernel`` and ``passes`` as for
-        ``int4_groups``."""
-        n, k = weight.shape
+        ``int4_groups``; a sequence of weights as for ``int8``."""
+        n, k = _shape(weight)
         _check_int4_shape(n, k)
-        groups = weight.float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
-        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-        scale = ((high - low) / 15).clamp(min=1e-12)
-        codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
-        return cls.int4_groups(codes.reshape(n, k), scale, low + 8 * scale, bias, kernel, passes)
+        codes, scales, zeros = [], [], []
+        for rows in _chunks(weight):  # row by row: a few MiB of float at a time
+            groups = rows.float().reshape(-1, k // GROUP_SIZE, GROUP_SIZE)
+            low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+            scale = ((high - low) / 15).clamp(min=1e-12)
+            q = (groups - low[..., None]).div_(scale[..., None]).round_().clamp_(0, 15)
+            codes.append(q.to(torch.uint8).reshape(-1, k))  # 0 to 15: exact
+            scales.append(scale)
+            zeros.append(low + 8 * scale)
+        scale, zero = torch.cat(scales), torch.cat(zeros)
+        return cls.int4_groups(torch.cat(codes), scale, zero, bias, kernel, passes)
 
     @classmethod
     def int4_groups(
@@ -229,6 +241,24 @@ class QuantizedLinear(nn.Module):
             f"{self.scheme}, in_features={self.in_features}, "
             f"out_features={self.out_features}{kernel}"
         )
+
+
+def _shape(weight: torch.Tensor | Sequence[torch.Tensor]) -> tuple[int, int]:
+    """[N, K] of a weight, or of weights one after the other by rows."""
+    parts = [weight] if isinstance(weight, torch.Tensor) else list(weight)
+    return sum(p.shape[0] for p in parts), parts[0].shape[1]
+
+
+def _chunks(weight: torch.Tensor | Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """A weight's rows (or those of weights one after the other), ``_CHUNK_ROWS`` at most at a
+    time."""
+    for part in [weight] if isinstance(weight, torch.Tensor) else weight:
+        yield from part.split(_CHUNK_ROWS)
+
+
+def _abs_max(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x.abs().amax(dim)`` (the same values: both are exact) without a copy of ``x``."""
+    return torch.maximum(x.amax(dim=dim), x.amin(dim=dim).neg_())
 
 
 def _bias(bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -305,7 +335,9 @@ def _strata_int4_weight(packed: torch.Tensor, scales: torch.Tensor, n: int) -> t
     return w.reshape(tiles * 16, -1)[:n]
 
 
-def _strata_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _strata_int8(
+    weight: torch.Tensor | Sequence[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A float weight [N, K] as int8 codes ``round(w / d)`` with ``d = max|w| / 127`` (float16)
     per row and group of ``GROUP_SIZE`` columns, in the layout of Strata's int8 kernel
     (``replicas/model/quantized_mm.cpp``; rows padded with zeros to its tiles of 16): None
@@ -313,16 +345,20 @@ def _strata_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | No
     where a scale is not a normal float16."""
     from replicas.model import native_stack
 
-    n, k = weight.shape
+    n, k = _shape(weight)
     if k % GROUP_SIZE or native_stack.load_error() is not None:
         return None
-    groups = weight.detach().float().cpu().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
-    d = groups.abs().amax(dim=-1) / 127
-    d16 = _float16_scales(d)
-    if d16 is None:
-        return None
-    inverse = torch.where(d16 > 0, 1 / d16.float(), torch.zeros_like(d))
-    codes = torch.round(groups * inverse[..., None]).clamp(-127, 127).to(torch.int8)
+    parts, scales = [], []
+    for rows in _chunks(weight):  # rows are quantized alone; tiles are packed at the end
+        groups = rows.detach().float().cpu().reshape(-1, k // GROUP_SIZE, GROUP_SIZE)
+        d = _abs_max(groups, dim=-1) / 127
+        d16 = _float16_scales(d)
+        if d16 is None:
+            return None
+        inverse = torch.where(d16 > 0, 1 / d16.float(), torch.zeros_like(d))
+        parts.append((groups * inverse[..., None]).round_().clamp_(-127, 127).to(torch.int8))
+        scales.append(d16)
+    codes, d16 = torch.cat(parts), torch.cat(scales)
     padded = -n % 16
     codes = F.pad(codes.reshape(n, k), (0, 0, 0, padded))
     d16 = F.pad(d16, (0, 0, 0, padded))
@@ -359,24 +395,81 @@ def quantize_model(
     ones kept beside them (a GGUF file's ``Q8_0`` LM head); where a weight does not fit Strata's
     layout, torch's.
     """
+    for i, layer in enumerate(model.layers):
+        quantize_layer(layer, f"layers.{i}", scheme, int4_groups, stored_bits, int4_kernel)
+    quantize_output(model, scheme, int4_groups, stored_bits, int4_kernel)
+
+
+def quantize_layer(
+    layer: nn.Module,
+    prefix: str,
+    scheme: str,
+    int4_groups: Mapping[str, Int4Groups] | None = None,
+    stored_bits: Mapping[str, int] | None = None,
+    int4_kernel: str = "torch",
+) -> None:
+    """``quantize_model`` on one decoder layer, whose parameters are named ``prefix.*`` in
+    ``int4_groups`` and ``stored_bits`` (a model built a layer at a time quantizes each layer
+    as it is read)."""
+    quantized = _quantizer(scheme, int4_groups, stored_bits, int4_kernel)
+    with torch.no_grad():
+        att, ff = layer.attention, layer.feed_forward
+        att.wqkv = quantized(
+            [f"{prefix}.attention.{w}" for w in ("wq", "wk", "wv")],
+            [att.wq, att.wk, att.wv],
+            ACTIVATION_PASSES["wqkv"],
+        )
+        att.wo = quantized([f"{prefix}.attention.wo"], [att.wo], ACTIVATION_PASSES["wo"])
+        ff.w13 = quantized(
+            [f"{prefix}.feed_forward.{w}" for w in ("w1", "w3")],
+            [ff.w1, ff.w3],
+            ACTIVATION_PASSES["w13"],
+        )
+        ff.w2 = quantized([f"{prefix}.feed_forward.w2"], [ff.w2], ACTIVATION_PASSES["w2"])
+        del att.wq, att.wk, att.wv, ff.w1, ff.w3
+
+
+def quantize_output(
+    model: nn.Module,
+    scheme: str,
+    int4_groups: Mapping[str, Int4Groups] | None = None,
+    stored_bits: Mapping[str, int] | None = None,
+    int4_kernel: str = "torch",
+) -> None:
+    """``quantize_model`` on the LM head; a tied head is the embedding matrix as stored."""
+    groups = dict(int4_groups or {})
+    bits = dict(stored_bits or {})
+    if model.args.tie_word_embeddings:
+        for stored in (groups, bits):
+            if "tok_embeddings.weight" in stored:
+                stored["output.weight"] = stored["tok_embeddings.weight"]
+    quantized = _quantizer(scheme, groups, bits, int4_kernel)
+    with torch.no_grad():
+        model.output = quantized(["output"], [model.output], ACTIVATION_PASSES["output"])
+
+
+def _quantizer(
+    scheme: str,
+    int4_groups: Mapping[str, Int4Groups] | None,
+    stored_bits: Mapping[str, int] | None,
+    int4_kernel: str,
+) -> Callable[[list[str], list[nn.Linear], int], QuantizedLinear]:
+    """The function that makes one ``QuantizedLinear`` of linear layers named ``names``
+    (concatenated by rows), following ``quantize_model``'s rules."""
     if scheme not in QUANTIZATIONS or scheme == "none":
         raise ValueError(f"quantization scheme must be int8 or int4, got {scheme!r}")
     # Strata's products for the int4 weights and the int8 ones kept beside them; None: where
     # a weight fits them
     kernel = None if int4_kernel == "strata" and scheme == "int4" else "torch"
-    groups = dict(int4_groups or {})
-    bits = dict(stored_bits or {})
-    if model.args.tie_word_embeddings:  # the LM head is the embedding matrix as stored
-        for stored in (groups, bits):
-            if "tok_embeddings.weight" in stored:
-                stored["output.weight"] = stored["tok_embeddings.weight"]
+    groups = int4_groups or {}
+    bits = stored_bits or {}
 
     def quantized(names: list[str], linears: list[nn.Linear], passes: int) -> QuantizedLinear:
         biases = [linear.bias for linear in linears]
         bias = None if biases[0] is None else torch.cat(biases)
-        weight = torch.cat([linear.weight for linear in linears])
+        weight = [x.weight for x in linears]  # fused by rows as they are quantized
         wanted = scheme if all(bits.get(f"{n}.weight", 16) <= 4 for n in names) else "int8"
-        if wanted == "int4" and not int4_fits(*weight.shape):
+        if wanted == "int4" and not int4_fits(*_shape(weight)):
             wanted = "int8"
         if wanted == "int4" and all(f"{n}.weight" in groups for n in names):
             stored = [groups[f"{n}.weight"] for n in names]
@@ -390,21 +483,4 @@ def quantize_model(
             return QuantizedLinear.int4(weight, bias, kernel, passes)
         return QuantizedLinear.int8(weight, bias, kernel, passes)
 
-    with torch.no_grad():
-        for i, layer in enumerate(model.layers):
-            prefix = f"layers.{i}"
-            att, ff = layer.attention, layer.feed_forward
-            att.wqkv = quantized(
-                [f"{prefix}.attention.{w}" for w in ("wq", "wk", "wv")],
-                [att.wq, att.wk, att.wv],
-                ACTIVATION_PASSES["wqkv"],
-            )
-            att.wo = quantized([f"{prefix}.attention.wo"], [att.wo], ACTIVATION_PASSES["wo"])
-            ff.w13 = quantized(
-                [f"{prefix}.feed_forward.{w}" for w in ("w1", "w3")],
-                [ff.w1, ff.w3],
-                ACTIVATION_PASSES["w13"],
-            )
-            ff.w2 = quantized([f"{prefix}.feed_forward.w2"], [ff.w2], ACTIVATION_PASSES["w2"])
-            del att.wq, att.wk, att.wv, ff.w1, ff.w3
-        model.output = quantized(["output"], [model.output], ACTIVATION_PASSES["output"])
+    return quantized

@@ -419,3 +419,25 @@ def test_fused_projections_keep_biases_norms_and_ties(variant, scheme, make_batc
     expected, got = outs
     assert (expected.argmax(-1) == got.argmax(-1)).float().mean() >= 0.9
     assert (got - expected).abs().mean() < 0.1 * expected.std()
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "strata-int8", "strata-int4"])
+def test_quantizing_a_few_rows_at_a_time_gives_the_same_layer(scheme, monkeypatch):
+    """Rows are quantized a chunk at a time (a few MiB of float), and a fused projection's
+    weights one after the other; every scale is a row's or a row group's own, so the layer is
+    the one quantized whole."""
+    from replicas.model import quant
+
+    if scheme.startswith("strata") and not _strata_built():
+        pytest.skip("no native library here")
+    kernel = "strata" if scheme.startswith("strata") else "torch"
+    make = QuantizedLinear.int8 if scheme.endswith("int8") else QuantizedLinear.int4
+    weight = torch.randn(320, 96, generator=torch.Generator().manual_seed(5)).bfloat16()
+    whole = make(weight, kernel=kernel)
+    monkeypatch.setattr(quant, "_CHUNK_ROWS", 64)
+    chunked = make(weight, kernel=kernel)
+    assert torch.equal(whole.weight, chunked.weight) and torch.equal(whole.scales, chunked.scales)
+    x = torch.randn(3, 96)
+    assert torch.equal(whole(x), chunked(x))
+    parts = make([weight[:128], weight[128:]], kernel=kernel)  # a fused projection's weights
+    assert torch.equal(whole.weight, parts.weight) and torch.equal(whole.scales, parts.scales)

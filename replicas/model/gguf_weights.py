@@ -1,0 +1,292 @@
+"""The weights of a GGUF file (see ``replicas.model.gguf`` for its metadata): checked against
+the model before anything is read, then read one tensor at a time and dequantized a slice of
+rows at a time, so that no more than one tensor's rows exist as float32 at once.
+
+``GGUFWeights`` is what the loader builds a model from (``replicas.model.streamed``): it reads
+a tensor's bytes with ``os.pread`` rather than through the reader's memory map, so the file's
+pages never count in the process's resident memory (a mapped page that has been read stays in
+it until the map is closed, and the reader is kept open; the whole file would then sit beside
+the model it was turned into). Llama's q and k rows are put back from llama.cpp's interleaved
+rotary layout as they are read (``unpermute_rotary``), and ``Q4_0`` / ``Q4_1`` tensors can be
+read as their stored int4 codes (``int4_groups``) for a model that computes with them.
+"""
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from replicas.model.config import ModelArgs
+from replicas.model.quant import Int4Groups
+from replicas.model.registry import build_model, get_architecture
+from replicas.model.tensor_names import check_tensor_names
+from replicas.model.transformer import Transformer
+
+# Tensor types dequantized at load; the names are ggml's.
+GGUF_TENSOR_TYPES = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q8_0",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+)
+_CHUNK_BYTES = 64 << 20  # float32 bytes dequantized at once
+# Tensors that carry no parameter of ours (rope_freqs becomes ModelArgs.rope_scaling).
+_IGNORED_TENSORS = frozenset(("rope_freqs.weight",))
+_ROTARY_PROJECTIONS = (".attention.wq.", ".attention.wk.")  # our q and k, weight and bias
+# Bits per weight of each stored type; a stored type at more than 4 bits is never served at 4.
+_TYPE_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5}
+_TYPE_BITS |= {"Q5_K": 5, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q3_K": 3, "Q2_K": 2}
+
+
+class GGUFWeights:
+    """The weights of an open GGUF file for a model of ``args``, by our parameter names.
+
+    Raises ValueError naming missing, unexpected or mis-shaped tensors and tensor types that
+    cannot be dequantized, before anything is read.
+    """
+
+    def __init__(self, reader: Any, args: ModelArgs, path: str | Path = "") -> None:
+        self.path = str(path or getattr(reader, "path", "") or getattr(reader.data, "filename", ""))
+        with torch.device("meta"):
+            model = build_model(args)
+        self._tensors = _checked_tensors(model, reader, self.path)
+        architecture = get_architecture(args.architecture)
+        self._rotary = {
+            name
+            for name in self._tensors
+            if architecture.gguf_interleaved_rotary and any(p in name for p in _ROTARY_PROJECTIONS)
+        }
+        self._head_dim = args.head_dim
+        self.stored_bits = {n: _TYPE_BITS[t.tensor_type.name] for n, t in self._tensors.items()}
+        self.files = [self.path]
+
+    @property
+    def is_quantized(self) -> bool:
+        return any(bits <= 8 for bits in self.stored_bits.values())
+
+    def copy_into(self, name: str, target: torch.Tensor) -> None:
+        """Parameter ``name`` dequantized into ``target`` (cast to its dtype), a slice of rows at
+        a time."""
+        tensor = self._tensors[name]
+        unpermute = name in self._rotary
+        with open(self.path, "rb") as f, torch.no_grad():
+            group = self._head_dim if unpermute else 1
+            for start, values in _dequantized_rows(tensor, group, f.fileno()):
+                if unpermute:
+                    values = unpermute_rotary(values, self._head_dim)
+                target[start : start + values.shape[0]].copy_(values)
+
+    def int4_groups(self, name: str) -> Int4Groups | None:
+        """Parameter ``name``'s stored int4 codes where it is stored as ``Q4_0`` or ``Q4_1``
+        (rows in our order), else None."""
+        tensor = self._tensors.get(name)
+        if tensor is None or tensor.tensor_type.name not in ("Q4_0", "Q4_1"):
+            return None
+        with open(self.path, "rb") as f:
+            data = _read_rows(tensor, 0, tensor.data.shape[0], f.fileno())
+        stored = int4_groups_of_tensor(tensor, data)
+        if name in self._rotary:
+            stored = Int4Groups(*(unpermute_rotary(x, self._head_dim) for x in stored))
+        return stored
+
+
+def _checked_tensors(model: Transformer, reader: Any, path: str) -> dict[str, Any]:
+    """The file's tensors by ``model``'s parameter names, checked against its parameters."""
+    names = get_architecture(model.args.architecture).gguf_tensor_names
+    params = {names.tensor_name(name): p for name, p in model.named_parameters()}
+    tensors = {t.name: t for t in reader.tensors if t.name not in _IGNORED_TENSORS}
+    check_tensor_names(params, tensors, f"GGUF file {path}")
+    unsupported = sorted(
+        f"{key} ({t.tensor_type.name})"
+        for key, t in tensors.items()
+        if t.tensor_type.name not in GGUF_TENSOR_TYPES
+    )
+    if unsupported:
+        raise ValueError(
+            f"GGUF file {path} has tensors of types Strata cannot dequantize: "
+            + ", ".join(unsupported)
+            + "; supported: "
+            + ", ".join(GGUF_TENSOR_TYPES)
+        )
+    for key, t in tensors.items():
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if shape != tuple(params[key].shape):
+            raise ValueError(
+                f"tensor {key} in {Path(str(path)).name} has shape {shape}, "
+                f"expected {tuple(params[key].shape)}"
+            )
+    ours = {names.tensor_name(name): name for name, _ in model.named_parameters()}
+    return {ours[key]: t for key, t in tensors.items()}
+
+
+def load_gguf_weights(model: Transformer, reader: Any, path: str | Path = "") -> None:
+    """Copies every weight of ``model`` from an open GGUF file, dequantized to the parameters'
+    dtype (see ``GGUFWeights``)."""
+    weights = GGUFWeights(reader, model.args, path)
+    for name, param in model.named_parameters():
+        weights.copy_into(name, param)
+
+
+def _dequantize(tensor: Any, data: np.ndarray) -> np.ndarray:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    if tensor.tensor_type == GGMLQuantizationType.F32:
+        return np.array(data, dtype=np.float32)  # a copy: the file is mapped read-only
+    fast = _TORCH_DEQUANTIZE.get(tensor.tensor_type.name)
+    if fast is not None and data.ndim == 2:
+        blocks = torch.from_numpy(np.ascontiguousarray(data)).view(-1, _BLOCK_BYTES[fast])
+        return fast(blocks).view(data.shape[0], -1).numpy()
+    return dequantize(np.asarray(data), tensor.tensor_type)
+
+
+def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The float16 at byte ``at`` of each block [B, bytes], as float32 [B, 1]."""
+    return blocks[:, at : at + 2].contiguous().view(torch.float16).float()
+
+
+def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    """``Q4_0`` blocks [B, 18] as float32 [B, 32]: ``d * (q - 8)`` (gguf-py's order of ops)."""
+    q = blocks[:, 2:]
+    codes = torch.cat((q & 15, q >> 4), dim=1).to(torch.int8) - 8
+    return codes.float().mul_(_f16(blocks, 0))  # d * q, in place (the product commutes)
+
+
+def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    """``Q8_0`` blocks [B, 34] as float32 [B, 32]: ``d * q``."""
+    return blocks[:, 2:].contiguous().view(torch.int8).float().mul_(_f16(blocks, 0))
+
+
+def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    """``Q4_K`` blocks [B, 144] as float32 [B, 256]: ``(d sc) q - dmin m`` per 32 weights, the
+    eight 6-bit scales and mins packed in 12 bytes (gguf-py's ``Q4_K.get_scale_min``)."""
+    n = blocks.shape[0]
+    low, high, mixed = blocks[:, 4:8], blocks[:, 8:12], blocks[:, 12:16]
+    sc = torch.cat((low & 63, (mixed & 15) | ((low >> 2) & 48)), dim=1).float()
+    m = torch.cat((high & 63, (mixed >> 4) | ((high >> 2) & 48)), dim=1).float()
+    d = (_f16(blocks, 0) * sc).view(n, 8, 1)
+    dm = (_f16(blocks, 2) * m).view(n, 8, 1)
+    q = blocks[:, 16:].view(n, 4, 1, 32)
+    codes = torch.cat((q & 15, q >> 4), dim=2).view(n, 8, 32).float()
+    return codes.mul_(d).sub_(dm).view(n, 256)
+
+
+def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    """``Q6_K`` blocks [B, 210] as float32 [B, 256]: ``(d scale) (q - 32)`` per 16 weights, q's
+    low 4 bits in ``ql`` and high 2 in ``qh``."""
+    n = blocks.shape[0]
+    ql = blocks[:, :128].reshape(n, 2, 1, 64)
+    ql = torch.cat((ql & 15, ql >> 4), dim=2).view(n, 8, 32)
+    qh = blocks[:, 128:192].reshape(n, 2, 1, 32)
+    qh = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=2).view(n, 8, 32)
+    codes = ((ql | (qh << 4)).to(torch.int8) - 32).view(n, 16, 16).float()
+    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
+    d = (_f16(blocks, 208) * scales).view(n, 16, 1)
+    return codes.mul_(d).view(n, 256)
+
+
+# The types dequantized by torch (several threads; the same float32 values as gguf-py's numpy)
+_TORCH_DEQUANTIZE = {"Q4_0": _q4_0, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q6_K": _q6_k}
+_BLOCK_BYTES = {_q4_0: 18, _q8_0: 34, _q4_k: 144, _q6_k: 210}
+
+
+def _read_rows(tensor: Any, start: int, count: int, fd: int) -> np.ndarray:
+    """Rows ``start`` to ``start + count`` of ``tensor`` as stored (the whole of a 1-D one),
+    read from the file rather than its map."""
+    data = tensor.data  # the reader's view of the map: only its shape and dtype are used
+    if data.ndim == 1:
+        start, count = 0, 1
+        row_bytes = data.nbytes
+    else:
+        row_bytes = data[0].nbytes
+    raw = os.pread(fd, count * row_bytes, int(tensor.data_offset) + start * row_bytes)
+    if len(raw) != count * row_bytes:
+        raise ValueError(f"GGUF tensor {tensor.name} is cut short in its file")
+    array = np.frombuffer(bytearray(raw), dtype=data.dtype)
+    return array if data.ndim == 1 else array.reshape(count, *data.shape[1:])
+
+
+def _dequantized_rows(tensor: Any, group: int, fd: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, float32 rows) of ``tensor``, a few MiB at a time, in multiples of
+    ``group`` rows."""
+    data = tensor.data
+    if data.ndim == 1:
+        values = _dequantize(tensor, _read_rows(tensor, 0, 1, fd))
+        yield 0, torch.from_numpy(np.ascontiguousarray(values))
+        return
+    rows = data.shape[0]
+    row_values = int(tensor.n_elements) // rows
+    step = max(group, _CHUNK_BYTES // (4 * row_values) // group * group)
+    for start in range(0, rows, step):
+        values = _dequantize(tensor, _read_rows(tensor, start, min(step, rows - start), fd))
+        yield start, torch.from_numpy(np.ascontiguousarray(values))
+
+
+def unpermute_rotary(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Undoes llama.cpp's converter on Llama q/k rows (``[heads * head_dim, ...]``): within each
+    head it stored the rotary pairs interleaved (row ``2j + k`` holds half ``k``, index ``j``);
+    we keep the two halves apart (row ``k * head_dim / 2 + j``)."""
+    shape = rows.shape
+    heads = rows.reshape(-1, head_dim // 2, 2, *shape[1:])
+    return heads.transpose(1, 2).reshape(shape)
+
+
+def permute_rotary(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """What llama.cpp's converter does to Llama q/k rows; the inverse of ``unpermute_rotary``."""
+    shape = rows.shape
+    heads = rows.reshape(-1, 2, head_dim // 2, *shape[1:])
+    return heads.transpose(1, 2).reshape(shape)
+
+
+def gguf_weight_bits(model: Transformer, reader: Any) -> dict[str, int]:
+    """Bits per weight as stored in the file, by ``model``'s parameter name."""
+    names = get_architecture(model.args.architecture).gguf_tensor_names
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    return {
+        name: _TYPE_BITS[types[names.tensor_name(name)]]
+        for name, _ in model.named_parameters()
+        if names.tensor_name(name) in types
+    }
+
+
+def gguf_int4_groups(model: Transformer, reader: Any) -> dict[str, Int4Groups]:
+    """The stored codes of every ``Q4_0`` / ``Q4_1`` weight, by ``model``'s parameter name, rows
+    in ``model``'s order (Llama's rotary rows put back as ``load_gguf_weights`` does)."""
+    weights = GGUFWeights(reader, model.args)
+    groups = {name: weights.int4_groups(name) for name, _ in model.named_parameters()}
+    return {name: g for name, g in groups.items() if g is not None}
+
+
+def int4_groups_of_tensor(tensor: Any, data: np.ndarray | None = None) -> Int4Groups:
+    """The codes, scales and zeros of a ``Q4_0`` or ``Q4_1`` tensor [N, K] as stored (its
+    bytes ``data``, read from the reader's map where not given).
+
+    A ``Q4_1`` block of 32 weights is ``d`` (f16), ``m`` (f16) and 16 bytes of codes: weight
+    ``j < 16`` is the low nibble of byte ``j``, weight ``j + 16`` its high nibble, and its value
+    ``d * q + m``; a ``Q4_0`` block has no ``m`` and the value ``d * (q - 8)``.
+    """
+    has_min = tensor.tensor_type.name == "Q4_1"
+    data = np.asarray(tensor.data if data is None else data)
+    blocks = data.reshape(data.shape[0], -1, 20 if has_min else 18)
+
+    def half(offset: int) -> torch.Tensor:
+        raw = np.ascontiguousarray(blocks[..., offset : offset + 2])
+        return torch.from_numpy(raw.view(np.float16)[..., 0].astype(np.float32))
+
+    packed = torch.from_numpy(np.ascontiguousarray(blocks[..., 4 if has_min else 2 :]))
+    codes = torch.cat((packed & 15, packed >> 4), dim=-1).flatten(1)  # [N, K]
+    scale = half(0)
+    zero = half(2) + 8 * scale if has_min else torch.zeros_like(scale)
+    return Int4Groups(codes, scale, zero)
