@@ -17,6 +17,7 @@ keeps the replicas by index and their roles (joining, serving, draining, retired
 
 import asyncio
 import logging
+import warnings
 from collections.abc import AsyncIterator
 
 import ray
@@ -171,6 +172,19 @@ class RayBackend:
     async def abort(self, request_id: str) -> None:
         self.dispatcher.abort(request_id)
 
+    def __getattr__(self, name: str) -> int:
+        """``num_rerouted``, ``num_overload_reroutes`` and ``num_resumed``, which are
+        ``dispatcher.counts``' now: still read here, with a ``DeprecationWarning``, until the
+        next release."""
+        if name in _MOVED_COUNTS:
+            warnings.warn(
+                f"RayBackend.{name} is deprecated; read RayBackend.dispatcher.counts.{name}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return getattr(self.__dict__["dispatcher"].counts, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     async def num_live_replicas(self) -> int:
         self.health.ensure_running()
         return self.health.num_live
@@ -286,6 +300,9 @@ class RayBackend:
             ray.kill(actor, no_restart=True)
         ray.kill(self.router, no_restart=True)
         self.placement.remove()
+
+
+_MOVED_COUNTS = ("num_rerouted", "num_overload_reroutes", "num_resumed")
 
 
 def _check_host_memory(config: ClusterConfig, engine_config: EngineConfig, args: ModelArgs) -> None:

@@ -234,3 +234,11 @@ def test_with_no_live_replica_to_take_it_the_request_fails_as_before():
     with pytest.raises(ReplicaFailedError, match=r"^replica 0 failed while serving the request"):
         asyncio.run(asyncio.wait_for(collect(backend, "r", params), 120))
     assert backend.dispatcher.counts.num_resumed == 0
+
+
+def test_the_old_count_names_still_read_with_a_deprecation_warning():
+    _, backend = resumed(SamplingParams(max_tokens=6, ignore_eos=True), cut_at=3)
+    with pytest.warns(DeprecationWarning, match="dispatcher.counts.num_resumed"):
+        assert backend.num_resumed == backend.dispatcher.counts.num_resumed == 1
+    with pytest.raises(AttributeError):
+        _ = backend.num_lost
