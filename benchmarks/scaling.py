@@ -44,7 +44,7 @@ QUICK_REQUESTS = 400
 
 
 def sim_config(quick: bool) -> SimConfig:
-    """Every host block is stored to the disk tier too (write-through threshold 0), so the disk
+    """Every host block is stored to the disk tier too (write-through ``immediate``), so the disk
     holds the working set; arrivals 6x the trace's pace (4x quick), a load the added
     replicas are needed for (at the trace's pace 16 replicas idle and a new one receives only
     the cold prompts the others do not hold)."""
@@ -53,7 +53,7 @@ def sim_config(quick: bool) -> SimConfig:
         host_memory_gb=512.0,
         disk_memory_gb=16384.0,
         announce_disk_blocks=True,  # the router credits the node's disk blocks, as deployed
-        write_through_threshold=0,
+        write_through_threshold="immediate",
         token_scale=32.0,
         arrival_speedup=4.0 if quick else 6.0,
     )

@@ -149,7 +149,7 @@ class ReplicaActor:
         self.engine = Engine(engine_config)
         # Before any KV event is recorded: the samples' blocks never reach the router.
         self._step_costs = measure_step_costs(self.engine) if measure_costs else None
-        self.engine.kv_cache.enable_events()
+        self.engine.kv_cache.views.enable_events()
         self.async_engine = AsyncEngine(
             self.engine,
             on_step=self._report,
@@ -271,7 +271,7 @@ class ReplicaActor:
 
     # ---- router support ----------------------------------------------------------------------
     def _report(self, outputs: list[RequestOutput]) -> None:
-        events = tuple(self.engine.kv_cache.drain_events())
+        events = tuple(self.engine.kv_cache.views.drain_events())
         batch = KVEventBatch(self.replica_index, self._next_seq, events)
         self._next_seq = batch.next_seq
         generated = {o.request_id: len(o.new_token_ids) for o in outputs if o.new_token_ids}
@@ -283,7 +283,7 @@ class ReplicaActor:
         """Every cached hash per tier, consistent with the events published so far."""
         await self.async_engine.between_steps()
         self._report([])  # publish what is pending so the snapshot follows it
-        return self.engine.kv_cache.snapshot(self.replica_index, self._next_seq)
+        return self.engine.kv_cache.views.snapshot(self.replica_index, self._next_seq)
 
     # ---- introspection -----------------------------------------------------------------------
     async def info(self) -> dict[str, int | str]:
@@ -323,7 +323,7 @@ class ReplicaActor:
         """Run every pool's integrity check between steps; report blocks in use."""
         await self.async_engine.between_steps()
         self.engine.check_integrity()
-        primary = next(iter(self.engine.kv_cache.usage().values()))
+        primary = next(iter(self.engine.kv_cache.views.usage().values()))
         return {
             "npu_blocks_used": primary.of(Tier.NPU).num_used,
             "host_blocks_used": primary.of(Tier.HOST).num_used,

@@ -284,14 +284,6 @@ class KVOffloadConfig(_Config):
             )
 
     @property
-    def promotion_threshold(self) -> int | None:
-        """``write_through_threshold`` as the cache manager takes it
-        (``KVCacheManager(write_through_threshold=...)``): None off, 0 at first write, else
-        the number of hits."""
-        threshold = self.write_through_threshold
-        return 0 if threshold == IMMEDIATE_PROMOTION else threshold or None
-
-    @property
     def is_active(self) -> bool:
         return self.enabled and self._has_capacity
 

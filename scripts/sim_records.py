@@ -38,7 +38,7 @@ HYBRID = {"sliding_window": 256, "sliding_layer_fraction": 0.5}
 CONFIGS: dict[str, dict[str, object]] = {
     "no-host": {},
     "host-ratio-1": {"host_memory_ratio": 1.0},
-    "host-ratio-1-threshold-off": {"host_memory_ratio": 1.0, "write_through_threshold": None},
+    "host-ratio-1-threshold-off": {"host_memory_ratio": 1.0, "write_through_threshold": 0},
     "host-ratio-2-write-back": {"host_memory_ratio": 2.0, "write_back": True},
     "host-gb-adaptive": {"host_memory_gb": 64.0, "retention": "adaptive"},
     "host-ratio-1-fixed": {"host_memory_ratio": 1.0, "retention": "fixed"},

@@ -38,7 +38,7 @@ class ClusterView:
 
     def npu_usage(self, replica: int) -> float:
         """Fraction of NPU blocks referenced by running requests (vLLM's KV cache usage)."""
-        usage = next(iter(self._engines[replica].kv_cache.usage().values()))
+        usage = next(iter(self._engines[replica].kv_cache.views.usage().values()))
         npu = usage.of(Tier.NPU)
         return npu.num_used / npu.num_blocks
 

@@ -11,7 +11,7 @@ from benchmarks.sim import report as sim_report
 from benchmarks.sim.cost_model import KV_CACHE_DTYPES, CostModel, HardwareProfile
 from benchmarks.sim.metrics import ideal_ttft_s, ttft_figures
 from benchmarks.sim.peers import PEERS
-from benchmarks.sim.runs import execute, parse_sweep, plan_runs
+from benchmarks.sim.runs import execute, parse_sweep, plan_runs, write_through_threshold
 from benchmarks.sim.simulator import CLAIRVOYANT, STRATA, SimConfig
 from benchmarks.sim.trace import (
     TRACE_TOKENS_PER_HASH_ID,
@@ -89,7 +89,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="process-wide disk KV tier in GiB behind the host tier, split among replicas, "
         "all on one node (needs a host tier and the profile's disk bandwidth)",
     )
-    add("--write-through-threshold", type=int, default=2, help="0 disables (default 2)")
+    add(
+        "--write-through-threshold",
+        type=write_through_threshold,
+        default=2,
+        help="hits that promote a block to host; 0 disables, 'immediate' at first write "
+        "(default 2)",
+    )
     add("--write-back", action="store_true", help="store evicted NPU-only blocks to host")
     add(
         "--retention",
@@ -193,8 +199,6 @@ def base_config(args: argparse.Namespace) -> SimConfig:
         raise SystemExit(
             f"--clairvoyant-window-s must be positive, got {args.clairvoyant_window_s}"
         )
-    if args.write_through_threshold < 0:
-        raise SystemExit("--write-through-threshold must be >= 0 (0 disables promotion)")
     if args.sliding_window is not None and args.sliding_window < 1:
         raise SystemExit(
             f"--sliding-window must be a positive token count, got {args.sliding_window}"
@@ -212,7 +216,7 @@ def base_config(args: argparse.Namespace) -> SimConfig:
         host_memory_gb=args.host_memory_gb,
         host_memory_ratio=args.host_memory_ratio,
         disk_memory_gb=args.disk_memory_gb,
-        write_through_threshold=args.write_through_threshold or None,
+        write_through_threshold=args.write_through_threshold,
         write_back=args.write_back,
         retention=args.retention,
         clairvoyant_window_s=args.clairvoyant_window_s,

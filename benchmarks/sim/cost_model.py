@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 from replicas.config import torch_dtype
 from replicas.engine.scheduler import ScheduledRequest
-from replicas.kv.manager import TransferPlan
+from replicas.kv.records import TransferPlan
 from replicas.model.kv_format import KV_FORMATS, kv_format
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"

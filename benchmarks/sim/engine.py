@@ -241,7 +241,7 @@ class SimulatedEngine:
             self._transfer.now = now
             if not warm.plan_round(HANDOVER_BATCH_BLOCKS):
                 break
-            self.core.run_transfers(self.kv_cache.take_transfer_plan())
+            self.core.flush_transfers()
             now = self._transfer.next_landing() or now
             self._transfer.now = now
             self.core.complete_disk_loads(0.0)
@@ -252,7 +252,7 @@ class SimulatedEngine:
         return StepReport(self._drain_events())
 
     def _drain_events(self) -> KVEventBatch:
-        events = tuple(self.kv_cache.drain_events())
+        events = tuple(self.kv_cache.views.drain_events())
         batch = KVEventBatch(self.replica_index, self._next_seq, events)
         self._next_seq = batch.next_seq
         return batch

@@ -189,7 +189,7 @@ class ResizingSimulator(Simulator):
 
     def _held(self, replica: int, cache_type: str) -> set[BlockHash]:
         """The blocks of ``cache_type`` the replica holds on NPU or host."""
-        snapshot = self.engines[replica].kv_cache.snapshot(replica, 0)
+        snapshot = self.engines[replica].kv_cache.views.snapshot(replica, 0)
         return {*snapshot.hashes(Tier.NPU, cache_type), *snapshot.hashes(Tier.HOST, cache_type)}
 
     def _hot_blocks(self, replica: int) -> dict[BlockHash, float]:
@@ -269,7 +269,7 @@ class ResizingSimulator(Simulator):
         write-out, when its disk blocks are announced at all."""
         if not self.config.announce_disk_blocks:
             return None
-        return self.engines[replica].kv_cache.snapshot(replica, 0)
+        return self.engines[replica].kv_cache.views.snapshot(replica, 0)
 
     # ---- figures -----------------------------------------------------------------------------
     def _resize_record(self) -> dict[str, object]:

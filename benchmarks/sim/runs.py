@@ -26,13 +26,17 @@ from tqdm import tqdm
 from benchmarks.sim.cost_model import CostModel, HardwareProfile
 from benchmarks.sim.simulator import CLAIRVOYANT, STRATA, SimConfig, Simulator
 from benchmarks.sim.trace import TraceRequest
+from replicas.kv.retention import IMMEDIATE
 
 
-def _threshold(text: str) -> int | None:
+def write_through_threshold(text: str) -> "int | str":
+    """A write-through threshold as the config reads it: hits, 0 (off) or ``immediate``."""
+    if text == IMMEDIATE:
+        return text
     value = int(text)
     if value < 0:
-        raise ValueError(f"threshold must be >= 0, got {value}")
-    return value or None
+        raise ValueError(f"threshold must be >= 0 or {IMMEDIATE!r}, got {value}")
+    return value
 
 
 RETENTIONS = {
@@ -66,7 +70,7 @@ SWEEPS: dict[str, SweepKind] = {
     "host-gb": SweepKind("host_memory_gb", float),
     "host-ratio": SweepKind("host_memory_ratio", float),
     "disk-gb": SweepKind("disk_memory_gb", float),
-    "threshold": SweepKind("write_through_threshold", _threshold),
+    "threshold": SweepKind("write_through_threshold", write_through_threshold),
     "write-back": SweepKind("write_back", _switch, ("off", "on")),
     "npu-blocks": SweepKind("num_npu_blocks", int),
     "speedup": SweepKind("arrival_speedup", float),

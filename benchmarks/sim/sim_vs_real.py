@@ -79,7 +79,7 @@ def run_real(
     router = Router(dp, BLOCK_SIZE, RoutingConfig())
     next_seq = [0] * dp
     for llm in llms:
-        llm.engine.kv_cache.enable_events()  # as replicas.actor turns them on
+        llm.engine.kv_cache.views.enable_events()  # as replicas.actor turns them on
     ttfts, routed = [], [0] * dp
     for trace in tqdm(requests, desc=f"real dp={dp}", leave=False):
         prompt = trace.prompt_token_ids
@@ -89,7 +89,7 @@ def run_real(
         params = SamplingParams(max_tokens=trace.max_tokens, ignore_eos=True)
         output = llms[replica].generate(prompt, params)
         ttfts.append(output.first_token_time - output.arrival_time)
-        events = tuple(llms[replica].engine.kv_cache.drain_events())
+        events = tuple(llms[replica].engine.kv_cache.views.drain_events())
         router.on_events(KVEventBatch(replica, next_seq[replica], events))
         next_seq[replica] += len(events)
         router.release(trace.request_id)

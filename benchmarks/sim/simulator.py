@@ -53,9 +53,10 @@ from replicas.kv.capacity import (
     replica_host_bytes,
 )
 from replicas.kv.hashing import block_hashes
-from replicas.kv.manager import KVCacheManager, ReservationPolicy
+from replicas.kv.manager import KVCacheManager
 from replicas.kv.records import CacheStats, CacheTypeSpec
-from replicas.kv.retention import BlockCosts, PolicyFactory
+from replicas.kv.reservations import ReservationPolicy
+from replicas.kv.retention import BlockCosts, PolicyFactory, WriteThrough
 from replicas.model import KVCacheSpec
 from replicas.sampling_params import SamplingParams
 from router.config import RoutingConfig, TTFTCosts
@@ -86,7 +87,7 @@ class SimConfig:
     host_memory_ratio: float = 0.0
     disk_memory_gb: float = 0.0  # process-wide disk tier, split among replicas (0: none)
     announce_disk_blocks: bool = False  # the router credits the node's disk blocks (sim.disk)
-    write_through_threshold: int | None = 2
+    write_through_threshold: WriteThrough = 2  # as KVOffloadConfig's: 0 off, or 'immediate'
     write_back: bool = False
     retention: str = "fixed"  # "adaptive" (KVOffloadConfig.retention), or CLAIRVOYANT (a bound)
     clairvoyant_window_s: float = 300.0  # CLAIRVOYANT stores what is requested again this soon
@@ -304,7 +305,7 @@ class Simulator:
             clock=_stopped_clock,
             reuse_partial_blocks=True,  # as the engine's
         )
-        manager.enable_events()
+        manager.views.enable_events()
         cost = self.cost_model
         recompute_s = cost.prefill_s(self.config.block_size * self.config.token_scale, 0.0)
         manager.set_block_costs(BlockCosts(recompute_s, cost.load_s(1), cost.store_s(1)))
@@ -469,7 +470,7 @@ class Simulator:
         queries = sum(s.queries for s in stats)
         tokens: dict[str, int] = {}
         for engine in self.engines:
-            retention = next(iter(engine.kv_cache.retention_stats().values()), None)
+            retention = next(iter(engine.kv_cache.views.retention_stats().values()), None)
             for key, value in retention.estimated_host_hit_tokens.items() if retention else ():
                 name = f"{key.capacity_factor:g}x/{key.write_back}"
                 tokens[name] = tokens.get(name, 0) + value

@@ -9,8 +9,9 @@ import torch
 
 from replicas.config import EngineConfig
 from replicas.kv.capacity import CachePlan
-from replicas.kv.manager import KVCacheManager, ReservationPolicy
+from replicas.kv.manager import KVCacheManager
 from replicas.kv.records import CacheTypeSpec
+from replicas.kv.reservations import ReservationPolicy
 from replicas.kv.sizing import PoolSize, device_memory, module_bytes, size_npu_pool
 from replicas.model import KVCacheSpec, LoadedModel, load_model
 
@@ -75,7 +76,7 @@ def kv_cache_manager(
         ],
         enable_prefix_caching=sched.prefix_cache_config.enabled,
         reservations=ReservationPolicy(sched.prefix_cache_config.reservation_share),
-        write_through_threshold=offload.promotion_threshold,
+        write_through_threshold=offload.write_through_threshold,
         write_back=offload.write_back,
         retention=offload.retention,
         curve_sample_rate=offload.miss_ratio_curve_sample_rate,

@@ -195,17 +195,17 @@ class EngineCore:
 
     def begin_step(self) -> StepInFlight | None:
         """Schedule, transfer and execute; None when nothing could be scheduled."""
-        if self.kv_cache.has_disk:
+        if self.kv_cache.onboarding.is_on:
             self.complete_disk_loads(0.0)  # reads landed since the last step: admit them now
         self.kv_cache.expire_retained()
         output = self.scheduler.schedule()
         # Counted before this step's transfers: a read landing while they run leaves its
         # request unscheduled this step, which is progress, not a stall.
-        onboarding = self.kv_cache.num_onboarding
+        onboarding = self.kv_cache.onboarding.num_onboarding
         self.run_transfers(output.transfer)
         if not output.scheduled:
             if onboarding:  # only disk reads to wait for: wait a little
-                if self.kv_cache.num_onboarding:
+                if self.kv_cache.onboarding.num_onboarding:
                     self.complete_disk_loads(DISK_WAIT_S)
             else:
                 self._check_progress()
@@ -266,7 +266,7 @@ class EngineCore:
                 self.executor.release(request.request_id)
                 self._requests.pop(request.request_id, None)
                 request.finish_time = now
-        self.run_transfers(self.kv_cache.take_transfer_plan())  # stores of blocks written now
+        self.flush_transfers()  # stores of blocks written now
         return result.requests
 
     def _append_accepted(
@@ -299,6 +299,11 @@ class EngineCore:
         if self.prompt_scores is not None:
             self.prompt_scores.record(request, num_before)
 
+    def flush_transfers(self, wait: bool = False) -> None:
+        """Run the copies the cache manager planned outside a step's schedule (the stores of
+        blocks a step wrote, a reset, a hand-over round): the one place such a plan is taken."""
+        self.run_transfers(self.kv_cache.take_transfer_plan(), wait=wait)
+
     def run_transfers(self, plan: TransferPlan, wait: bool = False) -> None:
         """Submit ``plan`` and tell the cache manager which copies have landed."""
         if self.transfer is None:
@@ -306,7 +311,7 @@ class EngineCore:
         self.transfer.submit(plan)
         for landed in self.transfer.poll(wait=wait):
             self.kv_cache.complete_transfer(landed)
-        if self.kv_cache.has_disk:
+        if self.kv_cache.onboarding.is_on:
             self.complete_disk_loads(None if wait else 0.0)
 
     def complete_disk_loads(self, timeout: float | None) -> int:
@@ -314,7 +319,7 @@ class EngineCore:
         of them; returns how many ended."""
         results = self.transfer.poll_disk(timeout)
         if results:
-            self.kv_cache.complete_disk_loads(results)
+            self.kv_cache.onboarding.complete_loads(results)
         return len(results)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
@@ -346,5 +351,5 @@ class EngineCore:
     def reset_prefix_cache(self, tier: str = "all") -> None:
         """Forget cached blocks nobody uses, in ``tier`` ("all", "npu", "host", "disk"), once
         the copies in flight have landed."""
-        self.run_transfers(self.kv_cache.take_transfer_plan(), wait=True)
+        self.flush_transfers(wait=True)
         self.kv_cache.reset_prefix_cache(tier)

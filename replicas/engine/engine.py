@@ -27,7 +27,7 @@ from replicas.kv.capacity import plan_cache
 from replicas.kv.handover import HANDOVER_BATCH_BLOCKS
 from replicas.kv.hashing import BlockHash
 from replicas.kv.host_memory import check_host_capacity, host_tier_bytes
-from replicas.kv.manager import ReloadCosts
+from replicas.kv.onboarding import ReloadCosts
 from replicas.kv.records import CacheStats, CacheTypeUsage
 from replicas.kv.retention import RetentionStats
 from replicas.kv.transfer import KVTransfer, TransferStats
@@ -161,7 +161,7 @@ class Engine:
         disk writes and release the disk slabs (no-op without a host tier)."""
         if self.disk:
             for _ in range(2):  # a landed host store plans its disk store at threshold 0
-                self.core.run_transfers(self.kv_cache.take_transfer_plan(), wait=True)
+                self.core.flush_transfers(wait=True)
         if self.transfer is not None:
             for landed in self.transfer.close():
                 self.kv_cache.complete_transfer(landed)
@@ -263,11 +263,11 @@ class Engine:
             num_running=self.core.num_running,
             num_waiting=self.core.num_waiting,
             num_preemptions=self.core.num_preemptions,
-            cache_types=self.kv_cache.usage(),
+            cache_types=self.kv_cache.views.usage(),
             steps=dataclasses.replace(self.meter.times),
-            retention=self.kv_cache.retention_stats(),
+            retention=self.kv_cache.views.retention_stats(),
             disk={c: store.stats() for c, store in (self.disk or {}).items()},
-            reload_costs=self.kv_cache.reload_costs(),
+            reload_costs=self.kv_cache.onboarding.reload_costs(),
             spec_decode=dataclasses.replace(self.core.spec_decode),
         )
 
@@ -301,12 +301,12 @@ class Engine:
         if not self.disk:
             return 0
         deadline = time.monotonic() + time_budget_s
-        self.core.run_transfers(self.kv_cache.take_transfer_plan(), wait=True)
+        self.core.flush_transfers(wait=True)
         write_out = self.kv_cache.start_write_out()
         num_written = 0
         while not write_out.is_done and time.monotonic() < deadline:
             num_stores = write_out.plan_round(HANDOVER_BATCH_BLOCKS)
-            self.core.run_transfers(self.kv_cache.take_transfer_plan(), wait=True)
+            self.core.flush_transfers(wait=True)
             left_s = max(0.0, deadline - time.monotonic())
             if all([store.flush(left_s) for store in self.disk.values()]):
                 num_written += num_stores
@@ -327,7 +327,7 @@ class Engine:
         while not warm.is_done and time.monotonic() < deadline:
             if not warm.plan_round(HANDOVER_BATCH_BLOCKS):
                 break
-            self.core.run_transfers(self.kv_cache.take_transfer_plan())
+            self.core.flush_transfers()
             self.core.complete_disk_loads(max(0.0, deadline - time.monotonic()))
         return self.kv_cache.stats.disk_blocks_loaded - loaded_before
 

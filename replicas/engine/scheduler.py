@@ -6,12 +6,12 @@ prompt or whatever budget is left (chunked prefill). Waiting requests are admitt
 oldest first, each starting after its cached prefix.
 
 With ``reservation_share`` set, the cached prefixes of the first waiting requests are reserved
-from the step after their arrival (``KVCacheManager.reserve``: held, host-only blocks
+from the step after their arrival (``Reservations.reserve``: held, host-only blocks
 prefetched), and the newest reservation gives way whenever blocks are short, before any
 preemption.
 
 With a disk tier, a waiting request whose prefix continues on disk first has those blocks read
-into host blocks (``KVCacheManager.onboard``); it keeps its place in the queue meanwhile and the
+into host blocks (``DiskOnboarding.onboard``); it keeps its place in the queue meanwhile and the
 requests behind it are admitted past it (at most ``RESERVE_LOOKAHEAD`` of them wait so).
 
 With ``speculative_ngram`` K > 0, a running request in decode whose sampling parameters allow
@@ -39,8 +39,8 @@ from typing import NamedTuple
 from replicas.config import SchedulerConfig
 from replicas.engine.ngram_proposer import NgramProposer
 from replicas.engine.request import Request, RequestStatus
-from replicas.kv.manager import KVCacheManager, PrefixMatch
-from replicas.kv.records import TransferPlan
+from replicas.kv.manager import KVCacheManager
+from replicas.kv.records import PrefixMatch, TransferPlan
 
 RESERVE_LOOKAHEAD = 16
 """Waiting requests, from the front of the queue, whose prefixes a step tries to reserve."""
@@ -151,7 +151,7 @@ class Scheduler:
                 break
             request = self.waiting[position]
             limit = self.prefix_limit(request) if self.prefix_limit is not None else None
-            if self.kv_cache.onboard(request, limit):
+            if self.kv_cache.onboarding.onboard(request, limit):
                 position += 1
                 if position >= RESERVE_LOOKAHEAD:
                     break
@@ -196,27 +196,27 @@ class Scheduler:
 
     def _reserve_waiting(self) -> None:
         """Reserve the cached prefixes of the first ``RESERVE_LOOKAHEAD`` waiting requests
-        not reserved yet, oldest first (see ``KVCacheManager.reserve``). Asked again every
+        not reserved yet, oldest first (see ``Reservations.reserve``). Asked again every
         step, since a prefix a request ahead computes becomes cached after its arrival; but
         not for a request whose reservation gave way (it would only be dropped again)."""
-        if not self.kv_cache.reservation_share:
+        if not self.kv_cache.reservations.share:
             return
         for request in itertools.islice(self.waiting, RESERVE_LOOKAHEAD):
             request_id = request.request_id
-            if request_id not in self._gave_way and not self.kv_cache.has_reservation(request_id):
-                self.kv_cache.reserve(request)
+            if request_id not in self._gave_way and not self.kv_cache.reservations.has(request_id):
+                self.kv_cache.reservations.reserve(request)
 
     def _onboard_waiting(self) -> None:
         """Start the disk reads of the first ``RESERVE_LOOKAHEAD`` waiting requests, so that
         they overlap the steps before those requests' turn."""
-        if not self.kv_cache.has_disk:
+        if not self.kv_cache.onboarding.is_on:
             return
         for request in itertools.islice(self.waiting, RESERVE_LOOKAHEAD):
             limit = self.prefix_limit(request) if self.prefix_limit is not None else None
-            self.kv_cache.onboard(request, limit)
+            self.kv_cache.onboarding.onboard(request, limit)
 
     def _give_way(self, keep: str | None = None) -> bool:
-        dropped = self.kv_cache.drop_reservation(keep)
+        dropped = self.kv_cache.reservations.drop_newest(keep)
         if dropped is None:
             return False
         self._gave_way.add(dropped)

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 
 from replicas.kv.manager import KVCacheManager
-from replicas.kv.retention import ADAPTIVE, OFF, ON, BlockCosts, tuning_hint
+from replicas.kv.retention import BlockCosts, tuning_hint
 from replicas.kv.transfer import KVTransfer
 
 logger = logging.getLogger(__name__)
@@ -103,9 +103,9 @@ class StepMeter:
     def tuning_hints(self) -> list[str]:
         """One line per cache type with a host tier (see ``kv_retention.tuning_hint``)."""
         cache = self._kv_cache
-        policy = ADAPTIVE if cache.retention == "adaptive" else (ON if cache.write_back else OFF)
+        policy = cache.views.retention_policy()
         lines = []
-        for cache_type, stats in cache.retention_stats().items():
+        for cache_type, stats in cache.views.retention_stats().items():
             line = tuning_hint(cache_type, stats, cache.stats.queries, policy)
             if line is not None:
                 lines.append(line)

@@ -3,17 +3,22 @@
 A dense model has one cache type, ``full``; a hybrid model adds ``sliding`` for its
 sliding-window layers. Each has its own tiers (``replicas.kv.tiers``: NPU, then host and disk
 when on) over the same block hashes; residency is derived from the tiers' maps, never kept in
-parallel flags.
+parallel flags::
+
+    NPU only       h in the NPU map, not the host map    reusable now; lost on NPU eviction
+    host only      h in the host map, not the NPU map    reload into a new NPU block first
+    NPU and host   h in both maps                        reusable now; survives NPU eviction
 """
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from replicas.kv.block_pool import BlockPool
 from replicas.kv.events import Tier, safe_prefix_length
 from replicas.kv.hashing import BlockHash
 from replicas.kv.records import CacheTypeMatch, CacheTypeSpec, CacheTypeUsage
-from replicas.kv.retention import RetentionTracker
+from replicas.kv.retention import PolicyContext, PolicyFactory, RetentionTracker, WriteThrough
 from replicas.kv.tiers import DiskIndex, TierLevel, order_tiers
 
 
@@ -148,3 +153,67 @@ class CacheType:
                 f"{self.npu.name} block {block.block_id} ref_count {block.ref_count} but "
                 f"held {held.get(block.block_id, 0)} times"
             )
+
+
+class HostRules(NamedTuple):
+    """The host tier's configured rules (``KVCacheManager``'s options of the same names)."""
+
+    write_through_threshold: WriteThrough
+    write_back: bool
+    retention: "str | PolicyFactory"
+    curve_sample_rate: float | None
+
+
+def build_cache_types(
+    specs: list[CacheTypeSpec],
+    retained_share: float,
+    clock: Callable[[], float],
+    host_rules: HostRules,
+    disk: dict[str, DiskIndex] | None,
+) -> tuple[list[CacheType], HostRules]:
+    """The cache types with their tiers and, with a host tier, their retention trackers; and
+    the host rules in effect (none without a host tier)."""
+    if specs[0].sliding_window is not None:
+        raise ValueError("the first cache type must be global attention")
+    cache_types = [build_cache_type(spec, retained_share, clock) for spec in specs]
+    has_host = all(c.host is not None for c in cache_types)
+    if any(c.host is not None for c in cache_types) and not has_host:
+        raise ValueError("every cache type needs host blocks when the host tier is on")
+    write_through = host_rules.write_through_threshold if has_host else 0
+    write_back = host_rules.write_back and has_host
+    for cache_type in cache_types if has_host else ():
+        context = PolicyContext(cache_type.spec.num_host_blocks, write_back, write_through)
+        cache_type.retention = RetentionTracker(
+            host_rules.retention, context, host_rules.curve_sample_rate
+        )
+    add_disk(cache_types, disk or {}, has_host)
+    return cache_types, host_rules._replace(
+        write_through_threshold=write_through, write_back=write_back
+    )
+
+
+def build_cache_type(
+    spec: CacheTypeSpec, retained_share: float, clock: Callable[[], float]
+) -> CacheType:
+    """A cache type with its NPU tier and, with host blocks, its host tier."""
+    levels = [TierLevel(Tier.NPU, BlockPool(spec.num_npu_blocks, f"npu[{spec.name}]"))]
+    if spec.num_host_blocks > 0:
+        host = BlockPool(
+            spec.num_host_blocks,
+            f"host[{spec.name}]",
+            max_retained=int(retained_share * spec.num_host_blocks),
+            clock=clock,
+        )
+        levels.append(TierLevel(Tier.HOST, host))
+    return CacheType(spec, levels)
+
+
+def add_disk(cache_types: list[CacheType], disk: dict[str, DiskIndex], has_host: bool) -> None:
+    """Put each cache type's disk store behind its host tier."""
+    if disk and not has_host:
+        raise ValueError("the disk tier needs the host tier: disk blocks load through it")
+    for cache_type in cache_types if disk else ():
+        if cache_type.name not in disk:
+            raise ValueError(f"the disk tier has no store for cache type {cache_type.name!r}")
+        cache_type.add_tier(TierLevel(Tier.DISK, store=disk[cache_type.name]))
+        cache_type.retention.behind_disk = True

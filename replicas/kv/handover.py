@@ -24,13 +24,13 @@ weight recorded (``DiskIndex.set_weight``).
 """
 
 from collections import deque
-from collections.abc import Callable
 from typing import NamedTuple
 
 from replicas.kv.cache_type import CacheType
 from replicas.kv.hashing import BlockHash
 from replicas.kv.hotness import HitWeights
 from replicas.kv.onboarding import DiskOnboarding
+from replicas.kv.type_manager import CacheTypeManager
 
 HANDOVER_BATCH_BLOCKS = 64
 """Blocks one round of a write-out or a warm start copies: the time budget is checked between
@@ -39,8 +39,12 @@ rounds."""
 
 class _Chosen(NamedTuple):
     weight: float
-    cache_type: CacheType
+    manager: CacheTypeManager
     block_hash: BlockHash
+
+    @property
+    def cache_type(self) -> CacheType:
+        return self.manager.cache_type
 
 
 def hot_blocks(primary: CacheType, weights: HitWeights) -> dict[BlockHash, float]:
@@ -53,27 +57,20 @@ class WriteOut:
     """One write-out of a replica's NPU and host blocks to its disk slab (see the module
     docstring). Not thread-safe: the engine thread plans it; ``end`` releases what it holds."""
 
-    def __init__(
-        self,
-        cache_types: list[CacheType],
-        weights: HitWeights,
-        disk: DiskOnboarding,
-        store_to_host: Callable[[CacheType, int, BlockHash], bool],
-    ) -> None:
-        self._disk = disk
-        self._store_to_host = store_to_host
+    def __init__(self, managers: list[CacheTypeManager], weights: HitWeights) -> None:
+        """``managers``: one per cache type; nothing is written without a disk tier."""
         chosen: list[_Chosen] = []
         self._replaced: dict[str, deque[BlockHash]] = {}  # own disk blocks to forget, coldest first
         self._num_claimed: dict[str, int] = {}  # free slots this round's stores take
-        for cache_type in cache_types if disk.is_on else ():
-            blocks, replaced = _choose(cache_type, weights)
+        for manager in managers if managers[0].disk is not None else ():
+            blocks, replaced = _choose(manager, weights)
             chosen.extend(blocks)
-            self._replaced[cache_type.name] = deque(replaced)
+            self._replaced[manager.name] = deque(replaced)
         chosen.sort(key=lambda c: c.weight, reverse=True)  # stable: cache types in order
         self._pending = deque(chosen)
-        self._staged: list[tuple[CacheType, int, BlockHash]] = []  # host blocks, locked
+        self._staged: list[tuple[CacheTypeManager, int, BlockHash]] = []  # host blocks, locked
         self._locked: dict[tuple[str, BlockHash], int] = {}  # chosen host blocks -> host id
-        self._cache_types = cache_types
+        self._cache_types = [m.cache_type for m in managers]
         for c in chosen:
             host_id = c.cache_type.host.lookup(c.block_hash)
             if host_id is not None:
@@ -89,8 +86,8 @@ class WriteOut:
         plan nothing (no host block to stage through) ends the write-out."""
         self._num_claimed = dict.fromkeys(self._replaced, 0)  # the last round's stores are in
         num_stores = 0
-        for cache_type, host_id, block_hash in self._staged:
-            self._store(cache_type, host_id, block_hash)
+        for manager, host_id, block_hash in self._staged:
+            self._store(manager, host_id, block_hash)
             num_stores += 1
         self._staged = []
         deferred: deque[_Chosen] = deque()
@@ -99,7 +96,7 @@ class WriteOut:
             c = self._pending.popleft()
             host_id = self._locked.pop((c.cache_type.name, c.block_hash), None)
             if host_id is not None:
-                self._store(c.cache_type, host_id, c.block_hash)
+                self._store(c.manager, host_id, c.block_hash)
                 num_stores += 1
             elif not self._stage(c):
                 deferred.append(c)  # after a host block of the batch is written, maybe
@@ -110,15 +107,16 @@ class WriteOut:
             self.end()
         return num_stores
 
-    def _store(self, cache_type: CacheType, host_id: int, block_hash: BlockHash) -> None:
+    def _store(self, manager: CacheTypeManager, host_id: int, block_hash: BlockHash) -> None:
         """Plan a held host block's copy to disk into a free own slot, forgetting the next
         replaced block when none is left; then release the hold (the copy holds its own)."""
+        cache_type = manager.cache_type
         name = cache_type.name
         self._num_claimed[name] += 1
         replaced = self._replaced[name]
         while cache_type.disk.num_free_slots < self._num_claimed[name] and replaced:
             cache_type.disk.forget(replaced.popleft())
-        self._disk.store(cache_type, host_id, block_hash)
+        manager.disk.store(host_id, block_hash)
         cache_type.host.free([host_id])
 
     def _stage(self, c: _Chosen) -> bool:
@@ -126,11 +124,11 @@ class WriteOut:
         npu_id = c.cache_type.npu.lookup(c.block_hash)
         if npu_id is None:  # evicted since it was chosen: nothing to write
             return True
-        if not self._store_to_host(c.cache_type, npu_id, c.block_hash):
+        if not c.manager.store(npu_id, c.block_hash):
             return False
         host_id = c.cache_type.host.lookup(c.block_hash)
         c.cache_type.host.touch([host_id])  # kept until its disk store is planned
-        self._staged.append((c.cache_type, host_id, c.block_hash))
+        self._staged.append((c.manager, host_id, c.block_hash))
         return True
 
     def end(self) -> None:
@@ -138,20 +136,23 @@ class WriteOut:
         by_name = {c.name: c for c in self._cache_types}
         for (name, _), host_id in self._locked.items():
             by_name[name].host.free([host_id])
-        for cache_type, host_id, _ in self._staged:
-            cache_type.host.free([host_id])
+        for manager, host_id, _ in self._staged:
+            manager.cache_type.host.free([host_id])
         self._locked, self._staged, self._pending = {}, [], deque()
 
 
-def _choose(cache_type: CacheType, weights: HitWeights) -> tuple[list[_Chosen], list[BlockHash]]:
+def _choose(
+    manager: CacheTypeManager, weights: HitWeights
+) -> tuple[list[_Chosen], list[BlockHash]]:
     """A cache type's pooled blocks its disk lacks, hottest first, as many as its slab takes,
     and the own disk blocks they replace; the blocks the disk holds get their current weight."""
+    cache_type = manager.cache_type
     disk = cache_type.disk
     held = weights.weights(h for pool in cache_type.pools for h in pool.cached_hashes())
     candidates = []
     for block_hash, weight in held.items():
         if not disk.contains(block_hash):
-            candidates.append(_Chosen(weight, cache_type, block_hash))
+            candidates.append(_Chosen(weight, manager, block_hash))
         elif weight > 0.0:
             disk.set_weight(block_hash, weight)
     candidates.sort(key=lambda c: c.weight, reverse=True)
@@ -164,10 +165,11 @@ class WarmStart:
     (see the module docstring); nothing else may allocate host blocks meanwhile. Not
     thread-safe: the engine thread plans it."""
 
-    def __init__(self, cache_types: list[CacheType], disk: DiskOnboarding) -> None:
+    def __init__(self, managers: list[CacheTypeManager], disk: DiskOnboarding) -> None:
         self._disk = disk
-        is_on = disk.is_on and all(c.host is not None for c in cache_types)
-        self._cache_types = cache_types if is_on else []
+        is_on = disk.is_on and all(m.cache_type.host is not None for m in managers)
+        self._managers = managers if is_on else []
+        self._cache_types = [m.cache_type for m in self._managers]
         self._rooms = [c.host.num_empty for c in self._cache_types]
         self._queues = [
             deque([h for h in c.disk.hottest() if not c.in_pools(h)][:room])
@@ -183,10 +185,10 @@ class WarmStart:
         """Plan up to ``max_blocks`` reads per cache type into empty host blocks (mutates);
         returns how many."""
         num_planned = 0
-        for i, (cache_type, queue) in enumerate(zip(self._cache_types, self._queues)):
+        for i, (manager, queue) in enumerate(zip(self._managers, self._queues)):
             num_reads = min(max_blocks, self._rooms[i], len(queue))
             for _ in range(num_reads):
-                self._disk.read_for_warm_start(cache_type, queue.popleft())
+                self._disk.read_for_warm_start(manager, queue.popleft())
             self._rooms[i] -= num_reads
             num_planned += num_reads
         return num_planned

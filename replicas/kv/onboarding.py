@@ -1,9 +1,7 @@
-"""The disk tier's rules: onboarding waiting requests' disk blocks, and storing host blocks to disk.
+"""The disk tier's reads: onboarding waiting requests' disk blocks into host blocks.
 
-Blocks leave host for disk by the rules that move them from NPU to host (a host block whose hits
-reach ``write_through_threshold`` is stored, every host block at threshold 0; with write-back,
-a host-only block that host eviction takes is stored first, and with the adaptive policy when
-``RetentionTracker.disk_write_back_pays``). A prefix match never waits on disk: ``onboard``
+(What goes from host to disk is each cache type's own rule: ``replicas.kv.disk_writes``.)
+A prefix match never waits on disk: ``onboard``
 looks past a waiting request's NPU/host match, and when the disk holds the next blocks and
 ``reload_pays`` says loading them beats computing them again, it plans their reads into locked
 host blocks and the request waits (the scheduler admits others meanwhile)::
@@ -22,12 +20,12 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from replicas.engine.request import Request
-from replicas.kv.cache_type import CacheType
-from replicas.kv.events import KVEventKind, Tier, safe_prefix_length
+from replicas.kv.events import Tier, safe_prefix_length
 from replicas.kv.hashing import BlockHash
-from replicas.kv.hotness import HitWeights
-from replicas.kv.records import CacheStats, DiskCopy, PlannedCopies, PrefixMatch, TransferPlan
-from replicas.kv.views import EventLog
+from replicas.kv.journal import Journal
+from replicas.kv.matching import PrefixMatcher
+from replicas.kv.records import DiskCopy
+from replicas.kv.type_manager import CacheTypeManager
 
 ONBOARD_TIMEOUT_MIN_S = 2.0
 ONBOARD_TIMEOUT_FACTOR = 8.0
@@ -57,15 +55,6 @@ def reload_pays(
     return reload_s < num_blocks * recompute_s
 
 
-class DiskRules(NamedTuple):
-    """When host blocks go to disk: the promotion threshold (None: never by hits), write-back,
-    and whether the adaptive policy decides at host eviction."""
-
-    write_through_threshold: int | None
-    write_back: bool
-    adaptive: bool
-
-
 @dataclass(slots=True)
 class _Onboarding:
     """A waiting request's disk reads: what it waits for and the host blocks it holds."""
@@ -76,34 +65,24 @@ class _Onboarding:
 
 
 class DiskOnboarding:
-    """The disk tier of a manager's cache types (inert without one). Not thread-safe: the
-    manager's engine loop calls it."""
+    """The disk tier's reads for a manager's cache types (inert without one). Not
+    thread-safe: the manager's engine loop calls it."""
 
     def __init__(
         self,
-        cache_types: list[CacheType],
-        block_size: int,
-        plan: PlannedCopies,
-        events: EventLog,
-        stats: Callable[[], CacheStats],
-        rules: DiskRules,
-        match_prefix: Callable[[Request, int | None], PrefixMatch],
-        allocate_host: Callable[[CacheType], int],
+        managers: list[CacheTypeManager],
+        matcher: PrefixMatcher,
+        journal: Journal,
         clock: Callable[[], float],
-        weights: HitWeights,
     ) -> None:
-        """``weights``: the blocks' hit weights, which every disk store records."""
-        self._cache_types = cache_types
-        self._by_name = {c.name: c for c in cache_types}
-        self._block_size = block_size
-        self._rules = rules
-        self._plan = plan
-        self._events = events
-        self._stats = stats  # the manager's current counters (an engine may replace them)
-        self._match_prefix = match_prefix
-        self._allocate_host = allocate_host
+        """``managers``: one per cache type, the global-attention one first."""
+        self._managers = managers
+        self._cache_types = [m.cache_type for m in managers]
+        self._by_name = {c.name: c for c in self._cache_types}
+        self._block_size = matcher.block_size
+        self._matcher = matcher
+        self._journal = journal
         self._clock = clock
-        self._weights = weights
         self._onboarding: dict[str, _Onboarding] = {}
         self._inflight: dict[tuple[str, BlockHash], tuple[int, set[str]]] = {}  # -> host, waiters
         self._recompute_s: float | None = None  # measured seconds per block (set_costs)
@@ -123,18 +102,20 @@ class DiskOnboarding:
         """Whether a waiting request must wait for disk reads (mutates): reads are planned the
         first time the disk holds blocks past its match and ``reload_pays``; True until they
         land or time out."""
+        if not self.is_on or not self._matcher.enabled:
+            return False
         onboarding = self._onboarding.get(request.request_id)
         if onboarding is not None:
             if not onboarding.waiting:
                 return False
             if self._clock() > onboarding.deadline:
-                self._stats().disk_load_timeouts += 1
+                self._journal.stats.disk_load_timeouts += 1
                 onboarding.waiting.clear()
                 return False
             return True
         if request.num_cached_tokens is not None:  # resumed after preemption: not new traffic
             return False
-        match = self._match_prefix(request, max_blocks)
+        match = self._matcher.match(request, max_blocks)
         plan = self._extension(request, match.num_blocks, max_blocks)
         if plan is None:  # decided once per request: later steps skip the lookups
             self._onboarding[request.request_id] = _Onboarding(set(), [], 0.0)
@@ -150,10 +131,10 @@ class DiskOnboarding:
         if recompute_s is not None and not reload_pays(
             length - match.num_blocks, num_disk, recompute_s, self._host_load_s, disk_read_s
         ):
-            self._stats().disk_recomputes += 1
+            self._journal.stats.disk_recomputes += 1
             self._onboarding[request.request_id] = _Onboarding(set(), [], 0.0)
             return False
-        self._stats().disk_reloads += 1
+        self._journal.stats.disk_reloads += 1
         timeout = max(ONBOARD_TIMEOUT_MIN_S, ONBOARD_TIMEOUT_FACTOR * num_disk * disk_read_s)
         self._plan_reads(request.request_id, reads, self._clock() + timeout)
         return True
@@ -165,15 +146,18 @@ class DiskOnboarding:
         request waiting for it)."""
         waiting: set[tuple[str, BlockHash]] = set()
         held: list[tuple[str, int]] = []
-        for cache_type in self._cache_types:
+        for manager in self._managers:
+            cache_type = manager.cache_type
             for block_hash in reads[cache_type.name]:
                 key = (cache_type.name, block_hash)
                 inflight = self._inflight.get(key)
                 if inflight is None:
-                    host_id = self._allocate_host(cache_type)
+                    host_id = manager.allocate_host()
                     cache_type.host.touch([host_id])  # the read's reference and the waiter's
                     inflight = self._inflight[key] = (host_id, set())
-                    self._plan.disk_loads.append(DiskCopy(host_id, block_hash, cache_type.name))
+                    self._journal.plan.disk_loads.append(
+                        DiskCopy(host_id, block_hash, cache_type.name)
+                    )
                 else:
                     cache_type.host.touch([inflight[0]])  # the waiter's reference
                 inflight[1].add(request_id)
@@ -181,17 +165,18 @@ class DiskOnboarding:
                 held.append((cache_type.name, inflight[0]))
         self._onboarding[request_id] = _Onboarding(waiting, held, deadline)
 
-    def read_for_warm_start(self, cache_type: CacheType, block_hash: BlockHash) -> None:
+    def read_for_warm_start(self, manager: CacheTypeManager, block_hash: BlockHash) -> None:
         """Plan a read of a disk block into a new host block for no request (a replica filling
         its host tier before it serves); it lands as any read does (``complete_loads``: cached
         and announced). Call only while the host tier has an empty block, so that nothing is
         evicted."""
+        cache_type = manager.cache_type
         key = (cache_type.name, block_hash)
         if key in self._inflight or cache_type.in_pools(block_hash):
             return
-        host_id = self._allocate_host(cache_type)  # the read's reference
+        host_id = manager.allocate_host()  # the read's reference
         self._inflight[key] = (host_id, set())
-        self._plan.disk_loads.append(DiskCopy(host_id, block_hash, cache_type.name))
+        self._journal.plan.disk_loads.append(DiskCopy(host_id, block_hash, cache_type.name))
 
     def _extension(
         self, request: Request, num_matched: int, max_blocks: int | None
@@ -221,7 +206,7 @@ class DiskOnboarding:
     def complete_loads(self, results: list[tuple[DiskCopy, bool]]) -> None:
         """Record disk reads that ended: a valid block is cached in its host block; a miss frees
         the host block and the disk forgets the block."""
-        stats = self._stats()
+        stats = self._journal.stats
         for copy, ok in results:
             cache_type = self._by_name[copy.cache_type]
             key = (copy.cache_type, copy.block_hash)
@@ -229,7 +214,7 @@ class DiskOnboarding:
             host = cache_type.host
             if ok and host.cache(host_id, copy.block_hash):
                 stats.disk_blocks_loaded += 1
-                self._events.emit(cache_type.name, KVEventKind.STORED, Tier.HOST, copy.block_hash)
+                self._journal.stored(cache_type.name, Tier.HOST, copy.block_hash)
             else:
                 stats.disk_load_failures += not ok
                 if not ok:
@@ -253,82 +238,6 @@ class DiskOnboarding:
             if inflight is not None:
                 inflight[1].discard(request_id)
         return set(onboarding.held)
-
-    # ---- host -> disk ----------------------------------------------------------------------------
-    def count_host_hit(self, cache_type: CacheType, host_id: int) -> None:
-        """A new request reloads a host block: at the threshold, it is stored to disk too."""
-        if cache_type.disk is None:
-            return
-        num_hits = cache_type.host.record_hit(host_id)
-        threshold = self._rules.write_through_threshold
-        if threshold and num_hits >= threshold:
-            self.store(cache_type, host_id, cache_type.host.blocks[host_id].block_hash)
-
-    def store(
-        self,
-        cache_type: CacheType,
-        host_id: int,
-        block_hash: BlockHash,
-        retained_until: float = 0.0,
-    ) -> None:
-        """Plan a copy of a host block to disk, unless the disk holds it; the host block stays
-        locked until the copy has read it (``disk_stores_landed``). A retained block is kept
-        on disk until ``retained_until``."""
-        if block_hash is None or cache_type.disk.contains(block_hash):
-            return
-        cache_type.host.touch([host_id])
-        weight = self._weights.weight(block_hash)
-        copy = DiskCopy(host_id, block_hash, cache_type.name, True, retained_until, weight)
-        self._plan.disk_stores.append(copy)
-
-    def retain(
-        self, cache_type: CacheType, host_id: int, block_hash: BlockHash, until: float
-    ) -> None:
-        """Retain a block on disk too: the disk's own copy, else a new one from its (landed)
-        host block. A block another replica wrote stays that replica's to keep."""
-        if cache_type.disk.contains(block_hash):
-            cache_type.disk.retain(block_hash, until)
-        else:
-            self.store(cache_type, host_id, block_hash, until)
-
-    def before_host_eviction(self, cache_type: CacheType) -> None:
-        """Before host allocation evicts its next block, store that block to disk: always with
-        write-back, as the adaptive policy decides with it, never else. The copy runs first
-        in the plan, so it reads the block before this plan's store overwrites it."""
-        if cache_type.disk is None or not (self._rules.write_back or self._rules.adaptive):
-            return
-        host = cache_type.host
-        host.expire()  # as allocation will: the block it takes next
-        host_id = host.next_to_allocate()
-        block_hash = host.blocks[host_id].block_hash if host_id is not None else None
-        if block_hash is None or cache_type.disk.contains(block_hash):
-            return
-        if not self._rules.write_back:
-            disk_read_s = cache_type.disk.read_seconds_per_block()
-            if not cache_type.retention.disk_write_back_pays(disk_read_s):
-                self._stats().disk_write_back_skips += 1
-                return
-        weight = self._weights.weight(block_hash)
-        copy = DiskCopy(host_id, block_hash, cache_type.name, locked=False, weight=weight)
-        self._plan.disk_stores.append(copy)
-
-    def host_store_landed(self, cache_type: CacheType, host_id: int) -> None:
-        """An NPU -> host store landed: a retained block is retained on disk too; at threshold
-        0 every host block is stored to disk."""
-        if cache_type.disk is None:
-            return
-        host_block = cache_type.host.blocks[host_id]
-        if host_block.retained_until:
-            self.retain(cache_type, host_id, host_block.block_hash, host_block.retained_until)
-        elif self._rules.write_through_threshold == 0:
-            self.store(cache_type, host_id, host_block.block_hash)
-
-    def disk_stores_landed(self, plan: TransferPlan) -> None:
-        """A plan's host -> disk copies have read their host blocks: unlock them."""
-        for copy in plan.disk_stores:
-            self._stats().disk_blocks_stored += 1
-            if copy.locked:
-                self._by_name[copy.cache_type].host.free([copy.host_id])
 
     # ---- the cost rule -------------------------------------------------------------------------
     def reload_costs(self) -> ReloadCosts | None:

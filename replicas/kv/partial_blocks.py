@@ -32,10 +32,13 @@ once), and not when the caller limits the match (prompt logprobs, whose scores c
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from replicas.kv.block_pool import BlockPool
 from replicas.kv.hashing import BlockHash, root_key
+
+if TYPE_CHECKING:
+    from replicas.engine.request import Request
 
 
 class PartialBlock(NamedTuple):
@@ -50,13 +53,29 @@ class PartialBlock(NamedTuple):
 class PartialBlocks:
     """Freed partial blocks of one NPU pool by ``parent_key``, at most one per key (the latest)."""
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
         self.pool = pool
+        self.block_size = block_size
         self._entries: OrderedDict[bytes, PartialBlock] = OrderedDict()
         self._held: list[int] = []  # sources of planned copies, held until the plan is taken
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def tail_of(
+        self, request: "Request", blocks: list[int | None]
+    ) -> tuple[bytes, int, list[int]] | None:
+        """(its parent key, block id, token ids) of a request's partly computed last block
+        (``blocks``: its block table), to ``remember`` once freed; None when there is none."""
+        num_full, num_in_tail = divmod(request.num_computed_tokens, self.block_size)
+        if not num_in_tail or num_full >= len(blocks) or blocks[num_full] is None:
+            return None
+        if num_full > len(request.block_hashes):
+            return None
+        start = num_full * self.block_size
+        token_ids = request.all_token_ids[start : start + num_in_tail]
+        parent = parent_key(request.block_hashes, num_full, request.cache_salt)
+        return parent, blocks[num_full], token_ids
 
     def remember(self, parent: bytes, block_id: int, token_ids: Sequence[int]) -> None:
         """A block just freed that holds the computed KV of ``token_ids`` after ``parent``."""

@@ -9,32 +9,30 @@ disk store keep what is retained; this class decides what to retain.
 """
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from replicas.engine.request import Request
-from replicas.kv.cache_type import CacheType
-from replicas.kv.hashing import BlockHash
-from replicas.kv.onboarding import DiskOnboarding
 from replicas.kv.records import PlannedCopies
+
+if TYPE_CHECKING:
+    from replicas.kv.type_manager import CacheTypeManager
 
 
 class PrefixRetention:
-    """Retains requests' prefixes in a manager's host (and disk) tiers. Not thread-safe: the
-    manager's engine loop calls it."""
+    """Retains requests' prefixes in the host (and disk) tiers of the cache type whose manager
+    consults it. Not thread-safe: the manager's engine loop calls it."""
 
-    def __init__(
-        self,
-        plan: PlannedCopies,
-        disk: DiskOnboarding,
-        store: Callable[[CacheType, int, BlockHash], bool],
-        clock: Callable[[], float],
-    ) -> None:
-        self._plan = plan
-        self._disk = disk
-        self._store = store  # plans an NPU -> host copy; False when no host block is free
+    __slots__ = ("_clock", "_plan")
+
+    def __init__(self, plan: PlannedCopies, clock: Callable[[], float]) -> None:
+        self._plan = plan  # the copies planned this step (stores not landed yet)
         self._clock = clock
 
-    def retain(self, cache_type: CacheType, request: Request, blocks: list[int | None]) -> None:
+    def retain(
+        self, manager: "CacheTypeManager", request: Request, blocks: list[int | None]
+    ) -> None:
         """Retain the request's newly cached blocks of its retained prefix (mutates)."""
+        cache_type = manager.cache_type
         rid = request.request_id
         start = cache_type.num_retained.get(rid, 0)
         end = min(request.num_retained_blocks, cache_type.num_cached.get(rid, 0))
@@ -51,10 +49,10 @@ class PrefixRetention:
             host_id = host.lookup(block_hash)
             if host_id is None and (npu_id is None or host.num_retained >= host.max_retained):
                 continue  # nothing to store, or the share is full: it would stay ordinary
-            if host_id is None and self._store(cache_type, npu_id, block_hash):
+            if host_id is None and manager.store(npu_id, block_hash):
                 host_id = host.lookup(block_hash)
                 landing.add(host_id)
             if host_id is not None and host.retain(host_id, until):
-                if cache_type.disk is not None and host_id not in landing:
-                    self._disk.retain(cache_type, host_id, block_hash, until)
+                if manager.disk is not None and host_id not in landing:
+                    manager.disk.retain(host_id, block_hash, until)
         cache_type.num_retained[rid] = end

@@ -137,7 +137,9 @@ class TransferPlan(NamedTuple):
     ``block_copies`` within the NPU tier (a partial block's computed tokens for the request
     that continues them, ``replicas.kv.partial_blocks``), which the model executor runs before
     the step's forward pass; their sources are held until the plan is taken, so no copy of
-    this plan writes them."""
+    this plan writes them. Stores run before loads and both before the next forward pass, so a
+    store reads an evicted block before new KV overwrites it and a load lands before attention
+    reads it; host blocks stay locked (ref count) while a copy involving them is in flight."""
 
     stores: list[BlockCopy]
     loads: list[BlockCopy]

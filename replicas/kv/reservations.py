@@ -18,23 +18,17 @@ A reservation never holds a block a running request needs: dropping every reserv
 exactly the free blocks there would be without them.
 """
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from replicas.engine.request import Request
 from replicas.kv.cache_type import CacheType
-from replicas.kv.events import KVEventKind, Tier, safe_prefix_length
+from replicas.kv.events import Tier, safe_prefix_length
 from replicas.kv.hashing import BlockHash
-from replicas.kv.records import (
-    EMPTY_PART,
-    BlockCopy,
-    CacheStats,
-    CacheTypeMatch,
-    PlannedCopies,
-    PrefixMatch,
-)
-from replicas.kv.views import EventLog
+from replicas.kv.journal import Journal
+from replicas.kv.matching import PrefixMatcher
+from replicas.kv.records import EMPTY_PART, CacheTypeMatch, PrefixMatch
+from replicas.kv.type_manager import CacheTypeManager
 
 
 class ReservationPolicy(NamedTuple):
@@ -64,26 +58,24 @@ class Reservations:
 
     def __init__(
         self,
-        cache_types: list[CacheType],
-        block_size: int,
-        plan: PlannedCopies,
-        events: EventLog,
-        stats: Callable[[], CacheStats],
+        managers: list[CacheTypeManager],
+        matcher: PrefixMatcher,
+        journal: Journal,
         policy: ReservationPolicy,
-        match_prefix: Callable[[Request, int | None], PrefixMatch],
-        allocate_npu: Callable[[CacheType, int], list[int]],
-        count_host_hit: Callable[[CacheType, int], None],
     ) -> None:
+        """``managers``: one per cache type, the global-attention one first."""
         self.policy = policy
-        self._cache_types = cache_types
-        self._block_size = block_size
-        self._plan = plan
-        self._events = events
-        self._stats = stats  # the manager's current counters (an engine may replace them)
-        self._match_prefix = match_prefix
-        self._allocate_npu = allocate_npu
-        self._count_host_hit = count_host_hit
+        self._managers = managers
+        self._cache_types = [m.cache_type for m in managers]
+        self._block_size = matcher.block_size
+        self._matcher = matcher
+        self._journal = journal
         self._held: dict[str, _Reservation] = {}  # oldest first
+
+    @property
+    def share(self) -> float:
+        """The share of each cache type's NPU blocks waiting requests may hold (0: off)."""
+        return self.policy.share
 
     def has(self, request_id: str) -> bool:
         return request_id in self._held
@@ -105,46 +97,42 @@ class Reservations:
             return False
         if any(request.request_id in c.blocks for c in self._cache_types):
             raise ValueError(f"request {request.request_id} holds blocks: it is not waiting")
-        match = self._match_prefix(request, None)
+        match = self._matcher.match(request, None)
         length = self._reserved_length(request, match)
         if not length:
             return False
         if length != match.num_blocks:
-            match = self._match_prefix(request, length)
+            match = self._matcher.match(request, length)
         blocks: dict[str, list[int]] = {}
         prefetched: dict[str, list[int]] = {}
-        for cache_type in self._cache_types:
-            part = match.cache_types[cache_type.name]
-            blocks[cache_type.name], prefetched[cache_type.name] = self._hold(
-                cache_type, request, part
-            )
+        for manager in self._managers:
+            part = match.cache_types[manager.name]
+            blocks[manager.name], prefetched[manager.name] = self._hold(manager, request, part)
         primary = self._cache_types[0]
         hashes = frozenset(primary.npu.blocks[b].block_hash for b in prefetched[primary.name])
         self._held[request.request_id] = _Reservation(blocks, prefetched, hashes)
-        stats = self._stats()
+        stats = self._journal.stats
         stats.reservations += 1
         stats.reserved_blocks += len(blocks[primary.name])
         stats.prefetched_blocks += len(prefetched[primary.name])
         return True
 
+    @staticmethod
     def _hold(
-        self, cache_type: CacheType, request: Request, part: CacheTypeMatch
+        manager: CacheTypeManager, request: Request, part: CacheTypeMatch
     ) -> tuple[list[int], list[int]]:
         """Reference a cache type's matched NPU blocks and load its host-only ones into new
         NPU blocks; returns (every block held, those loaded)."""
         npu_ids, host_ids = part.block_ids(Tier.NPU), part.block_ids(Tier.HOST)
-        cache_type.npu.touch([b for b in npu_ids if b is not None])
+        manager.npu.touch([b for b in npu_ids if b is not None])
         held, loaded = [], []
         for offset, npu_id in enumerate(npu_ids):
             if npu_id is None:
                 block_hash = request.block_hashes[part.first_block + offset]
                 host_id = host_ids[offset]
-                cache_type.host.touch([host_id])  # locked until its load lands
-                self._count_host_hit(cache_type, host_id)
-                (npu_id,) = self._allocate_npu(cache_type, 1)
-                cache_type.npu.cache(npu_id, block_hash)
-                self._plan.loads.append(BlockCopy(host_id, npu_id, cache_type.name, True))
-                self._events.emit(cache_type.name, KVEventKind.STORED, Tier.NPU, block_hash)
+                manager.cache_type.host.touch([host_id])  # locked until its load lands
+                manager.count_host_hit(host_id)
+                npu_id = manager.load(host_id, block_hash, prefetch=True)
                 loaded.append(npu_id)
             held.append(npu_id)
         return held, loaded
@@ -181,7 +169,7 @@ class Reservations:
         for request_id in reversed(self._held):
             if request_id != keep:
                 self._release(self._held.pop(request_id))
-                self._stats().reservations_dropped += 1
+                self._journal.stats.reservations_dropped += 1
                 return request_id
         return None
 
@@ -197,7 +185,7 @@ class Reservations:
     def _release(self, reservation: _Reservation, used: PrefixMatch | None = None) -> None:
         """Drop a reservation's references; count the prefetched blocks ``used`` adopted."""
         primary = self._cache_types[0].name
-        stats = self._stats()
+        stats = self._journal.stats
         if used is not None:
             adopted = set(used.cache_types.get(primary, EMPTY_PART).block_ids(Tier.NPU))
             stats.prefetched_blocks_used += sum(

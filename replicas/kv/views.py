@@ -55,6 +55,12 @@ class CacheViews:
             if c.retention is not None
         }
 
+    def retention_policy(self) -> str | None:
+        """The host tier's retention policy, by its point on the miss-ratio curve
+        (``RetentionPolicy.curve_name``); None without a host tier."""
+        tracker = self._cache_types[0].retention
+        return tracker.policy.curve_name if tracker is not None else None
+
     def enable_events(self) -> None:
         """Record KV events from now on; with a disk tier, the blocks the disk holds from
         before (a restart) are announced first."""

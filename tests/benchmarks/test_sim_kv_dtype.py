@@ -40,7 +40,7 @@ def simulator(profile: HardwareProfile, **options: object) -> Simulator:
 
 def tier_blocks(sim: Simulator, tier: Tier) -> int:
     """Blocks of ``tier`` on the first replica, as its cache manager reports them."""
-    return sim.engines[0].kv_cache.usage()["full"].tiers[tier].num_blocks
+    return sim.engines[0].kv_cache.views.usage()["full"].tiers[tier].num_blocks
 
 
 def test_int8_kv_holds_about_twice_the_host_and_disk_blocks_and_halves_each_copy():

@@ -98,7 +98,11 @@ def test_restart_counts_the_requests_it_would_lose():
 
 
 def test_a_new_replica_warms_its_host_tier_from_the_disk_before_it_serves():
-    disk = {"host_memory_ratio": 1.0, "disk_memory_gb": 0.01, "write_through_threshold": 0}
+    disk = {
+        "host_memory_ratio": 1.0,
+        "disk_memory_gb": 0.01,
+        "write_through_threshold": "immediate",
+    }
     sim = simulate("cache-aware", [Resize(9.5, 3)], announce_disk_blocks=True, **disk)
     (entry,) = sim.record["resizes"]
     assert entry["added"] == [2]
@@ -108,7 +112,7 @@ def test_a_new_replica_warms_its_host_tier_from_the_disk_before_it_serves():
     (new,) = sim.record["new_replicas"]
     assert new["num_blocks_warmed"] > 0
     assert new["start_s"] > 9.5  # it serves once its reads have landed
-    host = sim.engines[2].kv_cache.snapshot(2, 0).hashes(Tier.HOST, "full")
+    host = sim.engines[2].kv_cache.views.snapshot(2, 0).hashes(Tier.HOST, "full")
     assert set(hot) <= set(host)
     assert sim.record["num_failed"] == 0
     sim.router.check_integrity()

@@ -171,7 +171,7 @@ def test_simulator_and_real_engine_count_the_same_hits(model: str, sliding_windo
         k: getattr(kv_cache.stats, k) for k in ("queries", "hits", "npu_hits", "host_hits")
     }
     simulated["by_cache_type"] = {n: asdict(c) for n, c in kv_cache.stats.by_cache_type.items()}
-    simulated["usage"] = kv_cache.usage()
+    simulated["usage"] = kv_cache.views.usage()
     assert simulated == real
     assert real["npu_hits"] > 0 and real["host_hits"] > 0  # both tiers were exercised
     if sliding_window is not None:

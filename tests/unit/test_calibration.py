@@ -104,7 +104,7 @@ def test_measure_on_a_real_engine_leaves_it_idle_and_empty():
     stats = engine.stats()
     assert stats.cache.queries == stats.cache.hits == 0  # the samples are not served traffic
     assert stats.steps.num_steps == 0
-    for usage in engine.kv_cache.usage().values():
+    for usage in engine.kv_cache.views.usage().values():
         assert usage.of(Tier.NPU).num_used == usage.of(Tier.NPU).num_cached == 0
         assert usage.of(Tier.HOST).num_used == usage.of(Tier.HOST).num_cached == 0
     # A prompt the samples never saw is computed from scratch afterwards.

@@ -165,7 +165,6 @@ def test_flags_override_the_file():
         "0",
     )
     assert off.scheduler.kv_offload_config.write_through_threshold == 0
-    assert off.scheduler.kv_offload_config.promotion_threshold is None
     assert parse("--speculative-ngram", "4").scheduler.speculative_ngram == 4
     assert parse().scheduler.speculative_ngram == 0
 

@@ -16,7 +16,7 @@ from replicas.kv import disk as kv_disk
 from replicas.kv import onboarding
 from replicas.kv.events import KVEventBatch, KVEventKind, Tier
 from replicas.kv.hashing import block_hashes
-from replicas.kv.manager import reload_pays
+from replicas.kv.onboarding import reload_pays
 from replicas.kv.retention import BlockCosts
 from router.config import RoutingConfig
 from router.router import Router
@@ -240,7 +240,7 @@ def test_a_hung_disk_read_times_out_and_frees_every_block(tmp_path, cold, monkey
     assert restarted.stats().cache.disk_load_timeouts == 1
     plan = restarted.kv_cache.take_transfer_plan()
     restarted.core.run_transfers(plan, wait=True)  # waits for the reads, which end later
-    assert restarted.kv_cache.usage()["full"].of(Tier.HOST).num_used == 0
+    assert restarted.kv_cache.views.usage()["full"].of(Tier.HOST).num_used == 0
     restarted.check_integrity()
     restarted.close()
 
@@ -255,11 +255,11 @@ def test_a_request_aborted_while_its_disk_reads_run_frees_every_block(tmp_path, 
     )
     restarted.add_request("r", prompt, GREEDY)
     restarted.step()
-    assert restarted.kv_cache.num_onboarding == 1
+    assert restarted.kv_cache.onboarding.num_onboarding == 1
     restarted.abort_request("r")
     plan = restarted.kv_cache.take_transfer_plan()
     restarted.core.run_transfers(plan, wait=True)  # waits for the reads
-    usage = restarted.kv_cache.usage()["full"]
+    usage = restarted.kv_cache.views.usage()["full"]
     assert usage.of(Tier.HOST).num_used == 0 and usage.of(Tier.NPU).num_used == 0
     assert usage.of(Tier.HOST).num_cached == PREFIX_BLOCKS  # the reads landed: cached, unused
     restarted.check_integrity()
@@ -299,8 +299,8 @@ def test_a_restarted_replica_announces_its_disk_blocks_to_the_router(tmp_path):
     seen, prompt = prompt_pair(11)
     warm_disk(tmp_path, seen)
     restarted = engine(tmp_path)
-    restarted.kv_cache.enable_events()
-    announced = restarted.kv_cache.drain_events()
+    restarted.kv_cache.views.enable_events()
+    announced = restarted.kv_cache.views.drain_events()
     disk = [e for e in announced if e.tier == Tier.DISK]
     assert len(disk) >= PREFIX_BLOCKS and {e.kind for e in disk} == {KVEventKind.STORED}
     router = Router(2, 16, RoutingConfig())
@@ -308,7 +308,7 @@ def test_a_restarted_replica_announces_its_disk_blocks_to_the_router(tmp_path):
     assert router.on_events(KVEventBatch(0, 0, tuple(announced)))
     hashes = block_hashes(prompt, 16)
     assert [m.num_blocks_in(Tier.DISK) for m in router._matches(hashes)] == [PREFIX_BLOCKS] * 2
-    snapshot = restarted.kv_cache.snapshot(0, len(announced))
+    snapshot = restarted.kv_cache.views.snapshot(0, len(announced))
     assert set(snapshot.hashes(Tier.DISK)) == {e.block_hash for e in disk}
     restarted.close()
 
@@ -377,7 +377,7 @@ def test_write_back_moves_host_evictions_to_disk_and_outputs_stay_correct(tmp_pa
                 assert output.num_cached_tokens == 96
     stats = small.stats().cache
     assert stats.write_backs > 0 and stats.disk_blocks_stored > 0 and stats.disk_hits > 0
-    usage = small.kv_cache.usage()["full"]
+    usage = small.kv_cache.views.usage()["full"]
     assert usage.of(Tier.HOST).num_used == 0 and usage.of(Tier.NPU).num_used == 0
     small.close()
 

@@ -65,7 +65,7 @@ def test_full_window_present_reuses_every_block():
 
 
 def test_window_on_host_only_is_reloaded_block_for_block():
-    m = manager(num_host_blocks=16, write_through_threshold=0)
+    m = manager(num_host_blocks=16, write_through_threshold="immediate")
     run(m, PROMPT)
     m.complete_transfer(m.take_transfer_plan())
     m.reset_prefix_cache("npu")
@@ -86,7 +86,7 @@ def test_missing_window_falls_back_to_the_longest_safe_prefix():
     request = Request("shorter", PROMPT, SamplingParams(), BS)
     match = m.match_prefix(request)
     # Global KV matches 3 blocks, but the window ending at block 3 needs sliding block 2.
-    assert m.usage()["full"].of(Tier.NPU).num_cached >= 3
+    assert m.views.usage()["full"].of(Tier.NPU).num_cached >= 3
     assert match.num_blocks == 2
     assert match.cache_types["sliding"].first_block == 0  # blocks 0..1 cover the window at 8
 
@@ -110,7 +110,7 @@ def test_sliding_blocks_leave_with_the_window_and_stay_cached():
     sliding = m.block_tables("long")["sliding"]
     assert sliding[:3] == [None, None, None]  # position 21 sees blocks 3.. only
     assert all(b is not None for b in sliding[3:])
-    usage = m.usage()
+    usage = m.views.usage()
     assert usage["sliding"].of(Tier.NPU).num_used == 3 and usage["full"].of(Tier.NPU).num_used == 6
     assert usage["sliding"].of(Tier.NPU).num_cached == 5  # released blocks remain reusable
     m.free(request)
@@ -200,7 +200,7 @@ def test_eager_release_bounds_sliding_usage_during_a_long_generation():
     peak_sliding = peak_full = 0
     while engine.has_unfinished_requests():
         engine.step()
-        usage = engine.kv_cache.usage()
+        usage = engine.kv_cache.views.usage()
         peak_sliding = max(peak_sliding, usage["sliding"].of(Tier.NPU).num_used)
         peak_full = max(peak_full, usage["full"].of(Tier.NPU).num_used)
     window_blocks = 64 // 16

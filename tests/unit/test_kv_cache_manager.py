@@ -85,7 +85,7 @@ def test_promotion_happens_on_exactly_the_threshold_th_later_hit(threshold):
 
 
 def test_promotion_disabled_never_stores():
-    manager = KVCacheManager(8, BS, num_host_blocks=8, write_through_threshold=None)
+    manager = KVCacheManager(8, BS, num_host_blocks=8, write_through_threshold=0)
     for _ in range(5):
         run(manager, PROMPT)
         assert not land(manager)
@@ -93,7 +93,7 @@ def test_promotion_disabled_never_stores():
 
 
 def test_immediate_promotion_stores_at_first_write():
-    manager = KVCacheManager(8, BS, num_host_blocks=8, write_through_threshold=0)
+    manager = KVCacheManager(8, BS, num_host_blocks=8, write_through_threshold="immediate")
     request = run(manager, PROMPT, finish=False)
     plan = land(manager)
     blocks = manager.block_ids(request.request_id)
@@ -102,9 +102,7 @@ def test_immediate_promotion_stores_at_first_write():
 
 
 def test_write_back_stores_only_npu_only_blocks_and_only_on_eviction():
-    manager = KVCacheManager(
-        4, BS, num_host_blocks=8, write_through_threshold=None, write_back=True
-    )
+    manager = KVCacheManager(4, BS, num_host_blocks=8, write_through_threshold=0, write_back=True)
     a = list(range(100, 108))  # two full blocks
     run(manager, a + [1])  # 3 NPU blocks, 2 cached
     assert not land(manager)  # nothing stored without eviction
@@ -145,7 +143,7 @@ def test_host_hit_reloads_and_reports_host_tokens():
 
 
 def test_match_interleaves_npu_and_host_blocks():
-    manager = KVCacheManager(8, BS, num_host_blocks=8, write_through_threshold=0)
+    manager = KVCacheManager(8, BS, num_host_blocks=8, write_through_threshold="immediate")
     request = run(manager, list(range(12)) + [1])
     land(manager)
     # Drop block 1 from the NPU tier only.
@@ -160,7 +158,7 @@ def test_match_interleaves_npu_and_host_blocks():
 
 
 def test_host_lru_evicts_least_recently_stored_first():
-    manager = KVCacheManager(8, BS, num_host_blocks=2, write_through_threshold=0)
+    manager = KVCacheManager(8, BS, num_host_blocks=2, write_through_threshold="immediate")
     first = run(manager, [1, 1, 1, 1, 0])
     second = run(manager, [2, 2, 2, 2, 0])
     land(manager)
@@ -173,7 +171,7 @@ def test_host_lru_evicts_least_recently_stored_first():
 
 
 def test_in_flight_host_blocks_are_never_evicted():
-    manager = KVCacheManager(8, BS, num_host_blocks=1, write_through_threshold=0)
+    manager = KVCacheManager(8, BS, num_host_blocks=1, write_through_threshold="immediate")
     first = run(manager, [1, 1, 1, 1, 0])
     # The store has not landed: its host block is locked, so the next store finds no room.
     second = run(manager, [2, 2, 2, 2, 0])
@@ -195,7 +193,7 @@ def test_allocation_fails_without_changing_anything():
 
 
 def test_reset_prefix_cache_per_tier():
-    manager = KVCacheManager(8, BS, num_host_blocks=8, write_through_threshold=0)
+    manager = KVCacheManager(8, BS, num_host_blocks=8, write_through_threshold="immediate")
     run(manager, PROMPT)
     land(manager)
     manager.reset_prefix_cache("npu")
@@ -209,29 +207,31 @@ def test_reset_prefix_cache_per_tier():
 
 
 def test_events_snapshot_and_usage_follow_the_pools():
-    manager = KVCacheManager(8, BS, num_host_blocks=4, write_through_threshold=0)
+    manager = KVCacheManager(8, BS, num_host_blocks=4, write_through_threshold="immediate")
     first = run(manager, PROMPT)
     land(manager)
-    assert manager.drain_events() == []  # recording is off until enabled
-    manager.enable_events()
+    assert manager.views.drain_events() == []  # recording is off until enabled
+    manager.views.enable_events()
     manager.reset_prefix_cache(Tier.NPU)
     hashes = first.block_hashes[:3]
     # Deepest first, as the request released them; plain strings compare equal to the enums.
-    assert manager.drain_events() == [("removed", "npu", h, "full") for h in reversed(hashes)]
-    assert manager.snapshot(2, 5) == KVSnapshot(2, 5, {"full": {"npu": (), "host": tuple(hashes)}})
+    assert manager.views.drain_events() == [("removed", "npu", h, "full") for h in reversed(hashes)]
+    assert manager.views.snapshot(2, 5) == KVSnapshot(
+        2, 5, {"full": {"npu": (), "host": tuple(hashes)}}
+    )
     npu_and_host = {Tier.NPU: TierUsage(8, 0, 0), Tier.HOST: TierUsage(4, 0, 3)}
-    assert manager.usage() == {"full": CacheTypeUsage(npu_and_host)}
+    assert manager.views.usage() == {"full": CacheTypeUsage(npu_and_host)}
     request = run(manager, PROMPT, finish=False)  # reloads all 3 blocks from host
-    assert [(e.kind, e.tier) for e in manager.drain_events()] == [
+    assert [(e.kind, e.tier) for e in manager.views.drain_events()] == [
         (KVEventKind.STORED, Tier.NPU)
     ] * 3
     locked = {Tier.NPU: TierUsage(8, 4, 3), Tier.HOST: TierUsage(4, 3, 3)}  # loads lock host blocks
-    assert manager.usage()["full"] == CacheTypeUsage(locked)
+    assert manager.views.usage()["full"] == CacheTypeUsage(locked)
     assert manager.num_free_npu_blocks() == {"full": 4}
     land(manager)
-    assert manager.usage()["full"].of(Tier.HOST).num_used == 0
+    assert manager.views.usage()["full"].of(Tier.HOST).num_used == 0
     assert manager.stats.blocks_loaded == manager.stats.by_cache_type["full"].blocks_loaded == 3
     manager.free(request)
-    assert manager.snapshot(0, 9) == KVSnapshot(
+    assert manager.views.snapshot(0, 9) == KVSnapshot(
         0, 9, {"full": dict.fromkeys(("npu", "host"), tuple(hashes))}
     )

@@ -55,7 +55,7 @@ RETAIN = CacheHints(retain_tokens=13, ttl_s=60.0)
 
 
 def make_manager(clock: Clock, **kwargs) -> KVCacheManager:
-    options = {"write_through_threshold": 0, "retained_share": 0.5} | kwargs
+    options = {"write_through_threshold": "immediate", "retained_share": 0.5} | kwargs
     return KVCacheManager(8, BS, num_host_blocks=8, clock=clock, **options)
 
 
@@ -65,7 +65,7 @@ def test_a_retained_prefix_survives_host_churn_that_evicts_an_ordinary_one():
     retained = run(manager, prompt(1), RETAIN)
     ordinary = run(manager, prompt(2))
     assert manager.host.num_retained == 3
-    assert manager.usage()["full"].of(Tier.HOST).num_retained == 3
+    assert manager.views.usage()["full"].of(Tier.HOST).num_retained == 3
     for seed in range(10, 14):  # 12 new host blocks through the 5 ordinary ones
         run(manager, prompt(seed))
     assert on_host(manager, retained) == [True, True, True]
@@ -83,9 +83,11 @@ def test_expiry_returns_the_prefix_to_ordinary_order():
     run(manager, prompt(10))
     assert manager.host.num_retained == 3  # not yet
     clock.now += 2.0
-    assert manager.usage()["full"].of(Tier.HOST).num_retained == 3  # counted as of the last expiry
+    assert (
+        manager.views.usage()["full"].of(Tier.HOST).num_retained == 3
+    )  # counted as of the last expiry
     manager.expire_retained()  # once per engine step
-    assert manager.usage()["full"].of(Tier.HOST).num_retained == 0
+    assert manager.views.usage()["full"].of(Tier.HOST).num_retained == 0
     for seed in range(11, 14):  # 9 new blocks: more than the host tier holds
         run(manager, prompt(seed))
     assert on_host(manager, retained) == [False, False, False]
@@ -117,7 +119,7 @@ def test_the_retained_share_caps_what_is_kept():
 
 def test_retention_stores_the_prefix_to_host_without_any_promotion():
     clock = Clock()
-    manager = make_manager(clock, write_through_threshold=None)
+    manager = make_manager(clock, write_through_threshold=0)
     ordinary = run(manager, prompt(2))
     assert manager.stats.blocks_stored == 0 and on_host(manager, ordinary) == [False] * 3
     retained = run(manager, prompt(1), CacheHints(retain_tokens=9, ttl_s=60.0))
@@ -207,7 +209,7 @@ def test_extending_a_retention_keeps_one_deadline_per_block():
     pool.check_integrity()
 
 
-@pytest.mark.parametrize("threshold", [None, 0])
+@pytest.mark.parametrize("threshold", [0, "immediate"])
 def test_a_retained_prefix_goes_to_disk_once_its_host_copy_has_landed(tmp_path, threshold):
     clock = Clock()
     disk = DiskStore(
@@ -241,7 +243,7 @@ def test_a_retained_prefix_goes_to_disk_once_its_host_copy_has_landed(tmp_path, 
             disk.store(copy.block_hash, torch.zeros(2, 2), copy.retained_until)
         manager.complete_transfer(second)
         assert disk.num_retained == 3
-        assert manager.usage()["full"].of(Tier.DISK).num_retained == 3
+        assert manager.views.usage()["full"].of(Tier.DISK).num_retained == 3
         manager.check_integrity()
     finally:
         disk.close()

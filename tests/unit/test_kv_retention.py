@@ -65,55 +65,55 @@ def blocks(*values: int) -> list[int]:
 
 # ---- ghost records -----------------------------------------------------------------------------
 def test_ghost_hits_count_blocks_dropped_without_a_host_copy():
-    manager = KVCacheManager(4, BS, num_host_blocks=4, write_through_threshold=None)
+    manager = KVCacheManager(4, BS, num_host_blocks=4, write_through_threshold=0)
     run(manager, blocks(1, 2))  # caches [1], [1,2] (+1 block for the last token)
     run(manager, blocks(7, 8, 9))  # evicts both: no host copy (no promotion, no write-back)
-    stats = manager.retention_stats()["full"]
+    stats = manager.views.retention_stats()["full"]
     assert stats.num_ghosts_dropped == 2 and stats.ghost_hits_dropped == 0
     run(manager, blocks(1, 2, 3))  # both would have been host hits; block 3 was never seen
-    stats = manager.retention_stats()["full"]
+    stats = manager.views.retention_stats()["full"]
     assert stats.ghost_hits_dropped == 2
     assert stats.ghost_hits_host_evicted == 0
     assert manager.stats.hits == 0  # the real cache served nothing
 
 
 def test_ghost_walk_stops_at_the_first_block_that_is_nowhere():
-    manager = KVCacheManager(4, BS, num_host_blocks=4, write_through_threshold=None)
+    manager = KVCacheManager(4, BS, num_host_blocks=4, write_through_threshold=0)
     run(manager, blocks(1, 2))
     run(manager, blocks(7, 8, 9))
     run(manager, blocks(5, 1, 2))  # block 0 never existed: no prefix could be served
-    assert manager.retention_stats()["full"].ghost_hits_dropped == 0
+    assert manager.views.retention_stats()["full"].ghost_hits_dropped == 0
 
 
 def test_ghost_hits_count_blocks_evicted_from_the_host_tier():
     # Threshold 0 stores every block at first write; one host block keeps only the latest.
-    manager = KVCacheManager(8, BS, num_host_blocks=1, write_through_threshold=0)
+    manager = KVCacheManager(8, BS, num_host_blocks=1, write_through_threshold="immediate")
     run(manager, blocks(1))
     run(manager, blocks(2))  # the host tier evicts [1]
     manager.reset_prefix_cache("npu")
     run(manager, blocks(1))
-    stats = manager.retention_stats()["full"]
+    stats = manager.views.retention_stats()["full"]
     assert stats.ghost_hits_host_evicted == 1
     assert stats.ghost_hits_dropped == 0
     assert manager.stats.host_hits == 0
 
 
 def test_ghost_records_are_bounded_by_the_host_capacity():
-    manager = KVCacheManager(2, BS, num_host_blocks=3, write_through_threshold=None)
+    manager = KVCacheManager(2, BS, num_host_blocks=3, write_through_threshold=0)
     for value in range(40):
         run(manager, blocks(100 + value))
-    assert manager.retention_stats()["full"].num_ghosts_dropped == GHOST_FACTOR * 3
+    assert manager.views.retention_stats()["full"].num_ghosts_dropped == GHOST_FACTOR * 3
 
 
 def test_salted_blocks_are_ghosts_of_their_own_tenant_only():
-    manager = KVCacheManager(4, BS, num_host_blocks=4, write_through_threshold=None)
+    manager = KVCacheManager(4, BS, num_host_blocks=4, write_through_threshold=0)
 
     run(manager, blocks(1, 2), "a")
     run(manager, blocks(7, 8, 9), "a")  # evicts tenant a's [1], [1,2]
     run(manager, blocks(1, 2), "b")
-    assert manager.retention_stats()["full"].ghost_hits_dropped == 0
+    assert manager.views.retention_stats()["full"].ghost_hits_dropped == 0
     run(manager, blocks(1, 2), "a")
-    assert manager.retention_stats()["full"].ghost_hits_dropped == 2
+    assert manager.views.retention_stats()["full"].ghost_hits_dropped == 2
 
 
 # ---- the miss-ratio curve ----------------------------------------------------------------------
@@ -147,7 +147,7 @@ def test_the_curve_predicts_runs_with_other_capacities_and_write_back(seed, zipf
     requests = workload(seed, zipf=zipf)
     capacity = 40
     manager = replay(requests, capacity, write_back=write_back)
-    estimates = estimated_hit_rates(manager.retention_stats()["full"], manager.stats.queries)
+    estimates = estimated_hit_rates(manager.views.retention_stats()["full"], manager.stats.queries)
     running = ON if write_back else OFF
     assert estimates[ShadowKey(1.0, running)] == pytest.approx(host_hit_rate(manager))
     points = [ShadowKey(f, running) for f in (0.5, 2.0, 4.0)]
@@ -230,7 +230,7 @@ def test_the_sampled_curve_follows_the_exact_one_and_the_measured_runs(seed, zip
     capacity, npu = 2048, 300
 
     def curve(manager: KVCacheManager) -> dict[ShadowKey, float]:
-        return estimated_hit_rates(manager.retention_stats()["full"], manager.stats.queries)
+        return estimated_hit_rates(manager.views.retention_stats()["full"], manager.stats.queries)
 
     sampled = replay_fast(requests, npu, capacity, write_back=write_back)
     exact = replay_fast(requests, npu, capacity, write_back=write_back, curve_sample_rate=1.0)
@@ -295,7 +295,7 @@ def test_adaptive_stops_storing_blocks_that_never_return():
     adaptive = replay(one_off, 40, retention="adaptive")
     assert write_back.stats.blocks_stored > 1000
     assert adaptive.stats.blocks_stored <= 0.1 * write_back.stats.blocks_stored
-    retention = adaptive.retention_stats()["full"]
+    retention = adaptive.views.retention_stats()["full"]
     assert retention.adaptive_skips > 10 * retention.adaptive_stores
 
 
@@ -342,7 +342,7 @@ def test_adaptive_stores_a_kind_whose_reuse_is_still_pending():
 
 def test_adaptive_never_stores_when_a_reload_costs_more_than_a_recompute():
     manager = KVCacheManager(
-        24, BS, num_host_blocks=80, write_through_threshold=None, retention="adaptive"
+        24, BS, num_host_blocks=80, write_through_threshold=0, retention="adaptive"
     )
     manager.set_block_costs(BlockCosts(recompute_s=1.0, reload_s=2.0, store_s=0.1))
     for n in range(300):
@@ -355,7 +355,7 @@ def test_adaptive_stores_a_promoted_block_when_evicted_and_decides_the_rest_at_e
     adaptive = replay(requests, 40, retention="adaptive")
     default = replay(requests, 40)
     assert default.stats.write_through_promotions > 0 and default.stats.write_backs == 0
-    stats, retention = adaptive.stats, adaptive.retention_stats()["full"]
+    stats, retention = adaptive.stats, adaptive.views.retention_stats()["full"]
     assert stats.write_through_promotions == 0  # every store is made at eviction
     assert stats.blocks_stored == stats.write_backs == retention.adaptive_stores > 0
     assert retention.adaptive_skips > 0
@@ -428,7 +428,7 @@ def test_a_policy_registered_from_a_test_file_runs_through_the_manager():
     prefixes = [[p] * (5 * BS) for p in range(12)]
     requests = [prefixes[n % 12] + [n % 7 + 500] for n in range(300)]
     manager = replay(requests, 80, retention="test-even-hashes")
-    stats, retention = manager.stats, manager.retention_stats()["full"]
+    stats, retention = manager.stats, manager.views.retention_stats()["full"]
     host_hashes = [b.block_hash for b in manager.host.blocks if b.block_hash is not None]
     assert host_hashes and all(h[0] % 2 == 0 for h in host_hashes)
     assert stats.write_through_promotions == 0  # every store decided at eviction
@@ -445,8 +445,8 @@ def test_a_policy_registered_from_a_test_file_runs_through_the_manager():
 def test_the_hint_points_to_write_back_when_dropped_blocks_return():
     prefixes = [[p] * (5 * BS) for p in range(12)]
     requests = [prefixes[n % 12] + [n % 7 + 500] for n in range(300)]
-    manager = replay(requests, 80, write_through_threshold=None)
-    line = tuning_hint("full", manager.retention_stats()["full"], manager.stats.queries, OFF)
+    manager = replay(requests, 80, write_through_threshold=0)
+    line = tuning_hint("full", manager.views.retention_stats()["full"], manager.stats.queries, OFF)
     assert "write-back would have served" in line
     assert "--experimental-kv-offload-write-back" in line
 
@@ -454,7 +454,7 @@ def test_the_hint_points_to_write_back_when_dropped_blocks_return():
 def test_the_hint_says_when_write_back_hurts():
     requests = workload(0)
     manager = replay(requests, 40, write_back=True)
-    stats = manager.retention_stats()["full"]
+    stats = manager.views.retention_stats()["full"]
     rates = estimated_hit_rates(stats, manager.stats.queries)
     assert rates[ShadowKey(1.0, OFF)] > rates[ShadowKey(1.0, ON)] + 0.01  # as measured above
     line = tuning_hint("full", stats, manager.stats.queries, ON)

@@ -95,7 +95,7 @@ def test_hot_blocks_are_every_npu_and_host_block_with_its_hits():
         run(e, hot, f"hot{i}")
     run(e, once, "once")
     blocks = e.hot_blocks()
-    snapshot = e.kv_cache.snapshot(0, 0)
+    snapshot = e.kv_cache.views.snapshot(0, 0)
     assert set(blocks) == set(snapshot.hashes(Tier.NPU)) | set(snapshot.hashes(Tier.HOST))
     assert snapshot.hashes(Tier.HOST)  # both tiers count
     for block_hash in prefix_hashes(hot):  # two hits (the second and third request), decaying
@@ -130,7 +130,7 @@ def test_shed_waiting_frees_every_waiting_request_and_ends_its_stream_with_the_e
             await asyncio.sleep(0)
         num_shed = await front.shed_waiting(ReplicaUnavailableError("replica is draining"))
         e.check_integrity()
-        npu = e.kv_cache.usage()["full"].of(Tier.NPU)
+        npu = e.kv_cache.views.usage()["full"].of(Tier.NPU)
         assert npu.num_used == len(e.kv_cache.block_ids("r0")) > 0  # r0's blocks only
         while not sink.items["r0"][-1].finished:
             await asyncio.sleep(0)
@@ -144,7 +144,7 @@ def test_shed_waiting_frees_every_waiting_request_and_ends_its_stream_with_the_e
     assert sink.items["r0"][-1].finish_reason == "length"
     assert len([t for o in sink.items["r0"] for t in o.new_token_ids]) == GREEDY.max_tokens
     e.check_integrity()
-    assert e.kv_cache.usage()["full"].of(Tier.NPU).num_used == 0
+    assert e.kv_cache.views.usage()["full"].of(Tier.NPU).num_used == 0
 
 
 def test_shed_waiting_keeps_running_and_partly_served_requests():
@@ -174,17 +174,17 @@ def test_a_new_engine_warmed_from_the_written_blocks_serves_them_from_host(tmp_p
     first.close()
 
     second = engine(tmp_path, threshold=0)
-    second.kv_cache.enable_events()
-    second.kv_cache.drain_events()  # the disk blocks it found
+    second.kv_cache.views.enable_events()
+    second.kv_cache.views.drain_events()  # the disk blocks it found
     assert second.warm_from_disk(time_budget_s=60.0) == num_written
     second.check_integrity()
     announced = {
         e.block_hash
-        for e in second.kv_cache.drain_events()
+        for e in second.kv_cache.views.drain_events()
         if e.kind == KVEventKind.STORED and e.tier == Tier.HOST
     }
     assert announced == set(held)
-    assert set(second.kv_cache.snapshot(0, 0).hashes(Tier.HOST)) == set(held)
+    assert set(second.kv_cache.views.snapshot(0, 0).hashes(Tier.HOST)) == set(held)
     output = run(second, follow_up)
     assert output.num_cached_tokens_in(Tier.HOST) == output.num_cached_tokens == 96
     assert output.token_ids == run(cold, follow_up).token_ids
@@ -203,7 +203,7 @@ def test_warm_start_loads_the_hottest_blocks_when_the_host_tier_is_smaller(tmp_p
     second = engine(tmp_path, host_ratio=8 / NUM_NPU_BLOCKS, threshold=0)  # 8 host blocks
     assert second.disk["full"].slab != first.disk["full"].slab
     assert second.warm_from_disk(time_budget_s=60.0) == 8
-    host = set(second.kv_cache.snapshot(0, 0).hashes(Tier.HOST))
+    host = set(second.kv_cache.views.snapshot(0, 0).hashes(Tier.HOST))
     assert host == set(prefix_hashes(hot)) | set(prefix_hashes(warm))
     second.check_integrity()
     second.close()
@@ -219,7 +219,7 @@ def test_a_time_budget_of_zero_copies_nothing(tmp_path):
     assert first.write_hot_blocks_to_disk(time_budget_s=60.0) > 0
     second = engine(tmp_path, threshold=0)
     assert second.warm_from_disk(time_budget_s=0.0) == 0
-    assert second.kv_cache.usage()["full"].of(Tier.HOST).num_cached == 0
+    assert second.kv_cache.views.usage()["full"].of(Tier.HOST).num_cached == 0
     second.close()
     first.close()
 

@@ -86,10 +86,10 @@ def test_a_manager_lists_its_tiers_and_matches_through_the_pooled_ones():
     request = Request("r", list(range(13)), SamplingParams(), 4)
     assert three.match_prefix(request).num_blocks == 0  # disk blocks are never adopted as is
     assert cache_type.anywhere(hashes[0]) and not cache_type.in_pools(hashes[0])
-    assert three.onboard(request)  # they are read into host blocks first
+    assert three.onboarding.onboard(request)  # they are read into host blocks first
     plan = three.take_transfer_plan()
     assert [c.block_hash for c in plan.copies(Tier.DISK, Tier.HOST)] == hashes[:3]
-    assert three.usage()["full"].by_tier()[Tier.HOST][1] == 3  # locked for the reads
+    assert three.views.usage()["full"].by_tier()[Tier.HOST][1] == 3  # locked for the reads
 
 
 def test_by_tier_views_read_the_named_fields():
@@ -207,7 +207,7 @@ def land_with_disk(manager, disk):
     for copy in plan.copies(Tier.HOST, Tier.DISK):
         disk.store(copy.block_hash)
     manager.complete_transfer(plan)
-    manager.complete_disk_loads([(copy, True) for copy in plan.copies(Tier.DISK, Tier.HOST)])
+    manager.onboarding.complete_loads([(copy, True) for copy in plan.copies(Tier.DISK, Tier.HOST)])
     manager.check_integrity()
     return plan
 
@@ -216,9 +216,9 @@ def test_a_tier_defined_in_a_test_works_with_the_manager_through_the_protocol_al
     disk = AnnouncingDisk(num_slots=8)
     assert isinstance(disk, DiskIndex) and isinstance(BlockPool(1), TierStore)
     manager = KVCacheManager(
-        8, 4, num_host_blocks=4, write_through_threshold=0, disk={"full": disk}
+        8, 4, num_host_blocks=4, write_through_threshold="immediate", disk={"full": disk}
     )
-    manager.enable_events()
+    manager.views.enable_events()
     tokens = list(range(13))  # 3 full blocks + 1 token
     first = Request("a", tokens, SamplingParams(), 4)
     assert manager.allocate_slots(first, first.num_tokens)
@@ -230,21 +230,21 @@ def test_a_tier_defined_in_a_test_works_with_the_manager_through_the_protocol_al
     land_with_disk(manager, disk)
     hashes = first.block_hashes[:3]
     assert disk.cached_hashes() == hashes
-    disk_events = [e for e in manager.drain_events() if e.tier == Tier.DISK]
+    disk_events = [e for e in manager.views.drain_events() if e.tier == Tier.DISK]
     assert disk_events == [("stored", "disk", h, "full") for h in hashes]
     manager.reset_prefix_cache(Tier.NPU)
     manager.reset_prefix_cache(Tier.HOST)
     second = Request("b", tokens, SamplingParams(), 4)
     assert manager.match_prefix(second).num_blocks == 0  # on disk only: read into host first
-    assert manager.onboard(second)
+    assert manager.onboarding.onboard(second)
     plan = land_with_disk(manager, disk)
     assert [c.block_hash for c in plan.copies(Tier.DISK, Tier.HOST)] == hashes
-    assert not manager.onboard(second)  # landed
+    assert not manager.onboarding.onboard(second)  # landed
     match = manager.match_prefix(second)
     assert match.num_blocks_by_tier == {Tier.NPU: 0, Tier.HOST: 3}
-    assert manager.usage()["full"].of(Tier.DISK) == TierUsage(8, 0, 3)
-    assert manager.snapshot(0, 0).hashes(Tier.DISK) == tuple(hashes)
-    manager.drain_events()
+    assert manager.views.usage()["full"].of(Tier.DISK) == TierUsage(8, 0, 3)
+    assert manager.views.snapshot(0, 0).hashes(Tier.DISK) == tuple(hashes)
+    manager.views.drain_events()
     manager.reset_prefix_cache(Tier.DISK)
-    assert disk.cached_hashes() == [] and not manager.usage()["full"].of(Tier.DISK).num_cached
-    assert [e.kind for e in manager.drain_events()] == ["removed"] * 3
+    assert disk.cached_hashes() == [] and not manager.views.usage()["full"].of(Tier.DISK).num_cached
+    assert [e.kind for e in manager.views.drain_events()] == ["removed"] * 3

@@ -10,8 +10,9 @@ from cluster import LLM, KVOffloadConfig, PrefixCacheConfig, SamplingParams, Sch
 from replicas.engine.request import Request, RequestStatus
 from replicas.engine.scheduler import Scheduler
 from replicas.kv.events import Tier
-from replicas.kv.manager import KVCacheManager, ReservationPolicy
+from replicas.kv.manager import KVCacheManager
 from replicas.kv.records import BlockCopy, TransferPlan
+from replicas.kv.reservations import ReservationPolicy
 
 BS = 4
 P = list(range(100, 112))  # the prefix a waiting request will reuse: 3 blocks
@@ -89,7 +90,11 @@ def test_reservations_give_way_before_a_running_request_is_preempted():
 
 def test_prefetched_blocks_are_exactly_the_host_only_matched_ones():
     manager = KVCacheManager(
-        16, BS, num_host_blocks=8, write_through_threshold=0, reservations=ReservationPolicy(0.5)
+        16,
+        BS,
+        num_host_blocks=8,
+        write_through_threshold="immediate",
+        reservations=ReservationPolicy(0.5),
     )
     cached_run(manager, [*P, 0], "p")  # stored to host at once (threshold 0)
     manager.reset_prefix_cache("npu")  # P now lives on host only
@@ -103,7 +108,7 @@ def test_prefetched_blocks_are_exactly_the_host_only_matched_ones():
     prefetches = [c for c in output.transfer.loads if c.prefetch]
     assert sorted(c.src for c in prefetches) == sorted(host_ids)
     assert len(output.transfer.loads) == 3 and manager.stats.prefetched_blocks == 3
-    assert manager.usage()["full"].of(Tier.HOST).num_used == 3  # locked until the loads land
+    assert manager.views.usage()["full"].of(Tier.HOST).num_used == 3  # locked until the loads land
     manager.complete_transfer(output.transfer)
     for request, num_new, *_ in output.scheduled:
         request.num_computed_tokens += num_new
@@ -125,7 +130,7 @@ def test_without_prefetch_a_reservation_holds_the_leading_npu_blocks_only(prefet
         16,
         BS,
         num_host_blocks=8,
-        write_through_threshold=0,
+        write_through_threshold="immediate",
         reservations=ReservationPolicy(0.5, prefetch=prefetch),
     )
     cached_run(manager, [*P, 0], "p")  # stored to host at once (threshold 0)
@@ -145,9 +150,9 @@ def test_without_prefetch_a_reservation_holds_the_leading_npu_blocks_only(prefet
 def test_aborting_a_reserved_request_releases_its_reservation():
     manager, scheduler, _, queued = queue_behind_a_long_request(0.5)
     step(scheduler)
-    assert manager.has_reservation("q")
+    assert manager.reservations.has("q")
     scheduler.finish(queued, RequestStatus.FINISHED_ABORTED)
-    assert not manager.has_reservation("q") and manager.stats.reserved_blocks == 0
+    assert not manager.reservations.has("q") and manager.stats.reserved_blocks == 0
     manager.check_integrity()
 
 

@@ -71,7 +71,6 @@ def promotions(llm: LLM) -> list[int]:
 def test_each_surface_reads_the_threshold_alike(surface, text, tmp_path):
     offload = config_of(surface, text, tmp_path).scheduler.kv_offload_config
     assert offload.write_through_threshold == _python_value(text)
-    assert offload.promotion_threshold == BEHAVIOUR[text][0]
 
 
 @pytest.mark.parametrize("surface", SURFACES)
@@ -97,7 +96,7 @@ def test_yaml_reads_immediate_and_zero_as_written():
 @pytest.mark.parametrize("off", [0, None])
 def test_none_reads_as_zero_in_python(off):
     config = KVOffloadConfig(enabled=True, host_memory_ratio=1.0, write_through_threshold=off)
-    assert config.write_through_threshold == 0 and config.promotion_threshold is None
+    assert config.write_through_threshold == 0
 
 
 def test_the_description_says_every_value_once():

@@ -62,6 +62,7 @@ from replicas.kv.retention.policy import (
     BlockCosts,
     PolicyContext,
     RetentionPolicy,
+    is_promoted,
     register_policy,
 )
 
@@ -100,7 +101,7 @@ class AdaptivePolicy(RetentionPolicy):
 
     def __init__(self, context: PolicyContext) -> None:
         capacity = context.num_host_blocks
-        self.promotion_threshold = context.promotion_threshold  # stored at eviction from there
+        self.write_through = context.write_through_threshold  # stored at eviction from there
         self.behind_disk = False  # a disk tier behind the host tier
         self.costs = DEFAULT_COSTS
         self._bound = GHOST_FACTOR * capacity
@@ -126,8 +127,7 @@ class AdaptivePolicy(RetentionPolicy):
     def should_store(self, block_hash: BlockHash, num_hits: int, host_full: bool) -> bool:
         """A promoted block (its hits at the threshold) is stored whenever a reload beats a
         recompute; any other when its bucket's reuse pays (``_pays``)."""
-        threshold = self.promotion_threshold
-        if threshold is not None and num_hits >= threshold:
+        if is_promoted(self.write_through, num_hits):
             recompute, reload, _ = self.costs
             return recompute > reload
         return self._pays(self._bucket(block_hash, num_hits), host_full)

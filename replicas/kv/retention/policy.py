@@ -19,7 +19,7 @@ file holding its class and one ``register_policy`` call::
 """
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, TypeVar
 
 from replicas.kv.hashing import BlockHash
 
@@ -39,12 +39,36 @@ DEFAULT_COSTS = BlockCosts(recompute_s=1.0, reload_s=0.05, store_s=0.05)
 """Until the engine has measured its own: a reload or store at 5% of a recompute."""
 
 
+IMMEDIATE = "immediate"
+"""The write-through threshold that copies every block to host when it is first written."""
+
+WriteThrough = int | Literal["immediate"]
+"""``write_through_threshold``, with one meaning from the config to the simulator: a number of
+hits (later requests matching a block) that promotes it to host, 0 for never, or ``IMMEDIATE``
+for every block when it is first written."""
+
+
+def hit_threshold(write_through: WriteThrough) -> int | None:
+    """The hits that promote a block, or None when hits never do (off, or every block promoted
+    at its first write)."""
+    if write_through == IMMEDIATE or write_through <= 0:
+        return None
+    return write_through
+
+
+def is_promoted(write_through: WriteThrough, num_hits: int) -> bool:
+    """Whether a block with ``num_hits`` hits has reached the threshold (every block has under
+    ``IMMEDIATE``, none under 0)."""
+    threshold = hit_threshold(write_through)
+    return write_through == IMMEDIATE or (threshold is not None and num_hits >= threshold)
+
+
 class PolicyContext(NamedTuple):
     """What a policy is built from: one cache type's host tier and the configured rules."""
 
     num_host_blocks: int
     write_back: bool = False  # KVOffloadConfig.write_back
-    promotion_threshold: int | None = 2  # KVOffloadConfig.write_through_threshold
+    write_through_threshold: WriteThrough = 2
 
 
 class RetentionPolicy(Protocol):

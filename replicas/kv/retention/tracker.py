@@ -92,11 +92,6 @@ class RetentionTracker:
         else:
             self._skips += 1
 
-    # the names the manager's callers used before policies were classes
-    adaptive = decides_at_eviction
-    adaptive_decision = store_decided
-    disk_write_back_pays = should_store_to_disk
-
     # ---- events ------------------------------------------------------------------------------
     def admitted(self, hashes: list[BlockHash], on_npu: list[bool], on_host: list[bool]) -> None:
         """A new request's prompt blocks (those a match may cover) with their residency before

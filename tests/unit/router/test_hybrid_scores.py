@@ -28,13 +28,13 @@ class Replica:
             ],
             **kw,
         )
-        self.manager.enable_events()
+        self.manager.views.enable_events()
         self.router = Router(1, BS, RoutingConfig(), sliding_window=WINDOW)
         self.seq = 0
         self.count = 0
 
     def publish(self) -> None:
-        events = tuple(self.manager.drain_events())
+        events = tuple(self.manager.views.drain_events())
         assert self.router.on_events(KVEventBatch(0, self.seq, events))
         self.seq += len(events)
 
@@ -70,7 +70,7 @@ def test_window_present():
 
 
 def test_window_on_host_only():
-    replica = Replica(num_host=16, write_through_threshold=0)
+    replica = Replica(num_host=16, write_through_threshold="immediate")
     replica.run(PROMPT)
     replica.manager.reset_prefix_cache("npu")
     replica.publish()
@@ -89,7 +89,7 @@ def test_window_missing_cuts_the_score_to_the_safe_prefix():
         sliding.npu.touch([block])
         sliding.npu._uncache(sliding.npu.blocks[block])
         sliding.npu.free([block])
-        manager._events.emit(sliding.name, KVEventKind.REMOVED, Tier.NPU, block_hash)
+        manager.views.events.emit(sliding.name, KVEventKind.REMOVED, Tier.NPU, block_hash)
     replica.publish()
     # Global KV matches 6 blocks; L=6 needs sliding 4..5 (4 gone); L=5 needs 3..4; L=4: 2..3.
     assert replica.agree(list(range(25))) == 4
