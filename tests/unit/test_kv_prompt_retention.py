@@ -163,14 +163,14 @@ def test_a_retained_disk_block_outlives_ordinary_ones(tmp_path):
         store.store(b"k" * 16, block, retained_until=clock.now + 10)
         store.store(b"a" * 16, block)
         store.store(b"b" * 16, block)
-        assert store.num_retained == 1
+        assert store.usage().num_retained == 1
         store.store(b"c" * 16, block)  # evicts a (the retained k is older)
         store.store(b"d" * 16, block)  # evicts b
         assert store.contains(b"k" * 16) and not store.contains(b"a" * 16)
         assert not store.retain(b"c" * 16, clock.now + 10)  # the share is full
         clock.now += 11
         store.store(b"e" * 16, block)  # k expired: ordinary, and the least recently used
-        assert not store.contains(b"k" * 16) and store.num_retained == 0
+        assert not store.contains(b"k" * 16) and store.usage().num_retained == 0
     finally:
         store.close()
 
@@ -242,7 +242,7 @@ def test_a_retained_prefix_goes_to_disk_once_its_host_copy_has_landed(tmp_path, 
         for copy in second.disk_stores:  # what KVTransfer does with each
             disk.store(copy.block_hash, torch.zeros(2, 2), copy.retained_until)
         manager.complete_transfer(second)
-        assert disk.num_retained == 3
+        assert disk.usage().num_retained == 3
         assert manager.views.usage()["full"].of(Tier.DISK).num_retained == 3
         manager.check_integrity()
     finally:

@@ -286,9 +286,9 @@ def test_disk_records_keep_hit_weights_for_every_replica_of_the_node(tmp_path):
     reader = disk_store(tmp_path, 3, wall)  # another replica: slab 1, reads slab 0
     assert reader.slab == 1
     assert reader.hottest() == [b"a" * 16, b"b" * 16, b"c" * 16]
-    assert reader.weight(b"a" * 16) == pytest.approx(4.5)
+    assert reader._ranking.weight(b"a" * 16) == pytest.approx(4.5)
     reader.close()
     writer.close()
     restarted = disk_store(tmp_path, 3, wall)  # takes slab 0 back, with its weights
-    assert restarted.slab == 0 and restarted.weight(b"b" * 16) == pytest.approx(2.5)
+    assert restarted.slab == 0 and restarted._ranking.weight(b"b" * 16) == pytest.approx(2.5)
     restarted.close()

@@ -64,9 +64,8 @@ class DiskStore:
     ``contains``, ``store``, ``load`` and ``discard`` are called by the engine thread only;
     the IO runs on the store's thread, in submission order. The store decides in memory
     (``OwnSlots``, ``PeerSlabs``, ``HeatRanking``) and hands the file work to ``SlabFile`` on
-    that thread. Five of its methods (``retain``, ``expire``, ``usage``, ``weight``,
-    ``read_seconds_per_block``) only hand a call to the part that owns it: 28 methods, over
-    the 25 a class should have, until the callers reach the parts themselves."""
+    that thread. ``retain``, ``expire``, ``usage`` and ``read_seconds_per_block`` answer the
+    ``DiskIndex`` interface from the part that owns each."""
 
     def __init__(
         self,
@@ -116,9 +115,6 @@ class DiskStore:
 
     def usage(self) -> TierUsage:
         return self._slots.usage()
-
-    def weight(self, key: BlockHash) -> float:
-        return self._ranking.weight(key)
 
     def read_seconds_per_block(self) -> float:
         return self._file.read_seconds_per_block()
@@ -185,7 +181,10 @@ class DiskStore:
     def hottest(self) -> list[BlockHash]:
         """Every key some slab holds, hottest first: by hit weight decayed to now, then the
         most recently weighed first."""
-        return self._ranking.hottest(self.keys())
+        if not self._file.enabled:
+            return []
+        peers = [k for k in self._peers.held_keys() if k not in self._slots]
+        return self._ranking.hottest([*self._slots, *peers])
 
     @property
     def num_free_slots(self) -> int:
@@ -202,11 +201,6 @@ class DiskStore:
         return self._ranking.room_for(weights)
 
     # ---- retention, reads, forgetting ----------------------------------------------------------
-    @property
-    def num_retained(self) -> int:
-        """Own blocks retained (as of the last expiry)."""
-        return self._slots.num_retained
-
     def load_many(self, keys: list[BlockHash], outs: list[torch.Tensor]) -> "Future[list[bool]]":
         """Read each key into its ``out`` (a contiguous CPU tensor of one block, untouched until
         the future is done), in one task of the IO thread; the future holds, per key in order,
@@ -255,13 +249,6 @@ class DiskStore:
         """``clear``; its removals are announced through ``drain_changes``, so none returned."""
         self.clear()
         return []
-
-    def keys(self) -> list[BlockHash]:
-        """Every key some slab holds, own first (for a snapshot a router learns from)."""
-        if not self._file.enabled:
-            return []
-        peers = [k for k in self._peers.held_keys() if k not in self._slots]
-        return [*self._slots, *peers]
 
     def stats(self) -> DiskStats:
         io = self._file.counts()
