@@ -20,7 +20,7 @@ from replicas.engine.model_runner import ModelRunner
 from replicas.engine.output_processor import OutputProcessor
 from replicas.engine.prompt_logprobs import PromptLogprobsCache
 from replicas.engine.request import Request
-from replicas.engine.request_checks import RequestChecks
+from replicas.engine.request_checks import CheckedPrompt, RequestChecks
 from replicas.engine.sampler import Sampler
 from replicas.engine.step_meter import StepMeter, StepTimes
 from replicas.kv.capacity import plan_cache
@@ -172,7 +172,7 @@ class Engine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | CheckedPrompt,
         sampling_params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
@@ -180,12 +180,16 @@ class Engine:
         cache_hints: CacheHints | None = None,
         resumed: ResumeState | None = None,
     ) -> Request:
-        """Queue a request. Raises ``ValueError`` for a prompt the engine can never serve.
-        ``cache_hints``: the prefix to retain in the host and disk tiers, and for how long.
-        ``resumed``: the output a lost replica generated for it (``replicas.resume``)."""
+        """Queue a request. Raises ``ValueError`` for a prompt the engine can never serve (a
+        ``CheckedPrompt``, from ``check_prompt``, is not checked again) and for parameters it
+        cannot honour. ``cache_hints``: the prefix to retain in the host and disk tiers, and
+        for how long. ``resumed``: the output a lost replica generated for it
+        (``replicas.resume``)."""
         params = sampling_params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
-        token_ids = self.checks.prompt(prompt)
+        if not isinstance(prompt, CheckedPrompt):
+            prompt = self.checks.prompt(prompt)
+        token_ids = prompt.token_ids
         self.checks.params(params)
         if resumed is not None:
             self.checks.resumed(len(token_ids), params, resumed)
@@ -251,8 +255,9 @@ class Engine:
         return outputs
 
     # ---- checks ------------------------------------------------------------------------------
-    def validate_prompt(self, prompt: str | list[int]) -> list[int]:
-        """The prompt's token ids; ``ValueError`` if the engine can never serve it."""
+    def check_prompt(self, prompt: str | list[int]) -> CheckedPrompt:
+        """The prompt's token ids, for ``add_request`` to queue as they are; ``ValueError`` if
+        the engine can never serve it."""
         return self.checks.prompt(prompt)
 
     # ---- introspection -----------------------------------------------------------------------
