@@ -12,7 +12,8 @@ import torch
 
 from replicas import fake_cuda
 from replicas.cache_hints import CacheHints
-from replicas.config import EngineConfig, dtype_name_of
+from replicas.config import EngineConfig
+from replicas.dtypes import dtype_name_of
 from replicas.engine import assembly
 from replicas.engine.core import EngineCore, SpecDecodeStats
 from replicas.engine.executor import ModelExecutor

@@ -89,7 +89,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from replicas.config import torch_dtype
+from replicas.dtypes import torch_dtype
 from replicas.model.autotune_cache import CACHE_ENV as CACHE_ENV
 from replicas.model.autotune_cache import CHOICE_RULES as CHOICE_RULES
 from replicas.model.autotune_cache import ISA_LIMITS as ISA_LIMITS
@@ -123,7 +123,7 @@ _BLOCK_SIZE = 16
 
 
 class Candidate(NamedTuple):
-    dtype: str  # a name of replicas.config.TORCH_DTYPES
+    dtype: str  # a name of replicas.dtypes.TORCH_DTYPES
     quantization: str  # none, int8 or int4 (replicas.model.quant)
     stack: str = "eager"  # how the layers run: eager or native (replicas.model.native_stack)
     kernel: str = "torch"  # int4's product: torch's packed kernel or Strata's (quant.py)
