@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from replicas import dtypes
 from replicas.dtypes import DTYPE_CHOICES, torch_dtype
 from replicas.kv.retention import policy_names
 from replicas.model.kv_format import KV_FORMATS
@@ -46,6 +47,19 @@ KVCacheDtypeName = Literal[("auto", *KV_FORMATS)]
 QuantizationName = Literal[("auto", *QUANTIZATIONS)]
 DecoderStackName = Literal[DECODER_STACKS]
 Int4KernelName = Literal[INT4_KERNELS]
+
+
+def __getattr__(name: str) -> object:
+    """``TORCH_DTYPES`` and ``dtype_name_of``, which are ``replicas.dtypes``' now: still read
+    here, with a ``DeprecationWarning``, until the next release."""
+    if name in ("TORCH_DTYPES", "dtype_name_of"):
+        warnings.warn(
+            f"replicas.config.{name} is deprecated; import it from replicas.dtypes",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(dtypes, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def planning_dtype(name: str) -> str:

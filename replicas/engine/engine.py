@@ -4,6 +4,7 @@ import dataclasses
 import functools
 import logging
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -260,6 +261,16 @@ class Engine:
         """The prompt's token ids, for ``add_request`` to queue as they are; ``ValueError`` if
         the engine can never serve it."""
         return self.checks.prompt(prompt)
+
+    def validate_prompt(self, prompt: str | list[int]) -> list[int]:
+        """``check_prompt``'s token ids; deprecated until the next release."""
+        warnings.warn(
+            "Engine.validate_prompt is deprecated; use Engine.check_prompt, whose result "
+            "add_request queues without checking it again",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.check_prompt(prompt).token_ids
 
     # ---- introspection -----------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -8,6 +8,8 @@ from pydantic import ValidationError
 
 from cluster import LLM, KVOffloadConfig, PrefixCacheConfig, SchedulerConfig
 from cluster.cli import main
+from replicas import config as replica_config
+from replicas import dtypes
 from replicas.config import ReplicaModelConfig
 from replicas.kv.events import Tier
 from replicas.kv.retention import policy_names
@@ -217,3 +219,10 @@ def test_options_naming_registered_things_offer_what_is_registered():
         ValidationError, match=r"retention\n.*Input should be 'fixed' or 'adaptive'"
     ):
         KVOffloadConfig(retention="lru")
+
+
+def test_the_dtype_table_still_reads_from_the_config_with_a_warning():
+    with pytest.warns(DeprecationWarning, match="replicas.dtypes"):
+        assert replica_config.TORCH_DTYPES is dtypes.TORCH_DTYPES
+    with pytest.warns(DeprecationWarning, match="replicas.dtypes"):
+        assert replica_config.dtype_name_of is dtypes.dtype_name_of
