@@ -35,7 +35,7 @@ from benchmarks.workload import (
     rotated,
 )
 from cluster import LLM, SamplingParams, SchedulerConfig
-from replicas.config import torch_dtype
+from replicas.dtypes import torch_dtype
 from replicas.model.resolve import resolve_model
 
 NAME = "decode"

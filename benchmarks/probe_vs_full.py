@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from replicas.config import torch_dtype
+from replicas.dtypes import torch_dtype
 from replicas.model import autotune
 from replicas.model.autotune import Candidate, Timing
 from replicas.model.loader import _model_info, _Request

@@ -105,7 +105,6 @@ class RayBackend:
             self.health,
             self.router_calls,
             self.block_size,
-            self.max_model_len,
             config.server.max_resumes,
         )
         self.model_name = config.served_model_name

@@ -38,7 +38,6 @@ from replicas.cache_hints import CacheHints
 from replicas.engine.async_engine import EngineDeadError
 from replicas.kv.hashing import BlockHash, block_hashes
 from replicas.outputs import RequestOutput
-from replicas.prompt import check_prompt_length
 from replicas.resume import resumed_params
 from replicas.sampling_params import SamplingParams
 from router.router import ReplicaRole
@@ -122,14 +121,12 @@ class Dispatcher:
         health: Any,  # cluster.health.HealthMonitor
         router_calls: Any,  # cluster.router_calls.RouterCalls
         block_size: int,
-        max_model_len: int,
         max_resumes: int,
     ) -> None:
         self.membership = membership
         self.health = health
         self.router_calls = router_calls
         self.block_size = block_size
-        self.max_model_len = max_model_len
         self.max_resumes = max_resumes
         self.counts = DispatchCounts()
 
@@ -140,9 +137,10 @@ class Dispatcher:
         engine that failed, is replaced: the request is resumed on the best live replica from
         the output sent so far (``replicas.resume``), at most ``max_resumes`` times; the
         outputs continue as if nothing happened. Past that, or with no live replica to take
-        it, the request fails with ``ReplicaFailedError``."""
+        it, the request fails with ``ReplicaFailedError``. A prompt no replica can serve (too
+        long, empty) is checked where it enters the replica it is routed to, whose
+        ``ValueError`` is raised here before any output."""
         self.health.ensure_running()
-        check_prompt_length(len(request.prompt_token_ids), self.max_model_len)  # before routing
         last: RequestOutput | None = None  # the last output sent, once there is one
         lost: LostMidStream | None = None  # the loss that made it resume
         num_resumes = 0

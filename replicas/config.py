@@ -6,19 +6,16 @@ what to change. ``cluster.config.ClusterConfig`` composes these models.
 
 import math
 import warnings
-from collections.abc import Iterable
 from typing import Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-"""The dtypes a replica computes in (and its float KV formats), by config name; bytes per
-element are ``TORCH_DTYPES[name].itemsize``."""
+from replicas import dtypes
+from replicas.dtypes import DTYPE_CHOICES, torch_dtype
+from replicas.kv.retention import policy_names
+from replicas.model.kv_format import KV_FORMATS
+from replicas.model.native_stack import DECODER_STACKS
+from replicas.model.quant import INT4_KERNELS, QUANTIZATIONS
 
 HOST_GB_OPTION = "--experimental-kv-offload-host-memory-gb"
 HOST_RATIO_OPTION = "--experimental-kv-offload-host-memory-ratio"
@@ -41,33 +38,34 @@ tokenizer, the autotuner's candidates while they are timed and every other progr
 IMMEDIATE_PROMOTION = "immediate"
 """The ``write_through_threshold`` that copies every block to host when it is first written."""
 
+# An option whose values name registered things takes them from the registry: a Literal built
+# from it lists them in the JSON schema and the CLI's help, and pydantic's error names the option
+# and the values in one sentence. A retention policy registered after this import is reached
+# through KVCacheManager, not the config.
+RetentionPolicyName = Literal[policy_names()]
+KVCacheDtypeName = Literal[("auto", *KV_FORMATS)]
+QuantizationName = Literal[("auto", *QUANTIZATIONS)]
+DecoderStackName = Literal[DECODER_STACKS]
+Int4KernelName = Literal[INT4_KERNELS]
 
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a config dtype name; ``ValueError`` naming the choices otherwise."""
-    dtype = TORCH_DTYPES.get(name)
-    if dtype is None:
-        raise ValueError(f"dtype must be {_one_of(TORCH_DTYPES)}, got {name!r}")
-    return dtype
+
+def __getattr__(name: str) -> object:
+    """``TORCH_DTYPES`` and ``dtype_name_of``, which are ``replicas.dtypes``' now: still read
+    here, with a ``DeprecationWarning``, until the next release."""
+    if name in ("TORCH_DTYPES", "dtype_name_of"):
+        warnings.warn(
+            f"replicas.config.{name} is deprecated; import it from replicas.dtypes",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(dtypes, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def planning_dtype(name: str) -> str:
     """The dtype that sizes KV memory before a replica has resolved ``auto``: the widest
     candidate (float32), so that a byte budget's checks hold whatever the replica chooses."""
     return "float32" if name == "auto" else name
-
-
-def dtype_name_of(dtype: torch.dtype) -> str:
-    """The config name of a torch dtype; ``ValueError`` for one Strata does not run."""
-    for name, candidate in TORCH_DTYPES.items():
-        if candidate == dtype:
-            return name
-    raise ValueError(f"dtype must be {_one_of(TORCH_DTYPES)}, got {dtype}")
-
-
-def _one_of(names: Iterable[str]) -> str:
-    """``"a, b or c"``."""
-    *head, last = names
-    return f"{', '.join(head)} or {last}" if head else last
 
 
 def check_one_host_capacity(
@@ -136,7 +134,7 @@ class KVOffloadConfig(_Config):
         "rate at other capacities and with write-back, and the tuning step the traffic "
         "supports); None: no hints.",
     )
-    retention: Literal["fixed", "adaptive"] = Field(
+    retention: RetentionPolicyName = Field(
         "fixed",
         description="fixed: write-through promotion and write-back as set; adaptive: every "
         "store made when the NPU tier evicts a block: one that reached the write-through "
@@ -344,24 +342,24 @@ class ReplicaModelConfig(_Config):
     seed: int = Field(0, description="Seed of built-in weights and of unseeded sampling.")
     dtype: str = Field(
         "auto",
-        description=f"Weights and KV dtype: {_one_of(TORCH_DTYPES)} or auto (the faster of "
+        description=f"Weights and KV dtype: {DTYPE_CHOICES} or auto (the faster of "
         "float32 and bfloat16, measured on this machine at start-up; bfloat16 only where it "
         "is faster in prefill and decode both; float32 for the built-in test models).",
     )
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8_e4m3", "int8"] = Field(
+    kv_cache_dtype: KVCacheDtypeName = Field(
         "auto",
         description="How K and V are stored in every tier (NPU, host, disk): auto (the engine "
         "dtype), float32, bfloat16, float16, or 8-bit with one float16 scale per token and KV "
         "head: int8 (symmetric) or fp8_e4m3; dequantized inside attention.",
     )
-    quantization: Literal["auto", "none", "int8", "int4"] = Field(
+    quantization: QuantizationName = Field(
         "auto",
         description="How linear weights are kept: none (in dtype), int8 (per output channel), "
         "int4 (groups of 32; a GGUF file's Q4_0/Q4_1 codes as stored, its 5- to 8-bit tensors "
         "at int8) or auto (for a quantized GGUF file on a CPU, the fastest of none, int8 and "
         "int4 measured on this machine at start-up; else none).",
     )
-    decoder_stack: Literal["auto", "native", "eager"] = Field(
+    decoder_stack: DecoderStackName = Field(
         "auto",
         description="How the decoder layers run on a CPU: native (one C++ loop over the ops "
         "eager calls, without the Python interpreter in the step: the same outputs bitwise; "
@@ -369,7 +367,7 @@ class ReplicaModelConfig(_Config):
         "or auto (each way timed with the dtype and quantization candidates at start-up, the "
         "faster kept; eager where native cannot run). Eager under torch_compile.",
     )
-    int4_kernel: Literal["auto", "strata", "torch"] = Field(
+    int4_kernel: Int4KernelName = Field(
         "auto",
         description="The product of int4 weights (and of the int8 weights an int4 model "
         "keeps, such as a GGUF file's Q8_0 LM head) under the native decoder stack: strata "

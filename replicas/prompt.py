@@ -1,4 +1,8 @@
-"""Rules on a prompt that hold wherever it enters: the engine, the deployment and the HTTP API."""
+"""The prompt-length rule and its one error text.
+
+A replica checks it where a request enters it (``replicas.engine.request_checks``), which every
+request of the HTTP server, the offline ``LLM`` and a Ray deployment passes. The HTTP API also
+reads it before it sizes ``max_tokens`` from the room a prompt leaves (``cluster.api.serving``)."""
 
 
 def check_prompt_length(num_tokens: int, max_model_len: int) -> None:

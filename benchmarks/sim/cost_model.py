@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import NamedTuple
 
-from replicas.config import torch_dtype
+from replicas.dtypes import torch_dtype
 from replicas.engine.scheduler import ScheduledRequest
 from replicas.kv.records import TransferPlan
 from replicas.model.kv_format import KV_FORMATS, kv_format

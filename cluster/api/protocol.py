@@ -68,6 +68,8 @@ from cluster.api.messages import (  # noqa: F401  (the chat messages and tools, 
     ToolCall,
 )
 from replicas.cache_hints import DEFAULT_TTL, RETENTION_TTLS_S, CacheHints, parse_ttl
+from replicas.kv.events import Tier
+from replicas.kv.manager import ALL_TIERS
 
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions endpoint's bound
@@ -77,8 +79,8 @@ class ResetPrefixCacheRequest(_Body):
     # An admin action: a misspelt field must not widen what it forgets to every tier.
     model_config = ConfigDict(extra="forbid")
 
-    tier: Literal["all", "npu", "host", "disk"] = Field(
-        "all", description="Which tier's unreferenced cached blocks to forget."
+    tier: Literal[(ALL_TIERS, *(tier.value for tier in Tier))] = Field(
+        ALL_TIERS, description="Which tier's unreferenced cached blocks to forget."
     )
     # vLLM's query flags, for clients of its /reset_prefix_cache.
     reset_running_requests: bool = Field(

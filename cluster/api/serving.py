@@ -215,7 +215,7 @@ class Serving:
         max_model_len = self.backend.max_model_len
         prompt_param = "messages" if isinstance(renderer, ChatRenderer) else "prompt"
         num_prompt = max(len(token_ids) for token_ids in prompts)
-        try:
+        try:  # before the room it leaves sizes max_tokens; the 400 names the body's field
             for token_ids in prompts:
                 check_prompt_length(len(token_ids), max_model_len)
         except ValueError as error:

@@ -23,6 +23,7 @@ from typing import NamedTuple, Protocol, TypeVar
 
 from replicas.cache_hints import CacheHints
 from replicas.engine.engine import Engine
+from replicas.engine.request_checks import CheckedPrompt
 from replicas.outputs import RequestOutput
 from replicas.resume import ResumeState
 from replicas.sampling_params import SamplingParams
@@ -54,7 +55,7 @@ class _QueueSink:
 
 class _Add(NamedTuple):
     request_id: str
-    prompt_token_ids: list[int]
+    prompt: CheckedPrompt
     sampling_params: SamplingParams
     cache_salt: str | None
     sink: OutputSink
@@ -160,8 +161,9 @@ class AsyncEngine:
     ) -> None:
         """Queue a request whose outputs (stamped with ``replica_index``) go to ``sink`` until
         one is finished, or an error ends it. Raises, with nothing queued, what ``generate``
-        raises before its first output. ``resumed``: the output a lost replica generated for
-        it (``replicas.resume``)."""
+        raises before its first output: here a request enters the replica, so its prompt is
+        checked here, once (``Engine.check_prompt``). ``resumed``: the output a lost replica
+        generated for it (``replicas.resume``)."""
         if self._error is not None:
             raise EngineDeadError(f"engine loop failed: {self._error}")
         limit = self.max_waiting_requests
@@ -171,10 +173,10 @@ class AsyncEngine:
             )
         if request_id in self._sinks:
             raise ValueError(f"request id {request_id!r} is already in use")
-        token_ids = self.engine.validate_prompt(prompt)
+        checked = self.engine.check_prompt(prompt)
         self._sinks[request_id] = sink
         self._adds.append(
-            _Add(request_id, token_ids, sampling_params, cache_salt, sink, cache_hints, resumed)
+            _Add(request_id, checked, sampling_params, cache_salt, sink, cache_hints, resumed)
         )
         self._ensure_loop()
 
@@ -272,7 +274,7 @@ class AsyncEngine:
             try:
                 self.engine.add_request(
                     add.request_id,
-                    add.prompt_token_ids,
+                    add.prompt,
                     add.sampling_params,
                     cache_salt=add.cache_salt,
                     cache_hints=add.cache_hints,

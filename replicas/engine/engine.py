@@ -4,6 +4,7 @@ import dataclasses
 import functools
 import logging
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -12,7 +13,8 @@ import torch
 
 from replicas import fake_cuda
 from replicas.cache_hints import CacheHints
-from replicas.config import EngineConfig, dtype_name_of
+from replicas.config import EngineConfig
+from replicas.dtypes import dtype_name_of
 from replicas.engine import assembly
 from replicas.engine.core import EngineCore, SpecDecodeStats
 from replicas.engine.executor import ModelExecutor
@@ -20,7 +22,7 @@ from replicas.engine.model_runner import ModelRunner
 from replicas.engine.output_processor import OutputProcessor
 from replicas.engine.prompt_logprobs import PromptLogprobsCache
 from replicas.engine.request import Request
-from replicas.engine.request_checks import RequestChecks
+from replicas.engine.request_checks import CheckedPrompt, RequestChecks
 from replicas.engine.sampler import Sampler
 from replicas.engine.step_meter import StepMeter, StepTimes
 from replicas.kv.capacity import plan_cache
@@ -172,7 +174,7 @@ class Engine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | CheckedPrompt,
         sampling_params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
@@ -180,12 +182,16 @@ class Engine:
         cache_hints: CacheHints | None = None,
         resumed: ResumeState | None = None,
     ) -> Request:
-        """Queue a request. Raises ``ValueError`` for a prompt the engine can never serve.
-        ``cache_hints``: the prefix to retain in the host and disk tiers, and for how long.
-        ``resumed``: the output a lost replica generated for it (``replicas.resume``)."""
+        """Queue a request. Raises ``ValueError`` for a prompt the engine can never serve (a
+        ``CheckedPrompt``, from ``check_prompt``, is not checked again) and for parameters it
+        cannot honour. ``cache_hints``: the prefix to retain in the host and disk tiers, and
+        for how long. ``resumed``: the output a lost replica generated for it
+        (``replicas.resume``)."""
         params = sampling_params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
-        token_ids = self.checks.prompt(prompt)
+        if not isinstance(prompt, CheckedPrompt):
+            prompt = self.checks.prompt(prompt)
+        token_ids = prompt.token_ids
         self.checks.params(params)
         if resumed is not None:
             self.checks.resumed(len(token_ids), params, resumed)
@@ -251,9 +257,20 @@ class Engine:
         return outputs
 
     # ---- checks ------------------------------------------------------------------------------
-    def validate_prompt(self, prompt: str | list[int]) -> list[int]:
-        """The prompt's token ids; ``ValueError`` if the engine can never serve it."""
+    def check_prompt(self, prompt: str | list[int]) -> CheckedPrompt:
+        """The prompt's token ids, for ``add_request`` to queue as they are; ``ValueError`` if
+        the engine can never serve it."""
         return self.checks.prompt(prompt)
+
+    def validate_prompt(self, prompt: str | list[int]) -> list[int]:
+        """``check_prompt``'s token ids; deprecated until the next release."""
+        warnings.warn(
+            "Engine.validate_prompt is deprecated; use Engine.check_prompt, whose result "
+            "add_request queues without checking it again",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.check_prompt(prompt).token_ids
 
     # ---- introspection -----------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -38,9 +38,9 @@ nothing, and one accepted token ends the backoff, so a request that copies its c
 drafting at every match.
 
 While it backs off, a request's verified drafts are ``BACKOFF_DRAFT_LEN`` tokens long: a probe
-of whether it has started copying, which costs one row where a whole draft costs K (SmolLM2,
-int4, 2 threads of a Zen 4 EPYC, torch capability AVX512: a decode step 5.5 ms, with 1 rejected
-draft token 7.1 ms, with 4 12.8 ms). Once a token is accepted, drafts are K long again.
+of whether it has started copying, which costs one row where a whole draft costs K (the step
+times with and without rejected draft tokens: benchmarks/README.md, ``engine-vs-llamacpp``,
+"Probes"). Once a token is accepted, drafts are K long again.
 Otherwise a draft's length stays K: after a partial acceptance the next draft comes from another
 match, which the rejected tail says nothing about, and an accepted token saves a whole step
 where a rejected one costs a row.

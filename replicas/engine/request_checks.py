@@ -1,14 +1,25 @@
 """What an engine checks of a request before it queues it: the prompt, a resumed request's
 output so far and the sampling parameters, each failure a ``ValueError`` naming the problem.
 
-A prompt is checked here once, where it enters a replica (``Engine.add_request`` and
-``AsyncEngine``'s admission call the same ``RequestChecks.prompt``)."""
+A prompt is checked once, where it enters a replica: ``AsyncEngine.submit``, which every request
+of the HTTP server, the offline ``LLM`` and a Ray deployment passes, or ``Engine.add_request``
+for a caller of the engine itself. ``RequestChecks.prompt`` gives a ``CheckedPrompt``, which the
+engine then queues without checking it again."""
+
+from dataclasses import dataclass
 
 from replicas.config import SchedulerConfig
 from replicas.model.tokenizer import Tokenizer
 from replicas.prompt import check_prompt_length
 from replicas.resume import ResumeState
 from replicas.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedPrompt:
+    """A prompt's token ids that passed ``RequestChecks.prompt``."""
+
+    token_ids: list[int]
 
 
 class RequestChecks:
@@ -29,7 +40,7 @@ class RequestChecks:
         self._scheduler_config = scheduler_config
         self._grammar = None
 
-    def prompt(self, prompt: str | list[int]) -> list[int]:
+    def prompt(self, prompt: str | list[int]) -> CheckedPrompt:
         """The prompt's token ids; ``ValueError`` if the engine can never serve it."""
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
@@ -46,7 +57,7 @@ class RequestChecks:
                 f"the prompt has {len(token_ids)} tokens, more than max_num_batched_tokens="
                 f"{sched.max_num_batched_tokens}, and chunked prefill is disabled"
             )
-        return token_ids
+        return CheckedPrompt(token_ids)
 
     def resumed(self, num_prompt_tokens: int, params: SamplingParams, resumed: ResumeState) -> None:
         """Raise ``ValueError`` unless ``resumed`` can continue: fewer output tokens than

@@ -7,15 +7,12 @@ whose ``apply_mask`` sets the logits of the tokens that cannot continue a valid 
 before sampling and whose ``accept`` advances it by the sampled token.
 
 The grammar library is llguidance, chosen by measurement (``python -m benchmarks.grammar_overhead
---repeats 10``: SmolLM2-135M's tokenizer, CPU, four runs on a shared 2-core machine; mean µs per
-token, warm, to compute the mask and accept the token; mean compile time): xgrammar 3.8-6.6 µs,
-8-11 ms; llguidance 33-54 µs, 1.2-1.8 ms; outlines-core 21-28 µs, 1.7-2.1 s (9-12 s for any
-JSON object). xgrammar needs triton (~1 GB), transformers and apache-tvm-ffi at run time, which a
+--repeats 10``; the figures, this module's cost per token among them, are in benchmarks/README.md,
+"Grammar libraries"). xgrammar needs triton, transformers and apache-tvm-ffi at run time, which a
 CPU serving install must not carry, and it emitted invalid JSON (raw control characters in
 length-bounded strings) unless its grammar text was patched; outlines-core takes seconds to
-compile. llguidance (no dependencies of its own) compiles fastest and produced no invalid output;
-through this module (the ``strata`` row: mask, writing it into the logits row, accept) a token
-costs 62-113 µs, 0.3-0.6% of a 20 ms decode step of the 135M model at batch 1.
+compile. llguidance (no dependencies of its own) compiles fastest and produced no invalid
+output.
 
 Invariants:
 

@@ -2,10 +2,11 @@
 run this model fastest here, chosen by timing them at start-up, never by a CPU-flag rule.
 
 Machines differ: the packed int4 and int8 kernels are the fastest decode on one CPU and the
-slowest prefill on another; bfloat16 doubles one CPU's prefill and divides another's by six.
-So each candidate is built and timed on this CPU, with this process's threads, for a fraction of
-a second; a checkpoint's candidate as a probe of a few of its layers, whose timings are priced at
-the model's depth (``at_depth``, ``time_rest``; ``replicas.model.streamed``):
+slowest prefill on another; bfloat16 speeds one CPU's prefill up and slows another's down
+(figures: docs/design.md section 12). So each candidate is built and timed on this CPU, with
+this process's threads, for a fraction of a second; a checkpoint's candidate as a probe of a few
+of its layers, whose timings are priced at the model's depth (``at_depth``, ``time_rest``;
+``replicas.model.streamed``):
 
 * prefill: one forward of ``PREFILL_TOKENS`` fresh tokens, per token;
 * decode: one forward of a single token after ``DECODE_CONTEXT_TOKENS`` of context.
@@ -14,23 +15,19 @@ Both run over a block KV cache in the configured ``kv_cache_dtype`` (``replicas.
 8-bit K/V attend in float32 whatever the engine dtype, so the KV format can move the choice.
 
 Each figure is the fastest of its runs (the one least disturbed by other processes):
-``REPEATS`` prefills, ``DECODE_REPEATS`` decode steps (a step is a few milliseconds, so a burst
-of another process's work could otherwise decide between two candidates whose steps differ by
-a quarter; measured at a deployment's start, beside its other processes starting, 3 steps once
-put a native stack 4% behind the eager one that it beats by 25% on a quiet machine). The runs
-are spread over ``REPEATS`` rounds, each a prefill then a third of the decode steps, so that one
-slow stretch of a shared VM (its host's other guests: on the 2-core EPYC VM, one candidate's ten
-steps in a row once measured 8.8 ms, against 6.2 ms for the same candidate in the run before)
-cannot hold all of a candidate's runs. A round's decode steps stop early once they have taken
-``DECODE_ROUND_S`` (at least ``MIN_DECODE_STEPS`` of them): a small model's candidates take a
+``REPEATS`` prefills, ``DECODE_REPEATS`` decode steps (a step is short, so a burst of another
+process's work could otherwise decide between two candidates whose steps differ well beyond
+noise). The runs are spread over ``REPEATS`` rounds, each a prefill then a third of the decode
+steps, so that one slow stretch of a shared VM (its host's other guests) cannot hold all of a
+candidate's runs. A round's decode steps stop early once they have taken ``DECODE_ROUND_S`` (at
+least ``MIN_DECODE_STEPS`` of them): a small model's candidates take a
 fraction of a second each as before, and a large model's slow candidates (a dense float32 decode
 step reads every weight: 4 GB for a billion parameters) take a few of their steps, not thirty.
 After every candidate's timing, the finalists are timed again in the reverse order, each
 figure the faster of its two timings: the first pass's choice, the twins it was weighed
-against below, and every candidate within ``FINALIST_MARGIN`` of its request. A shared VM's slow
-stretch can last longer than a candidate's rounds: on the 2-core EPYC, held to AVX2, the first
-candidates timed (float32's) once measured 1.5x their prefill of the next start, and bfloat16,
-timed later, was chosen where it prefilled 1,500 tokens 13% slower.
+against below, and every candidate within ``FINALIST_MARGIN`` of its request: a shared VM's
+slow stretch can last longer than a candidate's rounds. (What each of these rules was seen to
+prevent is in docs/design.md section 12.)
 The candidates are priced by the time of one representative request (``PROMPT_TOKENS`` of
 prefill and ``OUTPUT_TOKENS`` of decode) and the cheapest wins, with one more rule: a candidate
 in a narrower dtype than float32 is eligible only where it measured faster than float32 with the
@@ -38,9 +35,8 @@ same weights and stack in prefill and in decode both (a narrower dtype costs pre
 must pay in both phases); and a candidate with Strata's int4 kernel is eligible only where it
 measured faster than the same candidate with torch's kernel in prefill and in decode both (its
 activations pass through int8 twice, and a prefill chunk's many rows stand for a batch of
-decodes too, which one request's price leaves out: on a Zen 4 with AVX-512 VNNI it decodes one
-row about as fast as torch's kernel and 64 rows 1.3x slower; under AVX2 it is faster at every
-row count). A weighted sum of the two times never picks a candidate that another eligible one
+decodes too, which one request's price leaves out; how the two kernels compare differs between
+CPUs). A weighted sum of the two times never picks a candidate that another eligible one
 beat in both.
 
 The candidates: both dtypes (``CANDIDATE_DTYPES``) where ``dtype`` is ``auto``; ``none``,
@@ -59,11 +55,11 @@ On CUDA every timed forward is synchronized before and after, and the CPU share 
 taken (a process timing a GPU waits on it). A measurement taken while another process competed
 for the CPU is a guess about a quieter machine: while the candidates are timed, ``CPUShare``
 compares this process's CPU time with the wall time its threads had. Below ``MIN_CPU_SHARE``
-(another process took the cores: measured on a 2-core EPYC, 0.99 alone and 0.49 beside two busy
-loops) the choice is logged as measured on a busy machine and kept only for this start's scope
-(``SCOPE_ENV``: the replica actor sets it to its deployment's Ray job unless the environment
-names a scope already, so the other replicas of the deployment and their restarts take the same
-choice, even after a quieter start elsewhere measured another); any other start measures again.
+(another process took the cores) the choice is logged as measured on a busy machine and kept
+only for this start's scope (``SCOPE_ENV``: the replica actor sets it to its deployment's Ray
+job unless the environment names a scope already, so the other replicas of the deployment and
+their restarts take the same choice, even after a quieter start elsewhere measured another); any
+other start measures again.
 
 Every replica of a deployment must run the same choice: a greedy request must give the same
 tokens whichever replica serves it (or resumes it). So the measurement is taken under an
@@ -89,7 +85,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from replicas.config import torch_dtype
+from replicas.dtypes import torch_dtype
 from replicas.model.autotune_cache import CACHE_ENV as CACHE_ENV
 from replicas.model.autotune_cache import CHOICE_RULES as CHOICE_RULES
 from replicas.model.autotune_cache import ISA_LIMITS as ISA_LIMITS
@@ -123,7 +119,7 @@ _BLOCK_SIZE = 16
 
 
 class Candidate(NamedTuple):
-    dtype: str  # a name of replicas.config.TORCH_DTYPES
+    dtype: str  # a name of replicas.dtypes.TORCH_DTYPES
     quantization: str  # none, int8 or int4 (replicas.model.quant)
     stack: str = "eager"  # how the layers run: eager or native (replicas.model.native_stack)
     kernel: str = "torch"  # int4's product: torch's packed kernel or Strata's (quant.py)

@@ -23,8 +23,9 @@ cannot promise them: a fused chain of ops (rotary, norm, activation) computes in
 rounds once where eager rounds after each op, and a fused reduction sums in another order
 (``emulate_precision_casts`` rounds explicit casts as eager does, not every intermediate), so
 a near-tied greedy token can go the other way. Keeping the norm out of the graph (an opaque op)
-made SmolLM2's bfloat16 tokens equal eager's on the prompts tried but cost the gain (decode
-0.8-0.99x eager), and the tiny test model's still differed. Hence opt-in, and off by default.
+made SmolLM2's bfloat16 tokens equal eager's on the prompts tried but cost the gain
+(benchmarks/README.md, ``engine-vs-llamacpp``), and the tiny test model's still differed. Hence
+opt-in, and off by default.
 """
 
 import logging

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from replicas.config import TORCH_DTYPES
+from replicas.dtypes import TORCH_DTYPES
 
 SCALE_BYTES = 2  # one float16 scale per row of a scaled format
 

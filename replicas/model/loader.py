@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from replicas.config import dtype_name_of, torch_dtype
+from replicas.dtypes import dtype_name_of, torch_dtype
 from replicas.model.autotune import (
     Candidate,
     Choice,

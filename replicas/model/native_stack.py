@@ -1,12 +1,12 @@
 """The decoder stack as one native loop: the layers' ATen ops called from C++, not from Python.
 
-A batch-1 decode step of a small model is a few dozen small ops per layer (SmolLM2: about 1,200
-a step), and on a CPU a third or more of the step is the Python interpreter walking the modules
-and calling each op (profiled on a 2-core Zen 4: 35-40%; benchmarks/README.md). A GPU replays
-such a step as a CUDA graph; here ``native_stack.cpp`` walks the same layers in C++, calling
-the very ATen ops the eager model calls, in the same order with the same arguments (for a few
-decode rows, RMSNorm, the rotary embedding and the KV write are single loops that round exactly
-where those ops round). So nothing rounds differently: its outputs are bitwise eager's
+A batch-1 decode step of a small model is a few dozen small ops per layer, and on a CPU much of
+the step is the Python interpreter walking the modules and calling each op (profiled:
+docs/design.md section 12, "Native decoder stack"). A GPU replays such a step as a CUDA graph;
+here ``native_stack.cpp`` walks the same layers in C++, calling the very ATen ops the eager
+model calls, in the same order with the same arguments (for a few decode rows, RMSNorm, the
+rotary embedding and the KV write are single loops that round exactly where those ops round).
+So nothing rounds differently: its outputs are bitwise eager's
 (``tests/unit/model/test_native_stack.py`` compares them for every dtype, quantization and
 layer variant, prefill and decode), and prefix caching, batching and speculative decoding give
 the outputs they give eager. That is what sets it apart from ``torch.compile``
@@ -20,15 +20,15 @@ groups in one batch (prefill chunks beside decodes, draft tokens attending alone
 
 Whether it runs is ``decoder_stack``: ``auto`` (``replicas.model.autotune`` times each candidate
 both ways at start-up and keeps the faster), ``native`` or ``eager``. The library is compiled at
-first use, against the installed torch's headers, with the C++ compiler ``CXX`` names (else
-``c++``; about 10 s on 2 cores), into ``$XDG_CACHE_HOME/strata/native/<key>/`` (``~/.cache`` by
-default; ``STRATA_NATIVE_DIR`` names another folder), the key hashing the source's text (not
-its path: a copy of the checkout, such as a Ray job's working directory, loads the same build),
-torch's version and the compiler, so a restart loads it at once and an upgrade of torch rebuilds
-it; builds of other sources that no process has loaded for 30 days are removed. Builds are
-serialised by a lock beside it, so replicas starting together build it once. Where
-it cannot be built (no compiler, a failed build), ``auto`` runs eager and logs why; ``native``
-fails at start-up saying why.
+first use, against the installed torch's headers, with the C++ compiler ``CXX`` names (else ``c++``;
+docs/design.md section 12 says how long it takes), into ``$XDG_CACHE_HOME/strata/native/<key>/``
+(``~/.cache`` by default; ``STRATA_NATIVE_DIR`` names another folder), the key hashing the source's
+text (not its path: a copy of the checkout, such as a Ray job's working directory, loads the same
+build), torch's version and the compiler, so a restart loads it at once and an upgrade of torch
+rebuilds it; builds of other sources that no process has loaded for 30 days are removed. Builds are
+serialised by a lock beside it, so replicas starting together build it once. Where it cannot be
+built (no compiler, a failed build), ``auto`` runs eager and logs why; ``native`` fails at start-up
+saying why.
 """
 
 import contextlib

@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from replicas.config import torch_dtype
+from replicas.dtypes import torch_dtype
 from replicas.model.autotune import Candidate
 from replicas.model.config import ModelArgs
 from replicas.model.quant import Int4Groups, quantize_layer, quantize_output

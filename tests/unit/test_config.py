@@ -1,5 +1,6 @@
 """Every invalid configuration fails at start-up with one sentence naming the option."""
 
+import typing
 import warnings
 
 import pytest
@@ -7,7 +8,14 @@ from pydantic import ValidationError
 
 from cluster import LLM, KVOffloadConfig, PrefixCacheConfig, SchedulerConfig
 from cluster.cli import main
+from replicas import config as replica_config
+from replicas import dtypes
+from replicas.config import ReplicaModelConfig
 from replicas.kv.events import Tier
+from replicas.kv.retention import policy_names
+from replicas.model.kv_format import KV_FORMATS
+from replicas.model.native_stack import DECODER_STACKS
+from replicas.model.quant import INT4_KERNELS, QUANTIZATIONS
 
 
 @pytest.mark.parametrize(
@@ -186,3 +194,35 @@ def test_cli_ratio_zero_leaves_the_tier_off_silently(caplog):
     with caplog.at_level("WARNING"):
         config = build_config(args)
     assert not config.scheduler.kv_offload_config.is_active and not caplog.records
+
+
+def test_options_naming_registered_things_offer_what_is_registered():
+    """The config's choices are read from the registries, and a bad one is one sentence."""
+    model = ReplicaModelConfig.model_fields
+    offered = {
+        "retention": KVOffloadConfig.model_fields["retention"],
+        "kv_cache_dtype": model["kv_cache_dtype"],
+        "quantization": model["quantization"],
+        "decoder_stack": model["decoder_stack"],
+        "int4_kernel": model["int4_kernel"],
+    }
+    registered = {
+        "retention": policy_names(),
+        "kv_cache_dtype": ("auto", *KV_FORMATS),
+        "quantization": ("auto", *QUANTIZATIONS),
+        "decoder_stack": DECODER_STACKS,
+        "int4_kernel": INT4_KERNELS,
+    }
+    for name, field in offered.items():
+        assert typing.get_args(field.annotation) == registered[name], name
+    with pytest.raises(
+        ValidationError, match=r"retention\n.*Input should be 'fixed' or 'adaptive'"
+    ):
+        KVOffloadConfig(retention="lru")
+
+
+def test_the_dtype_table_still_reads_from_the_config_with_a_warning():
+    with pytest.warns(DeprecationWarning, match="replicas.dtypes"):
+        assert replica_config.TORCH_DTYPES is dtypes.TORCH_DTYPES
+    with pytest.warns(DeprecationWarning, match="replicas.dtypes"):
+        assert replica_config.dtype_name_of is dtypes.dtype_name_of

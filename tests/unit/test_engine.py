@@ -167,6 +167,20 @@ def test_bad_prompts_are_rejected(kwargs, prompt, message):
     assert_clean(llm)
 
 
+def test_a_checked_prompt_is_queued_without_a_second_check():
+    engine = LLM("tiny", max_model_len=64).engine
+    checked = engine.check_prompt(list(range(63)))
+    with pytest.raises(ValueError, match="max_model_len is 64"):
+        engine.check_prompt(list(range(64)))
+    engine.checks.max_model_len = 0  # any check of it now fails: add_request does not make one
+    request = engine.add_request("r", checked, SamplingParams(max_tokens=1))
+    engine.checks.max_model_len = 64
+    assert request.prompt_token_ids == list(range(63))
+    engine.abort_request("r")
+    with pytest.warns(DeprecationWarning, match="check_prompt"):
+        assert engine.validate_prompt([1, 2]) == [1, 2]
+
+
 def test_max_model_len_larger_than_the_pool_is_a_startup_error():
     with pytest.raises(ValueError, match="max_model_len=256 exceeds the NPU KV pool"):
         LLM("tiny", num_npu_blocks=4, max_model_len=256)

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from replicas.config import TORCH_DTYPES, EngineConfig, torch_dtype
+from replicas.config import EngineConfig
+from replicas.dtypes import TORCH_DTYPES, torch_dtype
 from replicas.kv.capacity import host_blocks_per_replica, replica_host_bytes
 from replicas.prompt import check_prompt_length
 

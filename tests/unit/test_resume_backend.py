@@ -105,7 +105,7 @@ def in_process_backend(replicas: list[InProcessReplica], max_resumes: int = 2) -
     backend.max_model_len = 512
     backend.block_size = 16
     backend.dispatcher = Dispatcher(
-        backend.membership, health, backend.router_calls, 16, 512, max_resumes
+        backend.membership, health, backend.router_calls, 16, max_resumes
     )
     return backend
 
