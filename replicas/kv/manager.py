@@ -250,11 +250,11 @@ class KVCacheManager:
         self.onboarding.set_costs(costs.recompute_s, costs.reload_s)
 
     def reset_prefix_cache(self, tier: Tier | str = ALL_TIERS) -> None:
-        """Forget unreferenced cached blocks of ``tier`` ("all", "npu", "host" or "disk"; plain
-        strings or ``Tier`` members) in every cache type, NPU before host before disk. The disk
-        tier forgets this replica's own blocks; other replicas' stay theirs."""
+        """Forget unreferenced cached blocks of ``tier`` (a ``Tier`` or its name, or "all") in
+        every cache type, nearest first; the disk tier forgets this replica's own blocks only."""
         if tier != ALL_TIERS and tier not in tuple(Tier):
-            raise ValueError(f"tier must be 'all', 'npu', 'host' or 'disk', got {tier!r}")
+            names = ", ".join(repr(t) for t in [ALL_TIERS, *(t.value for t in Tier)])
+            raise ValueError(f"tier must be one of {names}, got {tier!r}")
         tiers = tuple(Tier) if tier == ALL_TIERS else (Tier(tier),)
         if self._partial is not None and Tier.NPU in tiers:
             self._partial.forget()
