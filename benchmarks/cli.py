@@ -144,6 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
         "quantization (default: auto)",
     )
     run.add_argument(
+        "--real-size",
+        action="store_true",
+        default=None,
+        help="engine-vs-llamacpp: the rows for a real-size model (a 512-token cold prefill, a "
+        "chunk after 1,000 and 4,000 cached tokens, decode at batch 1 and 32, 3 repetitions, "
+        "8 perplexity windows, no speculative rows)",
+    )
+    run.add_argument(
         "--torch-compile",
         action="store_true",
         default=None,
@@ -203,6 +211,7 @@ def _scenario_options(args: argparse.Namespace, name: str) -> dict[str, object]:
         "kv_cache_dtypes": args.kv_cache_dtype,
         "threads": args.threads,  # also set for every scenario by main
         "torch_compile": args.torch_compile,
+        "real_size": args.real_size,
     }
     accepted = inspect.signature(SCENARIOS[name].run).parameters
     options = {}

@@ -145,6 +145,19 @@ QUICK = Settings(
 )
 
 
+REAL_SIZE = Settings(
+    prompt_len=512,
+    context_lens=(1000, 4000),
+    batch_sizes=(1, 32),
+    variants=(("auto", "auto", "auto"),),
+    perplexity_max_windows=8,
+    repeats=3,
+    speculative_ngram=0,
+)
+"""``--real-size``: the rows a model of a real size is compared on, in minutes rather than
+hours at 1.7B."""
+
+
 class Side(Protocol):
     """One engine under test. Every method runs to completion before it returns."""
 
@@ -631,8 +644,9 @@ def run(
     decoder_stacks: list[str] | None = None,
     threads: int = DEFAULT_THREADS,
     torch_compile: bool = False,
+    real_size: bool = False,
 ) -> dict[str, object]:
-    settings = QUICK if quick else Settings()
+    settings = QUICK if quick else REAL_SIZE if real_size else Settings()
     if dtypes or quantizations or decoder_stacks:
         chosen = [
             (d, q, st)
