@@ -8,8 +8,8 @@ Two sources, one exposition:
 * request latencies are observed by the HTTP app as outputs stream through it (``track``), on
   the app's clock, so they include routing and queueing as a client sees them.
 
-Each app owns its ``CollectorRegistry``; nothing lives in module globals. Router metrics will
-come from ``ClusterStats.router`` through ``router_metric_families``.
+Each app owns its ``CollectorRegistry``; nothing lives in module globals. Router metrics come
+from ``ClusterStats.router`` through ``router_metric_families`` (``cluster.router_metrics``).
 """
 
 import time
@@ -26,17 +26,16 @@ from prometheus_client import (
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
-    HistogramMetricFamily,
     Metric,
 )
 
 from cluster.backend import ClusterStats, FrontStats, ReplicaStats
+from cluster.router_metrics import router_metric_families
 from replicas.engine.engine import EngineStats
-from replicas.kv.events import TIERS, Tier
+from replicas.kv.events import Tier
 from replicas.kv.records import CacheTypeStats
 from replicas.kv.retention import estimated_hit_rates
 from replicas.outputs import RequestOutput
-from router.stats import MATCHED_FRACTION_BUCKETS, ReplicaRoutingStats, RouterStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -283,74 +282,6 @@ class _RetentionFamilies:
 
     def families(self) -> list[Metric]:
         return [self.estimate, self.ghost_hits, self.ghosts, self.decisions]
-
-
-def router_metric_families(router_stats: RouterStats | None) -> list[Metric]:
-    """Routing decisions, matched fractions, load and index size per replica, from
-    ``ClusterStats.router``; empty while no router is deployed (``None``)."""
-    if router_stats is None:
-        return []
-    routed = CounterMetricFamily(
-        "strata_router_requests", "Requests the router sent to the replica.", labels=["replica"]
-    )
-    matched = CounterMetricFamily(
-        "strata_router_matched_tokens",
-        "Prompt tokens the router's index matched on the chosen replica, by tier.",
-        labels=["replica", "tier"],
-    )
-    fraction = HistogramMetricFamily(
-        "strata_router_matched_fraction",
-        "Matched prompt tokens / prompt tokens of each routing decision.",
-        labels=["replica"],
-    )
-    load = GaugeMetricFamily(
-        "strata_router_load_tokens",
-        "Active context tokens charged to the replica.",
-        labels=["replica"],
-    )
-    live = GaugeMetricFamily("strata_router_replica_live", "1 while routed to.", labels=["replica"])
-    indexed = GaugeMetricFamily(
-        "strata_router_indexed_blocks",
-        "Blocks of the replica in the router's prefix index.",
-        labels=["replica", "tier"],
-    )
-    gaps = CounterMetricFamily(
-        "strata_router_event_gaps", "KV event sequence gaps seen.", labels=["replica"]
-    )
-    resyncs = CounterMetricFamily(
-        "strata_router_resyncs", "Index rebuilds from a snapshot.", labels=["replica"]
-    )
-    by_key = CounterMetricFamily(
-        "strata_router_key_affinity",
-        "Requests sent to the replica because it served their prompt_cache_key last.",
-        labels=["replica"],
-    )
-    for replica in router_stats.replicas:
-        label = str(replica.replica_index)
-        routed.add_metric([label], replica.num_requests_routed)
-        num_npu_matched = replica.num_matched_tokens_in(Tier.NPU)
-        matched.add_metric([label, Tier.NPU], num_npu_matched)
-        # The host series counts every matched token past the NPU (disk tier included).
-        matched.add_metric([label, Tier.HOST], replica.num_matched_tokens - num_npu_matched)
-        fraction.add_metric([label], _fraction_buckets(replica), replica.matched_fraction_sum)
-        load.add_metric([label], replica.load_tokens)
-        live.add_metric([label], 1.0 if replica.is_live else 0.0)
-        for tier, num_blocks in zip(TIERS, replica.num_indexed_blocks_by_tier):
-            if num_blocks or tier in (Tier.NPU, Tier.HOST):  # a deeper tier's once it has blocks
-                indexed.add_metric([label, tier], num_blocks)
-        gaps.add_metric([label], replica.num_event_gaps)
-        resyncs.add_metric([label], replica.num_resyncs)
-        by_key.add_metric([label], replica.num_key_affinity_routes)
-    return [routed, matched, fraction, load, live, indexed, gaps, resyncs, by_key]
-
-
-def _fraction_buckets(replica: ReplicaRoutingStats) -> list[tuple[str, int]]:
-    """The cumulative buckets of a replica's matched-fraction histogram, ``+Inf`` last."""
-    buckets = [
-        (str(bound), count)
-        for bound, count in zip(MATCHED_FRACTION_BUCKETS, replica.matched_fraction_bucket_counts)
-    ]
-    return [*buckets, ("+Inf", replica.matched_fraction_count)]
 
 
 # (name without _total, help, value) of the serving front's counters (Ray deployments).

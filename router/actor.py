@@ -1,4 +1,5 @@
-"""``RouterActor``: the ``Router`` as a Ray actor, plus resynchronisation from replica snapshots.
+"""``RouterActor``: the ``Router`` as a Ray actor; ``ReplicaCalls``: its calls to the replicas
+(resynchronisation from their snapshots; after a restart, their nodes and step costs).
 
 Replicas report to it fire-and-forget after each engine step; the HTTP front asks it for a
 replica per request (``route_many``: the requests that arrived together, in one call). It is
@@ -41,6 +42,85 @@ def measured_ttft_costs(measured: Sequence[StepCosts]) -> TTFTCosts:
     return TTFTCosts(**median_costs(measured).ttft_costs())
 
 
+class ReplicaCalls:
+    """The router actor's calls to its replicas' actors, found by the names the deployment gave
+    them: a snapshot on an event gap (one in flight per replica; ``router`` resyncs from it), and,
+    after a restart of the router, each replica's node and the step costs they measured. Without
+    a ``name_prefix`` (a router no deployment named) it asks for no snapshot."""
+
+    def __init__(self, router: Router, name_prefix: str | None) -> None:
+        self.router = router
+        self.name_prefix = name_prefix
+        self._resyncing: set[int] = set()
+
+    def schedule_resync(self, replica_index: int) -> None:
+        """Ask the replica for a snapshot and resync the router from it, in a task of its own
+        (no-op while one is in flight for the replica)."""
+        if replica_index in self._resyncing or self.name_prefix is None:
+            return
+        self._resyncing.add(replica_index)
+        asyncio.get_event_loop().create_task(self._resync(replica_index))
+
+    async def _resync(self, replica_index: int) -> None:
+        try:
+            replica = self._replica(replica_index)
+            snapshot = await replica.snapshot.remote()
+            self.router.resync(snapshot)
+        except Exception as error:  # the replica may be dead or restarting; routing goes on
+            logger.warning("resync of replica %d failed: %s", replica_index, error)
+        finally:
+            self._resyncing.discard(replica_index)
+
+    async def nodes(self, num_replicas: int) -> list[str]:
+        """Each replica's node, asked of the replicas (one that does not answer within
+        ``NODE_ATTEMPTS`` rounds counts as a node of its own, ``unknown-<index>``)."""
+        nodes: dict[int, str] = {}
+        for _ in range(NODE_ATTEMPTS):
+            for index in range(num_replicas):
+                if index in nodes:
+                    continue
+                try:
+                    replica = self._replica(index)
+                    nodes[index] = str((await replica.info.remote())["node_id"])
+                except Exception as error:  # dead or restarting: asked again next round
+                    logger.warning("replica %d did not say its node: %s", index, error)
+            if len(nodes) == num_replicas:
+                break
+            await asyncio.sleep(1.0)
+        else:
+            logger.error(
+                "replicas %s did not say their nodes: the router credits their disk blocks to "
+                "them alone",
+                sorted(set(range(num_replicas)) - set(nodes)),
+            )
+        return [nodes.get(i, f"unknown-{i}") for i in range(num_replicas)]
+
+    async def ttft_costs(self, num_replicas: int) -> TTFTCosts | None:
+        """The ttft profile's costs from the step costs the replicas measured when they started
+        (None when none reports any within ``PRICING_ATTEMPTS`` rounds)."""
+        for _ in range(PRICING_ATTEMPTS):
+            measured = []
+            for index in range(num_replicas):
+                try:
+                    replica = self._replica(index)
+                    costs = await replica.step_costs.remote()
+                except Exception as error:  # dead or restarting: the others may answer
+                    logger.warning("replica %d has no step costs: %s", index, error)
+                    continue
+                if costs is not None:
+                    measured.append(costs)
+            if measured:
+                return measured_ttft_costs(measured)
+            await asyncio.sleep(1.0)
+        logger.error("no replica reported step costs: the ttft profile cannot route")
+        return None
+
+    def _replica(self, index: int) -> ray.actor.ActorHandle:
+        """Replica ``index``'s actor, by the name the deployment gave it (raises while it is
+        gone)."""
+        return ray.get_actor(f"{self.name_prefix}-replica-{index}")
+
+
 class RouterActor:
     def __init__(
         self,
@@ -51,8 +131,7 @@ class RouterActor:
         sliding_window: int | None = None,
     ) -> None:
         self.router = Router(num_replicas, block_size, config, sliding_window)
-        self.replica_name_prefix = replica_name_prefix
-        self._resyncing: set[int] = set()
+        self._replicas = ReplicaCalls(self.router, replica_name_prefix)
         self._node_ids: list[str] | None = None  # set_nodes' (None: each replica its own node)
         self.incarnation = uuid.uuid4().hex  # tells a restarted router from the one before
         # Routing waits for the ttft profile's costs when the deployment measures them.
@@ -66,7 +145,7 @@ class RouterActor:
             # Ray restarted the router: its index is empty, so rebuild it from snapshots.
             for index in range(num_replicas):
                 self.router.request_resync(index)
-                self._schedule_resync(index)
+                self._replicas.schedule_resync(index)
             if replica_name_prefix is not None:
                 loop = asyncio.get_event_loop()
                 fetches = [self._fetch_nodes(num_replicas)]
@@ -105,7 +184,7 @@ class RouterActor:
     ) -> None:
         """One engine step of one replica: its KV events, generated tokens, ended requests."""
         if not self.router.on_events(batch) and batch.replica_index in self.router.needs_resync():
-            self._schedule_resync(batch.replica_index)
+            self._replicas.schedule_resync(batch.replica_index)
         for request_id, num_tokens in generated.items():
             self.router.add_generated(request_id, num_tokens)
         for request_id in finished:
@@ -125,7 +204,7 @@ class RouterActor:
         """A (restarted) replica is back: it rejoins with the index from its snapshot."""
         self.router.mark_alive(replica_index)
         self.router.request_resync(replica_index)
-        self._schedule_resync(replica_index)
+        self._replicas.schedule_resync(replica_index)
 
     async def ready(self) -> str:
         """This router's incarnation id: it changes when Ray restarts the router."""
@@ -157,7 +236,7 @@ class RouterActor:
         for index, role in enumerate(self.router.roles()):
             if role != "retired":
                 self.router.request_resync(index)
-                self._schedule_resync(index)
+                self._replicas.schedule_resync(index)
 
     async def set_nodes(self, node_ids: Sequence[str]) -> None:
         """Which node each replica runs on (replicas of one node share its disk tier)."""
@@ -169,29 +248,10 @@ class RouterActor:
         return self._node_ids
 
     async def _fetch_nodes(self, num_replicas: int) -> None:
-        """After a restart of the router: each replica's node, asked of the replicas (one that
-        does not answer within ``NODE_ATTEMPTS`` rounds counts as a node of its own)."""
-        nodes: dict[int, str] = {}
-        for _ in range(NODE_ATTEMPTS):
-            for index in range(num_replicas):
-                if index in nodes:
-                    continue
-                try:
-                    replica = self._replica(index)
-                    nodes[index] = str((await replica.info.remote())["node_id"])
-                except Exception as error:  # dead or restarting: asked again next round
-                    logger.warning("replica %d did not say its node: %s", index, error)
-            if len(nodes) == num_replicas:
-                break
-            await asyncio.sleep(1.0)
-        else:
-            logger.error(
-                "replicas %s did not say their nodes: the router credits their disk blocks to "
-                "them alone",
-                sorted(set(range(num_replicas)) - set(nodes)),
-            )
+        """After a restart of the router: each replica's node, asked of the replicas."""
+        nodes = await self._replicas.nodes(num_replicas)
         if self._node_ids is None:  # unless the deployment set them meanwhile
-            await self.set_nodes([nodes.get(i, f"unknown-{i}") for i in range(num_replicas)])
+            await self.set_nodes(nodes)
 
     async def set_ttft_costs(self, costs: TTFTCosts) -> None:
         """The ttft profile's costs, measured on the replicas at start-up."""
@@ -214,47 +274,12 @@ class RouterActor:
 
     async def _fetch_ttft_costs(self, num_replicas: int) -> None:
         """After a restart of the router: the costs the replicas measured when they started."""
-        for _ in range(PRICING_ATTEMPTS):
-            measured = []
-            for index in range(num_replicas):
-                try:
-                    replica = self._replica(index)
-                    costs = await replica.step_costs.remote()
-                except Exception as error:  # dead or restarting: the others may answer
-                    logger.warning("replica %d has no step costs: %s", index, error)
-                    continue
-                if costs is not None:
-                    measured.append(costs)
-            if measured:
-                self.router.set_ttft_costs(measured_ttft_costs(measured))
-                self._priced.set()
-                return
-            await asyncio.sleep(1.0)
-        logger.error("no replica reported step costs: the ttft profile cannot route")
+        costs = await self._replicas.ttft_costs(num_replicas)
+        if costs is not None:
+            await self.set_ttft_costs(costs)
 
     async def live_replicas(self) -> list[int]:
         return self.router.live_replicas()
 
     async def stats(self) -> RouterStats:
         return self.router.stats()
-
-    def _replica(self, index: int) -> ray.actor.ActorHandle:
-        """Replica ``index``'s actor, by the name the deployment gave it (raises while it is
-        gone)."""
-        return ray.get_actor(f"{self.replica_name_prefix}-replica-{index}")
-
-    def _schedule_resync(self, replica_index: int) -> None:
-        if replica_index in self._resyncing or self.replica_name_prefix is None:
-            return
-        self._resyncing.add(replica_index)
-        asyncio.get_event_loop().create_task(self._resync(replica_index))
-
-    async def _resync(self, replica_index: int) -> None:
-        try:
-            replica = self._replica(replica_index)
-            snapshot = await replica.snapshot.remote()
-            self.router.resync(snapshot)
-        except Exception as error:  # the replica may be dead or restarting; routing goes on
-            logger.warning("resync of replica %d failed: %s", replica_index, error)
-        finally:
-            self._resyncing.discard(replica_index)

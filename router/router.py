@@ -6,22 +6,14 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from replicas.kv.events import (
-    SLIDING,
-    KVEventBatch,
-    KVSnapshot,
-    Tier,
-    per_tier,
-    safe_prefix_length,
-)
+from replicas.kv.events import KVEventBatch, KVSnapshot, Tier, tier_count
 from replicas.kv.hashing import BlockHash
 from router.affinity import KeyAffinity
 from router.config import RoutingConfig, TTFTCosts
-from router.disk_index import NodeDiskIndex
 from router.load import LoadTracker
-from router.pending import PendingPrompts
 from router.policies import ReplicaQueues, RouteDecision, make_policy
-from router.prefix_index import IndexMatch, PrefixIndex
+from router.prefix_index import IndexMatch
+from router.replica_caches import ReplicaCaches
 from router.stats import ReplicaRoutingStats, RouterStats, RoutingCounters
 
 
@@ -73,13 +65,8 @@ class Router:
                                                    batch is ignored until resync(snapshot), after
                                                    which events continue from snapshot.next_seq
 
-    A prompt routed to a replica counts as NPU-cached there until the replica reports the
-    request's first token (``router.pending``: its blocks' events are not out yet).
-
-    For a hybrid model (``sliding_window`` set) a second index follows the replicas' sliding
-    blocks, and a replica's cached prefix counts only as far as the replica itself would reuse
-    it: the longest run whose sliding window is cached too (``safe_prefix_length``, the rule
-    of the replica's ``KVCacheManager.match_prefix``).
+    What each replica has cached, indexed and pending, and the prefix a prompt matches there
+    are its ``ReplicaCaches``' (``router.replica_caches``).
 
     A replica awaiting resync is still routed to, on its last known (possibly stale) index. A dead
     replica is neither routed to nor indexed; its index and load are dropped at once, and its
@@ -113,14 +100,7 @@ class Router:
         # Without its cost profile the ttft policy waits for set_ttft_costs (a deployment
         # measures the profile on its replicas before it serves).
         self._policy = None if config.needs_ttft_costs else make_policy(config, block_size)
-        self._index = PrefixIndex(num_replicas)
-        self._indexes = [self._index]
-        self._sliding_index: PrefixIndex | None = None
-        if sliding_window is not None:
-            self._sliding_index = PrefixIndex(num_replicas, SLIDING)
-            self._indexes.append(self._sliding_index)
-        self._disk = NodeDiskIndex(num_replicas)
-        self._pending = PendingPrompts()
+        self._caches = ReplicaCaches(num_replicas, block_size, sliding_window)
         self._affinity = KeyAffinity(config.max_cache_keys)
         self._load = LoadTracker(num_replicas)
         self._sync = [_ReplicaSync() for _ in range(num_replicas)]
@@ -163,7 +143,7 @@ class Router:
         if self._policy is None:
             raise RuntimeError("the router's ttft profile has no cost profile yet")
         load = self._load
-        matches = self._matches(block_hashes)  # score
+        matches = self._caches.match(block_hashes, self._live)  # score
         queues = ReplicaQueues(load.queued_tokens, load.num_requests)
         key_replica = self._affinity.replica_of(cache_key)
         if key_replica not in live:
@@ -178,28 +158,11 @@ class Router:
         uncached = num_prompt_tokens - decision.num_matched_tokens
         load.charge(request_id, decision.replica_index, num_prompt_tokens, uncached)  # charge
         if self.config.enable_prefix_caching:
-            self._pending.add(request_id, decision.replica_index, block_hashes)
+            self._caches.add_pending(request_id, decision.replica_index, block_hashes)
         counters = self._counters[decision.replica_index]
         counters.record_route(decision.num_matched_tokens_by_tier, num_prompt_tokens)
         counters.num_key_affinity_routes += int(decision.is_key_affinity)
         return decision
-
-    def _matches(self, block_hashes: Sequence[BlockHash]) -> list[IndexMatch]:
-        """Each live replica's cached prefix: the longer of its indexed run and the run it
-        shares with a prompt routed there and not yet computed (counted as NPU blocks)."""
-        matches = self._index.match(block_hashes, self._live)
-        if self._sliding_index is not None:
-            matches = [self._safe(block_hashes, r, m) for r, m in enumerate(matches)]
-        elif len(self._disk):  # a node's disk blocks continue any of its replicas' runs
-            for replica in self._live:
-                match = matches[replica]
-                num_disk = self._disk.extend(block_hashes, match.num_blocks, replica)
-                if num_disk:
-                    matches[replica] = match.with_blocks_in(Tier.DISK, num_disk)
-        for replica, num_blocks in self._pending.runs(block_hashes).items():
-            if num_blocks > matches[replica].num_blocks:
-                matches[replica] = IndexMatch.of({Tier.NPU: num_blocks})
-        return matches
 
     def _ramped_load(
         self, live: Sequence[int], matches: Sequence[IndexMatch], num_prompt_tokens: int
@@ -223,29 +186,17 @@ class Router:
             ramped[replica] += int(remaining * (busiest + num_prompt_tokens))
         return ramped
 
-    def _safe(
-        self, block_hashes: Sequence[BlockHash], replica: int, match: IndexMatch
-    ) -> IndexMatch:
-        """``match`` cut to the replica's safe prefix of a hybrid model's prompt."""
-        if not match.num_blocks:
-            return match
-        present = self._sliding_index.holds(block_hashes[: match.num_blocks], replica)
-        length = safe_prefix_length(present, match.num_blocks, self.block_size, self.sliding_window)
-        if length == match.num_blocks:
-            return match
-        return self._index.count_tiers(block_hashes[:length], replica)
-
     def add_generated(self, request_id: str, num_tokens: int) -> None:
         """Charge newly generated tokens to the request's replica; no-op once released. Its
         prompt is no longer pending: the report carrying its first token carried its prompt
         blocks' KV events too."""
         self._load.add_generated(request_id, num_tokens)
-        self._pending.remove(request_id)
+        self._caches.remove_pending(request_id)
 
     def release(self, request_id: str) -> None:
         """Release the request's load (and pending prompt) at completion or abort; idempotent."""
         self._load.release(request_id)
-        self._pending.remove(request_id)
+        self._caches.remove_pending(request_id)
 
     def on_events(self, batch: KVEventBatch) -> bool:
         """Apply a replica's KV event batch in order (mutates; see the class docstring).
@@ -268,9 +219,7 @@ class Router:
         num_seen = sync.next_seq - batch.first_seq
         if num_seen:
             batch = batch._replace(first_seq=sync.next_seq, events=batch.events[num_seen:])
-        for index in self._indexes:
-            index.apply(batch)
-        self._disk.apply(batch)
+        self._caches.apply(batch)
         sync.next_seq = batch.next_seq
         return True
 
@@ -293,9 +242,7 @@ class Router:
         sync = self._replica_sync(replica)
         if not sync.is_live or (not sync.needs_resync and snapshot.next_seq < sync.next_seq):
             return False
-        for index in self._indexes:
-            index.load_snapshot(snapshot)
-        self._disk.load_snapshot(snapshot)
+        self._caches.load_snapshot(snapshot)
         sync.next_seq = snapshot.next_seq
         sync.needs_resync = False
         self._counters[replica].num_resyncs += 1
@@ -306,9 +253,7 @@ class Router:
         sync = self._replica_sync(replica)
         sync.is_live = False
         sync.needs_resync = False
-        for index in self._indexes:
-            index.clear_replica(replica)
-        self._pending.clear_replica(replica)
+        self._caches.clear_replica(replica, with_disk=False)
         self._load.clear_replica(replica)
         self._affinity.clear_replica(replica)
         self._relist()
@@ -320,10 +265,8 @@ class Router:
         sync = self._replica_sync(replica)
         if sync.role == ReplicaRole.RETIRED:
             return
-        for index in self._indexes:
-            index.clear_replica(replica)
-        self._disk.clear_replica(replica)  # a fresh process announces its disk blocks again
-        self._pending.clear_replica(replica)
+        # its disk blocks too: a fresh process announces them again
+        self._caches.clear_replica(replica, with_disk=True)
         self._load.clear_replica(replica)
         sync.is_live = True
         sync.next_seq = next_seq
@@ -336,9 +279,7 @@ class Router:
         events are indexed, its node's disk blocks credited, but nothing is routed to it until
         ``start_routing``); its index, the next unused one (mutates)."""
         replica = self.num_replicas
-        for index in self._indexes:
-            index.add_replica()
-        self._disk.add_replica(node_id)
+        self._caches.add_replica(node_id)
         self._load.add_replica()
         self._sync.append(_ReplicaSync(role=ReplicaRole.JOINING))
         self._counters.append(RoutingCounters())
@@ -370,7 +311,7 @@ class Router:
         rejoins. Its disk blocks stay credited to its node (its slab stays readable): those of
         ``snapshot`` when given (its last one, taken after it wrote its hot blocks to disk)."""
         if snapshot is not None and self._sync[replica].role != ReplicaRole.RETIRED:
-            self._disk.load_snapshot(snapshot)
+            self._caches.load_disk_snapshot(snapshot)
         self.mark_dead(replica)
         self._sync[replica].role = ReplicaRole.RETIRED
         self._relist()
@@ -406,7 +347,7 @@ class Router:
 
     def set_nodes(self, node_ids: Sequence[str]) -> None:
         """Which node each replica runs on: replicas of one node share its disk tier."""
-        self._disk.set_nodes(node_ids)
+        self._caches.set_nodes(node_ids)
 
     def live_replicas(self) -> list[int]:
         """Indices of the replicas routed to, ascending."""
@@ -432,13 +373,7 @@ class Router:
                     matched_fraction_count=buckets[-1],
                     matched_fraction_bucket_counts=buckets,
                     load_tokens=self._load.load_tokens[i],
-                    num_indexed_blocks_by_tier=per_tier(
-                        {
-                            Tier.NPU: self._index.num_npu_blocks(i),
-                            Tier.HOST: self._index.num_host_blocks(i),
-                            Tier.DISK: self._disk.num_blocks(i),
-                        }
-                    ),
+                    num_indexed_blocks_by_tier=self._caches.num_blocks_by_tier(i),
                     num_event_gaps=counters.num_event_gaps,
                     num_resyncs=counters.num_resyncs,
                     num_key_affinity_routes=counters.num_key_affinity_routes,
@@ -447,22 +382,19 @@ class Router:
                     role=sync.role.value,
                 )
             )
-        return RouterStats(replicas=tuple(replicas), num_indexed_hashes=len(self._index))
+        return RouterStats(replicas=tuple(replicas), num_indexed_hashes=len(self._caches))
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless the index, the loads and the live list agree."""
-        for index in self._indexes:
-            index.check_integrity()
-        self._disk.check_integrity()
-        self._pending.check_integrity()
+        self._caches.check_integrity()
         self._load.check_integrity()
-        assert len(self._pending) <= len(self._load), "a pending prompt outlived its charge"
+        assert self._caches.num_pending <= len(self._load), "a pending prompt outlived its charge"
         assert self._live == [i for i, s in enumerate(self._sync) if s.is_routable], "stale list"
         for i, sync in enumerate(self._sync):
             if not sync.is_live:
-                assert not self._index.num_npu_blocks(i) and not self._index.num_host_blocks(i), (
-                    f"dead replica {i} still indexed"
-                )
+                num_blocks = self._caches.num_blocks_by_tier(i)
+                assert not tier_count(num_blocks, Tier.NPU), f"dead replica {i} still indexed"
+                assert not tier_count(num_blocks, Tier.HOST), f"dead replica {i} still indexed"
                 assert self._load.load_tokens[i] == 0, f"dead replica {i} still carries load"
 
     def _replica_sync(self, replica: int) -> _ReplicaSync:

@@ -1,4 +1,4 @@
-"""A pool of KV blocks of one tier: ref counts, the hash-to-block map and the LRU free queue.
+"""A pool of KV blocks of one tier: ref counts, the hash-to-block map and retention deadlines.
 
 The pool holds no tensors; it decides which block ids hold what. Every block is in exactly one
 of three states::
@@ -7,12 +7,10 @@ of three states::
     cached   ref_count == 0, hashed   (reusable by a later match; evictable)
     free     ref_count == 0, no hash  (holds nothing)
 
-Free and cached blocks wait in one LRU queue. Allocation takes blocks from its front; a cached
-block taken there is evicted (its hash leaves the map). Empty blocks are queued at the front so
-they are used before any cached block is evicted; released cached blocks go to the back::
-
-    front (evicted first)                                            back (evicted last)
-    | free ... free | cached, least recently released ... cached, just released |
+Free and cached blocks wait in the pool's ``FreeBlockQueue`` (``replicas.kv.free_block_queue``
+owns the LRU order and draws it). Allocation takes blocks from its front, empty blocks first; a
+cached block taken there is evicted (its hash leaves the map); released cached blocks go to the
+back.
 
 A request releases its blocks deepest first (``free(reversed(blocks))``), so among its blocks the
 deepest are evicted before their parents and a surviving prefix stays a prefix.
@@ -22,19 +20,14 @@ request's partly computed last block, ``replicas.kv.partial_blocks``) is release
 ``free(keep=...)`` into a queue of its own, which allocation takes from after the empty blocks
 and before evicting any cached block: it lives on spare capacity only and never costs a cached
 block its place. Once its contents have served (``keep_at_back``), it is released to the back of
-the ordinary queue instead, and ages there as a cached block does::
-
-    | free ... free | kept, least recently released ... | cached (and served kept) ... |
+the ordinary queue instead, and ages there as a cached block does.
 
 **Retention** (a priority class in eviction; the host tier's, DESIGN section 4). A cached block
 may be *retained until* a deadline (``retain``): released, it waits in a second LRU queue that
 allocation takes from only when the ordinary queue is empty, so every ordinary block is evicted
 before any retained one. At most ``max_retained`` blocks are retained at once (the tier's
 ``retained_share``), so ordinary traffic always has the rest. When its deadline passes, a
-block is ordinary again and re-enters the ordinary queue at the back, as if just released::
-
-    ordinary queue:  | free ... | cached, least recently released ... just released |  <- first
-    retained queue:  | retained, least recently released ... just released |         <- then
+block is ordinary again and re-enters the ordinary queue at the back, as if just released.
 
 Deadlines read ``clock`` (seconds, ``time.monotonic`` by default); expired retentions are
 cleared before each allocation and by ``expire``.
@@ -42,10 +35,10 @@ cleared before each allocation and by ``expire``.
 
 import heapq
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
+from replicas.kv.free_block_queue import FreeBlockQueue
 from replicas.kv.hashing import BlockHash
 from replicas.kv.records import TierUsage
 
@@ -79,15 +72,11 @@ class BlockPool:
         self.name = name
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._free_blocks = FreeBlockQueue(self.blocks, name)  # unreferenced, in allocation order
         self._cached: dict[BlockHash, int] = {}
         self.max_retained = max_retained
         self.clock = clock
         self.num_retained = 0  # blocks with a deadline, referenced or not
-        self._retained_queue: OrderedDict[int, None] = OrderedDict()  # unreferenced, retained
-        # Unreferenced, empty, but holding contents that may still be read (``free(keep=...)``):
-        # allocated after the empty blocks, before any cached block is evicted.
-        self._kept_queue: OrderedDict[int, None] = OrderedDict()
         self._deadlines: list[tuple[float, int]] = []  # heap; stale entries skipped
 
     # ---- queries (no mutation) ---------------------------------------------------------------
@@ -95,18 +84,17 @@ class BlockPool:
     def num_free(self) -> int:
         """Blocks that can be allocated now (empty, kept, or evictable cached, retained
         included)."""
-        return len(self._free_queue) + len(self._kept_queue) + len(self._retained_queue)
+        return len(self._free_blocks)
 
     @property
     def num_empty(self) -> int:
         """Free blocks holding no hash: allocating up to this many evicts no cached block."""
-        empty = sum(1 for b in self._free_queue if self.blocks[b].block_hash is None)
-        return empty + len(self._kept_queue)
+        return self._free_blocks.num_empty
 
     @property
     def num_kept(self) -> int:
         """Free blocks kept for their contents (``free(keep=...)``)."""
-        return len(self._kept_queue)
+        return self._free_blocks.num_kept
 
     @property
     def num_used(self) -> int:
@@ -131,30 +119,11 @@ class BlockPool:
 
     def eviction_order(self) -> list[int]:
         """Block ids in the order allocation would take them (as of the last expiry)."""
-        ordinary = list(self._free_queue)
-        num_empty = next(
-            (i for i, b in enumerate(ordinary) if self.blocks[b].block_hash is not None),
-            len(ordinary),
-        )
-        return [
-            *ordinary[:num_empty],
-            *self._kept_queue,
-            *ordinary[num_empty:],
-            *self._retained_queue,
-        ]
+        return self._free_blocks.order()
 
     def next_to_allocate(self) -> int | None:
         """The block id allocation would take next (None when none is free)."""
-        queue = self._next_queue()
-        return next(iter(queue)) if queue else None
-
-    def _next_queue(self) -> OrderedDict:
-        """The queue allocation takes from next: empty blocks (at the front of the ordinary
-        queue), then kept ones, then cached ones, retained ones last."""
-        front = next(iter(self._free_queue), None)
-        if front is not None and (self.blocks[front].block_hash is None or not self._kept_queue):
-            return self._free_queue
-        return self._kept_queue or self._retained_queue
+        return self._free_blocks.peek()
 
     # ---- mutation ----------------------------------------------------------------------------
     def allocate(self, num_blocks: int) -> tuple[list[int], list[tuple[int, BlockHash]]]:
@@ -173,7 +142,7 @@ class BlockPool:
         block_ids: list[int] = []
         evicted: list[tuple[int, BlockHash]] = []
         for _ in range(num_blocks):
-            block_id, _ = self._next_queue().popitem(last=False)
+            block_id = self._free_blocks.pop()
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 evicted.append((block_id, block.block_hash))
@@ -188,7 +157,7 @@ class BlockPool:
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_count == 0:
-                self._queue_of(block).pop(block_id)
+                self._free_blocks.remove(block)
             block.ref_count += 1
 
     def free(
@@ -205,12 +174,7 @@ class BlockPool:
                 raise RuntimeError(f"{self.name} block {block_id} freed with ref_count 0")
             block.ref_count -= 1
             if block.ref_count == 0:
-                if block.block_hash is None and block_id in keep:
-                    (self._free_queue if keep_at_back else self._kept_queue)[block_id] = None
-                    continue
-                self._queue_of(block)[block_id] = None
-                if block.block_hash is None:
-                    self._free_queue.move_to_end(block_id, last=False)
+                self._free_blocks.push(block, block_id in keep, keep_at_back)
 
     def discard_contents(self, block_id: int) -> None:
         """A kept block (``free(keep=...)``) whose contents are no longer wanted becomes an
@@ -218,11 +182,7 @@ class BlockPool:
         block = self.blocks[block_id]
         if block.ref_count or block.block_hash is not None:
             return
-        if block_id in self._kept_queue:
-            del self._kept_queue[block_id]
-            self._free_queue[block_id] = None
-        if block_id in self._free_queue:
-            self._free_queue.move_to_end(block_id, last=False)
+        self._free_blocks.discard_contents(block_id)
 
     def cache(self, block_id: int, block_hash: BlockHash) -> bool:
         """Record that ``block_id`` holds ``block_hash``. Returns False (and records nothing) if
@@ -249,8 +209,7 @@ class BlockPool:
             return False
         self.num_retained += 1
         if block.ref_count == 0:
-            del self._free_queue[block_id]
-            self._retained_queue[block_id] = None
+            self._free_blocks.retain(block_id)
         block.retained_until = until
         heapq.heappush(self._deadlines, (until, block_id))
         if len(self._deadlines) > 2 * self.num_retained + 16:  # entries of evicted blocks
@@ -275,8 +234,7 @@ class BlockPool:
                 heapq.heappush(self._deadlines, (block.retained_until, block_id))
                 continue
             if block.ref_count == 0:
-                del self._retained_queue[block_id]
-                self._free_queue[block_id] = None
+                self._free_blocks.unretain(block_id)
             self._unretain(block)
             num_expired += 1
         return num_expired
@@ -284,11 +242,6 @@ class BlockPool:
     def _unretain(self, block: Block) -> None:
         block.retained_until = 0.0
         self.num_retained -= 1
-
-    def _queue_of(self, block: Block) -> OrderedDict:
-        if block.retained_until:
-            return self._retained_queue
-        return self._kept_queue if block.block_id in self._kept_queue else self._free_queue
 
     def record_hit(self, block_id: int) -> int:
         """Count one more new request matching the cached block; returns its hits so far."""
@@ -299,14 +252,10 @@ class BlockPool:
     def evict_all_cached(self) -> list[tuple[int, BlockHash]]:
         """Forget every cached block nobody references (used to reset the prefix cache)."""
         evicted = []
-        for block_id in [*self._retained_queue, *self._free_queue]:
+        for block_id in self._free_blocks.release_cached():
             block = self.blocks[block_id]
-            if block.block_hash is not None:
-                evicted.append((block_id, block.block_hash))
-                self._uncache(block)
-                self._free_queue[block_id] = None
-                self._free_queue.move_to_end(block_id, last=False)
-        self._retained_queue.clear()
+            evicted.append((block_id, block.block_hash))
+            self._uncache(block)
         return evicted
 
     def reset(self) -> list[BlockHash]:
@@ -325,22 +274,8 @@ class BlockPool:
         in_use = num_retained = 0
         for block in self.blocks:
             assert block.ref_count >= 0, f"{self.name} block {block.block_id} ref_count < 0"
-            queued = (
-                block.block_id in self._free_queue or block.block_id in self._kept_queue,
-                block.block_id in self._retained_queue,
-            )
-            assert not (block.block_id in self._kept_queue and block.block_hash is not None), (
-                f"{self.name} block {block.block_id} kept while cached"
-            )
             if block.ref_count > 0:
                 in_use += 1
-                assert not any(queued), (
-                    f"{self.name} block {block.block_id} in use but queued as free"
-                )
-            else:
-                assert queued == (not block.retained_until, bool(block.retained_until)), (
-                    f"{self.name} block {block.block_id} unreferenced but not in its queue"
-                )
             if block.retained_until:
                 num_retained += 1
                 assert block.block_hash is not None, (
@@ -350,6 +285,7 @@ class BlockPool:
                 assert self._cached.get(block.block_hash) == block.block_id, (
                     f"{self.name} block {block.block_id} hash not mapped to it"
                 )
+        self._free_blocks.check_integrity()
         assert in_use + self.num_free == self.num_blocks, f"{self.name} blocks lost"
         assert num_retained == self.num_retained <= self.max_retained, (
             f"{self.name} retained {num_retained} blocks, counted {self.num_retained}, "

@@ -5,9 +5,12 @@ layer gives eager's values up to the order of one row's sum of squares: ``add_rm
 ``h = x + residual``, then ``weight * rms_norm(h)`` with the norm in float32 rounded once;
 ``silu_mul`` is ``silu(gate) * up``; ``rope_write`` rotates each head as ``apply_rope`` does
 (``x * cos + rotate(x) * sin``, three roundings) and writes K and V rows to their cache slots.
-Plain functions: ``paged_attention.jit_kernels`` wraps them for the GPU or the interpreter.
+Plain functions: ``paged_attention.jit_kernels`` wraps them for the GPU or the interpreter;
+their private helpers (``_*``) are ``triton.jit`` functions, inlined on the GPU (see
+``replicas.model.paged_kernels``).
 """
 
+import triton
 import triton.language as tl
 
 
@@ -95,6 +98,26 @@ def rope_write(
         src = q_ptr + token * stride_qt + head * stride_qh
     else:
         src = k_ptr + token * stride_kt + (head - NUM_HEADS) * stride_kh
+    y1, y2 = _rotated(src, cos_ptr, sin_ptr, token, stride_cos, dims, HALF)
+    if head < NUM_HEADS:
+        target = q_out_ptr + (token * NUM_HEADS + head) * (2 * HALF)
+        tl.store(target + dims, y1)
+        tl.store(target + HALF + dims, y2)
+    else:
+        kv_head = head - NUM_HEADS
+        target = k_out_ptr + (token * NUM_KV_HEADS + kv_head) * (2 * HALF)
+        tl.store(target + dims, y1)
+        tl.store(target + HALF + dims, y2)
+        _write_slot(
+            y1, y2, v_ptr, cache_ptr, slots_ptr, token, kv_head, dims, stride_vt, stride_vh,
+            stride_cb, stride_ck, stride_co, stride_ch, HALF, BLOCK_SIZE,
+        )  # fmt: skip
+
+
+@triton.jit
+def _rotated(src, cos_ptr, sin_ptr, token, stride_cos, dims, HALF: tl.constexpr):
+    """The head at ``src`` rotated by the token's ``cos`` and ``sin`` rows as ``apply_rope``
+    does (``x * cos + rotate(x) * sin``, rounded to its dtype after each op), as two halves."""
     x1 = tl.load(src + dims)
     x2 = tl.load(src + HALF + dims)
     dtype = x1.dtype
@@ -108,23 +131,38 @@ def rope_write(
     b2 = (x1.to(tl.float32) * s2).to(dtype).to(tl.float32)
     y1 = (a1 + b1).to(dtype)
     y2 = (a2 + b2).to(dtype)
-    if head < NUM_HEADS:
-        target = q_out_ptr + (token * NUM_HEADS + head) * (2 * HALF)
-        tl.store(target + dims, y1)
-        tl.store(target + HALF + dims, y2)
-    else:
-        kv_head = head - NUM_HEADS
-        target = k_out_ptr + (token * NUM_KV_HEADS + kv_head) * (2 * HALF)
-        tl.store(target + dims, y1)
-        tl.store(target + HALF + dims, y2)
-        slot = tl.load(slots_ptr + token).to(tl.int64)
-        if slot >= 0:
-            row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co
-            row += kv_head * stride_ch
-            tl.store(cache_ptr + row + dims, y1.to(cache_ptr.dtype.element_ty))
-            tl.store(cache_ptr + row + HALF + dims, y2.to(cache_ptr.dtype.element_ty))
-            v_src = v_ptr + token * stride_vt + kv_head * stride_vh
-            v1 = tl.load(v_src + dims)
-            v2 = tl.load(v_src + HALF + dims)
-            tl.store(cache_ptr + row + stride_ck + dims, v1.to(cache_ptr.dtype.element_ty))
-            tl.store(cache_ptr + row + stride_ck + HALF + dims, v2.to(cache_ptr.dtype.element_ty))
+    return y1, y2
+
+
+@triton.jit
+def _write_slot(
+    y1,
+    y2,
+    v_ptr,
+    cache_ptr,
+    slots_ptr,
+    token,
+    kv_head,
+    dims,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_ck,
+    stride_co,
+    stride_ch,
+    HALF: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """The rotated k (halves ``y1``, ``y2``) and the kv head's v row to the token's slot in
+    ``cache``, as the cache's dtype; nothing for slot -1."""
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    if slot >= 0:
+        row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co
+        row += kv_head * stride_ch
+        tl.store(cache_ptr + row + dims, y1.to(cache_ptr.dtype.element_ty))
+        tl.store(cache_ptr + row + HALF + dims, y2.to(cache_ptr.dtype.element_ty))
+        v_src = v_ptr + token * stride_vt + kv_head * stride_vh
+        v1 = tl.load(v_src + dims)
+        v2 = tl.load(v_src + HALF + dims)
+        tl.store(cache_ptr + row + stride_ck + dims, v1.to(cache_ptr.dtype.element_ty))
+        tl.store(cache_ptr + row + stride_ck + HALF + dims, v2.to(cache_ptr.dtype.element_ty))

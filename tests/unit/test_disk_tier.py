@@ -307,7 +307,8 @@ def test_a_restarted_replica_announces_its_disk_blocks_to_the_router(tmp_path):
     router.set_nodes(["node", "node"])
     assert router.on_events(KVEventBatch(0, 0, tuple(announced)))
     hashes = block_hashes(prompt, 16)
-    assert [m.num_blocks_in(Tier.DISK) for m in router._matches(hashes)] == [PREFIX_BLOCKS] * 2
+    matches = router._caches.match(hashes, router.live_replicas())
+    assert [m.num_blocks_in(Tier.DISK) for m in matches] == [PREFIX_BLOCKS] * 2
     snapshot = restarted.kv_cache.views.snapshot(0, len(announced))
     assert set(snapshot.hashes(Tier.DISK)) == {e.block_hash for e in disk}
     restarted.close()

@@ -57,7 +57,7 @@ class Replica:
         request = Request("probe", tokens, SamplingParams(), BS)
         replica = self.manager.match_prefix(request)
         hashes = request.block_hashes[: (len(tokens) - 1) // BS]
-        (routed,) = self.router._matches(hashes)
+        (routed,) = self.router._caches.match(hashes, self.router.live_replicas())
         for tier in Tier:
             assert routed.num_blocks_in(tier) == replica.num_blocks_in(tier), tier
         return routed.num_blocks
@@ -75,7 +75,9 @@ def test_window_on_host_only():
     replica.manager.reset_prefix_cache("npu")
     replica.publish()
     assert replica.agree(PROMPT) == 3
-    assert replica.router._matches(replica.run(PROMPT).block_hashes[:3])[0].num_blocks == 3
+    hashes = replica.run(PROMPT).block_hashes[:3]
+    (routed,) = replica.router._caches.match(hashes, replica.router.live_replicas())
+    assert routed.num_blocks == 3
 
 
 def test_window_missing_cuts_the_score_to_the_safe_prefix():
@@ -94,7 +96,7 @@ def test_window_missing_cuts_the_score_to_the_safe_prefix():
     # Global KV matches 6 blocks; L=6 needs sliding 4..5 (4 gone); L=5 needs 3..4; L=4: 2..3.
     assert replica.agree(list(range(25))) == 4
     # The global index alone would credit all 6 blocks: the false residency the cut removes.
-    assert replica.router._index.match(first.block_hashes[:6], [0])[0].num_blocks == 6
+    assert replica.router._caches._index.match(first.block_hashes[:6], [0])[0].num_blocks == 6
 
 
 def test_random_hybrid_traffic_router_and_replica_always_agree():

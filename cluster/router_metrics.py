@@ -1,0 +1,81 @@
+"""Prometheus metric families of the router (``strata_router_*``, label ``replica``; DESIGN
+section 8), from the ``RouterStats`` a stats snapshot carries (``ClusterStats.router``).
+``cluster.metrics`` renders them with the deployment's other families."""
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+from replicas.kv.events import TIERS, Tier
+from router.stats import MATCHED_FRACTION_BUCKETS, ReplicaRoutingStats, RouterStats
+
+
+def router_metric_families(router_stats: RouterStats | None) -> list[Metric]:
+    """Routing decisions, matched fractions, load and index size per replica, from
+    ``ClusterStats.router``; empty while no router is deployed (``None``)."""
+    if router_stats is None:
+        return []
+    routed = CounterMetricFamily(
+        "strata_router_requests", "Requests the router sent to the replica.", labels=["replica"]
+    )
+    matched = CounterMetricFamily(
+        "strata_router_matched_tokens",
+        "Prompt tokens the router's index matched on the chosen replica, by tier.",
+        labels=["replica", "tier"],
+    )
+    fraction = HistogramMetricFamily(
+        "strata_router_matched_fraction",
+        "Matched prompt tokens / prompt tokens of each routing decision.",
+        labels=["replica"],
+    )
+    load = GaugeMetricFamily(
+        "strata_router_load_tokens",
+        "Active context tokens charged to the replica.",
+        labels=["replica"],
+    )
+    live = GaugeMetricFamily("strata_router_replica_live", "1 while routed to.", labels=["replica"])
+    indexed = GaugeMetricFamily(
+        "strata_router_indexed_blocks",
+        "Blocks of the replica in the router's prefix index.",
+        labels=["replica", "tier"],
+    )
+    gaps = CounterMetricFamily(
+        "strata_router_event_gaps", "KV event sequence gaps seen.", labels=["replica"]
+    )
+    resyncs = CounterMetricFamily(
+        "strata_router_resyncs", "Index rebuilds from a snapshot.", labels=["replica"]
+    )
+    by_key = CounterMetricFamily(
+        "strata_router_key_affinity",
+        "Requests sent to the replica because it served their prompt_cache_key last.",
+        labels=["replica"],
+    )
+    for replica in router_stats.replicas:
+        label = str(replica.replica_index)
+        routed.add_metric([label], replica.num_requests_routed)
+        num_npu_matched = replica.num_matched_tokens_in(Tier.NPU)
+        matched.add_metric([label, Tier.NPU], num_npu_matched)
+        # The host series counts every matched token past the NPU (disk tier included).
+        matched.add_metric([label, Tier.HOST], replica.num_matched_tokens - num_npu_matched)
+        fraction.add_metric([label], _fraction_buckets(replica), replica.matched_fraction_sum)
+        load.add_metric([label], replica.load_tokens)
+        live.add_metric([label], 1.0 if replica.is_live else 0.0)
+        for tier, num_blocks in zip(TIERS, replica.num_indexed_blocks_by_tier):
+            if num_blocks or tier in (Tier.NPU, Tier.HOST):  # a deeper tier's once it has blocks
+                indexed.add_metric([label, tier], num_blocks)
+        gaps.add_metric([label], replica.num_event_gaps)
+        resyncs.add_metric([label], replica.num_resyncs)
+        by_key.add_metric([label], replica.num_key_affinity_routes)
+    return [routed, matched, fraction, load, live, indexed, gaps, resyncs, by_key]
+
+
+def _fraction_buckets(replica: ReplicaRoutingStats) -> list[tuple[str, int]]:
+    """The cumulative buckets of a replica's matched-fraction histogram, ``+Inf`` last."""
+    buckets = [
+        (str(bound), count)
+        for bound, count in zip(MATCHED_FRACTION_BUCKETS, replica.matched_fraction_bucket_counts)
+    ]
+    return [*buckets, ("+Inf", replica.matched_fraction_count)]
