@@ -282,6 +282,19 @@ class KVOffloadConfig(_Config):
             )
 
     @property
+    def promotion_threshold(self) -> int | None:
+        """Deprecated: ``write_through_threshold`` in the cache manager's former spelling (None
+        off, 0 at first write); the manager now takes ``write_through_threshold`` as it is."""
+        warnings.warn(
+            "KVOffloadConfig.promotion_threshold is deprecated: the cache manager and the "
+            "simulator take write_through_threshold as written (0 off, 'immediate')",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        threshold = self.write_through_threshold
+        return 0 if threshold == IMMEDIATE_PROMOTION else threshold or None
+
+    @property
     def is_active(self) -> bool:
         return self.enabled and self._has_capacity
 

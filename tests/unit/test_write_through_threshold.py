@@ -109,3 +109,14 @@ def test_the_description_says_every_value_once():
     assert serve.parse_args(["--experimental-kv-offload-write-through-threshold", "immediate"])
     with pytest.raises(SystemExit):
         serve.parse_args(["--experimental-kv-offload-write-through-threshold", "soon"])
+
+
+def test_the_former_translation_still_reads_with_a_deprecation_warning():
+    config = KVOffloadConfig(
+        enabled=True, host_memory_ratio=1.0, write_through_threshold="immediate"
+    )
+    with pytest.warns(DeprecationWarning, match="promotion_threshold"):
+        assert config.promotion_threshold == 0
+    off = KVOffloadConfig(enabled=True, host_memory_ratio=1.0, write_through_threshold=0)
+    with pytest.warns(DeprecationWarning):
+        assert off.promotion_threshold is None
