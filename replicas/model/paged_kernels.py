@@ -263,7 +263,8 @@ def _load_rows(cache_ptr, base, dims, mask, dtype: tl.constexpr, QUANT: tl.const
     if QUANT == 0:
         rows = rows.to(dtype)
     elif QUANT == 1:
-        rows = rows.to(tl.int8, bitcast=True).to(dtype)
+        # Through float32 (exact): Triton's interpreter casts int8 to bfloat16 as raw bits.
+        rows = rows.to(tl.int8, bitcast=True).to(tl.float32).to(dtype)
     elif QUANT == 2:
         bits = (rows.to(tl.int8, bitcast=True).to(tl.int16) << 7) & -0x4080
         rows = bits.to(tl.float16, bitcast=True).to(dtype)

@@ -109,6 +109,7 @@ def _meta(fmt, table, seq_lens, q_lens, slots, window, splits, q, kv_heads, dens
         ("auto", torch.float32, None, 1, 1e-5),
         ("auto", torch.bfloat16, None, 4, 2e-2),
         ("int8", torch.float32, 20, 2, 1e-5),
+        ("int8", torch.bfloat16, None, 2, 2e-2),
         ("fp8_e4m3", torch.bfloat16, None, 2, 2e-2),
     ],
 )
