@@ -30,6 +30,7 @@ from replicas.kv.retention import (
     register_policy,
     tuning_hint,
 )
+from replicas.kv.retention.policy import _REGISTRY as policy_registry
 from replicas.sampling_params import SamplingParams
 
 BS = 4
@@ -409,7 +410,6 @@ def test_an_unknown_retention_is_refused():
 
 
 # ---- a policy from outside the package ---------------------------------------------------------
-@register_policy("test-even-hashes")
 class EvenHashPolicy(RetentionPolicy):
     """Test-only: at NPU eviction, store exactly the blocks whose hash starts with an even byte;
     promotion stores nothing."""
@@ -424,10 +424,19 @@ class EvenHashPolicy(RetentionPolicy):
         return block_hash[0] % 2 == 0
 
 
-def test_a_policy_registered_from_a_test_file_runs_through_the_manager():
+@pytest.fixture
+def even_hash_policy():
+    """EvenHashPolicy registered for one test, then removed, so that the registry other tests
+    see (the config's choices among them) is the package's."""
+    register_policy("test-even-hashes")(EvenHashPolicy)
+    yield "test-even-hashes"
+    policy_registry.pop("test-even-hashes")
+
+
+def test_a_policy_registered_from_a_test_file_runs_through_the_manager(even_hash_policy):
     prefixes = [[p] * (5 * BS) for p in range(12)]
     requests = [prefixes[n % 12] + [n % 7 + 500] for n in range(300)]
-    manager = replay(requests, 80, retention="test-even-hashes")
+    manager = replay(requests, 80, retention=even_hash_policy)
     stats, retention = manager.stats, manager.views.retention_stats()["full"]
     host_hashes = [b.block_hash for b in manager.host.blocks if b.block_hash is not None]
     assert host_hashes and all(h[0] % 2 == 0 for h in host_hashes)
