@@ -4,11 +4,9 @@ On a GPU the batch goes to the device in one pinned copy with the paged attentio
 metadata, and decode steps replay CUDA graphs (``replicas.engine.cuda_batch``,
 ``replicas.engine.cuda_graphs``)."""
 
-import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from replicas.engine.cuda_batch import CudaBatchBuilder, HostBatch, geometries
@@ -64,7 +62,11 @@ class ModelRunner:
         self.specs = self.model.kv_cache_specs(dtype, kv_cache_dtype)
         self.kv_format = next(iter(self.specs.values())).kv_format
         self.kv_caches = {
-            group: zeroed(spec.shape(num_npu_blocks[group], block_size), spec.storage_dtype, device)
+            group: torch.zeros(
+                spec.shape(num_npu_blocks[group], block_size),
+                dtype=spec.storage_dtype,
+                device=device,
+            )
             for group, spec in self.specs.items()
         }
         self._cuda_batches: CudaBatchBuilder | None = None
@@ -215,14 +217,3 @@ class ModelRunner:
             logits_indices=tensor(host.logits_indices),
             num_solo_seqs=host.num_solo_seqs,
         )
-
-
-def zeroed(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A tensor of zeros. On a CPU its memory comes from ``calloc`` (numpy's zeros), which for a
-    large block maps pages the kernel zeroes on their first touch: a pool of many GiB costs no
-    time at start-up and holds resident memory only as its blocks are written, where
-    ``torch.zeros`` would write every byte first."""
-    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if device.type != "cpu" or not num_bytes:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
