@@ -95,6 +95,7 @@ class KVCacheManager:
         self._weights = HitWeights(sum(p.num_blocks for p in primary.pools), clock)
         parts = (journal, block_size, rules, self._weights, clock)
         self._managers = build_managers(self._cache_types, *parts)
+        self._by_name = {m.name: m for m in self._managers}
         is_dense = len(self._cache_types) == 1
         reuse = reuse_partial_blocks and enable_prefix_caching and is_dense
         self._partial = PartialBlocks(primary.npu, block_size) if reuse else None
@@ -230,13 +231,12 @@ class KVCacheManager:
 
     def complete_transfer(self, plan: TransferPlan) -> None:
         """Unlock the host blocks of a transfer that has landed."""
-        by_name = {m.name: m for m in self._managers}
         for copy in plan.disk_stores:
-            by_name[copy.cache_type].disk.store_landed(copy)
+            self._by_name[copy.cache_type].disk.store_landed(copy)
         for copy in plan.stores:
-            by_name[copy.cache_type].store_landed(copy)
+            self._by_name[copy.cache_type].store_landed(copy)
         for copy in plan.loads:
-            by_name[copy.cache_type].load_landed(copy)
+            self._by_name[copy.cache_type].load_landed(copy)
         for cache_type in self._cache_types:
             if cache_type.retention is not None:
                 cache_type.retention.transfers_landed()
