@@ -9,7 +9,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from replicas.kv.events import TIERS, Tier
+from replicas.kv.events import Tier, tiers
 from router.stats import MATCHED_FRACTION_BUCKETS, ReplicaRoutingStats, RouterStats
 
 
@@ -63,7 +63,7 @@ def router_metric_families(router_stats: RouterStats | None) -> list[Metric]:
         fraction.add_metric([label], _fraction_buckets(replica), replica.matched_fraction_sum)
         load.add_metric([label], replica.load_tokens)
         live.add_metric([label], 1.0 if replica.is_live else 0.0)
-        for tier, num_blocks in zip(TIERS, replica.num_indexed_blocks_by_tier):
+        for tier, num_blocks in zip(tiers(), replica.num_indexed_blocks_by_tier):
             if num_blocks or tier in (Tier.NPU, Tier.HOST):  # a deeper tier's once it has blocks
                 indexed.add_metric([label, tier], num_blocks)
         gaps.add_metric([label], replica.num_event_gaps)

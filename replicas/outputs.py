@@ -24,7 +24,7 @@ class RequestOutput:
 
     ``num_cached_tokens`` prompt tokens were served from the prefix cache at admission;
     ``num_cached_tokens_by_tier`` splits them by the tier they came from (a per-tier tuple in
-    ``replicas.kv.events.TIERS`` order; a disk block reaches the NPU through the host tier and
+    ``replicas.kv.events.tiers()`` order; a disk block reaches the NPU through the host tier and
     counts as host).
 
     ``logprobs`` (one per token of ``token_ids``) and ``prompt_logprobs`` (one per prompt token,

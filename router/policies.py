@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import ClassVar, NamedTuple
 
-from replicas.kv.events import TIERS, Tier, tier_count
+from replicas.kv.events import Tier, tier_count, tiers
 from router.config import (
     DEFAULT_DISK_HIT_WEIGHT,
     DEFAULT_KEY_OVERLOAD_FACTOR,
@@ -21,7 +21,7 @@ from router.config import (
 )
 from router.prefix_index import IndexMatch
 
-_NPU, _HOST, _DISK = (TIERS.index(tier) for tier in (Tier.NPU, Tier.HOST, Tier.DISK))
+_NPU, _HOST, _DISK = (tiers().index(tier) for tier in (Tier.NPU, Tier.HOST, Tier.DISK))
 """Where each tier's count sits in a per-tier tuple (scoring reads them for every replica)."""
 
 
@@ -42,7 +42,7 @@ class RouteDecision(NamedTuple):
     num_matched_tokens: int
     """Prompt tokens cached on the chosen replica in any tier (unweighted), at most the prompt."""
     num_matched_tokens_by_tier: tuple[int, ...]
-    """``num_matched_tokens`` per tier (``replicas.kv.events.TIERS`` order): the match's blocks
+    """``num_matched_tokens`` per tier (``replicas.kv.events.tiers()`` order): the match's blocks
     in tier order, cut at the prompt's end."""
     is_key_affinity: bool = False
     """Whether the chosen replica is the request's ``prompt_cache_key`` replica, credited as

@@ -13,13 +13,13 @@ from typing import NamedTuple
 
 from replicas.kv.events import (
     FULL,
-    TIERS,
     KVEventBatch,
     KVEventKind,
     KVSnapshot,
     Tier,
     per_tier,
     tier_count,
+    tiers,
 )
 from replicas.kv.hashing import BlockHash
 
@@ -31,7 +31,7 @@ _BIT_TABLES = tuple(bytes((x >> bit) & 1 for x in range(256)) for bit in range(_
 
 class IndexMatch(NamedTuple):
     """The cached prefix of one prompt on one replica, in blocks per tier: a per-tier tuple
-    (``replicas.kv.events.TIERS`` order, one entry per tier).
+    (``replicas.kv.events.tiers()`` order, one entry per tier).
 
     A block held in both NPU and host counts as NPU (it is reusable without a reload). Disk
     blocks (``router.disk_index``) continue the prefix after the NPU/host run.
@@ -54,11 +54,11 @@ class IndexMatch(NamedTuple):
     def with_blocks_in(self, tier: Tier, num_blocks: int) -> "IndexMatch":
         """This match with ``num_blocks`` in ``tier`` instead."""
         num_blocks_by_tier = list(self.num_blocks_by_tier)
-        num_blocks_by_tier[TIERS.index(tier)] = num_blocks
+        num_blocks_by_tier[tiers().index(tier)] = num_blocks
         return IndexMatch(tuple(num_blocks_by_tier))
 
 
-_PAST_HOST = (0,) * (len(TIERS) - 2)
+_PAST_HOST = (0,) * (len(tiers()) - 2)
 """A ``PrefixIndex`` match's entries for the tiers after NPU and host, which it does not hold."""
 NO_MATCH = IndexMatch.of({})
 

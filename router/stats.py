@@ -3,7 +3,7 @@
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
-from replicas.kv.events import TIERS, Tier, tier_count
+from replicas.kv.events import Tier, tier_count, tiers
 
 MATCHED_FRACTION_BUCKETS: tuple[float, ...] = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 """Upper bounds (``le``) of the matched-fraction histogram buckets."""
@@ -16,7 +16,7 @@ class ReplicaRoutingStats:
     ``matched_fraction_bucket_counts[k]`` counts decisions whose matched fraction (matched prompt
     tokens in any tier / prompt tokens) is at most ``MATCHED_FRACTION_BUCKETS[k]``: cumulative,
     as a Prometheus histogram wants it, so the last bucket equals ``matched_fraction_count``.
-    The ``*_by_tier`` counts are per-tier tuples (``replicas.kv.events.TIERS`` order).
+    The ``*_by_tier`` counts are per-tier tuples (``replicas.kv.events.tiers()`` order).
     """
 
     replica_index: int
@@ -63,7 +63,7 @@ class RoutingCounters:
 
     num_requests_routed: int = 0
     num_matched_tokens: int = 0
-    num_matched_tokens_by_tier: list[int] = field(default_factory=lambda: [0] * len(TIERS))
+    num_matched_tokens_by_tier: list[int] = field(default_factory=lambda: [0] * len(tiers()))
     matched_fraction_sum: float = 0.0
     num_event_gaps: int = 0
     num_resyncs: int = 0

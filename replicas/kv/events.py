@@ -9,36 +9,124 @@ and asks for a snapshot.
 string value, so events, metric labels and JSON read the same as plain strings.
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from enum import StrEnum
 from typing import NamedTuple
 
 from replicas.kv.hashing import BlockHash
 
 
-class Tier(StrEnum):
-    """A tier of KV blocks: NPU memory, host memory behind it, or local disk behind that (shared
-    by the replicas of one node: a router credits a disk block to each of them)."""
+class TierTraits(NamedTuple):
+    """What every component must know of a tier, by name (the router included; the factories
+    that build a tier's stores are the replica's, ``replicas.kv.tiers``).
 
-    NPU = "npu"
-    HOST = "host"
-    DISK = "disk"
+    ``pooled``: a request adopts the tier's blocks directly (NPU, host: block pools); otherwise
+    the tier is a *backing* tier behind host, whose blocks are read into host blocks before use
+    and written from them. ``shared_by_node``: the replicas of one node read each other's blocks
+    (a router credits a block to each of them). ``hit_weight``: the router's default credit for
+    a matched block that only this tier holds, against 1.0 for an NPU block."""
 
-
-TIERS: tuple[Tier, ...] = tuple(Tier)
-"""Every tier, nearest first: the order of a per-tier tuple, whose entry i counts ``TIERS[i]``.
-Records that count per tier (a router's match, a request's cached tokens) carry such a tuple, so
-a new tier adds an entry, not a field."""
-_TIER_INDEX = {tier: i for i, tier in enumerate(TIERS)}
-
-
-def per_tier(counts: Mapping[Tier, int]) -> tuple[int, ...]:
-    """``counts`` as a per-tier tuple: one entry per tier of ``TIERS``, 0 where ``counts`` has
-    none."""
-    return tuple(counts.get(tier, 0) for tier in TIERS)
+    name: str
+    pooled: bool = False
+    shared_by_node: bool = False
+    hit_weight: float = 0.5
 
 
-def tier_count(counts: Sequence[int], tier: Tier) -> int:
+class _TierType(type):
+    """Iterating ``Tier`` gives the registered tiers, nearest to compute first."""
+
+    def __iter__(cls) -> "Iterator[Tier]":
+        return iter(_ORDER)
+
+    def __len__(cls) -> int:
+        return len(_ORDER)
+
+
+class Tier(str, metaclass=_TierType):
+    """A tier of KV blocks, by its registered name: NPU memory, host memory behind it, local
+    disk behind that (shared by the replicas of one node), and any backing tier registered
+    since (``register_tier``). Equal to (and serialised as) its plain name; ``Tier(name)``
+    raises for a name nobody registered."""
+
+    __slots__ = ()
+    NPU: "Tier"
+    HOST: "Tier"
+    DISK: "Tier"
+
+    def __new__(cls, name: str) -> "Tier":
+        tier = _BY_NAME.get(str(name))
+        if tier is None:
+            names = ", ".join(repr(t) for t in _ORDER)
+            raise ValueError(f"unknown KV tier {name!r}; the registered tiers are {names}")
+        return tier
+
+    @property
+    def value(self) -> str:
+        return str.__str__(self)
+
+    @property
+    def traits(self) -> TierTraits:
+        return _TRAITS[self]
+
+    def __repr__(self) -> str:
+        return f"Tier({str.__str__(self)!r})"
+
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    def __reduce__(self) -> tuple:
+        return (str, (str.__str__(self),))  # a plain name: another process may not register it
+
+
+_BY_NAME: dict[str, Tier] = {}
+_TRAITS: dict[str, TierTraits] = {}
+_ORDER: list[Tier] = []
+_TIER_INDEX: dict[str, int] = {}
+
+
+def register_tier(traits: TierTraits) -> Tier:
+    """Register a tier's name and traits (idempotent for equal traits): pooled tiers come
+    first, in registration order, then backing tiers in registration order. Returns the tier."""
+    existing = _TRAITS.get(traits.name)
+    if existing is not None:
+        if existing != traits:
+            raise ValueError(f"KV tier {traits.name!r} is registered already as {existing}")
+        return _BY_NAME[traits.name]
+    if not traits.name or not traits.name.isidentifier() or traits.name == "all":
+        raise ValueError(f"a KV tier's name is an identifier other than 'all': {traits.name!r}")
+    tier = str.__new__(Tier, traits.name)
+    _BY_NAME[traits.name], _TRAITS[traits.name] = tier, traits
+    num_pooled = sum(1 for t in _ORDER if _TRAITS[t].pooled)
+    _ORDER.insert(num_pooled if traits.pooled else len(_ORDER), tier)
+    _TIER_INDEX.clear()
+    _TIER_INDEX.update({t: i for i, t in enumerate(_ORDER)})
+    return tier
+
+
+def tiers() -> tuple[Tier, ...]:
+    """Every registered tier, nearest first: the order of a per-tier tuple, whose entry i counts
+    ``tiers()[i]``. Records that count per tier (a router's match, a request's cached tokens)
+    carry such a tuple, so a new tier adds an entry, not a field."""
+    return tuple(_ORDER)
+
+
+def backing_tiers() -> tuple[Tier, ...]:
+    """The registered tiers behind host, nearest first."""
+    return tuple(t for t in _ORDER if not _TRAITS[t].pooled)
+
+
+Tier.NPU = register_tier(TierTraits("npu", pooled=True, hit_weight=1.0))
+Tier.HOST = register_tier(TierTraits("host", pooled=True, hit_weight=0.9))
+Tier.DISK = register_tier(TierTraits("disk", shared_by_node=True, hit_weight=0.7))
+
+
+def per_tier(counts: Mapping[str, int]) -> tuple[int, ...]:
+    """``counts`` as a per-tier tuple: one entry per tier of ``tiers()``, 0 where ``counts``
+    has none."""
+    return tuple(counts.get(tier, 0) for tier in _ORDER)
+
+
+def tier_count(counts: Sequence[int], tier: str) -> int:
     """The entry of the per-tier tuple ``counts`` for ``tier`` (0 past its end)."""
     i = _TIER_INDEX[tier]
     return counts[i] if i < len(counts) else 0

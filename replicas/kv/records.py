@@ -4,7 +4,7 @@ stats."""
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, NamedTuple
 
-from replicas.kv.events import TIERS, Tier, window_start
+from replicas.kv.events import Tier, tiers, window_start
 
 if TYPE_CHECKING:
     from replicas.kv.partial_blocks import PartialBlock
@@ -317,7 +317,7 @@ class CacheStats(_Evictions):
         hits = self.hits_by_source
         return {
             tier: hits.get(tier, 0)
-            for tier in TIERS
+            for tier in tiers()
             if tier in (Tier.NPU, Tier.HOST) or hits.get(tier, 0)
         }
 
