@@ -96,7 +96,7 @@ def _repetition(
 ) -> dict[str, float]:
     """One TTFT per mode on ``llm``, cold first, and the host hit's load copy (``load``)."""
     transfer = llm.engine.transfer
-    stores = llm.engine.disk.values()
+    stores = llm.engine.backing.get("disk", {}).values()
     measured = {}
     for mode in ["cold", *rotated(["npu", "host", "disk", "disk_dropped"], rep)]:
         if mode == "cold":

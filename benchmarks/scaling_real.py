@@ -197,7 +197,7 @@ async def _num_disk_blocks(backend: RayBackend) -> int:
         disk.num_cached
         for replica in stats.replicas
         if replica.engine is not None
-        for disk in replica.engine.disk.values()
+        for disk in replica.engine.backing.get("disk", {}).values()
     )
 
 

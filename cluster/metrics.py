@@ -200,7 +200,7 @@ class _CacheFamilies:
         self.evictions.add_metric([label, Tier.NPU], stats.cache.npu_evictions)
         self.evictions.add_metric([label, Tier.HOST], stats.cache.host_evictions)
         if has_disk:
-            num_disk_evictions = sum(d.evictions for d in stats.disk.values())
+            num_disk_evictions = sum(d.evictions for d in stats.backing[Tier.DISK].values())
             self.evictions.add_metric([label, Tier.DISK], num_disk_evictions)
             for event, value in _DISK_EVENTS:
                 self.disk_events.add_metric([label, event], value(stats.cache))

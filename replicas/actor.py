@@ -306,7 +306,7 @@ class ReplicaActor:
         ``ReplicaUnavailableError`` while a failed replica waits to exit. With a disk tier, the
         blocks it took back from its slab are published here, before any traffic."""
         self._check_engine()
-        if self.engine.disk:
+        if self.engine.backing:
             await self.async_engine.between_steps()
             self._report([])
         return self.incarnation

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from replicas.kv.events import Tier
 from replicas.sampling_params import SamplingParams
 from replicas.step_costs import StepCosts
 
@@ -111,8 +112,9 @@ def measure_step_costs(engine: "Engine", seed: int = 0) -> StepCosts:
     fitted, error = fit_step_costs(prefill, decode)
     reload = _reload_s_per_block(engine)
     disk = 0.0
-    if engine.disk:
-        disk = reload + max(store.read_seconds_per_block() for store in engine.disk.values())
+    disk_stores = engine.backing.get(Tier.DISK, {}).values()
+    if disk_stores:
+        disk = reload + max(store.read_seconds_per_block() for store in disk_stores)
     costs = StepCosts(
         **fitted,
         reload_s_per_block=reload,

@@ -6,13 +6,14 @@ what to change. ``cluster.config.ClusterConfig`` composes these models.
 
 import math
 import warnings
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from replicas import dtypes
 from replicas.dtypes import DTYPE_CHOICES, torch_dtype
 from replicas.kv.retention import policy_names
+from replicas.kv.tiers import BackingOptions, parse_options
 from replicas.model.kv_format import KV_FORMATS
 from replicas.model.native_stack import DECODER_STACKS
 from replicas.model.quant import INT4_KERNELS, QUANTIZATIONS
@@ -162,6 +163,13 @@ class KVOffloadConfig(_Config):
         description="Disk KV budget in bytes for the whole deployment, divided equally among "
         "the replicas; positive, and set exactly when disk_path is.",
     )
+    tiers: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Tiers behind the host tier besides disk, by registered name "
+        "(replicas.kv.tiers), each with its options: bytes (its budget for the whole "
+        "deployment, divided equally among the replicas) and the tier's own; they need the "
+        "host tier. The disk tier takes disk_path and disk_bytes.",
+    )
     retained_share: float = Field(
         0.25,
         description="Share (0 to 1) of each host and disk tier that prefixes retained by the "
@@ -179,6 +187,7 @@ class KVOffloadConfig(_Config):
     def _check(self) -> "KVOffloadConfig":
         self._check_values()
         self._check_disk()
+        self.backing_options()  # each tier's options, checked by the tier
         self._check_capacity()
         self._warn_without_capacity()
         return self
@@ -242,11 +251,12 @@ class KVOffloadConfig(_Config):
             f"kv_offload_config.host_memory_bytes ({HOST_GB_OPTION})",
             f"kv_offload_config.host_memory_ratio ({HOST_RATIO_OPTION})",
         )
-        if self.disk_path is not None and not (self.enabled and self._has_capacity):
+        behind = [f"disk_path ({DISK_PATH_OPTION})"] if self.disk_path is not None else []
+        behind += [f"tiers[{name!r}]" for name in self.tiers]
+        if behind and not (self.enabled and self._has_capacity):
             raise ValueError(
-                f"kv_offload_config.disk_path ({DISK_PATH_OPTION}) needs the host tier: disk "
-                f"blocks load through it; set enabled=True and {HOST_GB_OPTION} or "
-                f"{HOST_RATIO_OPTION}"
+                f"kv_offload_config.{behind[0]} needs the host tier: its blocks load through "
+                f"it; set enabled=True and {HOST_GB_OPTION} or {HOST_RATIO_OPTION}"
             )
         if self.enabled and not self._has_capacity:
             raise ValueError(
@@ -301,6 +311,20 @@ class KVOffloadConfig(_Config):
     @property
     def has_disk(self) -> bool:
         return self.is_active and self.disk_path is not None
+
+    def backing_options(self) -> "dict[str, BackingOptions]":
+        """The options of every tier behind host that is on, by name, disk first (checked by
+        each tier: ``replicas.kv.tiers.parse_options``)."""
+        if "disk" in self.tiers:
+            raise ValueError(
+                f"kv_offload_config.tiers names 'disk'; set disk_path ({DISK_PATH_OPTION}) and "
+                f"disk_bytes ({DISK_GB_OPTION}) instead"
+            )
+        options = {name: parse_options(name, given) for name, given in self.tiers.items()}
+        if self.disk_path is not None:
+            disk = {"path": self.disk_path, "bytes": self.disk_bytes}
+            options = {"disk": parse_options("disk", disk), **options}
+        return options if self.is_active else {}
 
 
 class SchedulerConfig(_Config):

@@ -30,10 +30,10 @@ from replicas.config import SchedulerConfig
 from replicas.engine.core import EngineCore, StepInFlight, StepResult
 from replicas.engine.request import Request
 from replicas.engine.scheduler import SchedulerOutput
-from replicas.kv.events import KVEventBatch
+from replicas.kv.events import KVEventBatch, Tier
 from replicas.kv.handover import HANDOVER_BATCH_BLOCKS
 from replicas.kv.manager import KVCacheManager
-from replicas.kv.records import DiskCopy, TransferPlan
+from replicas.kv.records import BackingCopy, TransferPlan
 
 OUTPUT_TOKEN_ID = 0
 """The token every simulated output is (the real engine's outputs are the model's argmax)."""
@@ -68,9 +68,9 @@ class CostModelExecutor:
 
 class InstantTransfer:
     """Copies land as soon as they are submitted; remembers the last plan for its price. With a
-    disk tier (``disk``: a ``benchmarks.sim.disk.DiskView`` per cache type), disk stores land at
-    once too, and a plan's disk reads land ``CostModel.disk_load_s`` after ``now`` (the
-    simulated engine sets it before each step)."""
+    disk tier (``disk``: a ``benchmarks.sim.disk.DiskView`` per cache type), its stores land at
+    once too, and a plan's reads land ``CostModel.disk_load_s`` after ``now`` (the simulated
+    engine sets it before each step)."""
 
     def __init__(self, cost_model: CostModel | None = None, disk: dict | None = None) -> None:
         self.last_plan = TransferPlan([], [])
@@ -78,24 +78,24 @@ class InstantTransfer:
         self.cost_model = cost_model
         self.disk = disk or {}
         self.now = 0.0
-        self._reads: list[tuple[float, list[DiskCopy]]] = []  # (lands at, copies)
+        self._reads: list[tuple[float, list[BackingCopy]]] = []  # (lands at, copies)
 
     def submit(self, plan: TransferPlan) -> None:
         self.last_plan = plan
         self._landed.append(plan)
-        for copy in plan.disk_stores:
+        for copy in plan.backing_stores:
             self.disk[copy.cache_type].store(copy.block_hash, copy.weight)
-        if plan.disk_loads:
-            for copy in plan.disk_loads:
+        if plan.backing_loads:
+            for copy in plan.backing_loads:
                 self.disk[copy.cache_type].touch(copy.block_hash)
-            lands = self.now + self.cost_model.disk_load_s(len(plan.disk_loads))
-            self._reads.append((lands, list(plan.disk_loads)))
+            lands = self.now + self.cost_model.disk_load_s(len(plan.backing_loads))
+            self._reads.append((lands, list(plan.backing_loads)))
 
     def poll(self, wait: bool = False) -> list[TransferPlan]:
         landed, self._landed = self._landed, []
         return landed
 
-    def poll_disk(self, timeout: float | None = 0.0) -> list[tuple[DiskCopy, bool]]:
+    def poll_backing(self, timeout: float | None = 0.0) -> list[tuple[BackingCopy, bool]]:
         """The reads landed by ``now`` (a simulated wait is a later step, never a block)."""
         done = [copies for lands, copies in self._reads if lands <= self.now]
         self._reads = [(lands, copies) for lands, copies in self._reads if lands > self.now]
@@ -235,7 +235,7 @@ class SimulatedEngine:
         if not self._transfer.disk:
             return 0, now
         warm = self.kv_cache.start_warm()
-        num_before = self.kv_cache.stats.disk_blocks_loaded
+        num_before = self.kv_cache.stats.tier(Tier.DISK).blocks_loaded
         deadline = now + time_budget_s
         while not warm.is_done and now < deadline:
             self._transfer.now = now
@@ -244,8 +244,8 @@ class SimulatedEngine:
             self.core.flush_transfers()
             now = self._transfer.next_landing() or now
             self._transfer.now = now
-            self.core.complete_disk_loads(0.0)
-        return self.kv_cache.stats.disk_blocks_loaded - num_before, now
+            self.core.complete_backing_loads(0.0)
+        return self.kv_cache.stats.tier(Tier.DISK).blocks_loaded - num_before, now
 
     def publish(self) -> StepReport:
         """The KV events recorded since the last step, in a report with no tokens."""

@@ -52,6 +52,7 @@ from replicas.kv.capacity import (
     plan_npu_blocks,
     replica_host_bytes,
 )
+from replicas.kv.events import Tier
 from replicas.kv.hashing import block_hashes
 from replicas.kv.manager import KVCacheManager
 from replicas.kv.records import CacheStats, CacheTypeSpec
@@ -301,7 +302,7 @@ class Simulator:
             reservations=ReservationPolicy(
                 self.config.reservation_share, self.config.reservation_prefetch
             ),
-            disk=disk,
+            backing={Tier.DISK: disk} if disk else None,
             clock=_stopped_clock,
             reuse_partial_blocks=True,  # as the engine's
         )

@@ -1,6 +1,6 @@
 """The parts of an ``Engine`` built from its config at start-up: the loaded model, the NPU
-pool's size, the disk stores and the KV cache manager. Each is a function of what came before
-it; ``Engine.__init__`` calls them in order."""
+pool's size, the backing tiers' stores and the KV cache manager. Each is a function of what
+came before it; ``Engine.__init__`` calls them in order."""
 
 import logging
 from typing import TYPE_CHECKING
@@ -13,10 +13,11 @@ from replicas.kv.manager import KVCacheManager
 from replicas.kv.records import CacheTypeSpec
 from replicas.kv.reservations import ReservationPolicy
 from replicas.kv.sizing import PoolSize, device_memory, module_bytes, size_npu_pool
+from replicas.kv.tiers import TierContext, plugin
 from replicas.model import KVCacheSpec, LoadedModel, load_model
 
 if TYPE_CHECKING:
-    from replicas.kv.disk import DiskStore
+    from replicas.kv.tiers import BackingStore
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def kv_cache_manager(
     config: EngineConfig,
     specs: dict[str, KVCacheSpec],
     plan: CachePlan,
-    disk: "dict[str, DiskStore] | None",
+    backing: "dict[str, dict[str, BackingStore]]",
 ) -> KVCacheManager:
     """The replica's KV cache: one cache type per KV spec, sized by ``plan``, with the
     configured prefix-cache and host-tier policies."""
@@ -80,37 +81,39 @@ def kv_cache_manager(
         write_back=offload.write_back,
         retention=offload.retention,
         curve_sample_rate=offload.miss_ratio_curve_sample_rate,
-        disk=disk,
+        backing=backing,
         retained_share=offload.retained_share,
         reuse_partial_blocks=True,
     )
 
 
-def open_disk(
+def open_backing(
     config: EngineConfig,
     loaded: LoadedModel,
     kv_caches: dict[str, torch.Tensor],
-    num_disk_blocks: dict[str, int],
-) -> "dict[str, DiskStore]":
-    """One disk store per cache type under the configured path, keyed by this model's
-    fingerprint (a store that cannot open its files is off, with a warning)."""
-    from replicas.kv.disk import DiskStore, model_fingerprint
+    num_backing_blocks: dict[str, dict[str, int]],
+) -> "dict[str, dict[str, BackingStore]]":
+    """One store per cache type of each tier behind host that is on, opened by the tier's
+    plugin (``replicas.kv.tiers``) and keyed by this model's fingerprint."""
+    if not num_backing_blocks:
+        return {}
+    from replicas.kv.disk import model_fingerprint
 
     architecture = f"{type(loaded.model).__name__}|{loaded.args!r}|{loaded.quantization}"
-    # The KV dtype (format) is the layout of the blocks' bytes: another one, another directory.
+    # The KV dtype (format) is the layout of the blocks' bytes: another one, another fingerprint.
     fingerprint = model_fingerprint(
         loaded.model, architecture, config.kv_cache_dtype, config.block_size
     )
     offload = config.scheduler_config.kv_offload_config
-    return {
-        cache_type: DiskStore(
-            offload.disk_path,
+    options = offload.backing_options()
+    stores = {}
+    for tier, num_blocks in num_backing_blocks.items():
+        context = TierContext(
             fingerprint,
-            cache_type,
-            tuple(kv_caches[cache_type].shape[1:]),
-            kv_caches[cache_type].dtype,
-            num_slots,
-            max_retained=int(offload.retained_share * num_slots),
+            {c: tuple(kv_caches[c].shape[1:]) for c in num_blocks},
+            {c: kv_caches[c].dtype for c in num_blocks},
+            num_blocks,
+            offload.retained_share,
         )
-        for cache_type, num_slots in num_disk_blocks.items()
-    }
+        stores[tier] = plugin(tier).open(context, options[tier])
+    return stores

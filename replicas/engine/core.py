@@ -40,16 +40,16 @@ from replicas.engine.prompt_logprobs import PromptLogprobsCache
 from replicas.engine.request import Request, RequestStatus
 from replicas.engine.scheduler import Scheduler, SchedulerOutput
 from replicas.kv.manager import KVCacheManager
-from replicas.kv.records import DiskCopy, TransferPlan
+from replicas.kv.records import BackingCopy, TransferPlan
 from replicas.outputs import TokenLogprob
 
 if TYPE_CHECKING:
     from replicas.engine.model_runner import PromptScores
 
 
-DISK_WAIT_S = 0.02
-"""Longest wait for the disk reads in flight in a step that has nothing else to do (it ends as
-soon as they have all landed)."""
+READ_WAIT_S = 0.02
+"""Longest wait for the backing reads in flight in a step that has nothing else to do (it ends
+as soon as they have all landed)."""
 
 
 class StepResult(NamedTuple):
@@ -91,8 +91,8 @@ class TransferQueue(Protocol):
 
     def poll(self, wait: bool = False) -> list[TransferPlan]: ...
 
-    def poll_disk(self, timeout: float | None = 0.0) -> "list[tuple[DiskCopy, bool]]":
-        """Disk reads that ended (only asked with a disk tier)."""
+    def poll_backing(self, timeout: float | None = 0.0) -> "list[tuple[BackingCopy, bool]]":
+        """Backing reads that ended (only asked with a backing tier)."""
         ...
 
 
@@ -196,7 +196,7 @@ class EngineCore:
     def begin_step(self) -> StepInFlight | None:
         """Schedule, transfer and execute; None when nothing could be scheduled."""
         if self.kv_cache.onboarding.is_on:
-            self.complete_disk_loads(0.0)  # reads landed since the last step: admit them now
+            self.complete_backing_loads(0.0)  # reads landed since the last step: admit them now
         self.kv_cache.expire_retained()
         output = self.scheduler.schedule()
         # Counted before this step's transfers: a read landing while they run leaves its
@@ -204,9 +204,9 @@ class EngineCore:
         onboarding = self.kv_cache.onboarding.num_onboarding
         self.run_transfers(output.transfer)
         if not output.scheduled:
-            if onboarding:  # only disk reads to wait for: wait a little
+            if onboarding:  # only backing reads to wait for: wait a little
                 if self.kv_cache.onboarding.num_onboarding:
-                    self.complete_disk_loads(DISK_WAIT_S)
+                    self.complete_backing_loads(READ_WAIT_S)
             else:
                 self._check_progress()
             return None
@@ -312,12 +312,12 @@ class EngineCore:
         for landed in self.transfer.poll(wait=wait):
             self.kv_cache.complete_transfer(landed)
         if self.kv_cache.onboarding.is_on:
-            self.complete_disk_loads(None if wait else 0.0)
+            self.complete_backing_loads(None if wait else 0.0)
 
-    def complete_disk_loads(self, timeout: float | None) -> int:
-        """Record the disk reads that ended, waiting up to ``timeout`` (None: no bound) for all
+    def complete_backing_loads(self, timeout: float | None) -> int:
+        """Record the backing reads that ended, waiting up to ``timeout`` (None: no bound) for all
         of them; returns how many ended."""
-        results = self.transfer.poll_disk(timeout)
+        results = self.transfer.poll_backing(timeout)
         if results:
             self.kv_cache.onboarding.complete_loads(results)
         return len(results)
@@ -349,7 +349,7 @@ class EngineCore:
         )
 
     def reset_prefix_cache(self, tier: str = "all") -> None:
-        """Forget cached blocks nobody uses, in ``tier`` ("all", "npu", "host", "disk"), once
-        the copies in flight have landed."""
+        """Forget cached blocks nobody uses, in ``tier`` ("all" or a tier's name), once the
+        copies in flight have landed."""
         self.flush_transfers(wait=True)
         self.kv_cache.reset_prefix_cache(tier)

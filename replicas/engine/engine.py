@@ -39,7 +39,7 @@ from replicas.resume import ResumeState
 from replicas.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from replicas.kv.disk import DiskStats
+    from replicas.kv.tiers import BackingStore
 
 __all__ = ["Engine", "EngineStats", "StepTimes", "resolve_device", "sum_stats"]
 
@@ -58,9 +58,20 @@ class EngineStats:
     cache_types: dict[str, CacheTypeUsage] = field(default_factory=dict)
     steps: StepTimes = field(default_factory=StepTimes)
     retention: dict[str, RetentionStats] = field(default_factory=dict)  # with a host tier
-    disk: "dict[str, DiskStats]" = field(default_factory=dict)  # with a disk tier
-    reload_costs: "ReloadCosts | None" = None  # the disk cost rule's inputs (with a disk tier)
+    # Per backing tier (disk, ...), its stores' own counters per cache type:
+    backing: dict[str, dict[str, object]] = field(default_factory=dict)
+    reload_costs: "ReloadCosts | None" = None  # the backing cost rule's inputs (with one)
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+
+    @property
+    def disk(self) -> dict[str, object]:
+        """Deprecated: ``backing["disk"]``."""
+        warnings.warn(
+            "EngineStats.disk is deprecated; read EngineStats.backing['disk']",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.backing.get("disk", {})
 
 
 def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
@@ -119,14 +130,12 @@ class Engine:
             cuda_graphs=config.cuda_graphs,
         )
         kv_caches = self.runner.kv_caches
-        self.disk = (
-            assembly.open_disk(config, self.loaded, kv_caches, plan.num_disk_blocks)
-            if plan.num_disk_blocks
-            else None
+        self.backing: dict[str, dict[str, BackingStore]] = assembly.open_backing(
+            config, self.loaded, kv_caches, plan.num_backing_blocks
         )
-        self.kv_cache = assembly.kv_cache_manager(config, specs, plan, self.disk)
+        self.kv_cache = assembly.kv_cache_manager(config, specs, plan, self.backing)
         self.transfer = (
-            KVTransfer(kv_caches, plan.num_host_blocks, disk=self.disk)
+            KVTransfer(kv_caches, plan.num_host_blocks, backing=self.backing)
             if plan.num_host_blocks
             else None
         )
@@ -158,17 +167,18 @@ class Engine:
         )
 
     def close(self) -> None:
-        """Hand the planned disk writes to the disk stores, land every copy still in flight
+        """Hand the planned backing writes to their stores, land every copy still in flight
         (the cache manager unlocks their host blocks) and unpin the host slab, then finish the
-        disk writes and release the disk slabs (no-op without a host tier)."""
-        if self.disk:
-            for _ in range(2):  # a landed host store plans its disk store at threshold 0
+        backing writes and close the stores (no-op without a host tier)."""
+        if self.backing:
+            for _ in range(2):  # a landed host store plans its backing store at threshold 0
                 self.core.flush_transfers(wait=True)
         if self.transfer is not None:
             for landed in self.transfer.close():
                 self.kv_cache.complete_transfer(landed)
-        for store in (self.disk or {}).values():
-            store.close()
+        for stores in self.backing.values():
+            for store in stores.values():
+                store.close()
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(
@@ -283,7 +293,10 @@ class Engine:
             cache_types=self.kv_cache.views.usage(),
             steps=dataclasses.replace(self.meter.times),
             retention=self.kv_cache.views.retention_stats(),
-            disk={c: store.stats() for c, store in (self.disk or {}).items()},
+            backing={
+                tier: {c: store.stats() for c, store in stores.items()}
+                for tier, stores in self.backing.items()
+            },
             reload_costs=self.kv_cache.onboarding.reload_costs(),
             spec_decode=dataclasses.replace(self.core.spec_decode),
         )
@@ -298,13 +311,13 @@ class Engine:
         self.meter.reset()
 
     def reset_prefix_cache(self, tier: str = "all") -> None:
-        """Forget cached blocks nobody uses, in ``tier`` ("all", "npu", "host", "disk")."""
+        """Forget cached blocks nobody uses, in ``tier`` ("all" or a tier's name)."""
         self.core.reset_prefix_cache(tier)
 
     def check_integrity(self) -> None:
         self.kv_cache.check_integrity()
 
-    # ---- scaling: the hand-over through the disk tier (``replicas.kv.handover``) --------------
+    # ---- scaling: the hand-over through the node's disk tier (``replicas.kv.handover``) -------
     def hot_blocks(self) -> dict[BlockHash, float]:
         """Every block hash of the primary cache type in the NPU or host tier, with its hit
         weight (``replicas.kv.hotness``; 0.0: no recent hit)."""
@@ -315,7 +328,8 @@ class Engine:
         hottest first, in rounds until done or ``time_budget_s`` has passed (checked between
         rounds), never replacing a hotter disk block by a colder one; returns the blocks whose
         writes landed (0 without a disk tier). The engine must not step meanwhile."""
-        if not self.disk:
+        stores = self._handover_stores()
+        if not stores:
             return 0
         deadline = time.monotonic() + time_budget_s
         self.core.flush_transfers(wait=True)
@@ -325,7 +339,7 @@ class Engine:
             num_stores = write_out.plan_round(HANDOVER_BATCH_BLOCKS)
             self.core.flush_transfers(wait=True)
             left_s = max(0.0, deadline - time.monotonic())
-            if all([store.flush(left_s) for store in self.disk.values()]):
+            if all([store.flush(left_s) for store in stores]):
                 num_written += num_stores
         write_out.end()
         return num_written
@@ -336,17 +350,34 @@ class Engine:
         passed; they are host blocks then (announced as such). Returns the blocks loaded by
         then (0 without a disk or host tier); reads still in flight land later. Call it
         before the engine serves."""
-        if not self.disk or self.transfer is None:
+        stores = self._handover_stores()
+        if not stores or self.transfer is None:
             return 0
+        tier = self.kv_cache.handover_tier
         deadline = time.monotonic() + time_budget_s
         warm = self.kv_cache.start_warm()
-        loaded_before = self.kv_cache.stats.disk_blocks_loaded
+        loaded_before = self.kv_cache.stats.tier(tier).blocks_loaded
         while not warm.is_done and time.monotonic() < deadline:
             if not warm.plan_round(HANDOVER_BATCH_BLOCKS):
                 break
             self.core.flush_transfers()
-            self.core.complete_disk_loads(max(0.0, deadline - time.monotonic()))
-        return self.kv_cache.stats.disk_blocks_loaded - loaded_before
+            self.core.complete_backing_loads(max(0.0, deadline - time.monotonic()))
+        return self.kv_cache.stats.tier(tier).blocks_loaded - loaded_before
+
+    @property
+    def disk(self) -> "dict[str, BackingStore] | None":
+        """Deprecated: ``backing["disk"]`` (None without a disk tier)."""
+        warnings.warn(
+            "Engine.disk is deprecated; read Engine.backing['disk']",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.backing.get("disk")
+
+    def _handover_stores(self) -> "list[BackingStore]":
+        """The stores of the tier a resize hands blocks over through (disk), per cache type."""
+        tier = self.kv_cache.handover_tier
+        return list(self.backing[tier].values()) if tier is not None else []
 
 
 def resolve_device(device: str) -> torch.device:

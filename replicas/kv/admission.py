@@ -13,11 +13,12 @@ def count_admission(
     block_size: int,
     primary: str,
     prefetched: dict[str, set[int]],
-    from_disk: set[tuple[str, int]],
+    read: dict[tuple[str, int], str],
 ) -> None:
     """A new request's cached tokens per tier and cache type, on the request and in ``stats``:
     a block its reservation ``prefetched`` counts as the host hit it was, and the host blocks
-    its disk reads filled (``from_disk``) as disk hits too."""
+    its reads filled (``read``: (cache type, host block) -> the backing tier read from) as hits
+    of that tier too."""
     bs = block_size
     primary_npu = match.cache_types.get(primary, EMPTY_PART).block_ids(Tier.NPU)
     loaded = prefetched.get(primary, ())
@@ -33,17 +34,17 @@ def count_admission(
         num_host = len(npu_ids) - num_npu
         num_tail = match.num_tail_tokens if name == primary else 0
         request.cached_tokens_by_cache_type[name] = (num_npu * bs + num_tail, num_host * bs)
-    num_disk = 0
-    if from_disk:
+    from_backing: dict[str, int] = {}
+    if read:
         part = match.cache_types.get(primary, EMPTY_PART)
-        num_disk = sum(
-            1
-            for n, h in zip(part.block_ids(Tier.NPU), part.block_ids(Tier.HOST))
-            if n is None and (primary, h) in from_disk
-        )
+        for n, h in zip(part.block_ids(Tier.NPU), part.block_ids(Tier.HOST)):
+            tier = read.get((primary, h)) if n is None else None
+            if tier is not None:
+                from_backing[tier] = from_backing.get(tier, 0) + 1
     stats.queries += request.num_prompt_tokens
     stats.hits += request.num_cached_tokens
     stats.count_hits(Tier.NPU, request.num_npu_cached_tokens)
-    stats.count_hits(Tier.HOST, request.num_host_cached_tokens - num_disk * bs)
-    if num_disk:
-        stats.count_hits(Tier.DISK, num_disk * bs)
+    num_backing = sum(from_backing.values())
+    stats.count_hits(Tier.HOST, request.num_host_cached_tokens - num_backing * bs)
+    for tier, num_blocks in from_backing.items():
+        stats.count_hits(Tier(tier), num_blocks * bs)

@@ -1,9 +1,9 @@
 """One cache type of a manager: its tiers as an ordered list and each request's blocks.
 
 A dense model has one cache type, ``full``; a hybrid model adds ``sliding`` for its
-sliding-window layers. Each has its own tiers (``replicas.kv.tiers``: NPU, then host and disk
-when on) over the same block hashes; residency is derived from the tiers' maps, never kept in
-parallel flags::
+sliding-window layers. Each has its own tiers (``replicas.kv.tiers``: NPU, then host and the
+backing tiers behind it, disk among them, when on) over the same block hashes; residency is
+derived from the tiers' maps, never kept in parallel flags::
 
     NPU only       h in the NPU map, not the host map    reusable now; lost on NPU eviction
     host only      h in the host map, not the NPU map    reload into a new NPU block first
@@ -18,15 +18,25 @@ from replicas.kv.block_pool import BlockPool
 from replicas.kv.events import Tier, safe_prefix_length
 from replicas.kv.hashing import BlockHash
 from replicas.kv.records import CacheTypeMatch, CacheTypeSpec, CacheTypeUsage
-from replicas.kv.retention import PolicyContext, PolicyFactory, RetentionTracker, WriteThrough
-from replicas.kv.tiers import DiskIndex, TierLevel, order_tiers
+from replicas.kv.retention import (
+    PolicyContext,
+    PolicyFactory,
+    RetentionTracker,
+    WriteThrough,
+    policy_names,
+)
+from replicas.kv.tiers import BackingStore, TierLevel, order_tiers
+from replicas.kv.tiers import host as host_tier
+from replicas.kv.tiers import npu as npu_tier
 
 
 @dataclass(slots=True)
 class CacheType:
     """One cache type: its tiers, nearest to compute first, and each request's blocks.
-    ``npu``, ``host`` and ``disk`` name the levels for the rules that move blocks between two
-    particular tiers."""
+    ``npu`` and ``host`` name the pooled levels for the rules that move blocks between them;
+    ``backing`` lists the levels behind host; ``handover`` is the level a resize hands blocks
+    over through (the first backing tier a node's replicas share; its store is a
+    ``replicas.kv.tiers.HandoverStore``)."""
 
     spec: CacheTypeSpec
     tiers: list[TierLevel]
@@ -39,7 +49,8 @@ class CacheType:
     pooled_tiers: list[Tier] = field(init=False)
     npu: BlockPool = field(init=False)
     host: BlockPool | None = field(init=False)
-    disk: DiskIndex | None = field(init=False)
+    backing: list[TierLevel] = field(init=False)
+    handover: TierLevel | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.tiers = order_tiers(self.tiers)
@@ -47,9 +58,11 @@ class CacheType:
         self.pools = [level.pool for level in pooled]
         self.pooled_tiers = [level.tier for level in pooled]
         self.npu = self.tiers[0].pool
-        host, disk = self.level(Tier.HOST), self.level(Tier.DISK)
+        host = self.level(Tier.HOST)
         self.host = host.pool if host is not None else None
-        self.disk = disk.store if disk is not None else None
+        self.backing = [level for level in self.tiers if not level.is_pooled]
+        shared = (b for b in self.backing if b.tier.traits.shared_by_node)
+        self.handover = next(shared, None)  # its store is a HandoverStore
 
     @property
     def name(self) -> str:
@@ -57,6 +70,10 @@ class CacheType:
 
     def level(self, tier: Tier) -> TierLevel | None:
         return next((level for level in self.tiers if level.tier == tier), None)
+
+    def store_of(self, tier: str) -> BackingStore:
+        """The store of backing tier ``tier``."""
+        return self.level(Tier(tier)).store
 
     def add_tier(self, level: TierLevel) -> None:
         self.tiers = [*self.tiers, level]
@@ -73,7 +90,7 @@ class CacheType:
         return False
 
     def anywhere(self, block_hash: BlockHash) -> bool:
-        """Whether any tier holds the block (disk included)."""
+        """Whether any tier holds the block (backing tiers included)."""
         return any(level.holds(block_hash) for level in self.tiers)
 
     def usage(self) -> CacheTypeUsage:
@@ -169,10 +186,11 @@ def build_cache_types(
     retained_share: float,
     clock: Callable[[], float],
     host_rules: HostRules,
-    disk: dict[str, DiskIndex] | None,
+    backing: dict[str, dict[str, BackingStore]] | None,
 ) -> tuple[list[CacheType], HostRules]:
     """The cache types with their tiers and, with a host tier, their retention trackers; and
-    the host rules in effect (none without a host tier)."""
+    the host rules in effect (none without a host tier). ``backing``: per backing tier, its
+    store per cache type."""
     if specs[0].sliding_window is not None:
         raise ValueError("the first cache type must be global attention")
     cache_types = [build_cache_type(spec, retained_share, clock) for spec in specs]
@@ -186,7 +204,8 @@ def build_cache_types(
         cache_type.retention = RetentionTracker(
             host_rules.retention, context, host_rules.curve_sample_rate
         )
-    add_disk(cache_types, disk or {}, has_host)
+    for tier, stores in (backing or {}).items():
+        add_backing(cache_types, tier, stores, has_host)
     return cache_types, host_rules._replace(
         write_through_threshold=write_through, write_back=write_back
     )
@@ -196,24 +215,32 @@ def build_cache_type(
     spec: CacheTypeSpec, retained_share: float, clock: Callable[[], float]
 ) -> CacheType:
     """A cache type with its NPU tier and, with host blocks, its host tier."""
-    levels = [TierLevel(Tier.NPU, BlockPool(spec.num_npu_blocks, f"npu[{spec.name}]"))]
+    levels = [npu_tier.level(spec)]
     if spec.num_host_blocks > 0:
-        host = BlockPool(
-            spec.num_host_blocks,
-            f"host[{spec.name}]",
-            max_retained=int(retained_share * spec.num_host_blocks),
-            clock=clock,
-        )
-        levels.append(TierLevel(Tier.HOST, host))
+        levels.append(host_tier.level(spec, retained_share, clock))
     return CacheType(spec, levels)
 
 
-def add_disk(cache_types: list[CacheType], disk: dict[str, DiskIndex], has_host: bool) -> None:
-    """Put each cache type's disk store behind its host tier."""
-    if disk and not has_host:
-        raise ValueError("the disk tier needs the host tier: disk blocks load through it")
-    for cache_type in cache_types if disk else ():
-        if cache_type.name not in disk:
-            raise ValueError(f"the disk tier has no store for cache type {cache_type.name!r}")
-        cache_type.add_tier(TierLevel(Tier.DISK, store=disk[cache_type.name]))
+def add_backing(
+    cache_types: list[CacheType], tier: str, stores: dict[str, BackingStore], has_host: bool
+) -> None:
+    """Put each cache type's store of backing tier ``tier`` behind its host tier."""
+    if stores and not has_host:
+        raise ValueError(f"the {tier} tier needs the host tier: its blocks load through it")
+    for cache_type in cache_types if stores else ():
+        if cache_type.name not in stores:
+            raise ValueError(f"the {tier} tier has no store for cache type {cache_type.name!r}")
+        cache_type.add_tier(TierLevel(Tier(tier), store=stores[cache_type.name]))
         cache_type.retention.behind_disk = True
+
+
+def check_options(
+    retained_share: float, reservation_share: float, retention: "str | PolicyFactory"
+) -> None:
+    """The manager's options that no config checked before it (a test, the simulator)."""
+    if not 0.0 <= retained_share <= 1.0:
+        raise ValueError(f"retained_share must be in [0, 1], got {retained_share}")
+    if not 0.0 <= reservation_share <= 1.0:
+        raise ValueError(f"reservation_share must be in [0, 1], got {reservation_share}")
+    if not callable(retention) and retention not in policy_names():
+        raise ValueError(f"retention must be one of {policy_names()}, got {retention!r}")

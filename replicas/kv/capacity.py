@@ -16,6 +16,8 @@ and the simulator (``host_blocks_per_replica``) all size the host tier here.
 
 import logging
 import math
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
 import torch
@@ -40,7 +42,8 @@ class CachePlan(NamedTuple):
     num_npu_blocks: dict[str, int]
     num_host_blocks: dict[str, int]  # empty when the host tier is off
     block_bytes: dict[str, int]
-    num_disk_blocks: "dict[str, int] | None" = None  # None when the disk tier is off
+    # Per tier behind host that is on (disk, ...): its blocks per cache type.
+    num_backing_blocks: "Mapping[str, dict[str, int]]" = MappingProxyType({})
 
     @property
     def host_bytes(self) -> int:
@@ -173,6 +176,19 @@ def plan_replica_offload(
         update["disk_bytes"] = _replica_share(
             offload.disk_bytes, data_parallel_size, block_bytes, DISK_GB_OPTION
         )
+    if offload.tiers:
+        update["tiers"] = {
+            name: {
+                **options,
+                "bytes": _replica_share(
+                    options["bytes"],
+                    data_parallel_size,
+                    block_bytes,
+                    f"kv_offload_config.tiers[{name!r}].bytes",
+                ),
+            }
+            for name, options in offload.tiers.items()
+        }
     return offload.model_copy(update=update) if update else offload
 
 
@@ -254,16 +270,23 @@ def _check_every_type(plan: dict[str, int], option: str, tier: str) -> None:
         )
 
 
-def plan_disk_blocks(
+def plan_backing_blocks(
     offload: KVOffloadConfig, num_npu_blocks: dict[str, int], block_bytes: dict[str, int]
-) -> dict[str, int]:
-    """Disk slots per cache type for one replica: its share of the disk budget split as a byte
-    budget of the host tier is (in proportion to NPU KV memory); empty without a disk tier."""
-    if not offload.has_disk:
-        return {}
-    plan = _split_bytes(offload.disk_bytes, num_npu_blocks, block_bytes)
-    _check_every_type(plan, f"{DISK_GB_OPTION} (disk_bytes)", "disk")
-    return plan
+) -> dict[str, dict[str, int]]:
+    """Blocks per cache type of each tier behind host for one replica: its share of the
+    tier's byte budget split as a byte budget of the host tier is (in proportion to NPU KV
+    memory); empty without such a tier."""
+    plans = {}
+    for name, options in offload.backing_options().items():
+        plan = _split_bytes(options.bytes, num_npu_blocks, block_bytes)
+        option = (
+            f"{DISK_GB_OPTION} (disk_bytes)"
+            if name == "disk"
+            else f"kv_offload_config.tiers[{name!r}].bytes"
+        )
+        _check_every_type(plan, option, name)
+        plans[name] = plan
+    return plans
 
 
 def plan_cache(
@@ -278,18 +301,18 @@ def plan_cache(
     npu = plan_npu_blocks(specs, config, max_positions, num_primary)
     offload = config.scheduler_config.kv_offload_config
     host = plan_host_blocks(offload, npu, block_bytes)
-    disk = plan_disk_blocks(offload, npu, block_bytes)
+    backing = plan_backing_blocks(offload, npu, block_bytes)
     logger.info(
         "KV cache split (KV dtype %s): %s",
         next(iter(specs.values())).kv_format.name,
         ", ".join(
             f"{g}: {npu[g]} NPU + {host.get(g, 0)} host"
-            + (f" + {disk[g]} disk" if disk else "")
+            + "".join(f" + {plan[g]} {tier}" for tier, plan in backing.items())
             + f" blocks of {block_bytes[g]} bytes"
             for g in specs
         ),
     )
-    return CachePlan(npu, host, block_bytes, disk or None)
+    return CachePlan(npu, host, block_bytes, backing)
 
 
 def deployment_host_bytes(args: ModelArgs, config: EngineConfig, data_parallel_size: int) -> int:

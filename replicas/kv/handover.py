@@ -1,4 +1,6 @@
-"""Handing a replica's cache over through the node's disk tier when the deployment is resized.
+"""Handing a replica's cache over through the node's disk tier when the deployment is resized
+(the *hand-over tier*: a cache type's first backing tier shared by the node's replicas whose
+store is a ``replicas.kv.tiers.HandoverStore``; the disk tier is the built-in one).
 
 Scale-in: a draining replica writes the NPU and host blocks the disk lacks into its own disk
 slab, hottest first (``WriteOut``). Scale-out: a new replica reads the node's disk blocks (every
@@ -16,11 +18,11 @@ block reaches the disk through a host block, as every disk store does::
 
 A write-out chooses its blocks once, at the start: per cache type, the blocks its disk does not
 hold, as many of the hottest as the own slab takes without replacing a hotter block
-(``DiskIndex.room_for``). The colder own blocks they replace are forgotten round by round, only
+(``HandoverStore.room_for``). The colder own blocks they replace are forgotten round by round, only
 as their slots are needed, so that a write-out cut short by its time budget loses none for
 nothing. The chosen host blocks stay locked until their round, so that staging NPU blocks into
 host never evicts one still to be written. Blocks the own slab already holds get their current
-weight recorded (``DiskIndex.set_weight``).
+weight recorded (``HandoverStore.set_weight``).
 """
 
 from collections import deque
@@ -29,7 +31,7 @@ from typing import NamedTuple
 from replicas.kv.cache_type import CacheType
 from replicas.kv.hashing import BlockHash
 from replicas.kv.hotness import HitWeights
-from replicas.kv.onboarding import DiskOnboarding
+from replicas.kv.onboarding import Onboarding
 from replicas.kv.type_manager import CacheTypeManager
 
 HANDOVER_BATCH_BLOCKS = 64
@@ -58,11 +60,11 @@ class WriteOut:
     docstring). Not thread-safe: the engine thread plans it; ``end`` releases what it holds."""
 
     def __init__(self, managers: list[CacheTypeManager], weights: HitWeights) -> None:
-        """``managers``: one per cache type; nothing is written without a disk tier."""
+        """``managers``: one per cache type; nothing is written without a hand-over tier."""
         chosen: list[_Chosen] = []
         self._replaced: dict[str, deque[BlockHash]] = {}  # own disk blocks to forget, coldest first
         self._num_claimed: dict[str, int] = {}  # free slots this round's stores take
-        for manager in managers if managers[0].disk is not None else ():
+        for manager in managers if managers[0].cache_type.handover is not None else ():
             blocks, replaced = _choose(manager, weights)
             chosen.extend(blocks)
             self._replaced[manager.name] = deque(replaced)
@@ -114,9 +116,10 @@ class WriteOut:
         name = cache_type.name
         self._num_claimed[name] += 1
         replaced = self._replaced[name]
-        while cache_type.disk.num_free_slots < self._num_claimed[name] and replaced:
-            cache_type.disk.forget(replaced.popleft())
-        manager.disk.store(host_id, block_hash)
+        handover = cache_type.handover
+        while handover.store.num_free_slots < self._num_claimed[name] and replaced:
+            handover.store.forget(replaced.popleft())
+        manager.writes_to(handover.tier).store(host_id, block_hash)
         cache_type.host.free([host_id])
 
     def _stage(self, c: _Chosen) -> bool:
@@ -147,7 +150,7 @@ def _choose(
     """A cache type's pooled blocks its disk lacks, hottest first, as many as its slab takes,
     and the own disk blocks they replace; the blocks the disk holds get their current weight."""
     cache_type = manager.cache_type
-    disk = cache_type.disk
+    disk = cache_type.handover.store
     held = weights.weights(h for pool in cache_type.pools for h in pool.cached_hashes())
     candidates = []
     for block_hash, weight in held.items():
@@ -165,14 +168,16 @@ class WarmStart:
     (see the module docstring); nothing else may allocate host blocks meanwhile. Not
     thread-safe: the engine thread plans it."""
 
-    def __init__(self, managers: list[CacheTypeManager], disk: DiskOnboarding) -> None:
-        self._disk = disk
-        is_on = disk.is_on and all(m.cache_type.host is not None for m in managers)
+    def __init__(self, managers: list[CacheTypeManager], onboarding: Onboarding) -> None:
+        self._onboarding = onboarding
+        is_on = managers[0].cache_type.handover is not None and all(
+            m.cache_type.host is not None for m in managers
+        )
         self._managers = managers if is_on else []
         self._cache_types = [m.cache_type for m in self._managers]
         self._rooms = [c.host.num_empty for c in self._cache_types]
         self._queues = [
-            deque([h for h in c.disk.hottest() if not c.in_pools(h)][:room])
+            deque([h for h in c.handover.store.hottest() if not c.in_pools(h)][:room])
             for c, room in zip(self._cache_types, self._rooms)
         ]
 
@@ -188,7 +193,8 @@ class WarmStart:
         for i, (manager, queue) in enumerate(zip(self._managers, self._queues)):
             num_reads = min(max_blocks, self._rooms[i], len(queue))
             for _ in range(num_reads):
-                self._disk.read_for_warm_start(manager, queue.popleft())
+                tier = manager.cache_type.handover.tier
+                self._onboarding.read_for_warm_start(manager, tier, queue.popleft())
             self._rooms[i] -= num_reads
             num_planned += num_reads
         return num_planned

@@ -1,7 +1,7 @@
 """Which KV blocks each request uses, per cache type, across the tiers: the manager's facade.
 
 The manager decides; it holds no tensors. Each engine step it hands a ``TransferPlan`` (host
-blocks to load into NPU blocks, NPU blocks to store into host blocks, and the disk tier's
+blocks to load into NPU blocks, NPU blocks to store into host blocks, and the backing tiers'
 copies) to the transfer component, which moves the bytes. The simulator drives this very class
 with no tensors at all. It is a tree; each part owns its state and records what it does in the
 manager's ``Journal`` (planned copies, events, counters)::
@@ -11,10 +11,11 @@ manager's ``Journal`` (planned copies, events, counters)::
     ├── CacheTypeManager, per      (replicas.kv.type_manager) one cache type's pools and block
     │   cache type                 tables; eviction, promotion, stores; consults its policies:
     │   ├── RetentionTracker       (replicas.kv.retention) what the host tier keeps
-    │   ├── DiskWrites             (replicas.kv.disk_writes) what goes on to disk
+    │   ├── BackingWrites, per     (replicas.kv.backing_writes) what goes on to each tier
+    │   │   backing tier           behind host (disk, and any registered: replicas.kv.tiers)
     │   └── PrefixRetention        (replicas.kv.prompt_retention) prompt-cache lifetimes
     ├── Reservations               (replicas.kv.reservations) waiting requests' prefixes held
-    ├── DiskOnboarding             (replicas.kv.onboarding) disk reads for waiting requests
+    ├── Onboarding                 (replicas.kv.onboarding) backing reads for waiting requests
     ├── PartialBlocks              (replicas.kv.partial_blocks) freed partial last blocks
     ├── HitWeights                 (replicas.kv.hotness) each block's recent hits
     └── CacheViews                 (replicas.kv.views) usage, snapshots, events, for readers
@@ -30,14 +31,14 @@ from collections.abc import Callable
 from replicas.engine.request import Request
 from replicas.kv.admission import count_admission
 from replicas.kv.block_pool import BlockPool
-from replicas.kv.cache_type import HostRules, build_cache_types
+from replicas.kv.cache_type import HostRules, build_cache_types, check_options
 from replicas.kv.events import Tier
 from replicas.kv.handover import WarmStart, WriteOut, hot_blocks
 from replicas.kv.hashing import BlockHash
 from replicas.kv.hotness import HitWeights
 from replicas.kv.journal import Journal
 from replicas.kv.matching import PrefixMatcher
-from replicas.kv.onboarding import DiskOnboarding
+from replicas.kv.onboarding import Onboarding
 from replicas.kv.partial_blocks import PartialBlocks
 from replicas.kv.records import (
     EMPTY_MATCH,
@@ -48,8 +49,8 @@ from replicas.kv.records import (
     TransferPlan,
 )
 from replicas.kv.reservations import NO_RESERVATIONS, ReservationPolicy, Reservations
-from replicas.kv.retention import BlockCosts, PolicyFactory, WriteThrough, policy_names
-from replicas.kv.tiers import DiskIndex
+from replicas.kv.retention import BlockCosts, PolicyFactory, WriteThrough
+from replicas.kv.tiers import BackingStore
 from replicas.kv.type_manager import build_managers
 from replicas.kv.views import CacheViews
 
@@ -59,7 +60,7 @@ ALL_TIERS = "all"
 
 class KVCacheManager:
     """The KV cache's facade (module docstring). Not thread-safe: one engine loop mutates it.
-    Callers use its parts ``reservations``, ``onboarding`` (disk reads) and ``views`` directly;
+    Callers use its parts ``reservations``, ``onboarding`` (backing reads) and ``views`` directly;
     ``stats`` may be replaced (an engine resets it)."""
 
     def __init__(
@@ -75,21 +76,22 @@ class KVCacheManager:
         retention: "str | PolicyFactory" = "fixed",
         curve_sample_rate: float | None = None,
         reservations: ReservationPolicy = NO_RESERVATIONS,
-        disk: dict[str, DiskIndex] | None = None,
+        backing: dict[str, dict[str, BackingStore]] | None = None,
         retained_share: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
         reuse_partial_blocks: bool = False,
     ) -> None:
         """``write_through_threshold``: as ``KVOffloadConfig``'s (``replicas.kv.retention``);
-        ``clock`` (seconds) times prompt-cache retention and disk reads' deadlines;
+        ``backing``: per backing tier (``replicas.kv.tiers``), its store per cache type;
+        ``clock`` (seconds) times prompt-cache retention and backing reads' deadlines;
         ``reuse_partial_blocks``: a freed block's computed tokens are copied for a request
         that continues them (``replicas.kv.partial_blocks``; dense models, prefix caching on)."""
-        _check_options(retained_share, reservations, retention)
+        check_options(retained_share, reservations.share, retention)
         specs = cache_types or [CacheTypeSpec("full", num_npu_blocks, num_host_blocks)]
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         rules = HostRules(write_through_threshold, write_back, retention, curve_sample_rate)
-        self._cache_types, rules = build_cache_types(specs, retained_share, clock, rules, disk)
+        self._cache_types, rules = build_cache_types(specs, retained_share, clock, rules, backing)
         primary = self._cache_types[0]
         self._journal = journal = Journal()
         self._weights = HitWeights(sum(p.num_blocks for p in primary.pools), clock)
@@ -104,7 +106,7 @@ class KVCacheManager:
         if not enable_prefix_caching:
             reservations = reservations._replace(share=0.0)
         self.reservations = Reservations(self._managers, matcher, journal, reservations)
-        self.onboarding = DiskOnboarding(self._managers, matcher, journal, clock)
+        self.onboarding = Onboarding(self._managers, matcher, journal, clock)
         self.views = CacheViews(self._cache_types, block_size, journal.events)
 
     @property
@@ -198,11 +200,11 @@ class KVCacheManager:
         """Count a request's first lookup: queries are its prompt tokens, hits the matched (a
         block its reservation prefetched counts as the host hit it was). Ends its reservation:
         the request holds the blocks itself now."""
-        from_disk = self.onboarding.end(request.request_id)
+        read = self.onboarding.end(request.request_id)
         prefetched = self.reservations.end(request.request_id, used=match)
         if request.num_cached_tokens is None:
             primary = self._cache_types[0].name
-            counts = (self.block_size, primary, prefetched, from_disk)
+            counts = (self.block_size, primary, prefetched, read)
             count_admission(self.stats, request, match, *counts)
 
     def block_ids(self, request_id: str) -> list[int]:
@@ -231,8 +233,8 @@ class KVCacheManager:
 
     def complete_transfer(self, plan: TransferPlan) -> None:
         """Unlock the host blocks of a transfer that has landed."""
-        for copy in plan.disk_stores:
-            self._by_name[copy.cache_type].disk.store_landed(copy)
+        for copy in plan.backing_stores:
+            self._by_name[copy.cache_type].writes_to(copy.tier).store_landed(copy)
         for copy in plan.stores:
             self._by_name[copy.cache_type].store_landed(copy)
         for copy in plan.loads:
@@ -243,7 +245,7 @@ class KVCacheManager:
 
     def set_block_costs(self, costs: BlockCosts) -> None:
         """Measured seconds per block (recompute, reload, store), for the adaptive policy and
-        the disk tier's cost rule."""
+        the backing tiers' cost rule."""
         for cache_type in self._cache_types:
             if cache_type.retention is not None:
                 cache_type.retention.set_costs(costs)
@@ -251,7 +253,8 @@ class KVCacheManager:
 
     def reset_prefix_cache(self, tier: Tier | str = ALL_TIERS) -> None:
         """Forget unreferenced cached blocks of ``tier`` (a ``Tier`` or its name, or "all") in
-        every cache type, nearest first; the disk tier forgets this replica's own blocks only."""
+        every cache type, nearest first; a shared tier (disk) forgets this replica's own blocks
+        only."""
         if tier != ALL_TIERS and tier not in tuple(Tier):
             names = ", ".join(repr(t) for t in [ALL_TIERS, *(t.value for t in Tier)])
             raise ValueError(f"tier must be one of {names}, got {tier!r}")
@@ -261,19 +264,25 @@ class KVCacheManager:
         for manager in self._managers:
             manager.reset(tiers)
 
-    # ---- a resize's hand-over through the disk tier -------------------------------------------
+    # ---- a resize's hand-over through the node's shared tier (disk) ----------------------------
     def hot_blocks(self) -> dict[BlockHash, float]:
         """The primary cache type's pooled blocks with their hit weights (a router's index)."""
         return hot_blocks(self._cache_types[0], self._weights)
 
+    @property
+    def handover_tier(self) -> str | None:
+        """The tier a resize hands blocks over through (disk; ``CacheType.handover``)."""
+        level = self._cache_types[0].handover
+        return level.tier if level is not None else None
+
     def start_write_out(self) -> WriteOut:
-        """The NPU and host blocks to write to the disk tier, hottest first (none without
-        one); the caller runs its rounds' plans, then ``end``s it."""
+        """The NPU and host blocks to write to the hand-over tier (disk), hottest first (none
+        without one); the caller runs its rounds' plans, then ``end``s it."""
         return WriteOut(self._managers, self._weights)
 
     def start_warm(self) -> WarmStart:
-        """Reads of the disk tier's blocks into empty host blocks, hottest first (none without
-        a disk tier); the caller runs its rounds' plans."""
+        """Reads of the hand-over tier's (disk's) blocks into empty host blocks, hottest first
+        (none without one); the caller runs its rounds' plans."""
         return WarmStart(self._managers, self.onboarding)
 
     # ---- checks -------------------------------------------------------------------------------
@@ -287,14 +296,3 @@ class KVCacheManager:
             if self._partial is not None and cache_type is self._cache_types[0]:
                 held = [*held, self._partial.held]  # sources of copies not yet taken
             cache_type.check_integrity(held)
-
-
-def _check_options(
-    retained_share: float, reservations: ReservationPolicy, retention: "str | PolicyFactory"
-) -> None:
-    if not 0.0 <= retained_share <= 1.0:
-        raise ValueError(f"retained_share must be in [0, 1], got {retained_share}")
-    if not 0.0 <= reservations.share <= 1.0:
-        raise ValueError(f"reservation_share must be in [0, 1], got {reservations.share}")
-    if not callable(retention) and retention not in policy_names():
-        raise ValueError(f"retention must be one of {policy_names()}, got {retention!r}")

@@ -1,12 +1,14 @@
-"""The disk tier's reads: onboarding waiting requests' disk blocks into host blocks.
+"""The backing tiers' reads: onboarding waiting requests' blocks from disk (and any tier behind
+host) into host blocks.
 
-(What goes from host to disk is each cache type's own rule: ``replicas.kv.disk_writes``.)
-A prefix match never waits on disk: ``onboard``
-looks past a waiting request's NPU/host match, and when the disk holds the next blocks and
-``reload_pays`` says loading them beats computing them again, it plans their reads into locked
-host blocks and the request waits (the scheduler admits others meanwhile)::
+(What goes from host to a backing tier is each cache type's own rule:
+``replicas.kv.backing_writes``.) A prefix match never waits on a backing tier: ``onboard``
+looks past a waiting request's NPU/host match, and when backing tiers hold the next blocks and
+``reload_pays`` says loading them beats computing them again, it plans their reads (each from
+the nearest tier holding it) into locked host blocks and the request waits (the scheduler
+admits others meanwhile)::
 
-    onboard(request)      disk-only blocks after the match -> host blocks, locked, reads planned
+    onboard(request)      backing-only blocks after the match -> host blocks, reads planned
     complete_loads        a landed read caches its host block (a failed one: a miss, forgotten)
     admission             the match finds the blocks on host and loads them to NPU as usual
 
@@ -15,57 +17,67 @@ time)`` after it was planned, on the manager's clock, is given up on: its reques
 with what landed, and the host block stays locked until the read ends.
 """
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from replicas.engine.request import Request
+from replicas.kv.cache_type import CacheType
 from replicas.kv.events import Tier, safe_prefix_length
 from replicas.kv.hashing import BlockHash
 from replicas.kv.journal import Journal
 from replicas.kv.matching import PrefixMatcher
-from replicas.kv.records import DiskCopy
+from replicas.kv.records import BackingCopy
 from replicas.kv.type_manager import CacheTypeManager
 
 ONBOARD_TIMEOUT_MIN_S = 2.0
 ONBOARD_TIMEOUT_FACTOR = 8.0
-"""A waiting request stops waiting for its disk reads after ``max(ONBOARD_TIMEOUT_MIN_S,
+"""A waiting request stops waiting for its reads after ``max(ONBOARD_TIMEOUT_MIN_S,
 ONBOARD_TIMEOUT_FACTOR x their predicted time)``."""
 
 
 class ReloadCosts(NamedTuple):
     """The cost rule's inputs, seconds per block (``recompute_s`` 0 until measured, when the rule
-    reads every disk prefix)."""
+    reads every backing prefix); ``read_s``: per backing tier."""
 
     recompute_s: float
     host_load_s: float
-    disk_read_s: float
+    read_s: dict[str, float]
+
+    @property
+    def disk_read_s(self) -> float:
+        """Deprecated: ``read_s["disk"]``."""
+        warnings.warn(
+            "ReloadCosts.disk_read_s is deprecated; read ReloadCosts.read_s['disk']",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.read_s.get("disk", 0.0)
 
 
-def reload_pays(
-    num_blocks: int,
-    num_disk_blocks: int,
-    recompute_s: float,
-    host_load_s: float,
-    disk_read_s: float,
-) -> bool:
-    """The cost rule: whether loading ``num_blocks`` matched blocks, ``num_disk_blocks`` of them
-    read from disk first, takes less time than computing them again (seconds per block)."""
-    reload_s = num_disk_blocks * disk_read_s + num_blocks * host_load_s
-    return reload_s < num_blocks * recompute_s
+def reload_pays(num_blocks: int, read_s: float, recompute_s: float, host_load_s: float) -> bool:
+    """The cost rule: whether loading ``num_blocks`` matched blocks, after reads into host
+    that take ``read_s`` seconds in all, takes less time than computing them again (seconds
+    per block for ``recompute_s`` and ``host_load_s``)."""
+    return read_s + num_blocks * host_load_s < num_blocks * recompute_s
 
 
 @dataclass(slots=True)
 class _Onboarding:
-    """A waiting request's disk reads: what it waits for and the host blocks it holds."""
+    """A waiting request's reads: what it waits for and the host blocks it holds."""
 
     waiting: set[tuple[str, BlockHash]]  # (cache type, hash) not landed yet
-    held: list[tuple[str, int]]  # (cache type, host block) referenced for it
+    held: dict[tuple[str, int], str]  # (cache type, host block) referenced for it -> tier
     deadline: float
 
 
-class DiskOnboarding:
-    """The disk tier's reads for a manager's cache types (inert without one). Not
+_DECIDED = _Onboarding(set(), {}, 0.0)
+"""A request decided once not to wait (later steps skip the lookups); never mutated."""
+
+
+class Onboarding:
+    """The backing tiers' reads for a manager's cache types (inert without one). Not
     thread-safe: the manager's engine loop calls it."""
 
     def __init__(
@@ -85,22 +97,23 @@ class DiskOnboarding:
         self._clock = clock
         self._onboarding: dict[str, _Onboarding] = {}
         self._inflight: dict[tuple[str, BlockHash], tuple[int, set[str]]] = {}  # -> host, waiters
+        self._tiers: dict[str, frozenset[str]] = {}  # request -> the tiers it reads from
         self._recompute_s: float | None = None  # measured seconds per block (set_costs)
         self._host_load_s = 0.0
 
     @property
     def is_on(self) -> bool:
-        return self._cache_types[0].disk is not None
+        return bool(self._cache_types[0].backing)
 
     @property
     def num_onboarding(self) -> int:
-        """Waiting requests whose disk reads have not all landed."""
+        """Waiting requests whose reads have not all landed."""
         return sum(1 for o in self._onboarding.values() if o.waiting)
 
     # ---- onboarding ----------------------------------------------------------------------------
     def onboard(self, request: Request, max_blocks: int | None = None) -> bool:
-        """Whether a waiting request must wait for disk reads (mutates): reads are planned the
-        first time the disk holds blocks past its match and ``reload_pays``; True until they
+        """Whether a waiting request must wait for reads (mutates): reads are planned the first
+        time backing tiers hold blocks past its match and ``reload_pays``; True until they
         land or time out."""
         if not self.is_on or not self._matcher.enabled:
             return False
@@ -109,7 +122,8 @@ class DiskOnboarding:
             if not onboarding.waiting:
                 return False
             if self._clock() > onboarding.deadline:
-                self._journal.stats.disk_load_timeouts += 1
+                for tier in set(onboarding.held.values()):
+                    self._journal.stats.tier(tier).load_timeouts += 1
                 onboarding.waiting.clear()
                 return False
             return True
@@ -118,71 +132,80 @@ class DiskOnboarding:
         match = self._matcher.match(request, max_blocks)
         plan = self._extension(request, match.num_blocks, max_blocks)
         if plan is None:  # decided once per request: later steps skip the lookups
-            self._onboarding[request.request_id] = _Onboarding(set(), [], 0.0)
+            self._onboarding[request.request_id] = _DECIDED
             return False
         length, reads = plan
         for cache_type in self._cache_types:  # host blocks to read into: asked again later
-            new = [h for h in reads[cache_type.name] if (cache_type.name, h) not in self._inflight]
+            new = [
+                h for h, _ in reads[cache_type.name] if (cache_type.name, h) not in self._inflight
+            ]
             if len(new) > cache_type.host.num_free:
                 return False
-        num_disk = sum(len(r) for r in reads.values())
-        disk_read_s = self._cache_types[0].disk.read_seconds_per_block()
-        recompute_s = self._recompute_s
-        if recompute_s is not None and not reload_pays(
-            length - match.num_blocks, num_disk, recompute_s, self._host_load_s, disk_read_s
+        primary = self._cache_types[0]
+        read_s = sum(
+            primary.store_of(t).read_seconds_per_block() for r in reads.values() for _, t in r
+        )
+        used = {t for r in reads.values() for _, t in r}
+        if self._recompute_s is not None and not reload_pays(
+            length - match.num_blocks, read_s, self._recompute_s, self._host_load_s
         ):
-            self._journal.stats.disk_recomputes += 1
-            self._onboarding[request.request_id] = _Onboarding(set(), [], 0.0)
+            for tier in used:
+                self._journal.stats.tier(tier).recomputes += 1
+            self._onboarding[request.request_id] = _DECIDED
             return False
-        self._journal.stats.disk_reloads += 1
-        timeout = max(ONBOARD_TIMEOUT_MIN_S, ONBOARD_TIMEOUT_FACTOR * num_disk * disk_read_s)
+        for tier in used:
+            self._journal.stats.tier(tier).reloads += 1
+        timeout = max(ONBOARD_TIMEOUT_MIN_S, ONBOARD_TIMEOUT_FACTOR * read_s)
         self._plan_reads(request.request_id, reads, self._clock() + timeout)
         return True
 
     def _plan_reads(
-        self, request_id: str, reads: dict[str, list[BlockHash]], deadline: float
+        self, request_id: str, reads: dict[str, list[tuple[BlockHash, str]]], deadline: float
     ) -> None:
         """Read each block into a locked host block (one read per block, shared by every
         request waiting for it)."""
         waiting: set[tuple[str, BlockHash]] = set()
-        held: list[tuple[str, int]] = []
+        held: dict[tuple[str, int], str] = {}
         for manager in self._managers:
             cache_type = manager.cache_type
-            for block_hash in reads[cache_type.name]:
+            for block_hash, tier in reads[cache_type.name]:
                 key = (cache_type.name, block_hash)
                 inflight = self._inflight.get(key)
                 if inflight is None:
                     host_id = manager.allocate_host()
                     cache_type.host.touch([host_id])  # the read's reference and the waiter's
                     inflight = self._inflight[key] = (host_id, set())
-                    self._journal.plan.disk_loads.append(
-                        DiskCopy(host_id, block_hash, cache_type.name)
-                    )
+                    copy = BackingCopy(host_id, block_hash, cache_type.name, tier=tier)
+                    self._journal.plan.backing_loads.append(copy)
                 else:
                     cache_type.host.touch([inflight[0]])  # the waiter's reference
                 inflight[1].add(request_id)
                 waiting.add(key)
-                held.append((cache_type.name, inflight[0]))
+                held[(cache_type.name, inflight[0])] = tier
         self._onboarding[request_id] = _Onboarding(waiting, held, deadline)
 
-    def read_for_warm_start(self, manager: CacheTypeManager, block_hash: BlockHash) -> None:
-        """Plan a read of a disk block into a new host block for no request (a replica filling
-        its host tier before it serves); it lands as any read does (``complete_loads``: cached
-        and announced). Call only while the host tier has an empty block, so that nothing is
-        evicted."""
+    def read_for_warm_start(
+        self, manager: CacheTypeManager, tier: str, block_hash: BlockHash
+    ) -> None:
+        """Plan a read of a block of backing tier ``tier`` into a new host block for no
+        request (a replica filling its host tier before it serves); it lands as any read does
+        (``complete_loads``: cached and announced). Call only while the host tier has an empty
+        block, so that nothing is evicted."""
         cache_type = manager.cache_type
         key = (cache_type.name, block_hash)
         if key in self._inflight or cache_type.in_pools(block_hash):
             return
         host_id = manager.allocate_host()  # the read's reference
         self._inflight[key] = (host_id, set())
-        self._journal.plan.disk_loads.append(DiskCopy(host_id, block_hash, cache_type.name))
+        copy = BackingCopy(host_id, block_hash, cache_type.name, tier=tier)
+        self._journal.plan.backing_loads.append(copy)
 
     def _extension(
         self, request: Request, num_matched: int, max_blocks: int | None
-    ) -> tuple[int, dict[str, list[BlockHash]]] | None:
-        """The longest safe prefix with disk blocks counted, and per cache type the blocks of
-        it that only the disk holds; None when the disk adds nothing (no mutation)."""
+    ) -> tuple[int, dict[str, list[tuple[BlockHash, str]]]] | None:
+        """The longest safe prefix with backing blocks counted, and per cache type the blocks
+        of it that only backing tiers hold, each with the nearest tier holding it; None when
+        they add nothing (no mutation)."""
         limit = (request.num_tokens - 1) // self._block_size
         limit = limit if max_blocks is None else min(limit, max_blocks)
         hashes = request.block_hashes[:limit]
@@ -200,12 +223,16 @@ class DiskOnboarding:
         reads = {}
         for cache_type in self._cache_types:
             first = cache_type.spec.window_start(length * self._block_size, self._block_size)
-            reads[cache_type.name] = [h for h in hashes[first:length] if not cache_type.in_pools(h)]
+            reads[cache_type.name] = [
+                (h, _nearest(cache_type, h))
+                for h in hashes[first:length]
+                if not cache_type.in_pools(h)
+            ]
         return length, reads
 
-    def complete_loads(self, results: list[tuple[DiskCopy, bool]]) -> None:
-        """Record disk reads that ended: a valid block is cached in its host block; a miss frees
-        the host block and the disk forgets the block."""
+    def complete_loads(self, results: list[tuple[BackingCopy, bool]]) -> None:
+        """Record reads that ended: a valid block is cached in its host block; a miss frees
+        the host block and its tier forgets the block."""
         stats = self._journal.stats
         for copy, ok in results:
             cache_type = self._by_name[copy.cache_type]
@@ -213,43 +240,46 @@ class DiskOnboarding:
             host_id, waiters = self._inflight.pop(key)
             host = cache_type.host
             if ok and host.cache(host_id, copy.block_hash):
-                stats.disk_blocks_loaded += 1
+                stats.tier(copy.tier).blocks_loaded += 1
                 self._journal.stored(cache_type.name, Tier.HOST, copy.block_hash)
-            else:
-                stats.disk_load_failures += not ok
-                if not ok:
-                    cache_type.disk.discard(copy.block_hash)
+            elif not ok:
+                stats.tier(copy.tier).load_failures += 1
+                cache_type.store_of(copy.tier).discard(copy.block_hash)
             for request_id in waiters:
                 onboarding = self._onboarding.get(request_id)
                 if onboarding is not None:
                     onboarding.waiting.discard(key)
             host.free([host_id])  # the read's own reference; waiters hold theirs
 
-    def end(self, request_id: str) -> set[tuple[str, int]]:
+    def end(self, request_id: str) -> dict[tuple[str, int], str]:
         """Stop onboarding a request (admitted or freed): release its host blocks; returns the
-        (cache type, host block) pairs it held for its reads."""
+        (cache type, host block) pairs it held for its reads, with the tier each came from."""
         onboarding = self._onboarding.pop(request_id, None)
         if onboarding is None:
-            return set()
+            return {}
         for name, host_id in onboarding.held:
             self._by_name[name].host.free([host_id])
         for key in onboarding.waiting:
             inflight = self._inflight.get(key)
             if inflight is not None:
                 inflight[1].discard(request_id)
-        return set(onboarding.held)
+        return onboarding.held
 
     # ---- the cost rule -------------------------------------------------------------------------
     def reload_costs(self) -> ReloadCosts | None:
-        """What ``reload_pays`` weighs now (None without a disk tier)."""
-        disk = self._cache_types[0].disk
-        if disk is None:
+        """What ``reload_pays`` weighs now (None without a backing tier)."""
+        primary = self._cache_types[0]
+        if not primary.backing:
             return None
-        return ReloadCosts(
-            self._recompute_s or 0.0, self._host_load_s, disk.read_seconds_per_block()
-        )
+        read_s = {b.tier: b.store.read_seconds_per_block() for b in primary.backing}
+        return ReloadCosts(self._recompute_s or 0.0, self._host_load_s, read_s)
 
     def set_costs(self, recompute_s: float, host_load_s: float) -> None:
         """Measured seconds per block to recompute and to load from host."""
         self._recompute_s = recompute_s
         self._host_load_s = host_load_s
+
+
+def _nearest(cache_type: "CacheType", block_hash: BlockHash) -> str:
+    """The nearest backing tier of ``cache_type`` that holds the block."""
+    return next(b.tier for b in cache_type.backing if b.holds(block_hash))

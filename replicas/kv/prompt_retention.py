@@ -2,8 +2,8 @@
 
 A request whose cache hints retain a prefix (``Request.num_retained_blocks`` blocks, for
 ``Request.retention_ttl_s`` from now) has each newly cached block of it stored to host if it has
-no host copy, and its host block retained (a deadline already later is kept); with a disk tier,
-the block is retained on disk too, once its host copy has landed. Past the tier's
+no host copy, and its host block retained (a deadline already later is kept); with backing tiers
+(disk), the block is retained there too, once its host copy has landed. Past the tier's
 ``retained_share``, the rest of the prefix stays ordinary. ``BlockPool`` (retained queue) and the
 disk store keep what is retained; this class decides what to retain.
 """
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 
 class PrefixRetention:
-    """Retains requests' prefixes in the host (and disk) tiers of the cache type whose manager
+    """Retains requests' prefixes in the host (and backing) tiers of the cache type whose manager
     consults it. Not thread-safe: the manager's engine loop calls it."""
 
     __slots__ = ("_clock", "_plan")
@@ -40,8 +40,8 @@ class PrefixRetention:
             return
         until = self._clock() + request.retention_ttl_s
         host = cache_type.host
-        # Host blocks whose store from NPU has not landed: their disk copy waits for it
-        # (complete_transfer), since a plan's disk stores run before its NPU -> host stores.
+        # Host blocks whose store from NPU has not landed: their backing copies wait for it
+        # (complete_transfer), since a plan's backing stores run before its NPU -> host stores.
         landing = {c.dst for c in self._plan.stores if c.cache_type == cache_type.name}
         for i in range(start, end):
             npu_id = blocks[i] if i < len(blocks) else None
@@ -53,6 +53,6 @@ class PrefixRetention:
                 host_id = host.lookup(block_hash)
                 landing.add(host_id)
             if host_id is not None and host.retain(host_id, until):
-                if manager.disk is not None and host_id not in landing:
-                    manager.disk.retain(host_id, block_hash, until)
+                for writes in manager.backing if host_id not in landing else ():
+                    writes.retain(host_id, block_hash, until)
         cache_type.num_retained[rid] = end

@@ -4,18 +4,25 @@ stats."""
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, NamedTuple
 
-from replicas.kv.events import Tier, tiers, window_start
+from replicas.kv.events import Tier, backing_tiers, tiers, window_start
 
 if TYPE_CHECKING:
     from replicas.kv.partial_blocks import PartialBlock
 
-COPY_PATHS: dict[tuple[Tier, Tier], str] = {
-    (Tier.HOST, Tier.NPU): "loads",
-    (Tier.NPU, Tier.HOST): "stores",
-    (Tier.DISK, Tier.HOST): "disk_loads",
-    (Tier.HOST, Tier.DISK): "disk_stores",
-}
-"""The ``TransferPlan`` field that copies blocks from one tier to an adjacent one."""
+
+def copy_path(src: str, dst: str) -> str:
+    """The ``TransferPlan`` field that copies blocks from tier ``src`` to the adjacent tier
+    ``dst``: NPU and host trade ``stores`` and ``loads``; every backing tier hangs off host,
+    through ``backing_stores`` and ``backing_loads`` (each copy names its tier)."""
+    src, dst = Tier(src), Tier(dst)
+    paths = {(Tier.HOST, Tier.NPU): "loads", (Tier.NPU, Tier.HOST): "stores"}
+    if (src, dst) in paths:
+        return paths[(src, dst)]
+    if dst == Tier.HOST and not src.traits.pooled:
+        return "backing_loads"
+    if src == Tier.HOST and not dst.traits.pooled:
+        return "backing_stores"
+    raise ValueError(f"no copy path from tier {src!r} to tier {dst!r}")
 
 
 class CacheTypeSpec(NamedTuple):
@@ -116,24 +123,27 @@ class BlockCopy(NamedTuple):
     prefetch: bool = False
 
 
-class DiskCopy(NamedTuple):
-    """One block to copy between the host tier and the disk tier: ``host_id`` is the host block
-    a disk store reads or a disk load fills; ``block_hash`` names the block on disk. A store
-    ``locked`` holds a reference on its host block until the plan lands; a write-back store does
-    not (host allocation takes that block in the same plan, whose stores run after it)."""
+class BackingCopy(NamedTuple):
+    """One block to copy between the host tier and a backing tier (``tier``, disk by default):
+    ``host_id`` is the host block a store reads or a load fills; ``block_hash`` names the block
+    in the backing tier. A store ``locked`` holds a reference on its host block until the plan
+    lands; a write-back store does not (host allocation takes that block in the same plan,
+    whose stores run after it)."""
 
     host_id: int
     block_hash: bytes
     cache_type: str = "full"
     locked: bool = True
-    retained_until: float = 0.0  # a store of a retained block: the disk keeps it until then
+    retained_until: float = 0.0  # a store of a retained block: the tier keeps it until then
     weight: float = 0.0  # a store's hit weight (``replicas.kv.hotness``), kept in its record
+    tier: str = "disk"
 
 
 class TransferPlan(NamedTuple):
-    """Copies of one engine step, in the order they run: disk stores (host -> disk, reading
-    host blocks before this plan's stores overwrite them), stores (NPU -> host), loads (host ->
-    NPU), disk loads (disk -> host, landing after the step, in the background). Beside them,
+    """Copies of one engine step, in the order they run: backing stores (host -> a backing
+    tier such as disk, reading host blocks before this plan's stores overwrite them), stores
+    (NPU -> host), loads (host -> NPU), backing loads (a backing tier -> host, landing after
+    the step, in the background). Beside them,
     ``block_copies`` within the NPU tier (a partial block's computed tokens for the request
     that continues them, ``replicas.kv.partial_blocks``), which the model executor runs before
     the step's forward pass; their sources are held until the plan is taken, so no copy of
@@ -143,30 +153,34 @@ class TransferPlan(NamedTuple):
 
     stores: list[BlockCopy]
     loads: list[BlockCopy]
-    disk_stores: tuple[DiskCopy, ...] = ()
-    disk_loads: tuple[DiskCopy, ...] = ()
+    backing_stores: tuple[BackingCopy, ...] = ()
+    backing_loads: tuple[BackingCopy, ...] = ()
     block_copies: tuple[BlockCopy, ...] = ()
 
     def __bool__(self) -> bool:
         """Whether there is anything for the transfer component (``block_copies`` is not)."""
-        return bool(self.stores or self.loads or self.disk_stores or self.disk_loads)
+        return bool(self.stores or self.loads or self.backing_stores or self.backing_loads)
 
-    def copies(self, src: Tier, dst: Tier) -> "list[BlockCopy] | tuple[DiskCopy, ...]":
+    def copies(self, src: str, dst: str) -> "list[BlockCopy] | tuple[BackingCopy, ...]":
         """The copies from tier ``src`` to the adjacent tier ``dst``."""
-        return getattr(self, COPY_PATHS[(Tier(src), Tier(dst))])
+        copies = getattr(self, copy_path(src, dst))
+        backing = dst if src == Tier.HOST else src
+        if Tier(backing).traits.pooled:
+            return copies
+        return tuple(c for c in copies if c.tier == backing)
 
 
 class PlannedCopies:
     """The copies planned since the last ``take``, by the manager and its collaborators, in
     the fields of the ``TransferPlan`` they go to."""
 
-    __slots__ = ("block_copies", "disk_loads", "disk_stores", "loads", "stores")
+    __slots__ = ("backing_loads", "backing_stores", "block_copies", "loads", "stores")
 
     def __init__(self) -> None:
         self.stores: list[BlockCopy] = []
         self.loads: list[BlockCopy] = []
-        self.disk_stores: list[DiskCopy] = []
-        self.disk_loads: list[DiskCopy] = []
+        self.backing_stores: list[BackingCopy] = []
+        self.backing_loads: list[BackingCopy] = []
         self.block_copies: list[BlockCopy] = []
 
     def take(self) -> TransferPlan:
@@ -174,13 +188,13 @@ class PlannedCopies:
         plan = TransferPlan(
             self.stores,
             self.loads,
-            tuple(self.disk_stores),
-            tuple(self.disk_loads),
+            tuple(self.backing_stores),
+            tuple(self.backing_loads),
             tuple(self.block_copies),
         )
         self.stores, self.loads = [], []
-        self.disk_stores.clear()
-        self.disk_loads.clear()
+        self.backing_stores.clear()
+        self.backing_loads.clear()
         self.block_copies.clear()
         return plan
 
@@ -253,6 +267,19 @@ class CacheTypeStats(_Evictions):
 
 
 @dataclass(slots=True)
+class BackingStats:
+    """Counters of one backing tier (blocks of every cache type; requests for the rest)."""
+
+    blocks_loaded: int = 0  # tier -> host copies that landed with a valid block
+    load_failures: int = 0  # reads that missed (checksum, changed slot, missing file)
+    blocks_stored: int = 0  # host -> tier copies handed to the tier's store
+    reloads: int = 0  # waiting requests whose prefix was read from it (the cost rule's yes)
+    recomputes: int = 0  # ... whose prefix there was recomputed instead (the rule's no)
+    load_timeouts: int = 0  # requests admitted without a read from it that took too long
+    write_back_skips: int = 0  # host evictions the adaptive policy did not store to it
+
+
+@dataclass(slots=True)
 class CacheStats(_Evictions):
     """Monotonic counters of one replica's prefix cache. Tokens for queries and hits (the safe
     prefix; ``hits_by_source`` splits it by the tier its global KV came from); blocks, summed
@@ -277,14 +304,7 @@ class CacheStats(_Evictions):
     prefetched_blocks: int = 0  # host-only blocks loaded into NPU blocks while their request waited
     prefetched_blocks_used: int = 0  # of those, adopted by their request at admission
     reservations_dropped: int = 0  # given way to running requests (or to an earlier arrival)
-    # The disk tier (blocks of every cache type):
-    disk_blocks_loaded: int = 0  # disk -> host copies that landed with a valid block
-    disk_load_failures: int = 0  # disk reads that missed (checksum, changed slot, missing file)
-    disk_blocks_stored: int = 0  # host -> disk copies handed to the disk store
-    disk_reloads: int = 0  # waiting requests whose disk prefix was loaded (the cost rule's yes)
-    disk_recomputes: int = 0  # ... whose disk prefix was recomputed instead (the rule's no)
-    disk_load_timeouts: int = 0  # requests admitted without a disk load that took too long
-    disk_write_back_skips: int = 0  # host evictions the adaptive policy did not store to disk
+    backing: dict[str, "BackingStats"] = field(default_factory=dict)  # per backing tier
     by_cache_type: dict[str, CacheTypeStats] = field(default_factory=dict)
 
     @property
@@ -300,14 +320,30 @@ class CacheStats(_Evictions):
     def disk_hits(self) -> int:
         return self.hits_by_source.get(Tier.DISK, 0)
 
+    def __getattr__(self, name: str) -> int:
+        """A backing tier's counter under its flat name, ``<tier>_<counter>`` (``disk_reloads``;
+        0 before the tier counts anything)."""
+        tier, _, counter = name.partition("_")
+        if counter in BackingStats.__slots__ and tier in backing_tiers():
+            stats = self.backing.get(tier)
+            return getattr(stats, counter) if stats is not None else 0
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def tier(self, tier: str) -> "BackingStats":
+        """A backing tier's counters, created on its first count."""
+        return self.backing.setdefault(Tier(tier), BackingStats())
+
     def counters(self) -> dict[str, int]:
-        """Every counter under the flat name the reports use: the integer fields, and the
-        per-tier counts as ``npu_hits``, ``host_hits``, ``disk_hits``, ``npu_evictions`` and
-        ``host_evictions``."""
+        """Every counter under the flat name the reports use: the integer fields, the per-tier
+        counts as ``npu_hits``, ``host_hits``, ``disk_hits``, ``npu_evictions`` and
+        ``host_evictions``, and every backing tier's as ``<tier>_<counter>``."""
         flat = {f.name: getattr(self, f.name) for f in fields(self)}
         flat = {name: value for name, value in flat.items() if isinstance(value, int)}
         for name in ("npu_hits", "host_hits", "disk_hits", "npu_evictions", "host_evictions"):
             flat[name] = getattr(self, name)
+        for tier in backing_tiers():
+            for counter in BackingStats.__slots__:
+                flat[f"{tier}_{counter}"] = getattr(self, f"{tier}_{counter}")
         return flat
 
     def hits_by_tier(self) -> dict[Tier, int]:

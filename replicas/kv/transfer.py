@@ -10,12 +10,13 @@ step's plan becomes, per cache type and direction, one batched copy:
     host slab and the device blocks, one per contiguous run, on side streams: a step waits for
     the loads it reads and the stores' device-side gather, never for a store's bus copy.
 
-With a disk tier (``disk``: a ``replicas.kv.disk.DiskStore`` per cache type), a plan's disk
-stores run first: each host block is copied out (so that this plan's stores may overwrite it;
-a store still in flight into it lands first) and handed to the store's IO thread. Its disk
-loads are handed to that thread after the plan's copies, reading straight into their (locked,
-on CUDA pinned) host blocks, from which a later load copies them to the device; ``poll_disk``
-reports the reads that ended.
+With backing tiers (``backing``: per tier behind host, disk among them, a
+``replicas.kv.tiers.BackingStore`` per cache type), a plan's backing stores run first: each
+host block is copied out (so that this plan's stores may overwrite it; a store still in flight
+into it lands first) and handed to its tier's store, which writes it on a thread of its own.
+Its backing loads are handed to the stores after the plan's copies, reading straight into
+their (locked, on CUDA pinned) host blocks, from which a later load copies them to the device;
+``poll_backing`` reports the reads that ended.
 
 A ``runtime`` (``replicas.kv.stream_copier.CopyRuntime``) given with CPU tensors runs the CUDA
 algorithm on them, so that tests check its ordering and bookkeeping without a GPU.
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from replicas.kv.host_memory import HostSlab, allocate_host_tensor
-from replicas.kv.records import BlockCopy, DiskCopy, TransferPlan
+from replicas.kv.records import BackingCopy, BlockCopy, TransferPlan
 from replicas.kv.stream_copier import (
     STORE_STAGING_BYTES,
     CopyRuntime,
@@ -40,7 +41,7 @@ from replicas.kv.stream_copier import (
 )
 
 if TYPE_CHECKING:
-    from replicas.kv.disk import DiskStore
+    from replicas.kv.tiers import BackingStore
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +65,12 @@ class KVTransfer:
         *,
         runtime: CopyRuntime | None = None,
         staging_bytes: int = STORE_STAGING_BYTES,
-        disk: "dict[str, DiskStore] | None" = None,
+        backing: "dict[str, dict[str, BackingStore]] | None" = None,
     ) -> None:
+        """``backing``: per backing tier, its store per cache type."""
         self.npu_caches = npu_caches
-        self.disk = disk or {}
-        self._disk_reads: list[tuple[list[DiskCopy], Future[list[bool]]]] = []
+        self.backing = backing or {}
+        self._reads: list[tuple[list[BackingCopy], Future[list[bool]]]] = []
         self.device = next(iter(npu_caches.values())).device
         self.is_cuda = self.device.type == "cuda"
         if runtime is None and self.is_cuda:
@@ -125,19 +127,19 @@ class KVTransfer:
         if not plan:
             return
         start = time.perf_counter()
-        self._store_to_disk(plan.disk_stores)
+        self._store_to_backing(plan.backing_stores)
         if self._copier is not None:
             self._copier.issue(plan)  # reported after the plans in flight before it
         else:
             self._run_cpu(plan)
             self._landed.append(plan)
-        for cache_type, store in self.disk.items():
-            loads = _of_cache_type(plan.disk_loads, cache_type)
+        for tier, cache_type, store in self._stores():
+            loads = _of(plan.backing_loads, tier, cache_type)
             if loads:
                 host = self.host_caches[cache_type]
                 outs = [host[c.host_id] for c in loads]
                 future = store.load_many([c.block_hash for c in loads], outs)
-                self._disk_reads.append((loads, future))
+                self._reads.append((loads, future))
         self.stats.seconds += time.perf_counter() - start  # issuing; on CUDA poll adds the copies
         self.stats.blocks_stored += len(plan.stores)
         self.stats.blocks_loaded += len(plan.loads)
@@ -163,11 +165,16 @@ class KVTransfer:
             self._slab.release()
         return done
 
-    # ---- disk --------------------------------------------------------------------------------
-    def _store_to_disk(self, copies: tuple[DiskCopy, ...]) -> None:
-        """Hand copies of host blocks to the disk stores (a host block's own store lands first)."""
-        for cache_type, store in self.disk.items():
-            selected = _of_cache_type(copies, cache_type)
+    # ---- backing tiers -----------------------------------------------------------------------
+    def _stores(self) -> "list[tuple[str, str, BackingStore]]":
+        """(tier, cache type, store) of every backing store."""
+        return [(t, c, store) for t, stores in self.backing.items() for c, store in stores.items()]
+
+    def _store_to_backing(self, copies: tuple[BackingCopy, ...]) -> None:
+        """Hand copies of host blocks to the backing stores (a host block's own store from NPU
+        lands first)."""
+        for tier, cache_type, store in self._stores() if copies else ():
+            selected = _of(copies, tier, cache_type)
             if not selected:
                 continue
             host = self.host_caches[cache_type]
@@ -177,17 +184,17 @@ class KVTransfer:
                 block = host[copy.host_id].clone()
                 store.store(copy.block_hash, block, copy.retained_until, copy.weight)
 
-    def poll_disk(self, timeout: float | None = 0.0) -> list[tuple[DiskCopy, bool]]:
-        """Disk reads that ended, with whether each filled its host block; waits up to
+    def poll_backing(self, timeout: float | None = 0.0) -> list[tuple[BackingCopy, bool]]:
+        """Backing reads that ended, with whether each filled its host block; waits up to
         ``timeout`` seconds (None: no bound) for all of them to end. The waiting thread holds
         no GIL meanwhile, so the reads run at full speed."""
-        if not self._disk_reads:
+        if not self._reads:
             return []
-        futures = [f for _, f in self._disk_reads]
+        futures = [f for _, f in self._reads]
         if timeout is None or timeout > 0:
             wait(futures, timeout=timeout)
-        done = [(c, f) for c, f in self._disk_reads if f.done()]
-        self._disk_reads = [(c, f) for c, f in self._disk_reads if not f.done()]
+        done = [(c, f) for c, f in self._reads if f.done()]
+        self._reads = [(c, f) for c, f in self._reads if not f.done()]
         results = []
         for copies, future in done:
             results.extend(zip(copies, _succeeded(future, len(copies))))
@@ -211,7 +218,7 @@ def _succeeded(future: "Future[list[bool]]", num_reads: int) -> list[bool]:
     try:
         return [bool(ok) for ok in future.result()]
     except Exception:  # reads that raised are misses
-        logger.exception("disk read failed")
+        logger.exception("backing tier read failed")
         return [False] * num_reads
 
 
@@ -220,7 +227,9 @@ def _copy_blocks(destinations: list[torch.Tensor], sources: list[torch.Tensor]) 
     torch._foreach_copy_(destinations, sources)
 
 
-def _of_cache_type(
-    copies: "list[BlockCopy] | tuple[DiskCopy, ...]", cache_type: str
-) -> "list[BlockCopy] | list[DiskCopy]":
+def _of_cache_type(copies: list[BlockCopy], cache_type: str) -> list[BlockCopy]:
     return [c for c in copies if c.cache_type == cache_type]
+
+
+def _of(copies: tuple[BackingCopy, ...], tier: str, cache_type: str) -> list[BackingCopy]:
+    return [c for c in copies if c.tier == tier and c.cache_type == cache_type]

@@ -4,8 +4,9 @@
 ``sliding``). Each owns its ``CacheType`` (tiers and each request's blocks) and decides, for its
 blocks alone, what NPU and host allocation evict, what is promoted to host and what new requests
 adopt. The policies it consults are its own: the ``RetentionTracker`` of its host tier (what
-write-back keeps), ``DiskWrites`` (what goes on to disk) and ``PrefixRetention`` (prompt-cache
-lifetimes). Host retention (DESIGN section 4):
+write-back keeps), one ``BackingWrites`` per backing tier (what goes on to disk and any other
+tier behind host) and ``PrefixRetention`` (prompt-cache lifetimes). Host retention (DESIGN
+section 4):
 
   * write-through promotion: a *hit* is a new request matching an NPU-resident block (the write
     that created the block is not one). When a block's hits reach ``write_through_threshold``
@@ -19,9 +20,9 @@ lifetimes). Host retention (DESIGN section 4):
 from collections.abc import Callable
 
 from replicas.engine.request import Request
+from replicas.kv.backing_writes import BackingRules, BackingWrites
 from replicas.kv.block_pool import BlockPool
 from replicas.kv.cache_type import CacheType, HostRules
-from replicas.kv.disk_writes import DiskRules, DiskWrites
 from replicas.kv.events import Tier
 from replicas.kv.hashing import BlockHash
 from replicas.kv.hotness import HitWeights
@@ -34,7 +35,7 @@ from replicas.kv.retention import IMMEDIATE, WriteThrough, hit_threshold
 class CacheTypeManager:
     """One cache type's blocks across its tiers. Not thread-safe: one engine loop mutates it."""
 
-    __slots__ = ("_block_size", "_journal", "_prompts", "_write_through", "cache_type", "disk")
+    __slots__ = ("_block_size", "_journal", "_prompts", "_write_through", "backing", "cache_type")
 
     def __init__(
         self,
@@ -42,11 +43,11 @@ class CacheTypeManager:
         journal: Journal,
         block_size: int,
         write_through: WriteThrough,
-        disk: DiskWrites | None,
+        backing: list[BackingWrites],
         prompts: PrefixRetention,
     ) -> None:
         self.cache_type = cache_type
-        self.disk = disk  # None without a disk tier
+        self.backing = backing  # one per backing tier, nearest first
         self._journal = journal
         self._block_size = block_size
         self._write_through = write_through
@@ -113,9 +114,15 @@ class CacheTypeManager:
         )
 
     def count_host_hit(self, host_id: int) -> None:
-        """A new request reloads a host block (the disk rule counts it)."""
-        if self.disk is not None:
-            self.disk.count_host_hit(host_id)
+        """A new request reloads a host block (the backing tiers' rules count it)."""
+        if self.backing:
+            num_hits = self.cache_type.host.record_hit(host_id)
+            for writes in self.backing:
+                writes.count_host_hit(host_id, num_hits)
+
+    def writes_to(self, tier: str) -> BackingWrites:
+        """The rules that store this cache type's host blocks to backing tier ``tier``."""
+        return next(w for w in self.backing if w.tier == tier)
 
     def _count_npu_hit(self, npu_id: int) -> None:
         num_hits = self.cache_type.npu.record_hit(npu_id)
@@ -169,9 +176,9 @@ class CacheTypeManager:
 
     def allocate_host(self) -> int:
         """One host block (ref count 1), evicting the least recently used cached one if
-        needed, after planning its write-back to disk when a disk tier is on."""
-        if self.disk is not None:
-            self.disk.before_host_eviction()
+        needed, after planning its write-back to each backing tier."""
+        for writes in self.backing:
+            writes.before_host_eviction()
         (host_id,), evicted = self.cache_type.host.allocate(1)
         for _, old_hash in evicted:
             self._journal.stats.count_eviction(self.name, Tier.HOST)
@@ -207,11 +214,12 @@ class CacheTypeManager:
                 self._journal.stats.count_blocks_freed_out_of_window(self.name, num_freed)
 
     def store_landed(self, copy: BlockCopy) -> None:
-        """An NPU -> host store landed: unlock its host block (and go on to disk by the rules)."""
+        """An NPU -> host store landed: unlock its host block (and go on to the backing tiers
+        by their rules)."""
         self._journal.stats.count_block_stored(self.name)
         self.cache_type.host.free([copy.dst])
-        if self.disk is not None:
-            self.disk.host_store_landed(copy.dst)
+        for writes in self.backing:
+            writes.host_store_landed(copy.dst)
 
     def reset(self, tiers: tuple[Tier, ...]) -> None:
         """Forget the unreferenced cached blocks of ``tiers``, nearest first, announcing each."""
@@ -234,19 +242,19 @@ def build_managers(
     weights: HitWeights,
     clock: Callable[[], float],
 ) -> list[CacheTypeManager]:
-    """One manager per cache type, each with its own disk rule (with a disk tier) and the
+    """One manager per cache type, each with its own rules per backing tier and the
     prompt-cache retention they share; ``host_rules``: those in effect."""
     prompts = PrefixRetention(journal.plan, clock)
     tracker = cache_types[0].retention
     adaptive = tracker is not None and tracker.may_store_to_disk
-    rules = DiskRules(host_rules.write_through_threshold, host_rules.write_back, adaptive)
+    rules = BackingRules(host_rules.write_through_threshold, host_rules.write_back, adaptive)
     return [
         CacheTypeManager(
             c,
             journal,
             block_size,
             rules.write_through_threshold,
-            DiskWrites(c, journal, rules, weights) if c.disk is not None else None,
+            [BackingWrites(c, b.tier, journal, rules, weights) for b in c.backing],
             prompts,
         )
         for c in cache_types

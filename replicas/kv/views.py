@@ -3,7 +3,7 @@
 ``EventLog`` records the stored/removed events the manager and its collaborators emit (once a
 replica that reports to a router turns them on); ``CacheViews`` answers the read-only questions
 (usage per tier, the retention trackers' stats, the snapshot a router resyncs from) and drains
-the events, the disk tier's own changes after the others. Neither mutates a pool.
+the events, the backing tiers' own changes after the others. Neither mutates a pool.
 """
 
 from replicas.kv.cache_type import CacheType
@@ -62,22 +62,23 @@ class CacheViews:
         return tracker.policy.curve_name if tracker is not None else None
 
     def enable_events(self) -> None:
-        """Record KV events from now on; with a disk tier, the blocks the disk holds from
-        before (a restart) are announced first."""
+        """Record KV events from now on; the blocks a backing tier holds from before (a disk
+        tier after a restart) are announced first."""
         self.events.enabled = True
         for cache_type in self._cache_types:
-            if cache_type.disk is not None:
-                cache_type.disk.track_changes()
+            for level in cache_type.backing:
+                level.store.track_changes()
 
     def drain_events(self) -> list[KVEvent]:
-        """The events recorded since the last call, in order (mutates); the disk tier's follow
-        (its writes land in the background, so their order among the others does not matter)."""
+        """The events recorded since the last call, in order (mutates); the backing tiers'
+        follow (their writes land in the background, so their order among the others does not
+        matter)."""
         events = self.events.drain()
         for cache_type in self._cache_types if self.events.enabled else ():
-            disk = cache_type.disk
-            for stored, block_hash in disk.drain_changes() if disk is not None else ():
-                kind = KVEventKind.STORED if stored else KVEventKind.REMOVED
-                events.append(KVEvent(kind, Tier.DISK, block_hash, cache_type.name))
+            for level in cache_type.backing:
+                for stored, block_hash in level.store.drain_changes():
+                    kind = KVEventKind.STORED if stored else KVEventKind.REMOVED
+                    events.append(KVEvent(kind, level.tier, block_hash, cache_type.name))
         return events
 
     def snapshot(self, replica_index: int, next_seq: int) -> KVSnapshot:

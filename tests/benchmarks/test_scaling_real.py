@@ -20,7 +20,7 @@ def test_every_prefix_block_reaches_the_disk_tier_before_any_scale_in(tmp_path):
     for i, prefix in enumerate(prefixes):
         run(engine, prefix + random_tokens(rng, settings.question_len), f"r{i}")
     run(engine, random_tokens(rng, BLOCK_SIZE + 1), "last")  # the previous stores land
-    disk = engine.disk["full"]
+    disk = engine.backing["disk"]["full"]
     disk.flush()
     on_disk = set(disk.cached_hashes())
     num_blocks = settings.prefix_len // BLOCK_SIZE

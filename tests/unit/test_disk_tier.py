@@ -68,7 +68,7 @@ def warm_disk(path, prompt: list[int], **kw) -> None:
     first = engine(path, **kw)
     run(first, prompt)
     first.close()
-    assert first.disk["full"].stats().num_cached >= PREFIX_BLOCKS
+    assert first.backing["disk"]["full"].stats().num_cached >= PREFIX_BLOCKS
 
 
 def test_a_restarted_engine_serves_the_prefix_from_disk_with_cold_output(tmp_path, cold):
@@ -111,7 +111,7 @@ def test_a_damaged_block_file_is_a_miss_and_the_output_stays_correct(tmp_path, c
     assert output.num_cached_tokens == 16 * expected
     if damage == "flip":
         assert restarted.stats().cache.disk_load_failures == 1
-        assert restarted.disk["full"].stats().read_failures == 1
+        assert restarted.backing["disk"]["full"].stats().read_failures == 1
     restarted.close()
 
 
@@ -132,22 +132,22 @@ def test_another_model_or_block_size_never_reads_the_blocks(tmp_path, cold, chan
 def test_two_replicas_on_one_directory_read_each_others_blocks(tmp_path, cold):
     seen, prompt = prompt_pair(4)
     writer, reader = engine(tmp_path), engine(tmp_path)
-    assert (writer.disk["full"].slab, reader.disk["full"].slab) == (0, 1)
+    assert (writer.backing["disk"]["full"].slab, reader.backing["disk"]["full"].slab) == (0, 1)
     run(writer, seen)
-    writer.disk["full"].flush()
+    writer.backing["disk"]["full"].flush()
     time.sleep(kv_disk.PEER_REFRESH_S)
     output = run(reader, prompt)
     assert output.token_ids == run(cold, prompt).token_ids
     assert output.num_cached_tokens == 16 * PREFIX_BLOCKS
     assert reader.stats().cache.disk_hits == 16 * PREFIX_BLOCKS
-    assert reader.disk["full"].stats().num_cached == 0  # read from the writer's slab
+    assert reader.backing["disk"]["full"].stats().num_cached == 0  # read from the writer's slab
     writer.close()
     reader.close()
 
 
 def test_the_disk_budget_is_never_exceeded(tmp_path):
     small = engine(tmp_path, disk_blocks=8)
-    store = small.disk["full"]
+    store = small.backing["disk"]["full"]
     assert store.num_slots == 8
     rng = random.Random(5)
     for i in range(6):
@@ -163,9 +163,9 @@ def test_the_disk_budget_is_never_exceeded(tmp_path):
 
 def test_the_cost_rule_on_both_sides_of_its_threshold():
     # 4 blocks: reload 4 x (disk 1 ms + host 0.1 ms) = 4.4 ms against 4 x recompute.
-    assert reload_pays(4, 4, recompute_s=0.0012, host_load_s=0.0001, disk_read_s=0.001)
-    assert not reload_pays(4, 4, recompute_s=0.0010, host_load_s=0.0001, disk_read_s=0.001)
-    assert reload_pays(4, 0, recompute_s=0.0002, host_load_s=0.0001, disk_read_s=1.0)
+    assert reload_pays(4, 4 * 0.001, recompute_s=0.0012, host_load_s=0.0001)
+    assert not reload_pays(4, 4 * 0.001, recompute_s=0.0010, host_load_s=0.0001)
+    assert reload_pays(4, 0.0, recompute_s=0.0002, host_load_s=0.0001)
 
 
 @pytest.mark.parametrize("recompute_s", [1e-9, 1.0])
@@ -198,11 +198,11 @@ def test_a_disk_that_fails_to_write_leaves_a_two_tier_cache(
     monkeypatch.setattr(os, "pwrite", failing_disk)
     with caplog.at_level(logging.WARNING, logger="replicas.kv.disk"):
         run(failing, seen, "a")
-        failing.disk["full"].flush()
+        failing.backing["disk"]["full"].flush()
         output = run(failing, prompt, "b")
     assert output.token_ids == run(cold, prompt).token_ids
     assert output.num_cached_tokens == 16 * PREFIX_BLOCKS  # from the NPU tier
-    assert not failing.disk["full"].enabled
+    assert not failing.backing["disk"]["full"].enabled
     warnings = [r for r in caplog.records if "disk tier off" in r.getMessage()]
     assert len(warnings) == 1 and message in warnings[0].getMessage()
     failing.close()
@@ -214,7 +214,7 @@ def test_a_disk_path_that_cannot_be_created_leaves_a_two_tier_cache(tmp_path, co
     seen, prompt = prompt_pair(8)
     with caplog.at_level(logging.WARNING, logger="replicas.kv.disk"):
         unusable = engine(blocker / "kv")
-    assert not unusable.disk["full"].enabled
+    assert not unusable.backing["disk"]["full"].enabled
     run(unusable, seen, "a")
     output = run(unusable, prompt, "b")
     assert output.token_ids == run(cold, prompt).token_ids
@@ -226,13 +226,13 @@ def test_a_hung_disk_read_times_out_and_frees_every_block(tmp_path, cold, monkey
     seen, prompt = prompt_pair(9)
     warm_disk(tmp_path, seen)
     restarted = engine(tmp_path)
-    slow_read = restarted.disk["full"]._file.read
+    slow_read = restarted.backing["disk"]["full"]._file.read
 
     def hung(*args):
         time.sleep(0.6)
         return slow_read(*args)
 
-    monkeypatch.setattr(restarted.disk["full"]._file, "read", hung)
+    monkeypatch.setattr(restarted.backing["disk"]["full"]._file, "read", hung)
     monkeypatch.setattr(onboarding, "ONBOARD_TIMEOUT_MIN_S", 0.2)
     monkeypatch.setattr(onboarding, "ONBOARD_TIMEOUT_FACTOR", 0.0)
     output = run(restarted, prompt)
@@ -249,9 +249,11 @@ def test_a_request_aborted_while_its_disk_reads_run_frees_every_block(tmp_path, 
     seen, prompt = prompt_pair(10)
     warm_disk(tmp_path, seen)
     restarted = engine(tmp_path)
-    slow_read = restarted.disk["full"]._file.read
+    slow_read = restarted.backing["disk"]["full"]._file.read
     monkeypatch.setattr(
-        restarted.disk["full"]._file, "read", lambda *a: (time.sleep(0.05), slow_read(*a))[1]
+        restarted.backing["disk"]["full"]._file,
+        "read",
+        lambda *a: (time.sleep(0.05), slow_read(*a))[1],
     )
     restarted.add_request("r", prompt, GREEDY)
     restarted.step()
@@ -387,14 +389,14 @@ def test_a_read_landing_while_the_step_schedules_is_not_a_stall(tmp_path, cold, 
     seen, prompt = prompt_pair(14)
     warm_disk(tmp_path, seen)
     restarted = engine(tmp_path)
-    store = restarted.disk["full"]
+    store = restarted.backing["disk"]["full"]
     slow_read = store._file.read
     monkeypatch.setattr(store._file, "read", lambda *a: (time.sleep(0.002), slow_read(*a))[1])
     schedule = restarted.core.scheduler.schedule
 
     def schedule_then_let_reads_land():
         output = schedule()
-        for _, future in restarted.transfer._disk_reads:
+        for _, future in restarted.transfer._reads:
             future.result()  # the reads end after the scheduler looked, before the step polls
         return output
 
@@ -442,12 +444,12 @@ def test_the_cost_rules_inputs_are_in_the_stats(tmp_path):
     warm_disk(tmp_path, seen)
     restarted = engine(tmp_path)
     costs = restarted.stats().reload_costs
-    assert costs.recompute_s == 0.0 and costs.disk_read_s > 0  # nothing measured yet
+    assert costs.recompute_s == 0.0 and costs.read_s["disk"] > 0  # nothing measured yet
     restarted.kv_cache.set_block_costs(BlockCosts(0.5, 0.01, 0.01))
     costs = restarted.stats().reload_costs
     assert (costs.recompute_s, costs.host_load_s) == (0.5, 0.01)
     run(restarted, prompt)
-    measured = restarted.stats().reload_costs.disk_read_s
-    disk = restarted.disk["full"].stats()
+    measured = restarted.stats().reload_costs.read_s["disk"]
+    disk = restarted.backing["disk"]["full"].stats()
     assert measured == pytest.approx(disk.read_seconds / disk.blocks_read)
     restarted.close()

@@ -111,7 +111,7 @@ def test_disk_reloads_give_the_cold_output(tmp_path, kv_cache_dtype):
     writer = disk_engine(tmp_path, kv_cache_dtype)
     run(writer, first)
     writer.close()
-    assert writer.disk["full"].stats().num_cached >= PREFIX_BLOCKS
+    assert writer.backing["disk"]["full"].stats().num_cached >= PREFIX_BLOCKS
     restarted = disk_engine(tmp_path, kv_cache_dtype)
     output = run(restarted, second)
     assert output.num_cached_tokens_in(Tier.HOST) == 16 * PREFIX_BLOCKS  # disk counts as host

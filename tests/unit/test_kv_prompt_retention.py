@@ -220,7 +220,7 @@ def test_a_retained_prefix_goes_to_disk_once_its_host_copy_has_landed(tmp_path, 
         BS,
         num_host_blocks=8,
         write_through_threshold=threshold,
-        disk={"full": disk},
+        backing={"disk": {"full": disk}},
         retained_share=0.5,
         clock=clock,
     )
@@ -234,12 +234,12 @@ def test_a_retained_prefix_goes_to_disk_once_its_host_copy_has_landed(tmp_path, 
         manager.free(request)
         first = manager.take_transfer_plan()
         # Never read from host before the NPU -> host store lands: no disk store yet.
-        assert len(first.stores) == 3 and not first.disk_stores
+        assert len(first.stores) == 3 and not first.backing_stores
         manager.complete_transfer(first)
         second = manager.take_transfer_plan()
-        assert [c.block_hash for c in second.disk_stores] == request.block_hashes[:3]
-        assert {c.retained_until for c in second.disk_stores} == {clock.now + 60.0}
-        for copy in second.disk_stores:  # what KVTransfer does with each
+        assert [c.block_hash for c in second.backing_stores] == request.block_hashes[:3]
+        assert {c.retained_until for c in second.backing_stores} == {clock.now + 60.0}
+        for copy in second.backing_stores:  # what KVTransfer does with each
             disk.store(copy.block_hash, torch.zeros(2, 2), copy.retained_until)
         manager.complete_transfer(second)
         assert disk.usage().num_retained == 3

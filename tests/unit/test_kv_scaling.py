@@ -167,9 +167,9 @@ def test_a_new_engine_warmed_from_the_written_blocks_serves_them_from_host(tmp_p
     first = engine(tmp_path, threshold=0)  # NPU only: promotion off
     run(first, seen)
     held = first.hot_blocks()
-    assert first.disk["full"].stats().num_cached == 0
+    assert first.backing["disk"]["full"].stats().num_cached == 0
     num_written = first.write_hot_blocks_to_disk(time_budget_s=60.0)
-    assert num_written == len(held) == first.disk["full"].stats().num_cached
+    assert num_written == len(held) == first.backing["disk"]["full"].stats().num_cached
     first.check_integrity()
     first.close()
 
@@ -201,7 +201,7 @@ def test_warm_start_loads_the_hottest_blocks_when_the_host_tier_is_smaller(tmp_p
     first.write_hot_blocks_to_disk(time_budget_s=60.0)
     # The first engine still runs: the second reads its slab as another replica's.
     second = engine(tmp_path, host_ratio=8 / NUM_NPU_BLOCKS, threshold=0)  # 8 host blocks
-    assert second.disk["full"].slab != first.disk["full"].slab
+    assert second.backing["disk"]["full"].slab != first.backing["disk"]["full"].slab
     assert second.warm_from_disk(time_budget_s=60.0) == 8
     host = set(second.kv_cache.views.snapshot(0, 0).hashes(Tier.HOST))
     assert host == set(prefix_hashes(hot)) | set(prefix_hashes(warm))
@@ -214,7 +214,7 @@ def test_a_time_budget_of_zero_copies_nothing(tmp_path):
     first = engine(tmp_path, threshold=0)
     run(first, prompt(50))
     assert first.write_hot_blocks_to_disk(time_budget_s=0.0) == 0
-    assert first.disk["full"].stats().num_cached == 0
+    assert first.backing["disk"]["full"].stats().num_cached == 0
     first.check_integrity()
     assert first.write_hot_blocks_to_disk(time_budget_s=60.0) > 0
     second = engine(tmp_path, threshold=0)
@@ -241,7 +241,7 @@ def test_write_out_stages_npu_blocks_through_a_small_host_tier(tmp_path):
     held = first.hot_blocks()
     assert first.write_hot_blocks_to_disk(time_budget_s=60.0) == len(held) > 3
     first.check_integrity()
-    assert set(first.disk["full"].cached_hashes()) == set(held)
+    assert set(first.backing["disk"]["full"].cached_hashes()) == set(held)
     first.close()
 
 
@@ -252,7 +252,7 @@ def test_a_full_slab_takes_hotter_blocks_and_never_gives_a_hotter_one_for_colder
         run(first, hot, f"hot{i}")
     run(first, colder, "colder")
     assert first.write_hot_blocks_to_disk(time_budget_s=60.0) == 4  # the slab's 4 slots
-    disk = first.disk["full"]
+    disk = first.backing["disk"]["full"]
     assert set(disk.cached_hashes()) == set(prefix_hashes(hot))
     assert first.write_hot_blocks_to_disk(time_budget_s=60.0) == 0  # colder: kept out
     assert set(disk.cached_hashes()) == set(prefix_hashes(hot))

@@ -10,15 +10,16 @@ from replicas.kv.hashing import block_hashes
 from replicas.kv.manager import KVCacheManager
 from replicas.kv.records import (
     EMPTY_MATCH,
+    BackingCopy,
     BlockCopy,
     CacheStats,
     CacheTypeMatch,
     CacheTypeUsage,
-    DiskCopy,
     TierUsage,
     TransferPlan,
+    copy_path,
 )
-from replicas.kv.tiers import DiskIndex, TierLevel, TierStore, order_tiers
+from replicas.kv.tiers import BackingStore, TierLevel, TierStore, order_tiers
 from replicas.sampling_params import SamplingParams
 
 
@@ -72,15 +73,20 @@ def test_levels_are_ordered_nearest_to_compute_first_and_checked():
         order_tiers([npu, host, host])
     with pytest.raises(ValueError, match="exactly one of"):
         TierLevel(Tier.HOST, BlockPool(2), Disk())
-    assert npu.copy_paths == ["loads"] and host.copy_paths == ["stores", "disk_loads"]
-    assert disk.copy_paths == ["disk_stores"] and not disk.is_pooled
+    with pytest.raises(ValueError, match="is a block pool"):
+        TierLevel(Tier.HOST, store=Disk())
+    with pytest.raises(ValueError, match="needs the host tier"):
+        order_tiers([npu, disk])
+    assert (copy_path("host", "npu"), copy_path("npu", "host")) == ("loads", "stores")
+    assert copy_path("disk", "host") == "backing_loads" and not disk.is_pooled
+    assert copy_path(Tier.HOST, Tier.DISK) == "backing_stores"
 
 
 def test_a_manager_lists_its_tiers_and_matches_through_the_pooled_ones():
     two = KVCacheManager(8, 4, num_host_blocks=8)
     assert [level.tier for level in two._cache_types[0].tiers] == [Tier.NPU, Tier.HOST]
     hashes = block_hashes(list(range(13)), 4)
-    three = KVCacheManager(8, 4, num_host_blocks=8, disk={"full": Disk(hashes)})
+    three = KVCacheManager(8, 4, num_host_blocks=8, backing={"disk": {"full": Disk(hashes)}})
     (cache_type,) = three._cache_types
     assert [level.tier for level in cache_type.tiers] == list(Tier)
     request = Request("r", list(range(13)), SamplingParams(), 4)
@@ -93,11 +99,11 @@ def test_a_manager_lists_its_tiers_and_matches_through_the_pooled_ones():
 
 
 def test_by_tier_views_read_the_named_fields():
-    plan = TransferPlan([BlockCopy(1, 2)], [BlockCopy(3, 4)], (DiskCopy(5, b"s"),), ())
+    plan = TransferPlan([BlockCopy(1, 2)], [BlockCopy(3, 4)], (BackingCopy(5, b"s"),), ())
     assert plan.copies(Tier.NPU, Tier.HOST) == plan.stores
     assert plan.copies("host", "npu") == plan.loads
-    assert plan.copies(Tier.HOST, Tier.DISK) == plan.disk_stores
-    with pytest.raises(KeyError):
+    assert plan.copies(Tier.HOST, Tier.DISK) == plan.backing_stores
+    with pytest.raises(ValueError, match="no copy path"):
         plan.copies(Tier.NPU, Tier.DISK)  # not adjacent
     match = CacheTypeMatch(0, {Tier.NPU: [7, None], Tier.HOST: [None, 3]})
     assert match.block_ids(Tier.NPU) == [7, None] and match.block_ids(Tier.HOST) == [None, 3]
@@ -126,7 +132,7 @@ def test_by_tier_views_read_the_named_fields():
 
 
 class AnnouncingDisk:
-    """A test-only disk tier, defined here through ``DiskIndex`` alone: a bounded LRU of hashes
+    """A test-only disk tier, defined here through ``BackingStore`` alone: a bounded LRU of hashes
     that announces its own stores and removals, as ``DiskStore`` does."""
 
     def __init__(self, num_slots):
@@ -134,7 +140,7 @@ class AnnouncingDisk:
         self.own = {}  # hash -> None, least recently stored first
         self.changes = None
 
-    def store(self, block_hash):  # what the transfer does with a planned disk store
+    def store(self, block_hash, block=None, retained_until=0.0, weight=0.0):  # a planned store
         if len(self.own) >= self.num_slots:
             self.discard(next(iter(self.own)))
         self.own[block_hash] = None
@@ -183,6 +189,18 @@ class AnnouncingDisk:
         if self.changes is not None:
             self.changes.append((stored, block_hash))
 
+    def load_many(self, block_hashes, outs):
+        raise AssertionError("the test lands reads itself (land_with_disk)")
+
+    def flush(self, timeout=None):
+        return True
+
+    def close(self):
+        pass
+
+    def stats(self):
+        return ()
+
     # hotness: none recorded, so the most recently stored count as the hottest
     def hottest(self):
         return list(reversed(self.own))
@@ -214,9 +232,13 @@ def land_with_disk(manager, disk):
 
 def test_a_tier_defined_in_a_test_works_with_the_manager_through_the_protocol_alone():
     disk = AnnouncingDisk(num_slots=8)
-    assert isinstance(disk, DiskIndex) and isinstance(BlockPool(1), TierStore)
+    assert isinstance(disk, BackingStore) and isinstance(BlockPool(1), TierStore)
     manager = KVCacheManager(
-        8, 4, num_host_blocks=4, write_through_threshold="immediate", disk={"full": disk}
+        8,
+        4,
+        num_host_blocks=4,
+        write_through_threshold="immediate",
+        backing={"disk": {"full": disk}},
     )
     manager.views.enable_events()
     tokens = list(range(13))  # 3 full blocks + 1 token

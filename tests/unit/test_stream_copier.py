@@ -15,7 +15,7 @@ import torch
 
 from replicas.kv import host_memory
 from replicas.kv.host_memory import SLAB_ALIGN_BYTES, slab_bytes
-from replicas.kv.records import BlockCopy, DiskCopy, TransferPlan
+from replicas.kv.records import BackingCopy, BlockCopy, TransferPlan
 from replicas.kv.stream_copier import copy_runs
 from replicas.kv.transfer import KVTransfer
 
@@ -154,7 +154,7 @@ def test_plans_are_reported_in_submission_order_only_once_landed():
     transfer, rt = make()
     first = TransferPlan([BlockCopy(0, 0)], [])
     second = TransferPlan([], [BlockCopy(4, 4)])
-    disk_only = TransferPlan([], [], disk_loads=(DiskCopy(2, b"k"),))
+    disk_only = TransferPlan([], [], backing_loads=(BackingCopy(2, b"k"),))
     for plan in (first, second, disk_only):
         transfer.submit(plan)
     rt.complete("e3")  # the second plan's load
@@ -201,12 +201,12 @@ def test_a_disk_store_waits_on_the_cpu_for_the_store_into_its_host_block():
         def store(self, key, block, retained_until, weight):
             written.append((key, block.clone()))
 
-    transfer.disk = {"full": Disk()}
+    transfer.backing = {"disk": {"full": Disk()}}
     npu = transfer.npu_caches["full"]
     transfer.submit(TransferPlan([BlockCopy(5, 2)], []))  # e0 gathered, e1 stored, e2 begun
     transfer.submit(TransferPlan([BlockCopy(6, 3)], []))  # e3, e4, e5
     rt.log.clear()
-    transfer.submit(TransferPlan([], [], disk_stores=(DiskCopy(2, b"k"),)))
+    transfer.submit(TransferPlan([], [], backing_stores=(BackingCopy(2, b"k"),)))
     assert rt.log == [("cpu_wait", "e1")]  # the store into host block 2, not the other
     assert written[0][0] == b"k" and torch.equal(written[0][1], npu[5])
 
