@@ -311,6 +311,14 @@ class ReplicaActor:
             self._report([])
         return self.incarnation
 
+    async def export_blocks(self, cache_type: str, hashes: list[BlockHash]) -> tuple:
+        """The blocks of ``cache_type`` this replica holds by hash, for a replica pulling them
+        through its peer tier (``Engine.export_blocks``), taken between engine steps."""
+        self._check_engine()
+        return await self.async_engine.run_exclusive(
+            lambda: self.engine.export_blocks(cache_type, hashes)
+        )
+
     async def step_costs(self) -> StepCosts | None:
         """What this replica's engine steps cost, measured when it started (None unless the
         deployment asked: the router's ttft profile without a configured cost profile)."""

@@ -5,11 +5,13 @@ The HTTP API reads them from OpenAI's fields (``prompt_cache_key``, ``prompt_cac
 the request: the router reads ``key`` (requests sharing a key stay on one replica while it is not
 overloaded), the replica's KV cache reads ``retain_tokens`` and ``ttl_s`` (the prompt's first
 ``retain_tokens`` tokens, in whole blocks, are kept ahead of ordinary blocks in the host and disk
-tiers until ``ttl_s`` seconds after the request was admitted; DESIGN section 4, "Retention").
+tiers until ``ttl_s`` seconds after the request was admitted; DESIGN section 4, "Retention"),
+and ``peer`` (another replica holding a longer prefix, which the replica pulls it from).
 """
 
 import math
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 RETENTION_TTLS_S: dict[str, float] = {
     "5m": 300.0,
@@ -33,6 +35,17 @@ def parse_ttl(value: str, field: str) -> float:
     return seconds
 
 
+class PeerSource(NamedTuple):
+    """Another replica of the deployment that holds a longer prefix of the prompt than the one
+    serving it (named by the router, ``replicas.kv.tiers.peer``): its index, its handle (an
+    actor handle, or an in-process ``replicas.kv.tiers.peer.LocalPeer``) and how many leading
+    prompt tokens it holds (whole blocks count)."""
+
+    replica_index: int
+    handle: Any
+    num_tokens: int
+
+
 @dataclass(frozen=True, slots=True)
 class CacheHints:
     """What a request asks of the prefix cache beyond plain reuse (all optional)."""
@@ -44,6 +57,9 @@ class CacheHints:
     """Leading prompt tokens to keep for ``ttl_s`` (only whole blocks count)."""
     ttl_s: float = 0.0
     """Seconds the retained prefix outlives ordinary blocks, from the request's admission."""
+    peer: PeerSource | None = None
+    """A replica to pull the prompt's prefix from, instead of computing it again (the router
+    names one when pulling pays; a replica without the peer tier ignores it)."""
 
     def __post_init__(self) -> None:
         if self.retain_tokens < 0:

@@ -87,23 +87,24 @@ def kv_cache_manager(
     )
 
 
+def model_fingerprint(config: EngineConfig, loaded: LoadedModel) -> str:
+    """A digest of what decides a KV block's bytes (``replicas.kv.disk.model_fingerprint``):
+    blocks of equal fingerprints may be shared, on disk or between replicas."""
+    from replicas.kv.disk import model_fingerprint as fingerprint
+
+    architecture = f"{type(loaded.model).__name__}|{loaded.args!r}|{loaded.quantization}"
+    # The KV dtype (format) is the layout of the blocks' bytes: another one, another fingerprint.
+    return fingerprint(loaded.model, architecture, config.kv_cache_dtype, config.block_size)
+
+
 def open_backing(
     config: EngineConfig,
-    loaded: LoadedModel,
+    fingerprint: str,
     kv_caches: dict[str, torch.Tensor],
     num_backing_blocks: dict[str, dict[str, int]],
 ) -> "dict[str, dict[str, BackingStore]]":
     """One store per cache type of each tier behind host that is on, opened by the tier's
-    plugin (``replicas.kv.tiers``) and keyed by this model's fingerprint."""
-    if not num_backing_blocks:
-        return {}
-    from replicas.kv.disk import model_fingerprint
-
-    architecture = f"{type(loaded.model).__name__}|{loaded.args!r}|{loaded.quantization}"
-    # The KV dtype (format) is the layout of the blocks' bytes: another one, another fingerprint.
-    fingerprint = model_fingerprint(
-        loaded.model, architecture, config.kv_cache_dtype, config.block_size
-    )
+    plugin (``replicas.kv.tiers``) and keyed by this model's ``fingerprint``."""
     offload = config.scheduler_config.kv_offload_config
     options = offload.backing_options()
     stores = {}

@@ -26,12 +26,14 @@ from replicas.engine.request_checks import CheckedPrompt, RequestChecks
 from replicas.engine.sampler import Sampler
 from replicas.engine.step_meter import StepMeter, StepTimes
 from replicas.kv.capacity import plan_cache
+from replicas.kv.events import Tier
 from replicas.kv.handover import HANDOVER_BATCH_BLOCKS
 from replicas.kv.hashing import BlockHash
 from replicas.kv.host_memory import check_host_capacity, host_tier_bytes
 from replicas.kv.onboarding import ReloadCosts
 from replicas.kv.records import CacheStats, CacheTypeUsage
 from replicas.kv.retention import RetentionStats
+from replicas.kv.tiers import peer
 from replicas.kv.transfer import KVTransfer, TransferStats
 from replicas.model import LoadedModel
 from replicas.outputs import RequestOutput
@@ -130,9 +132,12 @@ class Engine:
             cuda_graphs=config.cuda_graphs,
         )
         kv_caches = self.runner.kv_caches
-        self.backing: dict[str, dict[str, BackingStore]] = assembly.open_backing(
-            config, self.loaded, kv_caches, plan.num_backing_blocks
-        )
+        self._fingerprint: str | None = None
+        self.backing: dict[str, dict[str, BackingStore]] = {}
+        if plan.num_backing_blocks:
+            self.backing = assembly.open_backing(
+                config, self.fingerprint, kv_caches, plan.num_backing_blocks
+            )
         self.kv_cache = assembly.kv_cache_manager(config, specs, plan, self.backing)
         self.transfer = (
             KVTransfer(kv_caches, plan.num_host_blocks, backing=self.backing)
@@ -216,9 +221,46 @@ class Engine:
             cache_hints=cache_hints,
             resumed=resumed,
         )
+        self._offer_peer_blocks(request, cache_hints)
         self.core.add(request)
         self.output_processor.add(request, resumed.num_emitted_chars if resumed else 0)
         return request
+
+    def _offer_peer_blocks(self, request: Request, hints: CacheHints | None) -> None:
+        """The router named a source holding a longer prefix: its blocks are the peer tier's
+        to read for this request (``replicas.kv.tiers.peer``; ignored without that tier)."""
+        stores = self.backing.get(Tier.PEER)
+        if hints is None or hints.peer is None or not stores:
+            return
+        num_blocks = min(hints.peer.num_tokens // self.block_size, len(request.block_hashes))
+        for store in stores.values():
+            store.offer(request.block_hashes[:num_blocks], hints.peer)
+
+    def export_blocks(self, cache_type: str, hashes: list[BlockHash]) -> tuple:
+        """The blocks of ``cache_type`` this replica holds in its NPU or host tier, by hash,
+        for a replica that pulls them (``replicas.kv.tiers.peer.export``: each with its
+        checksum, None for one it does not hold), after every copy in flight has landed."""
+        self.core.flush_transfers(wait=True)
+        blocks = []
+        for block_hash in hashes:
+            found = self.kv_cache.views.locate(cache_type, block_hash)
+            if found is None:
+                blocks.append(None)
+                continue
+            tier, block_id = found
+            if tier == Tier.NPU:
+                tensor = self.runner.kv_caches[cache_type][block_id]
+            else:
+                tensor = self.transfer.host_caches[cache_type][block_id]
+            blocks.append(tensor.to("cpu", copy=True))
+        return peer.export(self.fingerprint, blocks, hashes)
+
+    @property
+    def fingerprint(self) -> str:
+        """This model's KV fingerprint (``assembly.model_fingerprint``), computed once."""
+        if self._fingerprint is None:
+            self._fingerprint = assembly.model_fingerprint(self.config, self.loaded)
+        return self._fingerprint
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks; None if it is unknown or already finished."""

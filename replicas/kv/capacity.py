@@ -176,19 +176,14 @@ def plan_replica_offload(
         update["disk_bytes"] = _replica_share(
             offload.disk_bytes, data_parallel_size, block_bytes, DISK_GB_OPTION
         )
-    if offload.tiers:
-        update["tiers"] = {
-            name: {
-                **options,
-                "bytes": _replica_share(
-                    options["bytes"],
-                    data_parallel_size,
-                    block_bytes,
-                    f"kv_offload_config.tiers[{name!r}].bytes",
-                ),
-            }
-            for name, options in offload.tiers.items()
-        }
+    tiers = {}
+    for name, options in offload.tiers.items():
+        option = f"kv_offload_config.tiers[{name!r}].bytes"
+        budget = options.get("bytes")
+        share = budget and _replica_share(budget, data_parallel_size, block_bytes, option)
+        tiers[name] = {**options, "bytes": share} if share else options
+    if tiers:
+        update["tiers"] = tiers
     return offload.model_copy(update=update) if update else offload
 
 
@@ -278,6 +273,9 @@ def plan_backing_blocks(
     memory); empty without such a tier."""
     plans = {}
     for name, options in offload.backing_options().items():
+        if options.bytes is None:  # a tier that is only read: no blocks of its own
+            plans[name] = dict.fromkeys(num_npu_blocks, 0)
+            continue
         plan = _split_bytes(options.bytes, num_npu_blocks, block_bytes)
         option = (
             f"{DISK_GB_OPTION} (disk_bytes)"

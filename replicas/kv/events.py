@@ -44,14 +44,15 @@ class _TierType(type):
 
 class Tier(str, metaclass=_TierType):
     """A tier of KV blocks, by its registered name: NPU memory, host memory behind it, local
-    disk behind that (shared by the replicas of one node), and any backing tier registered
-    since (``register_tier``). Equal to (and serialised as) its plain name; ``Tier(name)``
-    raises for a name nobody registered."""
+    disk behind that (shared by the replicas of one node), other replicas' blocks pulled over
+    Ray (``peer``), and any backing tier registered since (``register_tier``). Equal to (and
+    serialised as) its plain name; ``Tier(name)`` raises for a name nobody registered."""
 
     __slots__ = ()
     NPU: "Tier"
     HOST: "Tier"
     DISK: "Tier"
+    PEER: "Tier"
 
     def __new__(cls, name: str) -> "Tier":
         tier = _BY_NAME.get(str(name))
@@ -94,6 +95,8 @@ def register_tier(traits: TierTraits) -> Tier:
         return _BY_NAME[traits.name]
     if not traits.name or not traits.name.isidentifier() or traits.name == "all":
         raise ValueError(f"a KV tier's name is an identifier other than 'all': {traits.name!r}")
+    if traits.pooled and len(_ORDER) >= 2:
+        raise ValueError(f"KV tier {traits.name!r}: a tier added to NPU and host is behind host")
     tier = str.__new__(Tier, traits.name)
     _BY_NAME[traits.name], _TRAITS[traits.name] = tier, traits
     num_pooled = sum(1 for t in _ORDER if _TRAITS[t].pooled)
@@ -118,6 +121,10 @@ def backing_tiers() -> tuple[Tier, ...]:
 Tier.NPU = register_tier(TierTraits("npu", pooled=True, hit_weight=1.0))
 Tier.HOST = register_tier(TierTraits("host", pooled=True, hit_weight=0.9))
 Tier.DISK = register_tier(TierTraits("disk", shared_by_node=True, hit_weight=0.7))
+Tier.PEER = register_tier(TierTraits("peer", hit_weight=0.5))
+"""The built-in tiers, registered here so that every process numbers them alike (a per-tier
+tuple crosses processes); a tier registered later comes after them, in registration order,
+which every process that registers it must keep."""
 
 
 def per_tier(counts: Mapping[str, int]) -> tuple[int, ...]:

@@ -336,12 +336,13 @@ class CacheStats(_Evictions):
     def counters(self) -> dict[str, int]:
         """Every counter under the flat name the reports use: the integer fields, the per-tier
         counts as ``npu_hits``, ``host_hits``, ``disk_hits``, ``npu_evictions`` and
-        ``host_evictions``, and every backing tier's as ``<tier>_<counter>``."""
+        ``host_evictions``, and a backing tier's as ``<tier>_<counter>`` (disk's always, any
+        other's once it counted)."""
         flat = {f.name: getattr(self, f.name) for f in fields(self)}
         flat = {name: value for name, value in flat.items() if isinstance(value, int)}
         for name in ("npu_hits", "host_hits", "disk_hits", "npu_evictions", "host_evictions"):
             flat[name] = getattr(self, name)
-        for tier in backing_tiers():
+        for tier in dict.fromkeys([Tier.DISK, *self.backing]):  # disk's always, as before
             for counter in BackingStats.__slots__:
                 flat[f"{tier}_{counter}"] = getattr(self, f"{tier}_{counter}")
         return flat

@@ -30,6 +30,7 @@ from replicas.kv.journal import Journal
 from replicas.kv.prompt_retention import PrefixRetention
 from replicas.kv.records import BlockCopy, CacheTypeMatch
 from replicas.kv.retention import IMMEDIATE, WriteThrough, hit_threshold
+from replicas.kv.tiers import plugin
 
 
 class CacheTypeManager:
@@ -254,7 +255,11 @@ def build_managers(
             journal,
             block_size,
             rules.write_through_threshold,
-            [BackingWrites(c, b.tier, journal, rules, weights) for b in c.backing],
+            [
+                BackingWrites(c, b.tier, journal, rules, weights)
+                for b in c.backing
+                if plugin(b.tier).writable
+            ],
             prompts,
         )
         for c in cache_types

@@ -81,6 +81,16 @@ class CacheViews:
                     events.append(KVEvent(kind, level.tier, block_hash, cache_type.name))
         return events
 
+    def locate(self, cache_type: str, block_hash: BlockHash) -> tuple[Tier, int] | None:
+        """Where a cache type holds a block in a pooled tier, nearest first: (tier, block id),
+        or None (no mutation)."""
+        found = next(c for c in self._cache_types if c.name == cache_type)
+        for tier, pool in zip(found.pooled_tiers, found.pools):
+            block_id = pool.lookup(block_hash)
+            if block_id is not None:
+                return tier, block_id
+        return None
+
     def snapshot(self, replica_index: int, next_seq: int) -> KVSnapshot:
         """Every hash each cache type holds, per tier, in the message a router resyncs from;
         ``next_seq`` is the sequence number of the replica's next event, so the caller drains

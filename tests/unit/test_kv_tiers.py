@@ -66,7 +66,11 @@ class Disk:
 def test_levels_are_ordered_nearest_to_compute_first_and_checked():
     npu, host = TierLevel(Tier.NPU, BlockPool(4)), TierLevel(Tier.HOST, BlockPool(4))
     disk = TierLevel(Tier.DISK, store=Disk())
-    assert [level.tier for level in order_tiers([disk, host, npu])] == list(Tier)
+    assert [level.tier for level in order_tiers([disk, host, npu])] == [
+        Tier.NPU,
+        Tier.HOST,
+        Tier.DISK,
+    ]
     with pytest.raises(ValueError, match="NPU tier first"):
         order_tiers([host, disk])
     with pytest.raises(ValueError, match="one level per tier"):
@@ -88,7 +92,7 @@ def test_a_manager_lists_its_tiers_and_matches_through_the_pooled_ones():
     hashes = block_hashes(list(range(13)), 4)
     three = KVCacheManager(8, 4, num_host_blocks=8, backing={"disk": {"full": Disk(hashes)}})
     (cache_type,) = three._cache_types
-    assert [level.tier for level in cache_type.tiers] == list(Tier)
+    assert [level.tier for level in cache_type.tiers] == [Tier.NPU, Tier.HOST, Tier.DISK]
     request = Request("r", list(range(13)), SamplingParams(), 4)
     assert three.match_prefix(request).num_blocks == 0  # disk blocks are never adopted as is
     assert cache_type.anywhere(hashes[0]) and not cache_type.in_pools(hashes[0])

@@ -3,7 +3,7 @@
 A tier is one file that builds a ``TierPlugin`` and calls ``register`` on import, plus its
 entry in ``BUILT_IN`` (name -> module), which imports it the first time the name is looked up::
 
-    BUILT_IN = {"npu": ..., "host": ..., "disk": "replicas.kv.tiers.disk", "<name>": "<module>"}
+    BUILT_IN = {"npu": ..., "disk": "replicas.kv.tiers.disk", ..., "<name>": "<module>"}
 
 Code outside the registry may register more at run time (``register``: a test, an extension
 imported before the engine starts). Everything tier-specific is derived from the registered
@@ -26,6 +26,7 @@ BUILT_IN: dict[str, str] = {
     "npu": "replicas.kv.tiers.npu",
     "host": "replicas.kv.tiers.host",
     "disk": "replicas.kv.tiers.disk",
+    "peer": "replicas.kv.tiers.peer",
 }
 """The tiers Strata ships, by name: the module whose import registers each."""
 
@@ -36,10 +37,11 @@ class BackingOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    bytes: int = Field(
+    bytes: int | None = Field(
+        None,
         gt=0,
         description="The tier's KV budget in bytes for the whole deployment, divided equally "
-        "among the replicas.",
+        "among the replicas (a tier that is written to needs one).",
     )
 
 
@@ -60,6 +62,9 @@ class TierPlugin(NamedTuple):
     traits: TierTraits
     options: type[BackingOptions] = BackingOptions
     open: Callable[[TierContext, Any], dict[str, BackingStore]] | None = None
+    writable: bool = True
+    """Whether host blocks are written to the tier (by the host tier's rules, with a byte
+    budget); a tier that is only read (another replica's blocks: ``peer``) takes no budget."""
 
 
 _PLUGINS: dict[str, TierPlugin] = {}
@@ -108,10 +113,16 @@ def parse_options(name: str, options: Mapping[str, Any]) -> BackingOptions:
             "NPU and host tiers are configured by their own options"
         )
     try:
-        return found.options.model_validate(dict(options))
+        parsed = found.options.model_validate(dict(options))
     except ValidationError as error:  # restated in one sentence, with the option's path
         first = error.errors()[0]
         where = ".".join(str(part) for part in first["loc"])
         raise ValueError(
             f"kv_offload_config.tiers[{name!r}].{where}: {first['msg']} (got {first['input']!r})"
         ) from None
+    if found.writable and parsed.bytes is None:
+        raise ValueError(
+            f"kv_offload_config.tiers[{name!r}].bytes is required: the tier's budget in bytes "
+            "for the whole deployment"
+        )
+    return parsed

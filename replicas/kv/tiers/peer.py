@@ -1,0 +1,233 @@
+"""The peer tier: blocks another replica of the deployment holds in its NPU or host tier, pulled
+through Ray instead of computed again.
+
+The router names a *source* for a request when another replica holds a longer prefix of its
+prompt than the replica it chose and pulling the difference costs less than computing it
+(``CacheHints.peer``). The serving replica offers the source's blocks to this tier
+(``PeerStore.offer``), so that onboarding finds them past its own match as it finds disk
+blocks, and reads them into host blocks: one call per source and batch
+(``ReplicaActor.export_blocks``, the tensors carried by Ray's object store), on the store's own
+thread. The tier is only read; nothing is written to it and it announces nothing (the blocks
+are the source's, which announces them itself)::
+
+    router          the chosen replica lacks blocks k..n that replica s holds -> source s
+    serving replica offer(hashes[:n], s); onboard: blocks k..n-1 -> host, read from s
+    source s        export_blocks: each block by hash, from NPU or host, with its checksum
+
+A block is accepted only when the source's fingerprint (model weights, architecture, KV format,
+block size) equals this replica's, its hash is the one asked for (hashes cover the
+``cache_salt``) and its checksum matches its bytes; a source that died, refused or answered
+after ``timeout_s`` costs a recompute of those blocks, never an error or a wrong token.
+"""
+
+import math
+import threading
+import time
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import torch
+from pydantic import Field
+
+from replicas.cache_hints import PeerSource
+from replicas.kv.events import Tier
+from replicas.kv.hashing import BlockHash
+from replicas.kv.records import TierUsage
+from replicas.kv.tiers.base import BackingStore
+from replicas.kv.tiers.registry import BackingOptions, TierContext, TierPlugin, register
+
+OFFER_TTL_S = 30.0
+"""How long a source's offer stands: past it, the source may have evicted the blocks."""
+DEFAULT_READ_S_PER_BYTE = 1 / 1e9
+"""What a pull is assumed to cost before one was measured (1 GB/s)."""
+
+
+class PeerOptions(BackingOptions):
+    timeout_s: float = Field(
+        2.0, gt=0, description="Longest wait for a source's answer; past it, recompute."
+    )
+
+
+class PeerBlock(NamedTuple):
+    """One exported block: its hash, the crc32 of its bytes and its tensor (on the CPU)."""
+
+    block_hash: BlockHash
+    checksum: int
+    tensor: torch.Tensor
+
+
+class PeerStats(NamedTuple):
+    blocks_pulled: int
+    pull_failures: int  # blocks asked for and not accepted (refused, missing, late, corrupt)
+    bytes_pulled: int
+    seconds: float
+
+
+def checksum(tensor: torch.Tensor) -> int:
+    """crc32 of a block's bytes."""
+    data = tensor.detach().contiguous().view(-1).view(torch.uint8)
+    return zlib.crc32(data.numpy())
+
+
+def export(fingerprint: str, blocks: list[torch.Tensor | None], hashes: list[BlockHash]):
+    """What a source answers: each found block with its hash and checksum (``PeerBlock``),
+    None for a block it no longer holds; ``fingerprint`` travels with them."""
+    exported = [
+        PeerBlock(h, checksum(t), t) if t is not None else None for h, t in zip(hashes, blocks)
+    ]
+    return fingerprint, exported
+
+
+class LocalPeer:
+    """An in-process source: an ``Engine`` of this process (tests, a process holding several
+    engines); an actor handle is the other kind."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def export_blocks(self, cache_type: str, hashes: list[BlockHash]):
+        return self.engine.export_blocks(cache_type, hashes)
+
+
+def _ask(handle: Any, cache_type: str, hashes: list[BlockHash], timeout_s: float):
+    """The source's answer (``export``'s), waiting up to ``timeout_s``."""
+    if isinstance(handle, LocalPeer):
+        return handle.export_blocks(cache_type, hashes)
+    import ray
+
+    return ray.get(handle.export_blocks.remote(cache_type, hashes), timeout=timeout_s)
+
+
+class PeerStore:
+    """The peer tier of one cache type: the blocks sources offer, read on a thread of its own.
+    The engine thread calls every method but the reads."""
+
+    def __init__(
+        self, cache_type: str, fingerprint: str, timeout_s: float, block_bytes: int
+    ) -> None:
+        self.cache_type = cache_type
+        self.fingerprint = fingerprint
+        self.timeout_s = timeout_s
+        self.block_bytes = block_bytes
+        self._offers: dict[BlockHash, tuple[PeerSource, float]] = {}  # -> source, offered at
+        self._io = ThreadPoolExecutor(1, thread_name_prefix=f"kv-peer-{cache_type}")
+        self._lock = threading.Lock()  # the counters, shared with the reading thread
+        self._pulled = self._failures = self._bytes = 0
+        self._seconds = 0.0
+
+    def offer(self, hashes: list[BlockHash], source: PeerSource) -> None:
+        """``source`` holds these blocks (the router's word): reads may ask it for them."""
+        now = time.monotonic()
+        for block_hash in hashes:
+            self._offers[block_hash] = (source, now)
+
+    def contains(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._offers
+
+    def load_many(self, block_hashes: list[BlockHash], outs: list[torch.Tensor]) -> Future:
+        by_source: dict[int, list[int]] = {}
+        sources = {}
+        for i, block_hash in enumerate(block_hashes):
+            source, _ = self._offers[block_hash]
+            by_source.setdefault(source.replica_index, []).append(i)
+            sources[source.replica_index] = source
+        return self._io.submit(self._read, block_hashes, outs, by_source, sources)
+
+    def _read(self, hashes, outs, by_source, sources) -> list[bool]:
+        ok = [False] * len(hashes)
+        start = time.perf_counter()
+        for index, positions in by_source.items():
+            asked = [hashes[i] for i in positions]
+            try:
+                answer = _ask(sources[index].handle, self.cache_type, asked, self.timeout_s)
+            except Exception:  # a dead, failed or late source: those blocks are recomputed
+                continue
+            fingerprint, blocks = answer
+            if fingerprint != self.fingerprint:
+                continue  # another model, KV format or block size: refused
+            for i, block in zip(positions, blocks):
+                ok[i] = self._accept(block, hashes[i], outs[i])
+        with self._lock:
+            self._pulled += sum(ok)
+            self._failures += len(ok) - sum(ok)
+            self._bytes += sum(o.numel() * o.element_size() for o, good in zip(outs, ok) if good)
+            self._seconds += time.perf_counter() - start
+        return ok
+
+    @staticmethod
+    def _accept(block: PeerBlock | None, block_hash: BlockHash, out: torch.Tensor) -> bool:
+        """Copy a valid block into its host block: the hash asked for, its checksum, its
+        shape and dtype; anything else is a miss."""
+        if block is None or block.block_hash != block_hash:
+            return False
+        tensor = block.tensor
+        if tensor.shape != out.shape or tensor.dtype != out.dtype:
+            return False
+        if checksum(tensor) != block.checksum:
+            return False
+        out.copy_(tensor)
+        return True
+
+    def discard(self, block_hash: BlockHash) -> None:
+        self._offers.pop(block_hash, None)
+
+    def read_seconds_per_block(self) -> float:
+        """The measured pull time per block (1 GB/s before the first pull)."""
+        with self._lock:
+            if self._pulled:
+                return self._seconds / self._pulled
+        return DEFAULT_READ_S_PER_BYTE * self.block_bytes
+
+    def retain(self, block_hash: BlockHash, until: float) -> bool:
+        return False
+
+    def expire(self) -> None:
+        """Forget offers older than ``OFFER_TTL_S``."""
+        oldest = time.monotonic() - OFFER_TTL_S
+        for block_hash in [h for h, (_, at) in self._offers.items() if at < oldest]:
+            del self._offers[block_hash]
+
+    def usage(self) -> TierUsage:
+        return TierUsage(0, 0, 0)
+
+    def cached_hashes(self) -> list[BlockHash]:
+        return []  # the source's blocks, which it announces itself
+
+    def reset(self) -> list[BlockHash]:
+        self._offers.clear()
+        return []
+
+    def track_changes(self) -> None:
+        pass
+
+    def drain_changes(self) -> list[tuple[bool, BlockHash]]:
+        return []
+
+    def store(self, block_hash, block, retained_until, weight) -> None:
+        raise RuntimeError("the peer tier is only read")
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return True
+
+    def close(self) -> None:
+        self._io.shutdown(wait=True)
+
+    def stats(self) -> PeerStats:
+        with self._lock:
+            return PeerStats(self._pulled, self._failures, self._bytes, self._seconds)
+
+
+def open_stores(context: TierContext, options: PeerOptions) -> dict[str, BackingStore]:
+    """One peer store per cache type."""
+    stores = {}
+    for cache_type in context.num_blocks:
+        shape, dtype = context.block_shapes[cache_type], context.dtypes[cache_type]
+        block_bytes = math.prod(shape) * dtype.itemsize
+        stores[cache_type] = PeerStore(
+            cache_type, context.fingerprint, options.timeout_s, block_bytes
+        )
+    return stores
+
+
+TIER = register(TierPlugin(Tier.PEER.traits, PeerOptions, open_stores, writable=False))

@@ -1,0 +1,108 @@
+"""The peer tier on two in-process engines: a prefix one replica computed is pulled by the
+other, with the cache-off output; another model, another ``cache_salt``, a corrupt block and a
+failing source are refused or missed, and the request recomputes."""
+
+import pytest
+
+from replicas.cache_hints import CacheHints, PeerSource
+from replicas.config import EngineConfig, KVOffloadConfig, PrefixCacheConfig, SchedulerConfig
+from replicas.engine.engine import Engine
+from replicas.kv.tiers import peer
+from tests.unit.engine_runs import GREEDY, run
+
+PROMPT = [(11 * i + 5) % 200 for i in range(16 * 8)] + [1, 2, 3]  # 8 full blocks and a tail
+NUM_BLOCKS = 8
+
+
+def engine(seed: int = 0, **offload) -> Engine:
+    return Engine(
+        EngineConfig(
+            model="tiny",
+            seed=seed,
+            num_npu_blocks=48,
+            scheduler_config=SchedulerConfig(
+                kv_offload_config=KVOffloadConfig(enabled=True, host_memory_ratio=1.0, **offload)
+            ),
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def cold_tokens() -> list[int]:
+    cold = Engine(
+        EngineConfig(
+            model="tiny",
+            scheduler_config=SchedulerConfig(prefix_cache_config=PrefixCacheConfig(enabled=False)),
+        )
+    )
+    return run(cold, PROMPT).token_ids
+
+
+@pytest.fixture(scope="module")
+def source() -> Engine:
+    """A replica that served the prompt: its blocks are on its NPU tier."""
+    holder = engine()
+    run(holder, PROMPT)
+    return holder
+
+
+def pull(puller: Engine, handle, request_id: str, salt: str | None = None):
+    hints = CacheHints(peer=PeerSource(1, handle, NUM_BLOCKS * 16))
+    puller.add_request(request_id, PROMPT, GREEDY, cache_hints=hints, cache_salt=salt)
+    outputs = []
+    while puller.has_unfinished_requests():
+        outputs = puller.step() or outputs
+    puller.check_integrity()
+    return outputs[-1]
+
+
+def test_a_replica_pulls_a_peers_prefix_instead_of_computing_it(source, cold_tokens):
+    puller = engine(tiers={"peer": {}})
+    output = pull(puller, peer.LocalPeer(source), "r")
+    assert output.token_ids == cold_tokens
+    assert output.num_cached_tokens == NUM_BLOCKS * 16  # loaded from host after the pull
+    stats = puller.stats()
+    assert stats.cache.peer_blocks_loaded == NUM_BLOCKS and stats.cache.peer_reloads == 1
+    assert stats.cache.hits_by_tier()["peer"] == NUM_BLOCKS * 16
+    assert stats.backing["peer"]["full"].blocks_pulled == NUM_BLOCKS
+    again = pull(puller, peer.LocalPeer(source), "again")  # now its own host blocks
+    assert again.token_ids == cold_tokens and puller.stats().cache.peer_blocks_loaded == NUM_BLOCKS
+    puller.close()
+
+
+class Corrupting(peer.LocalPeer):
+    def export_blocks(self, cache_type, hashes):
+        fingerprint, blocks = super().export_blocks(cache_type, hashes)
+        bad = blocks[0]
+        return fingerprint, [bad._replace(checksum=bad.checksum ^ 1), *blocks[1:]]
+
+
+class Failing(peer.LocalPeer):
+    def export_blocks(self, cache_type, hashes):
+        raise ConnectionError("the source died")
+
+
+@pytest.mark.parametrize("case", ["other model", "other salt", "corrupt", "dead source"])
+def test_a_refused_or_failed_pull_recomputes_with_the_right_output(source, cold_tokens, case):
+    puller = engine(seed=1 if case == "other model" else 0, tiers={"peer": {}})
+    handle = {"corrupt": Corrupting, "dead source": Failing}.get(case, peer.LocalPeer)(source)
+    other_model = case == "other model"
+    expected = run(engine(seed=1), PROMPT).token_ids if other_model else cold_tokens
+    salt = "tenant-b" if case == "other salt" else None
+    output = pull(puller, handle, "r", salt)
+    assert output.token_ids == expected
+    stats = puller.stats()
+    pulled = 0 if case != "corrupt" else NUM_BLOCKS - 1  # the rest of the prefix is useless
+    assert stats.backing["peer"]["full"].pull_failures >= 1
+    assert output.num_cached_tokens == 0 or case == "corrupt"
+    assert stats.cache.peer_blocks_loaded == pulled
+    puller.close()
+
+
+def test_the_peer_tier_takes_no_budget_and_needs_the_host_tier():
+    config = KVOffloadConfig(enabled=True, host_memory_ratio=1.0, tiers={"peer": {}})
+    assert config.backing_options()["peer"].bytes is None
+    with pytest.raises(ValueError, match=r"tiers\['peer'\] needs the host tier"):
+        KVOffloadConfig(tiers={"peer": {}})
+    with pytest.raises(ValueError, match=r"tiers\['peer'\].timeout_s"):
+        KVOffloadConfig(enabled=True, host_memory_ratio=1.0, tiers={"peer": {"timeout_s": 0}})
