@@ -20,6 +20,7 @@ through ``cluster.router_calls``; which replica is alive, through ``cluster.heal
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import logging
 import time
@@ -34,12 +35,13 @@ from cluster.health import ACTOR_LOST, HEALTH_INTERVAL_S, HEALTH_TIMEOUT_S
 from cluster.membership import Membership
 from cluster.replica_link import StreamLostError
 from replicas.actor import ReplicaUnavailableError
-from replicas.cache_hints import CacheHints
+from replicas.cache_hints import CacheHints, PeerSource
 from replicas.engine.async_engine import EngineDeadError
 from replicas.kv.hashing import BlockHash, block_hashes
 from replicas.outputs import RequestOutput
 from replicas.resume import resumed_params
 from replicas.sampling_params import SamplingParams
+from router.policies import RouteDecision
 from router.router import ReplicaRole
 
 logger = logging.getLogger(__name__)
@@ -198,18 +200,19 @@ class Dispatcher:
         catch_up = RouterCatchUp()
         for attempt in range(num_attempts):
             is_last = attempt == num_attempts - 1
-            index = await self._member_route(
+            decision = await self._member_route(
                 request, len(token_ids), hashes, full, catch_up, is_last
             )
-            if index is None:  # the router stayed behind the deployment: this attempt is spent
+            if decision is None:  # the router stayed behind the deployment: attempt spent
                 continue
+            index = decision.replica_index
             member = self.membership[index]
             stream = member.link.generate(
                 request.request_id,
                 request.prompt_token_ids,
                 params,
                 request.cache_salt,
-                request.cache_hints,
+                self._hints(request, decision),
                 resumed,
             )
             state = RunState.QUEUED
@@ -241,7 +244,7 @@ class Dispatcher:
         full: set[int],
         catch_up: "RouterCatchUp",
         is_last: bool,
-    ) -> int | None:
+    ) -> RouteDecision | None:
         """The replica the router picks (``_route``) once it is one the deployment sends
         requests to: routable (``Membership.is_routable``) and, unless ``is_last``, live as far
         as the health monitor knows. An answer naming another replica is a router behind the
@@ -252,10 +255,11 @@ class Dispatcher:
         while True:
             if request.released is not None:
                 await request.released
-            index = await self._route(request, num_prompt_tokens, hashes, full)
+            decision = await self._route(request, num_prompt_tokens, hashes, full)
+            index = decision.replica_index
             routable = self.membership.is_routable(index)
             if routable and (self.health.is_alive(index) or is_last):
-                return index  # no await from here to the call: a drain waits for it
+                return decision  # no await from here to the call: a drain waits for it
             if routable:  # lost: told again at every sighting (a restarted router forgot it)
                 self.health.mark_lost(index)
             request.released = self.router_calls.release(request.request_id)
@@ -294,8 +298,8 @@ class Dispatcher:
 
     async def _route(
         self, request: Request, num_prompt_tokens: int, hashes: list[BlockHash], full: set[int]
-    ) -> int:
-        """The replica the router picks, not one of ``full`` (their waiting queues turned the
+    ) -> RouteDecision:
+        """The router's decision: a replica not one of ``full`` (their waiting queues turned the
         request away) nor a draining one. Calls to a router that Ray is restarting wait for it
         (``max_task_retries=-1``) rather than fail."""
         start = time.perf_counter()
@@ -314,7 +318,18 @@ class Dispatcher:
         finally:
             self.counts.num_routes += 1
             self.counts.route_seconds += time.perf_counter() - start
-        return decision.replica_index
+        return decision
+
+    def _hints(self, request: Request, decision: RouteDecision) -> CacheHints | None:
+        """The request's cache hints, with the source the router named to pull the prompt's
+        prefix from (``replicas.kv.tiers.peer``) while that replica is routable and alive."""
+        source = decision.peer_source
+        if source is None or not (
+            self.membership.is_routable(source) and self.health.is_alive(source)
+        ):
+            return request.cache_hints
+        peer = PeerSource(source, self.membership[source].replica, decision.num_peer_tokens)
+        return dataclasses.replace(request.cache_hints or CacheHints(), peer=peer)
 
 
 class RouterCatchUp:
