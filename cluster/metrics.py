@@ -32,7 +32,7 @@ from prometheus_client.core import (
 from cluster.backend import ClusterStats, FrontStats, ReplicaStats
 from cluster.router_metrics import router_metric_families
 from replicas.engine.engine import EngineStats
-from replicas.kv.events import Tier
+from replicas.kv.events import Tier, backing_tiers, tiers
 from replicas.kv.records import CacheTypeStats
 from replicas.kv.retention import estimated_hit_rates
 from replicas.outputs import RequestOutput
@@ -191,27 +191,31 @@ class _CacheFamilies:
         )
 
     def add(self, label: str, stats: EngineStats) -> None:
-        has_disk = any(u.of(Tier.DISK).num_blocks for u in stats.cache_types.values())
+        # Pooled tiers' series always exist; a backing tier's once the replica has it on.
+        backing_on = {
+            tier
+            for tier in backing_tiers()
+            if any(u.of(tier).num_blocks for u in stats.cache_types.values())
+        }
         hits = stats.cache.hits_by_tier()
-        if has_disk:
-            hits.setdefault(Tier.DISK, 0)
-        for tier, value in hits.items():
-            self.hits_by_tier.add_metric([label, tier], value)
-        self.evictions.add_metric([label, Tier.NPU], stats.cache.npu_evictions)
-        self.evictions.add_metric([label, Tier.HOST], stats.cache.host_evictions)
-        if has_disk:
-            num_disk_evictions = sum(d.evictions for d in stats.backing[Tier.DISK].values())
-            self.evictions.add_metric([label, Tier.DISK], num_disk_evictions)
+        evictions = _evictions_by_tier(stats)
+        for tier in tiers():
+            if tier in hits or tier in backing_on:
+                self.hits_by_tier.add_metric([label, tier], hits.get(tier, 0))
+            if tier.traits.pooled or tier in backing_on:
+                self.evictions.add_metric([label, tier], evictions.get(tier, 0))
+        if Tier.DISK in backing_on:
             for event, value in _DISK_EVENTS:
                 self.disk_events.add_metric([label, event], value(stats.cache))
         for cache_type, counts in stats.cache.by_cache_type.items():
             for event, value in _PER_TYPE_EVENTS:
                 self.per_type.add_metric([label, cache_type, event], value(counts))
+        pooled = {tier for tier in tiers() if tier.traits.pooled}
         for cache_type, usage in stats.cache_types.items():
-            tiers = usage.by_tier()
-            tiers.setdefault(Tier.HOST, (0, 0, 0))  # host series exist with the tier off too
-            for tier, (num_blocks, num_used, num_cached) in tiers.items():
-                if tier != Tier.DISK:  # disk slots are never held by a request
+            tiers_on = usage.by_tier()
+            tiers_on.setdefault(Tier.HOST, (0, 0, 0))  # host series exist with the tier off too
+            for tier, (num_blocks, num_used, num_cached) in tiers_on.items():
+                if tier in pooled:  # a backing tier's slots are never held by a request
                     self.used.add_metric([label, tier, cache_type], num_used)
                 self.cached.add_metric([label, tier, cache_type], num_cached)
                 self.capacity.add_metric([label, tier, cache_type], num_blocks)
@@ -229,6 +233,16 @@ class _CacheFamilies:
             self.retained,
             self.disk_events,
         ]
+
+
+def _evictions_by_tier(stats: EngineStats) -> dict[str, int]:
+    """Cached blocks evicted per tier: the prefix cache's counts, and for disk its stores' own
+    (blocks overwritten in the replica's slab)."""
+    evictions: dict[str, int] = dict(stats.cache.evictions)
+    disk = stats.backing.get(Tier.DISK)
+    if disk:
+        evictions[Tier.DISK] = sum(d.evictions for d in disk.values())
+    return evictions
 
 
 class _RetentionFamilies:

@@ -58,13 +58,14 @@ def router_metric_families(router_stats: RouterStats | None) -> list[Metric]:
         routed.add_metric([label], replica.num_requests_routed)
         num_npu_matched = replica.num_matched_tokens_in(Tier.NPU)
         matched.add_metric([label, Tier.NPU], num_npu_matched)
-        # The host series counts every matched token past the NPU (disk tier included).
+        # The host series counts every matched token past the NPU: a backing tier's blocks
+        # (disk's, any registered one's) reach the NPU through host.
         matched.add_metric([label, Tier.HOST], replica.num_matched_tokens - num_npu_matched)
         fraction.add_metric([label], _fraction_buckets(replica), replica.matched_fraction_sum)
         load.add_metric([label], replica.load_tokens)
         live.add_metric([label], 1.0 if replica.is_live else 0.0)
         for tier, num_blocks in zip(tiers(), replica.num_indexed_blocks_by_tier):
-            if num_blocks or tier in (Tier.NPU, Tier.HOST):  # a deeper tier's once it has blocks
+            if num_blocks or tier.traits.pooled:  # a backing tier's once it has blocks
                 indexed.add_metric([label, tier], num_blocks)
         gaps.add_metric([label], replica.num_event_gaps)
         resyncs.add_metric([label], replica.num_resyncs)

@@ -6,9 +6,12 @@ composes this model and passes ``enable_prefix_caching`` from the replicas' pref
 """
 
 import math
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from replicas.kv.events import Tier, backing_tiers, tiers
 
 SCORING_PROFILES: dict[str, tuple[float, float]] = {
     "balanced": (0.55, 0.45),
@@ -57,6 +60,12 @@ class TTFTCosts(BaseModel):
     disk_reload_s_per_block: float = Field(
         0.0, ge=0, description="Disk -> host -> NPU time of one block on the replica's node."
     )
+    tier_reload_s_per_block: dict[str, float] = Field(
+        default_factory=dict,
+        description="routing.ttft_costs.tier_reload_s_per_block: the time of one block read "
+        "from a backing tier other than disk into host and loaded to the NPU, by tier name (a "
+        "tier left out costs disk_reload_s_per_block).",
+    )
     max_num_batched_tokens: int = Field(
         2048, ge=1, description="Tokens one engine step computes at most (its scheduler's)."
     )
@@ -73,6 +82,30 @@ class TTFTCosts(BaseModel):
         description="Among replicas predicted within (1 + slack) x the lowest TTFT, the one "
         "caching the longest prefix wins (0: the lowest TTFT wins).",
     )
+
+    @model_validator(mode="after")
+    def _check(self) -> "TTFTCosts":
+        option = "routing.ttft_costs.tier_reload_s_per_block"
+        backing = [t for t in backing_tiers() if t != Tier.DISK]
+        for name, cost in self.tier_reload_s_per_block.items():
+            if name not in backing:
+                raise ValueError(
+                    f"{option} names {name!r}, which is not a registered backing KV tier other "
+                    f"than disk (those are: {_names(backing)})"
+                )
+            if not (math.isfinite(cost) and cost >= 0):
+                raise ValueError(f"{option}[{name!r}] must be a non-negative number, got {cost}")
+        return self
+
+    def reload_s_per_block_of(self, tier: Tier) -> float:
+        """The time to bring one block of ``tier`` to the NPU: none for the NPU, host's
+        ``reload_s_per_block`` for a pooled tier, disk's for disk and for a backing tier that
+        ``tier_reload_s_per_block`` leaves out."""
+        if tier == Tier.NPU:
+            return 0.0
+        if Tier(tier).traits.pooled:
+            return self.reload_s_per_block
+        return self.tier_reload_s_per_block.get(tier, self.disk_reload_s_per_block)
 
 
 class RoutingConfig(BaseModel):
@@ -120,6 +153,12 @@ class RoutingConfig(BaseModel):
         description="--data-parallel-disk-hit-weight: what a block only the replica's node disk "
         "tier holds counts for in the prefix score, as a fraction of an NPU-matched block "
         "(0 to 1).",
+    )
+    tier_hit_weights: dict[str, float] = Field(
+        default_factory=dict,
+        description="routing.tier_hit_weights: what a matched block only another registered "
+        "tier holds counts for in the prefix score, by tier name (0 to 1); a tier left out "
+        "counts its registered hit_weight. Host and disk take theirs from their own options.",
     )
     enable_prefix_caching: bool = Field(
         True,
@@ -178,6 +217,7 @@ class RoutingConfig(BaseModel):
                 f"--data-parallel-host-hit-weight must be between 0 and 1, "
                 f"got {self.host_hit_weight}"
             )
+        _check_tier_hit_weights(self.tier_hit_weights)
         return self
 
     @property
@@ -216,3 +256,43 @@ def _check_custom_weights(prefix_weight: float | None, load_weight: float | None
         raise ValueError(
             "--data-parallel-prefix-weight and --data-parallel-load-weight cannot both be zero"
         )
+
+
+_BUILT_IN_WEIGHTS = {
+    Tier.NPU: "an NPU block is the unit the others are weighed against",
+    Tier.HOST: "set it with --data-parallel-host-hit-weight",
+    Tier.DISK: "set it with --data-parallel-disk-hit-weight",
+}
+"""The tiers whose weights ``routing.tier_hit_weights`` does not set, and why."""
+
+
+def tier_hit_weight(
+    tier: Tier, host_hit_weight: float, disk_hit_weight: float, overrides: Mapping[str, float]
+) -> float:
+    """The prefix-score credit of a matched block of ``tier``: 1 for the NPU, host's and
+    disk's from their options, another tier's from ``overrides`` or else its registration."""
+    if tier == Tier.NPU:
+        return 1.0
+    if tier == Tier.HOST:
+        return host_hit_weight
+    if tier == Tier.DISK:
+        return disk_hit_weight
+    return overrides.get(tier, Tier(tier).traits.hit_weight)
+
+
+def _check_tier_hit_weights(weights: Mapping[str, float]) -> None:
+    option = "routing.tier_hit_weights"
+    for name, weight in weights.items():
+        if name in _BUILT_IN_WEIGHTS:
+            raise ValueError(f"{option} cannot weigh the {name} tier: {_BUILT_IN_WEIGHTS[name]}")
+        if name not in tiers():
+            raise ValueError(
+                f"{option} names {name!r}, which is not a registered KV tier (those are: "
+                f"{_names(tiers())})"
+            )
+        if not (0.0 <= weight <= 1.0):
+            raise ValueError(f"{option}[{name!r}] must be between 0 and 1, got {weight}")
+
+
+def _names(names: Sequence[str]) -> str:
+    return ", ".join(repr(str(name)) for name in names) or "none"

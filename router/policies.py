@@ -7,7 +7,8 @@ chosen replica afterwards. Policies are classes chosen by ``RoutingConfig.policy
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import ClassVar, NamedTuple
 
 from replicas.kv.events import Tier, tier_count, tiers
@@ -18,11 +19,9 @@ from router.config import (
     SCORING_PROFILES,
     RoutingConfig,
     TTFTCosts,
+    tier_hit_weight,
 )
 from router.prefix_index import IndexMatch
-
-_NPU, _HOST, _DISK = (tiers().index(tier) for tier in (Tier.NPU, Tier.HOST, Tier.DISK))
-"""Where each tier's count sits in a per-tier tuple (scoring reads them for every replica)."""
 
 
 class ReplicaQueues(NamedTuple):
@@ -55,13 +54,15 @@ class RouteDecision(NamedTuple):
 class RoutingPolicy(ABC):
     """Picks a replica among the live ones; shared scoring helpers live here.
 
-    ``prefix_score`` of a replica whose cached prefix is ``npu`` NPU blocks then ``host`` host-only
-    blocks (in any interleaving), for a prompt of ``P`` tokens::
+    ``prefix_score`` of a replica whose cached prefix is ``blocks[t]`` blocks in each tier ``t``
+    (``npu`` NPU blocks and ``host`` host-only blocks in any interleaving, then the blocks
+    only a backing tier such as the node's disk holds), for a prompt of ``P`` tokens::
 
-        prefix_score = min(1, (npu + host_hit_weight * host + disk_hit_weight * disk)
+        prefix_score = min(1, (npu + sum(weight[t] * blocks[t] for t past the NPU))
                               * block_size / P)                              (0 when P = 0)
 
-    (``disk``: the blocks after those that only the replica's node disk tier holds.)
+    with ``weight[t]`` the tier's ``tier_weight``: host_hit_weight for host, disk_hit_weight
+    for disk, another tier's ``tier_hit_weights`` entry or else its registered hit weight.
 
     ``load_score`` of live replica i, with ``load`` the active context tokens per replica::
 
@@ -79,7 +80,12 @@ class RoutingPolicy(ABC):
 
     name: ClassVar[str]
     disk_hit_weight: float = DEFAULT_DISK_HIT_WEIGHT  # make_policy sets the config's
+    tier_hit_weights: Mapping[str, float] = MappingProxyType({})
+    """Weights by tier name past host and disk (make_policy sets the config's): a read-only
+    mapping, replaced (not changed in place) to change a weight."""
     key_overload_factor: float = DEFAULT_KEY_OVERLOAD_FACTOR  # make_policy sets the config's
+    _weights_key: tuple = ()
+    _weights: tuple[float, ...] = ()
 
     def __init__(self, block_size: int, host_hit_weight: float) -> None:
         if block_size <= 0:
@@ -121,15 +127,30 @@ class RoutingPolicy(ABC):
         num = num_prompt_tokens
         return load_tokens[replica] + num > self.key_overload_factor * (least + num)
 
-    def prefix_score(self, match: IndexMatch, num_prompt_tokens: int) -> float:
+    def tier_weight(self, tier: Tier) -> float:
+        """What a matched block of ``tier`` counts for, against 1 for an NPU block."""
+        return tier_hit_weight(
+            tier, self.host_hit_weight, self.disk_hit_weight, self.tier_hit_weights
+        )
+
+    def tier_weights(self) -> tuple[float, ...]:
+        """Every registered tier's ``tier_weight``, in ``tiers()`` order; rebuilt when a tier
+        is registered or a weight changes (scoring reads it for every replica)."""
+        key = (len(Tier), self.host_hit_weight, self.disk_hit_weight, self.tier_hit_weights)
+        if key != self._weights_key:
+            self._weights_key = key
+            self._weights = tuple(self.tier_weight(tier) for tier in tiers())
+        return self._weights
+
+    def prefix_score(
+        self, match: IndexMatch, num_prompt_tokens: int, weights: Sequence[float] | None = None
+    ) -> float:
+        """``weights``: ``tier_weights()``, when the caller scores many matches at once."""
         if num_prompt_tokens <= 0:
             return 0.0
-        blocks = match.num_blocks_by_tier
-        weighted_blocks = (
-            blocks[_NPU]
-            + self.host_hit_weight * blocks[_HOST]
-            + self.disk_hit_weight * blocks[_DISK]
-        )
+        weighted_blocks = 0.0
+        for weight, num_blocks in zip(weights or self.tier_weights(), match.num_blocks_by_tier):
+            weighted_blocks += weight * num_blocks
         return min(1.0, weighted_blocks * self.block_size / num_prompt_tokens)
 
     @staticmethod
@@ -221,8 +242,9 @@ class ScoringPolicy(RoutingPolicy):
             key_replica = None  # the load rule wins: scored as if the request had no key
         best_score = -math.inf
         tied: list[tuple[int, float, float]] = []  # (replica, prefix_score, load_score)
+        weights = self.tier_weights()
         for replica in live:
-            prefix_score = self.prefix_score(matches[replica], num_prompt_tokens)
+            prefix_score = self.prefix_score(matches[replica], num_prompt_tokens, weights)
             if replica == key_replica:
                 prefix_score = 1.0  # the key's earlier requests: counted as the whole prompt
             load_score = self.load_score(load_tokens[replica], total_live_load, num_prompt_tokens)
@@ -321,10 +343,12 @@ class TTFTPolicy(ScoringPolicy):
         prefill = prefill_s_per_token x work + prefill_s_per_token_context x s x (m + s / 2)
         steps   = ceil(work / max_num_batched_tokens)
         decode  = steps x (step_s + decode_s_per_seq x n + decode_s_per_context_token x (L - q))
-        ttft    = prefill + decode + reload_s_per_block x host + disk_reload_s_per_block x disk
+        ttft    = prefill + decode + sum(reload[t] x blocks[t] for every tier t)
 
     i.e. the queue ahead is served first, each step also advances the replica's running
-    sequences, and host-only blocks are reloaded. ``score`` is ``-ttft``."""
+    sequences, and the blocks past the NPU are reloaded: ``reload[t]`` is the costs'
+    ``reload_s_per_block_of(t)`` (host: reload_s_per_block, disk: disk_reload_s_per_block, another
+    backing tier: its tier_reload_s_per_block entry, else disk's). ``score`` is ``-ttft``."""
 
     name = "ttft"
 
@@ -332,6 +356,8 @@ class TTFTPolicy(ScoringPolicy):
         super().__init__(block_size, host_hit_weight, *SCORING_PROFILES[DEFAULT_SCORING_PROFILE])
         self.costs = costs
         self._best_blocks = 0
+        self._reload_key: tuple = ()
+        self._reload: tuple[float, ...] = ()
 
     @classmethod
     def from_config(cls, config: RoutingConfig, block_size: int) -> "TTFTPolicy":
@@ -361,9 +387,25 @@ class TTFTPolicy(ScoringPolicy):
         decode = steps * (
             c.step_s + c.decode_s_per_seq * num_requests + c.decode_s_per_context_token * running
         )
-        blocks = match.num_blocks_by_tier
-        reload = c.reload_s_per_block * blocks[_HOST]
-        return prefill + decode + reload + c.disk_reload_s_per_block * blocks[_DISK]
+        ttft = prefill + decode
+        for reload_s, num_blocks in zip(self.reload_costs(), match.num_blocks_by_tier):
+            ttft += reload_s * num_blocks
+        return ttft
+
+    def reload_costs(self) -> tuple[float, ...]:
+        """Every registered tier's reload time per block, in ``tiers()`` order (the NPU's 0);
+        rebuilt when a tier is registered or the costs change."""
+        c = self.costs
+        key = (
+            len(Tier),
+            c.reload_s_per_block,
+            c.disk_reload_s_per_block,
+            c.tier_reload_s_per_block,
+        )
+        if key != self._reload_key:
+            self._reload_key = (*key[:3], dict(c.tier_reload_s_per_block))
+            self._reload = tuple(c.reload_s_per_block_of(tier) for tier in tiers())
+        return self._reload
 
     def choose(
         self,
@@ -442,5 +484,6 @@ def make_policy(config: RoutingConfig, block_size: int) -> RoutingPolicy:
     else:
         policy = POLICIES[config.policy].from_config(config, block_size)
     policy.disk_hit_weight = config.disk_hit_weight
+    policy.tier_hit_weights = MappingProxyType(dict(config.tier_hit_weights))
     policy.key_overload_factor = config.key_overload_factor
     return policy

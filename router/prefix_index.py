@@ -8,6 +8,7 @@ prompt's cached prefix on a replica is the leading run of its block hashes that 
 import sys
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
+from functools import cache
 from itertools import repeat, takewhile
 from typing import NamedTuple
 
@@ -17,6 +18,7 @@ from replicas.kv.events import (
     KVEventKind,
     KVSnapshot,
     Tier,
+    backing_tiers,
     per_tier,
     tier_count,
     tiers,
@@ -33,8 +35,9 @@ class IndexMatch(NamedTuple):
     """The cached prefix of one prompt on one replica, in blocks per tier: a per-tier tuple
     (``replicas.kv.events.tiers()`` order, one entry per tier).
 
-    A block held in both NPU and host counts as NPU (it is reusable without a reload). Disk
-    blocks (``router.disk_index``) continue the prefix after the NPU/host run.
+    A block held in both NPU and host counts as NPU (it is reusable without a reload). Blocks
+    of the backing tiers (``router.backing_index``) continue the prefix after the NPU/host run.
+    A match built before a tier was registered is shorter: its missing entries count 0.
     """
 
     num_blocks_by_tier: tuple[int, ...]
@@ -51,16 +54,22 @@ class IndexMatch(NamedTuple):
     def num_blocks_in(self, tier: Tier) -> int:
         return tier_count(self.num_blocks_by_tier, tier)
 
-    def with_blocks_in(self, tier: Tier, num_blocks: int) -> "IndexMatch":
-        """This match with ``num_blocks`` in ``tier`` instead."""
+    def with_blocks(self, num_blocks: Mapping[Tier, int]) -> "IndexMatch":
+        """This match with ``num_blocks[tier]`` in each tier of ``num_blocks`` instead."""
+        order = tiers()
         num_blocks_by_tier = list(self.num_blocks_by_tier)
-        num_blocks_by_tier[tiers().index(tier)] = num_blocks
+        num_blocks_by_tier += [0] * (len(order) - len(num_blocks_by_tier))
+        for tier, count in num_blocks.items():
+            num_blocks_by_tier[order.index(tier)] = count
         return IndexMatch(tuple(num_blocks_by_tier))
 
 
-_PAST_HOST = (0,) * (len(tiers()) - 2)
-"""A ``PrefixIndex`` match's entries for the tiers after NPU and host, which it does not hold."""
-NO_MATCH = IndexMatch.of({})
+@cache
+def _empty(num_tiers: int) -> tuple[IndexMatch, tuple[int, ...]]:
+    """With ``num_tiers`` tiers registered: no match, and a ``PrefixIndex`` match's entries for
+    the tiers after NPU and host, which it does not hold."""
+    past_host = (0,) * (num_tiers - 2)
+    return IndexMatch((0, 0, *past_host)), past_host
 
 
 class PrefixIndex:
@@ -112,11 +121,11 @@ class PrefixIndex:
         bit = 1 << replica
         holders, width, field = self._holders, self._field_bits, self._field_mask
         npu_tier, host_tier = Tier.NPU, Tier.HOST  # locals: enum attributes are slow to read
-        disk_tier = Tier.DISK  # the node's disk tier: router.disk_index follows it
+        backing = frozenset(backing_tiers())  # router.backing_index follows these
         stored, removed = KVEventKind.STORED, KVEventKind.REMOVED
         cache_type = self.cache_type
         for kind, tier, block_hash, event_cache_type in batch.events:
-            if event_cache_type != cache_type or tier == disk_tier:
+            if event_cache_type != cache_type or tier in backing:
                 continue
             entry = holders.get(block_hash, 0)
             npu, host = entry & ~(entry >> width) & field, entry >> (2 * width)  # _decode inline
@@ -198,7 +207,7 @@ class PrefixIndex:
         """Cached prefix of a prompt on each replica (read-only).
 
         Returns one ``IndexMatch`` per replica index (``num_replicas`` of them); replicas not in
-        ``replicas`` get ``NO_MATCH``. A replica's match is the longest leading run of
+        ``replicas`` get no match (0 blocks). A replica's match is the longest leading run of
         ``block_hashes`` it holds in any tier, counted per tier.
 
         One pass of dict look-ups stops at the first hash no replica holds; the entries are then
@@ -213,7 +222,8 @@ class PrefixIndex:
         entries = list(takewhile(bool, map(self._holders.get, block_hashes, repeat(0))))
         raw, stride = self._entry_bytes(entries)
         num_lanes = self._num_lanes
-        matches = [NO_MATCH] * self.num_replicas
+        no_match, past_host = _empty(len(Tier))
+        matches = [no_match] * self.num_replicas
         for lane in range(num_lanes):
             still = (candidates >> (lane * _LANE_BITS)) & 0xFF
             if not still:
@@ -227,10 +237,10 @@ class PrefixIndex:
                 if pos < 0:
                     pos = len(entries)
                 held = any_bytes[pos] if pos < len(entries) else 0
-                if pos:  # replicas dropping out at block 0 keep their NO_MATCH
+                if pos:  # replicas dropping out at block 0 keep no match
                     for bit in _bits(still & ~held):
                         num_host = host_only_bytes[:pos].translate(_BIT_TABLES[bit]).count(1)
-                        num_blocks = (pos - num_host, num_host, *_PAST_HOST)
+                        num_blocks = (pos - num_host, num_host, *past_host)
                         matches[lane * _LANE_BITS + bit] = IndexMatch(num_blocks)
                 still &= held
         return matches
@@ -246,7 +256,7 @@ class PrefixIndex:
         bit = 1 << replica << self._field_bits
         get = self._holders.get
         num_host = sum(1 for h in block_hashes if get(h, 0) & bit)
-        return IndexMatch((len(block_hashes) - num_host, num_host, *_PAST_HOST))
+        return IndexMatch((len(block_hashes) - num_host, num_host, *_empty(len(Tier))[1]))
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless every entry is well formed and the counts agree."""

@@ -253,7 +253,7 @@ class Router:
         sync = self._replica_sync(replica)
         sync.is_live = False
         sync.needs_resync = False
-        self._caches.clear_replica(replica, with_disk=False)
+        self._caches.clear_replica(replica, with_node_tiers=False)
         self._load.clear_replica(replica)
         self._affinity.clear_replica(replica)
         self._relist()
@@ -265,8 +265,8 @@ class Router:
         sync = self._replica_sync(replica)
         if sync.role == ReplicaRole.RETIRED:
             return
-        # its disk blocks too: a fresh process announces them again
-        self._caches.clear_replica(replica, with_disk=True)
+        # its blocks in node-shared tiers too: a fresh process announces them again
+        self._caches.clear_replica(replica, with_node_tiers=True)
         self._load.clear_replica(replica)
         sync.is_live = True
         sync.next_seq = next_seq
@@ -308,10 +308,11 @@ class Router:
 
     def retire(self, replica: int, snapshot: KVSnapshot | None = None) -> None:
         """Forget ``replica`` for good (mutates; idempotent): as ``mark_dead``, and it never
-        rejoins. Its disk blocks stay credited to its node (its slab stays readable): those of
-        ``snapshot`` when given (its last one, taken after it wrote its hot blocks to disk)."""
+        rejoins. Its blocks in node-shared tiers (disk) stay credited to its node (its slab stays
+        readable): those of ``snapshot`` when given (its last one, taken after it wrote its hot
+        blocks to disk)."""
         if snapshot is not None and self._sync[replica].role != ReplicaRole.RETIRED:
-            self._caches.load_disk_snapshot(snapshot)
+            self._caches.load_node_snapshot(snapshot)
         self.mark_dead(replica)
         self._sync[replica].role = ReplicaRole.RETIRED
         self._relist()

@@ -80,8 +80,10 @@ class RoutingCounters:
         fraction = num_matched_tokens / num_prompt_tokens if num_prompt_tokens > 0 else 0.0
         self.num_requests_routed += 1
         self.num_matched_tokens += num_matched_tokens
+        by_tier = self.num_matched_tokens_by_tier
+        by_tier += [0] * (len(num_matched_tokens_by_tier) - len(by_tier))  # a tier registered since
         for i, num_tokens in enumerate(num_matched_tokens_by_tier):
-            self.num_matched_tokens_by_tier[i] += num_tokens
+            by_tier[i] += num_tokens
         self.matched_fraction_sum += fraction
         self.bucket_counts[bisect_left(MATCHED_FRACTION_BUCKETS, fraction)] += 1
 

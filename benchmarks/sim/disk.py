@@ -13,7 +13,7 @@ the disk reads the hottest first). The weights of ordinary stores are the simula
 
 With ``announces``, each replica announces its own slab's blocks through its KV events, as a
 real ``DiskStore`` does, and the router credits a node's disk blocks to every replica on the
-node (``router.disk_index``); without it the simulated router credits NPU and host blocks only.
+node (``router.backing_index``); without it the simulated router credits NPU and host blocks only.
 """
 
 from collections import OrderedDict

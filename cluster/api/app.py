@@ -8,7 +8,8 @@
     GET  /metrics               Prometheus text (needs the key unless metrics_public)
     POST /v1/admin/reset_prefix_cache   forget every replica's unreferenced cached blocks of a
                                 tier (``tier`` in the JSON body or the query: all, npu, host,
-                                disk); also as vLLM's ``POST /reset_prefix_cache`` and SGLang's
+                                disk or another registered tier); also as vLLM's
+                                ``POST /reset_prefix_cache`` and SGLang's
                                 ``POST /flush_cache``, with the same key rule
     POST /v1/admin/scale        resize the deployment: {"data_parallel_size": N} (400 naming
                                 data_parallel_size for a bad size, 409 for a deployment that

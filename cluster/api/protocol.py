@@ -68,7 +68,7 @@ from cluster.api.messages import (  # noqa: F401  (the chat messages and tools, 
     ToolCall,
 )
 from replicas.cache_hints import DEFAULT_TTL, RETENTION_TTLS_S, CacheHints, parse_ttl
-from replicas.kv.events import Tier
+from replicas.kv.events import tiers
 from replicas.kv.manager import ALL_TIERS
 
 MAX_TOP_LOGPROBS = 20
@@ -79,8 +79,10 @@ class ResetPrefixCacheRequest(_Body):
     # An admin action: a misspelt field must not widen what it forgets to every tier.
     model_config = ConfigDict(extra="forbid")
 
-    tier: Literal[(ALL_TIERS, *(tier.value for tier in Tier))] = Field(
-        ALL_TIERS, description="Which tier's unreferenced cached blocks to forget."
+    tier: str = Field(
+        ALL_TIERS,
+        description="Which tier's unreferenced cached blocks to forget: all, or a registered "
+        "tier's name (npu, host, disk, ...).",
     )
     # vLLM's query flags, for clients of its /reset_prefix_cache.
     reset_running_requests: bool = Field(
@@ -92,6 +94,16 @@ class ResetPrefixCacheRequest(_Body):
     reset_connector: bool = Field(
         False, description="vLLM's older name of reset_external; tier all includes it."
     )
+
+    @field_validator("tier")
+    @classmethod
+    def _known_tier(cls, tier: str) -> str:
+        # The tiers registered when the request comes, not when this module was imported.
+        choices = (ALL_TIERS, *tiers())
+        if tier not in choices:
+            names = ", ".join(repr(str(choice)) for choice in choices)
+            raise ValueError(f"tier must be one of {names}; got {tier!r}")
+        return tier
 
 
 class ScaleRequest(_Body):

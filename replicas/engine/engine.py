@@ -229,7 +229,7 @@ class Engine:
     def _offer_peer_blocks(self, request: Request, hints: CacheHints | None) -> None:
         """The router named a source holding a longer prefix: its blocks are the peer tier's
         to read for this request (``replicas.kv.tiers.peer``; ignored without that tier)."""
-        stores = self.backing.get(Tier.PEER)
+        stores = self.backing.get("peer")
         if hints is None or hints.peer is None or not stores:
             return
         num_blocks = min(hints.peer.num_tokens // self.block_size, len(request.block_hashes))

@@ -52,7 +52,6 @@ class Tier(str, metaclass=_TierType):
     NPU: "Tier"
     HOST: "Tier"
     DISK: "Tier"
-    PEER: "Tier"
 
     def __new__(cls, name: str) -> "Tier":
         tier = _BY_NAME.get(str(name))
@@ -121,10 +120,11 @@ def backing_tiers() -> tuple[Tier, ...]:
 Tier.NPU = register_tier(TierTraits("npu", pooled=True, hit_weight=1.0))
 Tier.HOST = register_tier(TierTraits("host", pooled=True, hit_weight=0.9))
 Tier.DISK = register_tier(TierTraits("disk", shared_by_node=True, hit_weight=0.7))
-Tier.PEER = register_tier(TierTraits("peer", hit_weight=0.5))
-"""The built-in tiers, registered here so that every process numbers them alike (a per-tier
-tuple crosses processes); a tier registered later comes after them, in registration order,
-which every process that registers it must keep."""
+"""The tiers every process knows, registered here so that every process numbers them alike (a
+per-tier tuple crosses processes). A tier registered later (``peer`` when a config names it,
+any other tier) comes after them, in registration order, which every process registering it
+keeps (they register the tiers a config names, in its order); a process that never registered
+it reads its entries as 0 (``tier_count``)."""
 
 
 def per_tier(counts: Mapping[str, int]) -> tuple[int, ...]:

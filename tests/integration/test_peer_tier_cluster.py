@@ -10,6 +10,7 @@ from cluster.deploy import RayBackend
 from replicas.kv.events import Tier
 from replicas.sampling_params import SamplingParams
 from tests.integration.test_cluster import run, run_one
+from tests.tier_registry import restored_tier_registry
 
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
 PREFIX = list(range(1, 161))  # 10 full blocks
@@ -35,6 +36,13 @@ def backend(ray_session):
     started = RayBackend(config, name="t-peer")
     yield started
     started.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def peer_registered():
+    """The config registers the peer tier in this process; the registry is as before after."""
+    with restored_tier_registry():
+        yield
 
 
 def test_a_replica_pulls_the_prefix_another_replica_computed(backend):

@@ -11,7 +11,7 @@ import torch
 
 from replicas.kv.events import TierTraits
 from replicas.kv.records import TierUsage
-from replicas.kv.tiers import BackingOptions, BackingStore, TierContext, TierPlugin, register
+from replicas.kv.tiers import BackingOptions, BackingStore, TierContext, TierPlugin
 
 
 class MemoStats(NamedTuple):
@@ -108,4 +108,4 @@ def open_stores(context: TierContext, options: BackingOptions) -> dict[str, Back
     return {cache_type: MemoStore(n) for cache_type, n in context.num_blocks.items()}
 
 
-TIER = register(TierPlugin(TierTraits("memo", hit_weight=0.6), BackingOptions, open_stores))
+PLUGIN = TierPlugin(TierTraits("memo", hit_weight=0.6), BackingOptions, open_stores)

@@ -2,12 +2,15 @@
 other, with the cache-off output; another model, another ``cache_salt``, a corrupt block and a
 failing source are refused or missed, and the request recomputes."""
 
+from collections.abc import Iterator
+
 import pytest
 
 from replicas.cache_hints import CacheHints, PeerSource
 from replicas.config import EngineConfig, KVOffloadConfig, PrefixCacheConfig, SchedulerConfig
 from replicas.engine.engine import Engine
 from replicas.kv.tiers import peer
+from tests.tier_registry import restored_tier_registry
 from tests.unit.engine_runs import GREEDY, run
 
 PROMPT = [(11 * i + 5) % 200 for i in range(16 * 8)] + [1, 2, 3]  # 8 full blocks and a tail
@@ -25,6 +28,13 @@ def engine(seed: int = 0, **offload) -> Engine:
             ),
         )
     )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def peer_registered() -> Iterator[None]:
+    """The configs below register the peer tier; the registry is as before after the module."""
+    with restored_tier_registry():
+        yield
 
 
 @pytest.fixture(scope="module")

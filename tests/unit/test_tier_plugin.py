@@ -2,12 +2,15 @@
 in a config, serves requests: blocks written to it by the host tier's rules come back through
 it with the output of a cache-off engine, counted, announced and sized like any tier's."""
 
+from collections.abc import Iterator
+
 import pytest
 
 from replicas.config import EngineConfig, KVOffloadConfig, PrefixCacheConfig, SchedulerConfig
 from replicas.engine.engine import Engine
 from replicas.kv.events import Tier, tiers
 from replicas.kv.tiers import registry
+from tests.tier_registry import restored_tier_registry
 from tests.unit.engine_runs import run
 
 PROMPT = [(7 * i + 3) % 200 for i in range(16 * 6)] + [5, 6, 7]  # 6 full blocks and a tail
@@ -15,10 +18,15 @@ BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # the tiny model's block: layers x K,V x 
 
 
 @pytest.fixture(scope="module")
-def memo(tmp_path_factory) -> Tier:
-    """The tier's registry entry, as a built-in has one (name -> module, imported on first use)."""
-    registry.BUILT_IN.setdefault("memo", "tests.unit.memo_tier")
-    return Tier(registry.plugin("memo").traits.name)
+def memo() -> Iterator[Tier]:
+    """The tier's registry entry, as a built-in has one (name -> module, imported and
+    registered on first use); the registry is as before after the module."""
+    with restored_tier_registry():
+        registry.BUILT_IN["memo"] = "tests.unit.memo_tier"
+        try:
+            yield Tier(registry.plugin("memo").traits.name)
+        finally:
+            del registry.BUILT_IN["memo"]
 
 
 def engine(**offload) -> Engine:

@@ -6,7 +6,7 @@ from pydantic import Field
 
 from replicas.kv.events import Tier
 from replicas.kv.tiers.base import BackingStore
-from replicas.kv.tiers.registry import BackingOptions, TierContext, TierPlugin, register
+from replicas.kv.tiers.registry import BackingOptions, TierContext, TierPlugin
 
 
 class DiskOptions(BackingOptions):
@@ -32,4 +32,4 @@ def open_stores(context: TierContext, options: DiskOptions) -> dict[str, Backing
     }
 
 
-TIER = register(TierPlugin(Tier.DISK.traits, DiskOptions, open_stores))
+PLUGIN = TierPlugin(Tier.DISK.traits, DiskOptions, open_stores)

@@ -9,9 +9,9 @@ from replicas.kv.block_pool import BlockPool
 from replicas.kv.events import Tier
 from replicas.kv.records import CacheTypeSpec
 from replicas.kv.tiers.base import TierLevel
-from replicas.kv.tiers.registry import TierPlugin, register
+from replicas.kv.tiers.registry import TierPlugin
 
-TIER = register(TierPlugin(Tier.HOST.traits))
+PLUGIN = TierPlugin(Tier.HOST.traits)
 
 
 def level(spec: CacheTypeSpec, retained_share: float, clock: Callable[[], float]) -> TierLevel:
@@ -22,4 +22,4 @@ def level(spec: CacheTypeSpec, retained_share: float, clock: Callable[[], float]
         max_retained=int(retained_share * spec.num_host_blocks),
         clock=clock,
     )
-    return TierLevel(TIER, pool)
+    return TierLevel(Tier.HOST, pool)

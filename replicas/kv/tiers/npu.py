@@ -6,11 +6,11 @@ from replicas.kv.block_pool import BlockPool
 from replicas.kv.events import Tier
 from replicas.kv.records import CacheTypeSpec
 from replicas.kv.tiers.base import TierLevel
-from replicas.kv.tiers.registry import TierPlugin, register
+from replicas.kv.tiers.registry import TierPlugin
 
-TIER = register(TierPlugin(Tier.NPU.traits))
+PLUGIN = TierPlugin(Tier.NPU.traits)
 
 
 def level(spec: CacheTypeSpec) -> TierLevel:
     """A cache type's NPU tier: ``spec.num_npu_blocks`` blocks."""
-    return TierLevel(TIER, BlockPool(spec.num_npu_blocks, f"npu[{spec.name}]"))
+    return TierLevel(Tier.NPU, BlockPool(spec.num_npu_blocks, f"npu[{spec.name}]"))

@@ -31,11 +31,11 @@ import torch
 from pydantic import Field
 
 from replicas.cache_hints import PeerSource
-from replicas.kv.events import Tier
+from replicas.kv.events import TierTraits
 from replicas.kv.hashing import BlockHash
 from replicas.kv.records import TierUsage
 from replicas.kv.tiers.base import BackingStore
-from replicas.kv.tiers.registry import BackingOptions, TierContext, TierPlugin, register
+from replicas.kv.tiers.registry import BackingOptions, TierContext, TierPlugin
 
 OFFER_TTL_S = 30.0
 """How long a source's offer stands: past it, the source may have evicted the blocks."""
@@ -230,4 +230,4 @@ def open_stores(context: TierContext, options: PeerOptions) -> dict[str, Backing
     return stores
 
 
-TIER = register(TierPlugin(Tier.PEER.traits, PeerOptions, open_stores, writable=False))
+PLUGIN = TierPlugin(TierTraits("peer", hit_weight=0.5), PeerOptions, open_stores, writable=False)

@@ -1,7 +1,8 @@
 """The tier registry: from a tier's name to its plugin (traits, options, factory).
 
-A tier is one file that builds a ``TierPlugin`` and calls ``register`` on import, plus its
-entry in ``BUILT_IN`` (name -> module), which imports it the first time the name is looked up::
+A tier is one file that builds a ``TierPlugin`` named ``PLUGIN``, plus its entry in
+``BUILT_IN`` (name -> module), which imports and registers it the first time the name is looked
+up (``plugin``)::
 
     BUILT_IN = {"npu": ..., "disk": "replicas.kv.tiers.disk", ..., "<name>": "<module>"}
 
@@ -88,7 +89,7 @@ def plugin(name: str) -> TierPlugin:
     ``ValueError`` naming the registered tiers for any other name."""
     found = _PLUGINS.get(name)
     if found is None and name in BUILT_IN:
-        importlib.import_module(BUILT_IN[name])
+        register(importlib.import_module(BUILT_IN[name]).PLUGIN)  # imported once; registered
         found = _PLUGINS.get(name)
     if found is None:
         names = ", ".join(repr(n) for n in names_registered())

@@ -3,8 +3,8 @@
 import pytest
 
 from replicas.kv.events import KVEvent, KVEventBatch, KVSnapshot, Tier
+from router.backing_index import BackingIndex
 from router.config import RoutingConfig
-from router.disk_index import NodeDiskIndex
 from router.prefix_index import PrefixIndex
 from router.router import NoLiveReplicaError, ReplicaRole, Router
 
@@ -144,7 +144,7 @@ def test_the_prefix_index_grows_across_lanes_and_keeps_every_entry(start):
 
 
 def test_the_disk_index_grows_and_a_new_replica_reads_its_nodes_disk():
-    disk = NodeDiskIndex(2)
+    disk = BackingIndex(Tier.DISK, 2)
     disk.set_nodes(["a", "b"])
     disk.apply(KVEventBatch(0, 0, stored(1, 2, tier="disk")))
     assert disk.add_replica("a") == 2
