@@ -45,6 +45,7 @@ from replicas.model import ModelArgs, load_model_info
 from replicas.outputs import RequestOutput
 from replicas.sampling_params import SamplingParams
 from router.actor import RouterActor, measured_ttft_costs
+from router.config import RoutingConfig
 from router.router import ReplicaRole
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class RayBackend:
             .remote(
                 size,
                 engine_config.block_size,
-                config.routing,
+                _routing(config, engine_config),
                 replica_name_prefix=name,
                 sliding_window=args.sliding_window if "sliding" in args.layer_types else None,
             )
@@ -316,3 +317,19 @@ def _last_line(error: Exception) -> str:
     """The last line of a remote traceback: the exception that ended it."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return lines[-1] if lines else type(error).__name__
+
+
+def _routing(config: ClusterConfig, engine_config: EngineConfig) -> RoutingConfig:
+    """The router's config: it names peer sources only for replicas with the peer tier."""
+    offload = engine_config.scheduler_config.kv_offload_config
+    min_blocks = config.routing.peer_pull_min_blocks
+    if "peer" in offload.backing_options() and min_blocks:
+        logger.info(
+            "router: a replica holding %d or more blocks (%d tokens) more of a prompt than the "
+            "chosen one is named to pull them from; the replica pulls when its measured pull "
+            "time beats recompute",
+            min_blocks,
+            min_blocks * engine_config.block_size,
+        )
+        return config.routing
+    return config.routing.model_copy(update={"peer_pull_min_blocks": 0})

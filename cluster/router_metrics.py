@@ -53,6 +53,12 @@ def router_metric_families(router_stats: RouterStats | None) -> list[Metric]:
         "Requests sent to the replica because it served their prompt_cache_key last.",
         labels=["replica"],
     )
+    peer = CounterMetricFamily(
+        "strata_router_peer_sources",
+        "Requests sent to the replica with another replica named to pull their prefix from "
+        "(routing.peer_pull_min_blocks more blocks held there).",
+        labels=["replica"],
+    )
     for replica in router_stats.replicas:
         label = str(replica.replica_index)
         routed.add_metric([label], replica.num_requests_routed)
@@ -70,7 +76,8 @@ def router_metric_families(router_stats: RouterStats | None) -> list[Metric]:
         gaps.add_metric([label], replica.num_event_gaps)
         resyncs.add_metric([label], replica.num_resyncs)
         by_key.add_metric([label], replica.num_key_affinity_routes)
-    return [routed, matched, fraction, load, live, indexed, gaps, resyncs, by_key]
+        peer.add_metric([label], replica.num_peer_sources)
+    return [routed, matched, fraction, load, live, indexed, gaps, resyncs, by_key, peer]
 
 
 def _fraction_buckets(replica: ReplicaRoutingStats) -> list[tuple[str, int]]:

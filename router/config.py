@@ -154,6 +154,16 @@ class RoutingConfig(BaseModel):
         "tier holds counts for in the prefix score, as a fraction of an NPU-matched block "
         "(0 to 1).",
     )
+    peer_pull_min_blocks: int = Field(
+        4,
+        ge=0,
+        description="routing.peer_pull_min_blocks: when another replica holds at least this "
+        "many more blocks of a prompt's prefix in its NPU and host tiers than the chosen one, "
+        "the router names it as the source the chosen replica pulls them from "
+        "(replicas.kv.tiers.peer; the replica pulls only when its measured pull time beats "
+        "its measured recompute time); 0 never names one. A deployment whose replicas lack "
+        "the peer tier names none.",
+    )
     tier_hit_weights: dict[str, float] = Field(
         default_factory=dict,
         description="routing.tier_hit_weights: what a matched block only another registered "

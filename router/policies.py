@@ -46,6 +46,11 @@ class RouteDecision(NamedTuple):
     is_key_affinity: bool = False
     """Whether the chosen replica is the request's ``prompt_cache_key`` replica, credited as
     caching the whole prompt (it was not overloaded)."""
+    peer_source: int | None = None
+    """Another replica holding a longer prefix in its NPU and host tiers, which the chosen one
+    may pull it from (``Router.route``); None when none holds enough more."""
+    num_peer_tokens: int = 0
+    """The leading prompt tokens ``peer_source`` holds (whole blocks)."""
 
     def num_matched_tokens_in(self, tier: Tier) -> int:
         return tier_count(self.num_matched_tokens_by_tier, tier)

@@ -111,6 +111,16 @@ class ReplicaCaches:
                 matches[replica] = IndexMatch.of({Tier.NPU: num_blocks})
         return matches
 
+    def held(self, block_hashes: Sequence[BlockHash], live: Sequence[int]) -> list[int]:
+        """Each replica's leading run of the prompt's blocks that it holds computed in its NPU
+        or host tier (an index match without pending prompts or backing tiers: the blocks it
+        can hand to a peer); all 0 for a hybrid model, whose sliding blocks are not indexed
+        per block for this."""
+        if self._sliding_index is not None:
+            return [0] * len(self._index.match((), ()))
+        matches = self._index.match(block_hashes, live)
+        return [m.num_blocks_in(Tier.NPU) + m.num_blocks_in(Tier.HOST) for m in matches]
+
     def _safe(
         self, block_hashes: Sequence[BlockHash], replica: int, match: IndexMatch
     ) -> IndexMatch:

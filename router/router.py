@@ -162,7 +162,27 @@ class Router:
         counters = self._counters[decision.replica_index]
         counters.record_route(decision.num_matched_tokens_by_tier, num_prompt_tokens)
         counters.num_key_affinity_routes += int(decision.is_key_affinity)
+        decision = self._with_peer_source(decision, block_hashes)
+        counters.num_peer_sources += int(decision.peer_source is not None)
         return decision
+
+    def _with_peer_source(
+        self, decision: RouteDecision, block_hashes: Sequence[BlockHash]
+    ) -> RouteDecision:
+        """``decision`` with the live replica that holds the most more blocks of the prompt
+        than the chosen one, computed in its NPU and host tiers, as the source to pull them
+        from, when that is at least ``peer_pull_min_blocks`` more (``replicas.kv.tiers.peer``;
+        a replica that turned the request away may still hand its blocks over)."""
+        min_blocks = self.config.peer_pull_min_blocks
+        live = self._live
+        if not min_blocks or not self.config.enable_prefix_caching or len(live) < 2:
+            return decision
+        held = self._caches.held(block_hashes, live)
+        chosen = decision.replica_index
+        source = max((r for r in live if r != chosen), key=held.__getitem__)
+        if held[source] - decision.num_matched_tokens // self.block_size < min_blocks:
+            return decision
+        return decision._replace(peer_source=source, num_peer_tokens=held[source] * self.block_size)
 
     def _ramped_load(
         self, live: Sequence[int], matches: Sequence[IndexMatch], num_prompt_tokens: int
@@ -378,6 +398,7 @@ class Router:
                     num_event_gaps=counters.num_event_gaps,
                     num_resyncs=counters.num_resyncs,
                     num_key_affinity_routes=counters.num_key_affinity_routes,
+                    num_peer_sources=counters.num_peer_sources,
                     queued_tokens=self._load.queued_tokens[i],
                     num_requests=self._load.num_requests[i],
                     role=sync.role.value,

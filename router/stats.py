@@ -33,6 +33,7 @@ class ReplicaRoutingStats:
     num_event_gaps: int
     num_resyncs: int
     num_key_affinity_routes: int = 0  # decisions that followed the request's prompt_cache_key
+    num_peer_sources: int = 0  # decisions naming another replica to pull the prefix from
     queued_tokens: int = 0  # uncached prompt tokens of its requests not past prefill
     num_requests: int = 0  # requests routed there and not released
     role: str = "serving"  # router.router.ReplicaRole: joining, serving, draining
@@ -68,6 +69,7 @@ class RoutingCounters:
     num_event_gaps: int = 0
     num_resyncs: int = 0
     num_key_affinity_routes: int = 0
+    num_peer_sources: int = 0
     bucket_counts: list[int] = field(default_factory=lambda: [0] * len(MATCHED_FRACTION_BUCKETS))
     """Decisions per matched-fraction bucket, not cumulative: ``bucket_counts[k]`` counts
     fractions in ``(MATCHED_FRACTION_BUCKETS[k - 1], MATCHED_FRACTION_BUCKETS[k]]``."""

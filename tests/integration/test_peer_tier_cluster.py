@@ -22,7 +22,7 @@ def backend(ray_session):
         {
             "data_parallel_size": 2,
             "model": {"model": "tiny", "num_npu_blocks": 256},
-            "routing": {"scoring_profile": "load"},  # the second request goes to the other one
+            "routing": {"policy": "round-robin"},  # the second request goes to the other one
             "scheduler": {
                 "kv_offload_config": {
                     "enabled": True,

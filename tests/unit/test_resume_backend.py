@@ -82,7 +82,7 @@ class RouterCalls:
         live = sorted(self.health.live - set(exclude))
         self.routed.append((request_id, num_prompt_tokens))
         if live:
-            future.set_result(SimpleNamespace(replica_index=live[0]))
+            future.set_result(SimpleNamespace(replica_index=live[0], peer_source=None))
         else:
             future.set_exception(NoLiveReplicaError("no live replica"))
         return future

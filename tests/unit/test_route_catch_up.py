@@ -55,7 +55,7 @@ class RestartedRouter:
         index = min(self.health.live - set(exclude)) if self.told else 0
         self.answers.append(index)
         future = asyncio.get_running_loop().create_future()
-        future.set_result(SimpleNamespace(replica_index=index))
+        future.set_result(SimpleNamespace(replica_index=index, peer_source=None))
         return future
 
     def release(self, request_id):

@@ -25,7 +25,9 @@ class FakeRouter:
         if self.fail:
             raise ConnectionError("router gone")
         return [
-            NoLiveReplicaError("none") if rid == "nobody" else SimpleNamespace(replica_index=n % 3)
+            NoLiveReplicaError("none")
+            if rid == "nobody"
+            else SimpleNamespace(replica_index=n % 3, peer_source=None)
             for rid, n, *_ in requests
         ]
 

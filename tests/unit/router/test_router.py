@@ -221,3 +221,25 @@ def test_excluded_replicas_are_not_candidates():
     assert router.route("c", 16, hashes, exclude=[0, 1]).replica_index == 2
     with pytest.raises(NoLiveReplicaError, match="turned the request away"):
         router.route("d", 16, hashes, exclude=[0, 1, 2])
+
+
+def test_a_replica_holding_a_longer_prefix_is_named_the_source_to_pull_it_from():
+    router = make_router(3)
+    assert router.on_events(KVEventBatch(0, 0, stored(*range(1, 9))))  # 8 blocks on 0
+    assert router.on_events(KVEventBatch(1, 0, stored(1, 2, tier="host")))  # 2 on 1
+    decision = router.route("a", 9 * BLOCK, prompt(*range(1, 10)), exclude={0, 1})  # 0 full
+    assert decision.replica_index == 2
+    assert (decision.peer_source, decision.num_peer_tokens) == (0, 8 * BLOCK)
+    assert router.stats().replicas[2].num_peer_sources == 1
+    near = router.route("b", 9 * BLOCK, prompt(*range(1, 10)), exclude={0, 2})  # holds 2 of 8
+    assert near.replica_index == 1 and near.peer_source == 0  # 6 more: pulled
+    # a prompt routed to a replica and not computed yet is not a source (nothing to export)
+    pending = router.route("e", 9 * BLOCK, prompt(*range(1, 10)), exclude={0, 1})
+    assert pending.replica_index == 2 and pending.peer_source is None  # 2 holds it pending
+    off = make_router(3, peer_pull_min_blocks=7)
+    assert off.on_events(KVEventBatch(0, 0, stored(*range(1, 9))))
+    assert off.on_events(KVEventBatch(1, 0, stored(1, 2)))
+    short = off.route("c", 9 * BLOCK, prompt(*range(1, 10)), exclude={0, 2})
+    assert short.peer_source is None  # 6 more blocks: fewer than 7
+    best = off.route("d", 9 * BLOCK, prompt(*range(1, 10)))
+    assert best.replica_index == 0 and best.peer_source is None  # the holder itself
