@@ -17,7 +17,7 @@ from pathlib import Path
 
 import ray
 
-from benchmarks.report import Report
+from benchmarks.report import Report, new_figure
 from benchmarks.workload import BLOCK_SIZE, DEFAULT_MODEL, median, model_context_len
 from cluster.config import ClusterConfig
 from cluster.deploy import RayBackend
@@ -88,7 +88,9 @@ async def _measure(backend: RayBackend, lens: tuple[int, ...], settings: Setting
             prefix = [rng.randrange(3, vocab) for _ in range(length)]
             for i, kind in enumerate(KINDS):
                 tail = [rng.randrange(3, vocab) for _ in range(BLOCK_SIZE)]
-                ttft, output = await _timed(backend, f"{length}-{rep}-{kind}", prefix + tail, params)
+                ttft, output = await _timed(
+                    backend, f"{length}-{rep}-{kind}", prefix + tail, params
+                )
                 entry = samples[f"{length}/{kind}"]
                 entry["ttft_s"].append(ttft)
                 entry["cached"].append(output.num_cached_tokens)
@@ -130,5 +132,15 @@ def _report(samples, settings, lens, model, command, quick) -> Report:
         ["prefix", "cold", "pulled", "local", "pulled / cold", "cached cold", "pulled", "local"],
         rows,
     )
+    figure, (axis,) = new_figure()
+    for kind, marker in zip(KINDS, "osD"):
+        axis.plot(lens, [1e3 * medians[n][kind] for n in lens], marker=marker, label=kind)
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log")
+    axis.set_xlabel("prefix tokens")
+    axis.set_ylabel("median TTFT (ms, log)")
+    axis.set_title("pulled from a peer vs computed vs local")
+    axis.legend()
+    report.figures["ttft.png"] = figure
     report.results = {"settings": asdict(settings), "median_ttft_s": medians, "samples": samples}
     return report

@@ -74,6 +74,11 @@ EXPECTED = {
         "sim.summary.random.ttft_mean_s",
         "sim.summary.restart.ttft_p99_s",
     ],
+    "cluster-cache": [  # quick: one 256-token prefix
+        "median_ttft_s.256.cold",
+        "median_ttft_s.256.pulled",
+        "median_ttft_s.256.local",
+    ],
     "churn-disk": [
         "unbounded_hit_rate",
         "configs.host.mean_ttft_s",
@@ -253,6 +258,8 @@ def test_quick_run_writes_report(
         monkeypatch.setattr(autotune, "DECODE_REPEATS", 3)
     document, report = _quick_run(scenario, tmp_path)
     _assert_positive(document, EXPECTED[scenario])
+    if scenario == "cluster-cache":  # the second replica pulled the whole prefix
+        assert document["samples"]["256/pulled"]["cached"] == [256]
     if scenario == "decode":  # every batch size measured, for both engines
         assert [r["batch_size"] for r in document["runs"]] == [1, 8, 32]
     if scenario == "reload-vs-recompute":  # one engine per KV dtype, its bytes per block

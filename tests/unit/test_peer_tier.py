@@ -116,3 +116,18 @@ def test_the_peer_tier_takes_no_budget_and_needs_the_host_tier():
         KVOffloadConfig(tiers={"peer": {}})
     with pytest.raises(ValueError, match=r"tiers\['peer'\].timeout_s"):
         KVOffloadConfig(enabled=True, host_memory_ratio=1.0, tiers={"peer": {"timeout_s": 0}})
+
+
+def test_a_burst_sharing_the_prefix_pulls_it_once(source, cold_tokens):
+    puller = engine(tiers={"peer": {}})
+    hints = CacheHints(peer=PeerSource(1, peer.LocalPeer(source), NUM_BLOCKS * 16))
+    for i in range(3):  # the router names the source for the first; the rest follow it there
+        puller.add_request(f"b{i}", PROMPT, GREEDY, cache_hints=hints if i == 0 else None)
+    outputs = {}
+    while puller.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in puller.step()})
+    puller.check_integrity()
+    assert all(o.token_ids == cold_tokens for o in outputs.values()) and len(outputs) == 3
+    assert all(o.num_cached_tokens == NUM_BLOCKS * 16 for o in outputs.values())
+    assert puller.stats().backing["peer"]["full"].blocks_pulled == NUM_BLOCKS  # once
+    puller.close()
