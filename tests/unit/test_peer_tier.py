@@ -131,3 +131,18 @@ def test_a_burst_sharing_the_prefix_pulls_it_once(source, cold_tokens):
     assert all(o.num_cached_tokens == NUM_BLOCKS * 16 for o in outputs.values())
     assert puller.stats().backing["peer"]["full"].blocks_pulled == NUM_BLOCKS  # once
     puller.close()
+
+
+def test_offers_expire_oldest_first_and_a_renewed_one_stays(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(peer.time, "monotonic", lambda: now[0])
+    store = peer.PeerStore("full", "fingerprint", timeout_s=1.0, block_bytes=64)
+    source = PeerSource(0, None, 64)
+    store.offer([b"a", b"b"], source)
+    now[0] += peer.OFFER_TTL_S / 2
+    store.offer([b"a", b"c"], source)  # renewed: now the newest
+    now[0] += peer.OFFER_TTL_S / 2 + 1
+    store.expire()
+    assert (store.contains(b"a"), store.contains(b"b"), store.contains(b"c")) == (True, False, True)
+    assert store.read_seconds_per_block() == 64 * peer.DEFAULT_READ_S_PER_BYTE  # none measured
+    store.close()

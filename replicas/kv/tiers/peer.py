@@ -24,6 +24,7 @@ import math
 import threading
 import time
 import zlib
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -110,7 +111,8 @@ class PeerStore:
         self.fingerprint = fingerprint
         self.timeout_s = timeout_s
         self.block_bytes = block_bytes
-        self._offers: dict[BlockHash, tuple[PeerSource, float]] = {}  # -> source, offered at
+        # hash -> (source, offered at), oldest offer first
+        self._offers: OrderedDict[BlockHash, tuple[PeerSource, float]] = OrderedDict()
         self._io = ThreadPoolExecutor(1, thread_name_prefix=f"kv-peer-{cache_type}")
         self._lock = threading.Lock()  # the counters, shared with the reading thread
         self._pulled = self._failures = self._bytes = 0
@@ -121,6 +123,7 @@ class PeerStore:
         now = time.monotonic()
         for block_hash in hashes:
             self._offers[block_hash] = (source, now)
+            self._offers.move_to_end(block_hash)
 
     def contains(self, block_hash: BlockHash) -> bool:
         return block_hash in self._offers
@@ -129,9 +132,11 @@ class PeerStore:
         by_source: dict[int, list[int]] = {}
         sources = {}
         for i, block_hash in enumerate(block_hashes):
-            source, _ = self._offers[block_hash]
-            by_source.setdefault(source.replica_index, []).append(i)
-            sources[source.replica_index] = source
+            offer = self._offers.get(block_hash)
+            if offer is None:  # withdrawn since it was planned: a miss
+                continue
+            by_source.setdefault(offer[0].replica_index, []).append(i)
+            sources[offer[0].replica_index] = offer[0]
         return self._io.submit(self._read, block_hashes, outs, by_source, sources)
 
     def _read(self, hashes, outs, by_source, sources) -> list[bool]:
@@ -185,8 +190,8 @@ class PeerStore:
     def expire(self) -> None:
         """Forget offers older than ``OFFER_TTL_S``."""
         oldest = time.monotonic() - OFFER_TTL_S
-        for block_hash in [h for h, (_, at) in self._offers.items() if at < oldest]:
-            del self._offers[block_hash]
+        while self._offers and next(iter(self._offers.values()))[1] < oldest:
+            self._offers.popitem(last=False)
 
     def usage(self) -> TierUsage:
         return TierUsage(0, 0, 0)
