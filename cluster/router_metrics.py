@@ -12,15 +12,34 @@ from prometheus_client.core import (
 from replicas.kv.events import Tier, tiers
 from router.stats import MATCHED_FRACTION_BUCKETS, ReplicaRoutingStats, RouterStats
 
+_PER_REPLICA_COUNTERS = (
+    ("strata_router_requests", "Requests the router sent to the replica.", "num_requests_routed"),
+    ("strata_router_event_gaps", "KV event sequence gaps seen.", "num_event_gaps"),
+    ("strata_router_resyncs", "Index rebuilds from a snapshot.", "num_resyncs"),
+    (
+        "strata_router_key_affinity",
+        "Requests sent to the replica because it served their prompt_cache_key last.",
+        "num_key_affinity_routes",
+    ),
+    (
+        "strata_router_peer_sources",
+        "Requests sent to the replica with another replica named to pull their prefix from "
+        "(routing.peer_pull_min_blocks more blocks held there).",
+        "num_peer_sources",
+    ),
+)
+"""(name, help, ``ReplicaRoutingStats`` field) of the counters that are one field per replica."""
+
 
 def router_metric_families(router_stats: RouterStats | None) -> list[Metric]:
     """Routing decisions, matched fractions, load and index size per replica, from
     ``ClusterStats.router``; empty while no router is deployed (``None``)."""
     if router_stats is None:
         return []
-    routed = CounterMetricFamily(
-        "strata_router_requests", "Requests the router sent to the replica.", labels=["replica"]
-    )
+    counters = {
+        field: CounterMetricFamily(name, text, labels=["replica"])
+        for name, text, field in _PER_REPLICA_COUNTERS
+    }
     matched = CounterMetricFamily(
         "strata_router_matched_tokens",
         "Prompt tokens the router's index matched on the chosen replica, by tier.",
@@ -42,26 +61,10 @@ def router_metric_families(router_stats: RouterStats | None) -> list[Metric]:
         "Blocks of the replica in the router's prefix index.",
         labels=["replica", "tier"],
     )
-    gaps = CounterMetricFamily(
-        "strata_router_event_gaps", "KV event sequence gaps seen.", labels=["replica"]
-    )
-    resyncs = CounterMetricFamily(
-        "strata_router_resyncs", "Index rebuilds from a snapshot.", labels=["replica"]
-    )
-    by_key = CounterMetricFamily(
-        "strata_router_key_affinity",
-        "Requests sent to the replica because it served their prompt_cache_key last.",
-        labels=["replica"],
-    )
-    peer = CounterMetricFamily(
-        "strata_router_peer_sources",
-        "Requests sent to the replica with another replica named to pull their prefix from "
-        "(routing.peer_pull_min_blocks more blocks held there).",
-        labels=["replica"],
-    )
     for replica in router_stats.replicas:
         label = str(replica.replica_index)
-        routed.add_metric([label], replica.num_requests_routed)
+        for field, family in counters.items():
+            family.add_metric([label], getattr(replica, field))
         num_npu_matched = replica.num_matched_tokens_in(Tier.NPU)
         matched.add_metric([label, Tier.NPU], num_npu_matched)
         # The host series counts every matched token past the NPU: a backing tier's blocks
@@ -73,11 +76,8 @@ def router_metric_families(router_stats: RouterStats | None) -> list[Metric]:
         for tier, num_blocks in zip(tiers(), replica.num_indexed_blocks_by_tier):
             if num_blocks or tier.traits.pooled:  # a backing tier's once it has blocks
                 indexed.add_metric([label, tier], num_blocks)
-        gaps.add_metric([label], replica.num_event_gaps)
-        resyncs.add_metric([label], replica.num_resyncs)
-        by_key.add_metric([label], replica.num_key_affinity_routes)
-        peer.add_metric([label], replica.num_peer_sources)
-    return [routed, matched, fraction, load, live, indexed, gaps, resyncs, by_key, peer]
+    routed, *rest = counters.values()
+    return [routed, matched, fraction, load, live, indexed, *rest]
 
 
 def _fraction_buckets(replica: ReplicaRoutingStats) -> list[tuple[str, int]]:
