@@ -33,7 +33,7 @@ from cluster.backend import ClusterStats, FrontStats, ReplicaStats
 from cluster.router_metrics import router_metric_families
 from replicas.engine.engine import EngineStats
 from replicas.kv.events import Tier, backing_tiers, tiers
-from replicas.kv.records import CacheTypeStats
+from replicas.kv.records import BackingStats, CacheTypeStats
 from replicas.kv.retention import estimated_hit_rates
 from replicas.outputs import RequestOutput
 
@@ -189,6 +189,30 @@ class _CacheFamilies:
             "load_timeouts.",
             labels=["replica", "event"],
         )
+        self.backing_events = CounterMetricFamily(
+            "strata_kv_backing_tier",
+            "Events of each tier behind host that counted any (disk, peer, ...): the "
+            "replicas.kv.records.BackingStats counters by name.",
+            labels=["replica", "tier", "event"],
+        )
+        self.block_costs = GaugeMetricFamily(
+            "strata_kv_reload_rule_seconds_per_block",
+            "The cost rule's inputs (onboarding from a tier behind host pays when its read plus "
+            "a host load costs less than recompute, per block): recompute, host_load and "
+            "<tier>_read.",
+            labels=["replica", "cost"],
+        )
+
+    def _add_backing(self, label: str, stats: EngineStats) -> None:
+        for tier, counts in stats.cache.backing.items():
+            for event in BackingStats.__slots__:
+                self.backing_events.add_metric([label, tier, event], getattr(counts, event))
+        costs = stats.reload_costs
+        if costs is not None:
+            self.block_costs.add_metric([label, "recompute"], costs.recompute_s)
+            self.block_costs.add_metric([label, "host_load"], costs.host_load_s)
+            for tier, read_s in costs.read_s.items():
+                self.block_costs.add_metric([label, f"{tier}_read"], read_s)
 
     def add(self, label: str, stats: EngineStats) -> None:
         # Pooled tiers' series always exist; a backing tier's once the replica has it on.
@@ -207,6 +231,7 @@ class _CacheFamilies:
         if Tier.DISK in backing_on:
             for event, value in _DISK_EVENTS:
                 self.disk_events.add_metric([label, event], value(stats.cache))
+        self._add_backing(label, stats)
         for cache_type, counts in stats.cache.by_cache_type.items():
             for event, value in _PER_TYPE_EVENTS:
                 self.per_type.add_metric([label, cache_type, event], value(counts))
@@ -232,6 +257,8 @@ class _CacheFamilies:
             self.capacity,
             self.retained,
             self.disk_events,
+            self.backing_events,
+            self.block_costs,
         ]
 
 

@@ -146,3 +146,20 @@ def test_offers_expire_oldest_first_and_a_renewed_one_stays(monkeypatch):
     assert (store.contains(b"a"), store.contains(b"b"), store.contains(b"c")) == (True, False, True)
     assert store.read_seconds_per_block() == 64 * peer.DEFAULT_READ_S_PER_BYTE  # none measured
     store.close()
+
+
+def test_metrics_show_the_peer_tier_and_the_cost_rule(source):
+    from cluster.backend import ClusterStats, ReplicaStats
+    from cluster.metrics import cluster_metric_families
+
+    puller = engine(tiers={"peer": {}})
+    pull(puller, peer.LocalPeer(source), "m")
+    replica = ReplicaStats(0, True, puller.stats())
+    families = {f.name: f for f in cluster_metric_families(ClusterStats([replica]))}
+    samples = {
+        tuple(s.labels.values()): s.value for s in families["strata_kv_backing_tier"].samples
+    }
+    assert samples[("0", "peer", "blocks_loaded")] == NUM_BLOCKS
+    costs = {s.labels["cost"] for s in families["strata_kv_reload_rule_seconds_per_block"].samples}
+    assert {"recompute", "host_load", "peer_read"} <= costs
+    puller.close()
