@@ -5,6 +5,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 # What ``auto`` chose on this machine (replicas.model.autotune) is kept per test session, not in
 # the user's cache: a run measures afresh. Set at import, before any process (a Ray worker, a
 # server) is started, so that they all inherit it.
@@ -22,3 +24,13 @@ os.environ.setdefault("STRATA_AUTOTUNE_SCOPE", "test-session")
 # compiled (``nvidia-smi`` answering is the cue: torch is not imported yet).
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def _tier_registry():
+    """Every test leaves the KV tier registry as it found it: a config naming a tier (``peer``,
+    a test's own) registers it process-wide, and most tests count the built-in tiers only."""
+    from tests.tier_registry import restored_tier_registry
+
+    with restored_tier_registry():
+        yield

@@ -109,7 +109,7 @@ def test_data_parallel_size_sets_the_number_of_replica_actors(deploy, ray_sessio
         return
     assert all(m.prefill_s_per_token > 0 for m in measured)
     for name, value in costs.model_dump().items():
-        if name not in ("slack", "forfeit_weight"):
+        if name not in ("slack", "forfeit_weight", "tier_reload_s_per_block"):  # config only
             assert value == statistics.median(getattr(m, name) for m in measured), name
 
     # A restarted router asks the replicas for their measurements again, and routes with them.
