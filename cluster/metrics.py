@@ -109,14 +109,16 @@ _PER_TYPE_EVENTS: list[tuple[str, Callable[[CacheTypeStats], int]]] = [
 ]
 
 
-_DISK_EVENTS = [
-    ("blocks_loaded", lambda c: c.disk_blocks_loaded),
-    ("load_failures", lambda c: c.disk_load_failures),
-    ("blocks_stored", lambda c: c.disk_blocks_stored),
-    ("reloads", lambda c: c.disk_reloads),
-    ("recomputes", lambda c: c.disk_recomputes),
-    ("load_timeouts", lambda c: c.disk_load_timeouts),
-]
+_DISK_EVENTS = (
+    "blocks_loaded",
+    "load_failures",
+    "blocks_stored",
+    "reloads",
+    "recomputes",
+    "load_timeouts",
+)
+"""The ``BackingStats`` counters ``strata_kv_disk_tier`` shows (``strata_kv_backing_tier``
+shows them all, for every tier)."""
 
 
 def _replica_families(replicas: list[ReplicaStats]) -> list[Metric]:
@@ -229,8 +231,9 @@ class _CacheFamilies:
             if tier.traits.pooled or tier in backing_on:
                 self.evictions.add_metric([label, tier], evictions.get(tier, 0))
         if Tier.DISK in backing_on:
-            for event, value in _DISK_EVENTS:
-                self.disk_events.add_metric([label, event], value(stats.cache))
+            disk = stats.cache.backing.get(Tier.DISK, BackingStats())
+            for event in _DISK_EVENTS:
+                self.disk_events.add_metric([label, event], getattr(disk, event))
         self._add_backing(label, stats)
         for cache_type, counts in stats.cache.by_cache_type.items():
             for event, value in _PER_TYPE_EVENTS:

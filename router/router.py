@@ -162,25 +162,33 @@ class Router:
         counters = self._counters[decision.replica_index]
         counters.record_route(decision.num_matched_tokens_by_tier, num_prompt_tokens)
         counters.num_key_affinity_routes += int(decision.is_key_affinity)
-        decision = self._with_peer_source(decision, block_hashes)
+        decision = self._with_peer_source(decision, block_hashes, matches)
         counters.num_peer_sources += int(decision.peer_source is not None)
         return decision
 
     def _with_peer_source(
-        self, decision: RouteDecision, block_hashes: Sequence[BlockHash]
+        self,
+        decision: RouteDecision,
+        block_hashes: Sequence[BlockHash],
+        matches: Sequence[IndexMatch],
     ) -> RouteDecision:
         """``decision`` with the live replica that holds the most more blocks of the prompt
         than the chosen one, computed in its NPU and host tiers, as the source to pull them
         from, when that is at least ``peer_pull_min_blocks`` more (``replicas.kv.tiers.peer``;
-        a replica that turned the request away may still hand its blocks over)."""
+        a replica that turned the request away may still hand its blocks over). ``matches``
+        (the scored ones, which count at least those blocks) skip the lookup when no replica
+        can be a source."""
         min_blocks = self.config.peer_pull_min_blocks
         live = self._live
         if not min_blocks or not self.config.enable_prefix_caching or len(live) < 2:
             return decision
-        held = self._caches.held(block_hashes, live)
         chosen = decision.replica_index
+        have = decision.num_matched_tokens // self.block_size
+        if all(matches[r].num_blocks - have < min_blocks for r in live if r != chosen):
+            return decision
+        held = self._caches.held(block_hashes, live)
         source = max((r for r in live if r != chosen), key=held.__getitem__)
-        if held[source] - decision.num_matched_tokens // self.block_size < min_blocks:
+        if held[source] - have < min_blocks:
             return decision
         return decision._replace(peer_source=source, num_peer_tokens=held[source] * self.block_size)
 
