@@ -67,13 +67,16 @@ class RayBackend:
         size = config.data_parallel_size
         self.placement = place_replicas(config.ray, engine_config, args, size)
         engine_config = self._with_threads(engine_config)
+        routing = _routing(config, engine_config)
+        # Replicas that may pull from peers measure their step costs, the pulls' price.
+        self._pulls_from_peers = bool(routing.peer_pull_min_blocks)
         self.router = (
             ray.remote(RouterActor)
             .options(name=f"{name}-router", num_cpus=0, max_restarts=-1, max_task_retries=-1)
             .remote(
                 size,
                 engine_config.block_size,
-                _routing(config, engine_config),
+                routing,
                 replica_name_prefix=name,
                 sliding_window=args.sliding_window if "sliding" in args.layer_types else None,
             )
@@ -270,7 +273,7 @@ class RayBackend:
                 engine_config,
                 self.router,
                 config.server.max_waiting_requests,
-                measure_costs=config.routing.needs_ttft_costs,
+                measure_costs=config.routing.needs_ttft_costs or self._pulls_from_peers,
             )
         )
 
@@ -326,8 +329,8 @@ def _routing(config: ClusterConfig, engine_config: EngineConfig) -> RoutingConfi
     if "peer" in offload.backing_options() and min_blocks:
         logger.info(
             "router: a replica holding %d or more blocks (%d tokens) more of a prompt than the "
-            "chosen one is named to pull them from; the replica pulls when its measured pull "
-            "time beats recompute",
+            "chosen one is named to pull them from when the pull beats recompute at the costs "
+            "each replica measures and reports (router.peer_sources)",
             min_blocks,
             min_blocks * engine_config.block_size,
         )

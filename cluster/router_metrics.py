@@ -24,8 +24,14 @@ _PER_REPLICA_COUNTERS = (
     (
         "strata_router_peer_sources",
         "Requests sent to the replica with another replica named to pull their prefix from "
-        "(routing.peer_pull_min_blocks more blocks held there).",
+        "(a pull that beats recompute, at least routing.peer_pull_min_blocks blocks).",
         "num_peer_sources",
+    ),
+    (
+        "strata_router_peer_priced_out",
+        "Requests sent to the replica while another held more of their prefix, computed "
+        "there because pulling it would cost more (router.peer_sources).",
+        "num_peer_priced_out",
     ),
 )
 """(name, help, ``ReplicaRoutingStats`` field) of the counters that are one field per replica."""
@@ -61,8 +67,16 @@ def router_metric_families(router_stats: RouterStats | None) -> list[Metric]:
         "Blocks of the replica in the router's prefix index.",
         labels=["replica", "tier"],
     )
+    break_even = GaugeMetricFamily(
+        "strata_router_peer_break_even_blocks",
+        "The fewest missing prompt blocks the replica pulls from an idle peer rather than "
+        "computes, from its reported costs (+Inf: none).",
+        labels=["replica"],
+    )
     for replica in router_stats.replicas:
         label = str(replica.replica_index)
+        if replica.peer_break_even_blocks is not None:
+            break_even.add_metric([label], replica.peer_break_even_blocks)
         for field, family in counters.items():
             family.add_metric([label], getattr(replica, field))
         num_npu_matched = replica.num_matched_tokens_in(Tier.NPU)
@@ -77,7 +91,7 @@ def router_metric_families(router_stats: RouterStats | None) -> list[Metric]:
             if num_blocks or tier.traits.pooled:  # a backing tier's once it has blocks
                 indexed.add_metric([label, tier], num_blocks)
     routed, *rest = counters.values()
-    return [routed, matched, fraction, load, live, indexed, *rest]
+    return [routed, matched, fraction, load, live, indexed, break_even, *rest]
 
 
 def _fraction_buckets(replica: ReplicaRoutingStats) -> list[tuple[str, int]]:

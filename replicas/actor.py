@@ -27,6 +27,7 @@ from replicas.cache_hints import CacheHints
 from replicas.kv.events import KVEventBatch, KVSnapshot, Tier
 from replicas.kv.hashing import BlockHash
 from replicas.outputs import OutputDelta, RequestOutput
+from replicas.pull_costs import PullCostReport, has_peer_tier
 from replicas.resume import ResumeState
 from replicas.sampling_params import SamplingParams
 from replicas.step_costs import StepCosts
@@ -158,6 +159,7 @@ class ReplicaActor:
             max_waiting_requests=max_waiting_requests,
         )
         self.router = router
+        self._pull_costs = self._report_pull_costs()
         self._subscribers: dict[str, _Subscriber] = {}
         self._latest_streams: dict[str, int] = {}  # owner -> its latest stream's number
         self._next_seq = 0
@@ -270,6 +272,21 @@ class ReplicaActor:
             )
 
     # ---- router support ----------------------------------------------------------------------
+    def _report_pull_costs(self) -> PullCostReport | None:
+        """With the peer tier and the router: what a pull costs here, sent now and when it
+        moves (``replicas.pull_costs``)."""
+        if self.router is None or self._step_costs is None or not has_peer_tier(self.engine):
+            return None
+        index = self.replica_index
+        report = PullCostReport(
+            self.engine,
+            index,
+            self._step_costs,
+            lambda costs: self.router.set_pull_costs.remote(index, costs),
+        )
+        report.maybe_send()
+        return report
+
     def _report(self, outputs: list[RequestOutput]) -> None:
         events = tuple(self.engine.kv_cache.views.drain_events())
         batch = KVEventBatch(self.replica_index, self._next_seq, events)
@@ -278,6 +295,8 @@ class ReplicaActor:
         finished = [o.request_id for o in outputs if o.finished]
         if self.router is not None and (events or generated or finished):
             self.router.report.remote(batch, generated, finished)
+        if self._pull_costs is not None:
+            self._pull_costs.maybe_send()
 
     async def snapshot(self) -> KVSnapshot:
         """Every cached hash per tier, consistent with the events published so far."""

@@ -21,7 +21,7 @@ import ray
 
 from replicas.kv.events import KVEventBatch, KVSnapshot
 from replicas.kv.hashing import BlockHash
-from replicas.step_costs import StepCosts, median_costs
+from replicas.step_costs import PullCosts, StepCosts, median_costs
 from router.config import RoutingConfig, TTFTCosts
 from router.policies import RouteDecision
 from router.router import NoLiveReplicaError, Router
@@ -257,6 +257,10 @@ class RouterActor:
         """The ttft profile's costs, measured on the replicas at start-up."""
         self.router.set_ttft_costs(costs)
         self._priced.set()
+
+    async def set_pull_costs(self, replica_index: int, costs: PullCosts) -> None:
+        """What pulling a prefix from a peer costs a replica (it reports them itself)."""
+        self.router.set_pull_costs(replica_index, costs)
 
     async def ttft_costs(self) -> TTFTCosts | None:
         """The ttft profile's cost profile in effect (None: another profile, or not yet set)."""

@@ -159,10 +159,10 @@ class RoutingConfig(BaseModel):
         ge=0,
         description="routing.peer_pull_min_blocks: when another replica holds at least this "
         "many more blocks of a prompt's prefix in its NPU and host tiers than the chosen one, "
-        "the router names it as the source the chosen replica pulls them from "
-        "(replicas.kv.tiers.peer; the replica pulls only when its measured pull time beats "
-        "its measured recompute time); 0 never names one. A deployment whose replicas lack "
-        "the peer tier names none.",
+        "and pulling them beats computing them at the costs the chosen replica reports "
+        "(router.peer_sources), the router names it as the source the chosen replica pulls "
+        "them from (replicas.kv.tiers.peer); 0 turns pulling off. A deployment whose replicas "
+        "lack the peer tier names none.",
     )
     tier_hit_weights: dict[str, float] = Field(
         default_factory=dict,

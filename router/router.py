@@ -8,9 +8,11 @@ from enum import StrEnum
 
 from replicas.kv.events import KVEventBatch, KVSnapshot, Tier, tier_count
 from replicas.kv.hashing import BlockHash
+from replicas.step_costs import PullCosts
 from router.affinity import KeyAffinity
 from router.config import RoutingConfig, TTFTCosts
 from router.load import LoadTracker
+from router.peer_sources import PeerSources
 from router.policies import ReplicaQueues, RouteDecision, make_policy
 from router.prefix_index import IndexMatch
 from router.replica_caches import ReplicaCaches
@@ -106,6 +108,7 @@ class Router:
         self._sync = [_ReplicaSync() for _ in range(num_replicas)]
         self._counters = [RoutingCounters() for _ in range(num_replicas)]
         self._live: list[int] = list(range(num_replicas))  # routable, ascending; see _relist
+        self._peers = PeerSources(config.peer_pull_min_blocks, block_size, self._caches, self._load)
 
     def set_ttft_costs(self, costs: TTFTCosts) -> None:
         """Price the ttft profile with ``costs`` from now on (the profile a deployment measured
@@ -116,6 +119,10 @@ class Router:
             )
         self.config = self.config.model_copy(update={"ttft_costs": costs})
         self._policy = make_policy(self.config, self.block_size)
+
+    def set_pull_costs(self, replica: int, costs: PullCosts) -> None:
+        """What pulling a prefix from a peer costs ``replica`` (``router.peer_sources``)."""
+        self._peers.set_costs(replica, costs)
 
     def route(
         self,
@@ -162,35 +169,13 @@ class Router:
         counters = self._counters[decision.replica_index]
         counters.record_route(decision.num_matched_tokens_by_tier, num_prompt_tokens)
         counters.num_key_affinity_routes += int(decision.is_key_affinity)
-        decision = self._with_peer_source(decision, block_hashes, matches)
-        counters.num_peer_sources += int(decision.peer_source is not None)
+        if self._peers.min_blocks and self.config.enable_prefix_caching and len(self._live) > 1:
+            decision, priced_out = self._peers.with_source(
+                decision, block_hashes, matches, self._live
+            )
+            counters.num_peer_sources += int(decision.peer_source is not None)
+            counters.num_peer_priced_out += int(priced_out)
         return decision
-
-    def _with_peer_source(
-        self,
-        decision: RouteDecision,
-        block_hashes: Sequence[BlockHash],
-        matches: Sequence[IndexMatch],
-    ) -> RouteDecision:
-        """``decision`` with the live replica that holds the most more blocks of the prompt
-        than the chosen one, computed in its NPU and host tiers, as the source to pull them
-        from, when that is at least ``peer_pull_min_blocks`` more (``replicas.kv.tiers.peer``;
-        a replica that turned the request away may still hand its blocks over). ``matches``
-        (the scored ones, which count at least those blocks) skip the lookup when no replica
-        can be a source."""
-        min_blocks = self.config.peer_pull_min_blocks
-        live = self._live
-        if not min_blocks or not self.config.enable_prefix_caching or len(live) < 2:
-            return decision
-        chosen = decision.replica_index
-        have = decision.num_matched_tokens // self.block_size
-        if all(matches[r].num_blocks - have < min_blocks for r in live if r != chosen):
-            return decision
-        held = self._caches.held(block_hashes, live)
-        source = max((r for r in live if r != chosen), key=held.__getitem__)
-        if held[source] - have < min_blocks:
-            return decision
-        return decision._replace(peer_source=source, num_peer_tokens=held[source] * self.block_size)
 
     def _ramped_load(
         self, live: Sequence[int], matches: Sequence[IndexMatch], num_prompt_tokens: int
@@ -343,6 +328,7 @@ class Router:
             self._caches.load_node_snapshot(snapshot)
         self.mark_dead(replica)
         self._sync[replica].role = ReplicaRole.RETIRED
+        self._peers.forget(replica)
         self._relist()
 
     def roles(self) -> list[ReplicaRole]:
@@ -407,6 +393,8 @@ class Router:
                     num_resyncs=counters.num_resyncs,
                     num_key_affinity_routes=counters.num_key_affinity_routes,
                     num_peer_sources=counters.num_peer_sources,
+                    num_peer_priced_out=counters.num_peer_priced_out,
+                    peer_break_even_blocks=self._peers.break_even_blocks(i),
                     queued_tokens=self._load.queued_tokens[i],
                     num_requests=self._load.num_requests[i],
                     role=sync.role.value,

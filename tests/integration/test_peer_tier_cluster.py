@@ -54,6 +54,9 @@ def test_a_replica_pulls_the_prefix_another_replica_computed(backend):
     stats = run(backend.stats())
     pulled = [r.engine.cache.peer_blocks_loaded for r in stats.replicas if r.engine is not None]
     assert sorted(pulled) == [0, 10]
+    # each replica reported what a pull costs it (router.peer_sources)
+    break_even = [r.peer_break_even_blocks for r in stats.router.replicas]
+    assert all(n is not None and n >= 1 for n in break_even)
     run(backend.reset_prefix_cache("all"))
     time.sleep(0.5)
     cold = run(run_one(backend, "cold", [*PREFIX, 201], PARAMS))

@@ -2,6 +2,7 @@
 other, with the cache-off output; another model, another ``cache_salt``, a corrupt block and a
 failing source are refused or missed, and the request recomputes."""
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -87,6 +88,12 @@ class Corrupting(peer.LocalPeer):
         return fingerprint, [bad._replace(checksum=bad.checksum ^ 1), *blocks[1:]]
 
 
+class Slow(peer.LocalPeer):
+    def export_blocks(self, cache_type, hashes):
+        time.sleep(0.05)
+        return super().export_blocks(cache_type, hashes)
+
+
 class Failing(peer.LocalPeer):
     def export_blocks(self, cache_type, hashes):
         raise ConnectionError("the source died")
@@ -162,4 +169,30 @@ def test_metrics_show_the_peer_tier_and_the_cost_rule(source):
     assert samples[("0", "peer", "blocks_loaded")] == NUM_BLOCKS
     costs = {s.labels["cost"] for s in families["strata_kv_reload_rule_seconds_per_block"].samples}
     assert {"recompute", "host_load", "peer_read"} <= costs
+    puller.close()
+
+
+def test_a_replica_reports_its_pull_costs_at_start_and_when_its_pulls_move_them(source):
+    from replicas.pull_costs import REPORT_INTERVAL_S, PullCostReport
+    from replicas.step_costs import StepCosts
+
+    puller = engine(tiers={"peer": {}})
+    step = StepCosts(0.0, 1e-4, 0.0, 0.0, 0.0, 2e-5, 0.0, 64, 0.0, 0.0)
+    now = [0.0]
+    sent = []
+    report = PullCostReport(puller, 0, step, sent.append, clock=lambda: now[0])
+    report.maybe_send()
+    assumed = puller.backing["peer"]["full"].read_seconds_per_block()
+    assert len(sent) == 1 and sent[0].read_s_per_block == assumed  # 1 GB/s before a pull
+    assert sent[0].break_even_blocks() == 1 and sent[0].block_size == 16
+    pull(puller, Slow(source), "m")  # measures a read far slower than assumed
+    report.maybe_send()
+    assert len(sent) == 1  # looked at again only after the interval
+    now[0] += REPORT_INTERVAL_S
+    report.maybe_send()
+    measured = puller.backing["peer"]["full"].read_seconds_per_block()
+    assert measured > 2 * assumed and sent[-1].read_s_per_block == measured
+    now[0] += REPORT_INTERVAL_S
+    report.maybe_send()
+    assert sent[-1] is sent[1] and len(sent) == 2  # unchanged: not sent again
     puller.close()

@@ -1,7 +1,10 @@
+import math
+
 import pytest
 
 from replicas.kv.events import KVEvent, KVEventBatch, KVSnapshot, Tier
 from replicas.kv.hashing import block_hashes
+from replicas.step_costs import PullCosts
 from router.config import RoutingConfig
 from router.router import NoLiveReplicaError, Router
 from router.stats import MATCHED_FRACTION_BUCKETS
@@ -210,6 +213,43 @@ def test_host_matches_are_counted_per_tier_in_stats():
     stats = router.stats().replicas[0]
     assert stats.num_matched_tokens_by_tier == (16, 16, 0)
     assert stats.matched_fraction_bucket_counts == (0, 0, 0, 0, 0, 1, 1)  # 0.8
+
+
+def pull_costs(read_ms: float, recompute_ms: float = 10.0) -> PullCosts:
+    """Costs per block: read from a peer ``read_ms``, load 0.5 ms, compute ``recompute_ms``."""
+    return PullCosts(recompute_ms / 1e3 / BLOCK, 0.0, read_ms / 1e3, 0.5e-3, 4 * BLOCK, BLOCK)
+
+
+def test_pull_costs_price_a_pull_against_computing_it():
+    cheap = pull_costs(read_ms=1.5)  # 2 ms a block against 10
+    assert cheap.break_even_blocks() == 1 and cheap.break_even_blocks(wait_s=0.02) == 3
+    assert cheap.pays(3, 0, 0.02) and not cheap.pays(2, 0, 0.02)
+    assert cheap.source_wait_s(10 * BLOCK) == pytest.approx(0.04)  # one step: 4 blocks' prefill
+    assert pull_costs(read_ms=9.5).break_even_blocks() == math.inf
+    context = PullCosts(1e-3, 1e-5, 0.02, 0.0, 64, BLOCK)  # 17 ms a block cold, 20 a pull
+    assert not context.pays(1, 0, 0.0) and context.pays(1, 10 * BLOCK, 0.0)  # deep: dearer
+
+
+def test_the_source_is_named_only_where_the_reported_pull_beats_recompute():
+    router = make_router(3, peer_pull_min_blocks=1)
+    assert router.on_events(KVEventBatch(0, 0, stored(*range(1, 9))))  # 8 blocks on 0
+    assert router.stats().replicas[1].peer_break_even_blocks is None  # not reported yet
+    router.set_pull_costs(1, pull_costs(read_ms=12.0))  # a pull costs more than computing
+    dear = router.route("a", 9 * BLOCK, prompt(*range(1, 10)), exclude={0})
+    assert dear.replica_index == 1 and dear.peer_source is None
+    stats = router.stats().replicas[1]
+    assert stats.num_peer_priced_out == 1 and stats.peer_break_even_blocks == math.inf
+    router.set_pull_costs(2, pull_costs(read_ms=1.5))
+    cheap = router.route("b", 9 * BLOCK, prompt(*range(1, 10)), exclude={0, 1})
+    assert (cheap.replica_index, cheap.peer_source) == (2, 0)
+    assert router.stats().replicas[2].peer_break_even_blocks == 1
+    # a busy source makes the pull wait for its step: 8 blocks no longer pay 4 blocks' prefill
+    router.release("b")  # its prompt no longer pending on 2
+    router.set_pull_costs(0, pull_costs(read_ms=1.5, recompute_ms=80.0))
+    router.route("busy", 64 * BLOCK, [], exclude={1, 2})  # queued prefill on 0
+    waits = router.route("c", 9 * BLOCK, prompt(*range(1, 10)), exclude={0, 1})
+    assert waits.peer_source is None and router.stats().replicas[2].num_peer_priced_out == 1
+    router.check_integrity()
 
 
 def test_excluded_replicas_are_not_candidates():
