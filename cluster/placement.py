@@ -149,8 +149,8 @@ class ReplicaPlacement:
     def num_placeable(self) -> float:
         """How many more replicas the cluster can hold now: the free bundles, plus the bundles
         that fit in the available resources (``inf`` for a bundle of no resources). Counts the
-        cluster's totals, so a bundle too large for any one node is refused here and the rest is
-        left to Ray's placement (``reserve`` fails when it cannot place)."""
+        cluster's totals, so a bundle too large for any one node does not fit now, and the rest
+        is left to Ray's placement (``reserve`` fails when it cannot place in time)."""
         bundle = {k: v for k, v in self.bundle.items() if v > 0}
         if not bundle:
             return math.inf
@@ -166,11 +166,15 @@ class ReplicaPlacement:
 
     def describe_shortfall(self, num_new: int) -> str:
         """Why ``num_new`` more replicas do not fit: one sentence naming the resources."""
-        available = {k: round(v, 3) for k, v in ray.available_resources().items()}
         return (
             f"{num_new} more replica(s) need {self.bundle} each, and the Ray cluster has "
-            f"{len(self.free)} free bundle(s) and {available} available"
+            f"{len(self.free)} free bundle(s) and {self.available()} available"
         )
+
+    def available(self) -> dict[str, float]:
+        """What the Ray cluster has available now of each resource a bundle reserves."""
+        available = ray.available_resources()
+        return {k: round(available.get(k, 0.0), 3) for k in self.bundle}
 
     async def reserve(self, indices: list[int], timeout_s: float = PLACEMENT_TIMEOUT_S) -> None:
         """Give each new replica of ``indices`` a bundle: a free one, else a new one-bundle
@@ -192,8 +196,7 @@ class ReplicaPlacement:
             if num_placed < len(new):
                 raise PlacementTimeout(
                     f"Ray placed {num_placed} of {len(new)} new placement group(s) of "
-                    f"{self.bundle} within {timeout_s:g} s ({ray.available_resources()} "
-                    "available)"
+                    f"{self.bundle} within {timeout_s:g} s ({self.available()} available)"
                 )
         except BaseException:
             for index in taken:

@@ -129,7 +129,9 @@ class Resizer:
 
     def _placement_wait(self, size: int) -> float:
         """How long a scale-out to ``size`` waits for the Ray cluster to grow: 0.0 when the new
-        bundles fit now, ``ray.scale_out_wait_s`` when they do not and it can grow. Raises
+        bundles fit now (``_placement_timeout`` bounds their placing), ``ray.scale_out_wait_s``
+        when they do not and it can grow (a bundle larger than every node included: a larger
+        node may join). Raises
         ``ValueError`` when they do not fit and it cannot wait (a Ray local to this machine, or
         the option at 0)."""
         num_new = size - self.membership.target_size
@@ -208,7 +210,7 @@ class Resizer:
                 wait_s,
             )
         try:
-            await self.placement.reserve(indices, wait_s or PLACEMENT_TIMEOUT_S)
+            await self.placement.reserve(indices, wait_s or self._placement_timeout())
         except RuntimeError as error:
             if not wait_s:
                 raise ValueError(f"data_parallel_size {size}: {error}") from None
@@ -219,6 +221,14 @@ class Resizer:
             ) from None
         if wait_s:
             logger.info("scale-out to %d: Ray placed the new replicas' bundles", size)
+
+    def _placement_timeout(self) -> float:
+        """How long Ray may take to place bundles that fit the cluster now (``num_placeable``
+        counts its totals, so a node's leftovers may not hold one): ``PLACEMENT_TIMEOUT_S``,
+        or ``ray.scale_out_wait_s`` if longer on a cluster that can grow."""
+        if not self.can_grow:
+            return PLACEMENT_TIMEOUT_S
+        return max(PLACEMENT_TIMEOUT_S, self.config.ray.scale_out_wait_s)
 
     async def _join(self, index: int) -> None:
         """Warm replica ``index`` from its node's disk, then route to it."""

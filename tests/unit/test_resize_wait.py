@@ -94,12 +94,22 @@ def test_a_cluster_that_can_grow_waits_the_bound_then_refuses_naming_the_option(
     assert_unchanged(scaling)
 
 
-def test_a_scale_out_that_fits_now_waits_the_placement_timeout_only():
+@pytest.mark.parametrize(
+    ("can_grow", "wait_s", "timeout_s"),
+    [(False, 600.0, PLACEMENT_TIMEOUT_S), (True, 600.0, 600.0), (True, 5.0, PLACEMENT_TIMEOUT_S)],
+)
+def test_a_scale_out_that_fits_now_logs_no_wait_and_is_bounded_alike(
+    can_grow, wait_s, timeout_s, caplog
+):
     placement = FakePlacement(placeable=2)
-    scaling = resizer(placement, can_grow=True, wait_s=600.0)
-    with pytest.raises(ValueError, match=r"^data_parallel_size 4: Ray placed 0 of 2"):
+    scaling = resizer(placement, can_grow=can_grow, wait_s=wait_s)
+    with (
+        caplog.at_level(logging.INFO, logger="cluster.resize"),
+        pytest.raises(ValueError, match=r"^data_parallel_size 4: Ray placed 0 of 2"),
+    ):
         asyncio.run(scaling.scale(4))
-    assert placement.reserved == [([2, 3], PLACEMENT_TIMEOUT_S)]
+    assert placement.reserved == [([2, 3], timeout_s)]
+    assert not [r for r in caplog.records if "wait up to" in r.getMessage()]
     assert_unchanged(scaling)
 
 
