@@ -22,6 +22,7 @@ request on it (``Member.in_flight``).
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -91,8 +92,8 @@ class Resizer:
         """Resize to ``data_parallel_size`` replicas. Raises ``ValueError`` naming why for a bad
         size (not an integer, below 1, more than the Ray cluster can place now or, where it
         can grow, within ``ray.scale_out_wait_s``), leaving the deployment as it was. Calls run
-        one at a time. ``victim``: how a scale-in picks,
-        ``"value"`` (``cluster.scaling``) or ``"random"`` (a benchmark baseline)."""
+        one at a time. ``victim``: how a scale-in picks, ``"value"`` (``cluster.scaling``) or
+        ``"random"`` (a benchmark baseline)."""
         if victim not in VICTIM_RULES:
             raise ValueError(f"victim must be one of {VICTIM_RULES}, got {victim!r}")
         async with self._serialized():
@@ -131,9 +132,8 @@ class Resizer:
         """How long a scale-out to ``size`` waits for the Ray cluster to grow: 0.0 when the new
         bundles fit now (``_placement_timeout`` bounds their placing), ``ray.scale_out_wait_s``
         when they do not and it can grow (a bundle larger than every node included: a larger
-        node may join). Raises
-        ``ValueError`` when they do not fit and it cannot wait (a Ray local to this machine, or
-        the option at 0)."""
+        node may join). Raises ``ValueError`` when they do not fit and it cannot wait (a Ray
+        local to this machine, or the option at 0)."""
         num_new = size - self.membership.target_size
         if num_new <= self.placement.num_placeable():
             return 0.0
@@ -209,6 +209,7 @@ class Resizer:
                 self.placement.describe_shortfall(len(indices)),
                 wait_s,
             )
+        start = time.monotonic()
         try:
             await self.placement.reserve(indices, wait_s or self._placement_timeout())
         except RuntimeError as error:
@@ -220,7 +221,11 @@ class Resizer:
                 f"{error}"
             ) from None
         if wait_s:
-            logger.info("scale-out to %d: Ray placed the new replicas' bundles", size)
+            logger.info(
+                "scale-out to %d: Ray placed the new replicas' bundles after %.1f s",
+                size,
+                time.monotonic() - start,
+            )
 
     def _placement_timeout(self) -> float:
         """How long Ray may take to place bundles that fit the cluster now (``num_placeable``
