@@ -33,6 +33,12 @@ Decisions, with ``n`` replicas and ``q`` the averaged queueing (names are Ray Se
           downscale_queue_fraction * target and target changes nothing)
 
 A size outside ``[min_replicas, max_replicas]`` (a replica lost for good) is brought back at once.
+
+A scale-out the Ray cluster cannot place now waits, where the cluster can grow, up to
+``ray.scale_out_wait_s`` for Ray to place it (``cluster.resize``): the tick waits with it (the
+policy would hold meanwhile anyway), and a refusal is one warning, then the cool-down and the
+upscale delay before the policy asks again, so a cluster that does not grow costs one try,
+and one warning, per ``scale_out_wait_s + cooldown_s + upscale_delay_s``.
 """
 
 import asyncio

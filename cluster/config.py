@@ -139,6 +139,16 @@ class RayConfig(_Section):
     replica_max_restarts: int = Field(
         -1, ge=-1, description="Ray restarts of a crashed replica (-1: unlimited)."
     )
+    scale_out_wait_s: float = Field(
+        600.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="A scale-out needing more than the Ray cluster can place now reserves its "
+        "placement groups anyway (the demand Ray's autoscaler sees) and waits up to this long "
+        "for Ray to place them, on a cluster that can grow (joined by address); past it the "
+        "scale-out is refused and changes nothing. 0, or a Ray instance local to this machine "
+        "(the embedded one): refused at once.",
+    )
     use_for_one_replica: bool = Field(
         False,
         description="Deploy on Ray even with data_parallel_size 1, so that the deployment can "

@@ -33,7 +33,7 @@ from cluster.config import ClusterConfig
 from cluster.dispatch import Dispatcher, Request
 from cluster.health import ACTOR_LOST, HEALTH_TIMEOUT_S, HealthMonitor
 from cluster.membership import Membership
-from cluster.placement import init_ray, is_embedded, place_replicas
+from cluster.placement import can_grow, init_ray, is_embedded, place_replicas
 from cluster.resize import ReplicaStartError, Resizer
 from cluster.router_calls import RouterCalls
 from replicas.actor import ReplicaActor
@@ -61,6 +61,7 @@ class RayBackend:
         args, self.tokenizer = load_model_info(config.model.model, config.model.revision)
         self._args = args
         self._embedded = is_embedded(config.ray)
+        can_grow_ray = can_grow(config.ray)  # a scale-out that does not fit may wait for it
         if self._embedded:  # every replica's host tier will be on this machine
             _check_host_memory(config, engine_config, args)
         init_ray(config.ray)
@@ -101,6 +102,7 @@ class RayBackend:
             self._start_replica,
             lambda actor: ray.kill(actor, no_restart=True),
             self._new_engine_config,
+            can_grow=can_grow_ray,
         )
         self.max_model_len = int(self.replica_infos[0]["max_model_len"])
         self.block_size = engine_config.block_size

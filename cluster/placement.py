@@ -46,6 +46,8 @@ from replicas.model.loader import checkpoint_bytes
 logger = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 120.0
+"""How long start-up, or a scale-out that fits the Ray cluster now, waits for Ray to place its
+bundles (a scale-out that does not fit waits ``ray.scale_out_wait_s``, ``cluster.resize``)."""
 
 
 def init_ray(config: RayConfig) -> None:
@@ -68,6 +70,20 @@ def init_ray(config: RayConfig) -> None:
 def is_embedded(config: RayConfig) -> bool:
     """Whether ``init_ray`` will start a Ray instance on this machine (no cluster to join)."""
     return not (config.address or ray.is_initialized())
+
+
+def can_grow(config: RayConfig) -> bool:
+    """Whether the Ray cluster a deployment of ``config`` runs on may gain nodes (Ray's
+    autoscaler, KubeRay, ``ray start --address`` on another machine): one joined by address,
+    not a Ray instance this process starts or started on this machine (``init_ray``'s embedded
+    one, or a ``ray.init()`` without an address made before the deployment). Asked before
+    ``init_ray``."""
+    if is_embedded(config):
+        return False
+    if not ray.is_initialized():
+        return True  # init_ray joins config.address
+    node = getattr(ray._private.worker, "_global_node", None)  # None for a Ray Client
+    return not getattr(node, "head", False)
 
 
 def gpus_per_replica(config: RayConfig, device: str, num_replicas: int) -> float:
@@ -133,8 +149,8 @@ class ReplicaPlacement:
     def num_placeable(self) -> float:
         """How many more replicas the cluster can hold now: the free bundles, plus the bundles
         that fit in the available resources (``inf`` for a bundle of no resources). Counts the
-        cluster's totals, so a bundle too large for any one node is refused here and the rest is
-        left to Ray's placement (``reserve`` fails when it cannot place)."""
+        cluster's totals, so a bundle too large for any one node does not fit now, and the rest
+        is left to Ray's placement (``reserve`` fails when it cannot place in time)."""
         bundle = {k: v for k, v in self.bundle.items() if v > 0}
         if not bundle:
             return math.inf
@@ -150,36 +166,42 @@ class ReplicaPlacement:
 
     def describe_shortfall(self, num_new: int) -> str:
         """Why ``num_new`` more replicas do not fit: one sentence naming the resources."""
-        available = {k: round(v, 3) for k, v in ray.available_resources().items()}
         return (
             f"{num_new} more replica(s) need {self.bundle} each, and the Ray cluster has "
-            f"{len(self.free)} free bundle(s) and {available} available"
+            f"{len(self.free)} free bundle(s) and {self.available()} available"
         )
 
-    async def reserve(self, indices: list[int]) -> None:
+    def available(self) -> dict[str, float]:
+        """What the Ray cluster has available now of each resource a bundle reserves."""
+        available = ray.available_resources()
+        return {k: round(available.get(k, 0.0), 3) for k in self.bundle}
+
+    async def reserve(self, indices: list[int], timeout_s: float = PLACEMENT_TIMEOUT_S) -> None:
         """Give each new replica of ``indices`` a bundle: a free one, else a new one-bundle
-        group, waiting until Ray has placed it. Raises ``RuntimeError`` (having given back
-        every bundle this call took) when the cluster cannot place them."""
+        group. The new groups are reserved together (pending ones are the demand Ray's
+        autoscaler sees) and waited for up to ``timeout_s``. Raises ``PlacementTimeout``
+        (having given back every bundle this call took, its new groups removed) when Ray has
+        not placed them all by then."""
         taken: list[int] = []
+        new: list[PlacementGroup] = []
         try:
             for index in indices:
                 if self.free:
                     self.bundles[index] = self.free.pop()
-                    taken.append(index)
-                    continue
-                group = placement_group([dict(self.bundle)], strategy="PACK")
-                self.bundles[index] = (group, 0)
+                else:
+                    new.append(placement_group([dict(self.bundle)], strategy="PACK"))
+                    self.bundles[index] = (new[-1], 0)
                 taken.append(index)
-                try:
-                    await asyncio.wait_for(group.ready(), PLACEMENT_TIMEOUT_S)
-                except TimeoutError:
-                    raise RuntimeError(
-                        f"cannot place replica {index} needing {self.bundle} on this Ray "
-                        f"cluster ({ray.available_resources()} available)"
-                    ) from None
+            num_placed = await _wait_placed(new, timeout_s)
+            if num_placed < len(new):
+                raise PlacementTimeout(
+                    f"Ray placed {num_placed} of {len(new)} new placement group(s) of "
+                    f"{self.bundle} within {timeout_s:g} s ({self.available()} available)"
+                )
         except BaseException:
             for index in taken:
-                self.release(index)
+                if index in self.bundles:  # not if ``remove`` (a shutdown) came first
+                    self.release(index)
             raise
 
     def release(self, index: int) -> None:
@@ -197,6 +219,29 @@ class ReplicaPlacement:
             remove_placement_group(group)
         self.bundles.clear()
         self.free.clear()
+
+
+class PlacementTimeout(RuntimeError):
+    """Ray did not place a scale-out's new placement groups in time."""
+
+
+async def _wait_placed(groups: list[PlacementGroup], timeout_s: float) -> int:
+    """Wait up to ``timeout_s`` for Ray to place every one of ``groups``; how many it placed."""
+    if not groups:
+        return 0
+
+    async def placed(group: PlacementGroup) -> None:
+        await group.ready()
+
+    waits = [asyncio.ensure_future(placed(group)) for group in groups]
+    try:
+        done, _ = await asyncio.wait(waits, timeout=timeout_s)
+    finally:
+        for wait in waits:
+            wait.cancel()
+    for wait in done:
+        wait.result()  # a group Ray failed to place raises here
+    return len(done)
 
 
 FRONT_RESERVED_CPUS = 1.0

@@ -8,6 +8,12 @@
                and routed again; running ones finish there: max_tokens bounds them)
                -> write_hot_blocks_to_disk -> kill the actor -> router.retire -> free its bundle
 
+A scale-out needing more than the Ray cluster can place now waits, on a cluster that can grow
+(``cluster.placement.can_grow``), up to ``ray.scale_out_wait_s`` for Ray to place its bundles
+(their pending placement groups are the demand Ray's autoscaler sees); past it, or at once on a
+Ray local to this machine or with the option at 0, it is refused (``ValueError``) and changes
+nothing. Serving goes on meanwhile: only resizes wait for one another.
+
 No request is lost: the backend never sends a request to a draining replica (it routes again a
 request the router placed there before it heard of the drain, ``RayBackend._serve``), a shed
 request never started and runs elsewhere, and the actor is killed only once this process has no
@@ -16,6 +22,7 @@ request on it (``Member.in_flight``).
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +32,7 @@ from cluster.backend import ScaleResult
 from cluster.config import ClusterConfig
 from cluster.health import ACTOR_LOST, HEALTH_TIMEOUT_S, HealthMonitor
 from cluster.membership import Membership
-from cluster.placement import ReplicaPlacement
+from cluster.placement import PLACEMENT_TIMEOUT_S, ReplicaPlacement
 from cluster.scaling import (
     VICTIM_RULES,
     ReplicaValue,
@@ -52,7 +59,9 @@ class Resizer:
     each resize) and counts the resizes. ``start_replica(index, engine_config)`` starts a
     replica actor in the bundle ``placement`` gave ``index``; ``kill(actor)`` ends one;
     ``new_engine_config(config, num_new)`` is one new replica's engine config at ``config``'s
-    size (raising ``ValueError`` when its host share holds no block or does not fit)."""
+    size (raising ``ValueError`` when its host share holds no block or does not fit);
+    ``can_grow``: whether the Ray cluster may gain nodes (a scale-out that does not fit then
+    waits for it, ``ray.scale_out_wait_s``)."""
 
     def __init__(
         self,
@@ -64,6 +73,7 @@ class Resizer:
         start_replica: Callable[[int, EngineConfig], Any],
         kill: Callable[[Any], None],
         new_engine_config: Callable[[ClusterConfig, int], EngineConfig],
+        can_grow: bool = False,
     ) -> None:
         self.config = config
         self.membership = membership
@@ -73,15 +83,17 @@ class Resizer:
         self._start_replica = start_replica
         self._kill = kill
         self._new_engine_config = new_engine_config
+        self.can_grow = can_grow
         self.num_scale_events = {"out": 0, "in": 0}
         self._lock: asyncio.Lock | None = None
         self._lock_loop: asyncio.AbstractEventLoop | None = None
 
     async def scale(self, data_parallel_size: int, victim: str = "value") -> ScaleResult:
         """Resize to ``data_parallel_size`` replicas. Raises ``ValueError`` naming why for a bad
-        size (not an integer, below 1, more than the Ray cluster can place), leaving the
-        deployment as it was. Calls run one at a time. ``victim``: how a scale-in picks,
-        ``"value"`` (``cluster.scaling``) or ``"random"`` (a benchmark baseline)."""
+        size (not an integer, below 1, more than the Ray cluster can place now or, where it
+        can grow, within ``ray.scale_out_wait_s``), leaving the deployment as it was. Calls run
+        one at a time. ``victim``: how a scale-in picks, ``"value"`` (``cluster.scaling``) or
+        ``"random"`` (a benchmark baseline)."""
         if victim not in VICTIM_RULES:
             raise ValueError(f"victim must be one of {VICTIM_RULES}, got {victim!r}")
         async with self._serialized():
@@ -91,7 +103,8 @@ class Resizer:
                 logger.info("scale: the deployment already has %d replicas", size)
                 return ScaleResult(old, old)
             if size > old:
-                result = ScaleResult(old, size, added=tuple(await self._scale_out(size)))
+                wait_s = self._placement_wait(size)
+                result = ScaleResult(old, size, added=tuple(await self._scale_out(size, wait_s)))
             else:
                 choices = await self._scale_in(old - size, victim)
                 removed = tuple(c.replica_index for c in choices)
@@ -113,31 +126,45 @@ class Resizer:
             raise ValueError(f"data_parallel_size must be an integer, got {size!r}")
         if size < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got {size}")
-        num_new = size - self.membership.target_size
-        if num_new > 0 and num_new > self.placement.num_placeable():
-            raise ValueError(
-                f"data_parallel_size {size} is more than the Ray cluster can place: "
-                + self.placement.describe_shortfall(num_new)
-            )
         return size
+
+    def _placement_wait(self, size: int) -> float:
+        """How long a scale-out to ``size`` waits for the Ray cluster to grow: 0.0 when the new
+        bundles fit now (``_placement_timeout`` bounds their placing), ``ray.scale_out_wait_s``
+        when they do not and it can grow (a bundle larger than every node included: a larger
+        node may join). Raises ``ValueError`` when they do not fit and it cannot wait (a Ray
+        local to this machine, or the option at 0)."""
+        num_new = size - self.membership.target_size
+        if num_new <= self.placement.num_placeable():
+            return 0.0
+        wait_s = self.config.ray.scale_out_wait_s
+        if self.can_grow and wait_s > 0:
+            return wait_s
+        why = (
+            "this Ray instance is local to one machine and cannot grow"
+            if not self.can_grow
+            else "ray.scale_out_wait_s is 0, so a scale-out does not wait for it to grow"
+        )
+        raise ValueError(
+            f"data_parallel_size {size} is more than the Ray cluster can place, and {why}: "
+            + self.placement.describe_shortfall(num_new)
+        )
 
     def _set_size(self, size: int) -> None:
         self.membership.target_size = size
         self.config = self.config.model_copy(update={"data_parallel_size": size})
 
     # ---- scale-out ---------------------------------------------------------------------------
-    async def _scale_out(self, size: int) -> list[int]:
-        """Start the new replicas and let each take traffic once it is ready."""
+    async def _scale_out(self, size: int, wait_s: float = 0.0) -> list[int]:
+        """Start the new replicas and let each take traffic once it is ready, first waiting up
+        to ``wait_s`` (if any) for the Ray cluster to grow enough to place them."""
         members = self.membership
         num_new = size - members.target_size
         grown = self.config.model_copy(update={"data_parallel_size": size})
         engine_config = self._new_engine_config(grown, num_new)  # the budgets at the new size
         first = len(members.replicas)
         indices = list(range(first, first + num_new))
-        try:
-            await self.placement.reserve(indices)
-        except RuntimeError as error:
-            raise ValueError(f"data_parallel_size {size}: {error}") from None
+        await self._reserve(size, indices, wait_s)
         for index in indices:
             assert members.add(self._start_replica(index, engine_config)) == index
         self._set_size(size)
@@ -168,6 +195,45 @@ class Resizer:
                 + "; ".join(_last_line(e) for e in joins if isinstance(e, BaseException))
             )
         return indices
+
+    async def _reserve(self, size: int, indices: list[int], wait_s: float) -> None:
+        """Bundles for the new replicas ``indices``; with ``wait_s``, their placement groups
+        wait that long for Ray to place them. Raises ``ValueError`` (every bundle this call
+        took given back) when Ray did not place them in time."""
+        if wait_s:
+            logger.info(
+                "scale-out to %d: %s; their placement groups are reserved (the demand Ray's "
+                "autoscaler sees) and wait up to %g s (ray.scale_out_wait_s) for Ray to place "
+                "them; the deployment serves meanwhile",
+                size,
+                self.placement.describe_shortfall(len(indices)),
+                wait_s,
+            )
+        start = time.monotonic()
+        try:
+            await self.placement.reserve(indices, wait_s or self._placement_timeout())
+        except RuntimeError as error:
+            if not wait_s:
+                raise ValueError(f"data_parallel_size {size}: {error}") from None
+            raise ValueError(
+                f"data_parallel_size {size}: the Ray cluster did not grow to place "
+                f"{len(indices)} more replica(s) within ray.scale_out_wait_s ({wait_s:g} s): "
+                f"{error}"
+            ) from None
+        if wait_s:
+            logger.info(
+                "scale-out to %d: Ray placed the new replicas' bundles after %.1f s",
+                size,
+                time.monotonic() - start,
+            )
+
+    def _placement_timeout(self) -> float:
+        """How long Ray may take to place bundles that fit the cluster now (``num_placeable``
+        counts its totals, so a node's leftovers may not hold one): ``PLACEMENT_TIMEOUT_S``,
+        or ``ray.scale_out_wait_s`` if longer on a cluster that can grow."""
+        if not self.can_grow:
+            return PLACEMENT_TIMEOUT_S
+        return max(PLACEMENT_TIMEOUT_S, self.config.ray.scale_out_wait_s)
 
     async def _join(self, index: int) -> None:
         """Warm replica ``index`` from its node's disk, then route to it."""

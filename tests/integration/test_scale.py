@@ -78,8 +78,10 @@ def test_resize_under_load_refuses_bad_sizes_and_removes_the_least_valuable(back
         run(run_one(backend, f"ref-{i}", p, PARAMS)).token_ids for i, p in enumerate(prompts)
     ]
 
-    # (f) Bad sizes: a ValueError naming why, and the deployment as it was.
-    for bad, why in [(0, "at least 1"), (-1, "at least 1"), (2.5, "integer"), (40, "place")]:
+    # (f) Bad sizes: a ValueError naming why, and the deployment as it was. The session's Ray
+    # was started by this process: local to one machine, so a size past it is refused at once.
+    local = "can place, and this Ray instance is local to one machine and cannot grow"
+    for bad, why in [(0, "at least 1"), (-1, "at least 1"), (2.5, "integer"), (40, local)]:
         with pytest.raises(ValueError, match=why):
             run(backend.scale(bad))
         assert backend.num_replicas() == 2 and replica_names("t-scale") == {

@@ -218,3 +218,40 @@ def test_the_autoscaler_resizes_the_backend_and_counts_its_decisions_in_the_metr
     assert 'strata_autoscale_decisions_total{direction="hold"} 2.0' in text
     assert 'strata_autoscale_decisions_total{direction="up"} 1.0' in text
     assert "strata_autoscale_desired_replicas 2.0" in text
+
+
+class GrowingClusterBackend(FakeBackend):
+    """Every scale-out waits ``wait_s`` (of the fake clock) for a Ray cluster that does not
+    grow, then is refused, as ``ray.scale_out_wait_s`` bounds it."""
+
+    def __init__(self, now: list[float], wait_s: float) -> None:
+        super().__init__(1, queued=2000)
+        self.now = now
+        self.wait_s = wait_s
+
+    async def scale(self, n: int) -> None:
+        self.calls.append(n)
+        self.now[0] += self.wait_s
+        raise ValueError(f"data_parallel_size {n}: ... within ray.scale_out_wait_s")
+
+
+def test_a_refused_wait_for_the_cluster_to_grow_cools_down_before_the_next_try(caplog):
+    now = [0.0]
+    config = CONFIG.model_copy(update={"upscale_delay_s": 2.0, "cooldown_s": 30.0})
+    autoscaler = Autoscaler(config, 8, clock=lambda: now[0])
+    backend = GrowingClusterBackend(now, wait_s=600.0)
+
+    async def ticks(count: int) -> list[str]:
+        directions = []
+        for _ in range(count):
+            directions.append((await autoscaler.tick(backend)).direction)
+            now[0] += 1.0
+        return directions
+
+    with caplog.at_level("WARNING", logger="cluster.autoscale"):
+        first = asyncio.run(ticks(3))  # the third tick asks, waits 600 s, is refused
+        assert first == [HOLD, HOLD, UP] and backend.calls == [2] and backend.n == 1
+        later = asyncio.run(ticks(32))  # 30 s of cool-down from the refusal, 2 s of delay
+    assert later == [HOLD] * 31 + [UP] and backend.calls == [2, 2]
+    refusals = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refusals) == 2  # one warning per try

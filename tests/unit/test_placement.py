@@ -1,5 +1,8 @@
 """Default replica sizing: a deployment's replicas share the Ray cluster's CPUs."""
 
+import asyncio
+from types import SimpleNamespace
+
 import pytest
 
 from cluster import placement
@@ -65,3 +68,57 @@ def test_a_scale_out_counts_free_bundles_and_what_fits(cluster, monkeypatch):
     assert removed == [start] and replicas.free == []
     cluster(8.0, 0.25)  # no node could hold a bundle
     assert replicas.num_placeable() == 0
+
+
+class PendingGroup(FakeGroup):
+    """A one-bundle group Ray places when ``placed`` (else it stays pending)."""
+
+    def __init__(self, placed: bool) -> None:
+        super().__init__(1)
+        self.placed = placed
+
+    async def ready(self) -> None:
+        if not self.placed:
+            await asyncio.Event().wait()
+
+
+def test_reserve_waits_for_new_groups_together_and_gives_all_back_when_not_placed(
+    cluster, monkeypatch
+):
+    removed: list[FakeGroup] = []
+    monkeypatch.setattr(placement, "remove_placement_group", removed.append)
+    outcomes = iter([True, False])  # the first new group is placed, the second is not
+    created: list[PendingGroup] = []
+
+    def new_group(bundles, strategy):
+        created.append(PendingGroup(next(outcomes)))
+        return created[-1]
+
+    monkeypatch.setattr(placement, "placement_group", new_group)
+    cluster(0.0, 1)
+    start = FakeGroup(2)
+    replicas = placement.ReplicaPlacement(start, 0.5, 0.0, {})
+    replicas.release(1)  # a free bundle in the start-up group
+    with pytest.raises(placement.PlacementTimeout, match="Ray placed 1 of 2 new placement group"):
+        asyncio.run(replicas.reserve([2, 3, 4], timeout_s=0.2))
+    # the free bundle is free again, both new groups (placed or not) removed
+    assert replicas.bundles == {0: (start, 0)} and replicas.free == [(start, 1)]
+    assert removed == created
+    created.clear()
+    outcomes = iter([True])
+    asyncio.run(replicas.reserve([5, 6], timeout_s=0.2))  # the free bundle and one new group
+    assert replicas.bundles == {0: (start, 0), 5: (start, 1), 6: (created[0], 0)}
+
+
+def test_only_a_ray_joined_by_address_can_grow(monkeypatch):
+    monkeypatch.setattr(placement.ray, "is_initialized", lambda: False)
+    assert not placement.can_grow(RayConfig())  # init_ray starts the embedded one
+    assert placement.can_grow(RayConfig(address="ray-head:6379"))
+    monkeypatch.setattr(placement.ray, "is_initialized", lambda: True)
+    worker = placement.ray._private.worker
+    monkeypatch.setattr(worker, "_global_node", SimpleNamespace(head=True))
+    assert not placement.can_grow(RayConfig(address="ray-head:6379"))  # this process started it
+    monkeypatch.setattr(worker, "_global_node", SimpleNamespace(head=False))
+    assert placement.can_grow(RayConfig())  # this process joined it
+    monkeypatch.setattr(worker, "_global_node", None)
+    assert placement.can_grow(RayConfig())  # a Ray Client
