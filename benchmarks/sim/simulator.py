@@ -28,20 +28,19 @@ import heapq
 import itertools
 import random
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from benchmarks.sim.agents import ClusterView, RoutingAgent, StrataAgent
+from benchmarks.sim.agents import ClusterView
 from benchmarks.sim.clairvoyant import CLAIRVOYANT, Arrivals, arrivals_by_block, clairvoyant
 from benchmarks.sim.cost_model import CostModel
 from benchmarks.sim.disk import NodeDisk
 from benchmarks.sim.engine import SimulatedEngine, StepReport
 from benchmarks.sim.metrics import LoadMeter, hit_rates, ttft_figures
-from benchmarks.sim.peers import PEERS
+from benchmarks.sim.policies import STRATA, make_agent
 from benchmarks.sim.trace import TraceRequest
 from replicas.cache_hints import CacheHints
 from replicas.config import EngineConfig, KVOffloadConfig, SchedulerConfig
@@ -60,9 +59,7 @@ from replicas.kv.reservations import ReservationPolicy
 from replicas.kv.retention import BlockCosts, PolicyFactory, WriteThrough
 from replicas.model import KVCacheSpec
 from replicas.sampling_params import SamplingParams
-from router.config import RoutingConfig, TTFTCosts
 
-STRATA = "strata"
 FULL, SLIDING = "full", "sliding"
 ARRIVAL, STEP_END, DELIVER, WAKE = 0, 1, 2, 3
 JITTER_S = 0.01
@@ -119,48 +116,6 @@ class SimConfig:
             gib_option="--host-memory-gb",
             ratio_option="--host-memory-ratio",
         )
-
-
-def ttft_costs(config: SimConfig, cost_model: CostModel) -> TTFTCosts:
-    """The ``ttft`` profile's costs from the cost model, per simulated token (the router counts
-    simulated tokens; the cost model's coefficients are per trace token)."""
-    p, s = cost_model.profile, config.token_scale
-    return TTFTCosts(
-        step_s=p.step_fixed_s,
-        prefill_s_per_token=p.prefill_per_token_s * s,
-        prefill_s_per_token_context=p.prefill_per_token_context_s * s * s,
-        decode_s_per_seq=p.decode_per_seq_s,
-        decode_s_per_context_token=p.decode_per_context_token_s * s,
-        reload_s_per_block=cost_model.load_s(1),
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        slack=config.ttft_slack,
-        forfeit_weight=config.ttft_forfeit_weight,
-    )
-
-
-def make_agent(
-    config: SimConfig,
-    view: ClusterView,
-    cost_model: CostModel | None = None,
-    clock: Callable[[], float] = time.monotonic,
-) -> RoutingAgent:
-    """The routing agent of ``config.policy``; ``clock``: Strata's router's (simulated time)."""
-    if config.policy == STRATA:
-        costs = None
-        if config.scoring_profile == "ttft":
-            assert cost_model is not None, "the ttft profile prices with the cost model"
-            costs = ttft_costs(config, cost_model)
-        routing = RoutingConfig(
-            scoring_profile=config.scoring_profile,
-            ttft_costs=costs,
-            key_overload_factor=config.key_overload_factor,
-        )
-        return StrataAgent(
-            view, config.block_size, config.token_scale, routing, config.sliding_window, clock
-        )
-    if config.policy not in PEERS:
-        raise ValueError(f"unknown policy {config.policy!r}; one of {[STRATA, *PEERS]}")
-    return PEERS[config.policy](view, config.block_size, config.token_scale, config.seed)
 
 
 class Simulator:
