@@ -172,6 +172,7 @@ HEADERS = [
     "TTFT p90 (s)",
     "req/s",
     "chosen / best cached",
+    "load imbalance",
     "pulls",
     "blocks pulled",
     "missed",
@@ -197,6 +198,7 @@ def table_rows(rows: list[dict[str, object]], trace: str) -> list[list[object]]:
                 r["ttft_p90_s"],
                 "" if ideal_row else r["throughput_rps"],
                 "" if ideal_row else r["best_replica_match"],
+                "" if ideal_row else r["load_imbalance"],
                 r.get("peer_num_pulls", ""),
                 r.get("peer_blocks_pulled", ""),
                 r.get("peer_pull_failures", ""),
@@ -208,7 +210,7 @@ def table_rows(rows: list[dict[str, object]], trace: str) -> list[list[object]]:
 
 def figure(rows: list[dict[str, object]], names: list[str]):
     """Hit rate against dp, per trace: every variant and the ideal."""
-    fig, axes = new_figure(len(names), width=6.0 * len(names))
+    fig, axes = new_figure(len(names))
     for ax, trace in zip(axes, names):
         mine = [r for r in rows if r["trace"] == trace and r["variant"] != SENSITIVITY]
         for variant in dict.fromkeys(r["variant"] for r in mine):
