@@ -12,7 +12,6 @@ from benchmarks.sim.peer_tier import GPU_PATH, MEASURED, fit_pull_cost, peer_tie
 from benchmarks.sim.simulator import SimConfig, Simulator
 from benchmarks.sim.trace import TraceRecord, expand
 from replicas.kv.hashing import block_hashes
-from replicas.kv.tiers import registry
 
 PREFIX = tuple(range(8))  # 8 blocks of 512 trace tokens
 RECORDS = [
@@ -23,15 +22,6 @@ CONFIG = SimConfig(data_parallel_size=2, num_npu_blocks=64, host_memory_ratio=1.
 GPU = dict(
     peer_pull=True, peer_pull_fixed_s=GPU_PATH.fixed_s, peer_pull_bytes_per_s=GPU_PATH.bytes_per_s
 )
-
-
-@pytest.fixture(autouse=True)
-def _registry():
-    """The tests register the peer tier; leave the registry as it was."""
-    saved = dict(registry._PLUGINS)
-    yield
-    registry._PLUGINS.clear()
-    registry._PLUGINS.update(saved)
 
 
 def _run(monkeypatch: pytest.MonkeyPatch, **changes) -> tuple[dict, dict[str, float], Simulator]:
@@ -87,7 +77,8 @@ def test_a_pull_dearer_than_recomputing_is_not_made(monkeypatch: pytest.MonkeyPa
 
 def test_off_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     """Off, the record has no peer field, and it is the same whether or not the peer tier was
-    registered in the process (a run with pulls registers it)."""
+    registered in the process (a run with pulls registers it; tests/conftest.py unregisters it
+    after each test)."""
     before, _, _ = _run(monkeypatch)
     peer_tier()
     after, _, _ = _run(monkeypatch)
