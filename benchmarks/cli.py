@@ -31,7 +31,7 @@ from benchmarks import (
     scaling,
     transfer,
 )
-from benchmarks.sim import acceptance, router_micro, sim_vs_real, sweeps_scenario
+from benchmarks.sim import acceptance, cluster_cache_sim, router_micro, sim_vs_real, sweeps_scenario
 from benchmarks.sim import calibrate as sim_calibrate
 from benchmarks.sim import cli as sim_cli
 from replicas.model.kv_format import KV_FORMATS
@@ -60,6 +60,7 @@ SCENARIOS = {
         gpu_engine,
         fidelity,
         cluster_cache,
+        cluster_cache_sim,
         api_fields,
         agent_session,
         scaling,

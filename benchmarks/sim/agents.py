@@ -47,6 +47,9 @@ class RoutingAgent(ABC):
     name: ClassVar[str]
     source: ClassVar[str] = ""
     """Where the policy is published, and the parameters used (for reports)."""
+    peer_hint: tuple[int, int] | None = None
+    """After ``route``: the replica named as the source to pull the prompt's prefix from and
+    the leading tokens it holds (Strata's router: ``RouteDecision.peer_source``), or None."""
 
     def __init__(self, view: ClusterView, block_size: int, token_scale: float) -> None:
         self.view = view
@@ -93,6 +96,8 @@ class StrataAgent(RoutingAgent):
             request.block_hashes,
             cache_key=request.cache_key,
         )
+        source = decision.peer_source
+        self.peer_hint = None if source is None else (source, decision.num_peer_tokens)
         return decision.replica_index
 
     def on_report(self, report: StepReport, now: float) -> None:

@@ -10,6 +10,7 @@ from benchmarks.report import Report
 from benchmarks.sim import report as sim_report
 from benchmarks.sim.cost_model import KV_CACHE_DTYPES, CostModel, HardwareProfile
 from benchmarks.sim.metrics import ideal_ttft_s, ttft_figures
+from benchmarks.sim.peer_tier import MEASURED, PEER_PULL_MIN_BLOCKS
 from benchmarks.sim.peers import PEERS
 from benchmarks.sim.runs import execute, parse_sweep, plan_runs, write_through_threshold
 from benchmarks.sim.simulator import CLAIRVOYANT, STRATA, SimConfig
@@ -130,6 +131,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="the ttft profile's forfeit weight (TTFTCosts.forfeit_weight; default 0)",
     )
+    add_peer_arguments(parser)
     add("--block-size", type=int, default=16)
     add(
         "--sliding-window",
@@ -185,6 +187,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--quiet", action="store_true", help="no progress bars")
 
 
+def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
+    """The peer tier's options (``SimConfig.peer_pull*``)."""
+    add = parser.add_argument
+    add(
+        "--peer-pull",
+        action="store_true",
+        help="the peer tier: replicas pull the prefix blocks Strata's router names a source for "
+        "when the cost rule says pulling beats computing (needs a host tier; sim/peer_tier.py)",
+    )
+    add(
+        "--peer-pull-fixed-s",
+        type=float,
+        default=MEASURED.fixed_s,
+        help=f"with --peer-pull: a pull's fixed cost (default {MEASURED.fixed_s:.3f} s, fit to "
+        "the cluster-cache benchmark)",
+    )
+    add(
+        "--peer-pull-gbps",
+        type=float,
+        default=MEASURED.bytes_per_s / 1e9,
+        help="with --peer-pull: GB/s a pull moves KV bytes at (default "
+        f"{MEASURED.bytes_per_s / 1e9:.3f}, fit to the cluster-cache benchmark)",
+    )
+    add(
+        "--peer-pull-min-blocks",
+        type=int,
+        default=PEER_PULL_MIN_BLOCKS,
+        help="with --peer-pull: the router names a source holding at least this many more "
+        f"blocks (routing.peer_pull_min_blocks, default {PEER_PULL_MIN_BLOCKS})",
+    )
+
+
 def base_config(args: argparse.Namespace) -> SimConfig:
     if args.tokens_per_hash_id % args.block_size:
         raise SystemExit(
@@ -207,6 +241,8 @@ def base_config(args: argparse.Namespace) -> SimConfig:
         raise SystemExit(
             f"--sliding-layer-fraction must be between 0 and 1, got {args.sliding_layer_fraction}"
         )
+    if args.peer_pull and not (args.host_memory_gb or args.host_memory_ratio):
+        raise SystemExit("--peer-pull needs a host tier: pulled blocks load through it")
     token_scale = args.token_scale or TRACE_TOKENS_PER_HASH_ID / args.tokens_per_hash_id
     return SimConfig(
         data_parallel_size=args.data_parallel_size,
@@ -230,6 +266,10 @@ def base_config(args: argparse.Namespace) -> SimConfig:
         arrival_speedup=args.arrival_speedup,
         sliding_window=args.sliding_window,
         sliding_layer_fraction=args.sliding_layer_fraction,
+        peer_pull=args.peer_pull,
+        peer_pull_fixed_s=args.peer_pull_fixed_s,
+        peer_pull_bytes_per_s=args.peer_pull_gbps * 1e9,
+        peer_pull_min_blocks=args.peer_pull_min_blocks,
     )
 
 

@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass, field
 
 from benchmarks.sim.cost_model import CostModel, StepTiming
+from benchmarks.sim.peer_tier import PEER
 from replicas.config import SchedulerConfig
 from replicas.engine.core import EngineCore, StepInFlight, StepResult
 from replicas.engine.request import Request
@@ -70,26 +71,43 @@ class InstantTransfer:
     """Copies land as soon as they are submitted; remembers the last plan for its price. With a
     disk tier (``disk``: a ``benchmarks.sim.disk.DiskView`` per cache type), its stores land at
     once too, and a plan's reads land ``CostModel.disk_load_s`` after ``now`` (the simulated
-    engine sets it before each step)."""
+    engine sets it before each step). With a peer tier (``peer``: a
+    ``benchmarks.sim.peer_tier.SimPeerStore`` per cache type), a plan's pulls land when the
+    store says, each valid or a miss."""
 
-    def __init__(self, cost_model: CostModel | None = None, disk: dict | None = None) -> None:
+    def __init__(
+        self,
+        cost_model: CostModel | None = None,
+        disk: dict | None = None,
+        peer: dict | None = None,
+    ) -> None:
         self.last_plan = TransferPlan([], [])
         self._landed: list[TransferPlan] = []
         self.cost_model = cost_model
         self.disk = disk or {}
+        self.peer = peer or {}
         self.now = 0.0
-        self._reads: list[tuple[float, list[BackingCopy]]] = []  # (lands at, copies)
+        self._reads: list[tuple[float, list[tuple[BackingCopy, bool]]]] = []  # (lands at, copies)
 
     def submit(self, plan: TransferPlan) -> None:
         self.last_plan = plan
         self._landed.append(plan)
         for copy in plan.backing_stores:
             self.disk[copy.cache_type].store(copy.block_hash, copy.weight)
-        if plan.backing_loads:
-            for copy in plan.backing_loads:
+        if not plan.backing_loads:
+            return
+        pulls: dict[str, list[BackingCopy]] = {}
+        reads = []
+        for copy in plan.backing_loads:
+            if copy.tier == PEER:
+                pulls.setdefault(copy.cache_type, []).append(copy)
+            else:
                 self.disk[copy.cache_type].touch(copy.block_hash)
-            lands = self.now + self.cost_model.disk_load_s(len(plan.backing_loads))
-            self._reads.append((lands, list(plan.backing_loads)))
+                reads.append((copy, True))
+        if reads:
+            self._reads.append((self.now + self.cost_model.disk_load_s(len(reads)), reads))
+        for cache_type, copies in pulls.items():
+            self._reads.extend(self.peer[cache_type].read(copies, self.now))
 
     def poll(self, wait: bool = False) -> list[TransferPlan]:
         landed, self._landed = self._landed, []
@@ -99,7 +117,7 @@ class InstantTransfer:
         """The reads landed by ``now`` (a simulated wait is a later step, never a block)."""
         done = [copies for lands, copies in self._reads if lands <= self.now]
         self._reads = [(lands, copies) for lands, copies in self._reads if lands > self.now]
-        return [(copy, True) for copies in done for copy in copies]
+        return [result for copies in done for result in copies]
 
     def next_landing(self) -> float | None:
         """When the next disk read lands, None with none in flight."""
@@ -125,12 +143,13 @@ class SimulatedEngine:
         cost_model: CostModel,
         max_model_len: int,
         disk: dict | None = None,
+        peer: dict | None = None,
     ) -> None:
         self.replica_index = replica_index
         self.kv_cache = kv_cache
         self.cost_model = cost_model
         self._executor = CostModelExecutor(cost_model)
-        self._transfer = InstantTransfer(cost_model, disk)
+        self._transfer = InstantTransfer(cost_model, disk, peer)
         self.core = EngineCore(
             scheduler_config,
             kv_cache,
@@ -163,6 +182,22 @@ class SimulatedEngine:
 
     def add_request(self, request: Request) -> None:
         self.core.add(request)
+
+    def offer_peer_blocks(self, request: Request, source: int, num_tokens: int) -> None:
+        """The router named ``source`` as holding ``num_tokens`` leading prompt tokens: their
+        blocks are the peer tier's to read for this request, as ``Engine._offer_peer_blocks``
+        (ignored without that tier). Call before ``add_request``."""
+        num_blocks = min(num_tokens // self.kv_cache.block_size, len(request.block_hashes))
+        for store in self._transfer.peer.values():
+            store.offer(request.block_hashes[:num_blocks], source)
+
+    def peer_stats(self) -> dict[str, float]:
+        """The peer tier's pull counters, summed over cache types (empty without the tier)."""
+        totals: dict[str, float] = {}
+        for store in self._transfer.peer.values():
+            for name, value in store.stats().items():
+                totals[name] = totals.get(name, 0) + value
+        return totals
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()

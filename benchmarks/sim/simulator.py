@@ -28,20 +28,26 @@ import heapq
 import itertools
 import random
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from benchmarks.sim.agents import ClusterView, RoutingAgent, StrataAgent
+from benchmarks.sim.agents import ClusterView
 from benchmarks.sim.clairvoyant import CLAIRVOYANT, Arrivals, arrivals_by_block, clairvoyant
 from benchmarks.sim.cost_model import CostModel
 from benchmarks.sim.disk import NodeDisk
 from benchmarks.sim.engine import SimulatedEngine, StepReport
 from benchmarks.sim.metrics import LoadMeter, hit_rates, ttft_figures
-from benchmarks.sim.peers import PEERS
+from benchmarks.sim.peer_tier import (
+    MEASURED,
+    PEER_PULL_MIN_BLOCKS,
+    peer_figures,
+    peer_stores,
+    peer_tier,
+)
+from benchmarks.sim.policies import STRATA, make_agent
 from benchmarks.sim.trace import TraceRequest
 from replicas.cache_hints import CacheHints
 from replicas.config import EngineConfig, KVOffloadConfig, SchedulerConfig
@@ -60,9 +66,7 @@ from replicas.kv.reservations import ReservationPolicy
 from replicas.kv.retention import BlockCosts, PolicyFactory, WriteThrough
 from replicas.model import KVCacheSpec
 from replicas.sampling_params import SamplingParams
-from router.config import RoutingConfig, TTFTCosts
 
-STRATA = "strata"
 FULL, SLIDING = "full", "sliding"
 ARRIVAL, STEP_END, DELIVER, WAKE = 0, 1, 2, 3
 JITTER_S = 0.01
@@ -106,6 +110,10 @@ class SimConfig:
     sequential: bool = False
     sliding_window: int | None = None  # tokens: a hybrid model, global and sliding layers
     sliding_layer_fraction: float = 0.5  # of the KV bytes per token, in the sliding layers
+    peer_pull: bool = False  # the peer tier: replicas pull prefixes the router names a source for
+    peer_pull_fixed_s: float = MEASURED.fixed_s  # a pull's fixed cost (sim.peer_tier.PullCost)
+    peer_pull_bytes_per_s: float = MEASURED.bytes_per_s  # ... and its rate
+    peer_pull_min_blocks: int = PEER_PULL_MIN_BLOCKS  # RoutingConfig.peer_pull_min_blocks
 
     def num_host_blocks(self, num_npu_blocks: int, block_bytes: float) -> int:
         """Host blocks per replica (DESIGN section 5): the GiB budget split equally among
@@ -119,48 +127,6 @@ class SimConfig:
             gib_option="--host-memory-gb",
             ratio_option="--host-memory-ratio",
         )
-
-
-def ttft_costs(config: SimConfig, cost_model: CostModel) -> TTFTCosts:
-    """The ``ttft`` profile's costs from the cost model, per simulated token (the router counts
-    simulated tokens; the cost model's coefficients are per trace token)."""
-    p, s = cost_model.profile, config.token_scale
-    return TTFTCosts(
-        step_s=p.step_fixed_s,
-        prefill_s_per_token=p.prefill_per_token_s * s,
-        prefill_s_per_token_context=p.prefill_per_token_context_s * s * s,
-        decode_s_per_seq=p.decode_per_seq_s,
-        decode_s_per_context_token=p.decode_per_context_token_s * s,
-        reload_s_per_block=cost_model.load_s(1),
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        slack=config.ttft_slack,
-        forfeit_weight=config.ttft_forfeit_weight,
-    )
-
-
-def make_agent(
-    config: SimConfig,
-    view: ClusterView,
-    cost_model: CostModel | None = None,
-    clock: Callable[[], float] = time.monotonic,
-) -> RoutingAgent:
-    """The routing agent of ``config.policy``; ``clock``: Strata's router's (simulated time)."""
-    if config.policy == STRATA:
-        costs = None
-        if config.scoring_profile == "ttft":
-            assert cost_model is not None, "the ttft profile prices with the cost model"
-            costs = ttft_costs(config, cost_model)
-        routing = RoutingConfig(
-            scoring_profile=config.scoring_profile,
-            ttft_costs=costs,
-            key_overload_factor=config.key_overload_factor,
-        )
-        return StrataAgent(
-            view, config.block_size, config.token_scale, routing, config.sliding_window, clock
-        )
-    if config.policy not in PEERS:
-        raise ValueError(f"unknown policy {config.policy!r}; one of {[STRATA, *PEERS]}")
-    return PEERS[config.policy](view, config.block_size, config.token_scale, config.seed)
 
 
 class Simulator:
@@ -187,14 +153,17 @@ class Simulator:
         self._now = 0.0  # the time of the event being handled
         self._arrivals = self._future_arrivals() if config.retention == CLAIRVOYANT else None
         self.disk_views = disks = self._disk_views()
+        names = [t.name for t in self.cache_types]
+        peers = peer_stores(config, names, cost_model.block_bytes, self._holds, lambda: self._now)
         self.engines = [
             SimulatedEngine(
                 r,
-                self._kv_cache(disks[r]),
+                self._kv_cache(disks[r], peers[r]),
                 scheduler_config,
                 cost_model,
                 self.max_model_len,
                 disks[r],
+                peers[r],
             )
             for r in range(config.data_parallel_size)
         ]
@@ -206,6 +175,7 @@ class Simulator:
         self._step_ids = [0] * config.data_parallel_size
         self._num_cached_on_chosen = 0  # blocks cached (any tier) on the chosen replica, at arrival
         self._num_cached_on_best = 0  # ... on the replica caching the most of the prompt
+        self._num_peer_sources = 0  # requests offered a source's blocks (peer_pull)
 
     def _max_model_len(self) -> int:
         """Tokens a request may span: one replica's NPU tier or the model's context."""
@@ -292,7 +262,13 @@ class Simulator:
                 view[spec.name] = node.view(replica, read_s)
         return views
 
-    def _kv_cache(self, disk: dict | None = None) -> KVCacheManager:
+    def _holds(self, replica: int, cache_type: str, block_hash: bytes) -> bool:
+        return self.engines[replica].kv_cache.views.locate(cache_type, block_hash) is not None
+
+    def _kv_cache(self, disk: dict | None = None, peer: dict | None = None) -> KVCacheManager:
+        backing = {Tier.DISK: disk} if disk else {}
+        if peer:
+            backing[peer_tier()] = peer
         manager = KVCacheManager(
             block_size=self.config.block_size,
             cache_types=self.cache_types,
@@ -302,7 +278,7 @@ class Simulator:
             reservations=ReservationPolicy(
                 self.config.reservation_share, self.config.reservation_prefetch
             ),
-            backing={Tier.DISK: disk} if disk else None,
+            backing=backing or None,
             clock=_stopped_clock,
             reuse_partial_blocks=True,  # as the engine's
         )
@@ -380,6 +356,9 @@ class Simulator:
         self._num_cached_on_best += max(cached)
         self.meter.add(replica, request.num_prompt_tokens, now)
         engine = self.engines[replica]
+        if self.config.peer_pull and self.agent.peer_hint is not None:
+            engine.offer_peer_blocks(request, *self.agent.peer_hint)
+            self._num_peer_sources += 1
         engine.add_request(request)
         if not engine.is_busy:
             self._begin_step(replica, now)
@@ -418,6 +397,7 @@ class Simulator:
 
     def _record(self, wall_s: float) -> dict[str, object]:
         stats = [e.kv_cache.stats for e in self.engines]
+        peer = self.config.peer_pull
         finished = self._finished
         ttfts = [r.first_token_time - r.arrival_time for r in finished]
         first = min((r.arrival_time for r in finished), default=0.0)
@@ -434,6 +414,7 @@ class Simulator:
             "num_finished": len(finished),
             "num_skipped": self.num_skipped,
             **hit_rates(*(sum(getattr(s, f) for s in stats) for f in _HIT_FIELDS)),
+            **(peer_figures(stats, self._pulls(), self._num_peer_sources) if peer else {}),
             **ttft_figures(ttfts),
             "best_replica_match": (
                 self._num_cached_on_chosen / self._num_cached_on_best
@@ -465,6 +446,9 @@ class Simulator:
             "sim_wall_s": wall_s,
         }
 
+    def _pulls(self) -> list[dict[str, float]]:
+        return [e.peer_stats() for e in self.engines]
+
     def _curve(self, stats: list[CacheStats]) -> dict[str, float]:
         """The primary cache type's miss-ratio curve over all replicas: estimated host hit rate
         per ``"{capacity_factor}x/{write_back}"``; empty without a host tier."""
@@ -478,10 +462,14 @@ class Simulator:
         return {name: value / queries for name, value in tokens.items()} if queries else {}
 
     def _config_record(self) -> dict[str, object]:
-        """The config's fields; a model with global attention only leaves out the hybrid ones."""
+        """The config's fields; a model with global attention only leaves out the hybrid ones,
+        a cluster without the peer tier its pricing."""
         record = asdict(self.config)
         if self.config.sliding_window is None:
             del record["sliding_window"], record["sliding_layer_fraction"]
+        if not self.config.peer_pull:
+            for name in [n for n in record if n.startswith("peer_pull")]:
+                del record[name]
         return record
 
     def _hybrid_record(self) -> dict[str, object]:

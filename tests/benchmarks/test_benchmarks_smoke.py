@@ -162,6 +162,11 @@ EXPECTED = {
         "verdicts.*.strata",
     ],
     "sim-sweeps": ["records.*.ttft_p50_s", "records.*.throughput_rps"],
+    "cluster-cache-sim": [
+        "rows.*.ttft_mean_s",
+        "rows.*.ttft_p90_s",
+        "target.ideal_hit_rate",
+    ],
     "decode": [
         "copy_bandwidth_bytes_per_s",
         "dtypes.*.weight_bytes_per_token",
