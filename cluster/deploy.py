@@ -41,6 +41,7 @@ from replicas.cache_hints import CacheHints
 from replicas.config import EngineConfig
 from replicas.kv.capacity import deployment_host_bytes
 from replicas.kv.host_memory import check_host_capacity
+from replicas.kv.shared_prefixes import SharedPrefixes
 from replicas.model import ModelArgs, load_model_info
 from replicas.outputs import RequestOutput
 from replicas.sampling_params import SamplingParams
@@ -112,6 +113,9 @@ class RayBackend:
             self.router_calls,
             self.block_size,
             config.server.max_resumes,
+            SharedPrefixes.from_config(
+                engine_config.scheduler_config.prefix_cache_config.shared_prefixes, self.tokenizer
+            ),
         )
         self.model_name = config.served_model_name
         logger.info("deployed %d replicas of %s: %s", size, config.model.model, self.replica_infos)

@@ -37,7 +37,8 @@ from cluster.replica_link import StreamLostError
 from replicas.actor import ReplicaUnavailableError
 from replicas.cache_hints import CacheHints, PeerSource
 from replicas.engine.async_engine import EngineDeadError
-from replicas.kv.hashing import BlockHash, block_hashes
+from replicas.kv.hashing import BlockHash
+from replicas.kv.shared_prefixes import NO_SHARED_PREFIXES, SharedPrefixes
 from replicas.outputs import RequestOutput
 from replicas.resume import resumed_params
 from replicas.sampling_params import SamplingParams
@@ -124,12 +125,14 @@ class Dispatcher:
         router_calls: Any,  # cluster.router_calls.RouterCalls
         block_size: int,
         max_resumes: int,
+        shared_prefixes: SharedPrefixes = NO_SHARED_PREFIXES,
     ) -> None:
         self.membership = membership
         self.health = health
         self.router_calls = router_calls
         self.block_size = block_size
         self.max_resumes = max_resumes
+        self.shared_prefixes = shared_prefixes  # hashed as the replicas hash them
         self.counts = DispatchCounts()
 
     async def generate(
@@ -194,7 +197,7 @@ class Dispatcher:
         an attempt, for up to ``ROUTER_CATCH_UP_S``: a scale-in or a restart of the router
         fails no request."""
         token_ids = request.prompt_token_ids + (resumed.token_ids if resumed else [])
-        hashes = block_hashes(token_ids, self.block_size, request.cache_salt)
+        hashes = self.shared_prefixes.hashes(token_ids, self.block_size, request.cache_salt)
         num_attempts = 2 * max(2, self.membership.num_members())
         full: set[int] = set()
         catch_up = RouterCatchUp()

@@ -97,6 +97,13 @@ class PrefixCacheConfig(_Config):
         "running traffic cannot evict them; reservations give way before any preemption. "
         "0 turns reservations off.",
     )
+    shared_prefixes: list[str | list[int]] = Field(
+        default_factory=list,
+        description="Prompt prefixes every cache_salt (tenant) may share, e.g. a system prompt: "
+        "text as it appears in the rendered prompt (inside the chat template for a chat), or "
+        "token ids. In a prompt starting with one, its full blocks are cached without the "
+        "salt, and everything after it stays the tenant's own.",
+    )
 
 
 class KVOffloadConfig(_Config):

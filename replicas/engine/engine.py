@@ -33,6 +33,7 @@ from replicas.kv.host_memory import check_host_capacity, host_tier_bytes
 from replicas.kv.onboarding import ReloadCosts
 from replicas.kv.records import CacheStats, CacheTypeUsage
 from replicas.kv.retention import RetentionStats
+from replicas.kv.shared_prefixes import SharedPrefixes
 from replicas.kv.tiers import peer
 from replicas.kv.transfer import KVTransfer, TransferStats
 from replicas.model import LoadedModel
@@ -113,6 +114,9 @@ class Engine:
         self.config = config = _resolved(config, self.loaded, specs)
         self.tokenizer = self.loaded.tokenizer
         self.block_size = config.block_size
+        self.shared_prefixes = SharedPrefixes.from_config(
+            config.scheduler_config.prefix_cache_config.shared_prefixes, self.tokenizer
+        )
         pool = assembly.npu_pool(self.device, self.loaded, specs, config)
         plan = plan_cache(specs, config, self.loaded.args.max_position_embeddings, pool.num_blocks)
         self.num_npu_blocks = plan.num_npu_blocks[next(iter(specs))]
@@ -216,6 +220,11 @@ class Engine:
             params,
             self.block_size,
             cache_salt=cache_salt,
+            num_shared_blocks=(
+                self.shared_prefixes.num_blocks(token_ids, self.block_size)
+                if cache_salt is not None
+                else 0
+            ),
             prompt=text,
             arrival_time=arrival_time,
             cache_hints=cache_hints,

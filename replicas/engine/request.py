@@ -17,7 +17,7 @@ import enum
 import time
 
 from replicas.cache_hints import CacheHints
-from replicas.kv.hashing import BlockHash, extend_block_hashes
+from replicas.kv.hashing import BlockHash, extend_block_hashes, parent_key
 from replicas.resume import ResumeState
 from replicas.sampling_params import SamplingParams
 
@@ -48,6 +48,7 @@ class Request:
         block_size: int,
         *,
         cache_salt: str | None = None,
+        num_shared_blocks: int = 0,
         prompt: str | None = None,
         arrival_time: float | None = None,
         cache_hints: CacheHints | None = None,
@@ -58,6 +59,8 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.cache_salt = cache_salt
+        # Leading blocks of a shared prefix: hashed without the salt (replicas.kv.shared_prefixes)
+        self.num_shared_blocks = num_shared_blocks
         self.block_size = block_size
         # Leading prompt blocks the KV cache keeps ahead of ordinary ones, and for how long.
         hints = cache_hints or CacheHints()
@@ -69,7 +72,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.block_hashes: list[BlockHash] = []
-        extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt)
+        self._extend_hashes()
 
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
@@ -126,7 +129,20 @@ class Request:
                 self.logprobs.append(logprob)
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)
+        self._extend_hashes()
+
+    def _extend_hashes(self) -> None:
+        extend_block_hashes(
+            self.block_hashes,
+            self.all_token_ids,
+            self.block_size,
+            self.cache_salt,
+            self.num_shared_blocks,
+        )
+
+    def parent_key(self, index: int) -> bytes:
+        """What names the tokens before block ``index`` (``replicas.kv.hashing.parent_key``)."""
+        return parent_key(self.block_hashes, index, self.cache_salt, self.num_shared_blocks)
 
     def __repr__(self) -> str:
         return (

@@ -7,10 +7,15 @@ A block's hash covers its parent's hash, its token ids and the request's cache s
 
 so two requests share ``h[i]`` only if they share the first ``(i+1) * B`` tokens *and* the salt.
 The salt enters only the first block; the chain carries it to every later one. Only full blocks
-are hashed. Python's ``hash()`` is never used: a collision would hand one tenant's KV to another.
+are hashed. The first ``S`` blocks of a shared prefix (``replicas.kv.shared_prefixes``) hash
+without the salt, which joins the chain at block ``S``::
+
+    h[S] = blake2b(join(h[S-1], salt) | tokens[S*B:(S+1)*B]),  join = blake2b(tag | h | salt_tag)
+ Python's ``hash()`` is never used: a collision would hand one tenant's KV to another.
 """
 
 from array import array
+from collections.abc import Sequence
 from hashlib import blake2b
 
 BlockHash = bytes
@@ -18,6 +23,7 @@ BlockHash = bytes
 
 DIGEST_SIZE = 16
 _ROOT_TAG = b"strata-block-v1"
+_JOIN_TAG = b"strata-salt-join-v1"
 
 
 def root_key(salt: str | None) -> bytes:
@@ -28,6 +34,12 @@ def root_key(salt: str | None) -> bytes:
     # Length-prefixed so that no salt is a prefix-extension of another.
     encoded = salt.encode("utf-8")
     return _ROOT_TAG + len(encoded).to_bytes(4, "little") + encoded
+
+
+def join_salt(parent: BlockHash, salt: str) -> BlockHash:
+    """What stands for the parent of the first salted block after ``parent``, an unsalted
+    (shared) one: a hash of its own kind (tagged), so never another block's hash."""
+    return blake2b(_JOIN_TAG + parent + root_key(salt), digest_size=DIGEST_SIZE).digest()
 
 
 def hash_block(
@@ -42,29 +54,43 @@ def hash_block(
 
 
 def block_hashes(
-    token_ids: "list[int] | tuple[int, ...]", block_size: int, salt: str | None = None
+    token_ids: "Sequence[int]", block_size: int, salt: str | None = None, shared_blocks: int = 0
 ) -> list[BlockHash]:
     """Hashes of every full block of ``token_ids``, in order (a trailing partial block is not
-    hashed)."""
+    hashed); the first ``shared_blocks`` without the salt."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    return extend_block_hashes([], token_ids, block_size, salt)
+    return extend_block_hashes([], token_ids, block_size, salt, shared_blocks)
 
 
 def extend_block_hashes(
     hashes: list[BlockHash],
-    token_ids: "list[int] | tuple[int, ...]",
+    token_ids: "Sequence[int]",
     block_size: int,
     salt: str | None = None,
+    shared_blocks: int = 0,
 ) -> list[BlockHash]:
     """Append to ``hashes`` the hashes of the full blocks of ``token_ids`` not yet hashed.
 
-    ``hashes`` must hold the hashes of the first ``len(hashes)`` blocks of ``token_ids``. Mutates
-    and returns ``hashes``.
+    ``hashes`` must hold the hashes of the first ``len(hashes)`` blocks of ``token_ids``, with
+    the same ``salt`` and ``shared_blocks``. Mutates and returns ``hashes``.
     """
     num_full = len(token_ids) // block_size
-    parent = hashes[-1] if hashes else None
     for i in range(len(hashes), num_full):
-        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], salt)
-        hashes.append(parent)
+        parent = parent_key(hashes, i, salt, shared_blocks)
+        hashes.append(hash_block(parent, token_ids[i * block_size : (i + 1) * block_size]))
     return hashes
+
+
+def parent_key(
+    hashes: "Sequence[BlockHash]", index: int, salt: str | None, shared_blocks: int = 0
+) -> bytes:
+    """What names the tokens before block ``index`` (its parent in the chain): the salt's root
+    key before the first block (none inside a shared prefix), the hash of the block before it,
+    or that hash joined with the salt at the end of a shared prefix."""
+    if index == 0:
+        return root_key(None if shared_blocks else salt)
+    parent = hashes[index - 1]
+    if index == shared_blocks and salt is not None:
+        return join_salt(parent, salt)
+    return parent

@@ -17,7 +17,7 @@ Sliding blocks that leave a running request's window are released at once (they 
 
 from replicas.engine.request import Request
 from replicas.kv.cache_type import CacheType
-from replicas.kv.partial_blocks import PartialBlocks, parent_key
+from replicas.kv.partial_blocks import PartialBlocks
 from replicas.kv.records import EMPTY_MATCH, PrefixMatch
 
 
@@ -63,7 +63,7 @@ class PrefixMatcher:
             return match  # limited by the caller (prompt logprobs): whole blocks only
         start = length * bs
         found = self.partial.find(
-            parent_key(request.block_hashes, length, request.cache_salt),
+            request.parent_key(length),
             request.all_token_ids[start : min(start + bs, request.num_tokens - 1)],
         )
         if found is None:

@@ -4,7 +4,7 @@ Prefix caching publishes whole blocks only, so a prompt that extends another by 
 (a 12-token chunk after a long shared prefix, the next turn of a chat) would recompute the
 tokens of the earlier prompt's last block, up to ``block_size - 1`` of them. When a request
 frees its blocks, its last block, if partly computed, is remembered here under what names the
-tokens before it (``parent_key``: the hash of the block before, which names the whole prefix
+tokens before it (``Request.parent_key``: the hash of the block before, which names the whole prefix
 since hashes chain and carry the cache salt) with the token ids it holds. The block stays free
 (it holds no hash) but is *kept* (``BlockPool.free(keep=...)``): allocation takes it after
 every empty block and before evicting any cached block, so it lives on spare capacity only,
@@ -35,7 +35,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from replicas.kv.block_pool import BlockPool
-from replicas.kv.hashing import BlockHash, root_key
 
 if TYPE_CHECKING:
     from replicas.engine.request import Request
@@ -74,7 +73,7 @@ class PartialBlocks:
             return None
         start = num_full * self.block_size
         token_ids = request.all_token_ids[start : start + num_in_tail]
-        parent = parent_key(request.block_hashes, num_full, request.cache_salt)
+        parent = request.parent_key(num_full)
         return parent, blocks[num_full], token_ids
 
     def remember(self, parent: bytes, block_id: int, token_ids: Sequence[int]) -> None:
@@ -139,9 +138,3 @@ class PartialBlocks:
     def _drop(self, entry: PartialBlock) -> None:
         if self.is_valid(entry) and entry.block_id not in self._held:
             self.pool.discard_contents(entry.block_id)
-
-
-def parent_key(block_hashes: Sequence[BlockHash], index: int, salt: str | None) -> bytes:
-    """What names the tokens before block ``index``: the hash of the block before it (hashes
-    chain and carry the cache salt), or the salt's root key before the first block."""
-    return block_hashes[index - 1] if index else root_key(salt)
