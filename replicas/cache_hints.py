@@ -35,6 +35,26 @@ def parse_ttl(value: str, field: str) -> float:
     return seconds
 
 
+SERVICE_TIERS: dict[str, bool] = {
+    "flex": True,
+    "auto": False,
+    "default": False,
+    "scale": False,
+    "priority": False,
+}
+"""OpenAI's ``service_tier`` values, by whether they make a request batch."""
+
+
+def parse_service_tier(value: str | None) -> bool | None:
+    """Whether a ``service_tier`` is batch (None when unset); ``ValueError`` naming the field
+    otherwise."""
+    if value is None:
+        return None
+    if value not in SERVICE_TIERS:
+        raise ValueError(f"service_tier {value!r} is not one of {', '.join(SERVICE_TIERS)}")
+    return SERVICE_TIERS[value]
+
+
 class PeerSource(NamedTuple):
     """Another replica of the deployment that holds a longer prefix of the prompt than the one
     serving it (named by the router, ``replicas.kv.tiers.peer``): its index, its handle (an
@@ -57,6 +77,10 @@ class CacheHints:
     """Leading prompt tokens to keep for ``ttl_s`` (only whole blocks count)."""
     ttl_s: float = 0.0
     """Seconds the retained prefix outlives ordinary blocks, from the request's admission."""
+    batch: bool | None = None
+    """The request's priority class: batch (OpenAI's ``service_tier: flex``) or interactive;
+    None: its tenant's default (``PrefixCacheConfig.batch_tenants``). Batch blocks are evicted
+    before interactive ones (``replicas.kv.block_pool``)."""
     peer: PeerSource | None = None
     """A replica to pull the prompt's prefix from, instead of computing it again (the router
     names one when pulling pays; a replica without the peer tier ignores it)."""

@@ -104,6 +104,17 @@ class PrefixCacheConfig(_Config):
         "token ids. In a prompt starting with one, its full blocks are cached without the "
         "salt, and everything after it stays the tenant's own.",
     )
+    batch_tenants: list[str] = Field(
+        default_factory=list,
+        description="cache_salts (tenants) whose requests are batch unless they name a "
+        "service_tier: their cached blocks are evicted before interactive ones.",
+    )
+    interactive_lifetime_s: float = Field(
+        300.0,
+        gt=0.0,
+        description="Seconds an interactive request's use keeps a block out of the batch "
+        "class (evicted first) in the NPU and host tiers.",
+    )
 
 
 class KVOffloadConfig(_Config):

@@ -5,9 +5,10 @@ answers' bodies (``cluster.api.answers``); every one of them is importable from 
 Fields a body does not declare are ignored and logged by name (vLLM's behaviour: clients
 written for other servers send extensions of their own); fields Strata knows but cannot honour
 (``audio``, ``prediction``, ``functions``...) are refused with a 400 naming them; fields that
-change nothing here (``user``, ``metadata``, ``store``, ``service_tier``, ``reasoning_effort``)
-are accepted. Supported beyond the basics: ``n`` and ``best_of`` (choices share their prompt's
-prefill), ``logprobs`` / ``top_logprobs`` (at most 20), ``echo`` with prompt logprobs,
+change nothing here (``user``, ``metadata``, ``store``, ``reasoning_effort``) are accepted;
+``service_tier`` sets the request's priority class in the prefix cache (``flex``: batch).
+Supported beyond the basics: ``n`` and ``best_of`` (choices share their prompt's prefill),
+``logprobs`` / ``top_logprobs`` (at most 20), ``echo`` with prompt logprobs,
 ``presence_penalty`` / ``frequency_penalty`` (in [-2, 2]), ``logit_bias`` (token id -> bias in
 [-100, 100]), a list of prompts in completions, ``stream_options.include_usage``,
 ``response_format`` (``text``, ``json_object``, ``json_schema``) and function ``tools`` with
@@ -67,7 +68,13 @@ from cluster.api.messages import (  # noqa: F401  (the chat messages and tools, 
     NamedToolChoice,
     ToolCall,
 )
-from replicas.cache_hints import DEFAULT_TTL, RETENTION_TTLS_S, CacheHints, parse_ttl
+from replicas.cache_hints import (
+    DEFAULT_TTL,
+    RETENTION_TTLS_S,
+    CacheHints,
+    parse_service_tier,
+    parse_ttl,
+)
 from replicas.kv.events import tiers
 from replicas.kv.manager import ALL_TIERS
 
@@ -218,7 +225,12 @@ class GenerationRequest(_Body):
     safety_identifier: str | None = Field(None, description="Accepted and ignored.")
     metadata: dict[str, str] | None = Field(None, description="Accepted and ignored.")
     store: bool | None = Field(None, description="Accepted; chat completions are not stored.")
-    service_tier: str | None = Field(None, description="Accepted; every request is served alike.")
+    service_tier: str | None = Field(
+        None,
+        description="The request's priority class in the prefix cache: flex is batch (its "
+        "blocks are evicted first), auto, default, scale and priority are interactive; unset: "
+        "the tenant's default (prefix_cache_config.batch_tenants).",
+    )
     cache_salt: str | None = Field(
         None, min_length=1, description="Extension: per-tenant salt of prefix-cache hashes."
     )
@@ -258,6 +270,12 @@ class GenerationRequest(_Body):
             return value
         raise ValueError("stop must be a string or a list of strings")
 
+    @field_validator("service_tier")
+    @classmethod
+    def _check_service_tier(cls, value: str | None) -> str | None:
+        parse_service_tier(value)
+        return value
+
     @field_validator("stream_options")
     @classmethod
     def _check_stream_options(
@@ -294,9 +312,12 @@ class GenerationRequest(_Body):
             spans.append((num_prompt_tokens, request_ttl))
         retain_tokens = max((tokens for tokens, _ in spans), default=0)
         ttl_s = max((ttl for _, ttl in spans), default=0.0)
-        if self.prompt_cache_key is None and not retain_tokens:
+        batch = parse_service_tier(self.service_tier)
+        if self.prompt_cache_key is None and not retain_tokens and batch is None:
             return None
-        return CacheHints(self.prompt_cache_key, retain_tokens, ttl_s if retain_tokens else 0.0)
+        return CacheHints(
+            self.prompt_cache_key, retain_tokens, ttl_s if retain_tokens else 0.0, batch=batch
+        )
 
     @property
     def continuous_usage(self) -> bool:

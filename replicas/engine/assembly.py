@@ -84,6 +84,7 @@ def kv_cache_manager(
         backing=backing,
         retained_share=offload.retained_share,
         reuse_partial_blocks=True,
+        interactive_lifetime_s=sched.prefix_cache_config.interactive_lifetime_s,
     )
 
 

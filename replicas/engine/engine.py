@@ -225,6 +225,7 @@ class Engine:
                 if cache_salt is not None
                 else 0
             ),
+            batch=_is_batch(self.config, cache_salt, cache_hints),
             prompt=text,
             arrival_time=arrival_time,
             cache_hints=cache_hints,
@@ -469,3 +470,11 @@ def _log_start(engine: Engine) -> None:
         engine.block_size,
         engine.max_model_len,
     )
+
+
+def _is_batch(config: EngineConfig, cache_salt: str | None, hints: CacheHints | None) -> bool:
+    """A request's priority class: its ``service_tier``'s, else its tenant's default."""
+    if hints is not None and hints.batch is not None:
+        return hints.batch
+    batch_tenants = config.scheduler_config.prefix_cache_config.batch_tenants
+    return cache_salt is not None and cache_salt in batch_tenants

@@ -22,6 +22,14 @@ and before evicting any cached block: it lives on spare capacity only and never 
 block its place. Once its contents have served (``keep_at_back``), it is released to the back of
 the ordinary queue instead, and ages there as a cached block does.
 
+**Batch and interactive** (``mark``; a request's class, from OpenAI's ``service_tier``). Every
+block a request uses is marked with its class. An interactive use keeps the block out of the
+batch class for ``interactive_lifetime_s`` from then; a batch use after that makes it a batch
+block. Released, a cached batch block waits in a queue that allocation takes from after the
+kept blocks and before any ordinary cached one: every batch block is evicted before an
+interactive one. A host copy takes its NPU block's class when it is stored, and an interactive
+hit's class when the request adopts it.
+
 **Retention** (a priority class in eviction; the host tier's, DESIGN section 4). A cached block
 may be *retained until* a deadline (``retain``): released, it waits in a second LRU queue that
 allocation takes from only when the ordinary queue is empty, so every ordinary block is evicted
@@ -35,12 +43,15 @@ cleared before each allocation and by ``expire``.
 
 import heapq
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from replicas.kv.free_block_queue import FreeBlockQueue
 from replicas.kv.hashing import BlockHash
 from replicas.kv.records import TierUsage
+
+INTERACTIVE_LIFETIME_S = 300.0
+"""How long an interactive request's use keeps a block out of the batch queue by default."""
 
 
 @dataclass(slots=True)
@@ -50,6 +61,8 @@ class Block:
     block_hash: BlockHash | None = None
     num_hits: int = 0  # new requests that matched it since it was cached (kept after eviction)
     retained_until: float = 0.0  # a deadline on ``clock`` while retained, else 0
+    batch: bool = False  # last used by a batch request, by no interactive one in its lifetime
+    interactive_until: float = 0.0  # an interactive request's last use + its lifetime
     generation: int = 0  # allocations so far: its contents are a generation's (partial blocks)
 
 
@@ -64,6 +77,7 @@ class BlockPool:
         *,
         max_retained: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        interactive_lifetime_s: float = INTERACTIVE_LIFETIME_S,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"{name} pool needs at least one block, got {num_blocks}")
@@ -76,6 +90,7 @@ class BlockPool:
         self._cached: dict[BlockHash, int] = {}
         self.max_retained = max_retained
         self.clock = clock
+        self.interactive_lifetime_s = interactive_lifetime_s
         self.num_retained = 0  # blocks with a deadline, referenced or not
         self._deadlines: list[tuple[float, int]] = []  # heap; stale entries skipped
 
@@ -148,6 +163,7 @@ class BlockPool:
                 evicted.append((block_id, block.block_hash))
                 self._uncache(block)
             block.ref_count = 1
+            block.batch, block.interactive_until = False, 0.0
             block.generation += 1
             block_ids.append(block_id)
         return block_ids, evicted
@@ -175,6 +191,26 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free_blocks.push(block, block_id in keep, keep_at_back)
+
+    def mark(self, block_ids: "Iterable[int | None]", batch: bool) -> None:
+        """The blocks were used by a request of this class: an interactive use keeps them out
+        of the batch queue for ``interactive_lifetime_s``; a batch use after that puts them in
+        it (``None`` entries, a sliding window's released blocks, are skipped)."""
+        now = self.clock()
+        for block_id in block_ids:
+            if block_id is None:
+                continue
+            block = self.blocks[block_id]
+            was_batch = block.batch
+            if batch:
+                block.batch = block.interactive_until <= now
+            else:
+                block.batch, block.interactive_until = False, now + self.interactive_lifetime_s
+            if block.ref_count == 0 and block.batch != was_batch:
+                block.batch = was_batch
+                self._free_blocks.remove(block)
+                block.batch = not was_batch
+                self._free_blocks.push(block, keep=False, keep_at_back=False)
 
     def discard_contents(self, block_id: int) -> None:
         """A kept block (``free(keep=...)``) whose contents are no longer wanted becomes an
@@ -233,15 +269,12 @@ class BlockPool:
             if block.retained_until > until:  # extended: one entry per block, moved on
                 heapq.heappush(self._deadlines, (block.retained_until, block_id))
                 continue
+            block.retained_until = 0.0
+            self.num_retained -= 1
             if block.ref_count == 0:
                 self._free_blocks.unretain(block_id)
-            self._unretain(block)
             num_expired += 1
         return num_expired
-
-    def _unretain(self, block: Block) -> None:
-        block.retained_until = 0.0
-        self.num_retained -= 1
 
     def record_hit(self, block_id: int) -> int:
         """Count one more new request matching the cached block; returns its hits so far."""
@@ -266,7 +299,8 @@ class BlockPool:
         del self._cached[block.block_hash]
         block.block_hash = None  # num_hits stays until the block is cached again
         if block.retained_until:
-            self._unretain(block)
+            block.retained_until = 0.0
+            self.num_retained -= 1
 
     # ---- accounting --------------------------------------------------------------------------
     def check_integrity(self) -> None:

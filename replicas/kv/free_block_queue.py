@@ -19,6 +19,13 @@ instead, and ages there as a cached block does::
 
     | free ... free | kept, least recently released ... | cached (and served kept) ... |
 
+**Batch blocks** (``BlockPool.mark``): cached blocks last used by a batch request and by no
+interactive one within its lifetime wait in a queue of their own, which allocation takes from
+after the kept blocks and before any ordinary cached block, so a batch sweep recycles its own
+blocks before it evicts an interactive session's::
+
+    | free ... | kept ... | batch, least recently released ... | cached (ordinary) ... |
+
 **Retained blocks** (``BlockPool.retain``) wait in a third queue that allocation takes from only
 when the ordinary queue is empty; when its retention ends, a block re-enters the ordinary queue
 at the back, as if just released::
@@ -35,7 +42,7 @@ if TYPE_CHECKING:
 
 
 class FreeBlockQueue:
-    """The unreferenced blocks of one pool in three LRU queues (ordinary, kept, retained).
+    """The unreferenced blocks of one pool in four LRU queues (ordinary, kept, batch, retained).
     ``blocks`` is the pool's block list, read to place each block. Not thread-safe: the pool's
     engine loop alone mutates it."""
 
@@ -44,11 +51,12 @@ class FreeBlockQueue:
         self._blocks = blocks
         self._ordinary: OrderedDict[int, None] = OrderedDict((b.block_id, None) for b in blocks)
         self._kept: OrderedDict[int, None] = OrderedDict()
+        self._batch: OrderedDict[int, None] = OrderedDict()
         self._retained: OrderedDict[int, None] = OrderedDict()
 
     # ---- queries (no mutation) ---------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self._ordinary) + len(self._kept) + len(self._retained)
+        return len(self._ordinary) + len(self._kept) + len(self._batch) + len(self._retained)
 
     @property
     def num_empty(self) -> int:
@@ -67,7 +75,8 @@ class FreeBlockQueue:
             (i for i, b in enumerate(ordinary) if self._blocks[b].block_hash is not None),
             len(ordinary),
         )
-        return [*ordinary[:num_empty], *self._kept, *ordinary[num_empty:], *self._retained]
+        cached = ordinary[num_empty:]
+        return [*ordinary[:num_empty], *self._kept, *self._batch, *cached, *self._retained]
 
     def peek(self) -> int | None:
         """The block id ``pop`` would take (None when the queue is empty)."""
@@ -76,16 +85,18 @@ class FreeBlockQueue:
 
     def _next_queue(self) -> OrderedDict:
         """The queue ``pop`` takes from: empty blocks (at the front of the ordinary queue), then
-        kept ones, then cached ones, retained ones last."""
+        kept ones, then batch ones, then cached ones, retained ones last."""
         front = next(iter(self._ordinary), None)
-        if front is not None and (self._blocks[front].block_hash is None or not self._kept):
+        if front is not None and self._blocks[front].block_hash is None:
             return self._ordinary
-        return self._kept or self._retained
+        return self._kept or self._batch or self._ordinary or self._retained
 
     def _queue_of(self, block: "Block") -> OrderedDict:
         if block.retained_until:
             return self._retained
-        return self._kept if block.block_id in self._kept else self._ordinary
+        if block.block_id in self._kept:
+            return self._kept
+        return self._batch if block.batch and block.block_hash is not None else self._ordinary
 
     # ---- mutation ----------------------------------------------------------------------------
     def pop(self) -> int:
@@ -119,25 +130,25 @@ class FreeBlockQueue:
 
     def retain(self, block_id: int) -> None:
         """Move a queued block that has just been retained to the back of the retained queue."""
-        del self._ordinary[block_id]
+        (self._batch if block_id in self._batch else self._ordinary).pop(block_id)
         self._retained[block_id] = None
 
     def unretain(self, block_id: int) -> None:
-        """Move a queued block whose retention ended to the back of the ordinary queue."""
+        """Move a queued block whose retention ended to the back of its queue."""
         del self._retained[block_id]
-        self._ordinary[block_id] = None
+        self._queue_of(self._blocks[block_id])[block_id] = None
 
     def release_cached(self) -> list[int]:
         """Move every queued cached block (retained ones first, each queue front to back) to
         the front of the ordinary queue, as the pool forgets their hashes; returns their ids in
         that order."""
-        cached = [
-            b for b in (*self._retained, *self._ordinary) if self._blocks[b].block_hash is not None
-        ]
+        queues = (*self._retained, *self._batch, *self._ordinary)
+        cached = [b for b in queues if self._blocks[b].block_hash is not None]
         for block_id in cached:
             self._ordinary[block_id] = None
             self._ordinary.move_to_end(block_id, last=False)
         self._retained.clear()
+        self._batch.clear()
         return cached
 
     # ---- accounting --------------------------------------------------------------------------
@@ -147,8 +158,11 @@ class FreeBlockQueue:
         for block in self._blocks:
             block_id = block.block_id
             queued = (
-                block_id in self._ordinary or block_id in self._kept,
+                block_id in self._ordinary or block_id in self._kept or block_id in self._batch,
                 block_id in self._retained,
+            )
+            assert block_id not in self._batch or (block.batch and block.block_hash), (
+                f"{self.name} block {block_id} queued as batch but not a cached batch block"
             )
             assert not (block_id in self._kept and block.block_hash is not None), (
                 f"{self.name} block {block_id} kept while cached"

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 from replicas.engine.request import Request
 from replicas.kv.admission import count_admission
-from replicas.kv.block_pool import BlockPool
+from replicas.kv.block_pool import INTERACTIVE_LIFETIME_S, BlockPool
 from replicas.kv.cache_type import HostRules, build_cache_types, check_options
 from replicas.kv.events import Tier
 from replicas.kv.handover import WarmStart, WriteOut, hot_blocks
@@ -80,18 +80,23 @@ class KVCacheManager:
         retained_share: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
         reuse_partial_blocks: bool = False,
+        interactive_lifetime_s: float = INTERACTIVE_LIFETIME_S,
     ) -> None:
         """``write_through_threshold``: as ``KVOffloadConfig``'s (``replicas.kv.retention``);
         ``backing``: per backing tier (``replicas.kv.tiers``), its store per cache type;
         ``clock`` (seconds) times prompt-cache retention and backing reads' deadlines;
         ``reuse_partial_blocks``: a freed block's computed tokens are copied for a request
-        that continues them (``replicas.kv.partial_blocks``; dense models, prefix caching on)."""
+        that continues them (``replicas.kv.partial_blocks``; dense models, prefix caching on);
+        ``interactive_lifetime_s``: how long an interactive use keeps a block out of the batch
+        class (``replicas.kv.block_pool``)."""
         check_options(retained_share, reservations.share, retention)
         specs = cache_types or [CacheTypeSpec("full", num_npu_blocks, num_host_blocks)]
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         rules = HostRules(write_through_threshold, write_back, retention, curve_sample_rate)
         self._cache_types, rules = build_cache_types(specs, retained_share, clock, rules, backing)
+        for pool in (p for c in self._cache_types for p in c.pools):
+            pool.interactive_lifetime_s = interactive_lifetime_s
         primary = self._cache_types[0]
         self._journal = journal = Journal()
         self._weights = HitWeights(sum(p.num_blocks for p in primary.pools), clock)
@@ -167,10 +172,12 @@ class KVCacheManager:
             self._partial.hold(match.tail)
         for manager in self._managers:
             blocks = manager.cache_type.blocks.setdefault(rid, [])
+            num_before = len(blocks)
             if match.num_blocks:
                 manager.adopt(request, match.cache_types[manager.name], match.num_blocks)
             if num_total > len(blocks):
                 blocks.extend(manager.allocate_npu(num_total - len(blocks)))
+            manager.cache_type.npu.mark(blocks[num_before:], request.batch)
             if match.tail is not None:
                 copy = BlockCopy(match.tail.block_id, blocks[match.num_blocks], manager.name)
                 self._journal.plan.block_copies.append(copy)
@@ -192,7 +199,7 @@ class KVCacheManager:
         if self._partial is not None:
             tail = self._partial.tail_of(request, self.block_ids(request.request_id))
         for cache_type in self._cache_types:
-            cache_type.free(request.request_id, keep=(tail[1],) if tail else ())
+            cache_type.free(request.request_id, (tail[1],) if tail else (), request.batch)
         if tail is not None:
             self._partial.remember(*tail)
 

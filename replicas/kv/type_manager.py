@@ -76,6 +76,8 @@ class CacheTypeManager:
         is_new = request.num_cached_tokens is None  # a new request, not a resumed one
         if host_hits:
             cache_type.host.touch(host_hits)  # locked until their loads land
+        if is_new and cache_type.host is not None:
+            cache_type.host.mark(host_ids, request.batch)
             for host_id in host_hits if is_new else ():
                 self.count_host_hit(host_id)
         for npu_id in npu_hits if is_new else ():
@@ -171,6 +173,8 @@ class CacheTypeManager:
             return False
         host_id = self.allocate_host()  # locked until the store lands
         self.cache_type.host.cache(host_id, block_hash)
+        npu, host = self.cache_type.npu.blocks[npu_id], self.cache_type.host.blocks[host_id]
+        host.batch, host.interactive_until = npu.batch, npu.interactive_until  # its class
         self._journal.plan.stores.append(BlockCopy(npu_id, host_id, self.name))
         self._journal.stored(self.name, Tier.HOST, block_hash)
         return True

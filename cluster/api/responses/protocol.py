@@ -109,7 +109,9 @@ class ResponsesRequest(_Body):
     metadata: dict[str, str] | None = Field(None, description="Stored and echoed.")
     user: str | None = Field(None, description="Accepted and echoed.")
     safety_identifier: str | None = Field(None, description="Accepted and echoed.")
-    service_tier: str | None = Field(None, description="Accepted; every request is served alike.")
+    service_tier: str | None = Field(
+        None, description="flex: batch (its cached blocks evicted first); others interactive."
+    )
     prompt_cache_key: str | None = Field(
         None, description="Passed on to chat completions when it serves it."
     )

@@ -60,6 +60,7 @@ PASSED_ON = (
     "user",
     "parallel_tool_calls",
     "prompt_cache_key",
+    "service_tier",
     "prompt_cache_options",
     "prompt_cache_retention",
 )

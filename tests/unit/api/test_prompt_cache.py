@@ -47,6 +47,7 @@ def hints_of(serving: Serving, body: dict) -> CacheHints | None:
         ({"prompt_cache_options": {"mode": "sometimes"}}, "prompt_cache_options", "mode"),
         ({"prompt_cache_retention": "48h"}, "prompt_cache_retention", "prompt_cache_retention"),
         ({"prompt_cache_key": 7}, "prompt_cache_key", "prompt_cache_key"),
+        ({"service_tier": "fast"}, "service_tier", "service_tier 'fast'"),
     ],
 )
 def test_a_lifetime_not_offered_is_a_400_naming_the_field(client, fields, param, named):
@@ -188,3 +189,9 @@ def test_a_retained_prompt_is_counted_in_metrics_and_survives_host_churn():
     first_filler = block_hashes(engine.tokenizer.encode("a" * 64), 16)
     assert engine.kv_cache.host.lookup(first_filler[0]) is None  # ordinary: churned out
     engine.check_integrity()
+
+
+def test_service_tier_sets_the_class_and_an_unset_one_leaves_the_tenants_default(serving):
+    assert hints_of(serving, chat("hi", service_tier="flex")) == CacheHints(batch=True)
+    assert hints_of(serving, {"prompt": "hi", "service_tier": "priority"}).batch is False
+    assert hints_of(serving, chat("hi")) is None

@@ -1,0 +1,113 @@
+"""Batch and interactive requests in the prefix cache: every block only batch requests used is
+evicted before an interactive session's, in the NPU and host tiers, with the same output; an
+interactive use protects a block for its lifetime; ``service_tier`` and the tenant's default
+set the class."""
+
+import random
+
+import pytest
+
+from replicas.cache_hints import CacheHints, parse_service_tier
+from replicas.config import EngineConfig, KVOffloadConfig, PrefixCacheConfig, SchedulerConfig
+from replicas.engine.engine import Engine
+from replicas.kv.block_pool import BlockPool
+from replicas.kv.events import Tier
+from replicas.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(max_tokens=2, ignore_eos=True)
+rng = random.Random(3)
+SESSION = [rng.randrange(256) for _ in range(16 * 6 + 5)]  # an agent's context: 6 blocks
+DOCS = [[rng.randrange(256) for _ in range(16 * 6 + 3)] for _ in range(8)]  # a batch sweep
+
+
+def test_batch_blocks_go_first_and_an_interactive_use_protects_a_block_for_its_lifetime():
+    now = [0.0]
+    pool = BlockPool(6, clock=lambda: now[0], interactive_lifetime_s=10.0)
+    ids, _ = pool.allocate(6)
+    for i, block_id in enumerate(ids):
+        pool.cache(block_id, bytes([i]) * 16)
+    pool.mark(ids[:2], batch=False)  # an interactive session's
+    pool.mark(ids[2:4], batch=True)  # a batch request's
+    pool.mark(ids[4:5], batch=False)
+    pool.mark(ids[4:5], batch=True)  # batch after interactive, within the lifetime: protected
+    pool.free(ids)  # released oldest first: 0, 1, ... 5
+    pool.check_integrity()
+    assert pool.eviction_order() == [ids[2], ids[3], ids[0], ids[1], ids[4], ids[5]]
+    now[0] = 11.0  # the interactive lifetime has passed: a batch use now makes it batch
+    pool.mark([ids[0]], batch=True)
+    assert pool.eviction_order()[:3] == [ids[2], ids[3], ids[0]]
+    pool.mark([ids[2]], batch=False)  # an interactive hit takes it out of the batch queue
+    assert pool.eviction_order()[:2] == [ids[3], ids[0]]
+    (taken,), evicted = pool.allocate(1)
+    assert taken == ids[3] and evicted == [(ids[3], bytes([3]) * 16)]
+    pool.check_integrity()
+
+
+def engine(**prefix) -> Engine:
+    offload = KVOffloadConfig(
+        enabled=True, host_memory_ratio=1.0, write_through_threshold="immediate"
+    )
+    return Engine(
+        EngineConfig(
+            model="tiny",
+            num_npu_blocks=24,
+            scheduler_config=SchedulerConfig(
+                prefix_cache_config=PrefixCacheConfig(**prefix), kv_offload_config=offload
+            ),
+        )
+    )
+
+
+def run(replica: Engine, prompt, request_id: str, salt=None, batch=None):
+    hints = CacheHints(batch=batch) if batch is not None else None
+    replica.add_request(request_id, prompt, PARAMS, cache_salt=salt, cache_hints=hints)
+    outputs = []
+    for _ in range(10_000):
+        if not replica.has_unfinished_requests():
+            break
+        outputs = replica.step() or outputs
+    replica.check_integrity()
+    return outputs[-1]
+
+
+def sweep(replica: Engine, salt=None, batch=None) -> None:
+    """An interactive session's turn, a sweep over the documents, the session's next turn."""
+    for i, doc in enumerate(DOCS):
+        run(replica, doc, f"doc{i}", salt, batch)
+
+
+@pytest.mark.parametrize("tier", [Tier.NPU, Tier.HOST])
+def test_a_batch_sweep_leaves_an_interactive_sessions_prefix_cached(tier):
+    reference = engine()
+    first = run(reference, SESSION, "s0")
+    sweep(reference)  # interactive: today's one LRU
+    lru = run(reference, SESSION, "s1")
+    assert lru.num_cached_tokens < 6 * 16  # the sweep evicted the session (the case to fix)
+
+    replica = engine()
+    run(replica, SESSION, "s0")
+    if tier is Tier.HOST:  # the session's blocks are on host only
+        replica.reset_prefix_cache("npu")
+    sweep(replica, batch=True)
+    turn = run(replica, SESSION, "s1")
+    assert turn.token_ids == first.token_ids == lru.token_ids
+    assert turn.num_cached_tokens_in(tier) == turn.num_cached_tokens == 6 * 16
+
+
+def test_a_tenant_default_makes_its_requests_batch_and_a_service_tier_overrides_it():
+    replica = engine(batch_tenants=["nightly"])
+    run(replica, SESSION, "s0", salt="app")
+    sweep(replica, salt="nightly")  # batch by the tenant's default
+    assert run(replica, SESSION, "s1", salt="app").num_cached_tokens == 6 * 16
+    again = engine(batch_tenants=["nightly"])
+    run(again, SESSION, "s0", salt="app")
+    sweep(again, salt="nightly", batch=False)  # service_tier: default
+    assert run(again, SESSION, "s1", salt="app").num_cached_tokens < 6 * 16
+
+
+def test_service_tier_values():
+    assert parse_service_tier("flex") is True
+    assert [parse_service_tier(t) for t in ("auto", "default", "priority", "scale")] == [False] * 4
+    assert parse_service_tier(None) is None
+    with pytest.raises(ValueError, match="service_tier 'fast'"):
+        parse_service_tier("fast")
