@@ -33,6 +33,7 @@ from replicas.kv.host_memory import check_host_capacity, host_tier_bytes
 from replicas.kv.onboarding import ReloadCosts
 from replicas.kv.records import CacheStats, CacheTypeUsage
 from replicas.kv.retention import RetentionStats
+from replicas.kv.session_gaps import SessionGaps
 from replicas.kv.shared_prefixes import SharedPrefixes
 from replicas.kv.tiers import peer
 from replicas.kv.transfer import KVTransfer, TransferStats
@@ -114,9 +115,11 @@ class Engine:
         self.config = config = _resolved(config, self.loaded, specs)
         self.tokenizer = self.loaded.tokenizer
         self.block_size = config.block_size
+        prefix_config = config.scheduler_config.prefix_cache_config
         self.shared_prefixes = SharedPrefixes.from_config(
-            config.scheduler_config.prefix_cache_config.shared_prefixes, self.tokenizer
+            prefix_config.shared_prefixes, self.tokenizer
         )
+        self.sessions = SessionGaps(prefix_config.interactive_lifetime_s)  # learned lifetimes
         pool = assembly.npu_pool(self.device, self.loaded, specs, config)
         plan = plan_cache(specs, config, self.loaded.args.max_position_embeddings, pool.num_blocks)
         self.num_npu_blocks = plan.num_npu_blocks[next(iter(specs))]
@@ -214,6 +217,7 @@ class Engine:
         self.checks.params(params)
         if resumed is not None:
             self.checks.resumed(len(token_ids), params, resumed)
+        batch = _is_batch(self.config, cache_salt, cache_hints)
         request = Request(
             request_id,
             token_ids,
@@ -225,7 +229,8 @@ class Engine:
                 if cache_salt is not None
                 else 0
             ),
-            batch=_is_batch(self.config, cache_salt, cache_hints),
+            batch=batch,
+            lifetime_s=None if batch else self.sessions.turn(cache_hints and cache_hints.key),
             prompt=text,
             arrival_time=arrival_time,
             cache_hints=cache_hints,

@@ -50,6 +50,7 @@ class Request:
         cache_salt: str | None = None,
         num_shared_blocks: int = 0,
         batch: bool = False,
+        lifetime_s: float | None = None,
         prompt: str | None = None,
         arrival_time: float | None = None,
         cache_hints: CacheHints | None = None,
@@ -67,6 +68,7 @@ class Request:
         hints = cache_hints or CacheHints()
         self.cache_key = hints.key  # the routing key it came with (for the simulator's router)
         self.batch = batch  # its priority class: batch blocks are evicted first
+        self.lifetime_s = lifetime_s  # an interactive use protects blocks this long (None: pool's)
         self.num_retained_blocks = hints.retained_blocks(block_size, len(self.prompt_token_ids))
         self.retention_ttl_s = hints.ttl_s if self.num_retained_blocks else 0.0
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

@@ -192,11 +192,15 @@ class BlockPool:
             if block.ref_count == 0:
                 self._free_blocks.push(block, block_id in keep, keep_at_back)
 
-    def mark(self, block_ids: "Iterable[int | None]", batch: bool) -> None:
+    def mark(
+        self, block_ids: "Iterable[int | None]", batch: bool, lifetime_s: float | None = None
+    ) -> None:
         """The blocks were used by a request of this class: an interactive use keeps them out
-        of the batch queue for ``interactive_lifetime_s``; a batch use after that puts them in
-        it (``None`` entries, a sliding window's released blocks, are skipped)."""
+        of the batch queue for ``lifetime_s`` (the session's, ``replicas.kv.session_gaps``;
+        None: ``interactive_lifetime_s``); a batch use after that puts them in it (``None``
+        entries, a sliding window's released blocks, are skipped)."""
         now = self.clock()
+        until = now + (self.interactive_lifetime_s if lifetime_s is None else lifetime_s)
         for block_id in block_ids:
             if block_id is None:
                 continue
@@ -205,7 +209,7 @@ class BlockPool:
             if batch:
                 block.batch = block.interactive_until <= now
             else:
-                block.batch, block.interactive_until = False, now + self.interactive_lifetime_s
+                block.batch, block.interactive_until = False, max(block.interactive_until, until)
             if block.ref_count == 0 and block.batch != was_batch:
                 block.batch = was_batch
                 self._free_blocks.remove(block)

@@ -132,14 +132,20 @@ class CacheType:
                 blocks[i] = None
         return len(stale)
 
-    def free(self, request_id: str, keep: "Collection[int]" = (), batch: bool = False) -> None:
+    def free(
+        self,
+        request_id: str,
+        keep: "Collection[int]" = (),
+        batch: bool = False,
+        lifetime_s: float | None = None,
+    ) -> None:
         """Release the request's blocks, deepest first, and forget its progress; ``keep``: empty
-        blocks whose contents may still be read (``BlockPool.free``); ``batch``: the request's
-        priority class (``BlockPool.mark``)."""
+        blocks whose contents may still be read (``BlockPool.free``); ``batch``, ``lifetime_s``:
+        the request's priority class and protection (``BlockPool.mark``)."""
         blocks = self.blocks.pop(request_id, [])
         self.num_cached.pop(request_id, None)
         self.num_retained.pop(request_id, None)
-        self.npu.mark(blocks, batch)
+        self.npu.mark(blocks, batch, lifetime_s)
         self.npu.free([b for b in reversed(blocks) if b is not None], keep)
 
     def reset(self, tiers: tuple[Tier, ...]) -> list[tuple[Tier, BlockHash]]:

@@ -177,7 +177,7 @@ class KVCacheManager:
                 manager.adopt(request, match.cache_types[manager.name], match.num_blocks)
             if num_total > len(blocks):
                 blocks.extend(manager.allocate_npu(num_total - len(blocks)))
-            manager.cache_type.npu.mark(blocks[num_before:], request.batch)
+            manager.cache_type.npu.mark(blocks[num_before:], request.batch, request.lifetime_s)
             if match.tail is not None:
                 copy = BlockCopy(match.tail.block_id, blocks[match.num_blocks], manager.name)
                 self._journal.plan.block_copies.append(copy)
@@ -199,7 +199,8 @@ class KVCacheManager:
         if self._partial is not None:
             tail = self._partial.tail_of(request, self.block_ids(request.request_id))
         for cache_type in self._cache_types:
-            cache_type.free(request.request_id, (tail[1],) if tail else (), request.batch)
+            keep = (tail[1],) if tail else ()
+            cache_type.free(request.request_id, keep, request.batch, request.lifetime_s)
         if tail is not None:
             self._partial.remember(*tail)
 

@@ -77,7 +77,7 @@ class CacheTypeManager:
         if host_hits:
             cache_type.host.touch(host_hits)  # locked until their loads land
         if is_new and cache_type.host is not None:
-            cache_type.host.mark(host_ids, request.batch)
+            cache_type.host.mark(host_ids, request.batch, request.lifetime_s)
             for host_id in host_hits if is_new else ():
                 self.count_host_hit(host_id)
         for npu_id in npu_hits if is_new else ():

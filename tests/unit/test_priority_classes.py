@@ -12,6 +12,7 @@ from replicas.config import EngineConfig, KVOffloadConfig, PrefixCacheConfig, Sc
 from replicas.engine.engine import Engine
 from replicas.kv.block_pool import BlockPool
 from replicas.kv.events import Tier
+from replicas.kv.session_gaps import SessionGaps
 from replicas.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=2, ignore_eos=True)
@@ -111,3 +112,34 @@ def test_service_tier_values():
     assert parse_service_tier(None) is None
     with pytest.raises(ValueError, match="service_tier 'fast'"):
         parse_service_tier("fast")
+
+
+def test_a_sessions_lifetime_is_learned_from_the_gaps_between_its_turns():
+    now = [0.0]
+    gaps = SessionGaps(300.0, clock=lambda: now[0], max_sessions=2)
+    assert gaps.turn(None) == 300.0 and gaps.turn("s") == 300.0  # no history yet
+    for gap in (20.0, 0.5, 40.0):  # 0.5 s: the same turn (n sequences, parallel calls)
+        now[0] += gap
+        lifetime = gaps.turn("s")
+    assert lifetime == 1.5 * 40.5  # its longest gap, from the start of the turn before
+    now[0] += 5000.0
+    assert gaps.turn("s") == 3600.0  # at most an hour
+    gaps.turn("t")
+    gaps.turn("u")  # a third session: the least recently seen ("s") is forgotten
+    assert len(gaps) == 2 and gaps.turn("s") == 300.0
+
+
+def test_a_session_protects_its_blocks_for_its_learned_lifetime():
+    now = [0.0]
+    pool = BlockPool(2, clock=lambda: now[0], interactive_lifetime_s=300.0)
+    ids, _ = pool.allocate(2)
+    for i, block_id in enumerate(ids):
+        pool.cache(block_id, bytes([i]) * 16)
+    pool.mark(ids[:1], batch=False, lifetime_s=30.0)  # a fast session's
+    pool.mark(ids[1:], batch=False)  # the configured lifetime
+    now[0] = 31.0
+    pool.mark(ids, batch=True)  # a batch request hits both
+    pool.free(ids)
+    assert pool.eviction_order() == [ids[0], ids[1]]  # the fast session's is batch now
+    assert [pool.blocks[b].batch for b in ids] == [True, False]
+    pool.check_integrity()
