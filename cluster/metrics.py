@@ -31,6 +31,7 @@ from prometheus_client.core import (
 
 from cluster.backend import ClusterStats, FrontStats, ReplicaStats
 from cluster.router_metrics import router_metric_families
+from cluster.tenant_metrics import tenant_metric_families
 from replicas.engine.engine import EngineStats
 from replicas.kv.events import Tier, backing_tiers, tiers
 from replicas.kv.records import BackingStats, CacheTypeStats
@@ -109,14 +110,8 @@ _PER_TYPE_EVENTS: list[tuple[str, Callable[[CacheTypeStats], int]]] = [
 ]
 
 
-_DISK_EVENTS = (
-    "blocks_loaded",
-    "load_failures",
-    "blocks_stored",
-    "reloads",
-    "recomputes",
-    "load_timeouts",
-)
+_DISK_EVENTS = ("blocks_loaded", "load_failures", "blocks_stored", "reloads", "recomputes")
+_DISK_EVENTS += ("load_timeouts",)
 """The ``BackingStats`` counters ``strata_kv_disk_tier`` shows (``strata_kv_backing_tier``
 shows them all, for every tier)."""
 
@@ -383,6 +378,7 @@ def cluster_metric_families(stats: ClusterStats | None) -> list[Metric]:
         return []
     return (
         _replica_families(stats.replicas)
+        + tenant_metric_families(stats.replicas)
         + router_metric_families(stats.router)
         + front_metric_families(stats.front)
         + size_metric_families(stats)

@@ -109,12 +109,28 @@ class PrefixCacheConfig(_Config):
         description="cache_salts (tenants) whose requests are batch unless they name a "
         "service_tier: their cached blocks are evicted before interactive ones.",
     )
+    tenant_quotas: dict[str, float] = Field(
+        default_factory=dict,
+        description="cache_salt (tenant) -> the share of each tier's blocks (NPU, host) it may "
+        "hold before its blocks are evicted ahead of others'; shares in (0, 1], at most 1 "
+        "together.",
+    )
     interactive_lifetime_s: float = Field(
         300.0,
         gt=0.0,
         description="Seconds an interactive request's use keeps a block out of the batch "
         "class (evicted first) in the NPU and host tiers.",
     )
+
+    @field_validator("tenant_quotas")
+    @classmethod
+    def _check_quotas(cls, quotas: dict[str, float]) -> dict[str, float]:
+        bad = [salt for salt, share in quotas.items() if not 0.0 < share <= 1.0]
+        if bad:
+            raise ValueError(f"tenant_quotas: the share of {bad[0]!r} must be in (0, 1]")
+        if sum(quotas.values()) > 1.0 + 1e-9:
+            raise ValueError(f"tenant_quotas: the shares add up to {sum(quotas.values()):g} > 1")
+        return quotas
 
 
 class KVOffloadConfig(_Config):

@@ -30,11 +30,13 @@ from replicas.kv.events import Tier
 from replicas.kv.handover import HANDOVER_BATCH_BLOCKS
 from replicas.kv.hashing import BlockHash
 from replicas.kv.host_memory import check_host_capacity, host_tier_bytes
+from replicas.kv.manager import KVCacheManager
 from replicas.kv.onboarding import ReloadCosts
 from replicas.kv.records import CacheStats, CacheTypeUsage
 from replicas.kv.retention import RetentionStats
 from replicas.kv.session_gaps import SessionGaps
 from replicas.kv.shared_prefixes import SharedPrefixes
+from replicas.kv.tenants import TenantStats, tenant_stats
 from replicas.kv.tiers import peer
 from replicas.kv.transfer import KVTransfer, TransferStats
 from replicas.model import LoadedModel
@@ -66,6 +68,7 @@ class EngineStats:
     backing: dict[str, dict[str, object]] = field(default_factory=dict)
     reload_costs: "ReloadCosts | None" = None  # the backing cost rule's inputs (with one)
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    tenants: dict[str, TenantStats] = field(default_factory=dict)  # by label (kv.tenants)
 
     @property
     def disk(self) -> dict[str, object]:
@@ -146,6 +149,7 @@ class Engine:
                 config, self.fingerprint, kv_caches, plan.num_backing_blocks
             )
         self.kv_cache = assembly.kv_cache_manager(config, specs, plan, self.backing)
+        self.kv_cache.set_tenant_quotas(config.scheduler_config.prefix_cache_config.tenant_quotas)
         self.transfer = (
             KVTransfer(kv_caches, plan.num_host_blocks, backing=self.backing)
             if plan.num_host_blocks
@@ -236,6 +240,7 @@ class Engine:
             cache_hints=cache_hints,
             resumed=resumed,
         )
+        request.tenant = self.kv_cache.tenants.index(cache_salt)
         self._offer_peer_blocks(request, cache_hints)
         self.core.add(request)
         self.output_processor.add(request, resumed.num_emitted_chars if resumed else 0)
@@ -356,6 +361,7 @@ class Engine:
             },
             reload_costs=self.kv_cache.onboarding.reload_costs(),
             spec_decode=dataclasses.replace(self.core.spec_decode),
+            tenants=_tenant_stats(self.kv_cache, self.config),
         )
 
     def reset_counters(self) -> None:
@@ -483,3 +489,11 @@ def _is_batch(config: EngineConfig, cache_salt: str | None, hints: CacheHints | 
         return hints.batch
     batch_tenants = config.scheduler_config.prefix_cache_config.batch_tenants
     return cache_salt is not None and cache_salt in batch_tenants
+
+
+def _tenant_stats(kv: KVCacheManager, config: EngineConfig) -> dict[str, TenantStats]:
+    """Per tenant: its hits and blocks; named as the config names it, else by a digest."""
+    prefix = config.scheduler_config.prefix_cache_config
+    named = {*prefix.tenant_quotas, *prefix.batch_tenants}
+    pools = {"npu": kv.npu, "host": kv.host}
+    return tenant_stats(kv.tenants, pools, kv.stats.by_tenant, named)

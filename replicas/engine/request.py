@@ -69,6 +69,7 @@ class Request:
         self.cache_key = hints.key  # the routing key it came with (for the simulator's router)
         self.batch = batch  # its priority class: batch blocks are evicted first
         self.lifetime_s = lifetime_s  # an interactive use protects blocks this long (None: pool's)
+        self.tenant = 0  # its salt's tenant in the replica's cache (replicas.kv.tenants)
         self.num_retained_blocks = hints.retained_blocks(block_size, len(self.prompt_token_ids))
         self.retention_ttl_s = hints.ttl_s if self.num_retained_blocks else 0.0
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

@@ -43,12 +43,14 @@ cleared before each allocation and by ``expire``.
 
 import heapq
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from replicas.kv.free_block_queue import FreeBlockQueue
 from replicas.kv.hashing import BlockHash
 from replicas.kv.records import TierUsage
+from replicas.kv.tenants import NO_TENANT, TenantQuotas
 
 INTERACTIVE_LIFETIME_S = 300.0
 """How long an interactive request's use keeps a block out of the batch queue by default."""
@@ -63,6 +65,7 @@ class Block:
     retained_until: float = 0.0  # a deadline on ``clock`` while retained, else 0
     batch: bool = False  # last used by a batch request, by no interactive one in its lifetime
     interactive_until: float = 0.0  # an interactive request's last use + its lifetime
+    tenant: int = NO_TENANT  # whose cached block it is (``replicas.kv.tenants``)
     generation: int = 0  # allocations so far: its contents are a generation's (partial blocks)
 
 
@@ -86,7 +89,9 @@ class BlockPool:
         self.name = name
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free_blocks = FreeBlockQueue(self.blocks, name)  # unreferenced, in allocation order
+        self.quotas = TenantQuotas()  # blocks held per tenant, against their quotas
+        # unreferenced blocks, in allocation order
+        self._free_blocks = FreeBlockQueue(self.blocks, name, self.quotas)
         self._cached: dict[BlockHash, int] = {}
         self.max_retained = max_retained
         self.clock = clock
@@ -224,13 +229,17 @@ class BlockPool:
             return
         self._free_blocks.discard_contents(block_id)
 
-    def cache(self, block_id: int, block_hash: BlockHash) -> bool:
-        """Record that ``block_id`` holds ``block_hash``. Returns False (and records nothing) if
-        another block already holds that hash or this block already holds one."""
+    def cache(self, block_id: int, block_hash: BlockHash, tenant: int = NO_TENANT) -> bool:
+        """Record that ``block_id`` holds ``block_hash``, ``tenant``'s block. Returns False (and
+        records nothing) if another block already holds that hash or this block already holds
+        one."""
         block = self.blocks[block_id]
         if block.block_hash is not None or block_hash in self._cached:
             return False
         block.block_hash = block_hash
+        block.tenant = tenant
+        if tenant:
+            self.quotas.cached(tenant)
         block.num_hits = 0
         self._cached[block_hash] = block_id
         return True
@@ -302,6 +311,9 @@ class BlockPool:
     def _uncache(self, block: Block) -> None:
         del self._cached[block.block_hash]
         block.block_hash = None  # num_hits stays until the block is cached again
+        if block.tenant:
+            self.quotas.uncached(block.tenant)
+            block.tenant = NO_TENANT
         if block.retained_until:
             block.retained_until = 0.0
             self.num_retained -= 1
@@ -330,6 +342,8 @@ class BlockPool:
             f"at most {self.max_retained}"
         )
         assert len(self._cached) <= self.num_blocks, f"{self.name} hash map over capacity"
+        held = Counter(b.tenant for b in self.blocks if b.block_hash is not None and b.tenant)
+        assert held == +Counter(self.quotas.held), f"{self.name} blocks per tenant miscounted"
         for block_hash, block_id in self._cached.items():
             assert self.blocks[block_id].block_hash == block_hash, (
                 f"{self.name} hash map entry points to block {block_id} holding another hash"

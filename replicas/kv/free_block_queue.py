@@ -26,6 +26,13 @@ blocks before it evicts an interactive session's::
 
     | free ... | kept ... | batch, least recently released ... | cached (ordinary) ... |
 
+**Tenants over their quota** (``replicas.kv.tenants``): each tenant's queued ordinary cached
+blocks are also kept in a queue of the tenant's, in the same order; while a tenant holds more
+blocks than its quota, its queue is taken from after the batch queue and before the rest of the
+ordinary queue::
+
+    | free | kept | batch | over-quota tenants' cached, LRU | cached (ordinary) | retained |
+
 **Retained blocks** (``BlockPool.retain``) wait in a third queue that allocation takes from only
 when the ordinary queue is empty; when its retention ends, a block re-enters the ordinary queue
 at the back, as if just released::
@@ -37,6 +44,8 @@ at the back, as if just released::
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+from replicas.kv.tenants import NO_TENANT, TenantQuotas
+
 if TYPE_CHECKING:
     from replicas.kv.block_pool import Block
 
@@ -46,9 +55,13 @@ class FreeBlockQueue:
     ``blocks`` is the pool's block list, read to place each block. Not thread-safe: the pool's
     engine loop alone mutates it."""
 
-    def __init__(self, blocks: "list[Block]", name: str) -> None:
+    def __init__(
+        self, blocks: "list[Block]", name: str, quotas: TenantQuotas | None = None
+    ) -> None:
         self.name = name
         self._blocks = blocks
+        self._quotas = quotas if quotas is not None else TenantQuotas()
+        self._by_tenant: dict[int, OrderedDict[int, None]] = {}  # cached ones in _ordinary
         self._ordinary: OrderedDict[int, None] = OrderedDict((b.block_id, None) for b in blocks)
         self._kept: OrderedDict[int, None] = OrderedDict()
         self._batch: OrderedDict[int, None] = OrderedDict()
@@ -75,8 +88,10 @@ class FreeBlockQueue:
             (i for i, b in enumerate(ordinary) if self._blocks[b].block_hash is not None),
             len(ordinary),
         )
-        cached = ordinary[num_empty:]
-        return [*ordinary[:num_empty], *self._kept, *self._batch, *cached, *self._retained]
+        over = [b for t in self._quotas.over for b in self._by_tenant.get(t, ())]
+        taken = set(over)
+        cached = [b for b in ordinary[num_empty:] if b not in taken]
+        return [*ordinary[:num_empty], *self._kept, *self._batch, *over, *cached, *self._retained]
 
     def peek(self) -> int | None:
         """The block id ``pop`` would take (None when the queue is empty)."""
@@ -89,7 +104,12 @@ class FreeBlockQueue:
         front = next(iter(self._ordinary), None)
         if front is not None and self._blocks[front].block_hash is None:
             return self._ordinary
-        return self._kept or self._batch or self._ordinary or self._retained
+        if self._kept or self._batch:
+            return self._kept or self._batch
+        for tenant in self._quotas.over:
+            if self._by_tenant.get(tenant):
+                return self._by_tenant[tenant]
+        return self._ordinary or self._retained
 
     def _queue_of(self, block: "Block") -> OrderedDict:
         if block.retained_until:
@@ -101,12 +121,31 @@ class FreeBlockQueue:
     # ---- mutation ----------------------------------------------------------------------------
     def pop(self) -> int:
         """Take the next block id (the queue must not be empty)."""
-        block_id, _ = self._next_queue().popitem(last=False)
+        queue = self._next_queue()
+        block_id, _ = queue.popitem(last=False)
+        if queue is self._ordinary:
+            self._untenant(self._blocks[block_id])
+        elif queue is not self._kept and queue is not self._batch and queue is not self._retained:
+            del self._ordinary[block_id]  # from an over-quota tenant's queue
         return block_id
 
     def remove(self, block: "Block") -> None:
         """Take a queued block out of its queue (it is referenced again)."""
-        self._queue_of(block).pop(block.block_id)
+        queue = self._queue_of(block)
+        queue.pop(block.block_id)
+        if queue is self._ordinary:
+            self._untenant(block)
+
+    def _enqueue(self, block: "Block") -> None:
+        """A cached or empty block to the back of its queue (and its tenant's)."""
+        queue = self._queue_of(block)
+        queue[block.block_id] = None
+        if queue is self._ordinary and block.block_hash is not None and block.tenant:
+            self._by_tenant.setdefault(block.tenant, OrderedDict())[block.block_id] = None
+
+    def _untenant(self, block: "Block") -> None:
+        if block.tenant != NO_TENANT and block.tenant in self._by_tenant:
+            self._by_tenant[block.tenant].pop(block.block_id, None)
 
     def push(self, block: "Block", keep: bool, keep_at_back: bool) -> None:
         """Queue a block whose last reference dropped: cached ones at the back, empty ones at the
@@ -115,7 +154,7 @@ class FreeBlockQueue:
         if block.block_hash is None and keep:
             (self._ordinary if keep_at_back else self._kept)[block.block_id] = None
             return
-        self._queue_of(block)[block.block_id] = None
+        self._enqueue(block)
         if block.block_hash is None:
             self._ordinary.move_to_end(block.block_id, last=False)
 
@@ -130,13 +169,17 @@ class FreeBlockQueue:
 
     def retain(self, block_id: int) -> None:
         """Move a queued block that has just been retained to the back of the retained queue."""
-        (self._batch if block_id in self._batch else self._ordinary).pop(block_id)
+        if block_id in self._batch:
+            del self._batch[block_id]
+        else:
+            del self._ordinary[block_id]
+            self._untenant(self._blocks[block_id])
         self._retained[block_id] = None
 
     def unretain(self, block_id: int) -> None:
         """Move a queued block whose retention ended to the back of its queue."""
         del self._retained[block_id]
-        self._queue_of(self._blocks[block_id])[block_id] = None
+        self._enqueue(self._blocks[block_id])
 
     def release_cached(self) -> list[int]:
         """Move every queued cached block (retained ones first, each queue front to back) to
@@ -149,12 +192,14 @@ class FreeBlockQueue:
             self._ordinary.move_to_end(block_id, last=False)
         self._retained.clear()
         self._batch.clear()
+        self._by_tenant.clear()
         return cached
 
     # ---- accounting --------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Raise AssertionError unless exactly the unreferenced blocks are queued, each in its
         queue (retained ones in the retained queue, no cached block kept)."""
+        num_in_tenants = 0
         for block in self._blocks:
             block_id = block.block_id
             queued = (
@@ -164,6 +209,11 @@ class FreeBlockQueue:
             assert block_id not in self._batch or (block.batch and block.block_hash), (
                 f"{self.name} block {block_id} queued as batch but not a cached batch block"
             )
+            in_tenant = block_id in self._by_tenant.get(block.tenant, ())
+            assert in_tenant == (
+                block_id in self._ordinary and block.block_hash is not None and bool(block.tenant)
+            ), f"{self.name} block {block_id} not in its tenant's queue as it is in the ordinary"
+            num_in_tenants += in_tenant
             assert not (block_id in self._kept and block.block_hash is not None), (
                 f"{self.name} block {block_id} kept while cached"
             )
@@ -173,3 +223,6 @@ class FreeBlockQueue:
                 assert queued == (not block.retained_until, bool(block.retained_until)), (
                     f"{self.name} block {block_id} unreferenced but not in its queue"
                 )
+        assert num_in_tenants == sum(len(q) for q in self._by_tenant.values()), (
+            f"{self.name} tenant queues hold blocks no longer queued"
+        )

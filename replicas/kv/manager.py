@@ -26,7 +26,7 @@ the order a plan's copies run in, in ``TransferPlan``.
 """
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from replicas.engine.request import Request
 from replicas.kv.admission import count_admission
@@ -50,6 +50,7 @@ from replicas.kv.records import (
 )
 from replicas.kv.reservations import NO_RESERVATIONS, ReservationPolicy, Reservations
 from replicas.kv.retention import BlockCosts, PolicyFactory, WriteThrough
+from replicas.kv.tenants import TenantTable
 from replicas.kv.tiers import BackingStore
 from replicas.kv.type_manager import build_managers
 from replicas.kv.views import CacheViews
@@ -97,6 +98,7 @@ class KVCacheManager:
         self._cache_types, rules = build_cache_types(specs, retained_share, clock, rules, backing)
         for pool in (p for c in self._cache_types for p in c.pools):
             pool.interactive_lifetime_s = interactive_lifetime_s
+        self.tenants = TenantTable()  # salt -> tenant, the owner of each cached block
         primary = self._cache_types[0]
         self._journal = journal = Journal()
         self._weights = HitWeights(sum(p.num_blocks for p in primary.pools), clock)
@@ -214,6 +216,9 @@ class KVCacheManager:
             primary = self._cache_types[0].name
             counts = (self.block_size, primary, prefetched, read)
             count_admission(self.stats, request, match, *counts)
+            tenant = self.stats.by_tenant.setdefault(request.tenant, [0, 0])
+            tenant[0] += request.num_prompt_tokens
+            tenant[1] += request.num_cached_tokens
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's blocks in the primary cache type."""
@@ -294,6 +299,13 @@ class KVCacheManager:
         return WarmStart(self._managers, self.onboarding)
 
     # ---- checks -------------------------------------------------------------------------------
+    def set_tenant_quotas(self, shares: Mapping[str, float]) -> None:
+        """Each named tenant (salt) may hold its share of every pooled tier's blocks before its
+        blocks are evicted ahead of others' (``replicas.kv.tenants``); replaces earlier quotas."""
+        quotas = {self.tenants.index(salt): share for salt, share in shares.items()}
+        for pool in (p for c in self._cache_types for p in c.pools):
+            pool.quotas.set({t: int(share * pool.num_blocks) for t, share in quotas.items()})
+
     def num_free_npu_blocks(self) -> dict[str, int]:
         """NPU blocks each cache type can allocate now (empty or evictable)."""
         return {c.name: c.npu.num_free for c in self._cache_types}

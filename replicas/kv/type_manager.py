@@ -30,6 +30,7 @@ from replicas.kv.journal import Journal
 from replicas.kv.prompt_retention import PrefixRetention
 from replicas.kv.records import BlockCopy, CacheTypeMatch
 from replicas.kv.retention import IMMEDIATE, WriteThrough, hit_threshold
+from replicas.kv.tenants import NO_TENANT
 from replicas.kv.tiers import plugin
 
 
@@ -93,7 +94,8 @@ class CacheTypeManager:
     def load(self, host_id: int, block_hash: BlockHash, prefetch: bool = False) -> int:
         """Plan a load of a (locked) host block into a new NPU block, cached under its hash."""
         (npu_id,) = self.allocate_npu(1)
-        self.cache_type.npu.cache(npu_id, block_hash)
+        tenant = self.cache_type.host.blocks[host_id].tenant
+        self.cache_type.npu.cache(npu_id, block_hash, tenant)
         self._journal.plan.loads.append(BlockCopy(host_id, npu_id, self.name, prefetch))
         self._journal.stored(self.name, Tier.NPU, block_hash)
         return npu_id
@@ -172,8 +174,8 @@ class CacheTypeManager:
         if self.cache_type.host.num_free == 0:
             return False
         host_id = self.allocate_host()  # locked until the store lands
-        self.cache_type.host.cache(host_id, block_hash)
         npu, host = self.cache_type.npu.blocks[npu_id], self.cache_type.host.blocks[host_id]
+        self.cache_type.host.cache(host_id, block_hash, npu.tenant)
         host.batch, host.interactive_until = npu.batch, npu.interactive_until  # its class
         self._journal.plan.stores.append(BlockCopy(npu_id, host_id, self.name))
         self._journal.stored(self.name, Tier.HOST, block_hash)
@@ -203,7 +205,8 @@ class CacheTypeManager:
             if blocks[i] is None:
                 continue
             block_hash = request.block_hashes[i]
-            if cache_type.npu.cache(blocks[i], block_hash):
+            tenant = request.tenant if i >= request.num_shared_blocks else NO_TENANT
+            if cache_type.npu.cache(blocks[i], block_hash, tenant):
                 self._journal.stored(self.name, Tier.NPU, block_hash)
                 if self._write_through == IMMEDIATE:
                     self._promote(blocks[i], block_hash)

@@ -71,11 +71,12 @@ def test_a_position_gets_the_same_bits_however_its_prompt_is_cut(
 
 def test_dense_float32_weights_round_a_decode_row_differently_within_a_bound():
     """torch's float32 product of one row (a decode) is not its product inside a larger batch
-    (a prefill): the rows computed as chunks are the same bits, the decoded ones differ by
-    float32 rounding only. Where those K/V are cached and reused, caching on and off differ
-    at that level (docs/design.md, "Fidelity")."""
+    (a prefill), nor, on some CPUs (an AVX-512 Xeon), a chunk's rows their product in the whole
+    prompt: they differ by float32 rounding only. Where those K/V are cached and reused,
+    caching on and off differ at that level (docs/design.md, "Fidelity")."""
     hidden_whole, hidden_split, _ = run_cut(torch.float32, "none", "int8")
+    bound = 1e-4 * hidden_whole.abs().max().item()
     chunked = END - 3
-    assert torch.equal(hidden_whole[:chunked], hidden_split[:chunked])
+    in_chunks = (hidden_whole[:chunked] - hidden_split[:chunked]).abs().max().item()
     decoded = (hidden_whole[chunked:] - hidden_split[chunked:]).abs().max().item()
-    assert 0 < decoded <= 1e-4 * hidden_whole.abs().max().item(), decoded
+    assert in_chunks <= bound and decoded <= bound, (in_chunks, decoded)

@@ -1,0 +1,106 @@
+"""Tenant quotas: a tenant holding more than its share of a tier has its own blocks evicted
+first, so a flooding tenant cannot evict another's prefix; shared-prefix blocks belong to no
+tenant; quotas are checked at start-up."""
+
+import random
+
+import pytest
+from pydantic import ValidationError
+
+from cluster.backend import ClusterStats, ReplicaStats
+from cluster.metrics import StrataMetrics
+from replicas.config import EngineConfig, KVOffloadConfig, PrefixCacheConfig, SchedulerConfig
+from replicas.engine.engine import Engine
+from replicas.kv.block_pool import BlockPool
+from replicas.kv.events import Tier
+from replicas.kv.tenants import label
+from replicas.sampling_params import SamplingParams
+from tests.unit.api.test_metrics import samples
+
+PARAMS = SamplingParams(max_tokens=2, ignore_eos=True)
+rng = random.Random(4)
+SYSTEM = [rng.randrange(256) for _ in range(16 * 2)]  # shared by both tenants: 2 blocks
+SESSION = SYSTEM + [rng.randrange(256) for _ in range(16 * 4 + 5)]
+DOCS = [SYSTEM + [rng.randrange(256) for _ in range(16 * 4 + 3)] for _ in range(8)]
+
+
+def test_an_over_quota_tenants_blocks_are_evicted_first_least_recent_first():
+    pool = BlockPool(6)
+    ids, _ = pool.allocate(6)
+    tenants = [2, 3, 3, 2, 3, 0]  # 0: no tenant (a shared prefix)
+    for i, (block_id, tenant) in enumerate(zip(ids, tenants)):
+        pool.cache(block_id, bytes([i]) * 16, tenant)
+    pool.free(ids)
+    assert pool.eviction_order() == ids  # no quota: one LRU
+    pool.quotas.set({3: 2})  # tenant 3 holds 3 blocks, one over
+    assert pool.eviction_order() == [ids[1], ids[2], ids[4], ids[0], ids[3], ids[5]]
+    (taken,), _ = pool.allocate(1)
+    assert taken == ids[1] and pool.quotas.held == {2: 2, 3: 2} and not pool.quotas.over
+    assert pool.eviction_order() == [ids[0], ids[2], ids[3], ids[4], ids[5]]  # within: LRU
+    pool.check_integrity()
+
+
+def engine(**prefix) -> Engine:
+    offload = KVOffloadConfig(enabled=True, host_memory_ratio=1.0, write_through_threshold=1)
+    return Engine(
+        EngineConfig(
+            model="tiny",
+            num_npu_blocks=24,
+            scheduler_config=SchedulerConfig(
+                prefix_cache_config=PrefixCacheConfig(**prefix), kv_offload_config=offload
+            ),
+        )
+    )
+
+
+def run(replica: Engine, prompt, request_id: str, salt: str):
+    replica.add_request(request_id, prompt, PARAMS, cache_salt=salt)
+    outputs = []
+    for _ in range(10_000):
+        if not replica.has_unfinished_requests():
+            break
+        outputs = replica.step() or outputs
+    replica.check_integrity()
+    return outputs[-1]
+
+
+def flood(replica: Engine):
+    first = run(replica, SESSION, "s0", "app")
+    for i, doc in enumerate(DOCS):
+        run(replica, doc, f"doc{i}", "crawler")
+    return first, run(replica, SESSION, "s1", "app")
+
+
+def test_a_flooding_tenant_over_its_quota_evicts_its_own_blocks_not_anothers():
+    first, lru = flood(engine(shared_prefixes=[SYSTEM]))
+    assert lru.num_cached_tokens == 2 * 16  # one LRU: only the shared system prompt is left
+    replica = engine(shared_prefixes=[SYSTEM], tenant_quotas={"crawler": 0.25})
+    first, turn = flood(replica)
+    assert turn.token_ids == first.token_ids == lru.token_ids
+    assert turn.num_cached_tokens == turn.num_cached_tokens_in(Tier.NPU) == 6 * 16
+    npu = replica.kv_cache.npu
+    crawler, app = (replica.kv_cache.tenants.index(s) for s in ("crawler", "app"))
+    # Soft quotas: the crawler holds what nobody else needs; the shared 2 blocks are no one's.
+    assert npu.quotas.held[app] == 4 and npu.quotas.held[crawler] > 6
+
+
+@pytest.mark.parametrize("quotas", [{"a": 0.0}, {"a": 1.5}, {"a": 0.6, "b": 0.6}])
+def test_bad_quotas_fail_at_start_naming_the_option(quotas):
+    with pytest.raises(ValidationError, match="tenant_quotas"):
+        PrefixCacheConfig(tenant_quotas=quotas)
+
+
+def test_tenants_are_exported_by_name_when_the_config_names_them_else_by_digest():
+    replica = engine(shared_prefixes=[SYSTEM], tenant_quotas={"crawler": 0.25})
+    flood(replica)
+    stats = replica.stats()
+    got = samples(StrataMetrics().render(ClusterStats([ReplicaStats(0, True, stats)])).decode())
+    app = label(2, "app", ())
+    assert app.startswith("salt-") and "app" not in app
+    key = frozenset({"replica": "0", "tenant": app}.items())
+    prompt_tokens = 2 * len(SESSION)
+    assert got[("strata_kv_tenant_queries_total", key)] == prompt_tokens
+    assert got[("strata_kv_tenant_hits_total", key)] == 6 * 16  # its second turn, all of it
+    crawler = frozenset({"replica": "0", "tenant": "crawler", "tier": "npu"}.items())
+    assert got[("strata_kv_tenant_quota_blocks", crawler)] == 6
+    assert got[("strata_kv_tenant_blocks", crawler)] == stats.tenants["crawler"].blocks["npu"]
