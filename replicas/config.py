@@ -109,11 +109,19 @@ class PrefixCacheConfig(_Config):
         description="cache_salts (tenants) whose requests are batch unless they name a "
         "service_tier: their cached blocks are evicted before interactive ones.",
     )
-    tenant_quotas: dict[str, float] = Field(
+    tenant_quotas: dict[str, float] | Literal["auto"] = Field(
         default_factory=dict,
         description="cache_salt (tenant) -> the share of each tier's blocks (NPU, host) it may "
         "hold before its blocks are evicted ahead of others'; shares in (0, 1], at most 1 "
-        "together.",
+        "together. 'auto': every tenant's share sized from its own miss-ratio curve to "
+        "maximise the hits, at least tenant_min_share each.",
+    )
+    tenant_min_share: float = Field(
+        0.05,
+        ge=0.0,
+        le=1.0,
+        description="With tenant_quotas: auto, the share every active tenant is guaranteed "
+        "(at most an equal share).",
     )
     interactive_lifetime_s: float = Field(
         300.0,
@@ -124,7 +132,9 @@ class PrefixCacheConfig(_Config):
 
     @field_validator("tenant_quotas")
     @classmethod
-    def _check_quotas(cls, quotas: dict[str, float]) -> dict[str, float]:
+    def _check_quotas(cls, quotas: "dict[str, float] | str") -> "dict[str, float] | str":
+        if isinstance(quotas, str):
+            return quotas
         bad = [salt for salt, share in quotas.items() if not 0.0 < share <= 1.0]
         if bad:
             raise ValueError(f"tenant_quotas: the share of {bad[0]!r} must be in (0, 1]")

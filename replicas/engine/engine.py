@@ -149,7 +149,7 @@ class Engine:
                 config, self.fingerprint, kv_caches, plan.num_backing_blocks
             )
         self.kv_cache = assembly.kv_cache_manager(config, specs, plan, self.backing)
-        self.kv_cache.set_tenant_quotas(config.scheduler_config.prefix_cache_config.tenant_quotas)
+        self.kv_cache.set_tenant_quotas(prefix_config.tenant_quotas, prefix_config.tenant_min_share)
         self.transfer = (
             KVTransfer(kv_caches, plan.num_host_blocks, backing=self.backing)
             if plan.num_host_blocks
@@ -494,6 +494,7 @@ def _is_batch(config: EngineConfig, cache_salt: str | None, hints: CacheHints | 
 def _tenant_stats(kv: KVCacheManager, config: EngineConfig) -> dict[str, TenantStats]:
     """Per tenant: its hits and blocks; named as the config names it, else by a digest."""
     prefix = config.scheduler_config.prefix_cache_config
-    named = {*prefix.tenant_quotas, *prefix.batch_tenants}
+    quotas = prefix.tenant_quotas
+    named = {*(quotas if isinstance(quotas, dict) else ()), *prefix.batch_tenants}
     pools = {"npu": kv.npu, "host": kv.host}
     return tenant_stats(kv.tenants, pools, kv.stats.by_tenant, named)

@@ -50,7 +50,8 @@ from replicas.kv.records import (
 )
 from replicas.kv.reservations import NO_RESERVATIONS, ReservationPolicy, Reservations
 from replicas.kv.retention import BlockCosts, PolicyFactory, WriteThrough
-from replicas.kv.tenants import TenantTable
+from replicas.kv.tenant_curves import AutoQuotas
+from replicas.kv.tenants import TenantTable, apply_quotas
 from replicas.kv.tiers import BackingStore
 from replicas.kv.type_manager import build_managers
 from replicas.kv.views import CacheViews
@@ -99,6 +100,8 @@ class KVCacheManager:
         for pool in (p for c in self._cache_types for p in c.pools):
             pool.interactive_lifetime_s = interactive_lifetime_s
         self.tenants = TenantTable()  # salt -> tenant, the owner of each cached block
+        self._auto: AutoQuotas | None = None  # tenant_quotas: auto
+        self._clock = clock
         primary = self._cache_types[0]
         self._journal = journal = Journal()
         self._weights = HitWeights(sum(p.num_blocks for p in primary.pools), clock)
@@ -216,6 +219,10 @@ class KVCacheManager:
             primary = self._cache_types[0].name
             counts = (self.block_size, primary, prefetched, read)
             count_admission(self.stats, request, match, *counts)
+            if self._auto is not None:
+                self._auto.observe(
+                    request.tenant, request.block_hashes[request.num_shared_blocks :]
+                )
             tenant = self.stats.by_tenant.setdefault(request.tenant, [0, 0])
             tenant[0] += request.num_prompt_tokens
             tenant[1] += request.num_cached_tokens
@@ -235,6 +242,9 @@ class KVCacheManager:
         counts (``views.usage``) read this."""
         for cache_type in self._cache_types:
             cache_type.expire_retained()
+        shares = self._auto.resize() if self._auto is not None else None
+        if shares is not None:
+            apply_quotas(self._cache_types, shares)
 
     def take_transfer_plan(self) -> TransferPlan:
         """The copies planned since the last call; the caller must run them (``block_copies``
@@ -298,13 +308,19 @@ class KVCacheManager:
         (none without one); the caller runs its rounds' plans."""
         return WarmStart(self._managers, self.onboarding)
 
-    # ---- checks -------------------------------------------------------------------------------
-    def set_tenant_quotas(self, shares: Mapping[str, float]) -> None:
+    def set_tenant_quotas(self, shares: "Mapping[str, float] | str", min_share: float) -> None:
         """Each named tenant (salt) may hold its share of every pooled tier's blocks before its
-        blocks are evicted ahead of others' (``replicas.kv.tenants``); replaces earlier quotas."""
-        quotas = {self.tenants.index(salt): share for salt, share in shares.items()}
-        for pool in (p for c in self._cache_types for p in c.pools):
-            pool.quotas.set({t: int(share * pool.num_blocks) for t, share in quotas.items()})
+        blocks are evicted ahead of others' (``replicas.kv.tenants``), replacing earlier
+        quotas; ``"auto"``: shares sized from the tenants' own curves, at least ``min_share``
+        each (``replicas.kv.tenant_curves``)."""
+        self._auto = None
+        if shares == "auto":
+            capacity = sum(p.num_blocks for p in self._cache_types[0].pools)
+            self._auto = AutoQuotas(capacity, min_share, self._clock)
+            return
+        apply_quotas(self._cache_types, {self.tenants.index(s): q for s, q in shares.items()})
+
+    # ---- checks -------------------------------------------------------------------------------
 
     def num_free_npu_blocks(self) -> dict[str, int]:
         """NPU blocks each cache type can allocate now (empty or evictable)."""

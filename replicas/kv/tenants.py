@@ -12,12 +12,13 @@ first, least recently used first (``FreeBlockQueue``), before any block of a ten
 quota. So a tenant within its quota loses blocks only to the ordinary LRU, never to one over it.
 """
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from hashlib import blake2b
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from replicas.kv.block_pool import BlockPool
+    from replicas.kv.cache_type import CacheType
 
 NO_TENANT = 0
 OTHER = 1
@@ -111,3 +112,9 @@ def label(index: int, salt: str, named: Collection[str]) -> str:
     if salt in named:
         return salt
     return "salt-" + blake2b(salt.encode(), digest_size=4).hexdigest()
+
+
+def apply_quotas(cache_types: "Iterable[CacheType]", shares: Mapping[int, float]) -> None:
+    """Each tenant's share of every pooled tier of every cache type, as its quota in blocks."""
+    for pool in (p for c in cache_types for p in c.pools):
+        pool.quotas.set({t: int(share * pool.num_blocks) for t, share in shares.items()})

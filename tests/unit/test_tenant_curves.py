@@ -1,0 +1,90 @@
+"""Auto quotas: each tenant's sampled reuse-distance curve, the share-out that maximises hits
+over the curves, and a replica whose crawler tenant is held to what its curve earns while an
+agent's working set stays cached."""
+
+import random
+
+import pytest
+
+from replicas.config import EngineConfig, KVOffloadConfig, PrefixCacheConfig, SchedulerConfig
+from replicas.engine.engine import Engine
+from replicas.kv import tenant_curves
+from replicas.kv.tenant_curves import TenantCurves, share_out
+from replicas.sampling_params import SamplingParams
+
+
+def blocks(*ids: int) -> list[bytes]:
+    return [i.to_bytes(16, "little") for i in ids]
+
+
+def test_a_tenants_curve_counts_each_access_at_its_lru_reuse_distance():
+    curves = TenantCurves(1.0, max_tracked=100)
+    for _ in range(3):
+        curves.access(7, blocks(1, 2, 3))  # a cycle of 3: hits only with 3 blocks or more
+    curves.access(8, blocks(*range(50)))  # a scan: never hits
+    assert curves.hits(7, 2) == 0 and curves.hits(7, 3) == curves.hits(7, 100) == 6
+    assert curves.hits(8, 100) == 0 and curves.accesses == {7: 9.0, 8: 50.0}
+    curves.decay()
+    assert curves.hits(7, 3) == 3 and curves.active() == [7, 8]
+
+
+def test_the_share_out_gives_the_working_set_what_it_needs_and_the_scan_its_minimum():
+    curves = TenantCurves(1.0, max_tracked=1000)
+    for _ in range(4):
+        curves.access(2, blocks(*range(30)))  # a 30-block working set, reused
+        curves.access(3, blocks(*range(1000 * _, 1000 * _ + 200)))  # 200 new blocks each time
+    quota = share_out(curves, [2, 3], capacity=128, min_share=0.05)
+    assert quota[2] >= 30 and quota[3] == int(128 * 0.05)
+
+
+PARAMS = SamplingParams(max_tokens=2, ignore_eos=True)
+rng = random.Random(6)
+SESSION = [rng.randrange(256) for _ in range(16 * 5 + 5)]
+DOCS = [[rng.randrange(256) for _ in range(16 * 5 + 3)] for _ in range(32)]
+
+
+def run(replica: Engine, prompt, request_id: str, salt: str):
+    replica.add_request(request_id, prompt, PARAMS, cache_salt=salt)
+    outputs = []
+    for _ in range(10_000):
+        if not replica.has_unfinished_requests():
+            break
+        outputs = replica.step() or outputs
+    replica.check_integrity()
+    return outputs[-1]
+
+
+@pytest.fixture
+def resize_every_step(monkeypatch):
+    monkeypatch.setattr(tenant_curves, "RESIZE_INTERVAL_S", 0.0)
+    monkeypatch.setattr(tenant_curves, "DECAY", 1.0)  # a resize every step: no decay
+
+
+def serve(quotas) -> tuple[Engine, list]:
+    """An agent's turns, four crawled documents between each two."""
+    config = EngineConfig(
+        model="tiny",
+        num_npu_blocks=24,
+        scheduler_config=SchedulerConfig(
+            prefix_cache_config=PrefixCacheConfig(tenant_quotas=quotas, tenant_min_share=0.1),
+            kv_offload_config=KVOffloadConfig(),
+        ),
+    )
+    replica = Engine(config)
+    turns = []
+    for i in range(8):
+        turns.append(run(replica, SESSION, f"s{i}", "app"))
+        for j, doc in enumerate(DOCS[4 * i : 4 * i + 4]):
+            run(replica, doc, f"doc{i}.{j}", "crawler")
+    return replica, turns
+
+
+def test_auto_quotas_keep_a_reused_working_set_cached_beside_a_crawl(resize_every_step):
+    _, lru = serve({})
+    assert all(t.num_cached_tokens < 5 * 16 for t in lru)  # one LRU: the crawl evicts some
+    replica, turns = serve("auto")
+    app, crawler = (replica.kv_cache.tenants.index(s) for s in ("app", "crawler"))
+    quota = replica.kv_cache.npu.quotas.quota
+    assert quota[crawler] == int(24 * 0.1) and quota[app] >= 5  # its working set: 5 blocks
+    assert all(t.num_cached_tokens >= 5 * 16 for t in turns[2:])  # once its curve showed it
+    assert [t.token_ids for t in turns] == [t.token_ids for t in lru]
