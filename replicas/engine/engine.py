@@ -94,8 +94,9 @@ def _add(a: Any, b: Any) -> Any:
         return b if a is None else a
     if dataclasses.is_dataclass(a):
         return type(a)(**{f.name: _add(getattr(a, f.name), getattr(b, f.name)) for f in fields(a)})
-    if isinstance(a, tuple):  # a NamedTuple of numbers
-        return type(a)(*(x + y for x, y in zip(a, b)))
+    if isinstance(a, tuple):  # of numbers (or of dicts of them), a NamedTuple or not
+        summed = [_add(x, y) for x, y in zip(a, b)]
+        return type(a)(*summed) if hasattr(a, "_fields") else tuple(summed)
     if isinstance(a, dict):
         return {k: _add(a.get(k), b.get(k)) for k in {**a, **b}}
     return a + b

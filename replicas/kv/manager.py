@@ -223,9 +223,11 @@ class KVCacheManager:
                 self._auto.observe(
                     request.tenant, request.block_hashes[request.num_shared_blocks :]
                 )
-            tenant = self.stats.by_tenant.setdefault(request.tenant, [0, 0])
-            tenant[0] += request.num_prompt_tokens
-            tenant[1] += request.num_cached_tokens
+            queries, hits = self.stats.by_tenant.get(request.tenant, (0, 0))
+            self.stats.by_tenant[request.tenant] = (
+                queries + request.num_prompt_tokens,
+                hits + request.num_cached_tokens,
+            )
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's blocks in the primary cache type."""

@@ -306,7 +306,7 @@ class CacheStats(_Evictions):
     reservations_dropped: int = 0  # given way to running requests (or to an earlier arrival)
     backing: dict[str, "BackingStats"] = field(default_factory=dict)  # per backing tier
     by_cache_type: dict[str, CacheTypeStats] = field(default_factory=dict)
-    by_tenant: dict[int, list[int]] = field(default_factory=dict)  # tenant -> [queries, hits]
+    by_tenant: dict[int, tuple[int, int]] = field(default_factory=dict)  # -> (queries, hits)
 
     @property
     def npu_hits(self) -> int:

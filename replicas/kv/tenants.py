@@ -88,7 +88,7 @@ class TenantStats(NamedTuple):
 def tenant_stats(
     table: TenantTable,
     pools: Mapping[str, "BlockPool | None"],
-    counts: Mapping[int, list[int]],
+    counts: Mapping[int, tuple[int, int]],
     named: Collection[str],
 ) -> dict[str, TenantStats]:
     """Every tenant's stats by its label (``label``), the primary cache type's ``pools`` by
