@@ -7,6 +7,13 @@ repetition, three requests share a fresh random prefix and differ in their last 
 router tells to pull the prefix from the first one: ``replicas.kv.tiers.peer``) and ``local``
 (back on the first replica, whose NPU tier holds it). TTFT is the time from the request to its
 first token as the client sees it; the report gives medians and the pulled / cold ratio.
+
+Fan-out (full runs): one replica computes a fresh ``fanout_prefix``-token prefix, then
+``fanout_branches`` requests sharing it (each with a tail of its own) arrive together, routed
+by the default scoring policy: today's routing (``peer_pull_min_blocks: 0``: a branch sent to
+the replica without the prefix computes it) against pulling (that replica pulls the prefix
+from the holder, once for all its branches). Each mode runs on its own deployment; the report
+gives the branches' p50 and p90 TTFT.
 """
 
 import asyncio
@@ -18,7 +25,7 @@ from pathlib import Path
 import ray
 
 from benchmarks.report import Report, new_figure
-from benchmarks.workload import BLOCK_SIZE, DEFAULT_MODEL, median, model_context_len
+from benchmarks.workload import BLOCK_SIZE, DEFAULT_MODEL, median, model_context_len, percentile
 from cluster.config import ClusterConfig
 from cluster.deploy import RayBackend
 from replicas.sampling_params import SamplingParams
@@ -33,9 +40,14 @@ class Settings:
     repeats: int = 3
     max_tokens: int = 1
     events_s: float = 0.3  # the first replica's KV events reach the router
+    fanout_prefix: int = 2048
+    fanout_branches: int = 8
+    fanout_repeats: int = 3
 
 
-QUICK = Settings(prefix_lens=(256,), repeats=1)
+QUICK = Settings(prefix_lens=(256,), repeats=1, fanout_repeats=0)
+FANOUT_MODES = {"today": 0, "pull": None}
+"""``routing.peer_pull_min_blocks`` of each fan-out mode (None: the default)."""
 
 
 def run(
@@ -47,22 +59,38 @@ def run(
     started = not ray.is_initialized()
     if started:
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    backend = RayBackend(_config(model, max(lens)), name="bench-cluster-cache")
+    fanout_prefix = min(settings.fanout_prefix, limit)
     try:
-        samples = asyncio.run(_measure(backend, lens, settings))
+        backend = RayBackend(_config(model, max(lens)), name="bench-cluster-cache")
+        try:
+            samples = asyncio.run(_measure(backend, lens, settings))
+        finally:
+            backend.shutdown()
+        fanout = {}
+        for mode, min_blocks in FANOUT_MODES.items() if settings.fanout_repeats else ():
+            routing = {"policy": "scoring"}
+            if min_blocks is not None:
+                routing["peer_pull_min_blocks"] = min_blocks
+            config = _config(model, fanout_prefix, routing)
+            backend = RayBackend(config, name=f"bench-fanout-{mode}")
+            try:
+                fanout[mode] = asyncio.run(_fan_out(backend, fanout_prefix, settings))
+            finally:
+                backend.shutdown()
     finally:
-        backend.shutdown()
         if started:
             ray.shutdown()
-    return _report(samples, settings, lens, model, command, quick).write(output_dir)
+    report = _report(samples, settings, lens, model, command, quick)
+    _add_fanout(report, fanout, fanout_prefix, settings)
+    return report.write(output_dir)
 
 
-def _config(model: str, max_prefix: int) -> ClusterConfig:
+def _config(model: str, max_prefix: int, routing: dict | None = None) -> ClusterConfig:
     return ClusterConfig.model_validate(
         {
             "data_parallel_size": 2,
             "model": {"model": model, "max_model_len": max_prefix + 4 * BLOCK_SIZE},
-            "routing": {"policy": "round-robin"},
+            "routing": routing or {"policy": "round-robin"},
             "scheduler": {
                 "kv_offload_config": {
                     "enabled": True,
@@ -99,6 +127,59 @@ async def _measure(backend: RayBackend, lens: tuple[int, ...], settings: Setting
                     await asyncio.sleep(settings.events_s)
             # round-robin: the next repetition's cold request goes to the other replica
     return samples
+
+
+async def _fan_out(backend: RayBackend, length: int, settings: Settings) -> dict:
+    """Per burst: each branch's TTFT (s), replica and cached tokens."""
+    rng = random.Random(1)
+    params = SamplingParams(max_tokens=settings.max_tokens, ignore_eos=True)
+    vocab = backend.tokenizer.vocab_size
+    samples: dict = {"ttft_s": [], "cached": [], "replica": [], "holder": []}
+    for rep in range(settings.fanout_repeats):
+        prefix = [rng.randrange(3, vocab) for _ in range(length)]
+        tails = [[rng.randrange(3, vocab) for _ in range(BLOCK_SIZE)] for _ in range(9)]
+        _, held = await _timed(backend, f"hold-{rep}", prefix + tails[-1], params)
+        samples["holder"].append(held.replica_index)
+        await asyncio.sleep(settings.events_s)
+        branches = await asyncio.gather(
+            *(
+                _timed(backend, f"branch-{rep}-{i}", prefix + tails[i % 8], params)
+                for i in range(settings.fanout_branches)
+            )
+        )
+        for ttft, output in branches:
+            samples["ttft_s"].append(ttft)
+            samples["cached"].append(output.num_cached_tokens)
+            samples["replica"].append(output.replica_index)
+    return samples
+
+
+def _add_fanout(report: Report, fanout: dict, length: int, settings: Settings) -> None:
+    if not fanout:
+        return
+    rows, summary = [], {}
+    for mode, samples in fanout.items():
+        ttfts = samples["ttft_s"]
+        p50, p90 = percentile(ttfts, 50), percentile(ttfts, 90)
+        summary[mode] = {"p50_ttft_s": p50, "p90_ttft_s": p90}
+        away = sum(r != h for r, h in zip(samples["replica"], _holders(samples, settings)))
+        rows.append([mode, 1e3 * p50, 1e3 * p90, away, min(samples["cached"])])
+    if {"today", "pull"} <= summary.keys():
+        summary["p90_pull_over_today"] = (
+            summary["pull"]["p90_ttft_s"] / summary["today"]["p90_ttft_s"]
+        )
+    report.add_table(
+        f"Fan-out: {settings.fanout_repeats} bursts of {settings.fanout_branches} branches "
+        f"sharing a {length}-token prefix one replica holds (TTFT ms)",
+        ["mode", "p50", "p90", "branches sent away from the holder", "fewest cached tokens"],
+        rows,
+    )
+    report.results["fanout"] = {"prefix": length, "summary": summary, "samples": fanout}
+
+
+def _holders(samples: dict, settings: Settings) -> list[int]:
+    """Each branch's burst's holder, in the order of ``samples["replica"]``."""
+    return [h for h in samples["holder"] for _ in range(settings.fanout_branches)]
 
 
 async def _timed(backend: RayBackend, request_id: str, prompt: list[int], params):
