@@ -81,6 +81,24 @@ def test_a_replica_pulls_a_peers_prefix_instead_of_computing_it(source, cold_tok
     puller.close()
 
 
+def test_a_fan_out_burst_pulls_the_prefix_once_for_all_its_branches(source, cold_tokens):
+    puller = engine(tiers={"peer": {}})
+    hints = CacheHints(peer=PeerSource(1, peer.LocalPeer(source), NUM_BLOCKS * 16))
+    for i in range(4):  # branches of one prefix, arriving together
+        puller.add_request(f"b{i}", PROMPT[:-3] + [i, 9, 9], GREEDY, cache_hints=hints)
+    finished = {}
+    for _ in range(10_000):
+        if not puller.has_unfinished_requests():
+            break
+        finished |= {o.request_id: o for o in puller.step() if o.finished}
+    puller.check_integrity()
+    assert all(o.num_cached_tokens == NUM_BLOCKS * 16 for o in finished.values())
+    stats = puller.stats()
+    assert stats.backing["peer"]["full"].blocks_pulled == stats.cache.peer_blocks_loaded
+    assert stats.cache.peer_blocks_loaded == NUM_BLOCKS  # once, not once per branch
+    puller.close()
+
+
 class Corrupting(peer.LocalPeer):
     def export_blocks(self, cache_type, hashes):
         fingerprint, blocks = super().export_blocks(cache_type, hashes)
