@@ -66,7 +66,7 @@ class BackingWrites:
         if block_hash is None or self._store.contains(block_hash):
             return
         cache_type.host.touch([host_id])
-        weight = self._weights.weight(block_hash)
+        weight = self._weight(host_id, block_hash)
         copy = BackingCopy(
             host_id, block_hash, cache_type.name, True, retained_until, weight, self.tier
         )
@@ -98,11 +98,18 @@ class BackingWrites:
             if not cache_type.retention.should_store_to_disk(read_s):
                 self._journal.stats.tier(self.tier).write_back_skips += 1
                 return
-        weight = self._weights.weight(block_hash)
+        weight = self._weight(host_id, block_hash)
         copy = BackingCopy(
             host_id, block_hash, cache_type.name, locked=False, weight=weight, tier=self.tier
         )
         self._journal.plan.backing_stores.append(copy)
+
+    def _weight(self, host_id: int, block_hash: BlockHash) -> float:
+        """The hit weight the tier ranks the block by: none for a batch block, so that the
+        tier replaces batch blocks first (``BlockPool.mark``)."""
+        if self._cache_type.host.blocks[host_id].batch:
+            return 0.0
+        return self._weights.weight(block_hash)
 
     def host_store_landed(self, host_id: int) -> None:
         """An NPU -> host store landed: a retained block is retained in this tier too; under

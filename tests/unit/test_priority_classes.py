@@ -44,9 +44,13 @@ def test_batch_blocks_go_first_and_an_interactive_use_protects_a_block_for_its_l
     pool.check_integrity()
 
 
-def engine(**prefix) -> Engine:
+def engine(write_back: bool = False, **prefix) -> Engine:
+    """Host copies made as blocks are written (or, ``write_back``, as the NPU tier evicts them)."""
     offload = KVOffloadConfig(
-        enabled=True, host_memory_ratio=1.0, write_through_threshold="immediate"
+        enabled=True,
+        host_memory_ratio=1.0,
+        write_through_threshold=0 if write_back else "immediate",
+        write_back=write_back,
     )
     return Engine(
         EngineConfig(
@@ -93,6 +97,15 @@ def test_a_batch_sweep_leaves_an_interactive_sessions_prefix_cached(tier):
     turn = run(replica, SESSION, "s1")
     assert turn.token_ids == first.token_ids == lru.token_ids
     assert turn.num_cached_tokens_in(tier) == turn.num_cached_tokens == 6 * 16
+
+
+def test_a_write_back_copy_keeps_the_tenant_and_class_its_evicted_block_had():
+    replica = engine(write_back=True, batch_tenants=["nightly"])
+    for i, doc in enumerate(DOCS):  # 8 x 7 blocks through 24 NPU blocks: write-backs
+        run(replica, doc, f"doc{i}", salt="nightly")
+    nightly = replica.kv_cache.tenants.index("nightly")
+    stored = [b for b in replica.kv_cache.host.blocks if b.block_hash is not None]
+    assert stored and all(b.batch and b.tenant == nightly for b in stored)
 
 
 def test_a_tenant_default_makes_its_requests_batch_and_a_service_tier_overrides_it():
