@@ -69,6 +69,9 @@ class Block:
     generation: int = 0  # allocations so far: its contents are a generation's (partial blocks)
 
 
+BlockClass = tuple[int, bool, float]  # a block's tenant, batch, interactive_until
+
+
 class BlockPool:
     """Owns the blocks of one tier (a ``replicas.kv.tiers.TierStore``). Not thread-safe: one
     engine loop mutates it."""
@@ -146,11 +149,15 @@ class BlockPool:
         return self._free_blocks.peek()
 
     # ---- mutation ----------------------------------------------------------------------------
-    def allocate(self, num_blocks: int) -> tuple[list[int], list[tuple[int, BlockHash]]]:
+    def allocate(
+        self, num_blocks: int, classes: "dict[int, BlockClass] | None" = None
+    ) -> tuple[list[int], list[tuple[int, BlockHash]]]:
         """Take ``num_blocks`` blocks from the front of the LRU queue, ref count 1 each.
 
         Returns the block ids and the ``(block_id, hash)`` of each cached block evicted to make
         room (the caller may still read those blocks' old contents before it overwrites them).
+        ``classes``, when given, receives each evicted block's tenant and class as they were,
+        by block id (a write-back's host copy keeps them).
         Raises ``MemoryError`` if fewer blocks are free; check ``num_free`` first.
         """
         if num_blocks > self.num_free:
@@ -166,6 +173,8 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 evicted.append((block_id, block.block_hash))
+                if classes is not None:
+                    classes[block_id] = (block.tenant, block.batch, block.interactive_until)
                 self._uncache(block)
             block.ref_count = 1
             block.batch, block.interactive_until = False, 0.0

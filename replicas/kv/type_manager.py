@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from replicas.engine.request import Request
 from replicas.kv.backing_writes import BackingRules, BackingWrites
-from replicas.kv.block_pool import BlockPool
+from replicas.kv.block_pool import BlockClass, BlockPool
 from replicas.kv.cache_type import CacheType, HostRules
 from replicas.kv.events import Tier
 from replicas.kv.hashing import BlockHash
@@ -149,7 +149,8 @@ class CacheTypeManager:
         """NPU blocks, evicting cached ones as needed (each stored to host first when the host
         tier's policy keeps it)."""
         cache_type = self.cache_type
-        block_ids, evicted = cache_type.npu.allocate(num_blocks)
+        classes: dict[int, BlockClass] = {}  # evicted blocks' tenants and classes, for stores
+        block_ids, evicted = cache_type.npu.allocate(num_blocks, classes)
         tracker = cache_type.retention
         for npu_id, block_hash in evicted:
             self._journal.stats.count_eviction(self.name, Tier.NPU)
@@ -161,7 +162,7 @@ class CacheTypeManager:
             if not kept:
                 host_full = cache_type.host.num_cached >= cache_type.host.num_blocks
                 if tracker.should_store(block_hash, num_hits, host_full):
-                    kept = self.store(npu_id, block_hash)
+                    kept = self.store(npu_id, block_hash, classes[npu_id])
                     if kept:
                         self._journal.stats.count_write_back(self.name)
                 if tracker.decides_at_eviction:
@@ -169,14 +170,19 @@ class CacheTypeManager:
             tracker.npu_evicted(block_hash, num_hits, kept)
         return block_ids
 
-    def store(self, npu_id: int, block_hash: BlockHash) -> bool:
-        """Plan a copy of an NPU block to a new host block; False if every host block is locked."""
+    def store(
+        self, npu_id: int, block_hash: BlockHash, evicted_class: BlockClass | None = None
+    ) -> bool:
+        """Plan a copy of an NPU block to a new host block; False if every host block is locked.
+        The copy takes the NPU block's tenant and class (``evicted_class``: those it had before
+        its eviction, which reset them)."""
         if self.cache_type.host.num_free == 0:
             return False
         host_id = self.allocate_host()  # locked until the store lands
         npu, host = self.cache_type.npu.blocks[npu_id], self.cache_type.host.blocks[host_id]
-        self.cache_type.host.cache(host_id, block_hash, npu.tenant)
-        host.batch, host.interactive_until = npu.batch, npu.interactive_until  # its class
+        tenant, batch, until = evicted_class or (npu.tenant, npu.batch, npu.interactive_until)
+        self.cache_type.host.cache(host_id, block_hash, tenant)
+        host.batch, host.interactive_until = batch, until  # its class
         self._journal.plan.stores.append(BlockCopy(npu_id, host_id, self.name))
         self._journal.stored(self.name, Tier.HOST, block_hash)
         return True
