@@ -100,7 +100,7 @@ class KVCacheManager:
         for pool in (p for c in self._cache_types for p in c.pools):
             pool.interactive_lifetime_s = interactive_lifetime_s
         self.tenants = TenantTable()  # salt -> tenant, the owner of each cached block
-        self._auto: AutoQuotas | None = None  # tenant_quotas: auto
+        self.auto_quotas: AutoQuotas | None = None  # tenant_quotas: auto
         self._clock = clock
         primary = self._cache_types[0]
         self._journal = journal = Journal()
@@ -219,8 +219,8 @@ class KVCacheManager:
             primary = self._cache_types[0].name
             counts = (self.block_size, primary, prefetched, read)
             count_admission(self.stats, request, match, *counts)
-            if self._auto is not None:
-                self._auto.observe(
+            if self.auto_quotas is not None:
+                self.auto_quotas.observe(
                     request.tenant, request.block_hashes[request.num_shared_blocks :]
                 )
             queries, hits = self.stats.by_tenant.get(request.tenant, (0, 0))
@@ -244,7 +244,7 @@ class KVCacheManager:
         counts (``views.usage``) read this."""
         for cache_type in self._cache_types:
             cache_type.expire_retained()
-        shares = self._auto.resize() if self._auto is not None else None
+        shares = self.auto_quotas.resize() if self.auto_quotas is not None else None
         if shares is not None:
             apply_quotas(self._cache_types, shares)
 
@@ -315,10 +315,10 @@ class KVCacheManager:
         blocks are evicted ahead of others' (``replicas.kv.tenants``), replacing earlier
         quotas; ``"auto"``: shares sized from the tenants' own curves, at least ``min_share``
         each (``replicas.kv.tenant_curves``)."""
-        self._auto = None
+        self.auto_quotas = None
         if shares == "auto":
             capacity = sum(p.num_blocks for p in self._cache_types[0].pools)
-            self._auto = AutoQuotas(capacity, min_share, self._clock)
+            self.auto_quotas = AutoQuotas(capacity, min_share, self._clock)
             return
         apply_quotas(self._cache_types, {self.tenants.index(s): q for s, q in shares.items()})
 

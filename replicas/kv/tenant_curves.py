@@ -158,6 +158,14 @@ class AutoQuotas:
         self._clock = clock
         self._next = clock() + RESIZE_INTERVAL_S
 
+    def predicted_hit_rate(self, tenant: int) -> float | None:
+        """The share of ``tenant``'s recent block accesses its curve says hit at its quota
+        (None without one)."""
+        accesses = self.curves.accesses.get(tenant)
+        if tenant not in self.quota or not accesses:
+            return None
+        return self.curves.hits(tenant, self.quota[tenant]) / accesses
+
     def observe(self, tenant: int, hashes: Iterable[BlockHash]) -> None:
         if tenant != NO_TENANT:
             self.curves.access(tenant, hashes)

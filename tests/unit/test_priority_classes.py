@@ -14,6 +14,7 @@ from replicas.kv.block_pool import BlockPool
 from replicas.kv.events import Tier
 from replicas.kv.session_gaps import SessionGaps
 from replicas.sampling_params import SamplingParams
+from tests.unit import engine_runs
 
 PARAMS = SamplingParams(max_tokens=2, ignore_eos=True)
 rng = random.Random(3)
@@ -65,14 +66,7 @@ def engine(write_back: bool = False, **prefix) -> Engine:
 
 def run(replica: Engine, prompt, request_id: str, salt=None, batch=None):
     hints = CacheHints(batch=batch) if batch is not None else None
-    replica.add_request(request_id, prompt, PARAMS, cache_salt=salt, cache_hints=hints)
-    outputs = []
-    for _ in range(10_000):
-        if not replica.has_unfinished_requests():
-            break
-        outputs = replica.step() or outputs
-    replica.check_integrity()
-    return outputs[-1]
+    return engine_runs.run(replica, prompt, request_id, PARAMS, salt, hints)
 
 
 def sweep(replica: Engine, salt=None, batch=None) -> None:

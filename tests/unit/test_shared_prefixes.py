@@ -12,6 +12,7 @@ from replicas.kv.events import Tier
 from replicas.kv.hashing import block_hashes
 from replicas.kv.shared_prefixes import SharedPrefixes
 from replicas.model.tokenizer import ByteTokenizer
+from tests.unit import engine_runs
 from tests.unit.engine_runs import GREEDY
 
 rng = random.Random(5)
@@ -21,14 +22,7 @@ PROMPT = SHARED + SUFFIX
 
 
 def run(engine: Engine, prompt: list[int], salt: str | None, request_id: str):
-    engine.add_request(request_id, prompt, GREEDY, cache_salt=salt)
-    outputs = []
-    for _ in range(10_000):
-        if not engine.has_unfinished_requests():
-            break
-        outputs = engine.step() or outputs
-    engine.check_integrity()
-    return outputs[-1]
+    return engine_runs.run(engine, prompt, request_id, GREEDY, salt)
 
 
 def engine(disk_path, shared=(SHARED,), caching: bool = True) -> Engine:

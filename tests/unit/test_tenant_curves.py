@@ -11,6 +11,7 @@ from replicas.engine.engine import Engine
 from replicas.kv import tenant_curves
 from replicas.kv.tenant_curves import TenantCurves, share_out
 from replicas.sampling_params import SamplingParams
+from tests.unit import engine_runs
 
 
 def blocks(*ids: int) -> list[bytes]:
@@ -44,14 +45,7 @@ DOCS = [[rng.randrange(256) for _ in range(16 * 5 + 3)] for _ in range(32)]
 
 
 def run(replica: Engine, prompt, request_id: str, salt: str):
-    replica.add_request(request_id, prompt, PARAMS, cache_salt=salt)
-    outputs = []
-    for _ in range(10_000):
-        if not replica.has_unfinished_requests():
-            break
-        outputs = replica.step() or outputs
-    replica.check_integrity()
-    return outputs[-1]
+    return engine_runs.run(replica, prompt, request_id, PARAMS, salt)
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from replicas.kv.block_pool import BlockPool
 from replicas.kv.events import Tier
 from replicas.kv.tenants import label
 from replicas.sampling_params import SamplingParams
+from tests.unit import engine_runs
 from tests.unit.api.test_metrics import samples
 
 PARAMS = SamplingParams(max_tokens=2, ignore_eos=True)
@@ -54,14 +55,7 @@ def engine(**prefix) -> Engine:
 
 
 def run(replica: Engine, prompt, request_id: str, salt: str):
-    replica.add_request(request_id, prompt, PARAMS, cache_salt=salt)
-    outputs = []
-    for _ in range(10_000):
-        if not replica.has_unfinished_requests():
-            break
-        outputs = replica.step() or outputs
-    replica.check_integrity()
-    return outputs[-1]
+    return engine_runs.run(replica, prompt, request_id, PARAMS, salt)
 
 
 def flood(replica: Engine):
