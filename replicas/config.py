@@ -111,8 +111,9 @@ class PrefixCacheConfig(_Config):
     )
     tenant_quotas: dict[str, float] | Literal["auto"] = Field(
         default_factory=dict,
-        description="cache_salt (tenant) -> the share of each tier's blocks (NPU, host) it may "
-        "hold before its blocks are evicted ahead of others'; shares in (0, 1], at most 1 "
+        description="cache_salt (tenant) -> the share of the host tier's blocks (the NPU "
+        "tier's without one) it may hold before its blocks are evicted ahead of others'; "
+        "shares in (0, 1], at most 1 "
         "together. 'auto': every tenant's share sized from its own miss-ratio curve to "
         "maximise the hits, at least tenant_min_share each.",
     )

@@ -51,7 +51,7 @@ from replicas.kv.records import (
 from replicas.kv.reservations import NO_RESERVATIONS, ReservationPolicy, Reservations
 from replicas.kv.retention import BlockCosts, PolicyFactory, WriteThrough
 from replicas.kv.tenant_curves import AutoQuotas
-from replicas.kv.tenants import TenantTable, apply_quotas
+from replicas.kv.tenants import TenantTable, apply_quotas, quota_pools
 from replicas.kv.tiers import BackingStore
 from replicas.kv.type_manager import build_managers
 from replicas.kv.views import CacheViews
@@ -311,13 +311,13 @@ class KVCacheManager:
         return WarmStart(self._managers, self.onboarding)
 
     def set_tenant_quotas(self, shares: "Mapping[str, float] | str", min_share: float) -> None:
-        """Each named tenant (salt) may hold its share of every pooled tier's blocks before its
-        blocks are evicted ahead of others' (``replicas.kv.tenants``), replacing earlier
-        quotas; ``"auto"``: shares sized from the tenants' own curves, at least ``min_share``
-        each (``replicas.kv.tenant_curves``)."""
+        """Each named tenant (salt) may hold its share of the quota tier's blocks (host, else
+        NPU: ``replicas.kv.tenants.quota_pools``) before its blocks are evicted ahead of
+        others', replacing earlier quotas; ``"auto"``: shares sized from the tenants' own
+        curves, at least ``min_share`` each (``replicas.kv.tenant_curves``)."""
         self.auto_quotas = None
         if shares == "auto":
-            capacity = sum(p.num_blocks for p in self._cache_types[0].pools)
+            capacity = sum(p.num_blocks for p in quota_pools(self._cache_types[:1]))
             self.auto_quotas = AutoQuotas(capacity, min_share, self._clock)
             return
         apply_quotas(self._cache_types, {self.tenants.index(s): q for s, q in shares.items()})

@@ -6,10 +6,11 @@ A tenant is a ``cache_salt``: its blocks hash apart from every other tenant's
 (``replicas.kv.shared_prefixes``), belong to no tenant (``NO_TENANT``: the shared pool). The
 first ``MAX_TENANTS`` salts seen get a tenant each; later ones share ``OTHER``.
 
-A quota is a share of each pooled tier's blocks (NPU, host). Quotas are soft: a tenant may hold
-more while blocks are free, but once it holds more than its quota its cached blocks are evicted
-first, least recently used first (``FreeBlockQueue``), before any block of a tenant within its
-quota. So a tenant within its quota loses blocks only to the ordinary LRU, never to one over it.
+A quota is a share of the quota tier's blocks (host, else NPU: ``quota_pools``). Quotas are
+soft: a tenant may hold more while blocks are free, but once it holds more than its quota its
+cached blocks are evicted first, least recently used first (``FreeBlockQueue``), before any
+block of a tenant within its quota. So a tenant within its quota loses blocks only to the
+ordinary LRU, never to one over it.
 """
 
 from collections.abc import Collection, Iterable, Mapping
@@ -114,7 +115,14 @@ def label(index: int, salt: str, named: Collection[str]) -> str:
     return "salt-" + blake2b(salt.encode(), digest_size=4).hexdigest()
 
 
+def quota_pools(cache_types: "Iterable[CacheType]") -> list["BlockPool"]:
+    """The pools quotas bind: each cache type's host pool, else its NPU pool. (The NPU tier of
+    a replica with a host tier holds its running requests' blocks: a quota there would evict
+    a tenant's cached blocks whenever its running requests grow, and a curve cannot tell.)"""
+    return [c.host if c.host is not None else c.npu for c in cache_types]
+
+
 def apply_quotas(cache_types: "Iterable[CacheType]", shares: Mapping[int, float]) -> None:
-    """Each tenant's share of every pooled tier of every cache type, as its quota in blocks."""
-    for pool in (p for c in cache_types for p in c.pools):
+    """Each tenant's share of the quota pool of every cache type, as its quota in blocks."""
+    for pool in quota_pools(cache_types):
         pool.quotas.set({t: int(share * pool.num_blocks) for t, share in shares.items()})

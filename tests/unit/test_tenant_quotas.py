@@ -22,7 +22,7 @@ PARAMS = SamplingParams(max_tokens=2, ignore_eos=True)
 rng = random.Random(4)
 SYSTEM = [rng.randrange(256) for _ in range(16 * 2)]  # shared by both tenants: 2 blocks
 SESSION = SYSTEM + [rng.randrange(256) for _ in range(16 * 4 + 5)]
-DOCS = [SYSTEM + [rng.randrange(256) for _ in range(16 * 4 + 3)] for _ in range(8)]
+DOCS = [SYSTEM + [rng.randrange(256) for _ in range(16 * 4 + 3)] for _ in range(12)]
 
 
 def test_an_over_quota_tenants_blocks_are_evicted_first_least_recent_first():
@@ -41,8 +41,9 @@ def test_an_over_quota_tenants_blocks_are_evicted_first_least_recent_first():
     pool.check_integrity()
 
 
-def engine(**prefix) -> Engine:
-    offload = KVOffloadConfig(enabled=True, host_memory_ratio=1.0, write_through_threshold=1)
+def engine(host: bool = False, **prefix) -> Engine:
+    """24 NPU blocks; with ``host``, as many host blocks taking every block NPU evicts."""
+    offload = KVOffloadConfig(enabled=host, host_memory_ratio=1.0 if host else 0.0, write_back=host)
     return Engine(
         EngineConfig(
             model="tiny",
@@ -65,17 +66,19 @@ def flood(replica: Engine):
     return first, run(replica, SESSION, "s1", "app")
 
 
-def test_a_flooding_tenant_over_its_quota_evicts_its_own_blocks_not_anothers():
-    first, lru = flood(engine(shared_prefixes=[SYSTEM]))
-    assert lru.num_cached_tokens == 2 * 16  # one LRU: only the shared system prompt is left
-    replica = engine(shared_prefixes=[SYSTEM], tenant_quotas={"crawler": 0.25})
+@pytest.mark.parametrize("tier", [Tier.NPU, Tier.HOST])  # the quota tier: host, else NPU
+def test_a_flooding_tenant_over_its_quota_evicts_its_own_blocks_not_anothers(tier):
+    host = tier is Tier.HOST
+    first, lru = flood(engine(host, shared_prefixes=[SYSTEM]))
+    assert lru.num_cached_tokens < 6 * 16  # one LRU: the crawl evicted the session
+    replica = engine(host, shared_prefixes=[SYSTEM], tenant_quotas={"crawler": 0.25})
     first, turn = flood(replica)
     assert turn.token_ids == first.token_ids == lru.token_ids
-    assert turn.num_cached_tokens == turn.num_cached_tokens_in(Tier.NPU) == 6 * 16
-    npu = replica.kv_cache.npu
+    assert turn.num_cached_tokens == 6 * 16 and turn.num_cached_tokens_in(tier) >= 4 * 16
+    pool = replica.kv_cache.host if host else replica.kv_cache.npu
     crawler, app = (replica.kv_cache.tenants.index(s) for s in ("crawler", "app"))
     # Soft quotas: the crawler holds what nobody else needs; the shared 2 blocks are no one's.
-    assert npu.quotas.held[app] == 4 and npu.quotas.held[crawler] > 6
+    assert pool.quotas.held[app] == 4 and pool.quotas.held[crawler] > 6
 
 
 @pytest.mark.parametrize("quotas", [{"a": 0.0}, {"a": 1.5}, {"a": 0.6, "b": 0.6}])
@@ -96,5 +99,5 @@ def test_tenants_are_exported_by_name_when_the_config_names_them_else_by_digest(
     assert got[("strata_kv_tenant_queries_total", key)] == prompt_tokens
     assert got[("strata_kv_tenant_hits_total", key)] == 6 * 16  # its second turn, all of it
     crawler = frozenset({"replica": "0", "tenant": "crawler", "tier": "npu"}.items())
-    assert got[("strata_kv_tenant_quota_blocks", crawler)] == 6
+    assert got[("strata_kv_tenant_quota_blocks", crawler)] == 6  # no host tier: on NPU
     assert got[("strata_kv_tenant_blocks", crawler)] == stats.tenants["crawler"].blocks["npu"]
