@@ -29,6 +29,7 @@ from benchmarks import (
     reload_vs_recompute,
     routing,
     scaling,
+    tenants,
     transfer,
 )
 from benchmarks.sim import acceptance, cluster_cache_sim, router_micro, sim_vs_real, sweeps_scenario
@@ -64,6 +65,7 @@ SCENARIOS = {
         api_fields,
         agent_session,
         scaling,
+        tenants,
     )
 }
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "out"
@@ -97,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         default=None,
         help="model of the engine scenarios (prefix-ttft, reload-vs-recompute, churn, decode, "
-        "engine-vs-llamacpp): a built-in or packaged name, a Hugging Face directory or a .gguf "
-        "file (default: tiny; smollm2-135m for decode and engine-vs-llamacpp)",
+        "engine-vs-llamacpp, tenants): a built-in or packaged name, a Hugging Face directory or "
+        "a .gguf file (default: tiny; smollm2-135m for decode, engine-vs-llamacpp and tenants)",
     )
     run.add_argument(
         "--device",

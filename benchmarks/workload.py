@@ -67,13 +67,15 @@ def build_llm(
     offload: KVOffloadConfig | None = None,
     model: str = DEFAULT_MODEL,
     speculative_ngram: int = 0,
+    prefix_cache: PrefixCacheConfig | None = None,
     **engine_options: object,
 ) -> LLM:
     """``model`` (by default the built-in ``tiny``) with an explicit NPU pool, warmed up so that
     the first measured request pays no one-off costs (lazy initialisation in torch).
-    ``engine_options`` go to ``LLM`` (e.g. ``dtype``)."""
+    ``prefix_cache`` replaces ``PrefixCacheConfig(enabled=prefix_caching)`` (e.g. with
+    ``batch_tenants``); ``engine_options`` go to ``LLM`` (e.g. ``dtype``)."""
     scheduler_config = SchedulerConfig(
-        prefix_cache_config=PrefixCacheConfig(enabled=prefix_caching),
+        prefix_cache_config=prefix_cache or PrefixCacheConfig(enabled=prefix_caching),
         kv_offload_config=offload or KVOffloadConfig(),
         speculative_ngram=speculative_ngram,
     )
@@ -104,9 +106,10 @@ def settle(llm: LLM) -> None:
         llm.engine.step()
 
 
-def timed_request(llm: LLM, prompt: list[int]) -> RequestOutput:
-    """Run one prompt to its first (and only) token; the output carries ``ttft_s``."""
-    output = llm.generate(prompt, FIRST_TOKEN_ONLY)
+def timed_request(llm: LLM, prompt: list[int], cache_salt: str | None = None) -> RequestOutput:
+    """Run one prompt (as tenant ``cache_salt``) to its first (and only) token; the output
+    carries ``ttft_s`` and ``num_cached_tokens``."""
+    output = llm.generate(prompt, FIRST_TOKEN_ONLY, cache_salt=cache_salt)
     if output.ttft_s is None:
         raise RuntimeError(f"request {output.request_id} finished without a first token")
     return output

@@ -210,7 +210,18 @@ EXPECTED = {
         "ratios.resend_over_no_cache_ttft",
         "ratios.previous_id_over_resend_ttft",
     ],
+    "tenants": [  # with tiny (ARGS), not its default SmolLM2: a few seconds
+        "unbounded_hit_rate.salted.agent",
+        "unbounded_hit_rate.shared.total",
+        "variants.one-lru.agent.hit_rate",
+        "variants.batch-class.agent.hit_rate",
+        "variants.batch-class+shared.sporadic.hit_rate",
+        "variants.one-lru.agent.p50_ttft_s",
+        "variants.batch-class.batch.p99_ttft_s",
+        "variants.batch-class+shared.total.mean_ttft_s",
+    ],
 }
+ARGS = {"tenants": ("--model", "tiny")}  # extra options of a scenario's quick run
 PEER_EXPECTED = [
     "llama_cpp.cold_prefill.tokens_per_s",
     "llama_cpp.chunks.*.median_s",
@@ -261,8 +272,14 @@ def test_quick_run_writes_report(
         # Its 14 candidates timed once each: the report's frame is the subject, not the choice.
         monkeypatch.setattr(autotune, "REPEATS", 1)
         monkeypatch.setattr(autotune, "DECODE_REPEATS", 3)
-    document, report = _quick_run(scenario, tmp_path)
+    document, report = _quick_run(scenario, tmp_path, ARGS.get(scenario, ()))
     _assert_positive(document, EXPECTED[scenario])
+    if scenario == "tenants":  # same tokens everywhere; the batch class shields the agent
+        variants = document["variants"]
+        assert document["outputs_match"] is True
+        assert (
+            variants["batch-class"]["agent"]["hit_rate"] > variants["one-lru"]["agent"]["hit_rate"]
+        )
     if scenario == "cluster-cache":  # the second replica pulled the whole prefix
         assert document["samples"]["256/pulled"]["cached"] == [256]
     if scenario == "decode":  # every batch size measured, for both engines
@@ -328,10 +345,12 @@ def _kv_block_bytes(by_kv_dtype: dict[str, dict]) -> dict[str, int]:
     return {name: entry["block_bytes"] for name, entry in by_kv_dtype.items()}
 
 
-def _quick_run(scenario: str, output_dir: Path) -> tuple[dict, str]:
-    """Run ``scenario`` with --quick; check the report's frame; its results.json and text."""
+def _quick_run(scenario: str, output_dir: Path, args: tuple[str, ...] = ()) -> tuple[dict, str]:
+    """Run ``scenario`` with --quick (and ``args``); check the report's frame; its results.json
+    and text."""
     # One torch thread: a 2-core machine shared with other work makes parallel ops stall.
-    assert main(["run", scenario, "--quick", "--threads", "1", "--output", str(output_dir)]) == 0
+    command = ["run", scenario, "--quick", "--threads", "1", "--output", str(output_dir), *args]
+    assert main(command) == 0
 
     report = (output_dir / "report.md").read_text()
     assert "python -m benchmarks run" in report and "cpu_count" in report
