@@ -9,7 +9,8 @@ router tells to pull the prefix from the first one: ``replicas.kv.tiers.peer``) 
 first token as the client sees it; the report gives medians and the pulled / cold ratio.
 
 Fan-out (full runs): one replica computes a fresh ``fanout_prefix``-token prefix, then
-``fanout_branches`` requests sharing it (each with a tail of its own) arrive together, routed
+``fanout_branches`` requests sharing it (each with a tail of its own, decoding
+``fanout_max_tokens`` tokens) arrive together, routed
 by the default scoring policy: today's routing (``peer_pull_min_blocks: 0``: a branch sent to
 the replica without the prefix computes it) against pulling (that replica pulls the prefix
 from the holder, once for all its branches). Each mode runs on its own deployment; the report
@@ -41,7 +42,8 @@ class Settings:
     max_tokens: int = 1
     events_s: float = 0.3  # the first replica's KV events reach the router
     fanout_prefix: int = 2048
-    fanout_branches: int = 8
+    fanout_branches: int = 16
+    fanout_max_tokens: int = 32  # each branch decodes: the holder is busy while they run
     fanout_repeats: int = 3
 
 
@@ -132,18 +134,18 @@ async def _measure(backend: RayBackend, lens: tuple[int, ...], settings: Setting
 async def _fan_out(backend: RayBackend, length: int, settings: Settings) -> dict:
     """Per burst: each branch's TTFT (s), replica and cached tokens."""
     rng = random.Random(1)
-    params = SamplingParams(max_tokens=settings.max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=settings.fanout_max_tokens, ignore_eos=True)
     vocab = backend.tokenizer.vocab_size
     samples: dict = {"ttft_s": [], "cached": [], "replica": [], "holder": []}
     for rep in range(settings.fanout_repeats):
         prefix = [rng.randrange(3, vocab) for _ in range(length)]
-        tails = [[rng.randrange(3, vocab) for _ in range(BLOCK_SIZE)] for _ in range(9)]
+        tails = [[rng.randrange(3, vocab) for _ in range(BLOCK_SIZE)] for _ in range(17)]
         _, held = await _timed(backend, f"hold-{rep}", prefix + tails[-1], params)
         samples["holder"].append(held.replica_index)
         await asyncio.sleep(settings.events_s)
         branches = await asyncio.gather(
             *(
-                _timed(backend, f"branch-{rep}-{i}", prefix + tails[i % 8], params)
+                _timed(backend, f"branch-{rep}-{i}", prefix + tails[i % 16], params)
                 for i in range(settings.fanout_branches)
             )
         )
