@@ -357,16 +357,7 @@ def run(
         f"Greedy first tokens: the same in all {len(VARIANTS)} variants for all "
         f"{len(requests)} requests."
     )
-    if predicted:
-        report.add_table(
-            "auto-quotas at the end: each tenant's share, the hit rate its own curve predicts "
-            "there (recent blocks, decayed) and the hit rate it got over the run",
-            ["tenant", "share", "predicted", "measured"],
-            [
-                [t, p["share"], p["predicted_hit_rate"], summaries["auto-quotas"][t]["hit_rate"]]
-                for t, p in predicted.items()
-            ],
-        )
+    add_auto_table(report, predicted, summaries["auto-quotas"])
     report.figures["tenants.png"] = _plot(summaries, ceilings, served, requests)
     report.results = {
         "model": model,
@@ -413,6 +404,19 @@ def _plot(summaries: dict, ceilings: dict, served: dict, requests: list[Request]
     right.set_title("agent TTFT distribution")
     right.legend()
     return figure
+
+
+def add_auto_table(report: Report, predicted: dict, measured: dict) -> None:
+    if predicted:
+        report.add_table(
+            "auto-quotas at the end: each tenant's share, the hit rate its own curve predicts "
+            "there (recent blocks, decayed) and the hit rate it got over the run",
+            ["tenant", "share", "predicted", "measured"],
+            [
+                [t, p["share"], p["predicted_hit_rate"], measured[t]["hit_rate"]]
+                for t, p in predicted.items()
+            ],
+        )
 
 
 def auto_predictions(llm: LLM) -> dict[str, dict]:

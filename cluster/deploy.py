@@ -70,19 +70,8 @@ class RayBackend:
         self.placement = place_replicas(config.ray, engine_config, args, size)
         engine_config = self._with_threads(engine_config)
         routing = _routing(config, engine_config)
-        # Replicas that may pull from peers measure their step costs, the pulls' price.
-        self._pulls_from_peers = bool(routing.peer_pull_min_blocks)
-        self.router = (
-            ray.remote(RouterActor)
-            .options(name=f"{name}-router", num_cpus=0, max_restarts=-1, max_task_retries=-1)
-            .remote(
-                size,
-                engine_config.block_size,
-                routing,
-                replica_name_prefix=name,
-                sliding_window=args.sliding_window if "sliding" in args.layer_types else None,
-            )
-        )
+        self._pulls_from_peers = bool(routing.peer_pull_min_blocks)  # they measure its price
+        self.router = _start_router(name, size, engine_config.block_size, routing, args)
         replicas = [self._start_replica(i, engine_config) for i in range(size)]
         incarnations = self._introduce_replicas(replicas)
         self.membership = Membership(replicas, self.replica_infos)
@@ -326,6 +315,23 @@ def _last_line(error: Exception) -> str:
     """The last line of a remote traceback: the exception that ended it."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return lines[-1] if lines else type(error).__name__
+
+
+def _start_router(
+    name: str, size: int, block_size: int, routing: RoutingConfig, args: ModelArgs
+) -> ray.actor.ActorHandle:
+    """The deployment's router actor (restarted by Ray if it dies)."""
+    return (
+        ray.remote(RouterActor)
+        .options(name=f"{name}-router", num_cpus=0, max_restarts=-1, max_task_retries=-1)
+        .remote(
+            size,
+            block_size,
+            routing,
+            replica_name_prefix=name,
+            sliding_window=args.sliding_window if "sliding" in args.layer_types else None,
+        )
+    )
 
 
 def _routing(config: ClusterConfig, engine_config: EngineConfig) -> RoutingConfig:

@@ -222,7 +222,8 @@ class Engine:
         self.checks.params(params)
         if resumed is not None:
             self.checks.resumed(len(token_ids), params, resumed)
-        batch = _is_batch(self.config, cache_salt, cache_hints)
+        prefix_config = self.config.scheduler_config.prefix_cache_config
+        batch = prefix_config.is_batch(cache_salt, cache_hints and cache_hints.batch)
         request = Request(
             request_id,
             token_ids,
@@ -484,18 +485,7 @@ def _log_start(engine: Engine) -> None:
     )
 
 
-def _is_batch(config: EngineConfig, cache_salt: str | None, hints: CacheHints | None) -> bool:
-    """A request's priority class: its ``service_tier``'s, else its tenant's default."""
-    if hints is not None and hints.batch is not None:
-        return hints.batch
-    batch_tenants = config.scheduler_config.prefix_cache_config.batch_tenants
-    return cache_salt is not None and cache_salt in batch_tenants
-
-
 def _tenant_stats(kv: KVCacheManager, config: EngineConfig) -> dict[str, TenantStats]:
     """Per tenant: its hits and blocks; named as the config names it, else by a digest."""
-    prefix = config.scheduler_config.prefix_cache_config
-    quotas = prefix.tenant_quotas
-    named = {*(quotas if isinstance(quotas, dict) else ()), *prefix.batch_tenants}
-    pools = {"npu": kv.npu, "host": kv.host}
-    return tenant_stats(kv.tenants, pools, kv.stats.by_tenant, named)
+    named = config.scheduler_config.prefix_cache_config.named_tenants
+    return tenant_stats(kv.tenants, {"npu": kv.npu, "host": kv.host}, kv.stats.by_tenant, named)

@@ -61,8 +61,7 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.cache_salt = cache_salt
-        # Leading blocks of a shared prefix: hashed without the salt (replicas.kv.shared_prefixes)
-        self.num_shared_blocks = num_shared_blocks
+        self.num_shared_blocks = num_shared_blocks  # hashed without the salt (kv.shared_prefixes)
         self.block_size = block_size
         # Leading prompt blocks the KV cache keeps ahead of ordinary ones, and for how long.
         hints = cache_hints or CacheHints()
