@@ -9,8 +9,8 @@ router tells to pull the prefix from the first one: ``replicas.kv.tiers.peer``) 
 first token as the client sees it; the report gives medians and the pulled / cold ratio.
 
 Fan-out (full runs): one replica computes a fresh ``fanout_prefix``-token prefix, then
-``fanout_branches`` requests sharing it (each with a tail of its own, decoding
-``fanout_max_tokens`` tokens) arrive together, routed
+``fanout_branches`` requests sharing it (each with a ``fanout_tail``-token tail of its own,
+decoding ``fanout_max_tokens`` tokens) arrive together, routed
 by the default scoring policy: today's routing (``peer_pull_min_blocks: 0``: a branch sent to
 the replica without the prefix computes it) against pulling (that replica pulls the prefix
 from the holder, once for all its branches). Each mode runs on its own deployment; the report
@@ -43,6 +43,7 @@ class Settings:
     events_s: float = 0.3  # the first replica's KV events reach the router
     fanout_prefix: int = 2048
     fanout_branches: int = 16
+    fanout_tail: int = 512  # each branch's own prompt after the prefix: its own prefill work
     fanout_max_tokens: int = 32  # each branch decodes: the holder is busy while they run
     fanout_repeats: int = 3
 
@@ -61,7 +62,7 @@ def run(
     started = not ray.is_initialized()
     if started:
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    fanout_prefix = min(settings.fanout_prefix, limit)
+    fanout_prefix = min(settings.fanout_prefix, limit - settings.fanout_tail)
     try:
         backend = RayBackend(_config(model, max(lens)), name="bench-cluster-cache")
         try:
@@ -73,7 +74,7 @@ def run(
             routing = {"policy": "scoring"}
             if min_blocks is not None:
                 routing["peer_pull_min_blocks"] = min_blocks
-            config = _config(model, fanout_prefix, routing)
+            config = _config(model, fanout_prefix + settings.fanout_tail, routing)
             backend = RayBackend(config, name=f"bench-fanout-{mode}")
             try:
                 fanout[mode] = asyncio.run(_fan_out(backend, fanout_prefix, settings))
@@ -139,7 +140,7 @@ async def _fan_out(backend: RayBackend, length: int, settings: Settings) -> dict
     samples: dict = {"ttft_s": [], "cached": [], "replica": [], "holder": []}
     for rep in range(settings.fanout_repeats):
         prefix = [rng.randrange(3, vocab) for _ in range(length)]
-        tails = [[rng.randrange(3, vocab) for _ in range(BLOCK_SIZE)] for _ in range(17)]
+        tails = [[rng.randrange(3, vocab) for _ in range(settings.fanout_tail)] for _ in range(17)]
         _, held = await _timed(backend, f"hold-{rep}", prefix + tails[-1], params)
         samples["holder"].append(held.replica_index)
         await asyncio.sleep(settings.events_s)

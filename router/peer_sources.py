@@ -15,10 +15,17 @@ them anew; until a replica has reported, a source is named for at least
 ``routing.peer_pull_min_blocks`` more blocks (which is also the floor after), and the replica's
 own cost rule (``replicas.kv.onboarding.reload_pays``) still decides whether it reads them.
 ``routing.peer_pull_min_blocks: 0`` turns pulling off.
+
+The policy scores a replica that could pull as holding part of what it would pull
+(``scored_matches``): the blocks a pull that pays would bring, scaled by the share of their
+recompute time the pull saves, as host blocks. So a burst of requests sharing a prefix that one
+replica holds (a fan-out) spreads to the others when the holder's load outweighs the pull,
+instead of queueing behind the holder because the others would have to compute the prefix.
 """
 
 from collections.abc import Sequence
 
+from replicas.kv.events import Tier
 from replicas.kv.hashing import BlockHash
 from replicas.step_costs import PullCosts
 from router.load import LoadTracker
@@ -53,6 +60,31 @@ class PeerSources:
         costs = self._costs.get(replica)
         return None if costs is None else max(costs.break_even_blocks(), float(self.min_blocks))
 
+    def scored_matches(
+        self, block_hashes: Sequence[BlockHash], matches: Sequence[IndexMatch], live: Sequence[int]
+    ) -> Sequence[IndexMatch]:
+        """``matches`` with each replica that reported its costs credited for a pull that
+        pays, as host blocks (see the module docstring); ``matches`` itself when none is."""
+        most = max((matches[r].num_blocks for r in live), default=0)
+        if not self._costs or all(most - matches[r].num_blocks < self.min_blocks for r in live):
+            return matches
+        held = self._caches.held(block_hashes, live)
+        scored = list(matches)
+        for replica in live:
+            costs = self._costs.get(replica)
+            have = matches[replica].num_blocks
+            source = max((r for r in live if r != replica), key=held.__getitem__)
+            extra = held[source] - have
+            if costs is None or extra < self.min_blocks:
+                continue
+            wait_s = self._costs.get(source, costs).source_wait_s(self._load.queued_tokens[source])
+            recompute_s = costs.recompute_s(extra, have * self.block_size)
+            saved = 1.0 - costs.pull_s(extra, wait_s) / recompute_s if recompute_s > 0 else 0.0
+            if saved > 0:
+                host = matches[replica].num_blocks_in(Tier.HOST) + int(extra * saved)
+                scored[replica] = matches[replica].with_blocks({Tier.HOST: host})
+        return scored
+
     def with_source(
         self,
         decision: RouteDecision,
@@ -66,7 +98,7 @@ class PeerSources:
         those blocks) skip the lookup when no replica can be a source."""
         min_blocks = self.min_blocks
         chosen = decision.replica_index
-        have = decision.num_matched_tokens // self.block_size
+        have = matches[chosen].num_blocks  # what it holds, not what a pull was credited
         if all(matches[r].num_blocks - have < min_blocks for r in live if r != chosen):
             return decision, False
         held = self._caches.held(block_hashes, live)

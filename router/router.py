@@ -151,6 +151,8 @@ class Router:
             raise RuntimeError("the router's ttft profile has no cost profile yet")
         load = self._load
         matches = self._caches.match(block_hashes, self._live)  # score
+        peers = self._peers.min_blocks and self.config.enable_prefix_caching and len(live) > 1
+        scored = self._peers.scored_matches(block_hashes, matches, live) if peers else matches
         queues = ReplicaQueues(load.queued_tokens, load.num_requests)
         key_replica = self._affinity.replica_of(cache_key)
         if key_replica not in live:
@@ -159,7 +161,7 @@ class Router:
         if key_replica is None:
             load_tokens = self._ramped_load(live, matches, num_prompt_tokens)
         decision = self._policy.choose(
-            live, matches, load_tokens, num_prompt_tokens, queues, key_replica
+            live, scored, load_tokens, num_prompt_tokens, queues, key_replica
         )
         self._affinity.record(cache_key, decision.replica_index)
         uncached = num_prompt_tokens - decision.num_matched_tokens

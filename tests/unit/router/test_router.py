@@ -252,6 +252,28 @@ def test_the_source_is_named_only_where_the_reported_pull_beats_recompute():
     router.check_integrity()
 
 
+def test_a_fan_out_spreads_to_replicas_that_can_pull_the_prefix_once_it_would_queue():
+    prefix = prompt(*range(1, 33))  # 32 blocks, held by replica 0
+
+    def burst(router) -> list:
+        tails = [prompt(*range(100 + 10 * i, 108 + 10 * i)) for i in range(16)]  # 8 own blocks
+        return [router.route(f"b{i}", 40 * BLOCK, prefix + t) for i, t in enumerate(tails)]
+
+    floor_only = make_router(2, peer_pull_min_blocks=1)
+    floor_only.on_events(KVEventBatch(0, 0, stored(*range(1, 33))))
+    assert {d.replica_index for d in burst(floor_only)} == {0}  # the other would compute it
+    router = make_router(2, peer_pull_min_blocks=1)
+    router.on_events(KVEventBatch(0, 0, stored(*range(1, 33))))
+    for replica in (0, 1):
+        router.set_pull_costs(replica, pull_costs(read_ms=1.5))  # a pull: 2 ms a block of 10
+    first, *rest = [d for d in burst(router) if d.replica_index == 1]
+    assert (first.peer_source, first.num_peer_tokens) == (0, 32 * BLOCK)  # pulls it
+    assert 0 < first.num_matched_tokens < 32 * BLOCK  # credited part of the pull
+    # the next ones there match the prefix routed to it already (its pull brings it)
+    assert rest and all(d.num_matched_tokens == 32 * BLOCK for d in rest)
+    router.check_integrity()
+
+
 def test_excluded_replicas_are_not_candidates():
     router = Router(3, 4, RoutingConfig(scoring_profile="locality"))
     hashes = block_hashes(list(range(16)), 4)
