@@ -45,6 +45,7 @@ class PeerSources:
         self._caches = caches
         self._load = load
         self._costs: dict[int, PullCosts] = {}
+        self._last_held: tuple[object, tuple[int, ...], list[int]] = (None, (), [])
 
     def set_costs(self, replica: int, costs: PullCosts) -> None:
         """Replica ``replica``'s pull costs from now on (it logs its break-even length)."""
@@ -69,6 +70,7 @@ class PeerSources:
         if not self._costs or all(most - matches[r].num_blocks < self.min_blocks for r in live):
             return matches
         held = self._caches.held(block_hashes, live)
+        self._last_held = (block_hashes, tuple(live), held)  # for with_source, this route's
         scored = list(matches)
         for replica in live:
             costs = self._costs.get(replica)
@@ -96,12 +98,14 @@ class PeerSources:
         than the chosen one as its source, when the pull pays (see the module docstring), and
         whether a source was priced out. ``matches`` (the scored ones, which count at least
         those blocks) skip the lookup when no replica can be a source."""
+        last, self._last_held = self._last_held, (None, (), [])  # scored_matches' lookup
         min_blocks = self.min_blocks
         chosen = decision.replica_index
         have = matches[chosen].num_blocks  # what it holds, not what a pull was credited
         if all(matches[r].num_blocks - have < min_blocks for r in live if r != chosen):
             return decision, False
-        held = self._caches.held(block_hashes, live)
+        fresh = last[0] is not block_hashes or last[1] != tuple(live)
+        held = self._caches.held(block_hashes, live) if fresh else last[2]
         source = max((r for r in live if r != chosen), key=held.__getitem__)
         extra = held[source] - have
         if extra < min_blocks:

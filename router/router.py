@@ -152,7 +152,7 @@ class Router:
         load = self._load
         matches = self._caches.match(block_hashes, self._live)  # score
         peers = self._peers.min_blocks and self.config.enable_prefix_caching and len(live) > 1
-        scored = self._peers.scored_matches(block_hashes, matches, live) if peers else matches
+        scored = self._peers.scored_matches(block_hashes, matches, self._live) if peers else matches
         queues = ReplicaQueues(load.queued_tokens, load.num_requests)
         key_replica = self._affinity.replica_of(cache_key)
         if key_replica not in live:
