@@ -74,8 +74,10 @@ class ServerConfig(_Section):
     warm_start_budget_s: float = Field(
         10.0,
         ge=0,
-        description="A replica added to a running deployment loads its node's disk-tier blocks "
-        "into its host tier, hottest first, for at most this long before it takes traffic.",
+        description="A replica added to a running deployment loads its node's disk-tier blocks, "
+        "then (with the peer tier) its peers' hottest blocks, into its host tier for at most "
+        "this long before it takes traffic; with the peer tier, a scale-in's survivor pulls the "
+        "removed replica's hottest blocks for at most this long too.",
     )
     disk_write_budget_s: float = Field(
         10.0,

@@ -1,12 +1,16 @@
 """Resizing a Ray deployment while it serves (docs/design.md, "Resizing a deployment")::
 
     scale-out: reserve bundles -> start actors -> info -> router.add_replica (joining: indexed)
-               -> warm_from_disk (its node's disk blocks into its host tier) -> ready
+               -> warm_from_disk (its node's disk blocks into its host tier)
+               -> warm_from_peers (its peers' hottest blocks, across nodes) -> ready
                -> health watches it -> router.start_routing (cold prompts ramp up over ramp_s)
     scale-in:  choose the victim by value (cluster.scaling) -> router.set_draining
                -> its requests finish (past server.drain_timeout_s its waiting ones are shed
                and routed again; running ones finish there: max_tokens bounds them)
+               -> a survivor pulls its hottest blocks (warm_from_peers, across nodes)
                -> write_hot_blocks_to_disk -> kill the actor -> router.retire -> free its bundle
+
+The pulls between replicas need the peer tier (``cluster.peer_handover``).
 
 A scale-out needing more than the Ray cluster can place now waits, on a cluster that can grow
 (``cluster.placement.can_grow``), up to ``ray.scale_out_wait_s`` for Ray to place its bundles
@@ -28,10 +32,12 @@ from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
+from cluster import peer_handover
 from cluster.backend import ScaleResult
 from cluster.config import ClusterConfig
 from cluster.health import ACTOR_LOST, HEALTH_TIMEOUT_S, HealthMonitor
 from cluster.membership import Membership
+from cluster.peer_handover import has_peer_tier
 from cluster.placement import PLACEMENT_TIMEOUT_S, ReplicaPlacement
 from cluster.scaling import (
     VICTIM_RULES,
@@ -43,6 +49,7 @@ from cluster.scaling import (
 from replicas.config import EngineConfig
 from replicas.kv.events import Tier
 from replicas.kv.hashing import BlockHash
+from router.router import ReplicaRole
 
 logger = logging.getLogger(__name__)
 
@@ -236,15 +243,21 @@ class Resizer:
         return max(PLACEMENT_TIMEOUT_S, self.config.ray.scale_out_wait_s)
 
     async def _join(self, index: int) -> None:
-        """Warm replica ``index`` from its node's disk, then route to it."""
+        """Warm replica ``index`` from its node's disk, then from its peers across nodes (one
+        budget for both), then route to it."""
         replica = self.membership.replicas[index]
         budget_s = self.config.server.warm_start_budget_s
+        start = time.monotonic()
         if self.has_disk and budget_s > 0:
             try:
                 num_loaded = await replica.warm_from_disk.remote(budget_s)
                 logger.info("scale-out: replica %d loaded %d disk blocks", index, num_loaded)
             except (*ACTOR_LOST, RayTaskError) as error:  # a cold start still serves
                 logger.warning("scale-out: replica %d did not warm up: %s", index, error)
+        if has_peer_tier(self.config):
+            peers = {i: self.membership.replicas[i] for i in self._serving_peers(index)}
+            left_s = budget_s - (time.monotonic() - start)
+            await peer_handover.warm_new_replica(replica, index, peers, left_s)
         incarnation = await replica.ready.remote()
         self.health.add(index, replica, incarnation)
         self.membership.start_serving(index)
@@ -261,6 +274,11 @@ class Resizer:
             if members.node_ids[index]:  # the router heard of it
                 await self.router.retire.remote(index)
         self._set_size(members.target_size - len(indices))
+
+    def _serving_peers(self, index: int) -> list[int]:
+        """The live serving replicas other than ``index``."""
+        serving = self.membership.with_role(ReplicaRole.SERVING)
+        return sorted(i for i in serving if i != index and self.health.is_alive(i))
 
     @property
     def has_disk(self) -> bool:
@@ -288,7 +306,8 @@ class Resizer:
         for index in victims:  # before the router hears: see cluster.dispatch
             self.membership.drain(index)
         await asyncio.gather(*(self.router.set_draining.remote(v) for v in victims))
-        await asyncio.gather(*(self._drain(v) for v in victims))
+        heirs = _heirs(victims, values) if has_peer_tier(self.config) else {}
+        await asyncio.gather(*(self._drain(v, heirs.get(v)) for v in victims))
         return choices
 
     async def _replica_values(self, members: list[int]) -> list[ReplicaValue]:
@@ -324,9 +343,10 @@ class Resizer:
             blocks.setdefault(node, set()).update(snapshot.hashes(Tier.DISK))
         return blocks
 
-    async def _drain(self, index: int) -> None:
+    async def _drain(self, index: int, heir: int | None = None) -> None:
         """Wait for replica ``index``'s requests (shedding its waiting ones past the drain
-        timeout), write its hot blocks to disk, then retire it."""
+        timeout), hand its hot blocks to survivor ``heir`` through the peer tier and write them
+        to disk, then retire it."""
         members = self.membership
         replica = members.replicas[index]
         timeout_s = self.config.server.drain_timeout_s
@@ -348,6 +368,14 @@ class Resizer:
                 logger.warning("scale-in: replica %d did not shed its queue: %s", index, error)
             while members[index].in_flight:  # running requests end: max_tokens bounds them
                 await asyncio.sleep(DRAIN_POLL_S)
+        if heir is not None and self.health.is_alive(index) and self.health.is_alive(heir):
+            await peer_handover.hand_over(
+                replica,
+                index,
+                members.replicas[heir],
+                heir,
+                self.config.server.warm_start_budget_s,
+            )
         snapshot = None
         if self.has_disk and self.health.is_alive(index):
             try:
@@ -368,6 +396,18 @@ class Resizer:
         role and node."""
         nodes = [node or f"unknown-{i}" for i, node in enumerate(self.membership.node_ids)]
         await self.router.sync_members.remote(self.membership.roles(), nodes)
+
+
+def _heirs(victims: list[int], values: list[ReplicaValue]) -> dict[int, int]:
+    """Which survivor takes each victim's hot blocks through the peer tier: the reachable
+    survivors, least loaded first, one victim each in turn."""
+    survivors = sorted(
+        (v for v in values if v.is_reachable and v.replica_index not in victims),
+        key=lambda v: (v.load_tokens, v.replica_index),
+    )
+    if not survivors:
+        return {}
+    return {v: survivors[k % len(survivors)].replica_index for k, v in enumerate(victims)}
 
 
 def _describe_bytes(num_bytes: int | None, ratio: float) -> str:

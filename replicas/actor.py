@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from replicas.cache_hints import CacheHints
+from replicas.cache_hints import CacheHints, PeerSource
 from replicas.kv.events import KVEventBatch, KVSnapshot, Tier
 from replicas.kv.hashing import BlockHash
 from replicas.outputs import OutputDelta, RequestOutput
@@ -391,6 +391,30 @@ class ReplicaActor:
         await self.async_engine.between_steps()
         self._report([])  # the host blocks, before any request is routed here
         logger.info("replica %d: %d blocks loaded from disk", self.replica_index, num_loaded)
+        return num_loaded
+
+    async def warm_from_peers(
+        self,
+        sources: list[tuple[int, Any, dict[BlockHash, float]]],
+        time_budget_s: float,
+        max_share: float = 0.0,
+    ) -> int:
+        """Pull other replicas' blocks into the host tier through the peer tier, hottest first
+        (``Engine.warm_from_peers``; each source: its index, its actor handle and the hashes
+        to ask it for with their hit weights), within ``time_budget_s``, and announce them to
+        the router; returns the blocks loaded (0 without a peer or host tier)."""
+        peers = [(PeerSource(index, handle, 0), weights) for index, handle, weights in sources]
+        num_loaded = await self.async_engine.run_exclusive(
+            lambda: self.engine.warm_from_peers(peers, time_budget_s, max_share)
+        )
+        await self.async_engine.between_steps()
+        self._report([])  # the host blocks, routable at once
+        logger.info(
+            "replica %d: %d blocks pulled from replicas %s",
+            self.replica_index,
+            num_loaded,
+            [index for index, _, _ in sources],
+        )
         return num_loaded
 
     async def reset_prefix_cache(self, tier: str = "all") -> None:

@@ -3,7 +3,6 @@
 import dataclasses
 import functools
 import logging
-import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -12,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from replicas import fake_cuda
-from replicas.cache_hints import CacheHints
+from replicas.cache_hints import CacheHints, PeerSource
 from replicas.config import EngineConfig
 from replicas.dtypes import dtype_name_of
-from replicas.engine import assembly
+from replicas.engine import assembly, handover
 from replicas.engine.core import EngineCore, SpecDecodeStats
 from replicas.engine.executor import ModelExecutor
 from replicas.engine.model_runner import ModelRunner
@@ -27,7 +26,6 @@ from replicas.engine.sampler import Sampler
 from replicas.engine.step_meter import StepMeter, StepTimes
 from replicas.kv.capacity import plan_cache
 from replicas.kv.events import Tier
-from replicas.kv.handover import HANDOVER_BATCH_BLOCKS
 from replicas.kv.hashing import BlockHash
 from replicas.kv.host_memory import check_host_capacity, host_tier_bytes
 from replicas.kv.manager import KVCacheManager
@@ -390,44 +388,29 @@ class Engine:
 
     def write_hot_blocks_to_disk(self, time_budget_s: float) -> int:
         """Write the NPU and host blocks the node's disk tier lacks to this replica's slab,
-        hottest first, in rounds until done or ``time_budget_s`` has passed (checked between
-        rounds), never replacing a hotter disk block by a colder one; returns the blocks whose
+        hottest first, until done or ``time_budget_s`` has passed; returns the blocks whose
         writes landed (0 without a disk tier). The engine must not step meanwhile."""
-        stores = self._handover_stores()
-        if not stores:
-            return 0
-        deadline = time.monotonic() + time_budget_s
-        self.core.flush_transfers(wait=True)
-        write_out = self.kv_cache.start_write_out()
-        num_written = 0
-        while not write_out.is_done and time.monotonic() < deadline:
-            num_stores = write_out.plan_round(HANDOVER_BATCH_BLOCKS)
-            self.core.flush_transfers(wait=True)
-            left_s = max(0.0, deadline - time.monotonic())
-            if all([store.flush(left_s) for store in stores]):
-                num_written += num_stores
-        write_out.end()
-        return num_written
+        return handover.write_out(self, time_budget_s)
 
     def warm_from_disk(self, time_budget_s: float) -> int:
         """Read the node's disk blocks (every replica's slab) into empty host blocks, hottest
-        first, in rounds until the host tier or the disk has no more or ``time_budget_s`` has
-        passed; they are host blocks then (announced as such). Returns the blocks loaded by
-        then (0 without a disk or host tier); reads still in flight land later. Call it
-        before the engine serves."""
-        stores = self._handover_stores()
-        if not stores or self.transfer is None:
-            return 0
-        tier = self.kv_cache.handover_tier
-        deadline = time.monotonic() + time_budget_s
-        warm = self.kv_cache.start_warm()
-        loaded_before = self.kv_cache.stats.tier(tier).blocks_loaded
-        while not warm.is_done and time.monotonic() < deadline:
-            if not warm.plan_round(HANDOVER_BATCH_BLOCKS):
-                break
-            self.core.flush_transfers()
-            self.core.complete_backing_loads(max(0.0, deadline - time.monotonic()))
-        return self.kv_cache.stats.tier(tier).blocks_loaded - loaded_before
+        first, until the host tier or the disk has no more or ``time_budget_s`` has passed;
+        they are host blocks then (announced as such). Returns the blocks loaded by then (0
+        without a disk or host tier); reads still in flight land later. Call it before the
+        engine serves."""
+        return handover.warm_from_disk(self, time_budget_s)
+
+    def warm_from_peers(
+        self,
+        sources: "list[tuple[PeerSource, dict[BlockHash, float]]]",
+        time_budget_s: float,
+        max_share: float = 0.0,
+    ) -> int:
+        """Read other replicas' blocks (each source with hashes and hit weights) into host
+        blocks through the peer tier, hottest first, into empty ones and up to ``max_share`` of
+        the host tier (``replicas.engine.handover.warm_from_peers``); returns the blocks loaded
+        within ``time_budget_s``. The engine must not step meanwhile."""
+        return handover.warm_from_peers(self, sources, time_budget_s, max_share)
 
     @property
     def disk(self) -> "dict[str, BackingStore] | None":
@@ -438,11 +421,6 @@ class Engine:
             stacklevel=2,
         )
         return self.backing.get("disk")
-
-    def _handover_stores(self) -> "list[BackingStore]":
-        """The stores of the tier a resize hands blocks over through (disk), per cache type."""
-        tier = self.kv_cache.handover_tier
-        return list(self.backing[tier].values()) if tier is not None else []
 
 
 def resolve_device(device: str) -> torch.device:

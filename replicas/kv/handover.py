@@ -1,20 +1,24 @@
-"""Handing a replica's cache over through the node's disk tier when the deployment is resized
+"""Handing a replica's cache over when the deployment is resized: through the node's disk tier
 (the *hand-over tier*: a cache type's first backing tier shared by the node's replicas whose
-store is a ``replicas.kv.tiers.HandoverStore``; the disk tier is the built-in one).
+store is a ``replicas.kv.tiers.HandoverStore``; the disk tier is the built-in one), and through
+the peer tier across nodes (``replicas.kv.tiers.peer``).
 
 Scale-in: a draining replica writes the NPU and host blocks the disk lacks into its own disk
-slab, hottest first (``WriteOut``). Scale-out: a new replica reads the node's disk blocks (every
-slab) into empty host blocks, hottest first, before it serves (``WarmStart``). "Hottest" is the
-hit weight (``replicas.kv.hotness``), which each disk record keeps.
+slab, hottest first (``WriteOut``), and a survivor pulls its hottest blocks through the peer
+tier into its host tier (``WarmStart`` of a ``WarmSource``, up to a share of that tier).
+Scale-out: a new replica reads the node's disk blocks (every slab) into empty host blocks,
+hottest first, before it serves (``WarmStart``), then its peers' hottest blocks it still lacks
+(a ``WarmSource``). "Hottest" is the hit weight (``replicas.kv.hotness``), which each disk
+record keeps and each replica reports (``Engine.hot_blocks``).
 
-Both are planned in rounds that the engine runs between steps (``Engine.write_hot_blocks_to_disk``,
-``Engine.warm_from_disk``): a round plans a batch of copies into the manager's transfer plan,
+All are planned in rounds that the engine runs between steps (``replicas.engine.handover``):
+a round plans a batch of copies into the manager's transfer plan,
 the engine runs the plan, waits for it and checks its time budget before the next round. An NPU
 block reaches the disk through a host block, as every disk store does::
 
     write-out round k   staged in round k-1: host -> disk
                         next batch: a host block -> disk; an NPU-only block -> a new host block
-    warm-start round    next batch: disk -> an empty host block (nothing is evicted)
+    warm-start round    next batch: disk (or a peer) -> a free host block
 
 A write-out chooses its blocks once, at the start: per cache type, the blocks its disk does not
 hold, as many of the hottest as the own slab takes without replacing a hotter block
@@ -163,21 +167,50 @@ def _choose(
     return candidates[:num_fit], replaced
 
 
+class WarmSource(NamedTuple):
+    """Blocks a warm start reads from a tier other than the hand-over tier (another replica's,
+    through the peer tier): the tier, the hashes hottest first, and the share of the host tier
+    they may take (empty blocks first, then the least recently used cached ones; at least the
+    empty blocks)."""
+
+    tier: str
+    hashes: list[BlockHash]
+    max_share: float = 0.0
+
+
 class WarmStart:
     """Reads of the node's disk blocks into the host blocks empty when it starts, hottest first
-    (see the module docstring); nothing else may allocate host blocks meanwhile. Not
-    thread-safe: the engine thread plans it."""
+    (see the module docstring), or of a ``WarmSource``'s blocks; nothing else may allocate host
+    blocks meanwhile. Not thread-safe: the engine thread plans it."""
 
-    def __init__(self, managers: list[CacheTypeManager], onboarding: Onboarding) -> None:
+    def __init__(
+        self,
+        managers: list[CacheTypeManager],
+        onboarding: Onboarding,
+        source: WarmSource | None = None,
+    ) -> None:
         self._onboarding = onboarding
-        is_on = managers[0].cache_type.handover is not None and all(
-            m.cache_type.host is not None for m in managers
-        )
+        first = managers[0].cache_type
+        if source is None:
+            self._tier = first.handover.tier if first.handover is not None else None
+        else:
+            self._tier = source.tier if any(b.tier == source.tier for b in first.backing) else None
+        is_on = self._tier is not None and all(m.cache_type.host is not None for m in managers)
         self._managers = managers if is_on else []
         self._cache_types = [m.cache_type for m in self._managers]
-        self._rooms = [c.host.num_empty for c in self._cache_types]
+        share = source.max_share if source is not None else 0.0
+        self._rooms = [
+            min(c.host.num_free, max(c.host.num_empty, int(share * c.host.num_blocks)))
+            for c in self._cache_types
+        ]
         self._queues = [
-            deque([h for h in c.handover.store.hottest() if not c.in_pools(h)][:room])
+            deque(
+                [
+                    h
+                    for h in (c.handover.store.hottest() if source is None else source.hashes)
+                    if not c.in_pools(h)
+                ][:room]
+            )
             for c, room in zip(self._cache_types, self._rooms)
         ]
 
@@ -187,14 +220,13 @@ class WarmStart:
         return not any(q and room for q, room in zip(self._queues, self._rooms))
 
     def plan_round(self, max_blocks: int) -> int:
-        """Plan up to ``max_blocks`` reads per cache type into empty host blocks (mutates);
-        returns how many."""
+        """Plan up to ``max_blocks`` reads per cache type into host blocks (mutates); returns
+        how many."""
         num_planned = 0
         for i, (manager, queue) in enumerate(zip(self._managers, self._queues)):
             num_reads = min(max_blocks, self._rooms[i], len(queue))
             for _ in range(num_reads):
-                tier = manager.cache_type.handover.tier
-                self._onboarding.read_for_warm_start(manager, tier, queue.popleft())
+                self._onboarding.read_for_warm_start(manager, self._tier, queue.popleft())
             self._rooms[i] -= num_reads
             num_planned += num_reads
         return num_planned

@@ -33,7 +33,7 @@ from replicas.kv.admission import count_admission
 from replicas.kv.block_pool import INTERACTIVE_LIFETIME_S, BlockPool
 from replicas.kv.cache_type import HostRules, build_cache_types, check_options
 from replicas.kv.events import Tier
-from replicas.kv.handover import WarmStart, WriteOut, hot_blocks
+from replicas.kv.handover import WarmSource, WarmStart, WriteOut, hot_blocks
 from replicas.kv.hashing import BlockHash
 from replicas.kv.hotness import HitWeights
 from replicas.kv.journal import Journal
@@ -305,10 +305,11 @@ class KVCacheManager:
         without one); the caller runs its rounds' plans, then ``end``s it."""
         return WriteOut(self._managers, self._weights)
 
-    def start_warm(self) -> WarmStart:
+    def start_warm(self, source: WarmSource | None = None) -> WarmStart:
         """Reads of the hand-over tier's (disk's) blocks into empty host blocks, hottest first
-        (none without one); the caller runs its rounds' plans."""
-        return WarmStart(self._managers, self.onboarding)
+        (none without one), or of ``source``'s (none without its tier); the caller runs its
+        rounds' plans."""
+        return WarmStart(self._managers, self.onboarding, source)
 
     def set_tenant_quotas(self, shares: "Mapping[str, float] | str", min_share: float) -> None:
         """Each named tenant (salt) may hold its share of the quota tier's blocks (host, else

@@ -188,9 +188,10 @@ class Onboarding:
         self, manager: CacheTypeManager, tier: str, block_hash: BlockHash
     ) -> None:
         """Plan a read of a block of backing tier ``tier`` into a new host block for no
-        request (a replica filling its host tier before it serves); it lands as any read does
-        (``complete_loads``: cached and announced). Call only while the host tier has an empty
-        block, so that nothing is evicted."""
+        request (a replica filling its host tier: a new one before it serves, a survivor taking
+        a leaving replica's blocks); it lands as any read does (``complete_loads``: cached and
+        announced). Call only while the host tier has a free block; without an empty one, the
+        least recently used cached block is evicted."""
         cache_type = manager.cache_type
         key = (cache_type.name, block_hash)
         if key in self._inflight or cache_type.in_pools(block_hash):

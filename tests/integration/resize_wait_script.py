@@ -3,7 +3,9 @@
 A head node of 1 CPU holds the one replica; ``scale(2)`` waits (its placement group pending)
 until a second node joins, and the new replica there pulls through the peer tier the prefix the
 first computed. Then a scale-out the cluster never grows for is refused after
-``ray.scale_out_wait_s``, the deployment as it was. Prints one JSON line.
+``ray.scale_out_wait_s``, the deployment as it was; and a scale-in removes the head node's
+replica, whose blocks the survivor on the other node pulls before it goes. Prints one JSON
+line.
 """
 
 import asyncio
@@ -107,16 +109,49 @@ async def refuse(backend: RayBackend) -> dict:
     }
 
 
+async def serve_on(backend: RayBackend, index: int, request_id: str, tokens: list[int]):
+    """Serve ``tokens`` on replica ``index`` (round robin: the request after one on the other
+    replica lands there)."""
+    filler = await serve(backend, f"{request_id}-filler", [5, 6, 7])
+    if filler.replica_index == index:
+        await serve(backend, f"{request_id}-filler-2", [5, 6, 8])
+    return await serve(backend, request_id, tokens)
+
+
+async def shrink(backend: RayBackend) -> dict:
+    """Replica 0 (head node) holds OTHER, replica 1 (the added node) holds a hotter prompt of
+    its own: scale(1) removes replica 0, and replica 1 pulls its blocks before it goes."""
+    other = [*range(300, 460), 201]
+    own = [*range(500, 660), 202]
+    first = await serve_on(backend, 0, "other", other)
+    for i in range(3):
+        await serve_on(backend, 1, f"own-{i}", own)
+    await asyncio.sleep(0.5)  # the KV events reach the router
+    result = await backend.scale(1)
+    after = await serve(backend, "other-after", other)
+    return {
+        "first": [first.replica_index, first.num_cached_tokens, list(first.token_ids)],
+        "removed": list(result.removed),
+        "after": [
+            after.replica_index,
+            after.num_cached_tokens_in(Tier.HOST),
+            list(after.token_ids),
+        ],
+    }
+
+
 async def scenario(backend: RayBackend, cluster: Cluster) -> dict:
     grown = await grow(backend, cluster)
     stats = await backend.stats()
     grown["peer_blocks_loaded"] = [r.engine.cache.peer_blocks_loaded for r in stats.replicas]
-    return {**grown, "refusal": await refuse(backend)}
+    refusal = await refuse(backend)
+    return {**grown, "refusal": refusal, "shrink": await shrink(backend)}
 
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     logging.getLogger("cluster.resize").setLevel(logging.INFO)  # the wait, on stderr
+    logging.getLogger("cluster.peer_handover").setLevel(logging.INFO)  # the pulls, on stderr
     started = time.monotonic()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     ray.init(address=cluster.address, namespace="strata-resize-wait")

@@ -1,8 +1,9 @@
 """A scale-out on a Ray cluster that grows (``ray.cluster_utils.Cluster``, in a separate process
 so that the session's shared Ray instance is untouched): ``scale(2)`` waits for a node to join
 while the deployment serves, the new replica on that node pulls the prefix the first computed
-through the peer tier with the cold run's tokens, and a scale-out the cluster does not grow for
-is refused after ``ray.scale_out_wait_s``, the deployment as it was."""
+through the peer tier with the cold run's tokens, a scale-out the cluster does not grow for
+is refused after ``ray.scale_out_wait_s``, the deployment as it was, and a scale-in hands the
+removed replica's blocks to the survivor on the other node."""
 
 import json
 import subprocess
@@ -42,3 +43,8 @@ def test_a_scale_out_waits_for_the_cluster_to_grow_and_is_refused_past_the_bound
     assert refusal["refused_s"] >= 2.0 and refusal["served_while_waiting"]
     assert refusal["size_after"] == 2 and refusal["members_after"] == [0, 1]
     assert refusal["served_after"] and refusal["pending_groups"] == 0
+    # scale(1) removed replica 0 (head node); replica 1 (the other node) pulled its blocks first
+    shrink = result["shrink"]
+    assert shrink["first"][:2] == [0, 0] and shrink["removed"] == [0]
+    assert shrink["after"] == [1, 160, shrink["first"][2]]
+    assert "scale-in: replica 1 pulled" in run.stderr
