@@ -121,8 +121,8 @@ async def serve_on(backend: RayBackend, index: int, request_id: str, tokens: lis
 async def shrink(backend: RayBackend) -> dict:
     """Replica 0 (head node) holds OTHER, replica 1 (the added node) holds a hotter prompt of
     its own: scale(1) removes replica 0, and replica 1 pulls its blocks before it goes."""
-    other = [*range(300, 460), 201]
-    own = [*range(500, 660), 202]
+    other = [(7 * i + 3) % 250 for i in range(160)] + [201]
+    own = [(11 * i + 5) % 250 for i in range(160)] + [202]
     first = await serve_on(backend, 0, "other", other)
     for i in range(3):
         await serve_on(backend, 1, f"own-{i}", own)
