@@ -19,6 +19,7 @@ import logging
 import os
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -164,6 +165,7 @@ class ReplicaActor:
         self._latest_streams: dict[str, int] = {}  # owner -> its latest stream's number
         self._next_seq = 0
         self.incarnation = uuid.uuid4().hex  # tells a restarted actor from the one before
+        self._exporter = ThreadPoolExecutor(1, thread_name_prefix="kv-export")  # peers' reads
 
     # ---- serving -----------------------------------------------------------------------------
     async def generate(
@@ -332,8 +334,20 @@ class ReplicaActor:
 
     async def export_blocks(self, cache_type: str, hashes: list[BlockHash]) -> tuple:
         """The blocks of ``cache_type`` this replica holds by hash, for a replica pulling them
-        through its peer tier (``Engine.export_blocks``), taken between engine steps."""
+        through its peer tier (``Engine.export_blocks``): read while a step computes, where
+        the engine allows it (``replicas.engine.export_window``), else between steps."""
+        from replicas.engine.export_window import export_in_step
+
         self._check_engine()
+        if self.engine.exports_in_steps:
+            done, answer = await export_in_step(
+                lambda: self.async_engine.is_stepping,
+                self.engine.core.export_window,
+                lambda: self.engine.export_blocks(cache_type, hashes, in_step=True),
+                self._exporter,
+            )
+            if done:
+                return answer
         return await self.async_engine.run_exclusive(
             lambda: self.engine.export_blocks(cache_type, hashes)
         )

@@ -54,6 +54,7 @@ class PullCostReport:
             load_s_per_block=load_s or step.reload_s_per_block,
             max_num_batched_tokens=step.max_num_batched_tokens,
             block_size=self._engine.block_size,
+            exports_in_steps=self._engine.exports_in_steps,
         )
 
     def maybe_send(self) -> None:

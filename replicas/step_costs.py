@@ -55,6 +55,7 @@ class PullCosts(NamedTuple):
     load_s_per_block: float
     max_num_batched_tokens: int
     block_size: int
+    exports_in_steps: bool = False  # a source's export reads while it computes a step
 
     def recompute_s(self, num_blocks: int, context_tokens: int) -> float:
         """Computing ``num_blocks`` blocks after ``context_tokens`` cached ones."""
@@ -71,8 +72,11 @@ class PullCosts(NamedTuple):
         return self.pull_s(num_blocks, wait_s) < self.recompute_s(num_blocks, context_tokens)
 
     def source_wait_s(self, queued_tokens: int) -> float:
-        """How long this replica, as a source, makes a pull wait: the step it is computing (an
-        export runs between steps), at most its step's token budget of queued prefill."""
+        """How long this replica, as a source, makes a pull wait: nothing where it exports while
+        it computes a step (``replicas.engine.export_window``), else the step it is computing
+        (an export runs between steps), at most its step's token budget of queued prefill."""
+        if self.exports_in_steps:
+            return 0.0
         return min(queued_tokens, self.max_num_batched_tokens) * self.prefill_s_per_token
 
     def break_even_blocks(self, wait_s: float = 0.0) -> float:

@@ -7,8 +7,10 @@ named the *source* if pulling the difference beats computing it on the chosen re
     pull      = the source's wait + blocks x (read from a peer + load to the NPU), per block
                 as the chosen replica measured them (``PullCosts``)
     recompute = prefill of those tokens after the chosen replica's cached ones
-    wait      = the step the source is computing (an export runs between its steps): its
-                queued prefill tokens, at most one step's budget, at its prefill cost
+    wait      = 0 where the source reads its blocks while it computes a step (on the CPU,
+                ``replicas.engine.export_window``); else the step it is computing (its
+                export runs between steps): its queued prefill tokens, at most one step's
+                budget, at its prefill cost
 
 Each replica reports its ``PullCosts`` when it starts and again when its pulls have measured
 them anew; until a replica has reported, a source is named for at least

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from replicas.config import SchedulerConfig
+from replicas.engine.export_window import ExportWindow
 from replicas.engine.prompt_logprobs import PromptLogprobsCache
 from replicas.engine.request import Request, RequestStatus
 from replicas.engine.scheduler import Scheduler, SchedulerOutput
@@ -140,6 +141,7 @@ class EngineCore:
         self._requests: dict[str, Request] = {}
         self.num_scheduled_tokens = 0  # every step's new tokens, since start
         self.spec_decode = SpecDecodeStats()
+        self.export_window = ExportWindow()  # open while a forward pass runs
 
     # ---- requests ----------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -215,7 +217,9 @@ class EngineCore:
             for request, *_ in output.scheduled:
                 if request.prompt_logprobs is not None:
                     self.prompt_scores.fill(request)  # the scores of a cached prefix
-        return StepInFlight(output, self.executor.execute(output))
+        with self.export_window.forward():  # a peer may read cached blocks meanwhile
+            result = self.executor.execute(output)
+        return StepInFlight(output, result)
 
     def _prefix_limit(self, request: Request) -> int | None:
         if request.prompt_logprobs is None:

@@ -17,6 +17,7 @@ from replicas.dtypes import dtype_name_of
 from replicas.engine import assembly, handover
 from replicas.engine.core import EngineCore, SpecDecodeStats
 from replicas.engine.executor import ModelExecutor
+from replicas.engine.export_window import copy_block
 from replicas.engine.model_runner import ModelRunner
 from replicas.engine.output_processor import OutputProcessor
 from replicas.engine.prompt_logprobs import PromptLogprobsCache
@@ -162,6 +163,11 @@ class Engine:
             config.seed, self.device, self.tokenizer.eos_token_ids, grammar=self.checks.compiler
         )
         self.core = self._engine_core()
+        # A peer's pull may read blocks while a forward pass runs: the step's copies ran
+        # before it, at once (``replicas.engine.export_window``).
+        self.exports_in_steps = self.device.type == "cpu" and not (
+            self.transfer is not None and self.transfer.streamed
+        )
         offload = config.scheduler_config.kv_offload_config
         self.meter = StepMeter(
             self.kv_cache, self.transfer, self.block_size, offload.tuning_hint_interval_s
@@ -256,11 +262,16 @@ class Engine:
         for store in stores.values():
             store.offer(request.block_hashes[:num_blocks], hints.peer)
 
-    def export_blocks(self, cache_type: str, hashes: list[BlockHash]) -> tuple:
+    def export_blocks(
+        self, cache_type: str, hashes: list[BlockHash], in_step: bool = False
+    ) -> tuple:
         """The blocks of ``cache_type`` this replica holds in its NPU or host tier, by hash,
         for a replica that pulls them (``replicas.kv.tiers.peer.export``: each with its
-        checksum, None for one it does not hold), after every copy in flight has landed."""
-        self.core.flush_transfers(wait=True)
+        checksum, None for one it does not hold), after every copy in flight has landed;
+        ``in_step``: called from another thread in a forward pass's window
+        (``replicas.engine.export_window``, only where ``exports_in_steps``)."""
+        if not in_step:
+            self.core.flush_transfers(wait=True)
         blocks = []
         for block_hash in hashes:
             found = self.kv_cache.views.locate(cache_type, block_hash)
@@ -272,7 +283,7 @@ class Engine:
                 tensor = self.runner.kv_caches[cache_type][block_id]
             else:
                 tensor = self.transfer.host_caches[cache_type][block_id]
-            blocks.append(tensor.to("cpu", copy=True))
+            blocks.append(copy_block(tensor) if in_step else tensor.to("cpu", copy=True))
         return peer.export(self.fingerprint, blocks, hashes)
 
     @property
