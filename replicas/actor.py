@@ -166,6 +166,7 @@ class ReplicaActor:
         self._next_seq = 0
         self.incarnation = uuid.uuid4().hex  # tells a restarted actor from the one before
         self._exporter = ThreadPoolExecutor(1, thread_name_prefix="kv-export")  # peers' reads
+        self._published_backing = False  # ready() published the backing tiers' blocks
 
     # ---- serving -----------------------------------------------------------------------------
     async def generate(
@@ -325,11 +326,13 @@ class ReplicaActor:
     async def ready(self) -> str:
         """This actor's incarnation id: it changes when Ray restarts the replica. Raises
         ``ReplicaUnavailableError`` while a failed replica waits to exit. With a disk tier, the
-        blocks it took back from its slab are published here, before any traffic."""
+        blocks it took back from its slab are published at the first call, before any
+        traffic; later calls (the health monitor's pings) answer at once, whatever step runs."""
         self._check_engine()
-        if self.engine.backing:
+        if self.engine.backing and not self._published_backing:
             await self.async_engine.between_steps()
             self._report([])
+            self._published_backing = True
         return self.incarnation
 
     async def export_blocks(self, cache_type: str, hashes: list[BlockHash]) -> tuple:
