@@ -15,6 +15,12 @@ by the default scoring policy: today's routing (``peer_pull_min_blocks: 0``: a b
 the replica without the prefix computes it) against pulling (that replica pulls the prefix
 from the holder, once for all its branches). Each mode runs on its own deployment; the report
 gives the branches' p50 and p90 TTFT.
+
+Saturation (full runs): ``saturation_clients`` clients in a closed loop send
+``saturation_requests`` requests, each one of ``saturation_prefixes`` shared prefixes (drawn
+with popularity 1/rank) and a tail of its own, to a deployment whose replicas' NPU tiers hold
+``saturation_npu_prefixes`` prefixes each (host as much), so that neither holds the whole pool:
+today's routing against pulling, each on its own deployment; the report gives requests/s.
 """
 
 import asyncio
@@ -46,9 +52,16 @@ class Settings:
     fanout_tail: int = 512  # each branch's own prompt after the prefix: its own prefill work
     fanout_max_tokens: int = 32  # each branch decodes: the holder is busy while they run
     fanout_repeats: int = 3
+    saturation_prefixes: int = 6  # the pool of shared prefixes, popularity 1/rank
+    saturation_prefix: int = 1536
+    saturation_tail: int = 64
+    saturation_max_tokens: int = 16
+    saturation_requests: int = 60
+    saturation_clients: int = 6  # closed loop: each sends its next request when one ends
+    saturation_npu_prefixes: float = 2.5  # each replica's NPU tier, in prefixes; host as much
 
 
-QUICK = Settings(prefix_lens=(256,), repeats=1, fanout_repeats=0)
+QUICK = Settings(prefix_lens=(256,), repeats=1, fanout_repeats=0, saturation_requests=0)
 FANOUT_MODES = {"today": 0, "pull": None}
 """``routing.peer_pull_min_blocks`` of each fan-out mode (None: the default)."""
 
@@ -80,11 +93,13 @@ def run(
                 fanout[mode] = asyncio.run(_fan_out(backend, fanout_prefix, settings))
             finally:
                 backend.shutdown()
+        saturation = _run_saturation(model, settings)
     finally:
         if started:
             ray.shutdown()
     report = _report(samples, settings, lens, model, command, quick)
     _add_fanout(report, fanout, fanout_prefix, settings)
+    _add_saturation(report, saturation, settings)
     return report.write(output_dir)
 
 
@@ -178,6 +193,98 @@ def _add_fanout(report: Report, fanout: dict, length: int, settings: Settings) -
         rows,
     )
     report.results["fanout"] = {"prefix": length, "summary": summary, "samples": fanout}
+
+
+def _run_saturation(model: str, settings: Settings) -> dict:
+    """Per mode (today's routing, pulling), on a deployment of its own: requests/s and TTFTs
+    of a closed loop over a pool of shared prefixes."""
+    results = {}
+    for mode, min_blocks in FANOUT_MODES.items() if settings.saturation_requests else ():
+        routing = {"policy": "scoring"}
+        if min_blocks is not None:
+            routing["peer_pull_min_blocks"] = min_blocks
+        config = _config(model, settings.saturation_prefix + settings.saturation_tail, routing)
+        blocks = int(settings.saturation_npu_prefixes * settings.saturation_prefix / BLOCK_SIZE)
+        model_config = config.model.model_copy(update={"num_npu_blocks": blocks})
+        config = config.model_copy(update={"model": model_config})
+        backend = RayBackend(config, name=f"bench-saturation-{mode}")
+        try:
+            results[mode] = asyncio.run(_saturation(backend, settings))
+        finally:
+            backend.shutdown()
+    return results
+
+
+async def _saturation(backend: RayBackend, settings: Settings) -> dict:
+    """A closed loop of ``saturation_clients`` clients over ``saturation_requests`` requests,
+    each a prefix of the pool (drawn with popularity 1/rank) and a tail of its own."""
+    rng = random.Random(2)
+    params = SamplingParams(max_tokens=settings.saturation_max_tokens, ignore_eos=True)
+    vocab = backend.tokenizer.vocab_size
+    pool = [
+        [rng.randrange(3, vocab) for _ in range(settings.saturation_prefix)]
+        for _ in range(settings.saturation_prefixes)
+    ]
+    weights = [1 / (rank + 1) for rank in range(len(pool))]
+    prompts = [
+        rng.choices(pool, weights)[0]
+        + [rng.randrange(3, vocab) for _ in range(settings.saturation_tail)]
+        for _ in range(settings.saturation_requests)
+    ]
+    queue = list(enumerate(prompts))
+    samples: dict = {"ttft_s": [], "cached": [], "replica": []}
+
+    async def client() -> None:
+        while queue:
+            i, prompt = queue.pop(0)
+            ttft, output = await _timed(backend, f"sat-{i}", prompt, params)
+            samples["ttft_s"].append(ttft)
+            samples["cached"].append(output.num_cached_tokens)
+            samples["replica"].append(output.replica_index)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(settings.saturation_clients)))
+    samples["seconds"] = time.perf_counter() - start
+    samples["requests_per_s"] = len(prompts) / samples["seconds"]
+    stats = await backend.stats()
+    samples["peer_blocks_loaded"] = [r.engine.cache.peer_blocks_loaded for r in stats.replicas]
+    return samples
+
+
+def _add_saturation(report: Report, saturation: dict, settings: Settings) -> None:
+    if not saturation:
+        return
+    rows, summary = [], {}
+    for mode, samples in saturation.items():
+        tokens = settings.saturation_requests * (
+            settings.saturation_prefix + settings.saturation_tail
+        )
+        cached = sum(samples["cached"]) / tokens
+        ttfts = samples["ttft_s"]
+        summary[mode] = {"requests_per_s": samples["requests_per_s"], "cached_share": cached}
+        rows.append(
+            [
+                mode,
+                samples["requests_per_s"],
+                1e3 * percentile(ttfts, 50),
+                1e3 * percentile(ttfts, 90),
+                cached,
+                sum(samples["peer_blocks_loaded"]),
+            ]
+        )
+    if {"today", "pull"} <= summary.keys():
+        summary["requests_per_s_pull_over_today"] = (
+            summary["pull"]["requests_per_s"] / summary["today"]["requests_per_s"]
+        )
+    report.add_table(
+        f"Saturation: {settings.saturation_clients} clients in a closed loop, "
+        f"{settings.saturation_requests} requests over {settings.saturation_prefixes} shared "
+        f"{settings.saturation_prefix}-token prefixes (popularity 1/rank), each replica's NPU "
+        f"tier {settings.saturation_npu_prefixes:g} prefixes",
+        ["mode", "requests/s", "p50 TTFT ms", "p90 TTFT ms", "cached share", "blocks pulled"],
+        rows,
+    )
+    report.results["saturation"] = {"summary": summary, "samples": saturation}
 
 
 def _holders(samples: dict, settings: Settings) -> list[int]:
