@@ -5,10 +5,12 @@ The HTTP API reads them from OpenAI's fields (``prompt_cache_key``, ``prompt_cac
 the request: the router reads ``key`` (requests sharing a key stay on one replica while it is not
 overloaded), the replica's KV cache reads ``retain_tokens`` and ``ttl_s`` (the prompt's first
 ``retain_tokens`` tokens, in whole blocks, are kept ahead of ordinary blocks in the host and disk
-tiers until ``ttl_s`` seconds after the request was admitted; DESIGN section 4, "Retention"),
-and ``peer`` (another replica holding a longer prefix, which the replica pulls it from).
+tiers until ``ttl_s`` seconds after the request was admitted, a lifetime the engine bounds by
+the session's learned one, ``bounded``; DESIGN section 4, "Retention"), and ``peer`` (another
+replica holding a longer prefix, which the replica pulls it from).
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -101,3 +103,11 @@ class CacheHints:
         if not self.retains:
             return 0
         return min(self.retain_tokens, num_prompt_tokens) // block_size
+
+    def bounded(self, max_ttl_s: float | None) -> "CacheHints":
+        """These hints with the prefix kept for at most ``max_ttl_s`` (its session's learned
+        lifetime, ``replicas.kv.session_gaps``: just long enough for the session's next turn);
+        the same hints for None or a bound no shorter than ``ttl_s``."""
+        if max_ttl_s is None or max_ttl_s >= self.ttl_s:
+            return self
+        return dataclasses.replace(self, ttl_s=max_ttl_s)

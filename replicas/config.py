@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from replicas import dtypes
 from replicas.dtypes import DTYPE_CHOICES, torch_dtype
+from replicas.kv.free_block_queue import DECAY, RETAINED_PRIORITIES
 from replicas.kv.retention import policy_names
 from replicas.kv.tiers import BackingOptions, parse_options
 from replicas.model.kv_format import KV_FORMATS
@@ -161,6 +162,13 @@ class KVOffloadConfig(_Config):
         "API's prompt-cache lifetimes (prompt_cache_options.ttl, prompt_cache_retention, "
         "prompt_cache_breakpoint) may hold ahead of ordinary blocks; 0 retains nothing.",
     )
+    retained_priority: str = Field(
+        DECAY,
+        description="How retained host blocks are ordered in eviction: decay, a priority that "
+        "decays over the block's lifetime (just released, behind every ordinary block; at its "
+        "deadline, an ordinary block at its release time), or pin, behind every ordinary block "
+        "until its deadline. The disk tier pins either way.",
+    )
 
     @field_validator("write_through_threshold", mode="before")
     @classmethod
@@ -187,6 +195,11 @@ class KVOffloadConfig(_Config):
             raise ValueError(
                 f"kv_offload_config.retained_share ({RETAINED_SHARE_OPTION}) must be a number "
                 f"from 0 to 1, got {self.retained_share}"
+            )
+        if self.retained_priority not in RETAINED_PRIORITIES:
+            raise ValueError(
+                f"kv_offload_config.retained_priority must be {' or '.join(RETAINED_PRIORITIES)}, "
+                f"got {self.retained_priority!r}"
             )
         num_bytes = self.host_memory_bytes
         if num_bytes is not None and num_bytes <= 0:

@@ -83,6 +83,7 @@ def kv_cache_manager(
         curve_sample_rate=offload.miss_ratio_curve_sample_rate,
         backing=backing,
         retained_share=offload.retained_share,
+        retained_priority=offload.retained_priority,
         reuse_partial_blocks=True,
         interactive_lifetime_s=sched.prefix_cache_config.interactive_lifetime_s,
     )

@@ -228,6 +228,9 @@ class Engine:
             self.checks.resumed(len(token_ids), params, resumed)
         prefix_config = self.config.scheduler_config.prefix_cache_config
         batch = prefix_config.is_batch(cache_salt, cache_hints and cache_hints.batch)
+        lifetime_s = None if batch else self.sessions.turn(cache_hints and cache_hints.key)
+        if cache_hints is not None:  # retained no longer than the session's own turns call for
+            cache_hints = cache_hints.bounded(self.sessions.learned_s(cache_hints.key))
         request = Request(
             request_id,
             token_ids,
@@ -240,7 +243,7 @@ class Engine:
                 else 0
             ),
             batch=batch,
-            lifetime_s=None if batch else self.sessions.turn(cache_hints and cache_hints.key),
+            lifetime_s=lifetime_s,
             prompt=text,
             arrival_time=arrival_time,
             cache_hints=cache_hints,

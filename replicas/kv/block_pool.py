@@ -31,11 +31,14 @@ interactive one. A host copy takes its NPU block's class when it is stored, and 
 hit's class when the request adopts it.
 
 **Retention** (a priority class in eviction; the host tier's, DESIGN section 4). A cached block
-may be *retained until* a deadline (``retain``): released, it waits in a second LRU queue that
-allocation takes from only when the ordinary queue is empty, so every ordinary block is evicted
-before any retained one. At most ``max_retained`` blocks are retained at once (the tier's
-``retained_share``), so ordinary traffic always has the rest. When its deadline passes, a
-block is ordinary again and re-enters the ordinary queue at the back, as if just released.
+may be *retained until* a deadline (``retain``). Released, it is ordered by the pool's
+``retained_priority`` (``replicas.kv.free_block_queue`` draws both rules): ``decay`` (the
+default), its priority decays over its lifetime, from behind every ordinary block just after
+its release to an ordinary block at its true release time at its deadline; ``pin``, it waits in
+a second LRU queue that allocation takes from only when the ordinary queue is empty, and re-enters
+the ordinary queue at the back, as if just released, when its deadline passes. At most
+``max_retained`` blocks are retained at once (the tier's ``retained_share``), so ordinary
+traffic always has the rest.
 
 Deadlines read ``clock`` (seconds, ``time.monotonic`` by default); expired retentions are
 cleared before each allocation and by ``expire``.
@@ -47,7 +50,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
-from replicas.kv.free_block_queue import FreeBlockQueue
+from replicas.kv.free_block_queue import DECAY, RETAINED_PRIORITIES, FreeBlockQueue
 from replicas.kv.hashing import BlockHash
 from replicas.kv.records import TierUsage
 from replicas.kv.tenants import NO_TENANT, TenantQuotas
@@ -67,6 +70,7 @@ class Block:
     interactive_until: float = 0.0  # an interactive request's last use + its lifetime
     tenant: int = NO_TENANT  # whose cached block it is (``replicas.kv.tenants``)
     generation: int = 0  # allocations so far: its contents are a generation's (partial blocks)
+    released: float = 0.0  # when it was last queued unreferenced, on the pool's ``clock``
 
 
 BlockClass = tuple[int, bool, float]  # a block's tenant, batch, interactive_until
@@ -84,17 +88,27 @@ class BlockPool:
         max_retained: int = 0,
         clock: Callable[[], float] = time.monotonic,
         interactive_lifetime_s: float = INTERACTIVE_LIFETIME_S,
+        retained_priority: str = DECAY,
     ) -> None:
+        """``retained_priority``: how retained blocks are ordered in eviction, ``decay`` or
+        ``pin`` (module docstring)."""
         if num_blocks < 1:
             raise ValueError(f"{name} pool needs at least one block, got {num_blocks}")
         if not 0 <= max_retained <= num_blocks:
             raise ValueError(f"{name} pool: max_retained must be in [0, {num_blocks}]")
+        if retained_priority not in RETAINED_PRIORITIES:
+            raise ValueError(
+                f"{name} pool: retained_priority must be one of {RETAINED_PRIORITIES}, "
+                f"got {retained_priority!r}"
+            )
         self.name = name
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.quotas = TenantQuotas()  # blocks held per tenant, against their quotas
         # unreferenced blocks, in allocation order
-        self._free_blocks = FreeBlockQueue(self.blocks, name, self.quotas)
+        self._free_blocks = FreeBlockQueue(
+            self.blocks, name, self.quotas, clock=clock, decay=retained_priority == DECAY
+        )
         self._cached: dict[BlockHash, int] = {}
         self.max_retained = max_retained
         self.clock = clock
@@ -260,14 +274,15 @@ class BlockPool:
         block = self.blocks[block_id]
         if block.block_hash is None:
             return False
-        if block.retained_until:
-            block.retained_until = max(block.retained_until, until)  # its heap entry follows
-            return True
-        if self.num_retained >= self.max_retained:
+        if not block.retained_until and self.num_retained >= self.max_retained:
             return False
-        self.num_retained += 1
+        until = max(block.retained_until, until)
         if block.ref_count == 0:
-            self._free_blocks.retain(block_id)
+            self._free_blocks.retain(block_id, until)  # its place, before the deadline moves
+        if block.retained_until:
+            block.retained_until = until  # its heap entry follows
+            return True
+        self.num_retained += 1
         block.retained_until = until
         heapq.heappush(self._deadlines, (until, block_id))
         if len(self._deadlines) > 2 * self.num_retained + 16:  # entries of evicted blocks
@@ -280,7 +295,8 @@ class BlockPool:
 
     def expire(self) -> int:
         """Make every block whose deadline has passed ordinary again (mutates): an
-        unreferenced one re-enters the ordinary queue at the back. Returns how many."""
+        unreferenced one re-enters the ordinary queue at the back (pin) or at its release time
+        (decay). Returns how many."""
         now = self.clock()
         num_expired = 0
         while self._deadlines and self._deadlines[0][0] <= now:

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from replicas.kv.block_pool import BlockPool
 from replicas.kv.events import Tier, safe_prefix_length
+from replicas.kv.free_block_queue import DECAY, RETAINED_PRIORITIES
 from replicas.kv.hashing import BlockHash
 from replicas.kv.records import CacheTypeMatch, CacheTypeSpec, CacheTypeUsage
 from replicas.kv.retention import (
@@ -187,6 +188,7 @@ class HostRules(NamedTuple):
     write_back: bool
     retention: "str | PolicyFactory"
     curve_sample_rate: float | None
+    retained_priority: str = DECAY  # how retained host blocks are ordered in eviction
 
 
 def build_cache_types(
@@ -201,7 +203,8 @@ def build_cache_types(
     store per cache type."""
     if specs[0].sliding_window is not None:
         raise ValueError("the first cache type must be global attention")
-    cache_types = [build_cache_type(spec, retained_share, clock) for spec in specs]
+    priority = host_rules.retained_priority
+    cache_types = [build_cache_type(spec, retained_share, clock, priority) for spec in specs]
     has_host = all(c.host is not None for c in cache_types)
     if any(c.host is not None for c in cache_types) and not has_host:
         raise ValueError("every cache type needs host blocks when the host tier is on")
@@ -220,12 +223,16 @@ def build_cache_types(
 
 
 def build_cache_type(
-    spec: CacheTypeSpec, retained_share: float, clock: Callable[[], float]
+    spec: CacheTypeSpec,
+    retained_share: float,
+    clock: Callable[[], float],
+    retained_priority: str = DECAY,
 ) -> CacheType:
-    """A cache type with its NPU tier and, with host blocks, its host tier."""
+    """A cache type with its NPU tier and, with host blocks, its host tier (its retained
+    blocks ordered by ``retained_priority``)."""
     levels = [npu_tier.level(spec)]
     if spec.num_host_blocks > 0:
-        levels.append(host_tier.level(spec, retained_share, clock))
+        levels.append(host_tier.level(spec, retained_share, clock, retained_priority))
     return CacheType(spec, levels)
 
 
@@ -243,11 +250,18 @@ def add_backing(
 
 
 def check_options(
-    retained_share: float, reservation_share: float, retention: "str | PolicyFactory"
+    retained_share: float,
+    reservation_share: float,
+    retention: "str | PolicyFactory",
+    retained_priority: str = DECAY,
 ) -> None:
     """The manager's options that no config checked before it (a test, the simulator)."""
     if not 0.0 <= retained_share <= 1.0:
         raise ValueError(f"retained_share must be in [0, 1], got {retained_share}")
+    if retained_priority not in RETAINED_PRIORITIES:
+        raise ValueError(
+            f"retained_priority must be one of {RETAINED_PRIORITIES}, got {retained_priority!r}"
+        )
     if not 0.0 <= reservation_share <= 1.0:
         raise ValueError(f"reservation_share must be in [0, 1], got {reservation_share}")
     if not callable(retention) and retention not in policy_names():

@@ -33,6 +33,7 @@ from replicas.kv.admission import count_admission
 from replicas.kv.block_pool import INTERACTIVE_LIFETIME_S, BlockPool
 from replicas.kv.cache_type import HostRules, build_cache_types, check_options
 from replicas.kv.events import Tier
+from replicas.kv.free_block_queue import DECAY
 from replicas.kv.handover import WarmSource, WarmStart, WriteOut, hot_blocks
 from replicas.kv.hashing import BlockHash
 from replicas.kv.hotness import HitWeights
@@ -80,22 +81,27 @@ class KVCacheManager:
         reservations: ReservationPolicy = NO_RESERVATIONS,
         backing: dict[str, dict[str, BackingStore]] | None = None,
         retained_share: float = 0.25,
+        retained_priority: str = DECAY,
         clock: Callable[[], float] = time.monotonic,
         reuse_partial_blocks: bool = False,
         interactive_lifetime_s: float = INTERACTIVE_LIFETIME_S,
     ) -> None:
         """``write_through_threshold``: as ``KVOffloadConfig``'s (``replicas.kv.retention``);
         ``backing``: per backing tier (``replicas.kv.tiers``), its store per cache type;
+        ``retained_share``, ``retained_priority``: as ``KVOffloadConfig``'s (prompt-cache
+        retention: how much of the host tier, ordered how, ``replicas.kv.free_block_queue``);
         ``clock`` (seconds) times prompt-cache retention and backing reads' deadlines;
         ``reuse_partial_blocks``: a freed block's computed tokens are copied for a request
         that continues them (``replicas.kv.partial_blocks``; dense models, prefix caching on);
         ``interactive_lifetime_s``: how long an interactive use keeps a block out of the batch
         class (``replicas.kv.block_pool``)."""
-        check_options(retained_share, reservations.share, retention)
+        check_options(retained_share, reservations.share, retention, retained_priority)
         specs = cache_types or [CacheTypeSpec("full", num_npu_blocks, num_host_blocks)]
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        rules = HostRules(write_through_threshold, write_back, retention, curve_sample_rate)
+        rules = HostRules(
+            write_through_threshold, write_back, retention, curve_sample_rate, retained_priority
+        )
         self._cache_types, rules = build_cache_types(specs, retained_share, clock, rules, backing)
         for pool in (p for c in self._cache_types for p in c.pools):
             pool.interactive_lifetime_s = interactive_lifetime_s

@@ -10,6 +10,10 @@ to come, with room for a slower one, and no longer. Requests of a session within
 tool calls). A request without a key, or of a session with too short a history, gets the
 configured lifetime (``PrefixCacheConfig.interactive_lifetime_s``). At most ``MAX_SESSIONS``
 sessions are remembered, the least recently seen forgotten first.
+
+The same learned lifetime bounds how long a session's prompt-cache retention lasts
+(``learned_s``, ``replicas.cache_hints.CacheHints.bounded``): a session that asks to keep its
+prefix for longer than its own turns have needed keeps it just long enough for its next turn.
 """
 
 import time
@@ -57,7 +61,13 @@ class SessionGaps:
             self._sessions.popitem(last=False)
         return self.lifetime_s(gaps)
 
-    def lifetime_s(self, gaps: "deque[float] | list[float]") -> float:
+    def learned_s(self, key: str | None) -> float | None:
+        """The lifetime session ``key``'s own gaps call for (as ``turn`` returns it), or None
+        while it has none: no key, a session forgotten or with fewer than ``MIN_GAPS`` gaps."""
+        _, gaps = self._sessions.get(key, (None, ())) if key is not None else (None, ())
+        return self.lifetime_s(gaps) if len(gaps) >= MIN_GAPS else None
+
+    def lifetime_s(self, gaps: "deque[float] | list[float] | tuple[float, ...]") -> float:
         if len(gaps) < MIN_GAPS:
             return self.default_s
         return min(MAX_LIFETIME_S, max(MIN_LIFETIME_S, GAP_FACTOR * max(gaps)))

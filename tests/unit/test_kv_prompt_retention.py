@@ -1,5 +1,7 @@
 """Prompt-cache retention: a retained prefix outlives ordinary blocks in the host and disk tiers
-for its lifetime, within the tier's retained share (exact outcomes on tiny pools)."""
+for its lifetime, within the tier's retained share (exact outcomes on tiny pools), under either
+rule of the host tier (``retained_priority``: decay or pin; the decay rule's own outcomes are in
+``test_retention_decay``)."""
 
 import itertools
 
@@ -59,9 +61,10 @@ def make_manager(clock: Clock, **kwargs) -> KVCacheManager:
     return KVCacheManager(8, BS, num_host_blocks=8, clock=clock, **options)
 
 
-def test_a_retained_prefix_survives_host_churn_that_evicts_an_ordinary_one():
+@pytest.mark.parametrize("priority", ["decay", "pin"])
+def test_a_retained_prefix_survives_host_churn_that_evicts_an_ordinary_one(priority):
     clock = Clock()
-    manager = make_manager(clock)
+    manager = make_manager(clock, retained_priority=priority)
     retained = run(manager, prompt(1), RETAIN)
     ordinary = run(manager, prompt(2))
     assert manager.host.num_retained == 3
@@ -75,9 +78,10 @@ def test_a_retained_prefix_survives_host_churn_that_evicts_an_ordinary_one():
     assert set(manager.host.eviction_order()[-3:]) == retained_ids
 
 
-def test_expiry_returns_the_prefix_to_ordinary_order():
+@pytest.mark.parametrize("priority", ["decay", "pin"])
+def test_expiry_returns_the_prefix_to_ordinary_order(priority):
     clock = Clock()
-    manager = make_manager(clock)
+    manager = make_manager(clock, retained_priority=priority)
     retained = run(manager, prompt(1), RETAIN)
     clock.now += 59.0
     run(manager, prompt(10))
@@ -93,21 +97,27 @@ def test_expiry_returns_the_prefix_to_ordinary_order():
     assert on_host(manager, retained) == [False, False, False]
 
 
-def test_a_later_request_extends_the_lifetime():
+# Decay: 50 s after the hit, 10 s of protection would be left, too little against churn
+# released just now; 20 s after it, 40 s is.
+@pytest.mark.parametrize(("priority", "later"), [("pin", 50.0), ("decay", 20.0)])
+def test_a_later_request_extends_the_lifetime(priority, later):
     clock = Clock()
-    manager = make_manager(clock)
+    manager = make_manager(clock, retained_priority=priority)
     retained = run(manager, prompt(1), RETAIN)
     clock.now += 50.0
     run(manager, prompt(1), RETAIN)  # a hit: its blocks' deadline moves to now + 60
-    clock.now += 50.0
+    clock.now += later  # past the first deadline
     for seed in range(10, 14):
         run(manager, prompt(seed))
     assert on_host(manager, retained) == [True, True, True]
 
 
-def test_the_retained_share_caps_what_is_kept():
+@pytest.mark.parametrize("priority", ["decay", "pin"])
+def test_the_retained_share_caps_what_is_kept(priority):
     clock = Clock()
-    manager = make_manager(clock, retained_share=0.25)  # 2 of 8 host blocks
+    manager = make_manager(
+        clock, retained_share=0.25, retained_priority=priority
+    )  # 2 of 8 host blocks
     first = run(manager, prompt(1), RETAIN)
     second = run(manager, prompt(2), RETAIN)  # the share is full: kept as ordinary blocks
     assert manager.host.num_retained == 2
@@ -135,9 +145,10 @@ def test_without_hints_nothing_is_retained():
     assert manager.host.num_retained == 0
 
 
-def test_block_pool_evicts_every_ordinary_block_before_a_retained_one():
+@pytest.mark.parametrize("priority", ["decay", "pin"])
+def test_block_pool_evicts_every_ordinary_block_before_a_retained_one(priority):
     clock = Clock()
-    pool = BlockPool(4, "host", max_retained=1, clock=clock)
+    pool = BlockPool(4, "host", max_retained=1, clock=clock, retained_priority=priority)
     ids, _ = pool.allocate(4)
     for i, block_id in enumerate(ids):
         assert pool.cache(block_id, bytes([i]))
@@ -193,9 +204,10 @@ def test_the_retained_share_flag_sets_the_config_and_a_bad_one_exits_2():
     assert main([*argv, share, "1.5"]) == 2
 
 
-def test_extending_a_retention_keeps_one_deadline_per_block():
+@pytest.mark.parametrize("priority", ["decay", "pin"])
+def test_extending_a_retention_keeps_one_deadline_per_block(priority):
     clock = Clock()
-    pool = BlockPool(2, "host", max_retained=2, clock=clock)
+    pool = BlockPool(2, "host", max_retained=2, clock=clock, retained_priority=priority)
     (block_id,), _ = pool.allocate(1)
     pool.cache(block_id, b"h")
     pool.free([block_id])
