@@ -28,6 +28,7 @@ from benchmarks import (
     one_off,
     prefix_ttft,
     reload_vs_recompute,
+    retention,
     routing,
     scaling,
     tenants,
@@ -68,6 +69,7 @@ SCENARIOS = {
         agent_session,
         scaling,
         tenants,
+        retention,
     )
 }
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "out"

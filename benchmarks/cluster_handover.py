@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks.report import Report
+from benchmarks.report import Report, new_figure
 from benchmarks.workload import BLOCK_SIZE, DEFAULT_MODEL, median
 
 NAME = "cluster-handover"
@@ -40,6 +40,7 @@ class Settings:
 
 
 QUICK = Settings(prefixes=2, prefix_len=128)
+QUICK_MODES = ("handover",)  # one child process: the report's frame, not the comparison
 
 
 def run(
@@ -47,7 +48,7 @@ def run(
 ) -> dict[str, object]:
     settings = QUICK if quick else Settings()
     results = {}
-    for mode in MODES:  # each in a child process: its own two-node Ray cluster
+    for mode in QUICK_MODES if quick else MODES:  # each in a child: its own two-node cluster
         child = subprocess.run(
             [
                 sys.executable,
@@ -85,7 +86,8 @@ def _report(results: dict, settings: Settings, model: str, command: str, quick: 
             share = sum(measured["cached"]) / sum(measured["prompt"])
             ttft = median(measured["ttft_s"])
             summary.setdefault(mode, {})[phase] = {"cached_share": share, "median_ttft_s": ttft}
-            same = measured["tokens"] == results["no-peer"][phase]["tokens"]
+            reference = results.get("no-peer", {}).get(phase)
+            same = measured["tokens"] == reference["tokens"] if reference else "n/a"
             rows.append([mode, phase, share, 1e3 * ttft, same])
     report.add_table(
         "After the resize: the cached share of the prompt tokens of the requests measured "
@@ -95,7 +97,24 @@ def _report(results: dict, settings: Settings, model: str, command: str, quick: 
         rows,
     )
     report.results = {"settings": asdict(settings), "summary": summary, "samples": results}
+    report.figures["handover.png"] = _figure(summary)
     return report
+
+
+def _figure(summary: dict):
+    figure, axes = new_figure(2)
+    modes = list(summary)
+    for axis, key, label in zip(
+        axes, ("cached_share", "median_ttft_s"), ("cached share", "median TTFT (s)")
+    ):
+        for offset, phase in ((-0.2, "scale_out"), (0.2, "scale_in")):
+            values = [summary[m][phase][key] for m in modes]
+            axis.bar([i + offset for i in range(len(modes))], values, width=0.4, label=phase)
+        axis.set_xticks(range(len(modes)), modes)
+        axis.set_ylabel(label)
+        axis.legend()
+    figure.suptitle("after a resize across two Ray nodes")
+    return figure
 
 
 # ---- the child process: one mode on its own two-node Ray cluster ------------------------------

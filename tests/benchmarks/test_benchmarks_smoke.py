@@ -162,6 +162,20 @@ EXPECTED = {
         "verdicts.*.strata",
     ],
     "sim-sweeps": ["records.*.ttft_p50_s", "records.*.throughput_rps"],
+    "retention": [
+        "variants.pin.returning_hit_rate",
+        "variants.decay.returning_hit_rate",
+        "variants.decay+learned.ordinary_hit_rate",
+        "variants.none.total_hit_rate",
+        "variants.pin.ended_sessions_host_block_s",
+        "variants.decay.ended_sessions_retained_block_s",
+        "ratios.decay / pin total_hit_rate",
+    ],
+    "cluster-handover": [  # quick: the hand-over mode only
+        "summary.handover.scale_out.cached_share",
+        "summary.handover.scale_in.cached_share",
+        "summary.handover.scale_in.median_ttft_s",
+    ],
     "cluster-cache-sim": [
         "rows.*.ttft_mean_s",
         "rows.*.ttft_p90_s",
