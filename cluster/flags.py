@@ -73,6 +73,7 @@ FLAG_GROUPS: dict[str, tuple[Flag, ...]] = {
         Flag("scheduler.kv_offload_config.write_back"),
         Flag("scheduler.kv_offload_config.retention"),
         Flag("scheduler.kv_offload_config.retained_share", "S"),
+        Flag("scheduler.kv_offload_config.retained_priority", "{decay,pin}"),
         Flag("scheduler.kv_offload_config.disk_path", "DIR"),
         Flag("scheduler.kv_offload_config.disk_bytes", "GIB"),
     ),

@@ -42,6 +42,7 @@ TODAY_FLAGS = [
     ("host tier", ("--experimental-kv-offload-write-back",), "switch", None),
     ("host tier", ("--experimental-kv-offload-retention",), "value", "{fixed,adaptive}"),
     ("host tier", ("--experimental-kv-offload-retained-share",), "value", "S"),
+    ("host tier", ("--experimental-kv-offload-retained-priority",), "value", "{decay,pin}"),
     ("host tier", ("--experimental-kv-offload-disk-path",), "value", "DIR"),
     ("host tier", ("--experimental-kv-offload-disk-gb",), "value", "GIB"),
     ("routing", ("--data-parallel-routing-policy",), "value", "{scoring,round-robin}"),
@@ -160,6 +161,14 @@ TODAY_MEANINGS = [
             "scheduler.kv_offload_config.enabled": True,
             "scheduler.kv_offload_config.host_memory_ratio": 1.0,
             "scheduler.kv_offload_config.retained_share": 0.5,
+        },
+    ),
+    (
+        [*HOST, "--experimental-kv-offload-retained-priority", "pin"],
+        {
+            "scheduler.kv_offload_config.enabled": True,
+            "scheduler.kv_offload_config.host_memory_ratio": 1.0,
+            "scheduler.kv_offload_config.retained_priority": "pin",
         },
     ),
     (
