@@ -34,7 +34,14 @@ from benchmarks import (
     tenants,
     transfer,
 )
-from benchmarks.sim import acceptance, cluster_cache_sim, router_micro, sim_vs_real, sweeps_scenario
+from benchmarks.sim import (
+    acceptance,
+    cluster_cache_sim,
+    router_micro,
+    sim_vs_real,
+    sweeps_scenario,
+    tenants_sim,
+)
 from benchmarks.sim import calibrate as sim_calibrate
 from benchmarks.sim import cli as sim_cli
 from replicas.model.kv_format import KV_FORMATS
@@ -69,6 +76,7 @@ SCENARIOS = {
         agent_session,
         scaling,
         tenants,
+        tenants_sim,
         retention,
     )
 }

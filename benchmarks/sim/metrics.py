@@ -80,6 +80,28 @@ def ttft_figures(ttfts_s: Sequence[float]) -> dict[str, object]:
     }
 
 
+def tenant_figures(finished: Sequence) -> dict[str, object]:
+    """Per tenant (``cache_salt``) of the finished requests: prompt-token hit rate and TTFT
+    p50 / p99; nothing when no request has a tenant."""
+    by_tenant: dict[str, list] = {}
+    for request in finished:
+        if request.cache_salt is not None:
+            by_tenant.setdefault(request.cache_salt, []).append(request)
+    if not by_tenant:
+        return {}
+    figures = {}
+    for tenant, requests in sorted(by_tenant.items()):
+        prompt = sum(r.num_prompt_tokens for r in requests)
+        ttfts = np.array([r.first_token_time - r.arrival_time for r in requests])
+        figures[tenant] = {
+            "num_requests": len(requests),
+            "hit_rate": sum(r.num_cached_tokens or 0 for r in requests) / prompt,
+            "ttft_p50_s": float(np.percentile(ttfts, 50)),
+            "ttft_p99_s": float(np.percentile(ttfts, 99)),
+        }
+    return {"tenants": figures}
+
+
 def hit_rates(queries: int, hits: int, npu_hits: int, host_hits: int) -> dict[str, float]:
     """Token hit rates over all replicas (hits / prompt tokens queried at admission)."""
     if queries == 0:

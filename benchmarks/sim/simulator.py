@@ -39,7 +39,7 @@ from benchmarks.sim.clairvoyant import CLAIRVOYANT, Arrivals, arrivals_by_block,
 from benchmarks.sim.cost_model import CostModel
 from benchmarks.sim.disk import NodeDisk
 from benchmarks.sim.engine import SimulatedEngine, StepReport
-from benchmarks.sim.metrics import LoadMeter, hit_rates, ttft_figures
+from benchmarks.sim.metrics import LoadMeter, hit_rates, tenant_figures, ttft_figures
 from benchmarks.sim.peer_tier import (
     MEASURED,
     PEER_PULL_MIN_BLOCKS,
@@ -52,6 +52,7 @@ from benchmarks.sim.trace import TraceRequest
 from replicas.cache_hints import CacheHints
 from replicas.config import EngineConfig, KVOffloadConfig, SchedulerConfig
 from replicas.engine.request import Request
+from replicas.kv.block_pool import INTERACTIVE_LIFETIME_S
 from replicas.kv.capacity import (
     host_blocks_per_replica,
     plan_host_blocks,
@@ -65,11 +66,15 @@ from replicas.kv.records import CacheStats, CacheTypeSpec
 from replicas.kv.reservations import ReservationPolicy
 from replicas.kv.retention import BlockCosts, PolicyFactory, WriteThrough
 from replicas.model import KVCacheSpec
+from replicas.prefix_cache_config import PrefixCacheConfig
 from replicas.sampling_params import SamplingParams
 
 FULL, SLIDING = "full", "sliding"
 ARRIVAL, STEP_END, DELIVER, WAKE = 0, 1, 2, 3
 JITTER_S = 0.01
+
+
+TENANT_MIN_SHARE = PrefixCacheConfig.model_fields["tenant_min_share"].default
 
 
 def _stopped_clock() -> float:
@@ -114,6 +119,9 @@ class SimConfig:
     peer_pull_fixed_s: float = MEASURED.fixed_s  # a pull's fixed cost (sim.peer_tier.PullCost)
     peer_pull_bytes_per_s: float = MEASURED.bytes_per_s  # ... and its rate
     peer_pull_min_blocks: int = PEER_PULL_MIN_BLOCKS  # RoutingConfig.peer_pull_min_blocks
+    tenant_quotas: str = ""  # "auto": PrefixCacheConfig.tenant_quotas (tenants: the salts)
+    interactive_lifetime_s: float = INTERACTIVE_LIFETIME_S  # PrefixCacheConfig's
+    live_clock: bool = False  # the managers read the simulated clock (lifetimes, quotas)
 
     def num_host_blocks(self, num_npu_blocks: int, block_bytes: float) -> int:
         """Host blocks per replica (DESIGN section 5): the GiB budget split equally among
@@ -279,9 +287,12 @@ class Simulator:
                 self.config.reservation_share, self.config.reservation_prefetch
             ),
             backing=backing or None,
-            clock=_stopped_clock,
+            clock=(lambda: self._now) if self.config.live_clock else _stopped_clock,
             reuse_partial_blocks=True,  # as the engine's
+            interactive_lifetime_s=self.config.interactive_lifetime_s,
         )
+        if self.config.tenant_quotas:
+            manager.set_tenant_quotas(self.config.tenant_quotas, TENANT_MIN_SHARE)
         manager.views.enable_events()
         cost = self.cost_model
         recompute_s = cost.prefill_s(self.config.block_size * self.config.token_scale, 0.0)
@@ -348,6 +359,8 @@ class Simulator:
             self.config.block_size,
             arrival_time=now,
             cache_hints=CacheHints(key=trace.cache_key) if trace.cache_key else None,
+            cache_salt=trace.cache_salt,
+            batch=trace.batch,
         )
         self.meter.sample()
         cached = [e.kv_cache.match_prefix(request).num_blocks for e in self.engines]
@@ -356,6 +369,7 @@ class Simulator:
         self._num_cached_on_best += max(cached)
         self.meter.add(replica, request.num_prompt_tokens, now)
         engine = self.engines[replica]
+        request.tenant = engine.kv_cache.tenants.index(trace.cache_salt)
         if self.config.peer_pull and self.agent.peer_hint is not None:
             engine.offer_peer_blocks(request, *self.agent.peer_hint)
             self._num_peer_sources += 1
@@ -444,6 +458,7 @@ class Simulator:
             "cache_queries_tokens": sum(s.queries for s in stats),
             "agent": {"source": self.agent.source, **self.agent.summary()},
             "sim_wall_s": wall_s,
+            **tenant_figures(finished),
         }
 
     def _pulls(self) -> list[dict[str, float]]:
@@ -469,6 +484,9 @@ class Simulator:
             del record["sliding_window"], record["sliding_layer_fraction"]
         if not self.config.peer_pull:
             for name in [n for n in record if n.startswith("peer_pull")]:
+                del record[name]
+        if not any(r.cache_salt for r in self.requests):
+            for name in ("tenant_quotas", "interactive_lifetime_s", "live_clock"):
                 del record[name]
         return record
 

@@ -42,6 +42,8 @@ class TraceRequest:
     max_tokens: int
     hash_ids: tuple[int, ...]
     cache_key: str | None = None  # the API's prompt_cache_key (Mooncake traces carry none)
+    cache_salt: str | None = None  # its tenant (replicas.kv.tenants; Mooncake traces: none)
+    batch: bool = False  # its priority class: OpenAI's service_tier "flex"
 
 
 def load_trace(path: Path, max_requests: int | None = None) -> list[TraceRecord]:

@@ -171,6 +171,13 @@ EXPECTED = {
         "variants.decay.ended_sessions_retained_block_s",
         "ratios.decay / pin total_hit_rate",
     ],
+    "tenants-sim": [
+        "variants.one-lru.tenants.agent.hit_rate",
+        "variants.batch-class.tenants.batch.ttft_p99_s",
+        "variants.auto-quotas.hit_rate",
+        "variants.without batch.tenants.agent.hit_rate",
+        "ceilings.agent",
+    ],
     "cluster-handover": [  # quick: the hand-over mode only
         "summary.handover.scale_out.cached_share",
         "summary.handover.scale_in.cached_share",
