@@ -72,8 +72,6 @@ from replicas.sampling_params import SamplingParams
 FULL, SLIDING = "full", "sliding"
 ARRIVAL, STEP_END, DELIVER, WAKE = 0, 1, 2, 3
 JITTER_S = 0.01
-
-
 TENANT_MIN_SHARE = PrefixCacheConfig.model_fields["tenant_min_share"].default
 
 

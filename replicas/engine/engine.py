@@ -163,11 +163,7 @@ class Engine:
             config.seed, self.device, self.tokenizer.eos_token_ids, grammar=self.checks.compiler
         )
         self.core = self._engine_core()
-        # A peer's pull may read blocks while a forward pass runs: the step's copies ran
-        # before it, at once (``replicas.engine.export_window``).
-        self.exports_in_steps = self.device.type == "cpu" and not (
-            self.transfer is not None and self.transfer.streamed
-        )
+        self.exports_in_steps = _exports_in_steps(self.device, self.transfer)
         offload = config.scheduler_config.kv_offload_config
         self.meter = StepMeter(
             self.kv_cache, self.transfer, self.block_size, offload.tuning_hint_interval_s
@@ -435,6 +431,12 @@ class Engine:
             stacklevel=2,
         )
         return self.backing.get("disk")
+
+
+def _exports_in_steps(device: torch.device, transfer: KVTransfer | None) -> bool:
+    """Whether a peer's pull may read blocks while a forward pass runs: where the step's copies
+    between tiers ran before it, at once (``replicas.engine.export_window``)."""
+    return device.type == "cpu" and not (transfer is not None and transfer.streamed)
 
 
 def resolve_device(device: str) -> torch.device:
