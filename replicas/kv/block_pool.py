@@ -44,7 +44,6 @@ Deadlines read ``clock`` (seconds, ``time.monotonic`` by default); expired reten
 cleared before each allocation and by ``expire``.
 """
 
-import heapq
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable
@@ -52,6 +51,7 @@ from dataclasses import dataclass
 
 from replicas.kv.free_block_queue import DECAY, RETAINED_PRIORITIES, FreeBlockQueue
 from replicas.kv.hashing import BlockHash
+from replicas.kv.keyed_heap import KeyedHeap
 from replicas.kv.records import TierUsage
 from replicas.kv.tenants import NO_TENANT, TenantQuotas
 
@@ -114,7 +114,7 @@ class BlockPool:
         self.clock = clock
         self.interactive_lifetime_s = interactive_lifetime_s
         self.num_retained = 0  # blocks with a deadline, referenced or not
-        self._deadlines: list[tuple[float, int]] = []  # heap; stale entries skipped
+        self._deadlines = KeyedHeap()  # retained block ids by deadline
 
     # ---- queries (no mutation) ---------------------------------------------------------------
     @property
@@ -279,18 +279,10 @@ class BlockPool:
         until = max(block.retained_until, until)
         if block.ref_count == 0:
             self._free_blocks.retain(block_id, until)  # its place, before the deadline moves
-        if block.retained_until:
-            block.retained_until = until  # its heap entry follows
-            return True
-        self.num_retained += 1
+        if not block.retained_until:
+            self.num_retained += 1
         block.retained_until = until
-        heapq.heappush(self._deadlines, (until, block_id))
-        if len(self._deadlines) > 2 * self.num_retained + 16:  # entries of evicted blocks
-            self._deadlines = [
-                (self.blocks[b].retained_until, b)
-                for b in {b for _, b in self._deadlines if self.blocks[b].retained_until}
-            ]
-            heapq.heapify(self._deadlines)
+        self._deadlines.add(block_id, until)
         return True
 
     def expire(self) -> int:
@@ -299,14 +291,9 @@ class BlockPool:
         (decay). Returns how many."""
         now = self.clock()
         num_expired = 0
-        while self._deadlines and self._deadlines[0][0] <= now:
-            until, block_id = heapq.heappop(self._deadlines)
+        while (first := self._deadlines.first()) is not None and first[0] <= now:
+            block_id = self._deadlines.take()
             block = self.blocks[block_id]
-            if not block.retained_until:  # evicted since: no longer retained
-                continue
-            if block.retained_until > until:  # extended: one entry per block, moved on
-                heapq.heappush(self._deadlines, (block.retained_until, block_id))
-                continue
             block.retained_until = 0.0
             self.num_retained -= 1
             if block.ref_count == 0:
@@ -342,6 +329,7 @@ class BlockPool:
         if block.retained_until:
             block.retained_until = 0.0
             self.num_retained -= 1
+            self._deadlines.pop(block.block_id)
 
     # ---- accounting --------------------------------------------------------------------------
     def check_integrity(self) -> None:
@@ -356,13 +344,21 @@ class BlockPool:
                 assert block.block_hash is not None, (
                     f"{self.name} block {block.block_id} retained without a hash"
                 )
+                deadline = (
+                    self._deadlines.key(block.block_id)
+                    if block.block_id in self._deadlines
+                    else None
+                )
+                assert deadline == block.retained_until, (
+                    f"{self.name} block {block.block_id} retained without its deadline"
+                )
             if block.block_hash is not None:
                 assert self._cached.get(block.block_hash) == block.block_id, (
                     f"{self.name} block {block.block_id} hash not mapped to it"
                 )
         self._free_blocks.check_integrity()
         assert in_use + self.num_free == self.num_blocks, f"{self.name} blocks lost"
-        assert num_retained == self.num_retained <= self.max_retained, (
+        assert num_retained == self.num_retained == len(self._deadlines) <= self.max_retained, (
             f"{self.name} retained {num_retained} blocks, counted {self.num_retained}, "
             f"at most {self.max_retained}"
         )
