@@ -72,10 +72,19 @@ async def hand_over(
     return await _pull(survivor, survivor_index, sources, time_budget_s, HANDOVER_SHARE, "scale-in")
 
 
-async def _pull(replica, index, sources, time_budget_s, max_share, what) -> int:
+async def _pull(
+    replica: Any,
+    index: int,
+    sources: list[tuple[int, Any, dict[bytes, float]]],
+    time_budget_s: float,
+    max_share: float,
+    what: str,
+) -> int:
+    """Replica ``index`` pulls ``sources``' blocks (``ReplicaActor.warm_from_peers``); 0 when
+    it fails (it serves without them)."""
     try:
         num_loaded = await replica.warm_from_peers.remote(sources, time_budget_s, max_share)
-    except (*ACTOR_LOST, RayTaskError) as error:  # it serves without them
+    except (*ACTOR_LOST, RayTaskError) as error:
         logger.warning("%s: replica %d did not pull from its peers: %s", what, index, error)
         return 0
     logger.info(

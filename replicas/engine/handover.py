@@ -78,10 +78,12 @@ def warm_from_peers(
         for block_hash, weight in weights.items():
             if block_hash not in best or weight > best[block_hash][0]:
                 best[block_hash] = (weight, position)
-    for position, (source, _) in enumerate(sources):
-        chosen = [h for h, (_, p) in best.items() if p == position]
+    chosen: list[list[BlockHash]] = [[] for _ in sources]
+    for block_hash, (_, position) in best.items():
+        chosen[position].append(block_hash)
+    for (source, _), hashes in zip(sources, chosen):
         for store in stores.values():
-            store.offer(chosen, source)
+            store.offer(hashes, source)
     order = sorted(best, key=lambda h: best[h][0], reverse=True)
     warm = engine.kv_cache.start_warm(WarmSource(PEER_TIER, order, max_share))
     return _warm(engine, warm, PEER_TIER, time_budget_s)
