@@ -45,13 +45,17 @@ def timings(model: str, passes: int) -> dict[str, dict[Candidate, Timing]]:
                 net = build_streamed(
                     args, weights, Candidate(*key[:2], kernel=key[2]), device, layers
                 )
-                rest = autotune.time_rest(net, torch_dtype(key[0])) if layers else None
+                dtype = torch_dtype(key[0])
+                if layers:  # as auto times a probe: without the head, timed on its own
+                    body = autotune.time_rest(net, dtype, logits=False)
+                    whole = autotune.time_rest(net, dtype)
+                    head = tuple(max(0.0, w - b) for w, b in zip(whole, body, strict=True))
                 for candidate in (c for c in options if (c.dtype, c.quantization, c.kernel) == key):
                     net.use_native_stack(candidate.stack == "native")
-                    t = Timing(candidate, *autotune.time_model(net, torch_dtype(key[0])))
+                    t = Timing(candidate, *autotune.time_model(net, dtype, logits=not layers))
                     _keep(found[kind], t)
-                    if rest:
-                        priced = autotune.at_depth(t[1:], rest, len(probe), args.num_layers)
+                    if layers:
+                        priced = autotune.at_depth(t[1:], body, len(probe), args.num_layers, head)
                         _keep(found["priced"], Timing(candidate, *priced))
                 del net
     return found

@@ -6,7 +6,7 @@ slowest prefill on another; bfloat16 speeds one CPU's prefill up and slows anoth
 (figures: docs/design.md section 12). So each candidate is built and timed on this CPU, with
 this process's threads, for a fraction of a second; a checkpoint's candidate as a probe of a few
 of its layers, whose timings are priced at the model's depth (``at_depth``, ``time_rest``;
-``replicas.model.streamed``):
+``replicas.model.streamed``; a probe's forwards skip the LM head, timed once per form of it):
 
 * prefill: one forward of ``PREFILL_TOKENS`` fresh tokens, per token;
 * decode: one forward of a single token after ``DECODE_CONTEXT_TOKENS`` of context.
@@ -23,11 +23,15 @@ candidate's runs. A round's decode steps stop early once they have taken ``DECOD
 least ``MIN_DECODE_STEPS`` of them): a small model's candidates take a
 fraction of a second each as before, and a large model's slow candidates (a dense float32 decode
 step reads every weight: 4 GB for a billion parameters) take a few of their steps, not thirty.
-After every candidate's timing, the finalists are timed again in the reverse order, each
-figure the faster of its two timings: the first pass's choice, the twins it was weighed
-against below, and every candidate within ``FINALIST_MARGIN`` of its request: a shared VM's
-slow stretch can last longer than a candidate's rounds. (What each of these rules was seen to
-prevent is in docs/design.md section 12.)
+The first pass times each build (dtype, quantization and int4 kernel) with the native stack
+only, where it has one. The finalists' builds are then timed again in the reverse order, each
+with every stack, each figure the faster of its timings: the first pass's choice, the twins it
+was weighed against below, and every candidate within ``FINALIST_MARGIN`` of its request: a
+shared VM's slow stretch can last longer than a candidate's rounds. The eager stack runs the
+native loop's ops with Python between them, so it matters only between builds close enough
+to be finalists; timing it for every build took a fifth of a measured start-up at 1.7B
+(benchmarks/README.md). (What each of these rules was seen to prevent is in docs/design.md
+section 12.)
 The candidates are priced by the time of one representative request (``PROMPT_TOKENS`` of
 prefill and ``OUTPUT_TOKENS`` of decode) and the cheapest wins, with one more rule: a candidate
 in a narrower dtype than float32 is eligible only where it measured faster than float32 with the
@@ -213,10 +217,12 @@ def time_model(
     dtype: torch.dtype,
     timer: Callable[[], float] = time.perf_counter,
     kv_cache_dtype: str = "auto",
+    logits: bool = True,
 ) -> tuple[float, float]:
     """(prefill seconds per token, decode seconds per step) of ``model`` computing in
     ``dtype`` (see the module docstring), on random token ids over a block KV cache of
-    ``kv_cache_dtype`` (``auto``: ``dtype``)."""
+    ``kv_cache_dtype`` (``auto``: ``dtype``); ``logits``: each forward's last row through the
+    LM head too."""
     device = model.tok_embeddings.weight.device
     num_tokens = max(PREFILL_TOKENS, DECODE_CONTEXT_TOKENS) + 1
     num_blocks = -(-num_tokens // _BLOCK_SIZE)
@@ -242,7 +248,9 @@ def time_model(
             slot_mapping={g: positions for g in caches},
             logits_indices=torch.tensor([end - start - 1], device=device),
         )
-        model.compute_logits(model(batch, caches, kv_format))
+        hidden = model(batch, caches, kv_format)
+        if logits:
+            model.compute_logits(hidden)
 
     def timed(start: int, end: int) -> float:
         synchronize(device)  # on CUDA, time the device's work, not the launches
@@ -271,26 +279,33 @@ def time_rest(
     dtype: torch.dtype,
     timer: Callable[[], float] = time.perf_counter,
     kv_cache_dtype: str = "auto",
+    logits: bool = True,
 ) -> tuple[float, float]:
     """``time_model`` of ``model`` without its decoder layers: the embedding, the final norm,
-    the LM head and what a forward does once whatever its depth (eager: the native stack runs
-    the layers)."""
+    the LM head where ``logits`` and what a forward does once whatever its depth (eager: the
+    native stack runs the layers)."""
     layers, native = model.layers, model.native
     model.layers, model.native = nn.ModuleList(), None
     try:
-        return time_model(model, dtype, timer, kv_cache_dtype)
+        return time_model(model, dtype, timer, kv_cache_dtype, logits)
     finally:
         model.layers, model.native = layers, native
 
 
 def at_depth(
-    probe: tuple[float, float], rest: tuple[float, float], probe_layers: int, layers: int
+    probe: tuple[float, float],
+    rest: tuple[float, float],
+    probe_layers: int,
+    layers: int,
+    head: tuple[float, float] = (0.0, 0.0),
 ) -> tuple[float, float]:
     """A probe's (prefill per token, decode step) times priced at ``layers`` decoder layers:
     what is not the layers (``rest``) once, and the probe's layers' share ``layers /
-    probe_layers`` times (never below nothing)."""
+    probe_layers`` times (never below nothing); ``head``: the LM head's times, where the probe
+    and ``rest`` were timed without it."""
     return tuple(
-        r + layers * max(0.0, p - r) / probe_layers for p, r in zip(probe, rest, strict=True)
+        r + layers * max(0.0, p - r) / probe_layers + h
+        for p, r, h in zip(probe, rest, head, strict=True)
     )
 
 
@@ -385,19 +400,17 @@ def _measure(
     options: Sequence[Candidate], build: Callable[[Candidate], Transformer], how: _How
 ) -> Choice:
     share = CPUShare(how.device_type)
-    # each model is built once, for every stack that runs it
-    builds = dict.fromkeys((c.dtype, c.quantization, c.kernel) for c in options)
-    timings = _timed(builds, options, build, how)
-    # The finalists again, in the reverse order: a slow stretch of a shared VM that held one
-    # finalist's first runs must not decide between it and its rival.
-    finalists = _finalists(list(timings.values()))
-    if len(finalists) > 1:
-        again_builds = dict.fromkeys(
-            reversed([(c.dtype, c.quantization, c.kernel) for c in finalists])
-        )
-        again = _timed(again_builds, finalists, build, how)
-        for candidate, t in again.items():
-            first = timings[candidate]
+    builds = list(dict.fromkeys(_build_of(c) for c in options))  # each built once a pass
+    timings = _timed(builds, _first_pass(options), build, how)
+    # The finalists' builds again, in the reverse order and with every stack: a slow stretch
+    # of a shared VM that held one finalist's first runs must not decide between it and its
+    # rival.
+    again_builds = {_build_of(c) for c in _finalists(list(timings.values()))}
+    again_options = [c for c in options if _build_of(c) in again_builds]
+    if len(again_options) > 1:
+        order = [b for b in reversed(builds) if b in again_builds]
+        for candidate, t in _timed(order, again_options, build, how).items():
+            first = timings.get(candidate, t)
             timings[candidate] = Timing(
                 candidate,
                 min(first.prefill_s_per_token, t.prefill_s_per_token),
@@ -435,37 +448,63 @@ def _finalists(timings: Sequence[Timing]) -> list[Candidate]:
     ]
 
 
+def _build_of(candidate: Candidate) -> tuple[str, str, str]:
+    """What a model is built for: the candidate but for its stack."""
+    return candidate.dtype, candidate.quantization, candidate.kernel
+
+
+def _first_pass(options: Sequence[Candidate]) -> list[Candidate]:
+    """The candidates the first pass times: each build's native ones where it has them."""
+    native = {_build_of(c) for c in options if c.stack == "native"}
+    return [c for c in options if c.stack == "native" or _build_of(c) not in native]
+
+
 def _timed(
-    builds: dict[tuple[str, str, str], None],
+    builds: Sequence[tuple[str, str, str]],
     options: Sequence[Candidate],
     build: Callable[[Candidate], Transformer],
     how: _How,
 ) -> dict[Candidate, Timing]:
     """Each of ``options`` timed, its model built once per (dtype, quantization, kernel) in
-    the order of ``builds`` and dropped before the next; a probe's timings priced at the
-    model's depth (what is not its layers timed by ``time_rest`` once per form of the
-    embedding and LM head: int8 and torch's int4 builds keep a Q8_0 head alike)."""
+    the order of ``builds`` (none that no option needs) and dropped before the next; a probe's
+    timings priced at the model's depth (what is not its layers timed by ``time_rest`` once
+    per form of the embedding and LM head: int8 and torch's int4 builds keep a Q8_0 head
+    alike)."""
     timings = {}
     for dtype_name, quantization, kernel in builds:
+        if not any(_build_of(c) == (dtype_name, quantization, kernel) for c in options):
+            continue
         model = build(Candidate(dtype_name, quantization, kernel=kernel))
         dtype = torch_dtype(dtype_name)
         depth = model.args.num_layers
-        rest = None
+        rests = None
         if how.layers is not None and depth < how.layers:
             head = (dtype_name, type(model.output).__name__, model.output.extra_repr())
             if head not in how.rests:
-                how.rests[head] = time_rest(model, dtype, how.timer, how.kv_cache_dtype)
-            rest = how.rests[head]
+                how.rests[head] = _rests(model, dtype, how)
+            rests = how.rests[head]
         for candidate in options:
             if candidate[:2] + candidate[3:] != (dtype_name, quantization, kernel):
                 continue
             model.use_native_stack(candidate.stack == "native")
-            timed = time_model(model, dtype, how.timer, how.kv_cache_dtype)
-            if rest is not None:
-                timed = at_depth(timed, rest, depth, how.layers)
+            # a probe without the LM head, which its rests time once per form
+            timed = time_model(model, dtype, how.timer, how.kv_cache_dtype, rests is None)
+            if rests is not None:
+                timed = at_depth(timed, rests[0], depth, how.layers, rests[1])
             timings[candidate] = Timing(candidate, *timed)
         del model
     return timings
+
+
+def _rests(
+    model: Transformer, dtype: torch.dtype, how: _How
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """What is not a probe's layers (``time_rest``) without the LM head, and the head's own
+    times (the rest with it, less the rest without it): a probe's forwards skip the head, which
+    at a large vocabulary costs as much as several of its layers."""
+    body = time_rest(model, dtype, how.timer, how.kv_cache_dtype, logits=False)
+    whole = time_rest(model, dtype, how.timer, how.kv_cache_dtype)
+    return body, tuple(max(0.0, w - b) for w, b in zip(whole, body, strict=True))
 
 
 def _choice_from_json(entry: dict, options: Sequence[Candidate]) -> Choice:

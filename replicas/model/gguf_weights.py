@@ -7,8 +7,9 @@ a tensor's bytes with ``os.pread`` rather than through the reader's memory map, 
 pages never count in the process's resident memory (a mapped page that has been read stays in
 it until the map is closed, and the reader is kept open; the whole file would then sit beside
 the model it was turned into). Llama's q and k rows are put back from llama.cpp's interleaved
-rotary layout as they are read (``unpermute_rotary``), and ``Q4_0`` / ``Q4_1`` tensors can be
-read as their stored int4 codes (``int4_groups``) for a model that computes with them.
+rotary layout as they are read (``unpermute_rotary``), and ``Q4_0``, ``Q4_1`` and ``Q4_K``
+tensors can be read as their stored int4 codes (``int4_groups``) for a model that computes with
+them.
 """
 
 import os
@@ -41,6 +42,8 @@ GGUF_TENSOR_TYPES = (
     "Q5_K",
     "Q6_K",
 )
+# Stored types whose codes an int4 model computes with as stored (``int4_groups``).
+INT4_STORED_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 _CHUNK_BYTES = 64 << 20  # float32 bytes dequantized at once
 # Tensors that carry no parameter of ours (rope_freqs becomes ModelArgs.rope_scaling).
 _IGNORED_TENSORS = frozenset(("rope_freqs.weight",))
@@ -89,10 +92,10 @@ class GGUFWeights:
                 target[start : start + values.shape[0]].copy_(values)
 
     def int4_groups(self, name: str) -> Int4Groups | None:
-        """Parameter ``name``'s stored int4 codes where it is stored as ``Q4_0`` or ``Q4_1``
-        (rows in our order), else None."""
+        """Parameter ``name``'s stored int4 codes where it is stored as ``Q4_0``, ``Q4_1`` or
+        ``Q4_K`` (rows in our order), else None."""
         tensor = self._tensors.get(name)
-        if tensor is None or tensor.tensor_type.name not in ("Q4_0", "Q4_1"):
+        if tensor is None or tensor.tensor_type.name not in INT4_STORED_TYPES:
             return None
         with open(self.path, "rb") as f:
             data = _read_rows(tensor, 0, tensor.data.shape[0], f.fileno())
@@ -170,17 +173,22 @@ def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    """``Q4_K`` blocks [B, 144] as float32 [B, 256]: ``(d sc) q - dmin m`` per 32 weights, the
-    eight 6-bit scales and mins packed in 12 bytes (gguf-py's ``Q4_K.get_scale_min``)."""
+    """``Q4_K`` blocks [B, 144] as float32 [B, 256]: ``(d sc) q - dmin m`` per 32 weights
+    (``_q4_k_scales``)."""
     n = blocks.shape[0]
-    low, high, mixed = blocks[:, 4:8], blocks[:, 8:12], blocks[:, 12:16]
-    sc = torch.cat((low & 63, (mixed & 15) | ((low >> 2) & 48)), dim=1).float()
-    m = torch.cat((high & 63, (mixed >> 4) | ((high >> 2) & 48)), dim=1).float()
-    d = (_f16(blocks, 0) * sc).view(n, 8, 1)
-    dm = (_f16(blocks, 2) * m).view(n, 8, 1)
+    d, dm = (x.view(n, 8, 1) for x in _q4_k_scales(blocks))
     q = blocks[:, 16:].view(n, 4, 1, 32)
     codes = torch.cat((q & 15, q >> 4), dim=2).view(n, 8, 32).float()
     return codes.mul_(d).sub_(dm).view(n, 256)
+
+
+def _q4_k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``d sc`` and ``dmin m`` [B, 8] float32 of ``Q4_K`` blocks [B, 144]: the eight 6-bit
+    scales and mins packed in 12 bytes (gguf-py's ``Q4_K.get_scale_min``)."""
+    low, high, mixed = blocks[:, 4:8], blocks[:, 8:12], blocks[:, 12:16]
+    sc = torch.cat((low & 63, (mixed & 15) | ((low >> 2) & 48)), dim=1).float()
+    m = torch.cat((high & 63, (mixed >> 4) | ((high >> 2) & 48)), dim=1).float()
+    return _f16(blocks, 0) * sc, _f16(blocks, 2) * m
 
 
 def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
@@ -262,23 +270,28 @@ def gguf_weight_bits(model: Transformer, reader: Any) -> dict[str, int]:
 
 
 def gguf_int4_groups(model: Transformer, reader: Any) -> dict[str, Int4Groups]:
-    """The stored codes of every ``Q4_0`` / ``Q4_1`` weight, by ``model``'s parameter name, rows
-    in ``model``'s order (Llama's rotary rows put back as ``load_gguf_weights`` does)."""
+    """The stored codes of every ``Q4_0``, ``Q4_1`` and ``Q4_K`` weight, by ``model``'s
+    parameter name, rows in ``model``'s order (Llama's rotary rows put back as
+    ``load_gguf_weights`` does)."""
     weights = GGUFWeights(reader, model.args)
     groups = {name: weights.int4_groups(name) for name, _ in model.named_parameters()}
     return {name: g for name, g in groups.items() if g is not None}
 
 
 def int4_groups_of_tensor(tensor: Any, data: np.ndarray | None = None) -> Int4Groups:
-    """The codes, scales and zeros of a ``Q4_0`` or ``Q4_1`` tensor [N, K] as stored (its
-    bytes ``data``, read from the reader's map where not given).
+    """The codes, scales and zeros of a ``Q4_0``, ``Q4_1`` or ``Q4_K`` tensor [N, K] as stored
+    (its bytes ``data``, read from the reader's map where not given).
 
     A ``Q4_1`` block of 32 weights is ``d`` (f16), ``m`` (f16) and 16 bytes of codes: weight
     ``j < 16`` is the low nibble of byte ``j``, weight ``j + 16`` its high nibble, and its value
-    ``d * q + m``; a ``Q4_0`` block has no ``m`` and the value ``d * (q - 8)``.
+    ``d * q + m``; a ``Q4_0`` block has no ``m`` and the value ``d * (q - 8)``. A ``Q4_K``
+    block of 256 is eight groups of 32 of value ``(d sc) q - dmin m`` (``_q4_k``): the same
+    grouping with ``scale = d sc`` and ``zero = 8 d sc - dmin m``.
     """
-    has_min = tensor.tensor_type.name == "Q4_1"
     data = np.asarray(tensor.data if data is None else data)
+    if tensor.tensor_type.name == "Q4_K":
+        return _q4_k_groups(torch.from_numpy(np.require(data, requirements=("C", "W"))))
+    has_min = tensor.tensor_type.name == "Q4_1"
     blocks = data.reshape(data.shape[0], -1, 20 if has_min else 18)
 
     def half(offset: int) -> torch.Tensor:
@@ -290,3 +303,14 @@ def int4_groups_of_tensor(tensor: Any, data: np.ndarray | None = None) -> Int4Gr
     scale = half(0)
     zero = half(2) + 8 * scale if has_min else torch.zeros_like(scale)
     return Int4Groups(codes, scale, zero)
+
+
+def _q4_k_groups(data: torch.Tensor) -> Int4Groups:
+    """``Q4_K`` rows [N, bytes] as ``Int4Groups`` (see ``int4_groups_of_tensor``)."""
+    n = data.shape[0]
+    blocks = data.view(-1, 144)
+    d, dm = _q4_k_scales(blocks)
+    q = blocks[:, 16:].view(-1, 4, 1, 32)
+    codes = torch.cat((q & 15, q >> 4), dim=2).view(n, -1)  # [N, K]
+    scale, low = d.view(n, -1), dm.view(n, -1)
+    return Int4Groups(codes, scale, 8 * scale - low)

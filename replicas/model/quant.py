@@ -413,20 +413,66 @@ def quantize_layer(
     as it is read)."""
     quantized = _quantizer(scheme, int4_groups, stored_bits, int4_kernel)
     with torch.no_grad():
-        att, ff = layer.attention, layer.feed_forward
-        att.wqkv = quantized(
-            [f"{prefix}.attention.{w}" for w in ("wq", "wk", "wv")],
-            [att.wq, att.wk, att.wv],
-            ACTIVATION_PASSES["wqkv"],
-        )
-        att.wo = quantized([f"{prefix}.attention.wo"], [att.wo], ACTIVATION_PASSES["wo"])
-        ff.w13 = quantized(
-            [f"{prefix}.feed_forward.{w}" for w in ("w1", "w3")],
-            [ff.w1, ff.w3],
-            ACTIVATION_PASSES["w13"],
-        )
-        ff.w2 = quantized([f"{prefix}.feed_forward.w2"], [ff.w2], ACTIVATION_PASSES["w2"])
-        del att.wq, att.wk, att.wv, ff.w1, ff.w3
+        for module_name, fused, parts in LAYER_PRODUCTS:
+            module = getattr(layer, module_name)
+            names = [f"{prefix}.{module_name}.{part}" for part in parts]
+            linears = [getattr(module, part) for part in parts]
+            setattr(module, fused, quantized(names, linears, ACTIVATION_PASSES[fused]))
+            for part in parts:
+                if part != fused:
+                    delattr(module, part)
+
+
+LAYER_PRODUCTS = (
+    ("attention", "wqkv", ("wq", "wk", "wv")),
+    ("attention", "wo", ("wo",)),
+    ("feed_forward", "w13", ("w1", "w3")),
+    ("feed_forward", "w2", ("w2",)),
+)
+"""A decoder layer's products once quantized: (module, fused product, the linear layers whose
+rows it holds one after the other)."""
+
+
+def stored_int4_weights(
+    layer: nn.Module,
+    prefix: str,
+    int4_groups: Mapping[str, Int4Groups],
+    stored_bits: Mapping[str, int] | None = None,
+) -> set[str]:
+    """The weights of a decoder layer (``prefix.*``) that ``quantize_layer`` under ``int4``
+    builds from their stored codes in ``int4_groups``, not from their float values: a model
+    built a layer at a time need not read (dequantize) them."""
+    kept = set()
+    for module_name, _, parts in LAYER_PRODUCTS:
+        module = getattr(layer, module_name)
+        names = [f"{prefix}.{module_name}.{part}" for part in parts]
+        weight = [getattr(module, part).weight for part in parts]
+        if _uses_stored_codes("int4", names, weight, int4_groups, stored_bits or {}):
+            kept.update(f"{name}.weight" for name in names)
+    return kept
+
+
+def _uses_stored_codes(
+    scheme: str,
+    names: list[str],
+    weight: list[torch.Tensor],
+    groups: Mapping[str, Int4Groups],
+    bits: Mapping[str, int],
+) -> bool:
+    """Whether the product of linear layers ``names`` is int4 made from their stored codes."""
+    return _product_scheme(scheme, names, weight, bits) == "int4" and all(
+        f"{n}.weight" in groups for n in names
+    )
+
+
+def _product_scheme(
+    scheme: str, names: list[str], weight: list[torch.Tensor], bits: Mapping[str, int]
+) -> str:
+    """``scheme``, or int8 for a product whose weights are stored at more than 4 bits or that
+    the int4 kernel does not take (``quantize_model``)."""
+    if scheme == "int4" and all(bits.get(f"{n}.weight", 16) <= 4 for n in names):
+        return "int4" if int4_fits(*_shape(weight)) else "int8"
+    return "int8"
 
 
 def quantize_output(
@@ -468,10 +514,7 @@ def _quantizer(
         biases = [linear.bias for linear in linears]
         bias = None if biases[0] is None else torch.cat(biases)
         weight = [x.weight for x in linears]  # fused by rows as they are quantized
-        wanted = scheme if all(bits.get(f"{n}.weight", 16) <= 4 for n in names) else "int8"
-        if wanted == "int4" and not int4_fits(*_shape(weight)):
-            wanted = "int8"
-        if wanted == "int4" and all(f"{n}.weight" in groups for n in names):
+        if _uses_stored_codes(scheme, names, weight, groups, bits):
             stored = [groups[f"{n}.weight"] for n in names]
             return QuantizedLinear.int4_groups(
                 *(torch.cat(parts) for parts in zip(*stored, strict=True)),
@@ -479,7 +522,7 @@ def _quantizer(
                 kernel=kernel,
                 passes=passes,
             )
-        if wanted == "int4":
+        if _product_scheme(scheme, names, weight, bits) == "int4":
             return QuantizedLinear.int4(weight, bias, kernel, passes)
         return QuantizedLinear.int8(weight, bias, kernel, passes)
 

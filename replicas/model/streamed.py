@@ -6,9 +6,10 @@ target device in the target dtype and read from the checkpoint (``Weights``: a G
 ``replicas.model.gguf_weights``, or a safetensors directory's, ``replicas.model.hf``), each
 tensor dequantized a slice of rows at a time and cast as it is copied; a decoder layer is then
 quantized at once (``replicas.model.quant.quantize_layer``), before the next is read, so its
-float weights are freed. What this builds is what loading the whole model in float32, casting
-it and quantizing it built before: the same casts and the same quantization of the same values,
-bit for bit (``tests/unit/model/test_streamed.py``).
+float weights are freed; a weight an int4 product takes as its stored codes (a ``Q4_0``,
+``Q4_1`` or ``Q4_K`` tensor) is never dequantized. What this builds is what loading the whole
+model in float32, casting it and quantizing it builds: the same casts and the same quantization
+of the same values, bit for bit (``tests/unit/model/test_streamed.py``).
 
 A *probe* is the same model with only some of its decoder layers (``probe_layers``), which
 ``auto`` times instead of the whole model (``replicas.model.autotune``): every candidate shares
@@ -28,16 +29,22 @@ from torch import nn
 from replicas.dtypes import torch_dtype
 from replicas.model.autotune import Candidate
 from replicas.model.config import ModelArgs
-from replicas.model.quant import Int4Groups, quantize_layer, quantize_output
+from replicas.model.quant import (
+    Int4Groups,
+    quantize_layer,
+    quantize_output,
+    stored_int4_weights,
+)
 from replicas.model.registry import build_model
 from replicas.model.transformer import Transformer
 
 MIN_PROBE_LAYERS = 2
-PROBE_HEAD_RATIO = 2
-"""A probe's layers hold at least this many times the LM head's weights: its timings are priced
-at the model's depth by subtracting what is not its layers (``autotune.at_depth``), and the
-smaller the layers' share of a probe's time, the more its noise is multiplied (a small model's
-head can hold as many weights as a quarter of its layers)."""
+PROBE_MIN_WEIGHTS = 1 << 25
+"""A probe's layers hold at least this many weights (32 Mi): its timings are priced at the
+model's depth (``autotune.at_depth``), which multiplies the noise of the layers' share of its
+time, so that share must be long beside a timer's resolution and a shared VM's jitter. (A
+probe's forwards skip the LM head, timed once on its own; before, its layers had to hold twice
+the head's weights, or the head took most of its time.)"""
 
 
 RELEASE_EVERY = 4
@@ -121,10 +128,12 @@ def build_streamed(
     _read(net.tok_embeddings, "tok_embeddings", weights, device)
     for built, (layer, index) in enumerate(zip(net.layers, layers, strict=True), 1):
         prefix = f"layers.{index}"
-        _read(layer, prefix, weights, device)
+        names = [f"{prefix}.{n}" for n, _ in layer.named_parameters()]
+        groups = _int4_groups(weights, names) if scheme == "int4" else {}
+        # weights an int4 product takes as stored codes are never dequantized
+        codes_only = stored_int4_weights(layer, prefix, groups, weights.stored_bits)
+        _read(layer, prefix, weights, device, codes_only)
         if scheme != "none":
-            names = [f"{prefix}.{n}" for n, _ in layer.named_parameters()]
-            groups = _int4_groups(weights, names) if scheme == "int4" else None
             quantize_layer(layer, prefix, scheme, groups, weights.stored_bits, kernel)
             if built % RELEASE_EVERY == 0:
                 release_freed_memory()  # the layers' float weights and temporaries
@@ -150,11 +159,20 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def _read(module: nn.Module, prefix: str, weights: Weights, device: torch.device) -> None:
-    """``module``'s parameters made on ``device`` (in the dtype they have) and read."""
+def _read(
+    module: nn.Module,
+    prefix: str,
+    weights: Weights,
+    device: torch.device,
+    unread: set[str] | frozenset[str] = frozenset(),
+) -> None:
+    """``module``'s parameters made on ``device`` (in the dtype they have) and read, but for
+    those named in ``unread`` (left as allocated)."""
     module.to_empty(device=device)
     shared = getattr(weights, "shared", lambda *_: None)
     for name, param in module.named_parameters():
+        if f"{prefix}.{name}" in unread:
+            continue
         kept = shared(f"{prefix}.{name}", param.dtype)
         if kept is not None and kept.device == param.device:
             param.data = kept  # nothing computes in place on a weight
@@ -169,11 +187,11 @@ def _int4_groups(weights: Weights, names: list[str]) -> dict[str, Int4Groups]:
 
 
 def probe_size(args: ModelArgs) -> int:
-    """How many decoder layers a probe of the model of ``args`` has (``PROBE_HEAD_RATIO``)."""
+    """How many decoder layers a probe of the model of ``args`` has (``PROBE_MIN_WEIGHTS``)."""
     with torch.device("meta"):
         layer = build_model(replace(args, num_layers=1, layer_types=args.layer_types[:1]))
     per_layer = sum(p.numel() for p in layer.layers[0].parameters())
-    wanted = math.ceil(PROBE_HEAD_RATIO * args.vocab_size * args.hidden_size / per_layer)
+    wanted = math.ceil(PROBE_MIN_WEIGHTS / per_layer)
     return min(args.num_layers, max(MIN_PROBE_LAYERS, wanted))
 
 

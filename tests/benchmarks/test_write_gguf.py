@@ -69,3 +69,49 @@ def test_strata_loads_the_file_and_generates(small_file):
     assert loaded.tokenizer.decode(prompt) == "The history of the printing press"
     [tokens] = engine_greedy(loaded, [prompt], max_tokens=4, ignore_eos=True)
     assert len(tokens) == 4
+
+
+def test_an_int4_build_takes_q4_k_weights_as_stored_and_never_dequantizes_them(
+    small_file, monkeypatch
+):
+    """A ``Q4_K`` block is eight groups of 32 with a scale and a minimum each, Strata's int4
+    grouping: its codes are served as stored (the weight Strata's kernel holds is the file's,
+    but for the scales' float16 rounding), and the float values are never made."""
+    from replicas.model.autotune import Candidate
+    from replicas.model.gguf import GGUFWeights, open_gguf, read_gguf_info
+    from replicas.model.gguf_weights import unpermute_rotary
+    from replicas.model.streamed import build_streamed
+
+    args, _ = read_gguf_info(small_file)
+    weights = GGUFWeights(open_gguf(small_file), args, small_file)
+    read = []
+    copy_into = GGUFWeights.copy_into
+    monkeypatch.setattr(
+        GGUFWeights, "copy_into", lambda self, n, t: (read.append(n), copy_into(self, n, t))
+    )
+    net = build_streamed(args, weights, Candidate("float32", "int4", "native", "strata"), CPU)
+    stored = {t.name: t for t in gguf.GGUFReader(str(small_file)).tensors}
+    w13 = net.layers[1].feed_forward.w13  # layer 1: every matrix Q4_K
+    assert w13.scheme == "int4" and w13.kernel == "strata"
+    gate_up = [
+        gguf.quants.dequantize(np.asarray(stored[f"blk.1.ffn_{n}.weight"].data), QType.Q4_K)
+        for n in ("gate", "up")
+    ]
+    expected = torch.from_numpy(np.concatenate(gate_up))
+    got = w13.dequantized(torch.float32)
+    assert torch.allclose(got, expected, rtol=0, atol=2**-8 * expected.abs().max().item())
+    q = gguf.quants.dequantize(np.asarray(stored["blk.1.attn_q.weight"].data), QType.Q4_K)
+    wq = unpermute_rotary(torch.from_numpy(q), args.head_dim)
+    assert torch.allclose(
+        net.layers[1].attention.wqkv.dequantized()[: wq.shape[0]].float(),
+        wq,
+        rtol=0,
+        atol=2**-8 * wq.abs().max().item(),
+    )
+    q4_k = {f"layers.1.{n}.weight" for n in ("attention.wq", "feed_forward.w1", "feed_forward.w3")}
+    assert q4_k & set(read) == set()
+    assert "layers.0.feed_forward.w2.weight" in read  # Q6_K: made int8 from its floats
+
+
+CPU = torch.device("cpu")
+QType = gguf.GGMLQuantizationType

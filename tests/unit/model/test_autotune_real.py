@@ -53,7 +53,7 @@ def test_a_quantized_file_loads_as_measured_and_the_engine_runs_it(monkeypatch, 
     stub = stub_timings()
     built = []
 
-    def stub_time(model, dtype, timer=None, kv_cache_dtype="auto"):
+    def stub_time(model, dtype, timer=None, kv_cache_dtype="auto", logits=True):
         quantized = type(model.layers[0].attention.wqkv).__name__ == "QuantizedLinear"
         scheme = model.layers[0].attention.wqkv.scheme if quantized else "none"
         dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
@@ -67,11 +67,16 @@ def test_a_quantized_file_loads_as_measured_and_the_engine_runs_it(monkeypatch, 
 
     depths = []
     monkeypatch.setattr(autotune, "time_model", stub_time)
-    monkeypatch.setattr(autotune, "time_rest", lambda *args: (0.0, 0.0))
+    monkeypatch.setattr(autotune, "time_rest", lambda *args, **kwargs: (0.0, 0.0))
     monkeypatch.setenv(autotune.CACHE_ENV, str(tmp_path / "choices.json"))
     loaded = load_model(str(path), torch.device("cpu"), "auto", quantization="auto")
-    assert sorted(built[: len(stub)]) == sorted(stub)  # every candidate, then the finalists
-    assert Candidate("float32", "int4", "native", "torch") in built[len(stub) :]
+    # every build natively, then the finalists' builds with both stacks
+    native = [c for c in stub if c.stack == "native"]
+    assert sorted(built[: len(native)]) == sorted(native)
+    again = built[len(native) :]
+    assert Candidate("float32", "int4", "native", "torch") in again
+    assert Candidate("float32", "int4", "eager", "torch") in again
+    assert Candidate("float32", "none", "eager", "torch") not in built  # 7.94 s: no finalist
     # 256 x 4.5 + 128 x 20 ms = 3.71 s: float32/int4-strata/native beats float32/int4/native
     # (3.97 s) and bfloat16/int8 eager (4.20 s); bfloat16/int4/native (3.34 s) decodes slower
     # than its twin (21 ms): ineligible.
