@@ -82,3 +82,27 @@ def test_auto_quotas_keep_a_reused_working_set_cached_beside_a_crawl(resize_ever
     assert quota[crawler] == int(24 * 0.1) and quota[app] >= 5  # its working set: 5 blocks
     assert all(t.num_cached_tokens >= 5 * 16 for t in turns[2:])  # once its curve showed it
     assert [t.token_ids for t in turns] == [t.token_ids for t in lru]
+
+
+def test_a_tenant_without_a_quota_gets_one_soon_not_at_the_next_interval():
+    """The first look comes ``NEWCOMER_RESIZE_S`` after start, not ``RESIZE_INTERVAL_S``, and
+    so does the one after a new tenant's first requests; with every tenant holding a quota the
+    interval holds."""
+    now = [0.0]
+    quotas = tenant_curves.AutoQuotas(64, 0.1, clock=lambda: now[0])
+    quotas.observe(2, blocks(*range(4)) * 3)
+    assert quotas.resize() is None  # 0 s
+    now[0] = tenant_curves.NEWCOMER_RESIZE_S
+    assert set(quotas.resize()) == {2}
+    now[0] += 1
+    quotas.observe(3, blocks(*range(100, 104)) * 2)  # a newcomer, 1 s after the last look
+    assert quotas.resize() is None
+    now[0] = 2 * tenant_curves.NEWCOMER_RESIZE_S
+    shares = quotas.resize()
+    assert shares is not None and set(shares) == {2, 3}
+    quotas.observe(2, blocks(*range(4)))
+    now[0] += tenant_curves.NEWCOMER_RESIZE_S
+    assert quotas.resize() is None  # every tenant has its quota: the interval holds
+    now[0] = 2 * tenant_curves.NEWCOMER_RESIZE_S + tenant_curves.RESIZE_INTERVAL_S
+    quotas.resize()
+    assert quotas._next == now[0] + tenant_curves.RESIZE_INTERVAL_S  # looked at the interval
