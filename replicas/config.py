@@ -164,10 +164,10 @@ class KVOffloadConfig(_Config):
     )
     retained_priority: str = Field(
         DECAY,
-        description="How retained host blocks are ordered in eviction: decay, a priority that "
-        "decays over the block's lifetime (just released, behind every ordinary block; at its "
-        "deadline, an ordinary block at its release time), or pin, behind every ordinary block "
-        "until its deadline. The disk tier pins either way.",
+        description="How retained host and disk blocks are ordered in eviction: decay, a "
+        "priority that decays over the block's lifetime (just released, behind every ordinary "
+        "block; at its deadline, an ordinary block at its release time), or pin, behind every "
+        "ordinary block until its deadline.",
     )
 
     @field_validator("write_through_threshold", mode="before")

@@ -117,6 +117,7 @@ def open_backing(
             {c: kv_caches[c].dtype for c in num_blocks},
             num_blocks,
             offload.retained_share,
+            offload.retained_priority,
         )
         stores[tier] = plugin(tier).open(context, options[tier])
     return stores

@@ -279,3 +279,52 @@ def test_the_change_log_records_only_once_tracked():
     changes.note(False, key("a"))
     assert changes.drain() == [(True, key("a")), (False, key("a"))]
     assert changes.drain() == []
+
+
+def test_a_decaying_retained_slot_outlives_fresher_ordinary_ones_then_yields_to_them():
+    """Decay: used at 0 and retained until 100, ``a`` counts at ``t`` as used at ``100 - t``:
+    at 10 (90) it outlives ``b`` used at 5; at 96 (4) it goes before ``c`` used at 5 and 50."""
+    clock = Clock(0.0)
+    slots = OwnSlots(3, max_retained=1, clock=clock, decay=True)
+    slots.take(key("a"), Heat(0.0, 0.0))
+    assert slots.retain(key("a"), 100.0)
+    clock.now = 5.0
+    slots.take(key("b"), Heat(0.0, 0.0))
+    slots.take(key("c"), Heat(0.0, 0.0))
+    clock.now = 10.0
+    assert slots.take(key("d"), Heat(0.0, 0.0)).evicted == key("b")
+    clock.now = 50.0
+    slots.touch(key("d"))
+    clock.now = 96.0
+    assert slots.take(key("e"), Heat(0.0, 0.0)).evicted == key("a")
+    assert slots.num_retained == 0 and list(slots) == [key("c"), key("d"), key("e")]
+
+
+def test_a_decayed_slot_is_ordinary_at_its_last_use_after_its_deadline_not_at_the_back():
+    """Pin moves a retained slot that eviction meets to the back, so once ordinary it outlives
+    blocks used after it (``c``); decay leaves it where its last use put it."""
+    for decay, evicted in ((True, "a"), (False, "c")):
+        clock = Clock(0.0)
+        slots = OwnSlots(4, max_retained=1, clock=clock, decay=decay)
+        slots.take(key("a"), Heat(0.0, 0.0))
+        slots.retain(key("a"), 20.0)
+        clock.now = 1.0
+        for name in "bcx":
+            slots.take(key(name), Heat(0.0, 0.0))
+        clock.now = 2.0
+        assert slots.take(key("d"), Heat(0.0, 0.0)).evicted == key("b")
+        clock.now = 30.0  # a's retention has ended
+        assert slots.take(key("e"), Heat(0.0, 0.0)).evicted == key(evicted)
+
+
+def test_a_retained_slot_used_again_restarts_its_decay():
+    clock = Clock(0.0)
+    slots = OwnSlots(2, max_retained=1, clock=clock, decay=True)
+    slots.take(key("a"), Heat(0.0, 0.0))
+    slots.retain(key("a"), 100.0)
+    clock.now = 60.0
+    slots.take(key("b"), Heat(0.0, 0.0))
+    clock.now = 70.0
+    slots.touch(key("a"))  # now counts as used at 70 + 100 - t
+    clock.now = 99.0
+    assert slots.take(key("c"), Heat(0.0, 0.0)).evicted == key("b")

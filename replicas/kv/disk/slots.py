@@ -1,6 +1,9 @@
 """The own slab's slot index, in memory: which block each slot holds, least recently used
 first, the free slots, the generation counter, the hit weight each own record carries, and
-the retention deadlines that keep some blocks ahead of ordinary ones.
+the retention deadlines that keep some blocks ahead of ordinary ones, by the host tier's two
+rules (``replicas.kv.free_block_queue``): *pin*, a retained block is evicted only when every own
+block is retained; *decay*, a block last used at ``r`` and retained until ``u`` counts at ``t``
+as used at ``r + max(0, u - t)``, so its protection shrinks to nothing by its deadline.
 
 No IO: the store (``replicas.kv.disk.store.DiskStore``) writes what this index decides. The
 engine thread alone calls it. Deadlines live here only, so after a restart every block is
@@ -14,6 +17,7 @@ from typing import NamedTuple
 
 from replicas.kv.disk.record import NO_HEAT, Heat, Recovered
 from replicas.kv.hashing import BlockHash
+from replicas.kv.keyed_heap import KeyedHeap
 from replicas.kv.records import TierUsage
 
 
@@ -28,13 +32,23 @@ class Placement(NamedTuple):
 
 class OwnSlots:
     """The blocks of the own slab by key: LRU among ordinary blocks, retained blocks skipped
-    while an ordinary one is left (``take``). ``max_retained`` bounds the retained blocks;
-    ``clock`` times their deadlines."""
+    while an ordinary one is left (pin) or while one was used earlier than they count as used
+    (``decay``; ``take``). ``max_retained`` bounds the retained blocks; ``clock`` times their
+    deadlines and the blocks' last uses."""
 
-    def __init__(self, num_slots: int, max_retained: int, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        num_slots: int,
+        max_retained: int,
+        clock: Callable[[], float],
+        decay: bool = False,
+    ) -> None:
         self.num_slots = num_slots
         self.max_retained = max_retained
         self.clock = clock
+        self.decay = decay
+        self._used: dict[BlockHash, float] = {}  # decay: key -> last use on ``clock``
+        self._by_value = KeyedHeap()  # decay: retained keys by last use + deadline
         self.num_evicted = 0  # own blocks overwritten by newer ones
         self._own: OrderedDict[BlockHash, int] = OrderedDict()  # key -> slot, oldest first
         self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
@@ -88,6 +102,14 @@ class OwnSlots:
     def touch(self, key: BlockHash) -> None:
         """Make an own block the most recently used."""
         self._own.move_to_end(key)
+        self._use(key)
+
+    def _use(self, key: BlockHash) -> None:
+        """Decay: stamp a block used now (a retained one's priority restarts from now)."""
+        if self.decay:
+            self._used[key] = now = self.clock()
+            if key in self._retained:
+                self._by_value.add(key, now + self._retained[key])
 
     def take(self, key: BlockHash, heat: Heat) -> Placement:
         """Give a new key (not held) a slot: a free one, else the evictee's (``_evictee``)."""
@@ -97,13 +119,20 @@ class OwnSlots:
         else:
             evicted = self._evictee()
             slot = self._own.pop(evicted)
-            self._retained.pop(evicted, None)
-            self._heat.pop(evicted, None)
+            self._drop(evicted)
             self.num_evicted += 1
         self._own[key] = slot
         self._generation += 1
         self._heat[key] = heat
+        self._use(key)
         return Placement(slot, self._generation, evicted)
+
+    def _drop(self, key: BlockHash) -> None:
+        """Forget what is kept of a block that left the own slab (its slot is handled)."""
+        self._retained.pop(key, None)
+        self._heat.pop(key, None)
+        self._used.pop(key, None)
+        self._by_value.pop(key)
 
     def _evictee(self) -> BlockHash:
         """The own block a store replaces: the least recently used ordinary one; retained ones
@@ -111,12 +140,26 @@ class OwnSlots:
         recently used of them."""
         if self._retained:
             self.expire()
+        if self.decay:
+            return self._decayed_evictee()
         for _ in range(len(self._own)):
             key = next(iter(self._own))
             if key not in self._retained:
                 return key
             self._own.move_to_end(key)
         return next(iter(self._own))
+
+    def _decayed_evictee(self) -> BlockHash:
+        """Decay: the least recently used ordinary block, or the retained block that counts as
+        used earliest (last use + deadline - now) where that is earlier. Retained blocks keep
+        their place in the LRU order, so one whose retention ends is ordinary where its last
+        use puts it."""
+        front = next((k for k in self._own if k not in self._retained), None)
+        first = self._by_value.first()
+        if first is None or front is None:
+            return front if front is not None else next(iter(self._own))
+        counts_as_used = first[0] - self.clock()
+        return first[1] if counts_as_used < self._used.get(front, 0.0) else front
 
     def reweigh(self, key: BlockHash, heat: Heat) -> int | None:
         """Give an own block a new heat; its slot (None, and nothing changed, if not own)."""
@@ -128,8 +171,7 @@ class OwnSlots:
     def forget(self, key: BlockHash) -> int | None:
         """Free an own block's slot; the slot (None for a key not held)."""
         slot = self._own.pop(key, None)
-        self._retained.pop(key, None)
-        self._heat.pop(key, None)
+        self._drop(key)
         if slot is not None:
             self._free.append(slot)
         return slot
@@ -140,6 +182,8 @@ class OwnSlots:
         self._own.clear()
         self._retained.clear()
         self._heat.clear()
+        self._used.clear()
+        self._by_value.clear()
         self._free = list(range(self.num_slots - 1, -1, -1))
         return keys
 
@@ -151,11 +195,13 @@ class OwnSlots:
             return False
         if key in self._retained:
             self._retained[key] = max(self._retained[key], until)  # its heap entry follows
+            self._value(key)
             return True
         self.expire()
         if len(self._retained) >= self.max_retained:
             return False
         self._retained[key] = until
+        self._value(key)
         heapq.heappush(self._deadlines, (until, key))
         if len(self._deadlines) > 2 * len(self._retained) + 16:  # entries of evicted blocks
             self._deadlines = [(until, k) for k, until in self._retained.items()]
@@ -177,3 +223,9 @@ class OwnSlots:
                 heapq.heappush(self._deadlines, (current, key))
             elif current is not None:
                 del self._retained[key]
+                self._by_value.pop(key)
+
+    def _value(self, key: BlockHash) -> None:
+        """Decay: a retained block's place among the retained, by last use + deadline."""
+        if self.decay:
+            self._by_value.add(key, self._used.get(key, 0.0) + self._retained[key])

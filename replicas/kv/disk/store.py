@@ -19,6 +19,7 @@ from replicas.kv.disk.ranking import HeatRanking
 from replicas.kv.disk.record import Heat, Location, checksum_seed
 from replicas.kv.disk.slab import SlabFile
 from replicas.kv.disk.slots import OwnSlots
+from replicas.kv.free_block_queue import DECAY
 from replicas.kv.hashing import BlockHash
 from replicas.kv.records import TierUsage
 
@@ -77,11 +78,13 @@ class DiskStore:
         num_slots: int,
         *,
         max_retained: int = 0,
+        retained_priority: str = DECAY,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
-        """``clock`` times retention deadlines; ``wall_clock`` (shared by the node's processes)
-        stamps hit weights."""
+        """``retained_priority``: how retained blocks are ordered in eviction, ``decay`` or
+        ``pin`` (``OwnSlots``); ``clock`` times retention deadlines and last uses;
+        ``wall_clock`` (shared by the node's processes) stamps hit weights."""
         if num_slots < 1:
             raise ValueError(f"a disk store needs at least one slot, got {num_slots}")
         self.max_retained = max_retained
@@ -96,7 +99,7 @@ class DiskStore:
         self.directory = os.path.join(directory, f"{fingerprint}-{cache_type}-{shape}")
         seed = checksum_seed(fingerprint, cache_type)
         self._file = SlabFile(self.directory, seed, self.block_bytes, num_slots)
-        self._slots = OwnSlots(num_slots, max_retained, clock)
+        self._slots = OwnSlots(num_slots, max_retained, clock, retained_priority == DECAY)
         self._changes = ChangeLog()
         self._io = ThreadPoolExecutor(1, thread_name_prefix=f"kv-disk-{cache_type}")
         try:

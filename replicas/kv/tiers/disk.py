@@ -27,6 +27,7 @@ def open_stores(context: TierContext, options: DiskOptions) -> dict[str, Backing
             context.dtypes[cache_type],
             num_slots,
             max_retained=int(context.retained_share * num_slots),
+            retained_priority=context.retained_priority,
         )
         for cache_type, num_slots in context.num_blocks.items()
     }

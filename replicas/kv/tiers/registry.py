@@ -54,6 +54,7 @@ class TierContext(NamedTuple):
     dtypes: Mapping[str, torch.dtype]  # per cache type: its KV tensor dtype
     num_blocks: Mapping[str, int]  # per cache type: the replica's share of the byte budget
     retained_share: float  # kv_offload_config.retained_share
+    retained_priority: str = "decay"  # kv_offload_config.retained_priority
 
 
 class TierPlugin(NamedTuple):
