@@ -24,7 +24,8 @@ from replicas.model.device_defaults import auto_dtype, device_quantization
 from replicas.model.gguf import GGUFWeights, is_gguf_file, open_gguf, read_gguf_info
 from replicas.model.hf import SafetensorsWeights, read_hf_info
 from replicas.model.native_stack import DECODER_STACKS, load_error, unsupported
-from replicas.model.quant import INT4_KERNELS, QUANTIZATIONS, quantize_model
+from replicas.model.quant import INT4_KERNELS, QUANTIZATIONS
+from replicas.model.quantize import quantize_model
 from replicas.model.registry import build_model
 from replicas.model.resolve import resolve_model
 from replicas.model.streamed import (

@@ -5,7 +5,7 @@ A model is built module by module on the meta device: each module's parameters a
 target device in the target dtype and read from the checkpoint (``Weights``: a GGUF file's,
 ``replicas.model.gguf_weights``, or a safetensors directory's, ``replicas.model.hf``), each
 tensor dequantized a slice of rows at a time and cast as it is copied; a decoder layer is then
-quantized at once (``replicas.model.quant.quantize_layer``), before the next is read, so its
+quantized at once (``replicas.model.quantize.quantize_layer``), before the next is read, so its
 float weights are freed; a weight an int4 product takes as its stored codes (a ``Q4_0``,
 ``Q4_1`` or ``Q4_K`` tensor) is never dequantized. What this builds is what loading the whole
 model in float32, casting it and quantizing it builds: the same casts and the same quantization
@@ -29,12 +29,8 @@ from torch import nn
 from replicas.dtypes import torch_dtype
 from replicas.model.autotune import Candidate
 from replicas.model.config import ModelArgs
-from replicas.model.quant import (
-    Int4Groups,
-    quantize_layer,
-    quantize_output,
-    stored_int4_weights,
-)
+from replicas.model.quant import Int4Groups
+from replicas.model.quantize import quantize_layer, quantize_output, stored_int4_weights
 from replicas.model.registry import build_model
 from replicas.model.transformer import Transformer
 

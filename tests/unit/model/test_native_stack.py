@@ -19,7 +19,7 @@ from replicas.model import loader, native_stack
 from replicas.model.attention import AttentionMetadata, strata_attends
 from replicas.model.batch import ForwardBatch
 from replicas.model.builtin import BUILTIN_MODEL_ARGS, init_random_weights
-from replicas.model.quant import quantize_model
+from replicas.model.quantize import quantize_model
 from replicas.model.registry import build_model
 
 if native_stack.load_error() is not None:  # pragma: no cover - a machine without a compiler

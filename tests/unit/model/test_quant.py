@@ -13,8 +13,8 @@ from replicas.model.quant import (
     GROUP_SIZE,
     QuantizedLinear,
     _unpack_int4,
-    quantize_model,
 )
+from replicas.model.quantize import quantize_model
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

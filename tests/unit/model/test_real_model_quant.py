@@ -11,7 +11,8 @@ import torch
 from replicas.model import load_model
 from replicas.model.gguf import gguf_int4_groups, gguf_weight_bits, open_gguf
 from replicas.model.perplexity import perplexity
-from replicas.model.quant import QuantizedLinear, quantize_model
+from replicas.model.quant import QuantizedLinear
+from replicas.model.quantize import quantize_model
 from replicas.model.resolve import DEFAULT_MODEL, packaged_model_path
 from tests.unit.model.conftest import SMOLLM2_PROMPTS, engine_greedy
 

@@ -9,7 +9,7 @@ import torch
 from replicas.model.autotune import Candidate
 from replicas.model.gguf import GGUFWeights, int4_groups_of_tensor, open_gguf, read_gguf_info
 from replicas.model.gguf_weights import _dequantize
-from replicas.model.quant import quantize_model
+from replicas.model.quantize import quantize_model
 from replicas.model.registry import build_model, get_architecture
 from replicas.model.streamed import build_streamed, probe_layers, probe_size
 

@@ -1,0 +1,170 @@
+"""A model's linear layers replaced by ``QuantizedLinear`` products (``replicas.model.quant``):
+q/k/v and gate/up fused into one product each, every weight under the scheme asked for, but
+kept at int8 where its file stored it at more than 4 bits or the int4 kernel does not take its
+shape, and built from a GGUF file's stored int4 codes where it has them."""
+
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import nn
+
+from replicas.model.quant import (
+    ACTIVATION_PASSES,
+    QUANTIZATIONS,
+    Int4Groups,
+    QuantizedLinear,
+    _shape,
+    int4_fits,
+)
+
+
+def quantize_model(
+    model: nn.Module,
+    scheme: str,
+    int4_groups: Mapping[str, Int4Groups] | None = None,
+    stored_bits: Mapping[str, int] | None = None,
+    int4_kernel: str = "torch",
+) -> None:
+    """Replaces every linear layer of a ``Transformer`` by a ``QuantizedLinear`` of ``scheme``,
+    in place, fusing q/k/v and gate/up into one product each (fewer kernel calls per layer).
+
+    ``int4_groups``: stored int4 codes by parameter name (a GGUF file's Q4 tensors), used as
+    they are under ``int4``. ``stored_bits``: bits per weight as stored; under ``int4`` a weight
+    stored at 5 bits or more is kept at int8 rather than lose the precision its file kept, and
+    so is one whose shape the int4 kernel does not take (``int4_fits``). ``int4_kernel``:
+    ``torch`` or ``strata``: under ``int4``, the product of the int4 weights and of the int8
+    ones kept beside them (a GGUF file's ``Q8_0`` LM head); where a weight does not fit Strata's
+    layout, torch's.
+    """
+    for i, layer in enumerate(model.layers):
+        quantize_layer(layer, f"layers.{i}", scheme, int4_groups, stored_bits, int4_kernel)
+    quantize_output(model, scheme, int4_groups, stored_bits, int4_kernel)
+
+
+def quantize_layer(
+    layer: nn.Module,
+    prefix: str,
+    scheme: str,
+    int4_groups: Mapping[str, Int4Groups] | None = None,
+    stored_bits: Mapping[str, int] | None = None,
+    int4_kernel: str = "torch",
+) -> None:
+    """``quantize_model`` on one decoder layer, whose parameters are named ``prefix.*`` in
+    ``int4_groups`` and ``stored_bits`` (a model built a layer at a time quantizes each layer
+    as it is read)."""
+    quantized = _quantizer(scheme, int4_groups, stored_bits, int4_kernel)
+    with torch.no_grad():
+        for module_name, fused, parts in LAYER_PRODUCTS:
+            module = getattr(layer, module_name)
+            names = [f"{prefix}.{module_name}.{part}" for part in parts]
+            linears = [getattr(module, part) for part in parts]
+            setattr(module, fused, quantized(names, linears, ACTIVATION_PASSES[fused]))
+            for part in parts:
+                if part != fused:
+                    delattr(module, part)
+
+
+LAYER_PRODUCTS = (
+    ("attention", "wqkv", ("wq", "wk", "wv")),
+    ("attention", "wo", ("wo",)),
+    ("feed_forward", "w13", ("w1", "w3")),
+    ("feed_forward", "w2", ("w2",)),
+)
+"""A decoder layer's products once quantized: (module, fused product, the linear layers whose
+rows it holds one after the other)."""
+
+
+def stored_int4_weights(
+    layer: nn.Module,
+    prefix: str,
+    int4_groups: Mapping[str, Int4Groups],
+    stored_bits: Mapping[str, int] | None = None,
+) -> set[str]:
+    """The weights of a decoder layer (``prefix.*``) that ``quantize_layer`` under ``int4``
+    builds from their stored codes in ``int4_groups``, not from their float values: a model
+    built a layer at a time need not read (dequantize) them."""
+    kept = set()
+    for module_name, _, parts in LAYER_PRODUCTS:
+        module = getattr(layer, module_name)
+        names = [f"{prefix}.{module_name}.{part}" for part in parts]
+        weight = [getattr(module, part).weight for part in parts]
+        if _uses_stored_codes("int4", names, weight, int4_groups, stored_bits or {}):
+            kept.update(f"{name}.weight" for name in names)
+    return kept
+
+
+def _uses_stored_codes(
+    scheme: str,
+    names: list[str],
+    weight: list[torch.Tensor],
+    groups: Mapping[str, Int4Groups],
+    bits: Mapping[str, int],
+) -> bool:
+    """Whether the product of linear layers ``names`` is int4 made from their stored codes."""
+    return _product_scheme(scheme, names, weight, bits) == "int4" and all(
+        f"{n}.weight" in groups for n in names
+    )
+
+
+def _product_scheme(
+    scheme: str, names: list[str], weight: list[torch.Tensor], bits: Mapping[str, int]
+) -> str:
+    """``scheme``, or int8 for a product whose weights are stored at more than 4 bits or that
+    the int4 kernel does not take (``quantize_model``)."""
+    if scheme == "int4" and all(bits.get(f"{n}.weight", 16) <= 4 for n in names):
+        return "int4" if int4_fits(*_shape(weight)) else "int8"
+    return "int8"
+
+
+def quantize_output(
+    model: nn.Module,
+    scheme: str,
+    int4_groups: Mapping[str, Int4Groups] | None = None,
+    stored_bits: Mapping[str, int] | None = None,
+    int4_kernel: str = "torch",
+) -> None:
+    """``quantize_model`` on the LM head; a tied head is the embedding matrix as stored."""
+    groups = dict(int4_groups or {})
+    bits = dict(stored_bits or {})
+    if model.args.tie_word_embeddings:
+        for stored in (groups, bits):
+            if "tok_embeddings.weight" in stored:
+                stored["output.weight"] = stored["tok_embeddings.weight"]
+    quantized = _quantizer(scheme, groups, bits, int4_kernel)
+    with torch.no_grad():
+        model.output = quantized(["output"], [model.output], ACTIVATION_PASSES["output"])
+
+
+def _quantizer(
+    scheme: str,
+    int4_groups: Mapping[str, Int4Groups] | None,
+    stored_bits: Mapping[str, int] | None,
+    int4_kernel: str,
+) -> Callable[[list[str], list[nn.Linear], int], QuantizedLinear]:
+    """The function that makes one ``QuantizedLinear`` of linear layers named ``names``
+    (concatenated by rows), following ``quantize_model``'s rules."""
+    if scheme not in QUANTIZATIONS or scheme == "none":
+        raise ValueError(f"quantization scheme must be int8 or int4, got {scheme!r}")
+    # Strata's products for the int4 weights and the int8 ones kept beside them; None: where
+    # a weight fits them
+    kernel = None if int4_kernel == "strata" and scheme == "int4" else "torch"
+    groups = int4_groups or {}
+    bits = stored_bits or {}
+
+    def quantized(names: list[str], linears: list[nn.Linear], passes: int) -> QuantizedLinear:
+        biases = [linear.bias for linear in linears]
+        bias = None if biases[0] is None else torch.cat(biases)
+        weight = [x.weight for x in linears]  # fused by rows as they are quantized
+        if _uses_stored_codes(scheme, names, weight, groups, bits):
+            stored = [groups[f"{n}.weight"] for n in names]
+            return QuantizedLinear.int4_groups(
+                *(torch.cat(parts) for parts in zip(*stored, strict=True)),
+                bias=bias,
+                kernel=kernel,
+                passes=passes,
+            )
+        if _product_scheme(scheme, names, weight, bits) == "int4":
+            return QuantizedLinear.int4(weight, bias, kernel, passes)
+        return QuantizedLinear.int8(weight, bias, kernel, passes)
+
+    return quantized
