@@ -260,6 +260,16 @@ inline typename P::V load_row(const at::Half* p) {
   return P::load_f16(reinterpret_cast<const uint16_t*>(p));
 }
 
+// Asks for the cache lines of `bytes` bytes from `p` before they are loaded. A block cache's
+// rows of one kv head are scattered (among the other heads' rows, in blocks anywhere in the
+// pool), so a long context's loads otherwise wait on memory one row at a time.
+template <typename T>
+inline void fetch_ahead(const T* p, int64_t bytes) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
+}
+constexpr int64_t kValuesAhead = 8;  // value rows fetched this many keys ahead
+
 struct Problem {
   const float* q;        // [S * L, H, D], scaled by log2(e) / sqrt(D)
   const void* cache;
@@ -328,6 +338,9 @@ inline void weigh_values(const float* const* weights, const T* cache, const int6
     }
   }
   for (int64_t j = first; j < last; ++j) {
+    if (j + kValuesAhead < last) {
+      fetch_ahead(cache + values[j + kValuesAhead] * d + c0, NC * kLanes * sizeof(T));
+    }
     if (seen && !seen[j]) continue;
     const T* value = cache + values[j] * d + c0;
     V v[NC];
@@ -502,6 +515,9 @@ inline void attend(const Problem& pr, int64_t begin, int64_t end_task) {
     panel.resize(num_groups * d * kLanes);
     for (int64_t group = 0; group < num_groups; ++group) {
       const int64_t j0 = origin + group * kLanes;
+      for (int64_t j = std::max(j0 + kLanes, lo); j < std::min(j0 + 2 * kLanes, hi); ++j) {
+        fetch_ahead(cache + keys[j] * d, d * static_cast<int64_t>(sizeof(T)));  // the next group's
+      }
       for (int64_t c = 0; c < d; c += kLanes) {  // 16 keys by 16 columns at a time
         float tile[kLanes * kLanes];
         for (int64_t i = 0; i < kLanes; ++i) {
