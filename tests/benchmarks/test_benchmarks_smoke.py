@@ -328,10 +328,16 @@ def test_quick_run_writes_report(
         # The default's start-up choice and the timings it was made from are in the report.
         auto = document["strata"][0]
         assert auto["dtype"] == "auto" and auto["auto"]["chose"] == auto["runs"]
-        # 2 dtypes x 3 quantizations, each eager; and where the native stack runs, each native
-        # too, int4 with both int4 kernels.
-        native = native_stack.load_error() is None
-        assert len(auto["auto"]["timings"]) == (6 * 2 + 2 if native else 6)
+        # 2 dtypes x 3 quantizations, each eager; where the native stack runs, each native
+        # (int4 with both int4 kernels) and eager only for the finalists' builds.
+        timed = [t["candidate"] for t in auto["auto"]["timings"]]
+        if native_stack.load_error() is None:
+            quantizations = ("none", "int8", "int4", "int4-strata")
+            natives = {f"{d}/{q}/native" for d in ("float32", "bfloat16") for q in quantizations}
+            assert {c for c in timed if c.endswith("/native")} == natives
+            assert len(natives) <= len(timed) <= 6 * 2 + 2
+        else:
+            assert len(timed) == 6
         assert "What auto chose" in report and "torch_cpu_capability" in report
         # Speculative rows: both workloads, and drafting changes no token.
         spec = document["speculative"]
