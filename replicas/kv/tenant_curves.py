@@ -142,8 +142,8 @@ RESIZE_INTERVAL_S = 30.0
 NEWCOMER_RESIZE_S = 5.0
 """How soon after the last look a tenant with no quota (a new one, one back from idle, or
 every tenant before the first look) makes ``AutoQuotas`` look again: until then it has no share
-to keep, so a neighbour over its own quota evicts it first (the benchmark's sporadic tenant
-kept 0.75 of its predicted hit rate when it waited for the interval)."""
+to keep, so a neighbour over its own quota evicts it first (benchmarks/README.md, ``tenants``
+and ``tenants-sim``)."""
 SAMPLED_BLOCKS = 512
 """Each tenant's stack samples about this many blocks of a capacity's worth (all, below it)."""
 
