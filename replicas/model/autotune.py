@@ -29,7 +29,7 @@ with every stack, each figure the faster of its timings: the first pass's choice
 was weighed against below, and every candidate within ``FINALIST_MARGIN`` of its request: a
 shared VM's slow stretch can last longer than a candidate's rounds. The eager stack runs the
 native loop's ops with Python between them, so it matters only between builds close enough
-to be finalists; timing it for every build took a fifth of a measured start-up at 1.7B
+to be finalists; timing it for every build took a large share of a measured start-up
 (benchmarks/README.md). (What each of these rules was seen to prevent is in docs/design.md
 section 12.)
 The candidates are priced by the time of one representative request (``PROMPT_TOKENS`` of
