@@ -47,9 +47,7 @@ def timings(model: str, passes: int) -> dict[str, dict[Candidate, Timing]]:
                 )
                 dtype = torch_dtype(key[0])
                 if layers:  # as auto times a probe: without the head, timed on its own
-                    body = autotune.time_rest(net, dtype, logits=False)
-                    whole = autotune.time_rest(net, dtype)
-                    head = tuple(max(0.0, w - b) for w, b in zip(whole, body, strict=True))
+                    body, head = autotune.rest_and_head(net, dtype)
                 for candidate in (c for c in options if (c.dtype, c.quantization, c.kernel) == key):
                     net.use_native_stack(candidate.stack == "native")
                     t = Timing(candidate, *autotune.time_model(net, dtype, logits=not layers))

@@ -164,6 +164,7 @@ class AutoQuotas:
         self._clock = clock
         self._last = clock()
         self._next = self._last + RESIZE_INTERVAL_S
+        self._newcomer = False  # a tenant without a quota has accessed blocks since the last look
 
     def predicted_hit_rate(self, tenant: int) -> float | None:
         """The share of ``tenant``'s recent block accesses its curve says hit at its quota
@@ -176,19 +177,19 @@ class AutoQuotas:
     def observe(self, tenant: int, hashes: Iterable[BlockHash]) -> None:
         if tenant != NO_TENANT:
             self.curves.access(tenant, hashes)
+            self._newcomer = self._newcomer or tenant not in self.quota
 
     def resize(self) -> dict[int, float] | None:
         """New shares by tenant when the interval has passed (or ``NEWCOMER_RESIZE_S``, for a
         tenant without a quota) and they gain enough hits over the current ones, or give a
         newcomer its share (else None); the curves decay either way."""
         now = self._clock()
-        tenants = self.curves.active()
-        newcomer = now >= self._last + NEWCOMER_RESIZE_S and any(
-            t not in self.quota for t in tenants
-        )
+        newcomer = self._newcomer and now >= self._last + NEWCOMER_RESIZE_S
         if now < self._next and not newcomer:
             return None
         self._last, self._next = now, now + RESIZE_INTERVAL_S
+        tenants = self.curves.active()
+        self._newcomer = False
         proposed = share_out(self.curves, tenants, self.capacity, self.min_share)
         current = {t: self.quota.get(t, self.capacity) for t in tenants}
         gain = total_hits(self.curves, proposed) - total_hits(self.curves, current)

@@ -376,7 +376,7 @@ def _timed(
         if how.layers is not None and depth < how.layers:
             head = (dtype_name, type(model.output).__name__, model.output.extra_repr())
             if head not in how.rests:
-                how.rests[head] = _rests(model, dtype, how)
+                how.rests[head] = rest_and_head(model, dtype, how.timer, how.kv_cache_dtype)
             rests = how.rests[head]
         for candidate in options:
             if candidate[:2] + candidate[3:] != (dtype_name, quantization, kernel):
@@ -391,14 +391,17 @@ def _timed(
     return timings
 
 
-def _rests(
-    model: Transformer, dtype: torch.dtype, how: _How
+def rest_and_head(
+    model: Transformer,
+    dtype: torch.dtype,
+    timer: Callable[[], float] = time.perf_counter,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[tuple[float, float], tuple[float, float]]:
     """What is not a probe's layers (``time_rest``) without the LM head, and the head's own
     times (the rest with it, less the rest without it): a probe's forwards skip the head, which
     at a large vocabulary costs as much as several of its layers."""
-    body = time_rest(model, dtype, how.timer, how.kv_cache_dtype, logits=False)
-    whole = time_rest(model, dtype, how.timer, how.kv_cache_dtype)
+    body = time_rest(model, dtype, timer, kv_cache_dtype, logits=False)
+    whole = time_rest(model, dtype, timer, kv_cache_dtype)
     return body, tuple(max(0.0, w - b) for w, b in zip(whole, body, strict=True))
 
 
