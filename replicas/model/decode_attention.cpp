@@ -10,6 +10,11 @@
 //   m = max_j s_j,  p_j = 2^(s_j - m)         see is never read: padding may hold anything)
 //   out = (sum_j p_j v_j) / (sum_j p_j)
 //
+// A row that sees more than kSplitKeys keys takes them in splits of that many (counted from its
+// first key seen), each as above but left undivided, in parallel; its output then combines the
+// splits' maxima m_k, weights' sums l_k and sums o_k in split order: with M = max_k m_k and
+// c_k = 2^(m_k - M), out = (sum_k c_k o_k) / (sum_k c_k l_k).
+//
 // A score is the product of column 0, then each next column's added in one fused multiply-add,
 // in column order (16 keys at once, from a panel of the keys transposed); the weights' sum adds
 // one key at a time in key order, and each column of the weighted sum of the values one fused
@@ -270,15 +275,27 @@ inline void fetch_ahead(const T* p, int64_t bytes) {
 }
 constexpr int64_t kValuesAhead = 8;  // value rows fetched this many keys ahead
 
+// A row that sees more keys than this attends over each run of this many it sees (from its
+// first), in parallel, and then combines the runs' partials (combine): so a long context's few
+// sequences and kv heads (a chunk, a decode) still keep every thread busy. Where the splits
+// fall depends on nothing but the keys the row sees, so a row's bits stay its own.
+constexpr int64_t kSplitKeys = 512;
+
 struct Problem {
   const float* q;        // [S * L, H, D], scaled by log2(e) / sqrt(D)
   const void* cache;
   const int64_t* rows;   // [2, S, kv heads, W]
   const bool* allowed;   // [S * L, W] or null
-  const int64_t* first;  // [S * L] the first key each row sees
-  const int64_t* last;   // [S * L] one past the last
   float* out;            // [S * L, H, D]
   int64_t num_seqs, q_len, num_heads, num_kv_heads, head_dim, width, num_blocks;
+  // Splits (see kSplitKeys): row r's split k is keys [at[k], at[k + 1]) for at = split_at +
+  // r * (splits + 1); a row of fewer splits ends in empty ones. A row of more than one writes
+  // each split's partial (its maximum, sum of weights and unnormalized sums of the values) to
+  // the slots of its task's unit, numbered from unit0, for combine() to finish.
+  const int64_t* split_at;
+  int64_t splits, unit0;
+  float* part_ml;  // [units, rows per block, heads per kv head, splits, 2]: maximum, sum
+  float* part_o;   // [units, rows per block, heads per kv head, splits, D]
 };
 
 // Up to kHeads query heads of one kv head run together: they see the same keys, so each key
@@ -370,7 +387,7 @@ struct RowKeys {
 // A row's weights from its scores (indexed from the panel's first key, kLanes per group):
 // 2^(s - max), exactly 0 for a key it does not see.
 template <typename P>
-inline void softmax_weights(float* scores, const RowKeys& k) {
+inline float softmax_weights(float* scores, const RowKeys& k) {
   using V = typename P::V;
   const float minus_inf = -std::numeric_limits<float>::infinity();
   float* at = scores - k.origin;  // at[j]: key j's
@@ -396,6 +413,7 @@ inline void softmax_weights(float* scores, const RowKeys& k) {
     P::store(scores + g * kLanes, exp2_nonpositive<P>(P::sub(P::load(scores + g * kLanes), m)));
   }
   hide(0.0f);
+  return max_score;
 }
 
 // Columns [c0, c0 + NC * kLanes) of NP pairs' weighted sums of the values: over the keys
@@ -419,11 +437,12 @@ inline void weigh_tile(const float* const* weights, const T* cache, const int64_
 // its output row. Every step of a pair is the one it takes alone: its scores cover groups
 // [g0, g1) of its own keys (the tile scores the groups of all, the others unused), its weights
 // and their sum run over its own keys in key order, and its values' sum goes over the keys all
-// the tile's rows see, then on (resumed) over the rest of its own.
+// the tile's rows see, then on (resumed) over the rest of its own. A pair with partial[p] (one
+// split of a row's keys) leaves its sums undivided there, with its maximum and weights' sum.
 template <typename P, typename T, int NP>
 inline void attend_pairs(const float* const* q, const float* panel, const T* cache,
                          const int64_t* values, const RowKeys* const* k, int64_t d,
-                         float* const* scores, float* const* out) {
+                         float* const* scores, float* const* out, float* const* partial) {
   const int64_t first = k[0]->first, g0 = k[0]->g0;
   int64_t g1 = k[0]->g1, common = k[0]->last;
   for (int p = 1; p < NP; ++p) {
@@ -437,8 +456,9 @@ inline void attend_pairs(const float* const* q, const float* panel, const T* cac
   }
   for (; g < g1; ++g) score_groups<P, 1, NP>(q, panel + g * d * kLanes, d, g, scores);
   const float* weights[NP];
+  float maxima[NP];
   for (int p = 0; p < NP; ++p) {
-    softmax_weights<P>(scores[p], *k[p]);
+    maxima[p] = softmax_weights<P>(scores[p], *k[p]);
     weights[p] = scores[p] - k[p]->origin;
   }
   // Each pair's sum of its weights, one key at a time in key order (a hidden key's 0 changes
@@ -461,6 +481,11 @@ inline void attend_pairs(const float* const* q, const float* panel, const T* cac
     weigh_tile<P, T, 1, NP>(weights, cache, values, k, first, common, d, c0, out);
   }
   for (int p = 0; p < NP; ++p) {
+    if (partial[p]) {
+      partial[p][0] = maxima[p];
+      partial[p][1] = sums[p];
+      continue;
+    }
     for (int64_t i = 0; i < d; ++i) out[p][i] = out[p][i] / sums[p];
   }
 }
@@ -469,93 +494,171 @@ inline void attend_pairs(const float* const* q, const float* panel, const T* cac
 template <typename P, typename T, int NP_MAX, int NP = 1>
 inline void attend_tile(int np, const float* const* q, const float* panel, const T* cache,
                         const int64_t* values, const RowKeys* const* k, int64_t d,
-                        float* const* scores, float* const* out) {
+                        float* const* scores, float* const* out, float* const* partial) {
   if constexpr (NP < NP_MAX) {
     if (np > NP) {
-      attend_tile<P, T, NP_MAX, NP + 1>(np, q, panel, cache, values, k, d, scores, out);
+      attend_tile<P, T, NP_MAX, NP + 1>(np, q, panel, cache, values, k, d, scores, out, partial);
       return;
     }
   }
-  attend_pairs<P, T, NP>(q, panel, cache, values, k, d, scores, out);
+  attend_pairs<P, T, NP>(q, panel, cache, values, k, d, scores, out, partial);
 }
 
-// Tasks [begin, end) of a problem, a task being one sequence, kv head and block of query rows.
-// The keys the block sees are transposed into a panel of kLanes keys by D columns, so that a
-// query row's scores come kLanes keys at a time, one multiply-add per column; then, per tile of
-// rows (attend_pairs), their softmax over kLanes keys at a time and the weighted sums of the
-// values, kLanes columns at a time. Every step a row takes depends on nothing but the row and
-// the keys it sees.
+// A unit of a problem: one sequence, kv head and block of query rows [row0, row1).
+struct Unit {
+  int64_t seq, kv_head, row0, row1;
+};
+
+inline Unit unit_of(const Problem& pr, int64_t unit) {
+  // Blocks interleaved from both ends, so that threads share a causal prefill evenly.
+  const int64_t b = unit % pr.num_blocks, rest = unit / pr.num_blocks;
+  const int64_t block = b % 2 == 0 ? b / 2 : pr.num_blocks - 1 - b / 2;
+  const int64_t rows_per_block = (pr.q_len + pr.num_blocks - 1) / pr.num_blocks;
+  const int64_t s = rest / pr.num_kv_heads, row0 = s * pr.q_len + block * rows_per_block;
+  return {s, rest % pr.num_kv_heads, row0,
+          std::min(s * pr.q_len + pr.q_len, row0 + rows_per_block)};
+}
+
+inline const int64_t* split_of(const Problem& pr, int64_t row, int64_t k) {
+  return pr.split_at + row * (pr.splits + 1) + k;  // [0]: its first key, [1]: one past its last
+}
+
+// The keys [lo, hi) transposed into `panel` ([key group, D, kLanes], groups from lo's), with
+// the next group's rows asked for while one is transposed.
+template <typename P, typename T>
+inline void transpose_keys(const T* cache, const int64_t* keys, int64_t lo, int64_t hi,
+                           int64_t d, std::vector<float>& panel) {
+  using V = typename P::V;
+  const int64_t origin = lo / kLanes * kLanes;
+  const int64_t num_groups = (hi - origin + kLanes - 1) / kLanes;
+  panel.resize(num_groups * d * kLanes);
+  for (int64_t group = 0; group < num_groups; ++group) {
+    const int64_t j0 = origin + group * kLanes;
+    for (int64_t j = std::max(j0 + kLanes, lo); j < std::min(j0 + 2 * kLanes, hi); ++j) {
+      fetch_ahead(cache + keys[j] * d, d * static_cast<int64_t>(sizeof(T)));  // the next group's
+    }
+    for (int64_t c = 0; c < d; c += kLanes) {  // 16 keys by 16 columns at a time
+      float tile[kLanes * kLanes];
+      for (int64_t i = 0; i < kLanes; ++i) {
+        const int64_t j = j0 + i;
+        const V row = j >= lo && j < hi ? load_row<P>(cache + keys[j] * d + c) : P::set1(0.0f);
+        P::store(tile + i * kLanes, row);
+      }
+      P::transpose16(tile, &panel[(group * d + c) * kLanes]);
+    }
+  }
+}
+
+// Tasks [begin, end) of a problem, a task being split k of one unit's rows (every row's own
+// keys when no row is split). The keys the rows see in the split are transposed into a panel
+// of kLanes keys by D columns, so that a query row's scores come kLanes keys at a time, one
+// multiply-add per column; then, per tile of rows (attend_pairs), their softmax over kLanes
+// keys at a time and the weighted sums of the values, kLanes columns at a time. Every step a
+// row takes depends on nothing but the row and the keys it sees.
 template <typename P, typename T>
 inline void attend(const Problem& pr, int64_t begin, int64_t end_task) {
-  using V = typename P::V;
-  const int64_t d = pr.head_dim, w = pr.width, big_l = pr.q_len;
+  const int64_t d = pr.head_dim, w = pr.width;
   const int64_t heads = pr.num_heads / pr.num_kv_heads;
-  const int64_t rows_per_block = (big_l + pr.num_blocks - 1) / pr.num_blocks;
+  const int64_t rows_per_block = (pr.q_len + pr.num_blocks - 1) / pr.num_blocks;
   const T* cache = static_cast<const T*>(pr.cache);
-  std::vector<float> panel;   // [key group, D, kLanes]: the block's keys, transposed
+  std::vector<float> panel;   // [key group, D, kLanes]: the split's keys, transposed
   constexpr int kMaxPairs = std::max(P::kPairs, kHeads);
   std::vector<float> scores;  // [kMaxPairs, groups * kLanes]: a tile's scores, then weights
   for (int64_t task = begin; task < end_task; ++task) {
-    // Blocks interleaved from both ends, so that threads share a causal prefill evenly.
-    const int64_t b = task % pr.num_blocks, rest = task / pr.num_blocks;
-    const int64_t block = b % 2 == 0 ? b / 2 : pr.num_blocks - 1 - b / 2;
-    const int64_t s = rest / pr.num_kv_heads, g = rest % pr.num_kv_heads;
-    const int64_t row0 = s * big_l + block * rows_per_block;
-    const int64_t row1 = s * big_l + std::min(big_l, (block + 1) * rows_per_block);
-    if (row0 >= row1) continue;
-    const int64_t* keys = pr.rows + (s * pr.num_kv_heads + g) * w;
+    const int64_t k = task % pr.splits, unit = pr.unit0 + task / pr.splits;
+    const Unit u = unit_of(pr, unit);
+    const int64_t* keys = pr.rows + (u.seq * pr.num_kv_heads + u.kv_head) * w;
     const int64_t* values = keys + pr.num_seqs * pr.num_kv_heads * w;
     int64_t lo = w, hi = 0;
-    for (int64_t r = row0; r < row1; ++r) {
-      lo = std::min(lo, pr.first[r]);
-      hi = std::max(hi, pr.last[r]);
+    for (int64_t r = u.row0; r < u.row1; ++r) {
+      const int64_t* at = split_of(pr, r, k);
+      if (at[0] < at[1]) lo = std::min(lo, at[0]), hi = std::max(hi, at[1]);
     }
-    const int64_t origin = lo / kLanes * kLanes;
-    const int64_t num_groups = (hi - origin + kLanes - 1) / kLanes;
-    panel.resize(num_groups * d * kLanes);
-    for (int64_t group = 0; group < num_groups; ++group) {
-      const int64_t j0 = origin + group * kLanes;
-      for (int64_t j = std::max(j0 + kLanes, lo); j < std::min(j0 + 2 * kLanes, hi); ++j) {
-        fetch_ahead(cache + keys[j] * d, d * static_cast<int64_t>(sizeof(T)));  // the next group's
-      }
-      for (int64_t c = 0; c < d; c += kLanes) {  // 16 keys by 16 columns at a time
-        float tile[kLanes * kLanes];
-        for (int64_t i = 0; i < kLanes; ++i) {
-          const int64_t j = j0 + i;
-          const V row = j >= lo && j < hi ? load_row<P>(cache + keys[j] * d + c) : P::set1(0.0f);
-          P::store(tile + i * kLanes, row);
-        }
-        P::transpose16(tile, &panel[(group * d + c) * kLanes]);
-      }
-    }
-    const int64_t stride = num_groups * kLanes;
+    if (lo >= hi) continue;  // every row's keys end in an earlier split
+    transpose_keys<P, T>(cache, keys, lo, hi, d, panel);
+    const int64_t origin = lo / kLanes * kLanes, stride = panel.size() / d;
     scores.resize(kMaxPairs * stride);
-    for (int64_t h0 = g * heads; h0 < (g + 1) * heads; h0 += kHeads) {
-      const int nh = static_cast<int>(std::min<int64_t>(kHeads, (g + 1) * heads - h0));
+    for (int64_t h0 = u.kv_head * heads; h0 < (u.kv_head + 1) * heads; h0 += kHeads) {
+      const int nh = static_cast<int>(std::min<int64_t>(kHeads, (u.kv_head + 1) * heads - h0));
       const int64_t tile_rows = pr.allowed ? 1 : std::max(1, P::kPairs / nh);
-      for (int64_t r0 = row0; r0 < row1;) {
+      for (int64_t r0 = u.row0; r0 < u.row1;) {
+        if (split_of(pr, r0, k)[0] >= split_of(pr, r0, k)[1]) {
+          ++r0;
+          continue;
+        }
         RowKeys row_keys[kMaxPairs];
         const RowKeys* pair_keys[kMaxPairs];
         const float* q[kMaxPairs];
         float* score_rows[kMaxPairs];
         float* out[kMaxPairs];
+        float* partial[kMaxPairs];
         int np = 0;
         int64_t r = r0;
-        for (; r < row1 && r < r0 + tile_rows && pr.first[r] == pr.first[r0]; ++r) {
-          const int64_t first = pr.first[r], last = pr.last[r];
-          RowKeys& k = row_keys[r - r0];
-          k = {first, last, origin, (first - origin) / kLanes,
-               (last - origin + kLanes - 1) / kLanes, pr.allowed ? pr.allowed + r * w : nullptr};
+        for (; r < u.row1 && r < r0 + tile_rows && split_of(pr, r, k)[0] == split_of(pr, r0, k)[0];
+             ++r) {
+          const int64_t* at = split_of(pr, r, k);
+          RowKeys& keys_of_row = row_keys[r - r0];
+          keys_of_row = {at[0], at[1], origin, (at[0] - origin) / kLanes,
+                         (at[1] - origin + kLanes - 1) / kLanes,
+                         pr.allowed ? pr.allowed + r * w : nullptr};
+          const bool split = pr.splits > 1 && split_of(pr, r, 1)[0] < split_of(pr, r, 1)[1];
           for (int h = 0; h < nh; ++h, ++np) {
-            pair_keys[np] = &k;
+            const int64_t slot =
+                (((unit - pr.unit0) * rows_per_block + r - u.row0) * heads + h0 + h -
+                 u.kv_head * heads) * pr.splits + k;
+            pair_keys[np] = &keys_of_row;
             q[np] = pr.q + (r * pr.num_heads + h0 + h) * d;
             score_rows[np] = scores.data() + np * stride;
-            out[np] = pr.out + (r * pr.num_heads + h0 + h) * d;
+            out[np] = split ? pr.part_o + slot * d : pr.out + (r * pr.num_heads + h0 + h) * d;
+            partial[np] = split ? pr.part_ml + 2 * slot : nullptr;
           }
         }
         attend_tile<P, T, kMaxPairs>(np, q, panel.data(), cache, values, pair_keys, d,
-                                     score_rows, out);
+                                     score_rows, out, partial);
         r0 = r;
+      }
+    }
+  }
+}
+
+// Units [begin, end) of a problem's wave (numbered from unit0): each split row's output from
+// its splits' partials, in split order: M the largest maximum, c_k = 2^(m_k - M), and
+// out = (sum_k c_k o_k) / (sum_k c_k l_k), each sum one term at a time, a column's in one
+// fused multiply-add per split.
+template <typename P>
+inline void combine(const Problem& pr, int64_t begin, int64_t end) {
+  using V = typename P::V;
+  const int64_t d = pr.head_dim, heads = pr.num_heads / pr.num_kv_heads;
+  const int64_t rows_per_block = (pr.q_len + pr.num_blocks - 1) / pr.num_blocks;
+  std::vector<float> scale(pr.splits);
+  for (int64_t unit = pr.unit0 + begin; unit < pr.unit0 + end; ++unit) {
+    const Unit u = unit_of(pr, unit);
+    for (int64_t r = u.row0; r < u.row1; ++r) {
+      int64_t n = 0;
+      while (n < pr.splits && split_of(pr, r, n)[0] < split_of(pr, r, n)[1]) ++n;
+      if (n < 2) continue;  // attended whole, out written
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t slot0 =
+            (((unit - pr.unit0) * rows_per_block + r - u.row0) * heads + h) * pr.splits;
+        const float* ml = pr.part_ml + 2 * slot0;
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t k = 0; k < n; ++k) top = std::max(top, ml[2 * k]);
+        float sum = 0.0f;
+        for (int64_t k = 0; k < n; ++k) {
+          float lanes[kLanes];
+          P::store(lanes, exp2_nonpositive<P>(P::set1(ml[2 * k] - top)));
+          scale[k] = lanes[0];
+          sum = sum + scale[k] * ml[2 * k + 1];
+        }
+        float* out = pr.out + (r * pr.num_heads + u.kv_head * heads + h) * d;
+        for (int64_t c = 0; c < d; c += kLanes) {
+          V acc = P::set1(0.0f);
+          for (int64_t k = 0; k < n; ++k) {
+            acc = P::fma(P::set1(scale[k]), P::load(pr.part_o + (slot0 + k) * d + c), acc);
+          }
+          P::store(out + c, acc);
+        }
+        for (int64_t i = 0; i < d; ++i) out[i] = out[i] / sum;
       }
     }
   }
@@ -576,6 +679,18 @@ __attribute__((target("avx2,fma,f16c"), flatten)) void attend_avx2(const Problem
 template <typename T>
 __attribute__((flatten)) void attend_generic(const Problem& pr, int64_t b, int64_t e) {
   attend<Generic, T>(pr, b, e);
+}
+
+__attribute__((target("avx512f"), flatten)) void combine_avx512(const Problem& pr, int64_t b, int64_t e) {
+  combine<Avx512>(pr, b, e);
+}
+
+__attribute__((target("avx2,fma,f16c"), flatten)) void combine_avx2(const Problem& pr, int64_t b, int64_t e) {
+  combine<Avx2>(pr, b, e);
+}
+
+__attribute__((flatten)) void combine_generic(const Problem& pr, int64_t b, int64_t e) {
+  combine<Generic>(pr, b, e);
 }
 
 // The best path this CPU has, at most STRATA_NATIVE_ISA's (native_isa.h).
@@ -599,6 +714,17 @@ Kernel kernel_for(int64_t path) {
       return attend_avx2<T>;
     default:
       return attend_generic<T>;
+  }
+}
+
+Kernel combiner_for(int64_t path) {
+  switch (decode_attention_path(path)) {
+    case kPathAvx512:
+      return combine_avx512;
+    case kPathAvx2:
+      return combine_avx2;
+    default:
+      return combine_generic;
   }
 }
 
@@ -677,10 +803,86 @@ int64_t decode_attention_path(int64_t requested) {
 
 namespace {
 
+// Each row's first key and one past its last, in bounds[0 .. rows) and [rows .. 2 rows);
+// between them, a mask may hide more. Returns whether one does for some row (has holes).
+bool row_bounds(const char* name, const bool* seen, bool is_causal, int64_t q_len,
+                int64_t num_rows, int64_t width, std::vector<int64_t>& bounds) {
+  bounds.resize(2 * num_rows);
+  bool has_holes = false;
+  for (int64_t r = 0; r < num_rows; ++r) {
+    int64_t lo = 0, hi = width;
+    if (seen) {
+      const bool* row = seen + r * width;
+      while (lo < width && !row[lo]) ++lo;
+      while (hi > lo && !row[hi - 1]) --hi;
+      has_holes = has_holes || !std::all_of(row + lo, row + hi, [](bool b) { return b; });
+    } else if (is_causal) {
+      hi = std::min(width, width - q_len + r % q_len + 1);
+    }
+    TORCH_CHECK(hi > lo, name, ": query row ", r, " sees no key");
+    bounds[r] = lo;
+    bounds[num_rows + r] = hi;
+  }
+  return has_holes;
+}
+
+// Where each row's splits start (kSplitKeys of the keys it sees each; its last split's end
+// last), [rows, splits + 1]; returns the most splits a row has.
+int64_t split_points(const bool* seen, const int64_t* first, const int64_t* last,
+                     int64_t num_rows, int64_t width, std::vector<int64_t>& at) {
+  int64_t splits = 1;
+  for (int64_t r = 0; r < num_rows; ++r) {
+    int64_t count = last[r] - first[r];
+    if (seen) count = std::count(seen + r * width + first[r], seen + r * width + last[r], true);
+    splits = std::max(splits, (count + kSplitKeys - 1) / kSplitKeys);
+  }
+  at.assign(num_rows * (splits + 1), 0);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    int64_t* row_at = at.data() + r * (splits + 1);
+    int64_t k = 0, count = 0;
+    row_at[0] = first[r];
+    for (int64_t j = first[r]; j < last[r] && splits > 1; ++j) {
+      if (seen && !seen[r * width + j]) continue;
+      if (count > 0 && count % kSplitKeys == 0) row_at[++k] = j;
+      ++count;
+    }
+    std::fill(row_at + k + 1, row_at + splits + 1, last[r]);
+  }
+  return splits;
+}
+
+// The problem's tasks, a wave of units at a time: every split of a wave's units, then their
+// rows' combination, with their partials in memory of at most wave_bytes (at least one unit's).
+constexpr int64_t kWaveBytes = int64_t{32} << 20;
+
+void run_waves(Problem& pr, Kernel kernel, Kernel combiner, int64_t work, int64_t wave_bytes) {
+  const int64_t units = pr.num_seqs * pr.num_kv_heads * pr.num_blocks;
+  // A task of `work` multiply-adds twice (a split's, a split's share): keep small ones together.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) * pr.splits / work);
+  if (pr.splits == 1) {
+    at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) { kernel(pr, begin, end); });
+    return;
+  }
+  const int64_t rows_per_block = (pr.q_len + pr.num_blocks - 1) / pr.num_blocks;
+  const int64_t unit_slots = rows_per_block * (pr.num_heads / pr.num_kv_heads) * pr.splits;
+  const int64_t per_wave = std::clamp<int64_t>(
+      wave_bytes / (unit_slots * (pr.head_dim + 2) * int64_t{sizeof(float)}), 1, units);
+  std::vector<float> partials(per_wave * unit_slots * (pr.head_dim + 2));
+  pr.part_o = partials.data();
+  pr.part_ml = partials.data() + per_wave * unit_slots * pr.head_dim;
+  for (pr.unit0 = 0; pr.unit0 < units; pr.unit0 += per_wave) {
+    const int64_t n = std::min(per_wave, units - pr.unit0);
+    at::parallel_for(0, n * pr.splits, grain,
+                     [&](int64_t begin, int64_t end) { kernel(pr, begin, end); });
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) { combiner(pr, begin, end); });
+  }
+}
+
 // Both entry points: q_len query rows per sequence (see decode_attention.h).
 at::Tensor attend_rows(const char* name, const at::Tensor& q, const at::Tensor& cache_rows,
                        const at::Tensor& rows, const std::optional<at::Tensor>& allowed,
-                       bool is_causal, int64_t q_len, int64_t num_kv_heads, int64_t path) {
+                       bool is_causal, int64_t q_len, int64_t num_kv_heads, int64_t path,
+                       int64_t wave_bytes) {
   TORCH_CHECK(q_len > 0 && q.dim() == 3 && q.size(0) % q_len == 0, name,
               ": q must be [S * q_len, H, D] for q_len ", q_len);
   const int64_t num_seqs = q.size(0) / q_len, num_rows = q.size(0);
@@ -693,28 +895,13 @@ at::Tensor attend_rows(const char* name, const at::Tensor& q, const at::Tensor& 
                 name, ": allowed must be contiguous bool [S, 1, q_len, W]");
     seen = allowed->const_data_ptr<bool>();
   }
-  // Each row's first key and one past its last (between them, a mask may hide more).
-  std::vector<int64_t> bounds(2 * num_rows);
-  int64_t* first = bounds.data();
-  int64_t* last = first + num_rows;
-  bool has_holes = false;  // a mask hides a key between some row's first and last
-  for (int64_t r = 0; r < num_rows; ++r) {
-    int64_t lo = 0, hi = width;
-    if (seen) {
-      const bool* row = seen + r * width;
-      while (lo < width && !row[lo]) ++lo;
-      while (hi > lo && !row[hi - 1]) --hi;
-      has_holes = has_holes || !std::all_of(row + lo, row + hi, [](bool b) { return b; });
-    } else if (is_causal) {
-      hi = std::min(width, width - q_len + r % q_len + 1);
-    }
-    TORCH_CHECK(hi > lo, name, ": query row ", r, " sees no key");
-    first[r] = lo;
-    last[r] = hi;
-  }
+  std::vector<int64_t> bounds, split_at;
   // A mask that hides only keys before a row's first or after its last (a chunk after cached
   // keys, a sliding window) says nothing the bounds do not: without it, rows tile.
-  if (!has_holes) seen = nullptr;
+  if (!row_bounds(name, seen, is_causal, q_len, num_rows, width, bounds)) seen = nullptr;
+  const int64_t* first = bounds.data();
+  const int64_t* last = first + num_rows;
+  const int64_t splits = split_points(seen, first, last, num_rows, width, split_at);
   const std::vector<float> scaled = scaled_queries(q);
   at::Tensor out = at::empty({num_rows, num_heads, head_dim}, q.options().dtype(at::kFloat));
   // Blocks of query rows: a few per thread (each transposes the keys it sees once), and at
@@ -726,17 +913,16 @@ at::Tensor attend_rows(const char* name, const at::Tensor& q, const at::Tensor& 
                         (2 * threads + num_seqs * num_kv_heads - 1) / (num_seqs * num_kv_heads)),
       std::min<int64_t>((q_len + 1) / 2, 4 * threads));
   Problem problem{scaled.data(), cache_rows.const_data_ptr(), rows.const_data_ptr<int64_t>(),
-                  seen, first, last, out.mutable_data_ptr<float>(), num_seqs, q_len,
-                  num_heads, num_kv_heads, head_dim, width, num_blocks};
+                  seen, out.mutable_data_ptr<float>(), num_seqs, q_len,
+                  num_heads, num_kv_heads, head_dim, width, num_blocks, split_at.data(),
+                  splits, 0, nullptr, nullptr};
   const Kernel kernel = for_cache<Kernel>(cache_rows, name, [&](auto* type) {
     return kernel_for<std::remove_pointer_t<decltype(type)>>(path);
   });
-  const int64_t tasks = num_seqs * num_kv_heads * num_blocks;
-  // A task is its rows x (H / kv heads) x W x D multiply-adds twice: keep small ones together.
+  // A unit is its rows x (H / kv heads) x W x D multiply-adds twice.
   const int64_t work = std::max<int64_t>(
       1, (q_len / num_blocks) * (num_heads / num_kv_heads) * width * head_dim);
-  const int64_t grain = std::max<int64_t>(1, (1 << 15) / work);
-  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) { kernel(problem, begin, end); });
+  run_waves(problem, kernel, combiner_for(path), work, wave_bytes > 0 ? wave_bytes : kWaveBytes);
   return in_dtype_of(out, q);
 }
 
@@ -747,15 +933,16 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache_rows,
                             int64_t num_kv_heads, int64_t path) {
   RECORD_FUNCTION("strata_native::decode_attention", std::vector<c10::IValue>());
   return attend_rows("decode_attention", q, cache_rows, rows, allowed, false, 1, num_kv_heads,
-                     path);
+                     path, -1);
 }
 
 at::Tensor rows_attention(const at::Tensor& q, const at::Tensor& cache_rows,
                           const at::Tensor& rows, const std::optional<at::Tensor>& allowed,
-                          bool is_causal, int64_t q_len, int64_t num_kv_heads, int64_t path) {
+                          bool is_causal, int64_t q_len, int64_t num_kv_heads, int64_t path,
+                          int64_t wave_bytes) {
   RECORD_FUNCTION("strata_native::rows_attention", std::vector<c10::IValue>());
   return attend_rows("rows_attention", q, cache_rows, rows, allowed, is_causal, q_len,
-                     num_kv_heads, path);
+                     num_kv_heads, path, wave_bytes);
 }
 
 }  // namespace strata_native

@@ -24,8 +24,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache_rows,
 // each row as a decode over the keys it sees (so bitwise the same): q [S * q_len, H, D],
 // sequence-major; allowed [S, 1, q_len, W] bool or none (then causal: row l sees keys
 // j <= W - q_len + l; or, not is_causal, every key). Returns [S * q_len, H, D] in q's dtype.
+// wave_bytes: the most memory the partials of long rows' splits take at once (<= 0: 32 MiB).
 at::Tensor rows_attention(const at::Tensor& q, const at::Tensor& cache_rows,
                           const at::Tensor& rows, const std::optional<at::Tensor>& allowed,
-                          bool is_causal, int64_t q_len, int64_t num_kv_heads, int64_t path);
+                          bool is_causal, int64_t q_len, int64_t num_kv_heads, int64_t path,
+                          int64_t wave_bytes);
 
 }  // namespace strata_native

@@ -479,7 +479,7 @@ class DecoderStack : public torch::CustomClassHolder {
         }
         return strata_native::rows_attention(q.reshape({num_seqs * q_len, num_heads_, head_dim_}),
                                              rows, g.chunks[0].rows, g.allowed, g.is_causal,
-                                             q_len, num_kv_heads_, -1);
+                                             q_len, num_kv_heads_, -1, -1);
       }
       auto kv = rows.index_select(0, g.chunks[0].rows)
                     .to(dtype)
@@ -551,7 +551,7 @@ TORCH_LIBRARY(strata_native, m) {
         "int num_kv_heads, int path=-1) -> Tensor",
         &strata_native::decode_attention);
   m.def("rows_attention(Tensor q, Tensor cache_rows, Tensor rows, Tensor? allowed, bool is_causal, "
-        "int q_len, int num_kv_heads, int path=-1) -> Tensor",
+        "int q_len, int num_kv_heads, int path=-1, int wave_bytes=-1) -> Tensor",
         &strata_native::rows_attention);
   m.def("decode_attention_path(int requested=-1) -> int", &strata_native::decode_attention_path);
   m.class_<DecoderStack>("DecoderStack")

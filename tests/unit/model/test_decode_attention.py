@@ -49,6 +49,7 @@ CASES = [  # (sequences, heads, kv heads, head size, keys)
     (4, 8, 2, 128, 77),
     (3, 4, 4, 80, 301),
     (2, 4, 1, 16, 1),
+    (2, 6, 2, 64, 1500),  # more keys than a split: attended in splits, then combined
 ]
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
@@ -67,8 +68,9 @@ def test_matches_float64_attention_and_never_reads_a_masked_key(dtype, case):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_every_instruction_path_and_any_batch_give_the_same_bits(dtype):
-    num_seqs, heads, kv_heads, head_dim, width = 5, 6, 2, 64, 123
+@pytest.mark.parametrize("width", [123, 1300])  # 1300: some sequences' keys split, some not
+def test_every_instruction_path_and_any_batch_give_the_same_bits(dtype, width):
+    num_seqs, heads, kv_heads, head_dim = 5, 6, 2, 64
     q, cache, rows, allowed = problem(1, num_seqs, heads, kv_heads, head_dim, width, dtype)
     best = torch.ops.strata_native.decode_attention_path()
     outputs = [op()(q, cache, rows, allowed, kv_heads, path) for path in range(best + 1)]

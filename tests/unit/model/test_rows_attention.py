@@ -67,6 +67,7 @@ CASES = [  # (sequences, rows, heads, kv heads, head size, keys)
     (2, 13, 8, 2, 128, 90),  # chunks after cached keys
     (1, 33, 4, 4, 80, 33),  # one head per kv head, a head size of five lanes
     (1, 70, 7, 1, 16, 300),  # seven heads to a kv head (four, then three, at once)
+    (1, 30, 6, 2, 64, 1200),  # rows seeing more keys than a split: in splits, then combined
 ]
 
 
@@ -88,8 +89,9 @@ def test_matches_float64_attention_and_never_reads_a_hidden_value(dtype, mask, c
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mask", ["causal", "window", "holes"])
-def test_each_row_is_its_decode_bitwise_on_every_instruction_path(dtype, mask):
-    num_seqs, q_len, heads, kv_heads, head_dim, width = 2, 37, 6, 2, 64, 100
+@pytest.mark.parametrize("width", [100, 1060])  # 1060: the last rows' keys in splits
+def test_each_row_is_its_decode_bitwise_on_every_instruction_path(dtype, mask, width):
+    num_seqs, q_len, heads, kv_heads, head_dim = 2, 37, 6, 2, 64
     q, cache, rows, allowed, causal, seen = problem(
         1, num_seqs, q_len, heads, kv_heads, head_dim, width, dtype, mask
     )
@@ -118,6 +120,18 @@ def test_each_row_is_its_decode_bitwise_on_every_instruction_path(dtype, mask):
     chunk = ops().rows_attention(tail, cache, rows, tail_allowed, False, q_len - 20, kv_heads)
     whole = outputs[0].view(num_seqs, q_len, heads, head_dim)[:, 20:].reshape(-1, heads, head_dim)
     assert torch.equal(chunk, whole)
+
+
+@pytest.mark.parametrize("mask", ["causal", "holes"])
+def test_long_rows_give_the_same_bits_whatever_memory_their_splits_may_take(mask):
+    num_seqs, q_len, heads, kv_heads, head_dim, width = 2, 24, 4, 2, 32, 1400
+    q, cache, rows, allowed, causal, _ = problem(
+        3, num_seqs, q_len, heads, kv_heads, head_dim, width, torch.float32, mask
+    )
+    whole = ops().rows_attention(q, cache, rows, allowed, causal, q_len, kv_heads)
+    # One unit's partials at a time: many waves of splits and their combination.
+    waves = ops().rows_attention(q, cache, rows, allowed, causal, q_len, kv_heads, -1, 1)
+    assert torch.equal(waves, whole)
 
 
 def test_bad_arguments_are_refused_naming_the_problem():
