@@ -58,8 +58,9 @@ ordinary queue::
     ordinary queue:  | free ... | cached, least recently released ... just released |  <- first
     retained queue:  | retained, least recently released ... just released |         <- then
 
-A block whose retention ended waits in the decay rule's second heap, not in its tenant's queue.
-The queue stamps each block it queues with the time (``Block.released``, on ``clock``).
+A block whose retention ended waits in the decay rule's second heap, and in a heap of its
+tenant's by release time: an over-quota tenant's next block is the earlier-released of its
+queue's front and its expired heap's first. The queue stamps each block it queues with the time (``Block.released``, on ``clock``).
 """
 
 import heapq
@@ -108,6 +109,7 @@ class FreeBlockQueue:
         # pin: LRU; decay: by release + deadline
         self._retained: OrderedDict[int, None] | KeyedHeap = KeyedHeap() if decay else OrderedDict()
         self._expired = KeyedHeap()  # decay: blocks whose retention ended, by release time
+        self._expired_by_tenant: dict[int, KeyedHeap] = {}  # those of _expired, per tenant
 
     # ---- queries (no mutation) ---------------------------------------------------------------
     def __len__(self) -> int:
@@ -131,7 +133,7 @@ class FreeBlockQueue:
             (i for i, b in enumerate(ordinary) if self._blocks[b].block_hash is not None),
             len(ordinary),
         )
-        over = [b for t in self._quotas.over for b in self._by_tenant.get(t, ())]
+        over = [b for t in self._quotas.over for b in self._tenant_order(t)]
         taken = set(over)
         cached = [b for b in ordinary[num_empty:] if b not in taken]
         front = [*ordinary[:num_empty], *self._kept, *self._batch, *over]
@@ -140,7 +142,7 @@ class FreeBlockQueue:
         now = self._clock()
         merged = heapq.merge(  # as ``_earliest`` compares the three fronts
             ((self._blocks[b].released, 0, b) for b in cached),
-            ((key, 1, b) for key, b in self._expired.items()),
+            ((key, 1, b) for key, b in self._expired.items() if b not in taken),
             ((key - now, 2, b) for key, b in self._retained.items()),
         )
         return [*front, *(b for _, _, b in merged)]
@@ -163,11 +165,32 @@ class FreeBlockQueue:
         if self._kept or self._batch:
             return self._kept or self._batch
         for tenant in self._quotas.over:
-            if self._by_tenant.get(tenant):
-                return self._by_tenant[tenant]
+            if queue := self._tenant_next(tenant):
+                return queue
         if not (self.decay and (self._retained or self._expired)):
             return self._ordinary or self._retained
         return self._earliest()
+
+    def _tenant_next(self, tenant: int) -> OrderedDict | KeyedHeap | None:
+        """The queue of ``tenant``'s whose first block was released earlier: its ordinary
+        queue or its expired heap (None when it has neither)."""
+        queue, expired = self._by_tenant.get(tenant), self._expired_by_tenant.get(tenant)
+        if not expired:
+            return queue or None
+        if not queue:
+            return expired
+        released = self._blocks[next(iter(queue))].released
+        return expired if expired.first()[0] < released else queue
+
+    def _tenant_order(self, tenant: int) -> list[int]:
+        """``tenant``'s queued ordinary and expired blocks in the order ``_tenant_next`` takes
+        them."""
+        ordinary = [(self._blocks[b].released, 1, b) for b in self._by_tenant.get(tenant, ())]
+        expired = self._expired_by_tenant.get(tenant)
+        if not expired:
+            return [b for _, _, b in ordinary]
+        merged = heapq.merge([(k, 0, b) for k, b in expired.items()], ordinary)
+        return [b for _, _, b in merged]
 
     def _earliest(self) -> OrderedDict | KeyedHeap:
         """The decay rule: of the ordinary queue, the expired heap and the retained heap, the
@@ -198,7 +221,10 @@ class FreeBlockQueue:
         """Take the next block id (the queue must not be empty)."""
         queue = self._next_queue()
         if isinstance(queue, KeyedHeap):
-            return queue.take()
+            block_id = queue.take()
+            if queue is not self._retained:  # the expired heap or a tenant's: leave the other
+                self._unexpire(self._blocks[block_id])
+            return block_id
         block_id, _ = queue.popitem(last=False)
         if queue is self._ordinary:
             self._untenant(self._blocks[block_id])
@@ -212,6 +238,8 @@ class FreeBlockQueue:
         queue.pop(block.block_id)
         if queue is self._ordinary:
             self._untenant(block)
+        elif queue is self._expired:
+            self._unexpire(block)
 
     def _enqueue(self, block: "Block") -> None:
         """A cached or empty block to the back of its queue (and its tenant's); a retained one,
@@ -227,6 +255,12 @@ class FreeBlockQueue:
     def _untenant(self, block: "Block") -> None:
         if block.tenant != NO_TENANT and block.tenant in self._by_tenant:
             self._by_tenant[block.tenant].pop(block.block_id, None)
+
+    def _unexpire(self, block: "Block") -> None:
+        """An expired block leaves both its heaps (whichever it was taken from)."""
+        self._expired.pop(block.block_id)
+        if block.tenant in self._expired_by_tenant:
+            self._expired_by_tenant[block.tenant].pop(block.block_id)
 
     def push(self, block: "Block", keep: bool, keep_at_back: bool) -> None:
         """Queue a block whose last reference dropped, stamped released now: cached ones at the
@@ -273,6 +307,9 @@ class FreeBlockQueue:
         block = self._blocks[block_id]
         if self.decay and block.block_hash is not None and not block.batch:
             self._expired.add(block_id, block.released)
+            if block.tenant != NO_TENANT:
+                tenant = self._expired_by_tenant.setdefault(block.tenant, KeyedHeap())
+                tenant.add(block_id, block.released)
             return
         if not self.decay:
             block.released = self._clock()
@@ -289,6 +326,7 @@ class FreeBlockQueue:
             self._ordinary.move_to_end(block_id, last=False)
         self._retained.clear()
         self._expired.clear()
+        self._expired_by_tenant.clear()
         self._batch.clear()
         self._by_tenant.clear()
         return cached
@@ -319,6 +357,10 @@ class FreeBlockQueue:
                 ), f"{self.name} block {block_id} unreferenced but not in its queue"
         assert num_in_tenants == sum(len(q) for q in self._by_tenant.values()), (
             f"{self.name} tenant queues hold blocks no longer queued"
+        )
+        expired = {b for heap in self._expired_by_tenant.values() for b in heap}
+        assert expired == {b for b in self._expired if self._blocks[b].tenant != NO_TENANT}, (
+            f"{self.name} tenants' expired heaps are not the expired heap's tenant blocks"
         )
 
     def _check_block(self, block: "Block", retained: bool, expired: bool) -> None:

@@ -258,3 +258,26 @@ def test_the_engine_bounds_a_sessions_retention_by_its_learned_lifetime():
         engine.abort_request(f"t{i}")
     assert ttls == [1800.0, 1800.0, 90.0, 90.0]  # 1.5 x the longest gap, once two are known
     engine.close()
+
+
+def test_an_over_quota_tenants_block_whose_retention_ended_is_evicted_in_its_tenants_turn():
+    clock = Clock(0.0)
+    pool = BlockPool(4, "host", max_retained=1, clock=clock, retained_priority="decay")
+    ids, _ = pool.allocate(4)
+    expired, other, mine, fresh = ids
+    assert pool.cache(expired, h(0), tenant=3) and pool.retain(expired, 50.0)
+    pool.free([expired])  # tenant 3's, released at 0, retained until 50
+    released_at(pool, clock, other, 1, 10.0)  # tenant 0's (no tenant)
+    for block_id, seed, when in ((mine, 2, 20.0), (fresh, 3, 30.0)):
+        clock.now = when
+        assert pool.cache(block_id, h(seed), tenant=3)
+        pool.free([block_id])
+    clock.now = 60.0
+    assert pool.expire() == 1
+    pool.quotas.set({3: 2})  # tenant 3 holds 3 blocks: its own go first, earliest released first
+    assert pool.eviction_order() == [expired, mine, fresh, other]
+    pool.check_integrity()
+    _, evicted = pool.allocate(1)
+    assert [b for b, _ in evicted] == [expired] and not pool.quotas.over
+    assert pool.eviction_order() == [other, mine, fresh]  # back to one order
+    pool.check_integrity()
