@@ -60,7 +60,8 @@ ordinary queue::
 
 A block whose retention ended waits in the decay rule's second heap, and in a heap of its
 tenant's by release time: an over-quota tenant's next block is the earlier-released of its
-queue's front and its expired heap's first. The queue stamps each block it queues with the time (``Block.released``, on ``clock``).
+queue's front and its expired heap's first. The queue stamps each block it queues with the time
+(``Block.released``, on ``clock``).
 """
 
 import heapq
