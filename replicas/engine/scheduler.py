@@ -117,7 +117,8 @@ class Scheduler:
         self, budget: int, scheduled: list[ScheduledRequest], preempted: list[Request]
     ) -> int:
         """Schedule the running requests in order (with their draft tokens where they fit),
-        preempting from the newest when blocks run out; returns the budget left."""
+        preempting when blocks run out (``_victim``: batch requests first, newest first);
+        returns the budget left."""
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -129,7 +130,7 @@ class Scheduler:
             while not self.kv_cache.allocate_slots(request, num_new):
                 if self._give_way():  # reservations give way first
                     continue
-                victim = self.running.pop()
+                victim = self._victim(index)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -139,17 +140,24 @@ class Scheduler:
                 budget -= num_new
                 index += 1
                 continue
-            break  # the request preempted itself: nothing after it can run either
+            # The request preempted itself: after it come only interactive requests (where it
+            # was a batch one), which go on with the blocks it freed.
         return budget
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
         """Admit waiting requests in order while the budget, ``max_num_seqs`` and the blocks
-        allow; one whose disk reads are under way is passed over (up to RESERVE_LOOKAHEAD)."""
-        position = 0  # waiting requests ahead of it wait for disk reads
+        allow; one whose disk reads are under way is passed over (up to RESERVE_LOOKAHEAD), and
+        so, once a batch request is short of blocks, is every batch request: interactive ones
+        go on past them."""
+        position = 0  # waiting requests ahead of it wait for disk reads or, batch, for blocks
+        batch_waits = False  # a batch request was short of blocks: later ones wait behind it
         while len(self.waiting) > position and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[position]
+            if batch_waits and request.batch:
+                position += 1
+                continue
             limit = self.prefix_limit(request) if self.prefix_limit is not None else None
             if self.kv_cache.onboarding.onboard(request, limit):
                 position += 1
@@ -172,7 +180,10 @@ class Scheduler:
                 self._admit(request, match, num_computed, num_new, scheduled, position)
                 budget -= num_new
                 continue
-            break
+            if not request.batch:
+                break
+            batch_waits = True  # the interactive requests behind it go on
+            position += 1
 
     def _admit(
         self,
@@ -266,6 +277,16 @@ class Scheduler:
             self.kv_cache.block_tables(request_id),
             tuple(drafts or ()),
         )
+
+    def _victim(self, index: int) -> Request:
+        """Take out of ``running`` the request to preempt so that ``running[index]`` gets
+        blocks: the newest batch request not scheduled yet this step; else that request itself
+        when it is a batch one (a batch request never preempts an interactive one); else the
+        newest."""
+        for i in range(len(self.running) - 1, index, -1):
+            if self.running[i].batch:
+                return self.running.pop(i)
+        return self.running.pop(index if self.running[index].batch else -1)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)

@@ -76,6 +76,13 @@ class Block:
 BlockClass = tuple[int, bool, float]  # a block's tenant, batch, interactive_until
 
 
+def is_protected(block_class: BlockClass, now: float) -> bool:
+    """Whether a block of this class is an interactive session's within its lifetime: one a
+    batch request never evicts from the cache (``TypeManager.allocate_npu``, ``store``)."""
+    _, batch, interactive_until = block_class
+    return not batch and interactive_until > now
+
+
 class BlockPool:
     """Owns the blocks of one tier (a ``replicas.kv.tiers.TierStore``). Not thread-safe: one
     engine loop mutates it."""
@@ -161,6 +168,15 @@ class BlockPool:
     def next_to_allocate(self) -> int | None:
         """The block id allocation would take next (None when none is free)."""
         return self._free_blocks.peek()
+
+    def protects_next(self) -> bool:
+        """Whether allocating a block now would evict a cached block an interactive session
+        used within its lifetime (``is_protected``)."""
+        block_id = self._free_blocks.peek()
+        if block_id is None or self.blocks[block_id].block_hash is None:
+            return False
+        block = self.blocks[block_id]
+        return is_protected((block.tenant, block.batch, block.interactive_until), self.clock())
 
     # ---- mutation ----------------------------------------------------------------------------
     def allocate(

@@ -187,7 +187,7 @@ class KVCacheManager:
             if match.num_blocks:
                 manager.adopt(request, match.cache_types[manager.name], match.num_blocks)
             if num_total > len(blocks):
-                blocks.extend(manager.allocate_npu(num_total - len(blocks)))
+                blocks.extend(manager.allocate_npu(num_total - len(blocks), request.batch))
             manager.cache_type.npu.mark(blocks[num_before:], request.batch, request.lifetime_s)
             if match.tail is not None:
                 copy = BlockCopy(match.tail.block_id, blocks[match.num_blocks], manager.name)

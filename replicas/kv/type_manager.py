@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from replicas.engine.request import Request
 from replicas.kv.backing_writes import BackingRules, BackingWrites
-from replicas.kv.block_pool import BlockClass, BlockPool
+from replicas.kv.block_pool import BlockClass, BlockPool, is_protected
 from replicas.kv.cache_type import CacheType, HostRules
 from replicas.kv.events import Tier
 from replicas.kv.hashing import BlockHash
@@ -145,13 +145,15 @@ class CacheTypeManager:
             self._journal.stats.count_write_through_promotion(self.name)
 
     # ---- allocation --------------------------------------------------------------------------
-    def allocate_npu(self, num_blocks: int) -> list[int]:
+    def allocate_npu(self, num_blocks: int, batch: bool = False) -> list[int]:
         """NPU blocks, evicting cached ones as needed (each stored to host first when the host
-        tier's policy keeps it)."""
+        tier's policy keeps it, and, for a ``batch`` request, when an interactive session used
+        it within its lifetime: a batch request moves such a block down a tier, never out)."""
         cache_type = self.cache_type
         classes: dict[int, BlockClass] = {}  # evicted blocks' tenants and classes, for stores
         block_ids, evicted = cache_type.npu.allocate(num_blocks, classes)
         tracker = cache_type.retention
+        now = cache_type.npu.clock()
         for npu_id, block_hash in evicted:
             self._journal.stats.count_eviction(self.name, Tier.NPU)
             self._journal.removed(self.name, Tier.NPU, block_hash)
@@ -161,7 +163,8 @@ class CacheTypeManager:
             kept = cache_type.on_host(block_hash)
             if not kept:
                 host_full = cache_type.host.num_cached >= cache_type.host.num_blocks
-                if tracker.should_store(block_hash, num_hits, host_full):
+                protected = batch and is_protected(classes[npu_id], now)
+                if tracker.should_store(block_hash, num_hits, host_full) or protected:
                     kept = self.store(npu_id, block_hash, classes[npu_id])
                     if kept:
                         self._journal.stats.count_write_back(self.name)
@@ -173,14 +176,18 @@ class CacheTypeManager:
     def store(
         self, npu_id: int, block_hash: BlockHash, evicted_class: BlockClass | None = None
     ) -> bool:
-        """Plan a copy of an NPU block to a new host block; False if every host block is locked.
-        The copy takes the NPU block's tenant and class (``evicted_class``: those it had before
-        its eviction, which reset them)."""
-        if self.cache_type.host.num_free == 0:
+        """Plan a copy of an NPU block to a new host block; False if every host block is locked,
+        or if the block is a batch one and the host block it would take holds an interactive
+        session's within its lifetime (``BlockPool.protects_next``). The copy takes the NPU
+        block's tenant and class (``evicted_class``: those it had before its eviction, which
+        reset them)."""
+        host_pool = self.cache_type.host
+        npu = self.cache_type.npu.blocks[npu_id]
+        tenant, batch, until = evicted_class or (npu.tenant, npu.batch, npu.interactive_until)
+        if host_pool.num_free == 0 or (batch and host_pool.protects_next()):
             return False
         host_id = self.allocate_host()  # locked until the store lands
-        npu, host = self.cache_type.npu.blocks[npu_id], self.cache_type.host.blocks[host_id]
-        tenant, batch, until = evicted_class or (npu.tenant, npu.batch, npu.interactive_until)
+        host = host_pool.blocks[host_id]
         self.cache_type.host.cache(host_id, block_hash, tenant)
         host.batch, host.interactive_until = batch, until  # its class
         self._journal.plan.stores.append(BlockCopy(npu_id, host_id, self.name))

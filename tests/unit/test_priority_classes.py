@@ -93,6 +93,47 @@ def test_a_batch_sweep_leaves_an_interactive_sessions_prefix_cached(tier):
     assert turn.num_cached_tokens_in(tier) == turn.num_cached_tokens == 6 * 16
 
 
+def small_host_engine(host_blocks: int, write_through) -> Engine:
+    """24 NPU blocks and ``host_blocks`` host blocks, no write-back by policy."""
+    offload = KVOffloadConfig(
+        enabled=True,
+        host_memory_ratio=host_blocks / 24,
+        write_through_threshold=write_through,
+        write_back=False,
+    )
+    return Engine(
+        EngineConfig(
+            model="tiny",
+            num_npu_blocks=24,
+            scheduler_config=SchedulerConfig(kv_offload_config=offload),
+        )
+    )
+
+
+def test_a_batch_requests_stores_never_evict_an_interactive_sessions_host_blocks():
+    replica = small_host_engine(8, "immediate")
+    first = run(replica, SESSION, "s0")  # its 6 full blocks written through: 2 host blocks free
+    replica.reset_prefix_cache("npu")  # the session's blocks are on host only
+    run(replica, DOCS[0], "doc0", batch=True)  # 6 blocks written through in one step
+    turn = run(replica, SESSION, "s1")
+    assert turn.token_ids == first.token_ids
+    assert turn.num_cached_tokens_in(Tier.HOST) == turn.num_cached_tokens == 6 * 16
+
+
+def test_a_batch_request_moves_an_interactive_sessions_npu_blocks_to_host_never_out():
+    replica = small_host_engine(24, 1000)  # nothing reaches host by the policy alone
+    first = run(replica, SESSION, "s0")
+    long_doc = [rng.randrange(256) for _ in range(16 * 20)]  # 21 of the 24 NPU blocks
+    run(replica, long_doc, "sweep", batch=True)  # evicts the session's: nothing else is cached
+    turn = run(replica, SESSION, "s1")
+    assert turn.token_ids == first.token_ids
+    assert turn.num_cached_tokens == 6 * 16 and turn.num_cached_tokens_in(Tier.HOST) >= 16
+    interactive = small_host_engine(24, 1000)  # the same, the sweep interactive: evicted
+    run(interactive, SESSION, "s0")
+    run(interactive, long_doc, "sweep")
+    assert run(interactive, SESSION, "s1").num_cached_tokens < 6 * 16  # out of the cache
+
+
 def test_a_write_back_copy_keeps_the_tenant_and_class_its_evicted_block_had():
     replica = engine(write_back=True, batch_tenants=["nightly"])
     for i, doc in enumerate(DOCS):  # 8 x 7 blocks through 24 NPU blocks: write-backs
@@ -150,3 +191,46 @@ def test_a_session_protects_its_blocks_for_its_learned_lifetime():
     assert pool.eviction_order() == [ids[0], ids[1]]  # the fast session's is batch now
     assert [pool.blocks[b].batch for b in ids] == [True, False]
     pool.check_integrity()
+
+
+def test_short_of_blocks_a_batch_request_is_preempted_before_an_interactive_one():
+    prompts = {rid: [rng.randrange(256) for _ in range(16 * 3)] for rid in ("batch", "chat")}
+    long_output = SamplingParams(max_tokens=40, ignore_eos=True)
+    outputs = {}
+    for batch_first in (True, False):  # the batch request the older of the two, or the newer
+        replica = Engine(EngineConfig(model="tiny", num_npu_blocks=8))  # 2 x 6 blocks needed
+        hints = {"batch": CacheHints(batch=True), "chat": None}
+        for rid in ("batch", "chat") if batch_first else ("chat", "batch"):
+            replica.add_request(rid, prompts[rid], long_output, cache_hints=hints[rid])
+        scheduler = replica.core.scheduler
+        preempted = set()
+        for _ in range(1_000):
+            if not replica.has_unfinished_requests():
+                break
+            for request in replica.step():
+                outputs.setdefault((batch_first, request.request_id), []).append(request)
+            preempted |= {r.request_id for r in scheduler.waiting if r.num_computed_tokens == 0}
+        replica.check_integrity()
+        assert replica.stats().num_preemptions > 0 and preempted == {"batch"}
+    for rid in ("batch", "chat"):  # the same tokens whoever waited
+        assert outputs[True, rid][-1].token_ids == outputs[False, rid][-1].token_ids
+
+
+def test_an_interactive_request_is_admitted_past_a_batch_one_short_of_blocks():
+    replica = Engine(EngineConfig(model="tiny", num_npu_blocks=8))
+    long_output = SamplingParams(max_tokens=20, ignore_eos=True)
+    prompt = {n: [rng.randrange(256) for _ in range(16 * (n % 10))] for n in (2, 4, 5, 12)}
+    replica.add_request("running", prompt[4], long_output)  # 4 blocks, then a fifth
+    replica.step()
+    replica.add_request("batch", prompt[5], long_output, cache_hints=CacheHints(batch=True))
+    replica.add_request("later batch", prompt[12], long_output, cache_hints=CacheHints(batch=True))
+    replica.add_request("chat", prompt[2], long_output)
+    replica.step()  # 3 blocks free: the first batch request waits, and the batch behind it
+    scheduler = replica.core.scheduler
+    assert [r.request_id for r in scheduler.running] == ["running", "chat"]
+    assert [r.request_id for r in scheduler.waiting] == ["batch", "later batch"]
+    for _ in range(1_000):
+        if not replica.has_unfinished_requests():
+            break
+        replica.step()
+    replica.check_integrity()
