@@ -390,9 +390,9 @@ class ReplicaModelConfig(_Config):
     quantization: QuantizationName = Field(
         "auto",
         description="How linear weights are kept: none (in dtype), int8 (per output channel), "
-        "int4 (groups of 32; a GGUF file's Q4_0/Q4_1 codes as stored, its 5- to 8-bit tensors "
-        "at int8) or auto (for a quantized GGUF file on a CPU, the fastest of none, int8 and "
-        "int4 measured on this machine at start-up; else none).",
+        "int4 (groups of 32; a GGUF file's Q4_0/Q4_1/Q4_K codes and scales as stored, its 5- "
+        "to 8-bit tensors at int8) or auto (for a quantized GGUF file on a CPU, the fastest of "
+        "none, int8 and int4 measured on this machine at start-up; else none).",
     )
     decoder_stack: DecoderStackName = Field(
         "auto",

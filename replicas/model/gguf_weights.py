@@ -101,7 +101,9 @@ class GGUFWeights:
             data = _read_rows(tensor, 0, tensor.data.shape[0], f.fileno())
         stored = int4_groups_of_tensor(tensor, data)
         if name in self._rotary:
-            stored = Int4Groups(*(unpermute_rotary(x, self._head_dim) for x in stored))
+            stored = Int4Groups(
+                *(None if x is None else unpermute_rotary(x, self._head_dim) for x in stored)
+            )
         return stored
 
 
@@ -185,10 +187,16 @@ def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
 def _q4_k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``d sc`` and ``dmin m`` [B, 8] float32 of ``Q4_K`` blocks [B, 144]: the eight 6-bit
     scales and mins packed in 12 bytes (gguf-py's ``Q4_K.get_scale_min``)."""
+    sc, m = _q4_k_codes(blocks)
+    return _f16(blocks, 0) * sc, _f16(blocks, 2) * m
+
+
+def _q4_k_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eight 6-bit scale and min codes [B, 8] (float32) of ``Q4_K`` blocks [B, 144]."""
     low, high, mixed = blocks[:, 4:8], blocks[:, 8:12], blocks[:, 12:16]
     sc = torch.cat((low & 63, (mixed & 15) | ((low >> 2) & 48)), dim=1).float()
     m = torch.cat((high & 63, (mixed >> 4) | ((high >> 2) & 48)), dim=1).float()
-    return _f16(blocks, 0) * sc, _f16(blocks, 2) * m
+    return sc, m
 
 
 def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
@@ -309,8 +317,10 @@ def _q4_k_groups(data: torch.Tensor) -> Int4Groups:
     """``Q4_K`` rows [N, bytes] as ``Int4Groups`` (see ``int4_groups_of_tensor``)."""
     n = data.shape[0]
     blocks = data.view(-1, 144)
-    d, dm = _q4_k_scales(blocks)
+    sc, m = _q4_k_codes(blocks)
     q = blocks[:, 16:].view(-1, 4, 1, 32)
     codes = torch.cat((q & 15, q >> 4), dim=2).view(n, -1)  # [N, K]
-    scale, low = d.view(n, -1), dm.view(n, -1)
-    return Int4Groups(codes, scale, 8 * scale - low)
+    d, d_min = _f16(blocks, 0).expand_as(sc), _f16(blocks, 2).expand_as(m)
+    scale, low = (d * sc).view(n, -1), (d_min * m).view(n, -1)
+    k_quant = torch.stack((d, -d_min, sc, m), dim=-1).view(n, -1, 4)
+    return Int4Groups(codes, scale, 8 * scale - low, k_quant)

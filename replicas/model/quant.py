@@ -56,6 +56,9 @@ class Int4Groups(NamedTuple):
     codes: torch.Tensor  # [N, K] integers in [0, 15]
     scale: torch.Tensor  # [N, K / GROUP_SIZE] float32
     zero: torch.Tensor  # [N, K / GROUP_SIZE] float32
+    # A GGUF Q4_K weight's own scales, [N, K / GROUP_SIZE, 4] float32 (D, -Dmin, sc, mn) per
+    # group, D and Dmin the same for a block's 8 groups: scale = D sc, zero = 8 scale - Dmin mn.
+    k_quant: torch.Tensor | None = None
 
 
 QUANTIZATIONS = ("none", "int8", "int4")
@@ -179,15 +182,20 @@ class QuantizedLinear(nn.Module):
         bias: torch.Tensor | None = None,
         kernel: str | None = None,
         passes: int = 2,
+        k_quant: torch.Tensor | None = None,
     ) -> "QuantizedLinear":
         """From codes [N, K] in [0, 15] and per-group ``scale``, ``zero`` [N, K / GROUP_SIZE]:
         ``w = (codes - 8) * scale + zero``. ``kernel``: ``strata``, ``torch``, or ``None`` for
         Strata's where its library is built and the scales fit its float16; ``passes``: the
-        activations' int8 passes of Strata's product (see the module docstring)."""
+        activations' int8 passes of Strata's product (see the module docstring); ``k_quant``:
+        the scales as a GGUF Q4_K file holds them (``Int4Groups.k_quant``), which Strata's
+        kernel keeps as they are (4.625 bits a weight in all, against 5)."""
         n, k = codes.shape
         _check_int4_shape(n, k)
         if kernel in (None, "strata"):
-            strata = _strata_int4(codes, scale.float(), zero.float() - 8 * scale.float())
+            strata = _strata_int4_k(codes, k_quant) if k_quant is not None else None
+            if strata is None:
+                strata = _strata_int4(codes, scale.float(), zero.float() - 8 * scale.float())
             if strata is not None:
                 return cls("int4", k, n, *strata, _bias(bias), kernel="strata", passes=passes)
             if kernel == "strata":
@@ -317,19 +325,57 @@ def _strata_int4(
     d16, m16 = _float16_scales(d), m.half()
     if d16 is None or not torch.isfinite(m16).all():
         return None
+    n = codes.shape[0]
+    tiles = [t.view(n // 16, 16, -1).permute(0, 2, 1) for t in (d16, m16)]  # [tile, group, row]
+    return _pack_int4_codes(codes), torch.stack(tiles, dim=2).contiguous()
+
+
+def _pack_int4_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K] in the int4 kernel's chunks: [N / 16, K / 8, 64] uint8."""
     n, k = codes.shape
     c = codes.to(torch.uint8).view(n // 16, 16, k // 8, 2, 4)  # [tile, row, octet, nibble, r]
     packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 1, 3).reshape(n // 16, k // 8, 64)
-    tiles = [t.view(n // 16, 16, -1).permute(0, 2, 1) for t in (d16, m16)]  # [tile, group, row]
-    return packed.contiguous(), torch.stack(tiles, dim=2).contiguous()
+    return packed.contiguous()
+
+
+K_QUANT_GROUPS = 8
+"""Groups of ``GROUP_SIZE`` columns under one K-quant pair of float16 scales."""
+
+
+def _strata_int4_k(
+    codes: torch.Tensor, k_quant: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Codes [N, K] and a Q4_K weight's own scales (``Int4Groups.k_quant``) in the layout of
+    Strata's int4 kernel with K-quant scales: per tile of 16 rows and 8 groups, 320 bytes, D[16]
+    and -Dmin[16] float16, then each group's sc[16] and mn[16] (``quantized_mm.cpp``). None
+    where its library is not built here or K is no multiple of 8 groups."""
+    from replicas.model import native_stack
+
+    n, k = codes.shape
+    if native_stack.load_error() is not None or k % (K_QUANT_GROUPS * GROUP_SIZE):
+        return None
+    kq = k_quant.view(n // 16, 16, -1, K_QUANT_GROUPS, 4)  # [tile, row, block, group, field]
+    pairs = kq[:, :, :, 0, :2].half().permute(0, 2, 3, 1).contiguous()  # [tile, block, 2, row]
+    sc_mn = kq[..., 2:].to(torch.uint8).permute(0, 2, 3, 4, 1)  # [tile, block, group, 2, row]
+    blocks = pairs.shape[1]
+    scales = torch.cat(
+        (pairs.view(torch.uint8).view(n // 16, blocks, 64), sc_mn.reshape(n // 16, blocks, 256)),
+        dim=2,
+    )
+    return _pack_int4_codes(codes), scales.contiguous()
 
 
 def _strata_int4_weight(packed: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
-    """The float32 weight [N, K] that ``_strata_int4``'s layout holds."""
+    """The float32 weight [N, K] that ``_strata_int4``'s (or ``_strata_int4_k``'s) layout
+    holds."""
     tiles, octets, _ = packed.shape
     c = packed.view(tiles, octets, 16, 4)
     codes = torch.stack((c & 15, c >> 4), dim=3)  # [tile, octet, row, nibble, r]
     codes = codes.permute(0, 2, 1, 3, 4).reshape(tiles * 16, octets * 8).float()
+    if scales.dtype == torch.uint8:  # K-quant scales: d = D sc, m = -Dmin mn
+        pairs = scales[..., :64].contiguous().view(torch.float16).view(tiles, -1, 1, 2, 16)
+        sc_mn = scales[..., 64:].reshape(tiles, -1, K_QUANT_GROUPS, 2, 16)
+        scales = (pairs.float() * sc_mn.float()).view(tiles, -1, 2, 16)  # [tile, group, 2, row]
     d, m = (scales[:, :, i].permute(0, 2, 1).reshape(tiles * 16, -1).float() for i in (0, 1))
     w = codes.view(tiles * 16, -1, GROUP_SIZE) * d[..., None] + m[..., None]
     return w.reshape(tiles * 16, -1)[:n]

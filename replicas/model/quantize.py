@@ -157,11 +157,16 @@ def _quantizer(
         weight = [x.weight for x in linears]  # fused by rows as they are quantized
         if _uses_stored_codes(scheme, names, weight, groups, bits):
             stored = [groups[f"{n}.weight"] for n in names]
+            codes, scale, zero = (torch.cat(parts) for parts in list(zip(*stored))[:3])
+            k_quant = [s.k_quant for s in stored]
             return QuantizedLinear.int4_groups(
-                *(torch.cat(parts) for parts in zip(*stored, strict=True)),
+                codes,
+                scale,
+                zero,
                 bias=bias,
                 kernel=kernel,
                 passes=passes,
+                k_quant=torch.cat(k_quant) if None not in k_quant else None,
             )
         if _product_scheme(scheme, names, weight, bits) == "int4":
             return QuantizedLinear.int4(weight, bias, kernel, passes)

@@ -22,7 +22,10 @@
 // holds 16 rows' codes for a few columns and one VNNI multiply-add (16 lanes of 4 bytes) takes them:
 // - int4: one 64-byte chunk per 8 input columns: byte 4 c + r holds row c's column 8 o + r in its
 //   low nibble and column 8 o + 4 + r in its high nibble ([N / 16, K / 8, 64] uint8); d and m per
-//   tile and group as [N / 16, K / 32, 2, 16] float16.
+//   tile and group as [N / 16, K / 32, 2, 16] float16, or, for a GGUF Q4_K weight, as its own
+//   6-bit codes under a float16 pair per 8 groups ([N / 16, K / 256, 320] uint8: D[16] and
+//   -Dmin[16] float16, then per group sc[16] and mn[16]; d = D sc and m = -Dmin mn, both exact
+//   in float32): 4.625 bits a weight in all, against 5.
 // - int8: one 64-byte chunk per 4 input columns: byte 4 c + r is row c's column 4 o + r
 //   ([N / 16, K / 4, 64] int8); d per tile and group as [N / 16, K / 32, 16] float16.
 
@@ -126,7 +129,31 @@ QuantizedRows quantize_rows(const at::Tensor& x, int passes) {
 
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
+// The K-quant scales of 8 groups (kSuper layouts): 160 float16 slots (320 bytes) per tile.
+constexpr int64_t kSuperGroups = 8;
+constexpr int64_t kSuperHalfs = 160;
+
+// Group g's d and m of a tile's 16 rows (the scales of the tile): float16 values, or (kSuper)
+// the products of a K-quant's float16 pair and the group's 6-bit codes.
+template <bool kSuper>
+inline void group_scales(const uint16_t* scales, int64_t g, float* d, float* m) {
+  if constexpr (kSuper) {
+    const uint16_t* pair = scales + (g / kSuperGroups) * kSuperHalfs;
+    const uint8_t* codes = reinterpret_cast<const uint8_t*>(pair + 2 * kTile) + (g % 8) * 2 * kTile;
+    for (int64_t c = 0; c < kTile; ++c) {
+      d[c] = half_to_float(pair[c]) * static_cast<float>(codes[c]);
+      m[c] = half_to_float(pair[kTile + c]) * static_cast<float>(codes[kTile + c]);
+    }
+  } else {
+    for (int64_t c = 0; c < kTile; ++c) {
+      d[c] = half_to_float(scales[g * 2 * kTile + c]);
+      m[c] = half_to_float(scales[g * 2 * kTile + kTile + c]);
+    }
+  }
+}
+
 // One tile (16 output rows) against activation rows [r0, r0 + n): plain C++.
+template <bool kSuper>
 void tile_scalar(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q, int64_t r0,
                  int64_t n, float* out, int64_t out_stride) {
   const int64_t k = q.groups * kGroup;
@@ -146,14 +173,14 @@ void tile_scalar(const uint8_t* codes, const uint16_t* scales, const QuantizedRo
           }
         }
       }
-      const uint16_t* dm = scales + g * 2 * kTile;
+      float d[kTile], m[kTile];
+      group_scales<kSuper>(scales, g, d, m);
       const int64_t at = r * q.groups + g;
       for (int64_t c = 0; c < kTile; ++c) {
-        const float d = half_to_float(dm[c]);
         for (int p = 0; p < q.passes; ++p) {
-          acc[c] = acc[c] + static_cast<float>(sums[p][c]) * (d * q.dx[p][at]);
+          acc[c] = acc[c] + static_cast<float>(sums[p][c]) * (d[c] * q.dx[p][at]);
         }
-        acc[c] = acc[c] + half_to_float(dm[kTile + c]) * q.sx[at];
+        acc[c] = acc[c] + m[c] * q.sx[at];
       }
     }
     std::memcpy(out + (r - r0) * out_stride, acc, sizeof(acc));
@@ -168,7 +195,32 @@ void tile_scalar(const uint8_t* codes, const uint16_t* scales, const QuantizedRo
 // u8 x s8 pairs in int16 (at most 2 * 15 * 127, 4 * 15 * 127 for the two nibbles); a group's
 // four chunks add up in int16 (at most 16 * 15 * 127 = 30,480 < 2^15: no wrap), and only then
 // does vpmaddwd widen the pairs to one int32 per row: one widening per group, not per chunk.
-template <int R, int P>
+// 8 float16 values, and 8 bytes, as floats (AVX2).
+__attribute__((target("avx2,fma,f16c"))) inline __m256 halves_avx2(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+__attribute__((target("avx2,fma,f16c"))) inline __m256 bytes_avx2(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Group g's d and m of rows 8 h .. 8 h + 7 of a tile (group_scales), on AVX2.
+template <bool kSuper>
+__attribute__((target("avx2,fma,f16c"))) inline void group_scales_avx2(const uint16_t* scales,
+                                                                      int64_t g, int h,
+                                                                      __m256& d, __m256& m) {
+  if constexpr (kSuper) {
+    const uint16_t* pair = scales + (g / kSuperGroups) * kSuperHalfs;
+    const uint8_t* codes = reinterpret_cast<const uint8_t*>(pair + 2 * kTile) + (g % 8) * 2 * kTile;
+    d = _mm256_mul_ps(halves_avx2(pair + h * 8), bytes_avx2(codes + h * 8));
+    m = _mm256_mul_ps(halves_avx2(pair + kTile + h * 8), bytes_avx2(codes + kTile + h * 8));
+  } else {
+    d = halves_avx2(scales + g * 2 * kTile + h * 8);
+    m = halves_avx2(scales + g * 2 * kTile + kTile + h * 8);
+  }
+}
+
+template <int R, int P, bool kSuper>
 __attribute__((target("avx2,fma,f16c"))) void tile_avx2_rows(const uint8_t* codes,
                                                              const uint16_t* scales,
                                                              const QuantizedRows& q, int64_t r0,
@@ -221,10 +273,8 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_rows(const uint8_t* code
     }
     STRATA_UNROLLED
     for (int h = 0; h < 2; ++h) {
-      const uint16_t* dm = scales + g * 2 * kTile + h * 8;
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm)));
-      const __m256 m =
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm + kTile)));
+      __m256 d, m;
+      group_scales_avx2<kSuper>(scales, g, h, d, m);
       STRATA_UNROLLED
       for (int i = 0; i < R; ++i) {
         const int64_t at = (r0 + i) * q.groups + g;
@@ -248,7 +298,33 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_rows(const uint8_t* code
 // AVX-512 VNNI: one register holds the tile's 16 rows for 8 columns, and vpdpbusd adds u8 x s8
 // products straight into int32; two sums per row and pass (even and odd chunks), so that the
 // multiply-adds do not wait on each other.
-template <int R, int P>
+#define STRATA_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
+
+// 16 float16 values, and 16 bytes, as floats (AVX-512).
+STRATA_VNNI inline __m512 halves_avx512(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+STRATA_VNNI inline __m512 bytes_avx512(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Group g's d and m of a tile's 16 rows (group_scales), on AVX-512.
+template <bool kSuper>
+STRATA_VNNI inline void group_scales_avx512(const uint16_t* scales, int64_t g, __m512& d,
+                                            __m512& m) {
+  if constexpr (kSuper) {
+    const uint16_t* pair = scales + (g / kSuperGroups) * kSuperHalfs;
+    const uint8_t* codes = reinterpret_cast<const uint8_t*>(pair + 2 * kTile) + (g % 8) * 2 * kTile;
+    d = _mm512_mul_ps(halves_avx512(pair), bytes_avx512(codes));
+    m = _mm512_mul_ps(halves_avx512(pair + kTile), bytes_avx512(codes + kTile));
+  } else {
+    d = halves_avx512(scales + g * 2 * kTile);
+    m = halves_avx512(scales + g * 2 * kTile + kTile);
+  }
+}
+
+template <int R, int P, bool kSuper>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void tile_vnni_rows(
     const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q, int64_t r0,
     float* out, int64_t out_stride) {
@@ -289,10 +365,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void tile_v
         }
       }
     }
-    const __m512 d = _mm512_cvtph_ps(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * 2 * kTile)));
-    const __m512 m = _mm512_cvtph_ps(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * 2 * kTile + kTile)));
+    __m512 d, m;
+    group_scales_avx512<kSuper>(scales, g, d, m);
     STRATA_UNROLLED
     for (int i = 0; i < R; ++i) {
       const int64_t at = (r0 + i) * q.groups + g;
@@ -486,21 +560,24 @@ void by_rows(int64_t n, int passes, const Kernel& kernel) {
   return with_rows(std::integral_constant<int, 2>{});
 }
 
+template <bool kSuper>
 void tile_avx2(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q,
                int64_t r0, int64_t n, float* out, int64_t out_stride) {
   for (int64_t r = 0; r < n; r += avx2_rows(q.passes)) {
     by_rows(std::min(avx2_rows(q.passes), n - r), q.passes, [&](auto rows, auto passes) {
       constexpr int kRows = decltype(rows)::value, kPasses = decltype(passes)::value;
-      tile_avx2_rows<kRows, kPasses>(codes, scales, q, r0 + r, out + r * out_stride, out_stride);
+      tile_avx2_rows<kRows, kPasses, kSuper>(codes, scales, q, r0 + r, out + r * out_stride,
+                                             out_stride);
     });
   }
 }
 
+template <bool kSuper>
 void tile_avx512_vnni(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q,
                       int64_t r0, int64_t n, float* out, int64_t out_stride) {
   by_rows(n, q.passes, [&](auto rows, auto passes) {
     constexpr int kRows = decltype(rows)::value, kPasses = decltype(passes)::value;
-    tile_vnni_rows<kRows, kPasses>(codes, scales, q, r0, out, out_stride);
+    tile_vnni_rows<kRows, kPasses, kSuper>(codes, scales, q, r0, out, out_stride);
   });
 }
 
@@ -549,7 +626,10 @@ int64_t cpu_path() {
 
 // One kernel per instruction path, indexed by kPath*.
 using PathKernels = std::array<TileKernel, 3>;
-constexpr PathKernels kInt4Kernels = {tile_scalar, tile_avx2, tile_avx512_vnni};
+constexpr PathKernels kInt4Kernels = {tile_scalar<false>, tile_avx2<false>,
+                                      tile_avx512_vnni<false>};
+constexpr PathKernels kInt4SuperKernels = {tile_scalar<true>, tile_avx2<true>,
+                                           tile_avx512_vnni<true>};
 constexpr PathKernels kInt8Kernels = {int8_tile_scalar, int8_tile_avx2, int8_tile_avx512_vnni};
 
 // Shared by int4_mm and int8_mm: what a scheme's layout has per tile (and input column or
@@ -558,8 +638,9 @@ struct Scheme {
   const char* name;
   at::ScalarType code_type;
   int64_t columns_per_chunk;  // input columns per 64-byte chunk
-  int64_t scales_per_group;   // float16 values per tile and group
+  int64_t scales_per_group;   // 16-bit slots of scales per tile and group
   const PathKernels& kernels;
+  at::ScalarType scale_type = at::kHalf;  // kByte: K-quant scales (kSuperHalfs per 8 groups)
 };
 
 at::Tensor quantized_mm(const Scheme& scheme, const at::Tensor& x, const at::Tensor& codes,
@@ -575,10 +656,13 @@ at::Tensor quantized_mm(const Scheme& scheme, const at::Tensor& x, const at::Ten
   const int64_t k = x.size(1), tiles = codes.size(0), groups = k / kGroup;
   TORCH_CHECK(k % kGroup == 0 && codes.size(1) * scheme.columns_per_chunk == k, name, ": x has ",
               k, " columns, the weight ", codes.size(1) * scheme.columns_per_chunk);
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
-                  scales.numel() == tiles * groups * scheme.scales_per_group,
-              name, ": scales must be contiguous float16 with ", scheme.scales_per_group,
-              " values per tile and group");
+  const bool super = scheme.scale_type == at::kByte;
+  TORCH_CHECK(!super || groups % kSuperGroups == 0, name, ": K-quant scales need K a multiple of ",
+              kSuperGroups * kGroup, ", got ", k);
+  TORCH_CHECK(scales.scalar_type() == scheme.scale_type && scales.is_contiguous() &&
+                  scales.nbytes() == size_t(tiles * groups * scheme.scales_per_group * 2),
+              name, ": scales must be contiguous ", scheme.scale_type, " with ",
+              scheme.scales_per_group * 2, " bytes per tile and group");
   TORCH_CHECK(out_features <= tiles * kTile, name, ": out_features beyond the packed rows");
   const at::Tensor input = x.contiguous();
   QuantizedRows q;
@@ -588,7 +672,7 @@ at::Tensor quantized_mm(const Scheme& scheme, const at::Tensor& x, const at::Ten
   at::Tensor out = at::empty({rows, tiles * kTile}, x.options().dtype(at::kFloat));
   const TileKernel kernel = scheme.kernels[std::min(path < 0 ? best_path() : path, best_path())];
   const uint8_t* code_data = static_cast<const uint8_t*>(codes.const_data_ptr());
-  const uint16_t* scale_data = reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::Half>());
+  const uint16_t* scale_data = static_cast<const uint16_t*>(scales.const_data_ptr());
   float* out_data = out.mutable_data_ptr<float>();
   const int64_t tile_codes = (k / scheme.columns_per_chunk) * 64;
   const int64_t tile_scales = groups * scheme.scales_per_group;
@@ -619,7 +703,10 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
                    int64_t out_features, int64_t passes, int64_t path) {
   RECORD_FUNCTION("strata_native::int4_mm", std::vector<c10::IValue>());  // for profiles
   static const Scheme scheme{"int4_mm", at::kByte, 8, 2 * kTile, kInt4Kernels};
-  return quantized_mm(scheme, x, codes, scales, out_features, passes, path);
+  static const Scheme k_quant{"int4_mm", at::kByte, 8, kSuperHalfs / kSuperGroups,
+                              kInt4SuperKernels, at::kByte};
+  const bool super = scales.scalar_type() == at::kByte;
+  return quantized_mm(super ? k_quant : scheme, x, codes, scales, out_features, passes, path);
 }
 
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,

@@ -55,7 +55,12 @@ def _strata_parts(layer: QuantizedLinear) -> tuple[torch.Tensor, torch.Tensor, t
         return codes, d, torch.zeros_like(d)
     c = layer.weight.view(tiles, chunks, 16, 4)
     codes = torch.stack((c & 15, c >> 4), dim=3).permute(0, 2, 1, 3, 4).reshape(tiles * 16, -1)
-    d, m = (layer.scales[:, :, i].permute(0, 2, 1).reshape(tiles * 16, -1) for i in (0, 1))
+    scales = layer.scales
+    if scales.dtype == torch.uint8:  # K-quant: per 8 groups D[16], -Dmin[16], then sc, mn
+        pairs = scales[..., :64].contiguous().view(torch.float16).view(tiles, -1, 1, 2, 16)
+        sc_mn = scales[..., 64:].reshape(tiles, -1, 8, 2, 16)
+        scales = (pairs.double() * sc_mn.double()).view(tiles, -1, 2, 16)
+    d, m = (scales[:, :, i].permute(0, 2, 1).reshape(tiles * 16, -1) for i in (0, 1))
     return codes, d.double(), m.double()
 
 
@@ -168,6 +173,53 @@ def test_strata_products_are_bitwise_the_same_on_every_instruction_path(scheme, 
     assert all(torch.equal(outs[0], out) for out in outs[1:]), best
     expected = strata_reference(x, layer)  # float32 sums: ~1e-6 of the largest value
     torch.testing.assert_close(outs[0].double(), expected, rtol=0, atol=1e-5 * expected.abs().max())
+
+
+def _k_quant_weight(n: int, k: int, gen: torch.Generator):
+    """Random Q4_K-like codes and scales: ``(codes, scale, zero, k_quant)`` (``Int4Groups``)."""
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    d = (
+        (torch.rand(n, k // 256, generator=gen) * 0.02 + 1e-3)
+        .half()
+        .float()
+        .repeat_interleave(8, 1)
+    )
+    d_min = (torch.rand(n, k // 256, generator=gen) * 0.02).half().float().repeat_interleave(8, 1)
+    sc, mn = (torch.randint(0, 64, (n, k // GROUP_SIZE), generator=gen).float() for _ in "sm")
+    scale = d * sc
+    return codes, scale, 8 * scale - d_min * mn, torch.stack((d, -d_min, sc, mn), dim=-1)
+
+
+@pytest.mark.skipif("not _strata_built()", reason="no native library here")
+@pytest.mark.parametrize("shape", [(192, 256), (320, 1536)])
+@pytest.mark.parametrize("passes", [1, 2])
+def test_strata_int4_keeps_q4_k_scales_as_stored_bitwise_on_every_path(shape, passes):
+    """A Q4_K weight's 6-bit scale codes and float16 pairs kept as the file holds them
+    (0.625 bits a weight, not 1): the weight is exactly the file's, every instruction path
+    gives the same bits, and the product is what the codes and scales make."""
+    n, k = shape
+    gen = torch.Generator().manual_seed(k)
+    codes, scale, zero, k_quant = _k_quant_weight(n, k, gen)
+    layer = QuantizedLinear.int4_groups(
+        codes, scale, zero, kernel="strata", passes=passes, k_quant=k_quant
+    )
+    assert layer.scales.dtype == torch.uint8 and layer.scales.numel() == n * k // 256 * 20
+    d, neg_d_min, sc, mn = (k_quant[..., i].double().repeat_interleave(32, 1) for i in range(4))
+    file_weight = codes.double() * d * sc + neg_d_min * mn  # Q4_K: D sc q - Dmin mn
+    assert torch.equal(layer.dequantized(torch.float32), file_weight.float())
+    x = torch.randn(7, k, generator=gen) * torch.linspace(0.01, 30, k)
+    best = torch.ops.strata_native.quantized_mm_path()
+    outs = [
+        torch.ops.strata_native.int4_mm(x, layer.weight, layer.scales, n, passes, path)
+        for path in range(best + 1)
+    ]
+    assert all(torch.equal(outs[0], out) for out in outs[1:]), best
+    expected = strata_reference(x, layer)
+    torch.testing.assert_close(outs[0].double(), expected, rtol=0, atol=1e-5 * expected.abs().max())
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        torch.ops.strata_native.int4_mm(
+            x[:, :128], layer.weight[:, :16].contiguous(), layer.scales, n
+        )
 
 
 @pytest.mark.skipif("not _strata_built()", reason="no native library here")
@@ -302,7 +354,7 @@ def test_gguf_q4_codes_equal_gguf_dequantization(kind, tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     tensor = gguf.GGUFReader(str(tmp_path / "q.gguf")).tensors[0]
-    codes, scale, zero = int4_groups_of_tensor(tensor)
+    codes, scale, zero, _ = int4_groups_of_tensor(tensor)
     assert codes.shape == (64, 96) and int(codes.max()) <= 15
     ours = (codes.double() - 8).reshape(64, -1, GROUP_SIZE) * scale.double()[..., None]
     ours = (ours + zero.double()[..., None]).reshape(64, 96)

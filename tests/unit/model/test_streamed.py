@@ -60,7 +60,7 @@ def old_build(path, candidate: Candidate):
             bits[name] = {"F32": 32, "Q8_0": 8, "Q4_0": 4}[t.tensor_type.name]
             if t.tensor_type.name == "Q4_0":
                 groups[name] = type(int4_groups_of_tensor(t))(
-                    *(rows(name, x) for x in int4_groups_of_tensor(t))
+                    *(None if x is None else rows(name, x) for x in int4_groups_of_tensor(t))
                 )
     net = net.to(getattr(torch, candidate.dtype))
     if candidate.quantization != "none":
