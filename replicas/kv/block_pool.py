@@ -169,15 +169,6 @@ class BlockPool:
         """The block id allocation would take next (None when none is free)."""
         return self._free_blocks.peek()
 
-    def protects_next(self) -> bool:
-        """Whether allocating a block now would evict a cached block an interactive session
-        used within its lifetime (``is_protected``)."""
-        block_id = self._free_blocks.peek()
-        if block_id is None or self.blocks[block_id].block_hash is None:
-            return False
-        block = self.blocks[block_id]
-        return is_protected((block.tenant, block.batch, block.interactive_until), self.clock())
-
     # ---- mutation ----------------------------------------------------------------------------
     def allocate(
         self, num_blocks: int, classes: "dict[int, BlockClass] | None" = None
@@ -385,3 +376,13 @@ class BlockPool:
             assert self.blocks[block_id].block_hash == block_hash, (
                 f"{self.name} hash map entry points to block {block_id} holding another hash"
             )
+
+
+def protects_next(pool: BlockPool) -> bool:
+    """Whether allocating a block of ``pool`` now would evict a cached block an interactive
+    session used within its lifetime (``is_protected``)."""
+    block_id = pool.next_to_allocate()
+    if block_id is None or pool.blocks[block_id].block_hash is None:
+        return False
+    block = pool.blocks[block_id]
+    return is_protected((block.tenant, block.batch, block.interactive_until), pool.clock())

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from replicas.engine.request import Request
 from replicas.kv.backing_writes import BackingRules, BackingWrites
-from replicas.kv.block_pool import BlockClass, BlockPool, is_protected
+from replicas.kv.block_pool import BlockClass, BlockPool, is_protected, protects_next
 from replicas.kv.cache_type import CacheType, HostRules
 from replicas.kv.events import Tier
 from replicas.kv.hashing import BlockHash
@@ -178,13 +178,13 @@ class CacheTypeManager:
     ) -> bool:
         """Plan a copy of an NPU block to a new host block; False if every host block is locked,
         or if the block is a batch one and the host block it would take holds an interactive
-        session's within its lifetime (``BlockPool.protects_next``). The copy takes the NPU
+        session's within its lifetime (``block_pool.protects_next``). The copy takes the NPU
         block's tenant and class (``evicted_class``: those it had before its eviction, which
         reset them)."""
         host_pool = self.cache_type.host
         npu = self.cache_type.npu.blocks[npu_id]
         tenant, batch, until = evicted_class or (npu.tenant, npu.batch, npu.interactive_until)
-        if host_pool.num_free == 0 or (batch and host_pool.protects_next()):
+        if host_pool.num_free == 0 or (batch and protects_next(host_pool)):
             return False
         host_id = self.allocate_host()  # locked until the store lands
         host = host_pool.blocks[host_id]

@@ -523,6 +523,16 @@ inline const int64_t* split_of(const Problem& pr, int64_t row, int64_t k) {
   return pr.split_at + row * (pr.splits + 1) + k;  // [0]: its first key, [1]: one past its last
 }
 
+// The keys [lo, hi) that a unit's rows see in split k; false when none does.
+inline bool split_span(const Problem& pr, const Unit& u, int64_t k, int64_t& lo, int64_t& hi) {
+  lo = pr.width, hi = 0;
+  for (int64_t r = u.row0; r < u.row1; ++r) {
+    const int64_t* at = split_of(pr, r, k);
+    if (at[0] < at[1]) lo = std::min(lo, at[0]), hi = std::max(hi, at[1]);
+  }
+  return lo < hi;
+}
+
 // The keys [lo, hi) transposed into `panel` ([key group, D, kLanes], groups from lo's), with
 // the next group's rows asked for while one is transposed.
 template <typename P, typename T>
@@ -569,12 +579,8 @@ inline void attend(const Problem& pr, int64_t begin, int64_t end_task) {
     const Unit u = unit_of(pr, unit);
     const int64_t* keys = pr.rows + (u.seq * pr.num_kv_heads + u.kv_head) * w;
     const int64_t* values = keys + pr.num_seqs * pr.num_kv_heads * w;
-    int64_t lo = w, hi = 0;
-    for (int64_t r = u.row0; r < u.row1; ++r) {
-      const int64_t* at = split_of(pr, r, k);
-      if (at[0] < at[1]) lo = std::min(lo, at[0]), hi = std::max(hi, at[1]);
-    }
-    if (lo >= hi) continue;  // every row's keys end in an earlier split
+    int64_t lo, hi;
+    if (!split_span(pr, u, k, lo, hi)) continue;  // every row's keys end in an earlier split
     transpose_keys<P, T>(cache, keys, lo, hi, d, panel);
     const int64_t origin = lo / kLanes * kLanes, stride = panel.size() / d;
     scores.resize(kMaxPairs * stride);
