@@ -25,11 +25,13 @@ Schemes (``w`` a weight, ``q`` its stored code):
 * ``int4``: ``w = (q - 8) * scale[n, g] + zero[n, g]``, ``q`` in [0, 15], one scale and zero per
   row and group of ``GROUP_SIZE`` input columns. GGUF ``Q4_0`` (``d * (q - 8)``) and ``Q4_1``
   (``d * q + m``) blocks are exactly this grouping (``scale = d``; ``zero = 0`` or
-  ``m + 8 d``), so their codes are used as stored, without requantizing.
+  ``m + 8 d``), and so are ``Q4_K``'s (``scale = D sc``, ``zero = 8 scale - Dmin m``), so
+  their codes are used as stored, without requantizing.
 
 Strata's own products (``kernel="strata"``; ``replicas/model/quantized_mm.cpp``, built with
 the native library) keep int4 as ``w = d * q + m`` and int8 as ``w = d * q`` with float16 ``d``
-(and ``m``) per row and group of ``GROUP_SIZE`` in tiles of 16 rows, and quantize the
+(and ``m``) per row and group of ``GROUP_SIZE`` in tiles of 16 rows (a ``Q4_K`` weight's own
+6-bit ``sc`` and ``m`` codes under its float16 ``D`` and ``Dmin`` instead), and quantize the
 activations per group to int8, so that a group's product is integer multiply-adds (AVX-512
 VNNI, AVX2 or plain C++, bitwise the same); ``auto`` measures them against torch's under the
 native stack (docs/design.md, "Strata's int4 and int8 products"). The activations take two int8
@@ -189,7 +191,7 @@ class QuantizedLinear(nn.Module):
         Strata's where its library is built and the scales fit its float16; ``passes``: the
         activations' int8 passes of Strata's product (see the module docstring); ``k_quant``:
         the scales as a GGUF Q4_K file holds them (``Int4Groups.k_quant``), which Strata's
-        kernel keeps as they are (4.625 bits a weight in all, against 5)."""
+        kernel keeps as they are."""
         n, k = codes.shape
         _check_int4_shape(n, k)
         if kernel in (None, "strata"):
