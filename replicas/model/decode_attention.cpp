@@ -44,6 +44,7 @@
 #include <cstring>
 #include <type_traits>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace strata_native {
@@ -873,9 +874,10 @@ void run_waves(Problem& pr, Kernel kernel, Kernel combiner, int64_t work, int64_
   const int64_t unit_slots = rows_per_block * (pr.num_heads / pr.num_kv_heads) * pr.splits;
   const int64_t per_wave = std::clamp<int64_t>(
       wave_bytes / (unit_slots * (pr.head_dim + 2) * int64_t{sizeof(float)}), 1, units);
-  std::vector<float> partials(per_wave * unit_slots * (pr.head_dim + 2));
-  pr.part_o = partials.data();
-  pr.part_ml = partials.data() + per_wave * unit_slots * pr.head_dim;
+  // Not zeroed: combine reads only the slots of the splits a row has, which attend wrote.
+  const std::unique_ptr<float[]> partials(new float[per_wave * unit_slots * (pr.head_dim + 2)]);
+  pr.part_o = partials.get();
+  pr.part_ml = partials.get() + per_wave * unit_slots * pr.head_dim;
   for (pr.unit0 = 0; pr.unit0 < units; pr.unit0 += per_wave) {
     const int64_t n = std::min(per_wave, units - pr.unit0);
     at::parallel_for(0, n * pr.splits, grain,
