@@ -57,7 +57,9 @@ SOURCES = tuple(
     for name in (
         "native_stack.cpp",
         "quantized_mm.cpp",
+        "quantized_mm8.cpp",
         "quantized_mm.h",
+        "quantized_rows.h",
         "decode_attention.cpp",
         "decode_attention.h",
         "native_isa.h",

@@ -31,6 +31,7 @@
 
 #include "quantized_mm.h"
 #include "native_isa.h"
+#include "quantized_rows.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -44,90 +45,6 @@
 namespace strata_native {
 namespace {
 
-constexpr int64_t kGroup = 32;
-constexpr int64_t kTile = 16;
-constexpr int64_t kRowBlock = 4;  // activation rows sharing one pass over a tile's weights
-
-constexpr int kMaxPasses = 2;
-
-// AVX2 has 16 vector registers: a block of rows keeps 4 x rows x passes accumulators in them
-// beside a chunk's weights, so two passes take rows two at a time (four would spill the sums to
-// memory on every multiply-add: 1.8x slower, measured).
-constexpr int64_t avx2_rows(int passes) { return passes == 2 ? 2 : kRowBlock; }
-
-// The vector kernels index their accumulators by loop counters (row, pass, chunk); the sums stay
-// in registers only where those loops are unrolled, which -O2 does not do on its own. The loop
-// over a group's chunks stays rolled where unrolling it lets the compiler reorder every
-// multiply-add ahead of the adds (AVX2: more live products than registers).
-#define STRATA_UNROLLED _Pragma("GCC unroll 8")
-#define STRATA_NOT_UNROLLED _Pragma("GCC unroll 1")
-
-// Activations of one call, quantized in one or two passes: per row and group, x ~ dx[0] *
-// codes[0] (+ dx[1] * codes[1]), a second pass quantizing what the first left (so a row keeps
-// about 15 bits of its group's largest value, not 8; each pass is as much integer work again),
-// and sx, the sum of x.
-struct QuantizedRows {
-  int64_t rows = 0, groups = 0;
-  int passes = 0;
-  std::vector<int8_t> codes[kMaxPasses];  // [rows, groups * 32] each
-  std::vector<float> dx[kMaxPasses], sx;  // [rows, groups] each
-  std::vector<int32_t> code_sums[kMaxPasses];  // [rows, groups] each: sums of codes (int8_mm)
-};
-
-// v rounded to the nearest integer, ties to even, for |v| < 2^22 (here at most 127): adding and
-// subtracting 1.5 * 2^23 leaves no fraction bits (std::nearbyint's result, without its call).
-inline float round_small(float v) {
-  constexpr float kShift = 12582912.0f;
-  volatile float shifted = v + kShift;
-  return shifted - kShift;
-}
-
-template <typename scalar_t>
-QuantizedRows quantize_rows(const at::Tensor& x, int passes) {
-  QuantizedRows q;
-  q.rows = x.size(0);
-  q.passes = passes;
-  const int64_t k = x.size(1);
-  q.groups = k / kGroup;
-  for (int p = 0; p < passes; ++p) {
-    q.codes[p].resize(q.rows * k);
-    q.dx[p].resize(q.rows * q.groups);
-    q.code_sums[p].resize(q.rows * q.groups);
-  }
-  q.sx.resize(q.rows * q.groups);
-  const scalar_t* data = x.const_data_ptr<scalar_t>();
-  at::parallel_for(0, q.rows, 16, [&](int64_t begin, int64_t end) {
-    float group[kGroup];
-    for (int64_t r = begin; r < end; ++r) {
-      for (int64_t g = 0; g < q.groups; ++g) {
-        float sum = 0.0f;
-        for (int64_t i = 0; i < kGroup; ++i) {
-          group[i] = static_cast<float>(data[r * k + g * kGroup + i]);
-          sum += group[i];
-        }
-        q.sx[r * q.groups + g] = sum;
-        for (int p = 0; p < passes; ++p) {  // group[] becomes what the pass left
-          float amax = 0.0f;
-          for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(group[i]));
-          const float d = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-          int8_t* codes = q.codes[p].data() + r * k + g * kGroup;
-          int32_t code_sum = 0;
-          for (int64_t i = 0; i < kGroup; ++i) {
-            const float code = round_small(group[i] * inverse);
-            codes[i] = static_cast<int8_t>(code);
-            code_sum += codes[i];
-            group[i] = group[i] - code * d;
-          }
-          q.dx[p][r * q.groups + g] = d;
-          q.code_sums[p][r * q.groups + g] = code_sum;
-        }
-      }
-    }
-  });
-  return q;
-}
-
-inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
 // The K-quant scales of 8 groups (kSuper layouts): 160 float16 slots (320 bytes) per tile.
 constexpr int64_t kSuperGroups = 8;
@@ -247,6 +164,7 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_rows(const uint8_t* code
     STRATA_NOT_UNROLLED
     for (int64_t o = 0; o < kGroup / 8; ++o) {
       const uint8_t* chunk = codes + (g * 4 + o) * 64;
+      fetch_ahead(chunk);
       const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
       const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32));
       const __m256i lo0 = _mm256_and_si256(w0, low_nibbles);
@@ -298,7 +216,6 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_rows(const uint8_t* code
 // AVX-512 VNNI: one register holds the tile's 16 rows for 8 columns, and vpdpbusd adds u8 x s8
 // products straight into int32; two sums per row and pass (even and odd chunks), so that the
 // multiply-adds do not wait on each other.
-#define STRATA_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 
 // 16 float16 values, and 16 bytes, as floats (AVX-512).
 STRATA_VNNI inline __m512 halves_avx512(const uint16_t* p) {
@@ -348,6 +265,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void tile_v
     }
     STRATA_UNROLLED
     for (int64_t o = 0; o < kGroup / 8; ++o) {
+      fetch_ahead(codes + (g * 4 + o) * 64);
       const __m512i w = _mm512_loadu_si512(codes + (g * 4 + o) * 64);
       const __m512i lo = _mm512_and_si512(w, low_nibbles);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low_nibbles);
@@ -384,181 +302,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void tile_v
 }
 
 
-// ---- int8 ----------------------------------------------------------------------------------
-// The same structure as int4's, without the nibbles: a 64-byte chunk is 16 rows x 4 columns, a
-// group 8 chunks. The integer sums take the signed codes three ways: plain C++; AVX2 as |w|
-// (unsigned) times qx with w's sign (vpsignb) in vpmaddubsw, whose pairs stay within
-// 2 * 127 * 127 < 2^15 (no saturation, but no room to add two: each chunk's pairs widen to int32
-// at once), both halves of a tile per activation broadcast as int4's; AVX-512 VNNI as w + 128
-// (unsigned: the code with its sign bit flipped) in vpdpbusd, less 128 times the group's sum of
-// activation codes.
-
-void int8_tile_scalar(const uint8_t* bytes, const uint16_t* scales, const QuantizedRows& q,
-                      int64_t r0, int64_t n, float* out, int64_t out_stride) {
-  const int8_t* codes = reinterpret_cast<const int8_t*>(bytes);
-  const int64_t k = q.groups * kGroup;
-  for (int64_t r = r0; r < r0 + n; ++r) {
-    float acc[kTile] = {};
-    for (int64_t g = 0; g < q.groups; ++g) {
-      int32_t sums[kMaxPasses][kTile] = {};
-      for (int p = 0; p < q.passes; ++p) {
-        for (int64_t o = 0; o < kGroup / 4; ++o) {
-          const int8_t* chunk = codes + (g * 8 + o) * 64;
-          const int8_t* a = q.codes[p].data() + r * k + g * kGroup + o * 4;
-          for (int64_t c = 0; c < kTile; ++c) {
-            for (int64_t j = 0; j < 4; ++j) sums[p][c] += chunk[4 * c + j] * a[j];
-          }
-        }
-      }
-      const uint16_t* d = scales + g * kTile;
-      const int64_t at = r * q.groups + g;
-      for (int64_t c = 0; c < kTile; ++c) {
-        for (int p = 0; p < q.passes; ++p) {
-          acc[c] = acc[c] + static_cast<float>(sums[p][c]) * (half_to_float(d[c]) * q.dx[p][at]);
-        }
-      }
-    }
-    std::memcpy(out + (r - r0) * out_stride, acc, sizeof(acc));
-  }
-}
-
-template <int R, int P>
-__attribute__((target("avx2,fma,f16c"))) void int8_tile_avx2_rows(const uint8_t* codes,
-                                                                 const uint16_t* scales,
-                                                                 const QuantizedRows& q,
-                                                                 int64_t r0, float* out,
-                                                                 int64_t out_stride) {
-  const int64_t k = q.groups * kGroup;
-  const __m256i ones = _mm256_set1_epi16(1);
-  const int8_t* rows[R][P];
-  STRATA_UNROLLED
-  for (int i = 0; i < R; ++i) {
-    STRATA_UNROLLED
-    for (int p = 0; p < P; ++p) rows[i][p] = q.codes[p].data() + (r0 + i) * k;
-  }
-  __m256 acc[R][2];
-  STRATA_UNROLLED
-  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < q.groups; ++g) {
-    __m256i sums[R][P][2];
-    STRATA_UNROLLED
-    for (int i = 0; i < R; ++i) {
-      STRATA_UNROLLED
-      for (int p = 0; p < P; ++p) sums[i][p][0] = sums[i][p][1] = _mm256_setzero_si256();
-    }
-    STRATA_NOT_UNROLLED
-    for (int64_t o = 0; o < kGroup / 4; ++o) {
-      const int8_t* chunk = reinterpret_cast<const int8_t*>(codes) + (g * 8 + o) * 64;
-      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
-      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32));
-      const __m256i m0 = _mm256_abs_epi8(w0), m1 = _mm256_abs_epi8(w1);
-      STRATA_UNROLLED
-      for (int i = 0; i < R; ++i) {
-        STRATA_UNROLLED
-        for (int p = 0; p < P; ++p) {
-          int32_t a;
-          std::memcpy(&a, rows[i][p] + g * kGroup + o * 4, 4);
-          const __m256i b = _mm256_set1_epi32(a);
-          const __m256i pairs0 = _mm256_maddubs_epi16(m0, _mm256_sign_epi8(b, w0));
-          const __m256i pairs1 = _mm256_maddubs_epi16(m1, _mm256_sign_epi8(b, w1));
-          sums[i][p][0] = _mm256_add_epi32(sums[i][p][0], _mm256_madd_epi16(pairs0, ones));
-          sums[i][p][1] = _mm256_add_epi32(sums[i][p][1], _mm256_madd_epi16(pairs1, ones));
-        }
-      }
-    }
-    STRATA_UNROLLED
-    for (int h = 0; h < 2; ++h) {
-      const __m256 d = _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + g * kTile + h * 8)));
-      STRATA_UNROLLED
-      for (int i = 0; i < R; ++i) {
-        const int64_t at = (r0 + i) * q.groups + g;
-        STRATA_UNROLLED
-        for (int p = 0; p < P; ++p) {
-          const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(q.dx[p][at]));
-          acc[i][h] =
-              _mm256_add_ps(acc[i][h], _mm256_mul_ps(_mm256_cvtepi32_ps(sums[i][p][h]), scale));
-        }
-      }
-    }
-  }
-  STRATA_UNROLLED
-  for (int i = 0; i < R; ++i) {
-    _mm256_storeu_ps(out + i * out_stride, acc[i][0]);
-    _mm256_storeu_ps(out + i * out_stride + 8, acc[i][1]);
-  }
-}
-
-template <int R, int P>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void int8_tile_vnni_rows(
-    const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q, int64_t r0,
-    float* out, int64_t out_stride) {
-  const int64_t k = q.groups * kGroup;
-  const __m512i sign_bits = _mm512_set1_epi8(static_cast<char>(0x80));
-  const int8_t* rows[R][P];
-  STRATA_UNROLLED
-  for (int i = 0; i < R; ++i) {
-    STRATA_UNROLLED
-    for (int p = 0; p < P; ++p) rows[i][p] = q.codes[p].data() + (r0 + i) * k;
-  }
-  __m512 acc[R];
-  STRATA_UNROLLED
-  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < q.groups; ++g) {
-    __m512i sums[R][P][2];
-    STRATA_UNROLLED
-    for (int i = 0; i < R; ++i) {
-      STRATA_UNROLLED
-      for (int p = 0; p < P; ++p) sums[i][p][0] = sums[i][p][1] = _mm512_setzero_si512();
-    }
-    STRATA_UNROLLED
-    for (int64_t o = 0; o < kGroup / 4; ++o) {
-      const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(codes + (g * 8 + o) * 64), sign_bits);
-      STRATA_UNROLLED
-      for (int i = 0; i < R; ++i) {
-        STRATA_UNROLLED
-        for (int p = 0; p < P; ++p) {
-          int32_t a;
-          std::memcpy(&a, rows[i][p] + g * kGroup + o * 4, 4);
-          __m512i& sum = sums[i][p][o & 1];
-          sum = _mm512_dpbusd_epi32(sum, w, _mm512_set1_epi32(a));
-        }
-      }
-    }
-    const __m512 d =
-        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kTile)));
-    STRATA_UNROLLED
-    for (int i = 0; i < R; ++i) {
-      const int64_t at = (r0 + i) * q.groups + g;
-      STRATA_UNROLLED
-      for (int p = 0; p < P; ++p) {
-        const __m512i offset = _mm512_set1_epi32(128 * q.code_sums[p][at]);
-        const __m512i sum =
-            _mm512_sub_epi32(_mm512_add_epi32(sums[i][p][0], sums[i][p][1]), offset);
-        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(q.dx[p][at]));
-        acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_cvtepi32_ps(sum), scale));
-      }
-    }
-  }
-  STRATA_UNROLLED
-  for (int i = 0; i < R; ++i) _mm512_storeu_ps(out + i * out_stride, acc[i]);
-}
-
-// Rows [r0, r0 + n) of one tile, n <= kRowBlock, with q's passes, through the vector kernels'
-// instance for them (each keeps its accumulators in registers).
-template <typename Kernel>
-void by_rows(int64_t n, int passes, const Kernel& kernel) {
-  const auto with_rows = [&](auto p) {
-    switch (n) {
-      case 1: return kernel(std::integral_constant<int, 1>{}, p);
-      case 2: return kernel(std::integral_constant<int, 2>{}, p);
-      case 3: return kernel(std::integral_constant<int, 3>{}, p);
-      default: return kernel(std::integral_constant<int, 4>{}, p);
-    }
-  };
-  if (passes == 1) return with_rows(std::integral_constant<int, 1>{});
-  return with_rows(std::integral_constant<int, 2>{});
-}
 
 template <bool kSuper>
 void tile_avx2(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q,
@@ -581,29 +324,8 @@ void tile_avx512_vnni(const uint8_t* codes, const uint16_t* scales, const Quanti
   });
 }
 
-void int8_tile_avx2(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q,
-                    int64_t r0, int64_t n, float* out, int64_t out_stride) {
-  for (int64_t r = 0; r < n; r += avx2_rows(q.passes)) {
-    by_rows(std::min(avx2_rows(q.passes), n - r), q.passes, [&](auto rows, auto passes) {
-      constexpr int kRows = decltype(rows)::value, kPasses = decltype(passes)::value;
-      int8_tile_avx2_rows<kRows, kPasses>(codes, scales, q, r0 + r, out + r * out_stride,
-                                          out_stride);
-    });
-  }
-}
-
-void int8_tile_avx512_vnni(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q,
-                           int64_t r0, int64_t n, float* out, int64_t out_stride) {
-  by_rows(n, q.passes, [&](auto rows, auto passes) {
-    constexpr int kRows = decltype(rows)::value, kPasses = decltype(passes)::value;
-    int8_tile_vnni_rows<kRows, kPasses>(codes, scales, q, r0, out, out_stride);
-  });
-}
-
 int64_t cpu_path();
 
-using TileKernel = void (*)(const uint8_t*, const uint16_t*, const QuantizedRows&, int64_t,
-                            int64_t, float*, int64_t);
 
 // The best path this CPU has, at most STRATA_NATIVE_ISA's (native_isa.h).
 int64_t best_path() { return std::min(isa_cap(), cpu_path()); }
@@ -624,13 +346,10 @@ int64_t cpu_path() {
   return path;
 }
 
-// One kernel per instruction path, indexed by kPath*.
-using PathKernels = std::array<TileKernel, 3>;
 constexpr PathKernels kInt4Kernels = {tile_scalar<false>, tile_avx2<false>,
                                       tile_avx512_vnni<false>};
 constexpr PathKernels kInt4SuperKernels = {tile_scalar<true>, tile_avx2<true>,
                                            tile_avx512_vnni<true>};
-constexpr PathKernels kInt8Kernels = {int8_tile_scalar, int8_tile_avx2, int8_tile_avx512_vnni};
 
 // Shared by int4_mm and int8_mm: what a scheme's layout has per tile (and input column or
 // group), to check the arguments and step through them.

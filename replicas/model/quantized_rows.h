@@ -1,0 +1,143 @@
+// What Strata's quantized products share (quantized_mm.cpp, quantized_mm8.cpp,
+// quantized_mm6.cpp): the activations quantized on the fly, the tile kernels' signature and the
+// helpers their instruction paths have in common. Layouts and the bitwise contract:
+// quantized_mm.cpp.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace strata_native {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kTile = 16;
+constexpr int64_t kRowBlock = 4;  // activation rows sharing one pass over a tile's weights
+
+constexpr int kMaxPasses = 2;
+
+// The vector kernels ask for a tile's codes this many bytes ahead of those they read
+// (_mm_prefetch). The weights stream from memory once a token, and the hardware's own fetch-ahead
+// alone left the int4 product below the machine's read bandwidth (docs/design.md, "Strata's
+// int4 and int8 products").
+constexpr int64_t kFetchAhead = 2048;
+inline void fetch_ahead(const uint8_t* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p + kFetchAhead), _MM_HINT_T0);
+}
+
+// AVX2 has 16 vector registers: a block of rows keeps 4 x rows x passes accumulators in them
+// beside a chunk's weights, so two passes take rows two at a time (four would spill the sums to
+// memory on every multiply-add: 1.8x slower, measured).
+constexpr int64_t avx2_rows(int passes) { return passes == 2 ? 2 : kRowBlock; }
+
+// The vector kernels index their accumulators by loop counters (row, pass, chunk); the sums stay
+// in registers only where those loops are unrolled, which -O2 does not do on its own. The loop
+// over a group's chunks stays rolled where unrolling it lets the compiler reorder every
+// multiply-add ahead of the adds (AVX2: more live products than registers).
+#define STRATA_UNROLLED _Pragma("GCC unroll 8")
+#define STRATA_NOT_UNROLLED _Pragma("GCC unroll 1")
+
+// Activations of one call, quantized in one or two passes: per row and group, x ~ dx[0] *
+// codes[0] (+ dx[1] * codes[1]), a second pass quantizing what the first left (so a row keeps
+// about 15 bits of its group's largest value, not 8; each pass is as much integer work again),
+// and sx, the sum of x.
+struct QuantizedRows {
+  int64_t rows = 0, groups = 0;
+  int passes = 0;
+  std::vector<int8_t> codes[kMaxPasses];  // [rows, groups * 32] each
+  std::vector<float> dx[kMaxPasses], sx;  // [rows, groups] each
+  std::vector<int32_t> code_sums[kMaxPasses];  // [rows, groups] each: sums of codes (int8_mm)
+};
+
+// v rounded to the nearest integer, ties to even, for |v| < 2^22 (here at most 127): adding and
+// subtracting 1.5 * 2^23 leaves no fraction bits (std::nearbyint's result, without its call).
+inline float round_small(float v) {
+  constexpr float kShift = 12582912.0f;
+  volatile float shifted = v + kShift;
+  return shifted - kShift;
+}
+
+template <typename scalar_t>
+QuantizedRows quantize_rows(const at::Tensor& x, int passes) {
+  QuantizedRows q;
+  q.rows = x.size(0);
+  q.passes = passes;
+  const int64_t k = x.size(1);
+  q.groups = k / kGroup;
+  for (int p = 0; p < passes; ++p) {
+    q.codes[p].resize(q.rows * k);
+    q.dx[p].resize(q.rows * q.groups);
+    q.code_sums[p].resize(q.rows * q.groups);
+  }
+  q.sx.resize(q.rows * q.groups);
+  const scalar_t* data = x.const_data_ptr<scalar_t>();
+  at::parallel_for(0, q.rows, 16, [&](int64_t begin, int64_t end) {
+    float group[kGroup];
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t g = 0; g < q.groups; ++g) {
+        float sum = 0.0f;
+        for (int64_t i = 0; i < kGroup; ++i) {
+          group[i] = static_cast<float>(data[r * k + g * kGroup + i]);
+          sum += group[i];
+        }
+        q.sx[r * q.groups + g] = sum;
+        for (int p = 0; p < passes; ++p) {  // group[] becomes what the pass left
+          float amax = 0.0f;
+          for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(group[i]));
+          const float d = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+          int8_t* codes = q.codes[p].data() + r * k + g * kGroup;
+          int32_t code_sum = 0;
+          for (int64_t i = 0; i < kGroup; ++i) {
+            const float code = round_small(group[i] * inverse);
+            codes[i] = static_cast<int8_t>(code);
+            code_sum += codes[i];
+            group[i] = group[i] - code * d;
+          }
+          q.dx[p][r * q.groups + g] = d;
+          q.code_sums[p][r * q.groups + g] = code_sum;
+        }
+      }
+    }
+  });
+  return q;
+}
+
+inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+#define STRATA_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
+
+// Rows [r0, r0 + n) of one tile, n <= kRowBlock, with q's passes, through the vector kernels'
+// instance for them (each keeps its accumulators in registers).
+template <typename Kernel>
+void by_rows(int64_t n, int passes, const Kernel& kernel) {
+  const auto with_rows = [&](auto p) {
+    switch (n) {
+      case 1: return kernel(std::integral_constant<int, 1>{}, p);
+      case 2: return kernel(std::integral_constant<int, 2>{}, p);
+      case 3: return kernel(std::integral_constant<int, 3>{}, p);
+      default: return kernel(std::integral_constant<int, 4>{}, p);
+    }
+  };
+  if (passes == 1) return with_rows(std::integral_constant<int, 1>{});
+  return with_rows(std::integral_constant<int, 2>{});
+}
+
+using TileKernel = void (*)(const uint8_t*, const uint16_t*, const QuantizedRows&, int64_t,
+                            int64_t, float*, int64_t);
+
+// One kernel per instruction path, indexed by kPath*.
+using PathKernels = std::array<TileKernel, 3>;
+
+// The tile kernels of the int8 layout and of the 6-bit one (a GGUF Q6_K weight as stored),
+// by path (quantized_mm8.cpp, quantized_mm6.cpp).
+extern const PathKernels kInt8Kernels;
+extern const PathKernels kSixBitKernels;
+
+}  // namespace strata_native
