@@ -23,6 +23,7 @@ import torch
 from replicas.model.config import ModelArgs
 from replicas.model.quant import Int4Groups
 from replicas.model.registry import build_model, get_architecture
+from replicas.model.six_bit import SixBitRows
 from replicas.model.tensor_names import check_tensor_names
 from replicas.model.transformer import Transformer
 
@@ -91,14 +92,20 @@ class GGUFWeights:
                     values = unpermute_rotary(values, self._head_dim)
                 target[start : start + values.shape[0]].copy_(values)
 
-    def int4_groups(self, name: str) -> Int4Groups | None:
+    def int4_groups(self, name: str) -> Int4Groups | SixBitRows | None:
         """Parameter ``name``'s stored int4 codes where it is stored as ``Q4_0``, ``Q4_1`` or
-        ``Q4_K`` (rows in our order), else None."""
+        ``Q4_K``, its stored rows where it is ``Q6_K`` (Strata's 6-bit product takes them as
+        they are), rows in our order; else None."""
         tensor = self._tensors.get(name)
-        if tensor is None or tensor.tensor_type.name not in INT4_STORED_TYPES:
+        if tensor is None or tensor.tensor_type.name not in (*INT4_STORED_TYPES, "Q6_K"):
             return None
         with open(self.path, "rb") as f:
             data = _read_rows(tensor, 0, tensor.data.shape[0], f.fileno())
+        if tensor.tensor_type.name == "Q6_K":
+            rows = torch.from_numpy(np.require(data, requirements=("C", "W")))
+            if name in self._rotary:
+                rows = unpermute_rotary(rows, self._head_dim)
+            return SixBitRows(rows)
         stored = int4_groups_of_tensor(tensor, data)
         if name in self._rotary:
             stored = Int4Groups(

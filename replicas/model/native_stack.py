@@ -58,6 +58,7 @@ SOURCES = tuple(
         "native_stack.cpp",
         "quantized_mm.cpp",
         "quantized_mm8.cpp",
+        "quantized_mm6.cpp",
         "quantized_mm.h",
         "quantized_rows.h",
         "decode_attention.cpp",

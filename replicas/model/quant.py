@@ -31,7 +31,8 @@ Schemes (``w`` a weight, ``q`` its stored code):
 Strata's own products (``kernel="strata"``; ``replicas/model/quantized_mm.cpp``, built with
 the native library) keep int4 as ``w = d * q + m`` and int8 as ``w = d * q`` with float16 ``d``
 (and ``m``) per row and group of ``GROUP_SIZE`` in tiles of 16 rows (a ``Q4_K`` weight's own
-6-bit ``sc`` and ``m`` codes under its float16 ``D`` and ``Dmin`` instead), and quantize the
+6-bit ``sc`` and ``m`` codes under its float16 ``D`` and ``Dmin`` instead; a ``Q6_K`` weight
+as stored, in 6 bits: ``replicas.model.six_bit``), and quantize the
 activations per group to int8, so that a group's product is integer multiply-adds (AVX-512
 VNNI, AVX2 or plain C++, bitwise the same); ``auto`` measures them against torch's under the
 native stack (docs/design.md, "Strata's int4 and int8 products"). The activations take two int8
@@ -151,6 +152,20 @@ class QuantizedLinear(nn.Module):
         return cls("int8", k, n, torch.cat(codes), scale, _bias(bias))
 
     @classmethod
+    def six_bit(
+        cls, parts: Sequence[torch.Tensor], bias: torch.Tensor | None = None, passes: int = 2
+    ) -> "QuantizedLinear":
+        """GGUF ``Q6_K`` rows as stored (``six_bit.SixBitRows.blocks`` of each part, fused by
+        rows) for Strata's 6-bit product, an ``int8`` scheme whose scales are uint8
+        (``replicas.model.six_bit``); needs Strata's library."""
+        from replicas.model.six_bit import strata_six_bit
+
+        packed, scales = strata_six_bit(parts)
+        n = sum(p.shape[0] for p in parts)
+        k = packed.shape[1] // 6 * GROUP_SIZE
+        return cls("int8", k, n, packed, scales, _bias(bias), kernel="strata", passes=passes)
+
+    @classmethod
     def int4(
         cls,
         weight: torch.Tensor | Sequence[torch.Tensor],
@@ -213,6 +228,8 @@ class QuantizedLinear(nn.Module):
         """The weight [N, K] as the kernels see it, in ``dtype``."""
         if self.kernel == "strata":
             unpack = _strata_int8_weight if self.scheme == "int8" else _strata_int4_weight
+            if self.scheme == "int8" and self.scales.dtype == torch.uint8:
+                from replicas.model.six_bit import six_bit_weight as unpack
             return unpack(self.weight, self.scales, self.out_features).to(dtype)
         if self.scheme == "int8":
             return self.weight.to(dtype) * self.scales.to(dtype)[:, None]

@@ -1,7 +1,8 @@
 """A model's linear layers replaced by ``QuantizedLinear`` products (``replicas.model.quant``):
 q/k/v and gate/up fused into one product each, every weight under the scheme asked for, but
 kept at int8 where its file stored it at more than 4 bits or the int4 kernel does not take its
-shape, and built from a GGUF file's stored int4 codes where it has them."""
+shape, and built from a GGUF file's stored int4 codes where it has them (and from its stored
+``Q6_K`` rows, 6 bits rather than int8's 8, under Strata's kernels)."""
 
 from collections.abc import Callable, Mapping
 
@@ -16,12 +17,16 @@ from replicas.model.quant import (
     _shape,
     int4_fits,
 )
+from replicas.model.six_bit import SixBitRows
+
+StoredCodes = Int4Groups | SixBitRows
+"""A weight's codes as its file stores them: int4 groups, or ``Q6_K`` rows."""
 
 
 def quantize_model(
     model: nn.Module,
     scheme: str,
-    int4_groups: Mapping[str, Int4Groups] | None = None,
+    int4_groups: Mapping[str, StoredCodes] | None = None,
     stored_bits: Mapping[str, int] | None = None,
     int4_kernel: str = "torch",
 ) -> None:
@@ -45,7 +50,7 @@ def quantize_layer(
     layer: nn.Module,
     prefix: str,
     scheme: str,
-    int4_groups: Mapping[str, Int4Groups] | None = None,
+    int4_groups: Mapping[str, StoredCodes] | None = None,
     stored_bits: Mapping[str, int] | None = None,
     int4_kernel: str = "torch",
 ) -> None:
@@ -77,8 +82,9 @@ rows it holds one after the other)."""
 def stored_int4_weights(
     layer: nn.Module,
     prefix: str,
-    int4_groups: Mapping[str, Int4Groups],
+    int4_groups: Mapping[str, StoredCodes],
     stored_bits: Mapping[str, int] | None = None,
+    int4_kernel: str = "torch",
 ) -> set[str]:
     """The weights of a decoder layer (``prefix.*``) that ``quantize_layer`` under ``int4``
     builds from their stored codes in ``int4_groups``, not from their float values: a model
@@ -88,7 +94,9 @@ def stored_int4_weights(
         module = getattr(layer, module_name)
         names = [f"{prefix}.{module_name}.{part}" for part in parts]
         weight = [getattr(module, part).weight for part in parts]
-        if _uses_stored_codes("int4", names, weight, int4_groups, stored_bits or {}):
+        if _uses_stored_codes("int4", names, weight, int4_groups, stored_bits or {}) or (
+            int4_kernel == "strata" and _six_bit_rows(names, int4_groups) is not None
+        ):
             kept.update(f"{name}.weight" for name in names)
     return kept
 
@@ -97,13 +105,24 @@ def _uses_stored_codes(
     scheme: str,
     names: list[str],
     weight: list[torch.Tensor],
-    groups: Mapping[str, Int4Groups],
+    groups: Mapping[str, StoredCodes],
     bits: Mapping[str, int],
 ) -> bool:
     """Whether the product of linear layers ``names`` is int4 made from their stored codes."""
     return _product_scheme(scheme, names, weight, bits) == "int4" and all(
-        f"{n}.weight" in groups for n in names
+        isinstance(groups.get(f"{n}.weight"), Int4Groups) for n in names
     )
+
+
+def _six_bit_rows(names: list[str], groups: Mapping[str, StoredCodes]) -> list | None:
+    """The stored ``Q6_K`` rows of every weight of the product of ``names``, where they all have
+    them and Strata's library is built here (its 6-bit product), else None."""
+    from replicas.model import native_stack
+
+    stored = [groups.get(f"{n}.weight") for n in names]
+    if not all(isinstance(s, SixBitRows) for s in stored) or native_stack.load_error():
+        return None
+    return [s.blocks for s in stored]
 
 
 def _product_scheme(
@@ -119,7 +138,7 @@ def _product_scheme(
 def quantize_output(
     model: nn.Module,
     scheme: str,
-    int4_groups: Mapping[str, Int4Groups] | None = None,
+    int4_groups: Mapping[str, StoredCodes] | None = None,
     stored_bits: Mapping[str, int] | None = None,
     int4_kernel: str = "torch",
 ) -> None:
@@ -137,7 +156,7 @@ def quantize_output(
 
 def _quantizer(
     scheme: str,
-    int4_groups: Mapping[str, Int4Groups] | None,
+    int4_groups: Mapping[str, StoredCodes] | None,
     stored_bits: Mapping[str, int] | None,
     int4_kernel: str,
 ) -> Callable[[list[str], list[nn.Linear], int], QuantizedLinear]:
@@ -170,6 +189,9 @@ def _quantizer(
             )
         if _product_scheme(scheme, names, weight, bits) == "int4":
             return QuantizedLinear.int4(weight, bias, kernel, passes)
+        six_bit = _six_bit_rows(names, groups) if kernel is None else None
+        if six_bit is not None:  # a Q6_K weight as stored: 6.5625 bits, not int8's 8.5
+            return QuantizedLinear.six_bit(six_bit, bias, passes)
         return QuantizedLinear.int8(weight, bias, kernel, passes)
 
     return quantized

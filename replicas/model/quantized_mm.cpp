@@ -27,7 +27,8 @@
 //   -Dmin[16] float16, then per group sc[16] and mn[16]; d = D sc and m = -Dmin mn, both exact
 //   in float32): 4.625 bits a weight in all, against 5.
 // - int8: one 64-byte chunk per 4 input columns: byte 4 c + r is row c's column 4 o + r
-//   ([N / 16, K / 4, 64] int8); d per tile and group as [N / 16, K / 32, 16] float16.
+//   ([N / 16, K / 4, 64] int8); d per tile and group as [N / 16, K / 32, 16] float16. int8_mm
+//   also takes a GGUF Q6_K weight as stored, 6.5625 bits a weight (quantized_mm6.cpp).
 
 #include "quantized_mm.h"
 #include "native_isa.h"
@@ -351,15 +352,15 @@ constexpr PathKernels kInt4Kernels = {tile_scalar<false>, tile_avx2<false>,
 constexpr PathKernels kInt4SuperKernels = {tile_scalar<true>, tile_avx2<true>,
                                            tile_avx512_vnni<true>};
 
-// Shared by int4_mm and int8_mm: what a scheme's layout has per tile (and input column or
-// group), to check the arguments and step through them.
+// Shared by int4_mm and int8_mm: what a scheme's layout has per tile and group, to check the
+// arguments and step through them.
 struct Scheme {
   const char* name;
   at::ScalarType code_type;
-  int64_t columns_per_chunk;  // input columns per 64-byte chunk
+  int64_t chunks_per_group;   // 64-byte chunks of codes per tile and group of 32 columns
   int64_t scales_per_group;   // 16-bit slots of scales per tile and group
   const PathKernels& kernels;
-  at::ScalarType scale_type = at::kHalf;  // kByte: K-quant scales (kSuperHalfs per 8 groups)
+  at::ScalarType scale_type = at::kHalf;  // kByte: K-quant scales, a block per 8 groups
 };
 
 at::Tensor quantized_mm(const Scheme& scheme, const at::Tensor& x, const at::Tensor& codes,
@@ -370,11 +371,11 @@ at::Tensor quantized_mm(const Scheme& scheme, const at::Tensor& x, const at::Ten
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), name, ": x must be a 2-D CPU tensor");
   TORCH_CHECK(codes.scalar_type() == scheme.code_type && codes.dim() == 3 &&
                   codes.size(2) == 64 && codes.is_contiguous(),
-              name, ": codes must be contiguous ", scheme.code_type, " [N / 16, K / ",
-              scheme.columns_per_chunk, ", 64]");
+              name, ": codes must be contiguous ", scheme.code_type, " [N / 16, K / 32 * ",
+              scheme.chunks_per_group, ", 64]");
   const int64_t k = x.size(1), tiles = codes.size(0), groups = k / kGroup;
-  TORCH_CHECK(k % kGroup == 0 && codes.size(1) * scheme.columns_per_chunk == k, name, ": x has ",
-              k, " columns, the weight ", codes.size(1) * scheme.columns_per_chunk);
+  TORCH_CHECK(k % kGroup == 0 && codes.size(1) == groups * scheme.chunks_per_group, name,
+              ": x has ", k, " columns, the weight ", codes.size(1) / scheme.chunks_per_group * kGroup);
   const bool super = scheme.scale_type == at::kByte;
   TORCH_CHECK(!super || groups % kSuperGroups == 0, name, ": K-quant scales need K a multiple of ",
               kSuperGroups * kGroup, ", got ", k);
@@ -393,7 +394,7 @@ at::Tensor quantized_mm(const Scheme& scheme, const at::Tensor& x, const at::Ten
   const uint8_t* code_data = static_cast<const uint8_t*>(codes.const_data_ptr());
   const uint16_t* scale_data = static_cast<const uint16_t*>(scales.const_data_ptr());
   float* out_data = out.mutable_data_ptr<float>();
-  const int64_t tile_codes = (k / scheme.columns_per_chunk) * 64;
+  const int64_t tile_codes = groups * scheme.chunks_per_group * 64;
   const int64_t tile_scales = groups * scheme.scales_per_group;
   // Tasks of at least 65,536 multiply-adds (4,096 / (K x rows) tiles): a decode row's product
   // is split between the threads too (SmolLM2 at 2 threads: its decode step 5.3-5.9 ms against
@@ -421,8 +422,8 @@ int64_t quantized_mm_path(int64_t requested) {
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                    int64_t out_features, int64_t passes, int64_t path) {
   RECORD_FUNCTION("strata_native::int4_mm", std::vector<c10::IValue>());  // for profiles
-  static const Scheme scheme{"int4_mm", at::kByte, 8, 2 * kTile, kInt4Kernels};
-  static const Scheme k_quant{"int4_mm", at::kByte, 8, kSuperHalfs / kSuperGroups,
+  static const Scheme scheme{"int4_mm", at::kByte, 4, 2 * kTile, kInt4Kernels};
+  static const Scheme k_quant{"int4_mm", at::kByte, 4, kSuperHalfs / kSuperGroups,
                               kInt4SuperKernels, at::kByte};
   const bool super = scales.scalar_type() == at::kByte;
   return quantized_mm(super ? k_quant : scheme, x, codes, scales, out_features, passes, path);
@@ -431,8 +432,11 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                    int64_t out_features, int64_t passes, int64_t path) {
   RECORD_FUNCTION("strata_native::int8_mm", std::vector<c10::IValue>());  // for profiles
-  static const Scheme scheme{"int8_mm", at::kChar, 4, kTile, kInt8Kernels};
-  return quantized_mm(scheme, x, codes, scales, out_features, passes, path);
+  static const Scheme scheme{"int8_mm", at::kChar, 8, kTile, kInt8Kernels};
+  // uint8 scales: a GGUF Q6_K weight's 6-bit codes and scales as stored (quantized_mm6.cpp)
+  static const Scheme six_bit{"int8_mm", at::kByte, 6, 18, kSixBitKernels, at::kByte};
+  const bool six = scales.scalar_type() == at::kByte;
+  return quantized_mm(six ? six_bit : scheme, x, codes, scales, out_features, passes, path);
 }
 
 }  // namespace strata_native

@@ -54,6 +54,7 @@ struct QuantizedRows {
   std::vector<int8_t> codes[kMaxPasses];  // [rows, groups * 32] each
   std::vector<float> dx[kMaxPasses], sx;  // [rows, groups] each
   std::vector<int32_t> code_sums[kMaxPasses];  // [rows, groups] each: sums of codes (int8_mm)
+  std::vector<int32_t> half_sums[kMaxPasses];  // [rows, groups] each: of a group's first 16
 };
 
 // v rounded to the nearest integer, ties to even, for |v| < 2^22 (here at most 127): adding and
@@ -75,6 +76,7 @@ QuantizedRows quantize_rows(const at::Tensor& x, int passes) {
     q.codes[p].resize(q.rows * k);
     q.dx[p].resize(q.rows * q.groups);
     q.code_sums[p].resize(q.rows * q.groups);
+    q.half_sums[p].resize(q.rows * q.groups);
   }
   q.sx.resize(q.rows * q.groups);
   const scalar_t* data = x.const_data_ptr<scalar_t>();
@@ -93,15 +95,17 @@ QuantizedRows quantize_rows(const at::Tensor& x, int passes) {
           for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(group[i]));
           const float d = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
           int8_t* codes = q.codes[p].data() + r * k + g * kGroup;
-          int32_t code_sum = 0;
+          int32_t code_sum = 0, half_sum = 0;
           for (int64_t i = 0; i < kGroup; ++i) {
             const float code = round_small(group[i] * inverse);
             codes[i] = static_cast<int8_t>(code);
             code_sum += codes[i];
+            if (i == kGroup / 2 - 1) half_sum = code_sum;
             group[i] = group[i] - code * d;
           }
           q.dx[p][r * q.groups + g] = d;
           q.code_sums[p][r * q.groups + g] = code_sum;
+          q.half_sums[p][r * q.groups + g] = half_sum;
         }
       }
     }

@@ -29,8 +29,12 @@ from torch import nn
 from replicas.dtypes import torch_dtype
 from replicas.model.autotune import Candidate
 from replicas.model.config import ModelArgs
-from replicas.model.quant import Int4Groups
-from replicas.model.quantize import quantize_layer, quantize_output, stored_int4_weights
+from replicas.model.quantize import (
+    StoredCodes,
+    quantize_layer,
+    quantize_output,
+    stored_int4_weights,
+)
 from replicas.model.registry import build_model
 from replicas.model.transformer import Transformer
 
@@ -61,7 +65,7 @@ class Weights(Protocol):
 
     def copy_into(self, name: str, target: torch.Tensor) -> None: ...
 
-    def int4_groups(self, name: str) -> Int4Groups | None: ...
+    def int4_groups(self, name: str) -> StoredCodes | None: ...
 
 
 class KeptFloat:
@@ -94,7 +98,7 @@ class KeptFloat:
         with torch.no_grad():
             target.copy_(self._kept[name])
 
-    def int4_groups(self, name: str) -> Int4Groups | None:
+    def int4_groups(self, name: str) -> StoredCodes | None:
         return self._weights.int4_groups(name)
 
     def shared(self, name: str, dtype: torch.dtype) -> torch.Tensor | None:
@@ -127,7 +131,7 @@ def build_streamed(
         names = [f"{prefix}.{n}" for n, _ in layer.named_parameters()]
         groups = _int4_groups(weights, names) if scheme == "int4" else {}
         # weights an int4 product takes as stored codes are never dequantized
-        codes_only = stored_int4_weights(layer, prefix, groups, weights.stored_bits)
+        codes_only = stored_int4_weights(layer, prefix, groups, weights.stored_bits, kernel)
         _read(layer, prefix, weights, device, codes_only)
         if scheme != "none":
             quantize_layer(layer, prefix, scheme, groups, weights.stored_bits, kernel)
@@ -176,7 +180,7 @@ def _read(
             weights.copy_into(f"{prefix}.{name}", param)
 
 
-def _int4_groups(weights: Weights, names: list[str]) -> dict[str, Int4Groups]:
+def _int4_groups(weights: Weights, names: list[str]) -> dict[str, StoredCodes]:
     """The stored int4 codes of the weights ``names`` that have them."""
     groups = {name: weights.int4_groups(name) for name in names}
     return {name: g for name, g in groups.items() if g is not None}

@@ -110,7 +110,14 @@ def test_an_int4_build_takes_q4_k_weights_as_stored_and_never_dequantizes_them(
     )
     q4_k = {f"layers.1.{n}.weight" for n in ("attention.wq", "feed_forward.w1", "feed_forward.w3")}
     assert q4_k & set(read) == set()
-    assert "layers.0.feed_forward.w2.weight" in read  # Q6_K: made int8 from its floats
+    # layer 0's ffn_down is Q6_K: served in 6 bits as stored, exactly the file's, never read
+    w2 = gguf.quants.dequantize(np.asarray(stored["blk.0.ffn_down.weight"].data), QType.Q6_K)
+    assert net.layers[0].feed_forward.w2.scales.dtype == torch.uint8
+    assert torch.equal(
+        net.layers[0].feed_forward.w2.dequantized(torch.float32), torch.from_numpy(w2)
+    )
+    assert "layers.0.feed_forward.w2.weight" not in read
+    assert "layers.0.attention.wv.weight" in read  # Q6_K beside Q4_K q and k: int8 from floats
 
 
 CPU = torch.device("cpu")

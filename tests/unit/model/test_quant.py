@@ -34,16 +34,25 @@ def strata_reference(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
     n = layer.out_features
     groups = x.float().reshape(len(x), -1, GROUP_SIZE)
     q = codes[:n].double().reshape(n, -1, GROUP_SIZE)
-    left, qpart = groups, 0
-    for _ in range(layer.passes):
+    qpart = 0
+    for qx, dx in activation_passes(x, layer.passes):
+        qpart = qpart + torch.einsum("ngk,rgk->rng", q, qx.double()) * dx.double()[:, None, :]
+    y = (qpart * d[:n] + m[:n] * groups.double().sum(-1)[:, None, :]).sum(-1)
+    return y if layer.bias is None else y + layer.bias.double()
+
+
+def activation_passes(x: torch.Tensor, passes: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """x [R, K] quantized per group of 32 in ``passes`` int8 passes as Strata's kernels do it
+    in float32: per pass, codes [R, K / 32, 32] and ``dx`` [R, K / 32]."""
+    left, out = x.float().reshape(len(x), -1, GROUP_SIZE), []
+    for _ in range(passes):
         amax = left.abs().amax(-1)
         dx = amax / 127
         inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
         qx = torch.round(left * inverse[..., None])
-        qpart = qpart + torch.einsum("ngk,rgk->rng", q, qx.double()) * dx.double()[:, None, :]
+        out.append((qx, dx))
         left = left - qx * dx[..., None]
-    y = (qpart * d[:n] + m[:n] * groups.double().sum(-1)[:, None, :]).sum(-1)
-    return y if layer.bias is None else y + layer.bias.double()
+    return out
 
 
 def _strata_parts(layer: QuantizedLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

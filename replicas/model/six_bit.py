@@ -1,0 +1,85 @@
+"""A GGUF ``Q6_K`` weight as its file stores it, in the layout of Strata's 6-bit product
+(``replicas/model/quantized_mm6.cpp``, run by ``strata_native::int8_mm`` where the scales are
+uint8): ``w = D sc (q - 32)``, ``q`` in [0, 63], an int8 ``sc`` per row and 16 columns, a float16
+``D`` per row and 256 columns. 6.5625 bits a weight, the file's own values; the int8 layout the
+same weight would otherwise take is 8.5 bits and rounds it again."""
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+Q6_K_BLOCK_BYTES = 210
+"""A ``Q6_K`` block of 256 weights: ``ql`` (128 bytes), ``qh`` (64), 16 int8 scales, ``d``."""
+BLOCK = 256
+TILE = 16
+
+
+class SixBitRows(NamedTuple):
+    """A ``Q6_K`` weight's rows as stored: uint8 [N, K / 256 * 210], rows in the model's order."""
+
+    blocks: torch.Tensor
+
+
+def q6_k_fields(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``Q6_K`` rows [N, K / 256 * 210] as their codes [N, K] (uint8 in [0, 63], columns in
+    order), scales [N, K / 16] (int8) and ``D`` [N, K / 256] (float16): ``q``'s low 4 bits in
+    ``ql`` and high 2 in ``qh``, as gguf-py's ``Q6_K`` reads them."""
+    n = rows.shape[0]
+    blocks = rows.reshape(n, -1, Q6_K_BLOCK_BYTES)
+    b = blocks.shape[1]
+    ql = blocks[..., :128].reshape(n, b, 2, 1, 64)
+    ql = torch.cat((ql & 15, ql >> 4), dim=3).reshape(n, b, 256)
+    qh = blocks[..., 128:192].reshape(n, b, 2, 1, 32)
+    qh = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=3).reshape(n, b, 256)
+    codes = (ql | (qh << 4)).reshape(n, b * BLOCK)
+    scales = blocks[..., 192:208].contiguous().view(torch.int8).reshape(n, b * 16)
+    d = blocks[..., 208:210].contiguous().view(torch.float16).reshape(n, b)
+    return codes, scales, d
+
+
+def strata_six_bit(parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Q6_K`` rows (``SixBitRows.blocks`` of each part, fused by rows) in the 6-bit product's
+    layout: codes [N / 16, K / 32 * 6, 64] uint8 and scales [N / 16, K / 256, 288] uint8
+    (``quantized_mm6.cpp``), rows padded with zeros to the tiles of 16."""
+    codes, sc, d = (torch.cat(x) for x in zip(*(q6_k_fields(p) for p in parts), strict=True))
+    pad = -codes.shape[0] % TILE
+    d = d.view(torch.int16).view(torch.uint8)  # its bytes, two per row and block
+    codes, sc, d = (F.pad(x.view(torch.uint8), (0, 0, 0, pad)) for x in (codes, sc, d))
+    n, k = codes.shape
+    tiles, groups = n // TILE, k // 32
+    low = (codes & 15).view(tiles, TILE, k // 8, 2, 4)  # [tile, row, octet, nibble, r]
+    low = (low[:, :, :, 0] | (low[:, :, :, 1] << 4)).permute(0, 2, 1, 3)  # [tile, octet, row, r]
+    high = (codes >> 4).view(tiles, TILE, k // 16, 4, 4)  # [tile, row, half, which, r]
+    high = sum(high[:, :, :, w] << (2 * w) for w in range(4)).permute(0, 2, 1, 3)
+    packed = torch.cat(
+        (low.reshape(tiles, groups, 4, 64), high.reshape(tiles, groups, 2, 64)), dim=2
+    ).reshape(tiles, groups * 6, 64)
+    blocks = k // BLOCK
+    d_bytes = d.view(tiles, TILE, blocks, 2).permute(0, 2, 1, 3).reshape(tiles, blocks, 32)
+    sc_bytes = sc.view(tiles, TILE, blocks, 16).permute(0, 2, 3, 1).reshape(tiles, blocks, 256)
+    scales = torch.cat((d_bytes, sc_bytes), dim=2)
+    return packed.to(torch.uint8).contiguous(), scales.contiguous()
+
+
+def six_bit_weight(packed: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    """The float32 weight [N, K] that ``strata_six_bit``'s layout holds."""
+    tiles, chunks, _ = packed.shape
+    groups = chunks // 6
+    k = groups * 32
+    c = packed.view(tiles, groups, 6, 16, 4)  # [tile, group, chunk, row, r]
+    low = c[:, :, :4].reshape(tiles, groups, 4, 16, 1, 4)
+    low = torch.cat((low & 15, low >> 4), dim=4)  # [tile, group, octet, row, nibble, r]
+    low = low.permute(0, 3, 1, 2, 4, 5).reshape(tiles * TILE, k)
+    high = c[:, :, 4:].reshape(tiles, groups, 2, 16, 1, 4)
+    high = torch.cat([(high >> (2 * w)) & 3 for w in range(4)], dim=4)  # [.., which, r]
+    high = high.permute(0, 3, 1, 2, 4, 5).reshape(tiles * TILE, k)
+    q = (low | (high << 4)).float() - 32
+    blocks = k // BLOCK
+    d = scales[..., :32].contiguous().view(torch.float16).view(tiles, blocks, TILE)
+    sc = scales[..., 32:].contiguous().view(torch.int8).view(tiles, blocks, 16, TILE)
+    d = d.permute(0, 2, 1).reshape(tiles * TILE, blocks, 1).float()
+    sc = sc.permute(0, 3, 1, 2).reshape(tiles * TILE, blocks, 16, 1).float()
+    w = q.view(tiles * TILE, blocks, 16, 16) * sc * d[..., None]
+    return w.reshape(tiles * TILE, k)[:n]
