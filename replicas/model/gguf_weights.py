@@ -43,8 +43,9 @@ GGUF_TENSOR_TYPES = (
     "Q5_K",
     "Q6_K",
 )
-# Stored types whose codes an int4 model computes with as stored (``int4_groups``).
-INT4_STORED_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+# Stored types whose codes an int4 model computes with as stored (``int4_groups``); the 5-bit
+# ones under Strata's kernels only (``replicas.model.quantize``).
+INT4_STORED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K")
 _CHUNK_BYTES = 64 << 20  # float32 bytes dequantized at once
 # Tensors that carry no parameter of ours (rope_freqs becomes ModelArgs.rope_scaling).
 _IGNORED_TENSORS = frozenset(("rope_freqs.weight",))
@@ -93,9 +94,9 @@ class GGUFWeights:
                 target[start : start + values.shape[0]].copy_(values)
 
     def int4_groups(self, name: str) -> Int4Groups | SixBitRows | None:
-        """Parameter ``name``'s stored int4 codes where it is stored as ``Q4_0``, ``Q4_1`` or
-        ``Q4_K``, its stored rows where it is ``Q6_K`` (Strata's 6-bit product takes them as
-        they are), rows in our order; else None."""
+        """Parameter ``name``'s stored codes where it is stored as ``Q4_0``, ``Q4_1``, ``Q4_K``
+        or a 5-bit type (``INT4_STORED_TYPES``), its stored rows where it is ``Q6_K`` (Strata's
+        6-bit product takes them as they are), rows in our order; else None."""
         tensor = self._tensors.get(name)
         if tensor is None or tensor.tensor_type.name not in (*INT4_STORED_TYPES, "Q6_K"):
             return None
@@ -294,39 +295,54 @@ def gguf_int4_groups(model: Transformer, reader: Any) -> dict[str, Int4Groups]:
 
 
 def int4_groups_of_tensor(tensor: Any, data: np.ndarray | None = None) -> Int4Groups:
-    """The codes, scales and zeros of a ``Q4_0``, ``Q4_1`` or ``Q4_K`` tensor [N, K] as stored
-    (its bytes ``data``, read from the reader's map where not given).
+    """The codes, scales and zeros of a ``Q4_0``, ``Q4_1``, ``Q4_K``, ``Q5_0``, ``Q5_1`` or
+    ``Q5_K`` tensor [N, K] as stored (its bytes ``data``, read from the reader's map where not
+    given); a 5-bit type's codes are in [0, 31].
 
     A ``Q4_1`` block of 32 weights is ``d`` (f16), ``m`` (f16) and 16 bytes of codes: weight
     ``j < 16`` is the low nibble of byte ``j``, weight ``j + 16`` its high nibble, and its value
-    ``d * q + m``; a ``Q4_0`` block has no ``m`` and the value ``d * (q - 8)``. A ``Q4_K``
-    block of 256 is eight groups of 32 of value ``(d sc) q - dmin m`` (``_q4_k``): the same
-    grouping with ``scale = d sc`` and ``zero = 8 d sc - dmin m``.
+    ``d * q + m``; a ``Q4_0`` block has no ``m`` and the value ``d * (q - 8)``. ``Q5_1`` and
+    ``Q5_0`` put 4 bytes of fifth bits (bit ``j`` of weight ``j``) before the nibbles, and
+    ``Q5_0``'s value is ``d * (q - 16)``. A ``Q4_K`` block of 256 is eight groups of 32 of
+    value ``(d sc) q - dmin m`` (``_q4_k``): the same grouping with ``scale = d sc`` and
+    ``zero = 8 d sc - dmin m``; ``Q5_K`` adds 32 bytes of fifth bits (bit ``g`` of byte ``l``:
+    group ``g``'s weight ``l``).
     """
     data = np.asarray(tensor.data if data is None else data)
-    if tensor.tensor_type.name == "Q4_K":
-        return _q4_k_groups(torch.from_numpy(np.require(data, requirements=("C", "W"))))
-    has_min = tensor.tensor_type.name == "Q4_1"
-    blocks = data.reshape(data.shape[0], -1, 20 if has_min else 18)
+    kind = tensor.tensor_type.name
+    if kind in ("Q4_K", "Q5_K"):
+        rows = torch.from_numpy(np.require(data, requirements=("C", "W")))
+        return _k_quant_groups(rows, five=kind == "Q5_K")
+    has_min, five = kind in ("Q4_1", "Q5_1"), kind in ("Q5_0", "Q5_1")
+    blocks = data.reshape(data.shape[0], -1, 18 + 2 * has_min + 4 * five)
 
     def half(offset: int) -> torch.Tensor:
         raw = np.ascontiguousarray(blocks[..., offset : offset + 2])
         return torch.from_numpy(raw.view(np.float16)[..., 0].astype(np.float32))
 
-    packed = torch.from_numpy(np.ascontiguousarray(blocks[..., 4 if has_min else 2 :]))
-    codes = torch.cat((packed & 15, packed >> 4), dim=-1).flatten(1)  # [N, K]
+    at = 2 + 2 * has_min  # where the fifth bits, then the nibbles, start
+    packed = torch.from_numpy(np.ascontiguousarray(blocks[..., at + 4 * five :]))
+    codes = torch.cat((packed & 15, packed >> 4), dim=-1)  # [N, blocks, 32]
+    if five:
+        qh = torch.from_numpy(np.ascontiguousarray(blocks[..., at : at + 4])).long()
+        qh = sum(qh[..., i] << (8 * i) for i in range(4))
+        codes = codes | (((qh[..., None] >> torch.arange(32)) & 1) << 4).to(torch.uint8)
     scale = half(0)
-    zero = half(2) + 8 * scale if has_min else torch.zeros_like(scale)
-    return Int4Groups(codes, scale, zero)
+    zero = half(2) + 8 * scale if has_min else (8 - (16 if five else 8)) * scale
+    return Int4Groups(codes.flatten(1), scale, zero)
 
 
-def _q4_k_groups(data: torch.Tensor) -> Int4Groups:
-    """``Q4_K`` rows [N, bytes] as ``Int4Groups`` (see ``int4_groups_of_tensor``)."""
+def _k_quant_groups(data: torch.Tensor, five: bool = False) -> Int4Groups:
+    """``Q4_K`` (or ``Q5_K``) rows [N, bytes] as ``Int4Groups`` (``int4_groups_of_tensor``)."""
     n = data.shape[0]
-    blocks = data.view(-1, 144)
+    blocks = data.view(-1, 176 if five else 144)
     sc, m = _q4_k_codes(blocks)
-    q = blocks[:, 16:].view(-1, 4, 1, 32)
-    codes = torch.cat((q & 15, q >> 4), dim=2).view(n, -1)  # [N, K]
+    q = blocks[:, 48 if five else 16 :].view(-1, 4, 1, 32)
+    codes = torch.cat((q & 15, q >> 4), dim=2).view(-1, 8, 32)  # [blocks, group, weight]
+    if five:
+        qh = blocks[:, 16:48]
+        codes = codes | torch.stack([((qh >> g) & 1) << 4 for g in range(8)], dim=1)
+    codes = codes.view(n, -1)  # [N, K]
     d, d_min = _f16(blocks, 0).expand_as(sc), _f16(blocks, 2).expand_as(m)
     scale, low = (d * sc).view(n, -1), (d_min * m).view(n, -1)
     k_quant = torch.stack((d, -d_min, sc, m), dim=-1).view(n, -1, 4)

@@ -56,7 +56,7 @@ class Int4Groups(NamedTuple):
     """A weight [N, K] as ``(codes - 8) * scale + zero``, one scale and zero per row and group
     of ``GROUP_SIZE`` columns."""
 
-    codes: torch.Tensor  # [N, K] integers in [0, 15]
+    codes: torch.Tensor  # [N, K] integers in [0, 15]; [0, 31] for a 5-bit GGUF weight
     scale: torch.Tensor  # [N, K / GROUP_SIZE] float32
     zero: torch.Tensor  # [N, K / GROUP_SIZE] float32
     # A GGUF Q4_K weight's own scales, [N, K / GROUP_SIZE, 4] float32 (D, -Dmin, sc, mn) per
@@ -201,7 +201,8 @@ class QuantizedLinear(nn.Module):
         passes: int = 2,
         k_quant: torch.Tensor | None = None,
     ) -> "QuantizedLinear":
-        """From codes [N, K] in [0, 15] and per-group ``scale``, ``zero`` [N, K / GROUP_SIZE]:
+        """From codes [N, K] in [0, 15] (or [0, 31], a GGUF Q5 weight's, for Strata's kernel
+        only) and per-group ``scale``, ``zero`` [N, K / GROUP_SIZE]:
         ``w = (codes - 8) * scale + zero``. ``kernel``: ``strata``, ``torch``, or ``None`` for
         Strata's where its library is built and the scales fit its float16; ``passes``: the
         activations' int8 passes of Strata's product (see the module docstring); ``k_quant``:
@@ -215,7 +216,7 @@ class QuantizedLinear(nn.Module):
                 strata = _strata_int4(codes, scale.float(), zero.float() - 8 * scale.float())
             if strata is not None:
                 return cls("int4", k, n, *strata, _bias(bias), kernel="strata", passes=passes)
-            if kernel == "strata":
+            if kernel == "strata" or int(codes.max()) > 15:
                 raise ValueError("Strata's int4 kernel cannot take this weight here")
         packed = torch._convert_weight_to_int4pack_for_cpu(
             codes.cpu().to(torch.int32).contiguous(), 1
@@ -350,11 +351,35 @@ def _strata_int4(
 
 
 def _pack_int4_codes(codes: torch.Tensor) -> torch.Tensor:
-    """Codes [N, K] in the int4 kernel's chunks: [N / 16, K / 8, 64] uint8."""
+    """Codes [N, K] in the int4 kernel's chunks: [N / 16, K / 8, 64] uint8; 5-bit codes (up to
+    31, a GGUF Q5 weight's) with a fifth chunk per group of 32 columns holding their high bits
+    (bit 2 o + nibble of byte 4 c + r: ``quantized_mm.cpp``): [N / 16, K / 32 * 5, 64]."""
     n, k = codes.shape
-    c = codes.to(torch.uint8).view(n // 16, 16, k // 8, 2, 4)  # [tile, row, octet, nibble, r]
+    codes = codes.to(torch.uint8)
+    c = (codes & 15).view(n // 16, 16, k // 8, 2, 4)  # [tile, row, octet, nibble, r]
     packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 1, 3).reshape(n // 16, k // 8, 64)
-    return packed.contiguous()
+    if int(codes.max()) < 16:
+        return packed.contiguous()
+    high = (codes >> 4).view(n // 16, 16, k // GROUP_SIZE, 4, 2, 4)  # [.., group, octet, nibble, r]
+    bits = sum(high[:, :, :, o, h] << (2 * o + h) for o in range(4) for h in range(2))
+    fifth = bits.permute(0, 2, 1, 3).reshape(n // 16, k // GROUP_SIZE, 1, 64)
+    packed = torch.cat((packed.view(n // 16, k // GROUP_SIZE, 4, 64), fifth), dim=2)
+    return packed.reshape(n // 16, -1, 64).contiguous()
+
+
+def _unpack_strata_codes(packed: torch.Tensor, groups: int) -> torch.Tensor:
+    """The codes [N, K] of ``_pack_int4_codes``'s chunks over ``groups`` groups of 32."""
+    tiles, chunks, _ = packed.shape
+    five = chunks == 5 * groups
+    c = packed.view(tiles, groups, chunks // groups, 16, 4)[
+        :, :, :4
+    ]  # [tile, group, octet, row, r]
+    codes = torch.stack((c & 15, c >> 4), dim=3)  # [tile, group, octet, nibble, row, r]
+    if five:
+        bits = packed.view(tiles, groups, 5, 16, 4)[:, :, 4]  # [tile, group, row, r]
+        shifts = torch.arange(8, dtype=torch.uint8).view(4, 2, 1, 1)
+        codes = codes | (((bits[:, :, None, None] >> shifts) & 1) << 4)
+    return codes.permute(0, 4, 1, 2, 3, 5).reshape(tiles * 16, groups * GROUP_SIZE)
 
 
 K_QUANT_GROUPS = 8
@@ -387,11 +412,11 @@ def _strata_int4_k(
 def _strata_int4_weight(packed: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
     """The float32 weight [N, K] that ``_strata_int4``'s (or ``_strata_int4_k``'s) layout
     holds."""
-    tiles, octets, _ = packed.shape
-    c = packed.view(tiles, octets, 16, 4)
-    codes = torch.stack((c & 15, c >> 4), dim=3)  # [tile, octet, row, nibble, r]
-    codes = codes.permute(0, 2, 1, 3, 4).reshape(tiles * 16, octets * 8).float()
-    if scales.dtype == torch.uint8:  # K-quant scales: d = D sc, m = -Dmin mn
+    tiles = packed.shape[0]
+    super_scales = scales.dtype == torch.uint8
+    groups = scales.shape[1] * (K_QUANT_GROUPS if super_scales else 1)
+    codes = _unpack_strata_codes(packed, groups).float()
+    if super_scales:  # K-quant scales: d = D sc, m = -Dmin mn
         pairs = scales[..., :64].contiguous().view(torch.float16).view(tiles, -1, 1, 2, 16)
         sc_mn = scales[..., 64:].reshape(tiles, -1, K_QUANT_GROUPS, 2, 16)
         scales = (pairs.float() * sc_mn.float()).view(tiles, -1, 2, 16)  # [tile, group, 2, row]

@@ -94,8 +94,9 @@ def stored_int4_weights(
         module = getattr(layer, module_name)
         names = [f"{prefix}.{module_name}.{part}" for part in parts]
         weight = [getattr(module, part).weight for part in parts]
-        if _uses_stored_codes("int4", names, weight, int4_groups, stored_bits or {}) or (
-            int4_kernel == "strata" and _six_bit_rows(names, int4_groups) is not None
+        strata = int4_kernel == "strata"
+        if _uses_stored_codes("int4", names, weight, int4_groups, stored_bits or {}, strata) or (
+            strata and _six_bit_rows(names, int4_groups) is not None
         ):
             kept.update(f"{name}.weight" for name in names)
     return kept
@@ -107,11 +108,16 @@ def _uses_stored_codes(
     weight: list[torch.Tensor],
     groups: Mapping[str, StoredCodes],
     bits: Mapping[str, int],
+    strata: bool = False,
 ) -> bool:
-    """Whether the product of linear layers ``names`` is int4 made from their stored codes."""
-    return _product_scheme(scheme, names, weight, bits) == "int4" and all(
-        isinstance(groups.get(f"{n}.weight"), Int4Groups) for n in names
-    )
+    """Whether the product of linear layers ``names`` is int4 made from their stored codes:
+    4-bit codes, or under Strata's kernels (``strata``) 5-bit ones too (a GGUF ``Q5_K``,
+    ``Q5_0`` or ``Q5_1`` weight's, which its int4 product takes with a fifth bit plane)."""
+    if not all(isinstance(groups.get(f"{n}.weight"), Int4Groups) for n in names):
+        return False
+    if strata and scheme == "int4" and all(bits.get(f"{n}.weight", 16) <= 5 for n in names):
+        return int4_fits(*_shape(weight))
+    return _product_scheme(scheme, names, weight, bits) == "int4"
 
 
 def _six_bit_rows(names: list[str], groups: Mapping[str, StoredCodes]) -> list | None:
@@ -174,7 +180,7 @@ def _quantizer(
         biases = [linear.bias for linear in linears]
         bias = None if biases[0] is None else torch.cat(biases)
         weight = [x.weight for x in linears]  # fused by rows as they are quantized
-        if _uses_stored_codes(scheme, names, weight, groups, bits):
+        if _uses_stored_codes(scheme, names, weight, groups, bits, kernel is None):
             stored = [groups[f"{n}.weight"] for n in names]
             codes, scale, zero = (torch.cat(parts) for parts in list(zip(*stored))[:3])
             k_quant = [s.k_quant for s in stored]

@@ -2,7 +2,7 @@
 // per output row and group of 32 input columns, against activations quantized on the fly to int8
 // per group of 32, the schemes llama.cpp runs GGUF Q4_1 and Q8_0 with:
 //
-//   int4_mm: w = d * q + m, q in [0, 15]     int8_mm: w = d * q, q in [-127, 127]
+//   int4_mm: w = d * q + m, q in [0, 15] (or 31)     int8_mm: w = d * q, q in [-127, 127]
 //
 // The activations are quantized in one or two passes, the layer's choice (x ~ dx0 * qx0, or
 // dx0 * qx0 + dx1 * qx1, per row and group, qx in [-127, 127]; QuantizedRows). A group's
@@ -25,7 +25,10 @@
 //   tile and group as [N / 16, K / 32, 2, 16] float16, or, for a GGUF Q4_K weight, as its own
 //   6-bit codes under a float16 pair per 8 groups ([N / 16, K / 256, 320] uint8: D[16] and
 //   -Dmin[16] float16, then per group sc[16] and mn[16]; d = D sc and m = -Dmin mn, both exact
-//   in float32): 4.625 bits a weight in all, against 5.
+//   in float32): 4.625 bits a weight in all, against 5. 5-bit codes (q in [0, 31], a GGUF Q5_0,
+//   Q5_1 or Q5_K weight's) add a fifth 64-byte chunk per group of 32 columns with their high
+//   bits (byte 4 c + r, bit 2 o for column 8 o + r, bit 2 o + 1 for column 8 o + 4 + r):
+//   [N / 16, K / 32 * 5, 64]; int4_mm tells them apart by the codes' shape.
 // - int8: one 64-byte chunk per 4 input columns: byte 4 c + r is row c's column 4 o + r
 //   ([N / 16, K / 4, 64] int8); d per tile and group as [N / 16, K / 32, 16] float16. int8_mm
 //   also takes a GGUF Q6_K weight as stored, 6.5625 bits a weight (quantized_mm6.cpp).
@@ -71,7 +74,14 @@ inline void group_scales(const uint16_t* scales, int64_t g, float* d, float* m) 
 }
 
 // One tile (16 output rows) against activation rows [r0, r0 + n): plain C++.
-template <bool kSuper>
+// A group's 64-byte chunks of codes: four of low nibbles; with 5-bit codes (kBits 5) a fifth of
+// their high bits: byte 4 c + r, bit 2 o is column 8 o + r's and bit 2 o + 1 column 8 o + 4 + r's.
+template <int kBits>
+constexpr int64_t group_chunks() {
+  return kBits == 5 ? 5 : 4;
+}
+
+template <bool kSuper, int kBits>
 void tile_scalar(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q, int64_t r0,
                  int64_t n, float* out, int64_t out_stride) {
   const int64_t k = q.groups * kGroup;
@@ -81,12 +91,19 @@ void tile_scalar(const uint8_t* codes, const uint16_t* scales, const QuantizedRo
       int32_t sums[kMaxPasses][kTile] = {};
       for (int p = 0; p < q.passes; ++p) {
         for (int64_t o = 0; o < kGroup / 8; ++o) {
-          const uint8_t* chunk = codes + (g * 4 + o) * 64;
+          const uint8_t* chunk = codes + (g * group_chunks<kBits>() + o) * 64;
+          const uint8_t* fifth = codes + (g * group_chunks<kBits>() + 4) * 64;
           const int8_t* a = q.codes[p].data() + r * k + g * kGroup + o * 8;
           for (int64_t c = 0; c < kTile; ++c) {
             for (int64_t j = 0; j < 4; ++j) {
               const uint8_t byte = chunk[4 * c + j];
-              sums[p][c] += (byte & 0x0F) * a[j] + (byte >> 4) * a[4 + j];
+              int32_t low = byte & 0x0F, high = byte >> 4;
+              if constexpr (kBits == 5) {
+                const int bits = fifth[4 * c + j] >> (2 * o);
+                low |= (bits & 1) << 4;
+                high |= (bits & 2) << 3;
+              }
+              sums[p][c] += low * a[j] + high * a[4 + j];
             }
           }
         }
@@ -138,13 +155,32 @@ __attribute__((target("avx2,fma,f16c"))) inline void group_scales_avx2(const uin
   }
 }
 
-template <int R, int P, bool kSuper>
+// The two nibbles of a chunk's codes, with (kBits 5) each one's fifth bit from `bits` (the
+// group's fifth chunk) at bit 4: chunk o's low nibbles' are its bits 2 o, its high ones' 2 o + 1.
+template <int kBits>
+__attribute__((target("avx2"))) inline void codes_avx2(const uint8_t* chunk, const uint8_t* fifth,
+                                                      int64_t o, __m256i& lo, __m256i& hi) {
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
+  lo = _mm256_and_si256(w, low_nibbles);
+  hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low_nibbles);
+  if constexpr (kBits == 5) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(fifth));
+    const __m256i fifth_bit = _mm256_set1_epi8(0x10);
+    const __m256i lo_bits = o < 3 ? _mm256_slli_epi16(bits, 4 - 2 * o) : _mm256_srli_epi16(bits, 2);
+    const __m256i hi_bits =
+        o < 2 ? _mm256_slli_epi16(bits, 3 - 2 * o) : _mm256_srli_epi16(bits, 2 * o - 3);
+    lo = _mm256_or_si256(lo, _mm256_and_si256(lo_bits, fifth_bit));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(hi_bits, fifth_bit));
+  }
+}
+
+template <int R, int P, bool kSuper, int kBits>
 __attribute__((target("avx2,fma,f16c"))) void tile_avx2_rows(const uint8_t* codes,
                                                              const uint16_t* scales,
                                                              const QuantizedRows& q, int64_t r0,
                                                              float* out, int64_t out_stride) {
   const int64_t k = q.groups * kGroup;
-  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* rows[R][P];
   STRATA_UNROLLED
@@ -164,14 +200,13 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_rows(const uint8_t* code
     }
     STRATA_NOT_UNROLLED
     for (int64_t o = 0; o < kGroup / 8; ++o) {
-      const uint8_t* chunk = codes + (g * 4 + o) * 64;
+      const uint8_t* chunk = codes + (g * group_chunks<kBits>() + o) * 64;
+      const uint8_t* fifth = codes + (g * group_chunks<kBits>() + 4) * 64;
       fetch_ahead(chunk);
-      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
-      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32));
-      const __m256i lo0 = _mm256_and_si256(w0, low_nibbles);
-      const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low_nibbles);
-      const __m256i lo1 = _mm256_and_si256(w1, low_nibbles);
-      const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low_nibbles);
+      if (kBits == 5 && o == 0) fetch_ahead(fifth);
+      __m256i lo0, hi0, lo1, hi1;
+      codes_avx2<kBits>(chunk, fifth, o, lo0, hi0);
+      codes_avx2<kBits>(chunk + 32, fifth + 32, o, lo1, hi1);
       STRATA_UNROLLED
       for (int i = 0; i < R; ++i) {
         STRATA_UNROLLED
@@ -181,12 +216,17 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_rows(const uint8_t* code
           std::memcpy(&a_lo, a, 4);
           std::memcpy(&a_hi, a + 4, 4);
           const __m256i b_lo = _mm256_set1_epi32(a_lo), b_hi = _mm256_set1_epi32(a_hi);
-          sums[i][p][0] = _mm256_add_epi16(
-              sums[i][p][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, b_lo),
-                                              _mm256_maddubs_epi16(hi0, b_hi)));
-          sums[i][p][1] = _mm256_add_epi16(
-              sums[i][p][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, b_lo),
-                                              _mm256_maddubs_epi16(hi1, b_hi)));
+          const __m256i pairs0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, b_lo),
+                                                  _mm256_maddubs_epi16(hi0, b_hi));
+          const __m256i pairs1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, b_lo),
+                                                  _mm256_maddubs_epi16(hi1, b_hi));
+          if constexpr (kBits == 5) {  // 4 x 31 x 127 a chunk: widened at once
+            sums[i][p][0] = _mm256_add_epi32(sums[i][p][0], _mm256_madd_epi16(pairs0, ones));
+            sums[i][p][1] = _mm256_add_epi32(sums[i][p][1], _mm256_madd_epi16(pairs1, ones));
+          } else {
+            sums[i][p][0] = _mm256_add_epi16(sums[i][p][0], pairs0);
+            sums[i][p][1] = _mm256_add_epi16(sums[i][p][1], pairs1);
+          }
         }
       }
     }
@@ -199,7 +239,8 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_rows(const uint8_t* code
         const int64_t at = (r0 + i) * q.groups + g;
         STRATA_UNROLLED
         for (int p = 0; p < P; ++p) {
-          const __m256i sum = _mm256_madd_epi16(sums[i][p][h], ones);
+          const __m256i sum =
+              kBits == 5 ? sums[i][p][h] : _mm256_madd_epi16(sums[i][p][h], ones);
           const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(q.dx[p][at]));
           acc[i][h] = _mm256_add_ps(acc[i][h], _mm256_mul_ps(_mm256_cvtepi32_ps(sum), scale));
         }
@@ -242,12 +283,29 @@ STRATA_VNNI inline void group_scales_avx512(const uint16_t* scales, int64_t g, _
   }
 }
 
-template <int R, int P, bool kSuper>
+// codes_avx2 on AVX-512: a chunk's two nibbles, with their fifth bits (kBits 5).
+template <int kBits>
+STRATA_VNNI inline void codes_avx512(const uint8_t* chunk, const uint8_t* fifth, int64_t o,
+                                     __m512i& lo, __m512i& hi) {
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  const __m512i w = _mm512_loadu_si512(chunk);
+  lo = _mm512_and_si512(w, low_nibbles);
+  hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low_nibbles);
+  if constexpr (kBits == 5) {
+    const __m512i bits = _mm512_loadu_si512(fifth), fifth_bit = _mm512_set1_epi8(0x10);
+    const __m512i lo_bits = o < 3 ? _mm512_slli_epi16(bits, 4 - 2 * o) : _mm512_srli_epi16(bits, 2);
+    const __m512i hi_bits =
+        o < 2 ? _mm512_slli_epi16(bits, 3 - 2 * o) : _mm512_srli_epi16(bits, 2 * o - 3);
+    lo = _mm512_ternarylogic_epi32(lo, lo_bits, fifth_bit, 0xF8);  // a | (b & c)
+    hi = _mm512_ternarylogic_epi32(hi, hi_bits, fifth_bit, 0xF8);
+  }
+}
+
+template <int R, int P, bool kSuper, int kBits>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void tile_vnni_rows(
     const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q, int64_t r0,
     float* out, int64_t out_stride) {
   const int64_t k = q.groups * kGroup;
-  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   const int8_t* rows[R][P];
   STRATA_UNROLLED
   for (int i = 0; i < R; ++i) {
@@ -266,10 +324,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void tile_v
     }
     STRATA_UNROLLED
     for (int64_t o = 0; o < kGroup / 8; ++o) {
-      fetch_ahead(codes + (g * 4 + o) * 64);
-      const __m512i w = _mm512_loadu_si512(codes + (g * 4 + o) * 64);
-      const __m512i lo = _mm512_and_si512(w, low_nibbles);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low_nibbles);
+      const uint8_t* chunk = codes + (g * group_chunks<kBits>() + o) * 64;
+      const uint8_t* fifth = codes + (g * group_chunks<kBits>() + 4) * 64;
+      fetch_ahead(chunk);
+      if (kBits == 5 && o == 0) fetch_ahead(fifth);
+      __m512i lo, hi;
+      codes_avx512<kBits>(chunk, fifth, o, lo, hi);
       STRATA_UNROLLED
       for (int i = 0; i < R; ++i) {
         STRATA_UNROLLED
@@ -304,24 +364,24 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void tile_v
 
 
 
-template <bool kSuper>
+template <bool kSuper, int kBits>
 void tile_avx2(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q,
                int64_t r0, int64_t n, float* out, int64_t out_stride) {
   for (int64_t r = 0; r < n; r += avx2_rows(q.passes)) {
     by_rows(std::min(avx2_rows(q.passes), n - r), q.passes, [&](auto rows, auto passes) {
       constexpr int kRows = decltype(rows)::value, kPasses = decltype(passes)::value;
-      tile_avx2_rows<kRows, kPasses, kSuper>(codes, scales, q, r0 + r, out + r * out_stride,
+      tile_avx2_rows<kRows, kPasses, kSuper, kBits>(codes, scales, q, r0 + r, out + r * out_stride,
                                              out_stride);
     });
   }
 }
 
-template <bool kSuper>
+template <bool kSuper, int kBits>
 void tile_avx512_vnni(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q,
                       int64_t r0, int64_t n, float* out, int64_t out_stride) {
   by_rows(n, q.passes, [&](auto rows, auto passes) {
     constexpr int kRows = decltype(rows)::value, kPasses = decltype(passes)::value;
-    tile_vnni_rows<kRows, kPasses, kSuper>(codes, scales, q, r0, out, out_stride);
+    tile_vnni_rows<kRows, kPasses, kSuper, kBits>(codes, scales, q, r0, out, out_stride);
   });
 }
 
@@ -347,10 +407,9 @@ int64_t cpu_path() {
   return path;
 }
 
-constexpr PathKernels kInt4Kernels = {tile_scalar<false>, tile_avx2<false>,
-                                      tile_avx512_vnni<false>};
-constexpr PathKernels kInt4SuperKernels = {tile_scalar<true>, tile_avx2<true>,
-                                           tile_avx512_vnni<true>};
+template <bool kSuper, int kBits>
+constexpr PathKernels kInt4Paths = {tile_scalar<kSuper, kBits>, tile_avx2<kSuper, kBits>,
+                                    tile_avx512_vnni<kSuper, kBits>};
 
 // Shared by int4_mm and int8_mm: what a scheme's layout has per tile and group, to check the
 // arguments and step through them.
@@ -422,11 +481,16 @@ int64_t quantized_mm_path(int64_t requested) {
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                    int64_t out_features, int64_t passes, int64_t path) {
   RECORD_FUNCTION("strata_native::int4_mm", std::vector<c10::IValue>());  // for profiles
-  static const Scheme scheme{"int4_mm", at::kByte, 4, 2 * kTile, kInt4Kernels};
-  static const Scheme k_quant{"int4_mm", at::kByte, 4, kSuperHalfs / kSuperGroups,
-                              kInt4SuperKernels, at::kByte};
-  const bool super = scales.scalar_type() == at::kByte;
-  return quantized_mm(super ? k_quant : scheme, x, codes, scales, out_features, passes, path);
+  constexpr int64_t kHalves = 2 * kTile, kSuperSlots = kSuperHalfs / kSuperGroups;
+  static const Scheme schemes[2][2] = {
+      {{"int4_mm", at::kByte, 4, kHalves, kInt4Paths<false, 4>},
+       {"int4_mm", at::kByte, 5, kHalves, kInt4Paths<false, 5>}},
+      {{"int4_mm", at::kByte, 4, kSuperSlots, kInt4Paths<true, 4>, at::kByte},
+       {"int4_mm", at::kByte, 5, kSuperSlots, kInt4Paths<true, 5>, at::kByte}}};
+  const bool super = scales.scalar_type() == at::kByte;  // K-quant scales as stored
+  // 5-bit codes (a GGUF Q5 weight's): a fifth chunk per group of 32 columns
+  const bool five = x.dim() == 2 && codes.dim() == 3 && codes.size(1) * kGroup == x.size(1) * 5;
+  return quantized_mm(schemes[super][five], x, codes, scales, out_features, passes, path);
 }
 
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,

@@ -10,11 +10,14 @@ namespace strata_native {
 int64_t quantized_mm_path(int64_t requested);
 
 // x [M, K] (float32, bfloat16 or float16) times a packed weight [out_features, K] transposed:
-// float32 [M, out_features]. int4: codes uint8 [N / 16, K / 8, 64], scales float16
-// [N / 16, K / 32, 2, 16] (d, m); int8: codes int8 [N / 16, K / 4, 64], scales float16
-// [N / 16, K / 32, 16] (d), or a GGUF Q6_K weight as stored: codes uint8 [N / 16, K / 32 * 6, 64],
-// scales uint8 [N / 16, K / 256, 288] (quantized_mm6.cpp). `passes`: the activations' int8 passes, 1 or 2 (quantized_mm.cpp);
-// `path` as for quantized_mm_path.
+// float32 [M, out_features] (layouts: quantized_mm.cpp, quantized_mm6.cpp).
+// - int4: codes uint8 [N / 16, K / 8, 64], or [N / 16, K / 32 * 5, 64] for 5-bit codes; scales
+//   float16 [N / 16, K / 32, 2, 16] (d, m), or uint8 [N / 16, K / 256, 320] (a Q4_K or Q5_K
+//   weight's as stored).
+// - int8: codes int8 [N / 16, K / 4, 64], scales float16 [N / 16, K / 32, 16] (d); or a GGUF
+//   Q6_K weight as stored: codes uint8 [N / 16, K / 32 * 6, 64], scales uint8
+//   [N / 16, K / 256, 288].
+// `passes`: the activations' int8 passes, 1 or 2; `path` as for quantized_mm_path.
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                    int64_t out_features, int64_t passes, int64_t path);
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,

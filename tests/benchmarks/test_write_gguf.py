@@ -34,13 +34,18 @@ def test_q4_0_keeps_an_output_matrix_of_960_columns_at_8_bits():
 
 @pytest.fixture(scope="module")
 def small_file(tmp_path_factory):
+    return _small(tmp_path_factory, "Q4_K_M", seed=1)
+
+
+def _small(tmp_path_factory, mix: str, seed: int):
+    """A file of the ``SMALL`` shape in ``mix``, with SmolLM2's tokenizer."""
     from tests.unit.model.test_gguf import smollm2_path
 
     source = smollm2_path()
     if source is None:
         pytest.skip("SmolLM2 is not installed")
-    out = tmp_path_factory.mktemp("w") / "small.gguf"
-    return write_gguf.write(SMALL, "Q4_K_M", out, seed=1, source=source)
+    out = tmp_path_factory.mktemp("w") / f"small-{mix}.gguf"
+    return write_gguf.write(SMALL, mix, out, seed=seed, source=source)
 
 
 def test_every_block_type_holds_weights_of_the_stated_spread(small_file):
@@ -122,3 +127,42 @@ def test_an_int4_build_takes_q4_k_weights_as_stored_and_never_dequantizes_them(
 
 CPU = torch.device("cpu")
 QType = gguf.GGMLQuantizationType
+
+
+@pytest.fixture(scope="module")
+def small_q5_file(tmp_path_factory):
+    return _small(tmp_path_factory, "Q5_K_M", seed=2)
+
+
+def test_an_int4_build_serves_q5_k_weights_in_5_bits_as_stored(small_q5_file, monkeypatch):
+    """A ``Q5_K_M`` file's ``Q5_K`` blocks have the stated spread, and under Strata's kernels an
+    int4 build serves them as stored, a fifth bit plane beside int4's nibbles: exactly the
+    file's weights, never dequantized."""
+    from replicas.model.autotune import Candidate
+    from replicas.model.gguf import GGUFWeights, open_gguf, read_gguf_info
+    from replicas.model.streamed import build_streamed
+
+    stored = {t.name: t for t in gguf.GGUFReader(str(small_q5_file)).tensors}
+    assert stored["blk.1.ffn_up.weight"].tensor_type == QType.Q5_K
+    assert stored["blk.0.ffn_down.weight"].tensor_type == QType.Q6_K
+    gate_up = [
+        gguf.quants.dequantize(np.asarray(stored[f"blk.1.ffn_{n}.weight"].data), QType.Q5_K)
+        for n in ("gate", "up")
+    ]
+    for values in gate_up:
+        assert 0.7 < values.std() / write_gguf.WEIGHT_STD < 1.4
+        assert abs(values.mean()) < 0.05 * write_gguf.WEIGHT_STD
+    args, _ = read_gguf_info(small_q5_file)
+    weights = GGUFWeights(open_gguf(small_q5_file), args, small_q5_file)
+    read = []
+    copy_into = GGUFWeights.copy_into
+    monkeypatch.setattr(
+        GGUFWeights, "copy_into", lambda self, n, t: (read.append(n), copy_into(self, n, t))
+    )
+    net = build_streamed(args, weights, Candidate("float32", "int4", "native", "strata"), CPU)
+    w13 = net.layers[1].feed_forward.w13
+    assert w13.scheme == "int4" and w13.weight.shape[1] == SMALL.hidden // 32 * 5
+    assert torch.equal(w13.dequantized(torch.float32), torch.from_numpy(np.concatenate(gate_up)))
+    assert {"layers.1.feed_forward.w1.weight", "layers.1.feed_forward.w3.weight"} & set(
+        read
+    ) == set()

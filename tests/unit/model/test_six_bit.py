@@ -43,44 +43,46 @@ def test_six_bit_keeps_a_q6_k_weight_exactly_and_multiplies_bitwise_on_every_pat
     weight = torch.cat([file_weight(p) for p in parts])
     assert torch.equal(layer.dequantized(torch.float32), weight)
     x = torch.randn(6, k, generator=gen) * torch.linspace(0.01, 30, k)
-    best = torch.ops.strata_native.quantized_mm_path()
-    outs = [
-        torch.ops.strata_native.int8_mm(x, layer.weight, layer.scales, n, passes, path)
-        for path in range(best + 1)
-    ]
-    assert all(torch.equal(outs[0], out) for out in outs[1:]), best
-    alone = torch.ops.strata_native.int8_mm(x[2:3], layer.weight, layer.scales, n, passes)
-    assert torch.equal(alone[0], outs[-1][2])
+    out = product_on_every_path(torch.ops.strata_native.int8_mm, x, layer)
     w = weight.double().view(n, -1, 32)
     expected = sum(
         torch.einsum("ngk,rgk->rng", w, qx.double()) * dx.double()[:, None, :]
         for qx, dx in activation_passes(x, passes)
     ).sum(-1)
-    torch.testing.assert_close(outs[0].double(), expected, rtol=0, atol=1e-5 * expected.abs().max())
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-5 * expected.abs().max())
+
+
+def product_on_every_path(op, x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
+    """``op`` (``int4_mm`` or ``int8_mm``) of ``x`` and ``layer``'s layout, after checking that
+    every instruction path gives the same bits and that a row alone gives its bits in the batch."""
+    n, passes = layer.out_features, layer.passes
+    best = torch.ops.strata_native.quantized_mm_path()
+    outs = [op(x, layer.weight, layer.scales, n, passes, path) for path in range(best + 1)]
+    assert all(torch.equal(outs[0], out) for out in outs[1:]), best
+    alone = op(x[2:3], layer.weight, layer.scales, n, passes)
+    assert torch.equal(alone[0], outs[-1][2])
+    return outs[0]
+
+
+def one_layer_model() -> torch.nn.Module:
+    """A one-layer model whose every projection has a multiple of 256 columns (K-quant blocks)."""
+    from replicas.model.config import ModelArgs
+    from replicas.model.registry import build_model
+
+    sizes = {"hidden_size": 256, "intermediate_size": 512, "num_heads": 4, "num_kv_heads": 4}
+    return build_model(ModelArgs(vocab_size=64, num_layers=1, head_dim=64, **sizes)).eval()
 
 
 def test_an_int4_model_serves_q6_k_products_in_six_bits_and_int8_otherwise():
     """Under int4 with Strata's kernels, a product whose weights are all stored ``Q6_K`` takes
     the 6-bit layout (the file's weight, 6.56 bits); one mixing ``Q6_K`` with other weights, or
     under torch's kernels, stays int8 (8.5 bits)."""
-    from replicas.model.config import ModelArgs
-    from replicas.model.registry import build_model
-
-    args = ModelArgs(
-        vocab_size=64,
-        hidden_size=256,
-        intermediate_size=512,
-        num_layers=1,
-        num_heads=4,
-        num_kv_heads=4,
-        head_dim=64,
-    )
     gen = torch.Generator().manual_seed(3)
     stored: dict[str, StoredCodes] = {}
     bits: dict[str, int] = {}
     with torch.no_grad():
         for kernel in ("strata", "torch"):
-            model = build_model(args).eval()
+            model = one_layer_model()
             for name in ("feed_forward.w2", "attention.wv"):
                 module = model.layers[0].get_submodule(name)
                 rows = q6_k_rows(module.weight.shape[0], module.weight.shape[1], gen)
