@@ -57,12 +57,15 @@ SOURCES = tuple(
     for name in (
         "native_stack.cpp",
         "quantized_mm.cpp",
+        "quantized_mm4.cpp",
         "quantized_mm8.cpp",
         "quantized_mm6.cpp",
         "quantized_mm.h",
         "quantized_rows.h",
         "decode_attention.cpp",
         "decode_attention.h",
+        "attention_kernel.h",
+        "attention_lanes.h",
         "native_isa.h",
     )
 )

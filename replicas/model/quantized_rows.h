@@ -139,8 +139,15 @@ using TileKernel = void (*)(const uint8_t*, const uint16_t*, const QuantizedRows
 // One kernel per instruction path, indexed by kPath*.
 using PathKernels = std::array<TileKernel, 3>;
 
-// The tile kernels of the int8 layout and of the 6-bit one (a GGUF Q6_K weight as stored),
-// by path (quantized_mm8.cpp, quantized_mm6.cpp).
+// The K-quant scales of 8 groups (an int4 layout's, kSuper): 160 float16 slots (320 bytes) per
+// tile.
+constexpr int64_t kSuperGroups = 8;
+constexpr int64_t kSuperHalfs = 160;
+
+// The tile kernels by path: int4's by [K-quant scales][5-bit codes] (quantized_mm4.cpp); the
+// int8 layout's, and the 6-bit one's (a GGUF Q6_K weight as stored; quantized_mm8.cpp,
+// quantized_mm6.cpp).
+extern const PathKernels kInt4Kernels[2][2];
 extern const PathKernels kInt8Kernels;
 extern const PathKernels kSixBitKernels;
 

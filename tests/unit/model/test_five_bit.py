@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType, dequantize
 from replicas.model.gguf_weights import int4_groups_of_tensor
 from replicas.model.quant import QuantizedLinear
 from replicas.model.quantize import quantize_model
-from tests.unit.model.test_quant import _strata_built, activation_passes  # noqa: F401 (skipif)
+from tests.unit.model.quant_reference import _strata_built, activation_passes  # noqa: F401
 from tests.unit.model.test_six_bit import one_layer_model, product_on_every_path
 
 pytestmark = pytest.mark.skipif("not _strata_built()", reason="no native library here")

@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType, dequantize
 from replicas.model.quant import QuantizedLinear
 from replicas.model.quantize import StoredCodes, quantize_model
 from replicas.model.six_bit import SixBitRows
-from tests.unit.model.test_quant import _strata_built, activation_passes  # noqa: F401 (skipif)
+from tests.unit.model.quant_reference import _strata_built, activation_passes  # noqa: F401
 
 pytestmark = pytest.mark.skipif("not _strata_built()", reason="no native library here")
 
