@@ -48,20 +48,26 @@ class TenantCurves:
         self._stacks: dict[int, OrderedDict[BlockHash, None]] = {}
         self.histograms: dict[int, dict[int, float]] = {}  # tenant -> distance -> accesses
         self.accesses: dict[int, float] = {}  # tenant -> sampled accesses, scaled
+        # the same, never decayed: the whole run's curve, first accesses (misses) and all
+        self.run_histograms: dict[int, dict[int, float]] = {}
+        self.run_accesses: dict[int, float] = {}
 
     def access(self, tenant: int, hashes: Iterable[BlockHash]) -> None:
         """A request of ``tenant`` looked up these blocks, in order."""
         stack = self._stacks.setdefault(tenant, OrderedDict())
         histogram = self.histograms.setdefault(tenant, {})
+        run_histogram = self.run_histograms.setdefault(tenant, {})
         weight = 1.0 / self.sample_rate
         for block_hash in hashes:
             if int.from_bytes(block_hash[:4], "little") >= self._threshold:
                 continue
             self.accesses[tenant] = self.accesses.get(tenant, 0.0) + weight
+            self.run_accesses[tenant] = self.run_accesses.get(tenant, 0.0) + weight
             if block_hash in stack:
                 distance = _depth(stack, block_hash)
                 bucket = int(distance / self.sample_rate)
                 histogram[bucket] = histogram.get(bucket, 0.0) + weight
+                run_histogram[bucket] = run_histogram.get(bucket, 0.0) + weight
                 stack.move_to_end(block_hash)
             else:
                 stack[block_hash] = None
@@ -72,8 +78,9 @@ class TenantCurves:
         """Accesses of ``tenant`` that hit had it held ``capacity`` blocks (LRU)."""
         return self.curve(tenant).hits(capacity)
 
-    def curve(self, tenant: int) -> "HitCurve":
-        histogram = self.histograms.get(tenant, {})
+    def curve(self, tenant: int, over_run: bool = False) -> "HitCurve":
+        """``tenant``'s recent hit curve (decayed), or its whole run's (``over_run``)."""
+        histogram = (self.run_histograms if over_run else self.histograms).get(tenant, {})
         distances = sorted(histogram)
         return HitCurve(distances, list(accumulate(histogram[d] for d in distances)))
 
@@ -166,13 +173,15 @@ class AutoQuotas:
         self._next = self._last + RESIZE_INTERVAL_S
         self._newcomer = False  # a tenant without a quota has accessed blocks since the last look
 
-    def predicted_hit_rate(self, tenant: int) -> float | None:
-        """The share of ``tenant``'s recent block accesses its curve says hit at its quota
-        (None without one)."""
-        accesses = self.curves.accesses.get(tenant)
+    def predicted_hit_rate(self, tenant: int, over_run: bool = False) -> float | None:
+        """The share of ``tenant``'s recent block accesses (or, ``over_run``, of all of them
+        since the start, first accesses included) its curve says hit at its quota (None
+        without one)."""
+        curves = self.curves
+        accesses = (curves.run_accesses if over_run else curves.accesses).get(tenant)
         if tenant not in self.quota or not accesses:
             return None
-        return self.curves.hits(tenant, self.quota[tenant]) / accesses
+        return curves.curve(tenant, over_run).hits(self.quota[tenant]) / accesses
 
     def observe(self, tenant: int, hashes: Iterable[BlockHash]) -> None:
         if tenant != NO_TENANT:

@@ -106,3 +106,19 @@ def test_a_tenant_without_a_quota_gets_one_soon_not_at_the_next_interval():
     now[0] = 2 * tenant_curves.NEWCOMER_RESIZE_S + tenant_curves.RESIZE_INTERVAL_S
     quotas.resize()
     assert quotas._next == now[0] + tenant_curves.RESIZE_INTERVAL_S  # looked at the interval
+
+
+def test_the_run_long_prediction_counts_first_accesses_which_the_decayed_one_forgets():
+    """A tenant that asks 3 prompts of 4 blocks again and again: its curve over the run counts
+    each block's first access as a miss at any quota (12 of 48 accesses), while the recent,
+    decayed curve has nearly forgotten them and predicts nearly every access hits."""
+    now = [0.0]
+    quotas = tenant_curves.AutoQuotas(64, 0.1, clock=lambda: now[0])
+    for _ in range(4):
+        for prompt in range(3):
+            quotas.observe(5, blocks(*range(4 * prompt, 4 * prompt + 4)))
+        now[0] += tenant_curves.RESIZE_INTERVAL_S
+        quotas.resize()
+    assert quotas.predicted_hit_rate(5, over_run=True) == pytest.approx(36 / 48)
+    assert quotas.predicted_hit_rate(5) > 0.9
+    assert quotas.predicted_hit_rate(6) is None and quotas.predicted_hit_rate(6, True) is None
