@@ -187,9 +187,26 @@ def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
     (``_q4_k_scales``)."""
     n = blocks.shape[0]
     d, dm = (x.view(n, 8, 1) for x in _q4_k_scales(blocks))
-    q = blocks[:, 16:].view(n, 4, 1, 32)
-    codes = torch.cat((q & 15, q >> 4), dim=2).view(n, 8, 32).float()
-    return codes.mul_(d).sub_(dm).view(n, 256)
+    return _k_quant_codes(blocks, five=False).float().mul_(d).sub_(dm).view(n, 256)
+
+
+def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    """``Q5_K`` blocks [B, 176] as float32 [B, 256]: ``_q4_k``'s values with a fifth bit per
+    code (``_k_quant_codes``)."""
+    n = blocks.shape[0]
+    d, dm = (x.view(n, 8, 1) for x in _q4_k_scales(blocks))
+    return _k_quant_codes(blocks, five=True).float().mul_(d).sub_(dm).view(n, 256)
+
+
+def _k_quant_codes(blocks: torch.Tensor, five: bool) -> torch.Tensor:
+    """The codes [B, 8, 32] (group, weight) of ``Q4_K`` blocks [B, 144], or of ``Q5_K`` blocks
+    [B, 176] (``five``: bit ``g`` of ``qh`` byte ``l`` is group ``g``'s weight ``l``'s fifth)."""
+    q = blocks[:, 48 if five else 16 :].reshape(-1, 4, 1, 32)
+    codes = torch.cat((q & 15, q >> 4), dim=2).view(-1, 8, 32)
+    if five:
+        qh = blocks[:, None, 16:48] >> torch.arange(8, dtype=torch.uint8)[:, None]
+        codes = codes | ((qh & 1) << 4)
+    return codes
 
 
 def _q4_k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,8 +239,8 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
 
 
 # The types dequantized by torch (several threads; the same float32 values as gguf-py's numpy)
-_TORCH_DEQUANTIZE = {"Q4_0": _q4_0, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q6_K": _q6_k}
-_BLOCK_BYTES = {_q4_0: 18, _q8_0: 34, _q4_k: 144, _q6_k: 210}
+_TORCH_DEQUANTIZE = {"Q4_0": _q4_0, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+_BLOCK_BYTES = {_q4_0: 18, _q8_0: 34, _q4_k: 144, _q5_k: 176, _q6_k: 210}
 
 
 def _read_rows(tensor: Any, start: int, count: int, fd: int) -> np.ndarray:
@@ -337,12 +354,7 @@ def _k_quant_groups(data: torch.Tensor, five: bool = False) -> Int4Groups:
     n = data.shape[0]
     blocks = data.view(-1, 176 if five else 144)
     sc, m = _q4_k_codes(blocks)
-    q = blocks[:, 48 if five else 16 :].view(-1, 4, 1, 32)
-    codes = torch.cat((q & 15, q >> 4), dim=2).view(-1, 8, 32)  # [blocks, group, weight]
-    if five:
-        qh = blocks[:, 16:48]
-        codes = codes | torch.stack([((qh >> g) & 1) << 4 for g in range(8)], dim=1)
-    codes = codes.view(n, -1)  # [N, K]
+    codes = _k_quant_codes(blocks, five).view(n, -1)  # [N, K]
     d, d_min = _f16(blocks, 0).expand_as(sc), _f16(blocks, 2).expand_as(m)
     scale, low = (d * sc).view(n, -1), (d_min * m).view(n, -1)
     k_quant = torch.stack((d, -d_min, sc, m), dim=-1).view(n, -1, 4)

@@ -78,6 +78,7 @@ class KeptFloat:
         self._weights, self._names = weights, set(names)
         self._kept: dict[str, torch.Tensor] = {}
         self.stored_bits, self.files = weights.stored_bits, weights.files
+        self.heads: dict[tuple[str, str], nn.Module] = {}  # by (scheme, kernel): _quantize_head
 
     @property
     def is_quantized(self) -> bool:
@@ -143,12 +144,29 @@ def build_streamed(
     else:
         _read(net.output, "output", weights, device)
     if scheme != "none":
-        head = "tok_embeddings" if args.tie_word_embeddings else "output"
-        groups = _int4_groups(weights, [f"{head}.weight"]) if scheme == "int4" else None
-        quantize_output(net, scheme, groups, weights.stored_bits, kernel)
+        _quantize_head(net, weights, scheme, kernel)
     net.eval()
     net.requires_grad_(False)
     return net
+
+
+def _quantize_head(net: Transformer, weights: Weights, scheme: str, kernel: str) -> None:
+    """``quantize_output`` on ``net``; a head in one of Strata's layouts of a file's stored
+    codes and scales (no float value enters it, so it is the same in every dtype) is kept by
+    ``weights`` where it keeps heads (``KeptFloat``): ``auto`` builds a probe per candidate,
+    and reading and packing a large vocabulary's head again for each took a second a build."""
+    heads = getattr(weights, "heads", None)
+    key = (scheme, kernel)
+    if heads is not None and key in heads:
+        net.output = heads[key]
+        return
+    name = "tok_embeddings" if net.args.tie_word_embeddings else "output"
+    groups = _int4_groups(weights, [f"{name}.weight"]) if scheme == "int4" else None
+    quantize_output(net, scheme, groups, weights.stored_bits, kernel)
+    # Strata's layouts with uint8 scales hold stored codes only (K-quant int4, Q6_K)
+    head = net.output
+    if heads is not None and head.kernel == "strata" and head.scales.dtype == torch.uint8:
+        heads[key] = head
 
 
 def release_freed_memory() -> None:

@@ -166,3 +166,29 @@ def test_an_int4_build_serves_q5_k_weights_in_5_bits_as_stored(small_q5_file, mo
     assert {"layers.1.feed_forward.w1.weight", "layers.1.feed_forward.w3.weight"} & set(
         read
     ) == set()
+
+
+def test_probes_share_a_head_packed_from_stored_codes_and_only_that(small_file):
+    """``auto``'s probes over ``KeptFloat`` take the tied ``Q6_K`` head packed once for
+    Strata's kernels whatever their dtype (no float value enters it); a head quantized from
+    float values (torch's kernels) is made again for each."""
+    from replicas.model.autotune import Candidate
+    from replicas.model.gguf import GGUFWeights, open_gguf, read_gguf_info
+    from replicas.model.streamed import KeptFloat, build_streamed
+
+    args, _ = read_gguf_info(small_file)
+    kept = KeptFloat(
+        GGUFWeights(open_gguf(small_file), args, small_file), ["tok_embeddings.weight"]
+    )
+    heads = {}
+    for dtype in ("float32", "bfloat16"):
+        for kernel in ("strata", "torch"):
+            candidate = Candidate(dtype, "int4", "native", kernel)
+            heads[dtype, kernel] = build_streamed(args, kept, candidate, CPU, [0]).output
+    assert heads["float32", "strata"] is heads["bfloat16", "strata"]
+    assert heads["float32", "torch"] is not heads["bfloat16", "torch"]
+    stored = {t.name: t for t in gguf.GGUFReader(str(small_file)).tensors}["token_embd.weight"]
+    head = gguf.quants.dequantize(np.asarray(stored.data), QType.Q6_K)
+    assert torch.equal(
+        heads["bfloat16", "strata"].dequantized(torch.float32), torch.from_numpy(head)
+    )

@@ -94,3 +94,14 @@ def test_an_int4_model_serves_5_bit_products_as_stored_under_stratas_kernels_onl
                 if kernel == "strata":  # the file's weights, fifth bits and all
                     assert product.weight.shape[1] == weight.shape[1] // 32 * 5
                     assert torch.equal(product.dequantized(torch.float32), weight)
+
+
+def test_q5_k_is_dequantized_by_torch_bit_for_bit_as_gguf_py_does():
+    """The loader's torch dequantization of ``Q5_K`` (a probe's float weights, a product that
+    mixes ``Q5_K`` with ``Q6_K``) gives gguf-py's float32 values exactly."""
+    from replicas.model.gguf_weights import _q5_k
+
+    data = q5_rows("Q5_K", 32, 512, torch.Generator().manual_seed(4))
+    expected = dequantize(data, GGMLQuantizationType.Q5_K).astype(np.float32)
+    got = _q5_k(torch.from_numpy(data).view(-1, 176)).view(32, 512)
+    assert torch.equal(got, torch.from_numpy(expected))
