@@ -82,19 +82,11 @@ def test_an_int4_build_takes_q4_k_weights_as_stored_and_never_dequantizes_them(
     """A ``Q4_K`` block is eight groups of 32 with a scale and a minimum each, Strata's int4
     grouping: its codes are served as stored (the weight Strata's kernel holds is the file's,
     but for the scales' float16 rounding), and the float values are never made."""
-    from replicas.model.autotune import Candidate
-    from replicas.model.gguf import GGUFWeights, open_gguf, read_gguf_info
+    from replicas.model.gguf import read_gguf_info
     from replicas.model.gguf_weights import unpermute_rotary
-    from replicas.model.streamed import build_streamed
 
     args, _ = read_gguf_info(small_file)
-    weights = GGUFWeights(open_gguf(small_file), args, small_file)
-    read = []
-    copy_into = GGUFWeights.copy_into
-    monkeypatch.setattr(
-        GGUFWeights, "copy_into", lambda self, n, t: (read.append(n), copy_into(self, n, t))
-    )
-    net = build_streamed(args, weights, Candidate("float32", "int4", "native", "strata"), CPU)
+    net, read = _strata_int4_build(small_file, monkeypatch)
     stored = {t.name: t for t in gguf.GGUFReader(str(small_file)).tensors}
     w13 = net.layers[1].feed_forward.w13  # layer 1: every matrix Q4_K
     assert w13.scheme == "int4" and w13.kernel == "strata"
@@ -129,6 +121,24 @@ CPU = torch.device("cpu")
 QType = gguf.GGMLQuantizationType
 
 
+def _strata_int4_build(path, monkeypatch) -> tuple[torch.nn.Module, list[str]]:
+    """The whole model of ``path`` built as float32/int4-strata/native, and the parameters whose
+    float values the build read."""
+    from replicas.model.autotune import Candidate
+    from replicas.model.gguf import GGUFWeights, open_gguf, read_gguf_info
+    from replicas.model.streamed import build_streamed
+
+    args, _ = read_gguf_info(path)
+    weights = GGUFWeights(open_gguf(path), args, path)
+    read = []
+    copy_into = GGUFWeights.copy_into
+    monkeypatch.setattr(
+        GGUFWeights, "copy_into", lambda self, n, t: (read.append(n), copy_into(self, n, t))
+    )
+    net = build_streamed(args, weights, Candidate("float32", "int4", "native", "strata"), CPU)
+    return net, read
+
+
 @pytest.fixture(scope="module")
 def small_q5_file(tmp_path_factory):
     return _small(tmp_path_factory, "Q5_K_M", seed=2)
@@ -138,9 +148,6 @@ def test_an_int4_build_serves_q5_k_weights_in_5_bits_as_stored(small_q5_file, mo
     """A ``Q5_K_M`` file's ``Q5_K`` blocks have the stated spread, and under Strata's kernels an
     int4 build serves them as stored, a fifth bit plane beside int4's nibbles: exactly the
     file's weights, never dequantized."""
-    from replicas.model.autotune import Candidate
-    from replicas.model.gguf import GGUFWeights, open_gguf, read_gguf_info
-    from replicas.model.streamed import build_streamed
 
     stored = {t.name: t for t in gguf.GGUFReader(str(small_q5_file)).tensors}
     assert stored["blk.1.ffn_up.weight"].tensor_type == QType.Q5_K
@@ -152,14 +159,7 @@ def test_an_int4_build_serves_q5_k_weights_in_5_bits_as_stored(small_q5_file, mo
     for values in gate_up:
         assert 0.7 < values.std() / write_gguf.WEIGHT_STD < 1.4
         assert abs(values.mean()) < 0.05 * write_gguf.WEIGHT_STD
-    args, _ = read_gguf_info(small_q5_file)
-    weights = GGUFWeights(open_gguf(small_q5_file), args, small_q5_file)
-    read = []
-    copy_into = GGUFWeights.copy_into
-    monkeypatch.setattr(
-        GGUFWeights, "copy_into", lambda self, n, t: (read.append(n), copy_into(self, n, t))
-    )
-    net = build_streamed(args, weights, Candidate("float32", "int4", "native", "strata"), CPU)
+    net, read = _strata_int4_build(small_q5_file, monkeypatch)
     w13 = net.layers[1].feed_forward.w13
     assert w13.scheme == "int4" and w13.weight.shape[1] == SMALL.hidden // 32 * 5
     assert torch.equal(w13.dequantized(torch.float32), torch.from_numpy(np.concatenate(gate_up)))
