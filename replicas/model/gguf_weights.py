@@ -23,7 +23,7 @@ import torch
 from replicas.model.config import ModelArgs
 from replicas.model.quant import Int4Groups
 from replicas.model.registry import build_model, get_architecture
-from replicas.model.six_bit import SixBitRows
+from replicas.model.six_bit import SixBitRows, q6_k_fields
 from replicas.model.tensor_names import check_tensor_names
 from replicas.model.transformer import Transformer
 
@@ -228,14 +228,9 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     """``Q6_K`` blocks [B, 210] as float32 [B, 256]: ``(d scale) (q - 32)`` per 16 weights, q's
     low 4 bits in ``ql`` and high 2 in ``qh``."""
     n = blocks.shape[0]
-    ql = blocks[:, :128].reshape(n, 2, 1, 64)
-    ql = torch.cat((ql & 15, ql >> 4), dim=2).view(n, 8, 32)
-    qh = blocks[:, 128:192].reshape(n, 2, 1, 32)
-    qh = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=2).view(n, 8, 32)
-    codes = ((ql | (qh << 4)).to(torch.int8) - 32).view(n, 16, 16).float()
-    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
-    d = (_f16(blocks, 208) * scales).view(n, 16, 1)
-    return codes.mul_(d).view(n, 256)
+    q, scales, d = q6_k_fields(blocks)  # a block per row
+    codes = (q.to(torch.int8) - 32).view(n, 16, 16).float()
+    return codes.mul_((d.float() * scales.float()).view(n, 16, 1)).view(n, 256)
 
 
 # The types dequantized by torch (several threads; the same float32 values as gguf-py's numpy)

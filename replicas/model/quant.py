@@ -51,6 +51,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from replicas.model.six_bit import six_bit_weight, strata_six_bit
+
 
 class Int4Groups(NamedTuple):
     """A weight [N, K] as ``(codes - 8) * scale + zero``, one scale and zero per row and group
@@ -158,8 +160,6 @@ class QuantizedLinear(nn.Module):
         """GGUF ``Q6_K`` rows as stored (``six_bit.SixBitRows.blocks`` of each part, fused by
         rows) for Strata's 6-bit product, an ``int8`` scheme whose scales are uint8
         (``replicas.model.six_bit``); needs Strata's library."""
-        from replicas.model.six_bit import strata_six_bit
-
         packed, scales = strata_six_bit(parts)
         n = sum(p.shape[0] for p in parts)
         k = packed.shape[1] // 6 * GROUP_SIZE
@@ -229,8 +229,8 @@ class QuantizedLinear(nn.Module):
         """The weight [N, K] as the kernels see it, in ``dtype``."""
         if self.kernel == "strata":
             unpack = _strata_int8_weight if self.scheme == "int8" else _strata_int4_weight
-            if self.scheme == "int8" and self.scales.dtype == torch.uint8:
-                from replicas.model.six_bit import six_bit_weight as unpack
+            if self.scheme == "int8" and self.scales.dtype == torch.uint8:  # Q6_K as stored
+                unpack = six_bit_weight
             return unpack(self.weight, self.scales, self.out_features).to(dtype)
         if self.scheme == "int8":
             return self.weight.to(dtype) * self.scales.to(dtype)[:, None]
@@ -371,9 +371,8 @@ def _unpack_strata_codes(packed: torch.Tensor, groups: int) -> torch.Tensor:
     """The codes [N, K] of ``_pack_int4_codes``'s chunks over ``groups`` groups of 32."""
     tiles, chunks, _ = packed.shape
     five = chunks == 5 * groups
-    c = packed.view(tiles, groups, chunks // groups, 16, 4)[
-        :, :, :4
-    ]  # [tile, group, octet, row, r]
+    # [tile, group, octet, row, r]: the four chunks of nibbles of each group
+    c = packed.view(tiles, groups, chunks // groups, 16, 4)[:, :, :4]
     codes = torch.stack((c & 15, c >> 4), dim=3)  # [tile, group, octet, nibble, row, r]
     if five:
         bits = packed.view(tiles, groups, 5, 16, 4)[:, :, 4]  # [tile, group, row, r]

@@ -90,11 +90,11 @@ def stored_int4_weights(
     builds from their stored codes in ``int4_groups``, not from their float values: a model
     built a layer at a time need not read (dequantize) them."""
     kept = set()
+    strata = int4_kernel == "strata"
     for module_name, _, parts in LAYER_PRODUCTS:
         module = getattr(layer, module_name)
         names = [f"{prefix}.{module_name}.{part}" for part in parts]
         weight = [getattr(module, part).weight for part in parts]
-        strata = int4_kernel == "strata"
         if _uses_stored_codes("int4", names, weight, int4_groups, stored_bits or {}, strata) or (
             strata and _six_bit_rows(names, int4_groups) is not None
         ):
