@@ -168,7 +168,7 @@ class SimPeerStore:
     def drain_changes(self) -> list[tuple[bool, BlockHash]]:
         return []
 
-    def store(self, block_hash, block=None, retained_until=0.0, weight=0.0) -> None:
+    def store(self, block_hash, block=None, retained_until=0.0, weight=0.0, batch=False) -> None:
         raise RuntimeError("the peer tier is only read")
 
     def flush(self, timeout: float | None = None) -> bool:

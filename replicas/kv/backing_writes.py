@@ -67,8 +67,9 @@ class BackingWrites:
             return
         cache_type.host.touch([host_id])
         weight = self._weight(host_id, block_hash)
+        batch = cache_type.host.blocks[host_id].batch
         copy = BackingCopy(
-            host_id, block_hash, cache_type.name, True, retained_until, weight, self.tier
+            host_id, block_hash, cache_type.name, True, retained_until, weight, self.tier, batch
         )
         self._journal.plan.backing_stores.append(copy)
 
@@ -99,14 +100,21 @@ class BackingWrites:
                 self._journal.stats.tier(self.tier).write_back_skips += 1
                 return
         weight = self._weight(host_id, block_hash)
+        batch = host.blocks[host_id].batch
         copy = BackingCopy(
-            host_id, block_hash, cache_type.name, locked=False, weight=weight, tier=self.tier
+            host_id,
+            block_hash,
+            cache_type.name,
+            locked=False,
+            weight=weight,
+            tier=self.tier,
+            batch=batch,
         )
         self._journal.plan.backing_stores.append(copy)
 
     def _weight(self, host_id: int, block_hash: BlockHash) -> float:
-        """The hit weight the tier ranks the block by: none for a batch block, so that the
-        tier replaces batch blocks first (``BlockPool.mark``)."""
+        """The hit weight the tier ranks the block by: none for a batch block (``BlockPool.mark``),
+        so that a hand-over or a warm start takes it last."""
         if self._cache_type.host.blocks[host_id].batch:
             return 0.0
         return self._weights.weight(block_hash)

@@ -137,6 +137,7 @@ class BackingCopy(NamedTuple):
     retained_until: float = 0.0  # a store of a retained block: the tier keeps it until then
     weight: float = 0.0  # a store's hit weight (``replicas.kv.hotness``), kept in its record
     tier: str = "disk"
+    batch: bool = False  # a store of a batch block: the tier replaces it before the others
 
 
 class TransferPlan(NamedTuple):

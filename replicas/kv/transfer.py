@@ -22,6 +22,8 @@ A ``runtime`` (``replicas.kv.stream_copier.CopyRuntime``) given with CPU tensors
 algorithm on them, so that tests check its ordering and bookkeeping without a GPU.
 """
 
+import functools
+import inspect
 import logging
 import time
 from collections import deque
@@ -180,9 +182,11 @@ class KVTransfer:
             host = self.host_caches[cache_type]
             if self._copier is not None:
                 self._copier.land_stores_into(cache_type, {c.host_id for c in selected})
+            batch_aware = _takes_batch(type(store))
             for copy in selected:
                 block = host[copy.host_id].clone()
-                store.store(copy.block_hash, block, copy.retained_until, copy.weight)
+                extra = {"batch": True} if copy.batch and batch_aware else {}
+                store.store(copy.block_hash, block, copy.retained_until, copy.weight, **extra)
 
     def poll_backing(self, timeout: float | None = 0.0) -> list[tuple[BackingCopy, bool]]:
         """Backing reads that ended, with whether each filled its host block; waits up to
@@ -233,3 +237,10 @@ def _of_cache_type(copies: list[BlockCopy], cache_type: str) -> list[BlockCopy]:
 
 def _of(copies: tuple[BackingCopy, ...], tier: str, cache_type: str) -> list[BackingCopy]:
     return [c for c in copies if c.tier == tier and c.cache_type == cache_type]
+
+
+@functools.cache
+def _takes_batch(store_type: type) -> bool:
+    """Whether a backing store's ``store`` takes ``batch`` (a plugin's written before it may
+    not)."""
+    return "batch" in inspect.signature(store_type.store).parameters

@@ -165,6 +165,18 @@ def test_own_slots_fill_from_slot_zero_then_replace_the_least_recently_used():
     assert slots.clear() == [key("c")] and slots.num_free == 2
 
 
+def test_batch_own_slots_are_replaced_first_until_an_interactive_store_makes_one_ordinary():
+    slots = OwnSlots(3, max_retained=0, clock=Clock())
+    slots.take(key("a"), Heat(0.0, 0.0))
+    slots.take(key("b"), Heat(0.0, 0.0), batch=True)
+    slots.take(key("c"), Heat(0.0, 0.0), batch=True)
+    slots.touch(key("b"))  # a read keeps its class: b is the most recent batch block
+    assert slots.take(key("d"), Heat(0.0, 0.0)).evicted == key("c")  # not a, the oldest
+    slots.touch(key("b"), batch=False)  # stored again by an interactive request: ordinary
+    assert slots.take(key("e"), Heat(0.0, 0.0)).evicted == key("a")
+    assert slots.forget(key("b")) is not None and slots.clear() == [key("d"), key("e")]
+
+
 def test_retained_own_slots_are_skipped_until_their_deadline():
     clock = Clock(0.0)
     slots = OwnSlots(2, max_retained=1, clock=clock)

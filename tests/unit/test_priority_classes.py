@@ -93,6 +93,48 @@ def test_a_batch_sweep_leaves_an_interactive_sessions_prefix_cached(tier):
     assert turn.num_cached_tokens_in(tier) == turn.num_cached_tokens == 6 * 16
 
 
+def disk_engine(path) -> Engine:
+    """24 NPU blocks, as many host blocks and 24 disk slots; every block written through to
+    host and from host to disk."""
+    offload = KVOffloadConfig(
+        enabled=True,
+        host_memory_ratio=1.0,
+        write_through_threshold="immediate",
+        disk_path=str(path),
+        disk_bytes=24 * 4 * 2 * 16 * 2 * 64 * 4,  # tiny: 64 KiB a block
+    )
+    return Engine(
+        EngineConfig(
+            model="tiny",
+            num_npu_blocks=24,
+            scheduler_config=SchedulerConfig(kv_offload_config=offload),
+        )
+    )
+
+
+@pytest.mark.parametrize("batch", [None, True])
+def test_a_batch_sweep_replaces_its_own_disk_blocks_before_an_interactive_sessions(tmp_path, batch):
+    """The session's blocks on disk alone; the sweep's 56 blocks pass through 24 disk slots.
+    Under one LRU (the sweep interactive) they replace the session's; as batch, their own."""
+    replica = disk_engine(tmp_path / str(batch))
+    first = run(replica, SESSION, "s0")
+    for _ in range(2):  # host stores land, then their disk stores are handed over
+        replica.core.flush_transfers(wait=True)
+    replica.reset_prefix_cache("npu")
+    replica.reset_prefix_cache("host")
+    sweep(replica, batch=batch)
+    disk = replica.backing["disk"]["full"]
+    assert disk.stats().evictions > 0 and disk.stats().blocks_read == 0
+    turn = run(replica, SESSION, "s1")
+    assert turn.token_ids == first.token_ids
+    if batch:  # read from disk into host, served from there
+        assert turn.num_cached_tokens_in(Tier.HOST) == turn.num_cached_tokens == 6 * 16
+        assert disk.stats().blocks_read == 6
+    else:
+        assert turn.num_cached_tokens < 6 * 16  # the case the class fixes
+    replica.close()
+
+
 def small_host_engine(host_blocks: int, write_through) -> Engine:
     """24 NPU blocks and ``host_blocks`` host blocks, no write-back by policy."""
     offload = KVOffloadConfig(

@@ -1,13 +1,15 @@
 """The own slab's slot index, in memory: which block each slot holds, least recently used
-first, the free slots, the generation counter, the hit weight each own record carries, and
-the retention deadlines that keep some blocks ahead of ordinary ones, by the host tier's two
-rules (``replicas.kv.free_block_queue``): *pin*, a retained block is evicted only when every own
+first, the free slots, the generation counter, the hit weight each own record carries, the
+*batch* blocks (stored from a host block of the batch class, ``replicas.kv.block_pool``),
+evicted before any other, least recently used first, and the retention deadlines that keep
+some blocks ahead of ordinary ones, by the host tier's two rules
+(``replicas.kv.free_block_queue``): *pin*, a retained block is evicted only when every own
 block is retained; *decay*, a block last used at ``r`` and retained until ``u`` counts at ``t``
 as used at ``r + max(0, u - t)``, so its protection shrinks to nothing by its deadline.
 
 No IO: the store (``replicas.kv.disk.store.DiskStore``) writes what this index decides. The
-engine thread alone calls it. Deadlines live here only, so after a restart every block is
-ordinary.
+engine thread alone calls it. Classes and deadlines live here only, so after a restart every
+block is ordinary.
 """
 
 import heapq
@@ -55,6 +57,7 @@ class OwnSlots:
         self._generation = 0
         self._heat: dict[BlockHash, Heat] = {}
         self._retained: dict[BlockHash, float] = {}  # key -> deadline on ``clock``
+        self._batch: OrderedDict[BlockHash, None] = OrderedDict()  # batch keys, oldest first
         self._deadlines: list[tuple[float, BlockHash]] = []  # heap; stale entries skipped
 
     def restore(self, found: list[Recovered]) -> None:
@@ -99,9 +102,14 @@ class OwnSlots:
         return TierUsage(self.num_slots, 0, len(self._own), len(self._retained))
 
     # ---- changes -------------------------------------------------------------------------------
-    def touch(self, key: BlockHash) -> None:
-        """Make an own block the most recently used."""
+    def touch(self, key: BlockHash, batch: bool | None = None) -> None:
+        """Make an own block the most recently used; a use that is not ``batch`` makes it
+        ordinary (None: a read, which keeps its class)."""
         self._own.move_to_end(key)
+        if batch is False:
+            self._batch.pop(key, None)
+        elif key in self._batch:
+            self._batch.move_to_end(key)
         self._use(key)
 
     def _use(self, key: BlockHash) -> None:
@@ -111,7 +119,7 @@ class OwnSlots:
             if key in self._retained:
                 self._by_value.add(key, now + self._retained[key])
 
-    def take(self, key: BlockHash, heat: Heat) -> Placement:
+    def take(self, key: BlockHash, heat: Heat, batch: bool = False) -> Placement:
         """Give a new key (not held) a slot: a free one, else the evictee's (``_evictee``)."""
         evicted = None
         if self._free:
@@ -122,6 +130,8 @@ class OwnSlots:
             self._drop(evicted)
             self.num_evicted += 1
         self._own[key] = slot
+        if batch:
+            self._batch[key] = None
         self._generation += 1
         self._heat[key] = heat
         self._use(key)
@@ -130,16 +140,20 @@ class OwnSlots:
     def _drop(self, key: BlockHash) -> None:
         """Forget what is kept of a block that left the own slab (its slot is handled)."""
         self._retained.pop(key, None)
+        self._batch.pop(key, None)
         self._heat.pop(key, None)
         self._used.pop(key, None)
         self._by_value.pop(key)
 
     def _evictee(self) -> BlockHash:
-        """The own block a store replaces: the least recently used ordinary one; retained ones
-        met on the way move to the back. Only when every own block is retained, the least
-        recently used of them."""
+        """The own block a store replaces: the least recently used batch one, else the least
+        recently used ordinary one; retained ones met on the way move to the back. Only when
+        every own block is retained, the least recently used of them."""
         if self._retained:
             self.expire()
+        batch = next((k for k in self._batch if k not in self._retained), None)
+        if batch is not None:
+            return batch
         if self.decay:
             return self._decayed_evictee()
         for _ in range(len(self._own)):
@@ -181,6 +195,7 @@ class OwnSlots:
         keys = list(self._own)
         self._own.clear()
         self._retained.clear()
+        self._batch.clear()
         self._heat.clear()
         self._used.clear()
         self._by_value.clear()

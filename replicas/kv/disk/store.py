@@ -152,19 +152,21 @@ class DiskStore:
         block: torch.Tensor,
         retained_until: float = 0.0,
         weight: float = 0.0,
+        batch: bool = False,
     ) -> BlockHash | None:
         """Write ``block`` (a CPU tensor this store may keep until written) as ``key`` into an
-        own slot, the least recently used ordinary one when none is free, with its hit
-        ``weight``, and retain it until ``retained_until`` if given; returns the key it
-        replaced."""
+        own slot, when none is free the least recently used batch one, else ordinary one
+        (``OwnSlots``), with its hit ``weight``, and retain it until ``retained_until`` if
+        given; ``batch``: a block of the batch class, replaced before the others. Returns the
+        key it replaced."""
         if not self._file.enabled:
             return None
         if key in self._slots:
-            self._slots.touch(key)
+            self._slots.touch(key, batch)
             self._slots.retain(key, retained_until)
             return None
         heat = Heat(weight, self.wall_clock())
-        slot, generation, evicted = self._slots.take(key, heat)
+        slot, generation, evicted = self._slots.take(key, heat, batch)
         if evicted is not None:
             self._changes.note(False, evicted)
         self._changes.note(True, key)

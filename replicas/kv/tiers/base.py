@@ -62,10 +62,17 @@ class BackingStore(TierStore, Protocol):
     store announces its own changes (``drain_changes``)."""
 
     def store(
-        self, block_hash: BlockHash, block: torch.Tensor, retained_until: float, weight: float
+        self,
+        block_hash: BlockHash,
+        block: torch.Tensor,
+        retained_until: float,
+        weight: float,
+        batch: bool = False,
     ) -> None:
         """Keep a copy of ``block`` (the caller's to hand over: a clone) under its hash,
-        retained until ``retained_until`` when positive, with its hit weight."""
+        retained until ``retained_until`` when positive, with its hit weight; ``batch``: a
+        block of the batch class (``replicas.kv.block_pool``), to replace before the others.
+        (A store whose ``store`` takes no ``batch`` is given none.)"""
         ...
 
     def load_many(

@@ -209,7 +209,7 @@ class PeerStore:
     def drain_changes(self) -> list[tuple[bool, BlockHash]]:
         return []
 
-    def store(self, block_hash, block, retained_until, weight) -> None:
+    def store(self, block_hash, block, retained_until, weight, batch=False) -> None:
         raise RuntimeError("the peer tier is only read")
 
     def flush(self, timeout: float | None = None) -> bool:
