@@ -15,7 +15,8 @@ rotates): ``one-lru`` (no tenant classes: one LRU per tier), ``batch-class``
 (``batch_tenants: [batch]``: the sweep's blocks are evicted before the others') and
 ``batch-class+shared`` (also ``shared_prefixes: [the system prompt]``: one copy of it for all
 tenants); and ``auto-quotas`` (no classes; ``tenant_quotas: auto``: each tenant's share of the
-host tier sized from its own miss-ratio curve every 30 s, its blocks evicted first past it).
+host tier sized from its own miss-ratio curve each time a capacity's worth of blocks was looked
+up, its blocks evicted first past it).
 Greedy first tokens must be the same in all four (the correctness reference). The hit rate an
 unbounded cache would reach on the same sequence is each tenant's ceiling.
 """
@@ -305,17 +306,23 @@ def targets(
     summaries: dict, ceilings: dict, predicted: dict | None = None
 ) -> dict[str, tuple[float, float]]:
     """Each target's measured ratio and the least it must be; with ``auto_predictions``, each
-    tenant's auto-quotas hit rate over the run against what its curve over the run predicts
-    at its share (first accesses, which miss in any cache, are in both)."""
+    tenant's auto-quotas hit rate over the run against what its curve predicts with each
+    access at the share in force when it came (first accesses, which miss in any cache, are in
+    both), and auto-quotas' total against one LRU's."""
     one_lru, batch = summaries["one-lru"], summaries["batch-class"]
     by_curve = {
         f"auto-quotas {tenant} hit rate / its curve's": (
-            summaries["auto-quotas"][tenant]["hit_rate"] / p["predicted_run_hit_rate"],
+            summaries["auto-quotas"][tenant]["hit_rate"] / p["predicted_served_hit_rate"],
             CURVE_SHARE_TARGET,
         )
         for tenant, p in (predicted or {}).items()
-        if p.get("predicted_run_hit_rate")
+        if p.get("predicted_served_hit_rate")
     }
+    if predicted:
+        by_curve["auto-quotas total hit rate / one-lru"] = (
+            summaries["auto-quotas"]["total"]["hit_rate"] / one_lru["total"]["hit_rate"],
+            TOTAL_OVER_ONE_LRU_TARGET,
+        )
     return by_curve | {
         "batch-class agent hit rate / unbounded": (
             batch["agent"]["hit_rate"] / ceilings["salted"]["agent"],
@@ -422,16 +429,18 @@ def _plot(summaries: dict, ceilings: dict, served: dict, requests: list[Request]
 def add_auto_table(report: Report, predicted: dict, measured: dict) -> None:
     if predicted:
         report.add_table(
-            "auto-quotas at the end: each tenant's share, the hit rate its own curve predicts "
-            "there (recent blocks, decayed; and over the whole run, first accesses included) "
+            "auto-quotas: each tenant's share at the end, the hit rate its own curve predicts "
+            "there (recent blocks, decayed; and over the whole run, first accesses included), "
+            "the one it predicts with each access at the share in force when it came (served), "
             "and the hit rate it got over the run",
-            ["tenant", "share", "predicted (recent)", "predicted (run)", "measured"],
+            ["tenant", "share", "predicted (recent)", "(run)", "(served)", "measured"],
             [
                 [
                     t,
                     p["share"],
                     p["predicted_hit_rate"],
                     p["predicted_run_hit_rate"],
+                    p["predicted_served_hit_rate"],
                     measured[t]["hit_rate"],
                 ]
                 for t, p in predicted.items()
@@ -451,7 +460,8 @@ def auto_predictions(llm: LLM) -> dict[str, dict]:
         tenant: {
             "share": auto.quota[index[tenant]] / auto.capacity,
             "predicted_hit_rate": auto.predicted_hit_rate(index[tenant]),
-            "predicted_run_hit_rate": auto.predicted_hit_rate(index[tenant], over_run=True),
+            "predicted_run_hit_rate": auto.predicted_hit_rate(index[tenant], "run"),
+            "predicted_served_hit_rate": auto.predicted_hit_rate(index[tenant], "served"),
         }
         for tenant in TENANTS
         if tenant in index and index[tenant] in auto.quota

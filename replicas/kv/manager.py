@@ -325,7 +325,7 @@ class KVCacheManager:
         self.auto_quotas = None
         if shares == "auto":
             capacity = sum(p.num_blocks for p in quota_pools(self._cache_types[:1]))
-            self.auto_quotas = AutoQuotas(capacity, min_share, self._clock)
+            self.auto_quotas = AutoQuotas(capacity, min_share)
             return
         apply_quotas(self._cache_types, {self.tenants.index(s): q for s, q in shares.items()})
 

@@ -11,18 +11,19 @@ FAST '15): only hashes below ``sample_rate`` of the hash space enter the stacks,
 scaled by ``1 / sample_rate``, and each stack keeps at most ``max_tracked`` hashes (distances
 beyond are misses at any quota this cache can give).
 
-**Quotas.** Every tenant that accessed blocks since the last resize first gets ``min_share`` of
-the capacity (at most an equal share); the rest goes, ``STEPS`` blocks at a time, to the tenant
-whose next blocks gain the most hits per block (looking as far ahead as the capacity left, so a
-working set that hits only once whole is seen). A resize applies the new quotas only when they
-would gain more than ``MIN_GAIN`` of the hits the current ones give (hysteresis), and scales
-the histograms by ``DECAY``, so the curves follow the recent traffic.
+**Quotas.** ``AutoQuotas`` looks at the curves each time the requests have looked up a
+capacity's worth of blocks (``LOOK_EVERY``; an eighth of that with a tenant without a quota
+among them: ``NEWCOMER_LOOK``). Every tenant that accessed blocks since the last look first
+gets ``min_share`` of the capacity (at most an equal share); the rest goes, ``STEPS`` blocks at
+a time, to the tenant whose next blocks gain the most hits per block (looking as far ahead as
+the capacity left, so a working set that hits only once whole is seen). A look applies the new
+quotas only when they would gain more than ``MIN_GAIN`` of the hits the current ones give
+(hysteresis), and scales the histograms by ``DECAY``, so the curves follow the recent traffic.
 """
 
-import time
 from bisect import bisect_left
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from itertools import accumulate
 from typing import NamedTuple
 
@@ -51,9 +52,12 @@ class TenantCurves:
         # the same, never decayed: the whole run's curve, first accesses (misses) and all
         self.run_histograms: dict[int, dict[int, float]] = {}
         self.run_accesses: dict[int, float] = {}
+        # accesses that hit at the quota in force when they came (``access``'s ``quota``)
+        self.served_hits: dict[int, float] = {}
 
-    def access(self, tenant: int, hashes: Iterable[BlockHash]) -> None:
-        """A request of ``tenant`` looked up these blocks, in order."""
+    def access(self, tenant: int, hashes: Iterable[BlockHash], quota: float = float("inf")) -> None:
+        """A request of ``tenant`` looked up these blocks, in order, while it held ``quota``
+        blocks at most."""
         stack = self._stacks.setdefault(tenant, OrderedDict())
         histogram = self.histograms.setdefault(tenant, {})
         run_histogram = self.run_histograms.setdefault(tenant, {})
@@ -68,6 +72,8 @@ class TenantCurves:
                 bucket = int(distance / self.sample_rate)
                 histogram[bucket] = histogram.get(bucket, 0.0) + weight
                 run_histogram[bucket] = run_histogram.get(bucket, 0.0) + weight
+                if bucket < quota:
+                    self.served_hits[tenant] = self.served_hits.get(tenant, 0.0) + weight
                 stack.move_to_end(block_hash)
             else:
                 stack[block_hash] = None
@@ -144,59 +150,68 @@ def total_hits(curves: TenantCurves, quota: Mapping[int, int]) -> float:
     return sum(curves.hits(tenant, blocks) for tenant, blocks in quota.items())
 
 
-RESIZE_INTERVAL_S = 30.0
-"""How often ``AutoQuotas`` looks at the curves again."""
-NEWCOMER_RESIZE_S = 5.0
-"""How soon after the last look a tenant with no quota (a new one, one back from idle, or
-every tenant before the first look) makes ``AutoQuotas`` look again: until then it has no share
-to keep, so a neighbour over its own quota evicts it first (benchmarks/README.md, ``tenants``
-and ``tenants-sim``)."""
+LOOK_EVERY = 1.0
+"""``AutoQuotas`` looks at the curves again once the requests have looked up this many
+capacities' worth of blocks since its last look. Traffic, not time: quotas matter as fast as
+the cache turns over, which traffic drives, and the same requests give the same quotas."""
+NEWCOMER_LOOK = 0.125
+"""How soon, in capacities' worth of blocks looked up since the last look, a tenant with no
+quota (a new one, one back from idle, or every tenant before the first look) makes
+``AutoQuotas`` look again: until then it has no share to keep, so a neighbour over its own
+quota evicts it first (benchmarks/README.md, ``tenants`` and ``tenants-sim``)."""
 SAMPLED_BLOCKS = 512
 """Each tenant's stack samples about this many blocks of a capacity's worth (all, below it)."""
 
 
 class AutoQuotas:
-    """``tenant_quotas: auto``: the curves of the tenants' requests and, every
-    ``RESIZE_INTERVAL_S`` (sooner for a tenant without a quota: ``NEWCOMER_RESIZE_S``), the
-    shares of each tier that maximise their hits."""
+    """``tenant_quotas: auto``: the curves of the tenants' requests and, every ``LOOK_EVERY``
+    capacities' worth of blocks looked up (sooner for a tenant without a quota:
+    ``NEWCOMER_LOOK``), the shares of each tier that maximise their hits."""
 
-    def __init__(
-        self, capacity: int, min_share: float, clock: Callable[[], float] = time.monotonic
-    ) -> None:
+    def __init__(self, capacity: int, min_share: float) -> None:
         rate = min(1.0, SAMPLED_BLOCKS / capacity)
         self.curves = TenantCurves(rate, max_tracked=2 * SAMPLED_BLOCKS)
         self.capacity = capacity
         self.min_share = min_share
         self.quota: dict[int, int] = {}  # blocks of ``capacity``, as last applied
-        self._clock = clock
-        self._last = clock()
-        self._next = self._last + RESIZE_INTERVAL_S
+        self._looked_up = 0  # blocks the requests looked up since the last look
         self._newcomer = False  # a tenant without a quota has accessed blocks since the last look
 
-    def predicted_hit_rate(self, tenant: int, over_run: bool = False) -> float | None:
-        """The share of ``tenant``'s recent block accesses (or, ``over_run``, of all of them
-        since the start, first accesses included) its curve says hit at its quota (None
-        without one)."""
+    def predicted_hit_rate(self, tenant: int, basis: str = "recent") -> float | None:
+        """The share of ``tenant``'s block accesses its curve says hit (None before it has a
+        quota). ``basis``: ``recent``, its recent accesses (decayed) at its quota now;
+        ``run``, all of them since the start (first accesses included) at its quota now;
+        ``served``, all of them, each at the quota in force when it came (the whole capacity
+        before the tenant had one)."""
         curves = self.curves
-        accesses = (curves.run_accesses if over_run else curves.accesses).get(tenant)
+        accesses = (curves.accesses if basis == "recent" else curves.run_accesses).get(tenant)
         if tenant not in self.quota or not accesses:
             return None
-        return curves.curve(tenant, over_run).hits(self.quota[tenant]) / accesses
+        if basis == "served":
+            return curves.served_hits.get(tenant, 0.0) / accesses
+        return curves.curve(tenant, basis == "run").hits(self.quota[tenant]) / accesses
 
-    def observe(self, tenant: int, hashes: Iterable[BlockHash]) -> None:
+    def observe(self, tenant: int, hashes: Sequence[BlockHash]) -> None:
+        """A new request of ``tenant`` looked up these blocks (the shared pool's too, which
+        count towards the next look but have no curve)."""
+        self._looked_up += len(hashes)
         if tenant != NO_TENANT:
-            self.curves.access(tenant, hashes)
+            self.curves.access(tenant, hashes, self.quota.get(tenant, self.capacity))
             self._newcomer = self._newcomer or tenant not in self.quota
 
     def resize(self) -> dict[int, float] | None:
-        """New shares by tenant when the interval has passed (or ``NEWCOMER_RESIZE_S``, for a
-        tenant without a quota) and they gain enough hits over the current ones, or give a
-        newcomer its share (else None); the curves decay either way."""
-        now = self._clock()
-        newcomer = self._newcomer and now >= self._last + NEWCOMER_RESIZE_S
-        if now < self._next and not newcomer:
+        """``look`` once the requests have looked up ``LOOK_EVERY`` capacities' worth of
+        blocks since the last look (``NEWCOMER_LOOK``, with a tenant without a quota among
+        them); else None."""
+        due = LOOK_EVERY if not self._newcomer else min(LOOK_EVERY, NEWCOMER_LOOK)
+        if self._looked_up < due * self.capacity:
             return None
-        self._last, self._next = now, now + RESIZE_INTERVAL_S
+        return self.look()
+
+    def look(self) -> dict[int, float] | None:
+        """New shares by tenant when they gain enough hits over the current ones, or give a
+        newcomer its share (else None); the curves decay either way."""
+        self._looked_up = 0
         tenants = self.curves.active()
         self._newcomer = False
         proposed = share_out(self.curves, tenants, self.capacity, self.min_share)

@@ -50,7 +50,7 @@ def run(replica: Engine, prompt, request_id: str, salt: str):
 
 @pytest.fixture
 def resize_every_step(monkeypatch):
-    monkeypatch.setattr(tenant_curves, "RESIZE_INTERVAL_S", 0.0)
+    monkeypatch.setattr(tenant_curves, "LOOK_EVERY", 0.0)
     monkeypatch.setattr(tenant_curves, "DECAY", 1.0)  # a resize every step: no decay
 
 
@@ -84,41 +84,55 @@ def test_auto_quotas_keep_a_reused_working_set_cached_beside_a_crawl(resize_ever
     assert [t.token_ids for t in turns] == [t.token_ids for t in lru]
 
 
-def test_a_tenant_without_a_quota_gets_one_soon_not_at_the_next_interval():
-    """The first look comes ``NEWCOMER_RESIZE_S`` after start, not ``RESIZE_INTERVAL_S``, and
-    so does the one after a new tenant's first requests; with every tenant holding a quota the
-    interval holds."""
-    now = [0.0]
-    quotas = tenant_curves.AutoQuotas(64, 0.1, clock=lambda: now[0])
-    quotas.observe(2, blocks(*range(4)) * 3)
-    assert quotas.resize() is None  # 0 s
-    now[0] = tenant_curves.NEWCOMER_RESIZE_S
+def test_looks_come_with_traffic_and_sooner_for_a_tenant_without_a_quota():
+    """The first look comes after ``NEWCOMER_LOOK`` capacities' worth of blocks looked up, not
+    ``LOOK_EVERY``, and so does the one after a new tenant's first request; with every tenant
+    holding a quota the longer count holds. Time plays no part."""
+    quotas = tenant_curves.AutoQuotas(64, 0.1)
+    soon = int(tenant_curves.NEWCOMER_LOOK * 64)
+    every = int(tenant_curves.LOOK_EVERY * 64)
+    quotas.observe(2, blocks(*range(4)) * (soon // 4 - 1))
+    assert quotas.resize() is None  # 4 blocks short
+    quotas.observe(0, blocks(*range(200, 204)))  # the shared pool's count towards a look
     assert set(quotas.resize()) == {2}
-    now[0] += 1
-    quotas.observe(3, blocks(*range(100, 104)) * 2)  # a newcomer, 1 s after the last look
-    assert quotas.resize() is None
-    now[0] = 2 * tenant_curves.NEWCOMER_RESIZE_S
+    quotas.observe(3, blocks(*range(100, 104)) * (soon // 4))  # a newcomer
     shares = quotas.resize()
     assert shares is not None and set(shares) == {2, 3}
-    quotas.observe(2, blocks(*range(4)))
-    now[0] += tenant_curves.NEWCOMER_RESIZE_S
-    assert quotas.resize() is None  # every tenant has its quota: the interval holds
-    now[0] = 2 * tenant_curves.NEWCOMER_RESIZE_S + tenant_curves.RESIZE_INTERVAL_S
+    quotas.observe(2, blocks(*range(4)) * (soon // 4))
+    assert quotas.resize() is None  # every tenant has its quota: the longer count holds
+    quotas.observe(2, blocks(*range(4)) * ((every - soon) // 4 - 1))
+    assert quotas.resize() is None and quotas._looked_up == every - 4
+    quotas.observe(3, blocks(*range(100, 104)))
     quotas.resize()
-    assert quotas._next == now[0] + tenant_curves.RESIZE_INTERVAL_S  # looked at the interval
+    assert quotas._looked_up == 0  # looked
 
 
 def test_the_run_long_prediction_counts_first_accesses_which_the_decayed_one_forgets():
     """A tenant that asks 3 prompts of 4 blocks again and again: its curve over the run counts
     each block's first access as a miss at any quota (12 of 48 accesses), while the recent,
     decayed curve has nearly forgotten them and predicts nearly every access hits."""
-    now = [0.0]
-    quotas = tenant_curves.AutoQuotas(64, 0.1, clock=lambda: now[0])
+    quotas = tenant_curves.AutoQuotas(64, 0.1)
     for _ in range(4):
         for prompt in range(3):
             quotas.observe(5, blocks(*range(4 * prompt, 4 * prompt + 4)))
-        now[0] += tenant_curves.RESIZE_INTERVAL_S
-        quotas.resize()
-    assert quotas.predicted_hit_rate(5, over_run=True) == pytest.approx(36 / 48)
+        quotas.look()
+    assert quotas.predicted_hit_rate(5, "run") == pytest.approx(36 / 48)
     assert quotas.predicted_hit_rate(5) > 0.9
-    assert quotas.predicted_hit_rate(6) is None and quotas.predicted_hit_rate(6, True) is None
+    assert quotas.predicted_hit_rate(6) is None and quotas.predicted_hit_rate(6, "run") is None
+
+
+def test_the_served_prediction_prices_each_access_at_the_quota_it_came_under():
+    """A tenant cycling over 3 prompts of 4 blocks (each block's reuse distance: the 11 others)
+    needs 12 blocks; while a neighbour holds most of the cache it has 6, and its curve predicts
+    its repeats miss; after its quota grows to 12, that they hit. The run-long prediction
+    prices every access at the final quota; the served one, each at the quota of its time."""
+    quotas = tenant_curves.AutoQuotas(64, 0.1)
+    quotas.quota = {5: 6, 9: 58}  # as a look had shared it out
+    for prompt in (0, 1, 2, 0, 1, 2):
+        quotas.observe(5, blocks(*range(4 * prompt, 4 * prompt + 4)))
+    assert quotas.predicted_hit_rate(5, "served") == 0.0  # 12 first accesses, 12 at distance 11
+    quotas.quota = {5: 12, 9: 52}
+    for prompt in (0, 1, 2):
+        quotas.observe(5, blocks(*range(4 * prompt, 4 * prompt + 4)))
+    assert quotas.predicted_hit_rate(5, "served") == pytest.approx(12 / 36)
+    assert quotas.predicted_hit_rate(5, "run") == pytest.approx(24 / 36)
