@@ -73,7 +73,7 @@ SOURCES = tuple(
 DIR_ENV = "STRATA_NATIVE_DIR"
 ISA_ENV = "STRATA_NATIVE_ISA"
 """Caps the native kernels' instruction path (native_isa.h), to time a lesser CPU's paths here."""
-ISA_CAPS = ("avx512", "avx2", "scalar")
+ISA_CAPS = ("amx", "avx512", "avx2", "scalar")
 DECODER_STACKS = ("auto", "native", "eager")
 # native_stack.cpp's LinearKind
 _KINDS = {"none": 0, "int8": 1, "int4": 2, "int4/strata": 3, "int8/strata": 4}

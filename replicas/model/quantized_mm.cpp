@@ -41,6 +41,10 @@
 #include <ATen/record_function.h>
 #include <immintrin.h>
 
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <array>
 #include <cmath>
 #include <cstring>
@@ -51,6 +55,26 @@ namespace {
 
 int64_t cpu_path();
 
+// AMX-TILE and AMX-INT8 (CPUID leaf 7, EDX bits 24 and 25), and Linux's leave to use their
+// registers (ARCH_REQ_XCOMP_PERM for XTILEDATA, granted to the whole process).
+bool amx_supported() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) {
+    return false;
+  }
+  constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+}
+
+}  // namespace
+
+bool amx_ready() {
+  static const bool ready = amx_supported();
+  return ready;
+}
+
+namespace {
+
 // The best path this CPU has, at most STRATA_NATIVE_ISA's (native_isa.h).
 int64_t best_path() { return std::min(isa_cap(), cpu_path()); }
 
@@ -59,7 +83,7 @@ int64_t cpu_path() {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl")) {
-      return kPathAvx512;
+      return amx_ready() ? kPathAmx : kPathAvx512;
     }
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
         __builtin_cpu_supports("f16c")) {
@@ -80,6 +104,7 @@ struct Scheme {
   int64_t scales_per_group;   // 16-bit slots of scales per tile and group
   const PathKernels& kernels;
   at::ScalarType scale_type = at::kHalf;  // kByte: K-quant scales, a block per 8 groups
+  AmxTileKernel amx = nullptr;            // the AMX kernel, if the layout has one
 };
 
 at::Tensor quantized_mm(const Scheme& scheme, const at::Tensor& x, const at::Tensor& codes,
@@ -109,7 +134,11 @@ at::Tensor quantized_mm(const Scheme& scheme, const at::Tensor& x, const at::Ten
                                   [&] { q = quantize_rows<scalar_t>(input, passes); });
   const int64_t rows = q.rows;
   at::Tensor out = at::empty({rows, tiles * kTile}, x.options().dtype(at::kFloat));
-  const TileKernel kernel = scheme.kernels[std::min(path < 0 ? best_path() : path, best_path())];
+  const int64_t chosen = std::min(path < 0 ? best_path() : path, best_path());
+  const TileKernel kernel = scheme.kernels[std::min(chosen, kPathAvx512)];
+  // AMX takes the blocks of 16 rows, the vector kernel the rest
+  const AmxTileKernel amx = chosen == kPathAmx ? scheme.amx : nullptr;
+  const int64_t amx_rows = amx != nullptr ? rows / kTile * kTile : 0;
   const uint8_t* code_data = static_cast<const uint8_t*>(codes.const_data_ptr());
   const uint16_t* scale_data = static_cast<const uint16_t*>(scales.const_data_ptr());
   float* out_data = out.mutable_data_ptr<float>();
@@ -122,7 +151,11 @@ at::Tensor quantized_mm(const Scheme& scheme, const at::Tensor& x, const at::Ten
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 12) / (k * std::max<int64_t>(rows, 1)));
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      for (int64_t r = 0; r < rows; r += kRowBlock) {
+      if (amx_rows > 0) {
+        amx(code_data + t * tile_codes, scale_data + t * tile_scales, q, amx_rows,
+            out_data + t * kTile, tiles * kTile);
+      }
+      for (int64_t r = amx_rows; r < rows; r += kRowBlock) {
         kernel(code_data + t * tile_codes, scale_data + t * tile_scales, q, r,
                std::min(kRowBlock, rows - r), out_data + r * tiles * kTile + t * kTile,
                tiles * kTile);
@@ -143,10 +176,10 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   RECORD_FUNCTION("strata_native::int4_mm", std::vector<c10::IValue>());  // for profiles
   constexpr int64_t kHalves = 2 * kTile, kSuperSlots = kSuperHalfs / kSuperGroups;
   static const Scheme schemes[2][2] = {
-      {{"int4_mm", at::kByte, 4, kHalves, kInt4Kernels[0][0]},
-       {"int4_mm", at::kByte, 5, kHalves, kInt4Kernels[0][1]}},
-      {{"int4_mm", at::kByte, 4, kSuperSlots, kInt4Kernels[1][0], at::kByte},
-       {"int4_mm", at::kByte, 5, kSuperSlots, kInt4Kernels[1][1], at::kByte}}};
+      {{"int4_mm", at::kByte, 4, kHalves, kInt4Kernels[0][0], at::kHalf, kInt4Amx[0][0]},
+       {"int4_mm", at::kByte, 5, kHalves, kInt4Kernels[0][1], at::kHalf, kInt4Amx[0][1]}},
+      {{"int4_mm", at::kByte, 4, kSuperSlots, kInt4Kernels[1][0], at::kByte, kInt4Amx[1][0]},
+       {"int4_mm", at::kByte, 5, kSuperSlots, kInt4Kernels[1][1], at::kByte, kInt4Amx[1][1]}}};
   const bool super = scales.scalar_type() == at::kByte;  // K-quant scales as stored
   // 5-bit codes (a GGUF Q5 weight's): a fifth chunk per group of 32 columns
   const bool five = x.dim() == 2 && codes.dim() == 3 && codes.size(1) * kGroup == x.size(1) * 5;
@@ -156,7 +189,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                    int64_t out_features, int64_t passes, int64_t path) {
   RECORD_FUNCTION("strata_native::int8_mm", std::vector<c10::IValue>());  // for profiles
-  static const Scheme scheme{"int8_mm", at::kChar, 8, kTile, kInt8Kernels};
+  static const Scheme scheme{"int8_mm", at::kChar, 8, kTile, kInt8Kernels, at::kHalf, kInt8Amx};
   // uint8 scales: a GGUF Q6_K weight's 6-bit codes and scales as stored (quantized_mm6.cpp)
   static const Scheme six_bit{"int8_mm", at::kByte, 6, 18, kSixBitKernels, at::kByte};
   const bool six = scales.scalar_type() == at::kByte;

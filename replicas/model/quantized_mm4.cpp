@@ -339,7 +339,76 @@ template <bool kSuper, int kBits>
 constexpr PathKernels kInt4Paths = {tile_scalar<kSuper, kBits>, tile_avx2<kSuper, kBits>,
                                     tile_avx512_vnni<kSuper, kBits>};
 
+// AMX (AmxTileKernel, quantized_rows.h): the tile's codes, decoded once per call into B tiles
+// of u8 codes (a chunk's low nibbles are B rows 2 o, its high ones 2 o + 1), then per block of
+// 16 rows and group, one u8 x s8 tile multiply per pass and tile_vnni_rows's float steps.
+template <int P, bool kSuper, int kBits>
+STRATA_AMX void tile_amx(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q,
+                         int64_t rows, float* out, int64_t out_stride) {
+  const int64_t k = q.groups * kGroup;
+  thread_local std::vector<uint8_t> decoded;
+  decoded.resize(q.groups * 512);
+  uint8_t* const weights = decoded.data();  // read once: a thread_local costs a call each time
+  for (int64_t g = 0; g < q.groups; ++g) {
+    const uint8_t* fifth = codes + (g * group_chunks<kBits>() + 4) * 64;
+    STRATA_UNROLLED
+    for (int64_t o = 0; o < kGroup / 8; ++o) {
+      __m512i lo, hi;
+      codes_avx512<kBits>(codes + (g * group_chunks<kBits>() + o) * 64, fifth, o, lo, hi);
+      _mm512_storeu_si512(weights + g * 512 + 2 * o * 64, lo);
+      _mm512_storeu_si512(weights + g * 512 + (2 * o + 1) * 64, hi);
+    }
+  }
+  const AmxConfig config = amx_config();
+  _tile_loadconfig(&config);
+  alignas(64) int32_t sums[P][kTile][kTile];
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+    __m512 acc[kTile];
+    STRATA_UNROLLED_16
+    for (int i = 0; i < kTile; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < q.groups; ++g) {
+      _tile_loadd(4, weights + g * 512, 64);
+      _tile_zero(0);
+      _tile_loadd(2, q.codes[0].data() + r0 * k + g * kGroup, k);
+      _tile_dpbsud(0, 2, 4);
+      _tile_stored(0, sums[0], 64);
+      if constexpr (P == 2) {
+        _tile_zero(1);
+        _tile_loadd(3, q.codes[1].data() + r0 * k + g * kGroup, k);
+        _tile_dpbsud(1, 3, 4);
+        _tile_stored(1, sums[P - 1], 64);
+      }
+      __m512 d, m;
+      group_scales_avx512<kSuper>(scales, g, d, m);
+      STRATA_UNROLLED_16
+      for (int i = 0; i < kTile; ++i) {
+        const int64_t at = (r0 + i) * q.groups + g;
+        STRATA_UNROLLED
+        for (int p = 0; p < P; ++p) {
+          const __m512i sum = _mm512_load_si512(sums[p][i]);
+          const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(q.dx[p][at]));
+          acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_cvtepi32_ps(sum), scale));
+        }
+        acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(m, _mm512_set1_ps(q.sx[at])));
+      }
+    }
+    STRATA_UNROLLED_16
+    for (int i = 0; i < kTile; ++i) _mm512_storeu_ps(out + (r0 + i) * out_stride, acc[i]);
+  }
+  _tile_release();
+}
+
+template <bool kSuper, int kBits>
+void tile_amx_any(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q,
+                  int64_t rows, float* out, int64_t out_stride) {
+  if (q.passes == 1) return tile_amx<1, kSuper, kBits>(codes, scales, q, rows, out, out_stride);
+  tile_amx<2, kSuper, kBits>(codes, scales, q, rows, out, out_stride);
+}
+
 }  // namespace
+
+const AmxTileKernel kInt4Amx[2][2] = {{tile_amx_any<false, 4>, tile_amx_any<false, 5>},
+                                      {tile_amx_any<true, 4>, tile_amx_any<true, 5>}};
 
 const PathKernels kInt4Kernels[2][2] = {{kInt4Paths<false, 4>, kInt4Paths<false, 5>},
                                         {kInt4Paths<true, 4>, kInt4Paths<true, 5>}};

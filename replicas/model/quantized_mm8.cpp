@@ -185,7 +185,61 @@ void int8_tile_avx512_vnni(const uint8_t* codes, const uint16_t* scales, const Q
   });
 }
 
+// AMX (AmxTileKernel, quantized_rows.h): a group's eight chunks are its B tile as stored; per
+// block of 16 rows and group, one s8 x s8 tile multiply per pass (the exact sums VNNI gets
+// through its offset) and int8_tile_vnni_rows's float steps.
+template <int P>
+STRATA_AMX void int8_tile_amx(const uint8_t* codes, const uint16_t* scales,
+                              const QuantizedRows& q, int64_t rows, float* out,
+                              int64_t out_stride) {
+  const int64_t k = q.groups * kGroup;
+  const AmxConfig config = amx_config();
+  _tile_loadconfig(&config);
+  alignas(64) int32_t sums[P][kTile][kTile];
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+    __m512 acc[kTile];
+    STRATA_UNROLLED_16
+    for (int i = 0; i < kTile; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < q.groups; ++g) {
+      _tile_loadd(4, codes + g * 8 * 64, 64);
+      _tile_zero(0);
+      _tile_loadd(2, q.codes[0].data() + r0 * k + g * kGroup, k);
+      _tile_dpbssd(0, 2, 4);
+      _tile_stored(0, sums[0], 64);
+      if constexpr (P == 2) {
+        _tile_zero(1);
+        _tile_loadd(3, q.codes[1].data() + r0 * k + g * kGroup, k);
+        _tile_dpbssd(1, 3, 4);
+        _tile_stored(1, sums[P - 1], 64);
+      }
+      const __m512 d = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kTile)));
+      STRATA_UNROLLED_16
+      for (int i = 0; i < kTile; ++i) {
+        const int64_t at = (r0 + i) * q.groups + g;
+        STRATA_UNROLLED
+        for (int p = 0; p < P; ++p) {
+          const __m512i sum = _mm512_load_si512(sums[p][i]);
+          const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(q.dx[p][at]));
+          acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_cvtepi32_ps(sum), scale));
+        }
+      }
+    }
+    STRATA_UNROLLED_16
+    for (int i = 0; i < kTile; ++i) _mm512_storeu_ps(out + (r0 + i) * out_stride, acc[i]);
+  }
+  _tile_release();
+}
+
+void int8_tile_amx_any(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q,
+                       int64_t rows, float* out, int64_t out_stride) {
+  if (q.passes == 1) return int8_tile_amx<1>(codes, scales, q, rows, out, out_stride);
+  int8_tile_amx<2>(codes, scales, q, rows, out, out_stride);
+}
+
 }  // namespace
+
+const AmxTileKernel kInt8Amx = int8_tile_amx_any;
 
 const PathKernels kInt8Kernels = {int8_tile_scalar, int8_tile_avx2, int8_tile_avx512_vnni};
 

@@ -116,6 +116,9 @@ QuantizedRows quantize_rows(const at::Tensor& x, int passes) {
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
 #define STRATA_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
+#define STRATA_AMX \
+  __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
+#define STRATA_UNROLLED_16 _Pragma("GCC unroll 16")
 
 // Rows [r0, r0 + n) of one tile, n <= kRowBlock, with q's passes, through the vector kernels'
 // instance for them (each keeps its accumulators in registers).
@@ -139,6 +142,35 @@ using TileKernel = void (*)(const uint8_t*, const uint16_t*, const QuantizedRows
 // One kernel per instruction path, indexed by kPath*.
 using PathKernels = std::array<TileKernel, 3>;
 
+// AMX (kPathAmx): a tile kernel for a whole weight tile and rows [0, rows), rows a multiple of
+// 16: per group of 32 columns and block of 16 rows, one tile multiply per pass gives the 16 x 16
+// int32 sums the VNNI kernels add up (exact either way), and the float steps that follow are
+// theirs, in their order, so every path gives the same bits. Tiles: C, one per pass (16 rows x
+// 16 int32); A, one per pass (16 rows x 32 int8 codes); B, the group's weights (8 rows of 4
+// columns x 16 output rows, the layout of an int8 tile's chunks and of an int4 tile's nibbles).
+using AmxTileKernel = void (*)(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q,
+                               int64_t rows, float* out, int64_t out_stride);
+
+// Whether AMX is usable in this process (the CPU has it and Linux lets this process use it).
+bool amx_ready();
+
+struct AmxConfig {  // the LDTILECFG operand, palette 1
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0, 1: C per pass; 2, 3: A per pass; 4: B.
+inline AmxConfig amx_config() {
+  AmxConfig config;
+  for (int t = 0; t < 2; ++t) {
+    config.rows[t] = 16, config.colsb[t] = 64;
+    config.rows[2 + t] = 16, config.colsb[2 + t] = 32;
+  }
+  config.rows[4] = 8, config.colsb[4] = 64;
+  return config;
+}
+
 // The K-quant scales of 8 groups (an int4 layout's, kSuper): 160 float16 slots (320 bytes) per
 // tile.
 constexpr int64_t kSuperGroups = 8;
@@ -150,5 +182,8 @@ constexpr int64_t kSuperHalfs = 160;
 extern const PathKernels kInt4Kernels[2][2];
 extern const PathKernels kInt8Kernels;
 extern const PathKernels kSixBitKernels;
+// The AMX tile kernels: int4's by [K-quant scales][5-bit codes]; int8's (not the 6-bit layout's).
+extern const AmxTileKernel kInt4Amx[2][2];
+extern const AmxTileKernel kInt8Amx;
 
 }  // namespace strata_native

@@ -31,7 +31,9 @@ def activation_passes(x: torch.Tensor, passes: int) -> list[tuple[torch.Tensor, 
     for _ in range(passes):
         amax = left.abs().amax(-1)
         dx = amax / 127
-        inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+        # 127 / amax as the kernel divides (``127 / tensor`` is torch's reciprocal times 127,
+        # which rounds differently and turns a tie the kernel does not see into one)
+        inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
         qx = torch.round(left * inverse[..., None])
         out.append((qx, dx))
         left = left - qx * dx[..., None]

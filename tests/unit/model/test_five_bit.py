@@ -53,7 +53,7 @@ def test_a_5_bit_weight_is_kept_exactly_and_multiplied_bitwise_on_every_path(kin
     assert layer.weight.shape == (n // 16, k // 32 * 5, 64)
     file_weight = torch.from_numpy(dequantize(data, qtype).astype(np.float32))
     assert torch.equal(layer.dequantized(torch.float32), file_weight)
-    x = torch.randn(5, k, generator=gen) * torch.linspace(0.01, 30, k)
+    x = torch.randn(21, k, generator=gen) * torch.linspace(0.01, 30, k)  # AMX: 16 rows, 5 left
     out = product_on_every_path(torch.ops.strata_native.int4_mm, x, layer)
     # the kernel's sums: d sum_p dx_p sum(q qx_p) + m sum(x) per group, d and m as stored
     d = stored.scale.double()

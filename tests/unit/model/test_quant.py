@@ -114,12 +114,15 @@ def test_strata_int4_takes_what_float16_keeps_and_leaves_the_rest_to_torch():
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("shape", [(64, 32), (192, 256), (320, 1536)])
 @pytest.mark.parametrize("passes", [1, 2])
-def test_strata_products_are_bitwise_the_same_on_every_instruction_path(scheme, shape, passes):
-    """AVX-512 VNNI, AVX2 and plain C++ (each path this CPU has) give the same bits: integer
-    sums are exact and the float steps are the same on each."""
+@pytest.mark.parametrize("rows", [7, 40])
+def test_strata_products_are_bitwise_the_same_on_every_instruction_path(
+    scheme, shape, passes, rows
+):
+    """AMX (blocks of 16 rows), AVX-512 VNNI, AVX2 and plain C++ (each path this CPU has) give
+    the same bits: integer sums are exact and the float steps are the same on each."""
     gen = torch.Generator().manual_seed(shape[1])
     layer = _layer(f"{scheme}/strata", torch.randn(*shape, generator=gen), passes=passes)
-    x = torch.randn(7, shape[1], generator=gen) * torch.linspace(0.01, 30, shape[1])
+    x = torch.randn(rows, shape[1], generator=gen) * torch.linspace(0.01, 30, shape[1])
     best = torch.ops.strata_native.quantized_mm_path()
     product = getattr(torch.ops.strata_native, f"{scheme}_mm")
     weight, scales, n = layer.weight, layer.scales, shape[0]
@@ -161,7 +164,7 @@ def test_strata_int4_keeps_q4_k_scales_as_stored_bitwise_on_every_path(shape, pa
     d, neg_d_min, sc, mn = (k_quant[..., i].double().repeat_interleave(32, 1) for i in range(4))
     file_weight = codes.double() * d * sc + neg_d_min * mn  # Q4_K: D sc q - Dmin mn
     assert torch.equal(layer.dequantized(torch.float32), file_weight.float())
-    x = torch.randn(7, k, generator=gen) * torch.linspace(0.01, 30, k)
+    x = torch.randn(40, k, generator=gen) * torch.linspace(0.01, 30, k)  # AMX: 2 blocks of 16
     best = torch.ops.strata_native.quantized_mm_path()
     outs = [
         torch.ops.strata_native.int4_mm(x, layer.weight, layer.scales, n, passes, path)
