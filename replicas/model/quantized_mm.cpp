@@ -139,6 +139,7 @@ at::Tensor quantized_mm(const Scheme& scheme, const at::Tensor& x, const at::Ten
   // AMX takes the blocks of 16 rows, the vector kernel the rest
   const AmxTileKernel amx = chosen == kPathAmx ? scheme.amx : nullptr;
   const int64_t amx_rows = amx != nullptr ? rows / kTile * kTile : 0;
+  if (amx_rows > 0) tile_rows(q, amx_rows);
   const uint8_t* code_data = static_cast<const uint8_t*>(codes.const_data_ptr());
   const uint16_t* scale_data = static_cast<const uint16_t*>(scales.const_data_ptr());
   float* out_data = out.mutable_data_ptr<float>();

@@ -345,7 +345,6 @@ constexpr PathKernels kInt4Paths = {tile_scalar<kSuper, kBits>, tile_avx2<kSuper
 template <int P, bool kSuper, int kBits>
 STRATA_AMX void tile_amx(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q,
                          int64_t rows, float* out, int64_t out_stride) {
-  const int64_t k = q.groups * kGroup;
   thread_local std::vector<uint8_t> decoded;
   decoded.resize(q.groups * 512);
   uint8_t* const weights = decoded.data();  // read once: a thread_local costs a call each time
@@ -369,12 +368,12 @@ STRATA_AMX void tile_amx(const uint8_t* codes, const uint16_t* scales, const Qua
     for (int64_t g = 0; g < q.groups; ++g) {
       _tile_loadd(4, weights + g * 512, 64);
       _tile_zero(0);
-      _tile_loadd(2, q.codes[0].data() + r0 * k + g * kGroup, k);
+      _tile_loadd(2, q.tiled[0].data() + (r0 / kTile * q.groups + g) * 512, kGroup);
       _tile_dpbsud(0, 2, 4);
       _tile_stored(0, sums[0], 64);
       if constexpr (P == 2) {
         _tile_zero(1);
-        _tile_loadd(3, q.codes[1].data() + r0 * k + g * kGroup, k);
+        _tile_loadd(3, q.tiled[1].data() + (r0 / kTile * q.groups + g) * 512, kGroup);
         _tile_dpbsud(1, 3, 4);
         _tile_stored(1, sums[P - 1], 64);
       }

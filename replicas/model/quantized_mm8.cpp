@@ -192,7 +192,6 @@ template <int P>
 STRATA_AMX void int8_tile_amx(const uint8_t* codes, const uint16_t* scales,
                               const QuantizedRows& q, int64_t rows, float* out,
                               int64_t out_stride) {
-  const int64_t k = q.groups * kGroup;
   const AmxConfig config = amx_config();
   _tile_loadconfig(&config);
   alignas(64) int32_t sums[P][kTile][kTile];
@@ -203,12 +202,12 @@ STRATA_AMX void int8_tile_amx(const uint8_t* codes, const uint16_t* scales,
     for (int64_t g = 0; g < q.groups; ++g) {
       _tile_loadd(4, codes + g * 8 * 64, 64);
       _tile_zero(0);
-      _tile_loadd(2, q.codes[0].data() + r0 * k + g * kGroup, k);
+      _tile_loadd(2, q.tiled[0].data() + (r0 / kTile * q.groups + g) * 512, kGroup);
       _tile_dpbssd(0, 2, 4);
       _tile_stored(0, sums[0], 64);
       if constexpr (P == 2) {
         _tile_zero(1);
-        _tile_loadd(3, q.codes[1].data() + r0 * k + g * kGroup, k);
+        _tile_loadd(3, q.tiled[1].data() + (r0 / kTile * q.groups + g) * 512, kGroup);
         _tile_dpbssd(1, 3, 4);
         _tile_stored(1, sums[P - 1], 64);
       }

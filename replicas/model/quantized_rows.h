@@ -55,7 +55,30 @@ struct QuantizedRows {
   std::vector<float> dx[kMaxPasses], sx;  // [rows, groups] each
   std::vector<int32_t> code_sums[kMaxPasses];  // [rows, groups] each: sums of codes (int8_mm)
   std::vector<int32_t> half_sums[kMaxPasses];  // [rows, groups] each: of a group's first 16
+  std::vector<int8_t> tiled[kMaxPasses];  // AMX: the codes as A tiles (tile_rows)
 };
+
+// The codes of rows [0, rows), a multiple of 16, as AMX A tiles, [rows / 16, groups, 16, 32]
+// per pass: a tile's 512 bytes in a row, where rows K bytes apart (K a multiple of 4,096) would
+// share one L1 set.
+inline void tile_rows(QuantizedRows& q, int64_t rows) {
+  const int64_t k = q.groups * kGroup, blocks = rows / 16;
+  for (int p = 0; p < q.passes; ++p) {
+    q.tiled[p].resize(rows * k);
+    const int8_t* codes = q.codes[p].data();
+    int8_t* tiled = q.tiled[p].data();
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        for (int64_t g = 0; g < q.groups; ++g) {
+          for (int64_t i = 0; i < 16; ++i) {
+            std::memcpy(tiled + ((b * q.groups + g) * 16 + i) * kGroup,
+                        codes + (b * 16 + i) * k + g * kGroup, kGroup);
+          }
+        }
+      }
+    });
+  }
+}
 
 // v rounded to the nearest integer, ties to even, for |v| < 2^22 (here at most 127): adding and
 // subtracting 1.5 * 2^23 leaves no fraction bits (std::nearbyint's result, without its call).
