@@ -75,6 +75,7 @@ GROUP_SIZE = 32
 _CHUNK_ROWS = 4096  # rows quantized at once (a multiple of the kernels' tiles of 16 and 64)
 COMPUTE_DTYPE = torch.bfloat16
 _INT4_TILE_ROWS = 64  # output sizes the CPU int4 kernels take: multiples of their widest tile
+_FLOAT16_MIN_NORMAL = 2.0**-14
 ACTIVATION_PASSES = {"wqkv": 2, "wo": 2, "w13": 1, "w2": 2, "output": 2}
 """Strata's products: the activations' int8 passes of each projection (a layer's fused query,
 key and value; its attention output; its fused gate and up; its down; the LM head). One pass is
@@ -174,7 +175,10 @@ class QuantizedLinear(nn.Module):
         passes: int = 2,
     ) -> "QuantizedLinear":
         """Asymmetric int4 of a float ``weight`` [N, K] in groups of ``GROUP_SIZE`` columns:
-        each group's minimum and maximum are codes 0 and 15. ``kernel`` and ``passes`` as for
+        each group's minimum and maximum are codes 0 and 15, its step at least float16's
+        smallest normal (a group of equal values, or of values within 15 of those steps, is
+        exact or within half a step: a smaller step would not be a normal float16 and would
+        take the whole layer off Strata's kernel). ``kernel`` and ``passes`` as for
         ``int4_groups``; a sequence of weights as for ``int8``."""
         n, k = _shape(weight)
         _check_int4_shape(n, k)
@@ -182,7 +186,7 @@ class QuantizedLinear(nn.Module):
         for rows in _chunks(weight):  # row by row: a few MiB of float at a time
             groups = rows.float().reshape(-1, k // GROUP_SIZE, GROUP_SIZE)
             low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-            scale = ((high - low) / 15).clamp(min=1e-12)
+            scale = ((high - low) / 15).clamp(min=_FLOAT16_MIN_NORMAL)
             q = (groups - low[..., None]).div_(scale[..., None]).round_().clamp_(0, 15)
             codes.append(q.to(torch.uint8).reshape(-1, k))  # 0 to 15: exact
             scales.append(scale)

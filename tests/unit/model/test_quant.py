@@ -111,6 +111,24 @@ def test_strata_int4_takes_what_float16_keeps_and_leaves_the_rest_to_torch():
 
 
 @pytest.mark.skipif("not _strata_built()", reason="no native library here")
+def test_a_float_weight_with_a_group_of_equal_values_keeps_strata_int4():
+    """A group whose values are all equal (a ``Q3_K`` weight's two zero-scaled sub-blocks, a
+    pruned block) has no range: its step is float16's smallest normal, not one below it that
+    would send the whole layer to torch's kernel, and the group comes back as its float16
+    offset holds it."""
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(64, 128, generator=gen) * 0.02
+    weight[5, 32:64] = 0.0
+    weight[9, 64:96] = 0.0125
+    layer = QuantizedLinear.int4(weight)
+    assert layer.kernel == "strata"
+    back = layer.dequantized(torch.float32)
+    assert torch.equal(back[5, 32:64], weight[5, 32:64])
+    assert torch.equal(back[9, 64:96], torch.full((32,), 0.0125).half().float())
+    assert (back - weight).abs().max() <= 0.02 * 8 / 15 / 2 + 1e-3  # about half a step
+
+
+@pytest.mark.skipif("not _strata_built()", reason="no native library here")
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("shape", [(64, 32), (192, 256), (320, 1536)])
 @pytest.mark.parametrize("passes", [1, 2])
