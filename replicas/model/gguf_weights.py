@@ -233,9 +233,27 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return codes.mul_((d.float() * scales.float()).view(n, 16, 1)).view(n, 256)
 
 
+def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
+    """``Q3_K`` blocks [B, 110] as float32 [B, 256]: ``(d (sc - 32)) q`` per 16 weights, q in
+    [-4, 3] from 2 low bits in ``qs`` (bytes 32-95) and a high bit in ``hmask`` (bytes 0-31;
+    clear: 4 less), 16 6-bit scales in bytes 96-107 (low nibbles, then 2 high bits each), d at
+    108 (gguf-py's order of ops)."""
+    n = blocks.shape[0]
+    low, high = blocks[:, 96:104], blocks[:, 104:108]
+    low_bits = torch.stack((low & 15, low >> 4), dim=1).view(n, 16)
+    high_bits = torch.stack([(high >> s) & 3 for s in (0, 2, 4, 6)], dim=1).view(n, 16)
+    scales = ((low_bits | (high_bits << 4)).view(torch.int8) - 32).float()
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+    ql = ((blocks[:, None, 32:96].reshape(n, 2, 1, 32) >> shifts) & 3).view(n, 16, 16)
+    qh = ((blocks[:, None, :32] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1) ^ 1
+    q = (ql.view(torch.int8) - (qh.view(n, 16, 16) << 2).view(torch.int8)).float()
+    return q.mul_((_f16(blocks, 108) * scales).view(n, 16, 1)).view(n, 256)
+
+
 # The types dequantized by torch (several threads; the same float32 values as gguf-py's numpy)
 _TORCH_DEQUANTIZE = {"Q4_0": _q4_0, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
-_BLOCK_BYTES = {_q4_0: 18, _q8_0: 34, _q4_k: 144, _q5_k: 176, _q6_k: 210}
+_TORCH_DEQUANTIZE["Q3_K"] = _q3_k
+_BLOCK_BYTES = {_q4_0: 18, _q8_0: 34, _q3_k: 110, _q4_k: 144, _q5_k: 176, _q6_k: 210}
 
 
 def _read_rows(tensor: Any, start: int, count: int, fd: int) -> np.ndarray:

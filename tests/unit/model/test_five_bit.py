@@ -1,7 +1,8 @@
 """A GGUF ``Q5_0``, ``Q5_1`` or ``Q5_K`` weight kept as stored by Strata's int4 product, with a
 fifth bit plane beside the nibbles (``replicas/model/quantized_mm.cpp``): against gguf-py's
 own dequantization and a float64 product, bitwise the same on every instruction path and in any
-batch; and which products an int4 model serves that way."""
+batch; and which products an int4 model serves that way. Also the loader's torch
+dequantization of ``Q5_K`` and ``Q3_K`` against gguf-py's."""
 
 import types
 
@@ -105,3 +106,17 @@ def test_q5_k_is_dequantized_by_torch_bit_for_bit_as_gguf_py_does():
     expected = dequantize(data, GGMLQuantizationType.Q5_K).astype(np.float32)
     got = _q5_k(torch.from_numpy(data).view(-1, 176)).view(32, 512)
     assert torch.equal(got, torch.from_numpy(expected))
+
+
+def test_q3_k_is_dequantized_by_torch_bit_for_bit_as_gguf_py_does():
+    """``Q3_K`` (a ``Q3_K_M`` file's main type, served from its float values) is dequantized
+    by torch at load, with gguf-py's float32 values exactly."""
+    from replicas.model.gguf_weights import _q3_k
+
+    gen = torch.Generator().manual_seed(5)
+    blocks = torch.randint(0, 256, (64, 110), generator=gen, dtype=torch.uint8)
+    d = (torch.rand(64, generator=gen) * 0.01 + 1e-3).half()
+    blocks[:, 108:110] = d.view(torch.uint8).view(64, 2)
+    data = blocks.view(16, 4 * 110).numpy()
+    expected = dequantize(data, GGMLQuantizationType.Q3_K).astype(np.float32)
+    assert torch.equal(_q3_k(blocks).view(16, 1024), torch.from_numpy(expected))
