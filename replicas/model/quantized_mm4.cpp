@@ -366,17 +366,7 @@ STRATA_AMX void tile_amx(const uint8_t* codes, const uint16_t* scales, const Qua
     STRATA_UNROLLED_16
     for (int i = 0; i < kTile; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < q.groups; ++g) {
-      _tile_loadd(4, weights + g * 512, 64);
-      _tile_zero(0);
-      _tile_loadd(2, q.tiled[0].data() + (r0 / kTile * q.groups + g) * 512, kGroup);
-      _tile_dpbsud(0, 2, 4);
-      _tile_stored(0, sums[0], 64);
-      if constexpr (P == 2) {
-        _tile_zero(1);
-        _tile_loadd(3, q.tiled[1].data() + (r0 / kTile * q.groups + g) * 512, kGroup);
-        _tile_dpbsud(1, 3, 4);
-        _tile_stored(1, sums[P - 1], 64);
-      }
+      amx_group_sums<P, false>(weights + g * 512, q, r0 / kTile, g, sums);
       __m512 d, m;
       group_scales_avx512<kSuper>(scales, g, d, m);
       STRATA_UNROLLED_16

@@ -200,17 +200,7 @@ STRATA_AMX void int8_tile_amx(const uint8_t* codes, const uint16_t* scales,
     STRATA_UNROLLED_16
     for (int i = 0; i < kTile; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < q.groups; ++g) {
-      _tile_loadd(4, codes + g * 8 * 64, 64);
-      _tile_zero(0);
-      _tile_loadd(2, q.tiled[0].data() + (r0 / kTile * q.groups + g) * 512, kGroup);
-      _tile_dpbssd(0, 2, 4);
-      _tile_stored(0, sums[0], 64);
-      if constexpr (P == 2) {
-        _tile_zero(1);
-        _tile_loadd(3, q.tiled[1].data() + (r0 / kTile * q.groups + g) * 512, kGroup);
-        _tile_dpbssd(1, 3, 4);
-        _tile_stored(1, sums[P - 1], 64);
-      }
+      amx_group_sums<P, true>(codes + g * 8 * 64, q, r0 / kTile, g, sums);
       const __m512 d = _mm512_cvtph_ps(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kTile)));
       STRATA_UNROLLED_16

@@ -194,6 +194,27 @@ inline AmxConfig amx_config() {
   return config;
 }
 
+// Group g's integer sums of rows [16 block, 16 block + 16), per pass, into sums[p][row][column]
+// (tiles as amx_config() sets them): the group's B tile (`weights`, 8 rows of 64 bytes) times
+// the rows' codes (tile_rows), s8 x u8 (int4 codes) or, kSigned, s8 x s8 (int8 codes).
+template <int P, bool kSigned>
+STRATA_AMX inline void amx_group_sums(const void* weights, const QuantizedRows& q, int64_t block,
+                                      int64_t g, int32_t (*sums)[kTile][kTile]) {
+  _tile_loadd(4, weights, 64);
+  _tile_zero(0);
+  _tile_loadd(2, q.tiled[0].data() + (block * q.groups + g) * 512, kGroup);
+  if constexpr (kSigned) _tile_dpbssd(0, 2, 4);
+  else _tile_dpbsud(0, 2, 4);
+  _tile_stored(0, sums[0], 64);
+  if constexpr (P == 2) {
+    _tile_zero(1);
+    _tile_loadd(3, q.tiled[1].data() + (block * q.groups + g) * 512, kGroup);
+    if constexpr (kSigned) _tile_dpbssd(1, 3, 4);
+    else _tile_dpbsud(1, 3, 4);
+    _tile_stored(1, sums[P - 1], 64);
+  }
+}
+
 // The K-quant scales of 8 groups (an int4 layout's, kSuper): 160 float16 slots (320 bytes) per
 // tile.
 constexpr int64_t kSuperGroups = 8;
