@@ -32,6 +32,20 @@ def test_q4_0_keeps_an_output_matrix_of_960_columns_at_8_bits():
     assert set(types.values()) == {"Q4_0"} and len(types) == 7 * 32
 
 
+def test_q3_k_m_takes_llama_cpps_types_and_q3_k_blocks_hold_the_stated_spread():
+    types = tensor_types(SHAPES["smollm2-1.7b"], "Q3_K_M")
+    assert types["token_embd.weight"] == "Q6_K"
+    for i in range(24):
+        assert types[f"blk.{i}.attn_output.weight"] == "Q4_K"
+        assert types[f"blk.{i}.attn_v.weight"] == ("Q5_K" if i < 2 else "Q4_K")
+        assert types[f"blk.{i}.ffn_down.weight"] == ("Q5_K" if i < 1 else "Q4_K")
+        assert types[f"blk.{i}.attn_q.weight"] == types[f"blk.{i}.ffn_gate.weight"] == "Q3_K"
+    blocks = write_gguf.random_blocks("Q3_K", 64, 1024, np.random.default_rng(0))
+    values = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q3_K)
+    assert values.std() == pytest.approx(write_gguf.WEIGHT_STD, rel=0.1)
+    assert abs(values.mean()) < 0.1 * write_gguf.WEIGHT_STD
+
+
 @pytest.fixture(scope="module")
 def small_file(tmp_path_factory):
     return _small(tmp_path_factory, "Q4_K_M", seed=1)
