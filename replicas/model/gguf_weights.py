@@ -251,8 +251,14 @@ def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
 
 
 # The types dequantized by torch (several threads; the same float32 values as gguf-py's numpy)
-_TORCH_DEQUANTIZE = {"Q4_0": _q4_0, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
-_TORCH_DEQUANTIZE["Q3_K"] = _q3_k
+_TORCH_DEQUANTIZE = {
+    "Q4_0": _q4_0,
+    "Q8_0": _q8_0,
+    "Q3_K": _q3_k,
+    "Q4_K": _q4_k,
+    "Q5_K": _q5_k,
+    "Q6_K": _q6_k,
+}
 _BLOCK_BYTES = {_q4_0: 18, _q8_0: 34, _q3_k: 110, _q4_k: 144, _q5_k: 176, _q6_k: 210}
 
 
