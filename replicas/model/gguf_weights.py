@@ -21,9 +21,12 @@ import numpy as np
 import torch
 
 from replicas.model.config import ModelArgs
+from replicas.model.gguf_dequantize import dequantize as _dequantize
+from replicas.model.gguf_dequantize import f16 as _f16
+from replicas.model.gguf_dequantize import k_quant_codes, q3_k_as_q6_k, q4_k_codes
 from replicas.model.quant import Int4Groups
 from replicas.model.registry import build_model, get_architecture
-from replicas.model.six_bit import SixBitRows, q6_k_fields
+from replicas.model.six_bit import SixBitRows
 from replicas.model.tensor_names import check_tensor_names
 from replicas.model.transformer import Transformer
 
@@ -37,6 +40,8 @@ GGUF_TENSOR_TYPES = (
     "Q5_0",
     "Q5_1",
     "Q8_0",
+    "IQ4_NL",
+    "IQ4_XS",
     "Q2_K",
     "Q3_K",
     "Q4_K",
@@ -50,9 +55,15 @@ _CHUNK_BYTES = 64 << 20  # float32 bytes dequantized at once
 # Tensors that carry no parameter of ours (rope_freqs becomes ModelArgs.rope_scaling).
 _IGNORED_TENSORS = frozenset(("rope_freqs.weight",))
 _ROTARY_PROJECTIONS = (".attention.wq.", ".attention.wk.")  # our q and k, weight and bias
-# Bits per weight of each stored type; a stored type at more than 4 bits is never served at 4.
+# Bits per weight of the layout that holds each stored type; one at more than 4 bits is never
+# served at 4. int4 holds none of Q2_K (a scale and a minimum per 16 weights), Q3_K (a scale
+# per 16) and IQ4's (16 levels that are not evenly spaced): quantized again from their floats
+# it lost 19-38% perplexity on the shipped model (benchmarks/README.md). Q3_K is kept in the
+# 6-bit layout, exactly (``q3_k_as_q6_k``), the others at 8 bits.
 _TYPE_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5}
-_TYPE_BITS |= {"Q5_K": 5, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q3_K": 3, "Q2_K": 2}
+_TYPE_BITS |= {"Q5_K": 5, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q3_K": 6, "Q2_K": 8}
+_TYPE_BITS |= {"IQ4_NL": 8, "IQ4_XS": 8}
+_SIX_BIT_TYPES = ("Q6_K", "Q3_K")  # read as Q6_K rows (``int4_groups``)
 
 
 class GGUFWeights:
@@ -96,14 +107,17 @@ class GGUFWeights:
     def int4_groups(self, name: str) -> Int4Groups | SixBitRows | None:
         """Parameter ``name``'s stored codes where it is stored as ``Q4_0``, ``Q4_1``, ``Q4_K``
         or a 5-bit type (``INT4_STORED_TYPES``), its stored rows where it is ``Q6_K`` (Strata's
-        6-bit product takes them as they are), rows in our order; else None."""
+        6-bit product takes them as they are) or ``Q3_K`` (as the ``Q6_K`` rows of the same
+        values), rows in our order; else None."""
         tensor = self._tensors.get(name)
-        if tensor is None or tensor.tensor_type.name not in (*INT4_STORED_TYPES, "Q6_K"):
+        kind = None if tensor is None else tensor.tensor_type.name
+        if kind not in (*INT4_STORED_TYPES, *_SIX_BIT_TYPES):
             return None
         with open(self.path, "rb") as f:
             data = _read_rows(tensor, 0, tensor.data.shape[0], f.fileno())
-        if tensor.tensor_type.name == "Q6_K":
+        if kind in _SIX_BIT_TYPES:
             rows = torch.from_numpy(np.require(data, requirements=("C", "W")))
+            rows = q3_k_as_q6_k(rows) if kind == "Q3_K" else rows
             if name in self._rotary:
                 rows = unpermute_rotary(rows, self._head_dim)
             return SixBitRows(rows)
@@ -150,116 +164,6 @@ def load_gguf_weights(model: Transformer, reader: Any, path: str | Path = "") ->
     weights = GGUFWeights(reader, model.args, path)
     for name, param in model.named_parameters():
         weights.copy_into(name, param)
-
-
-def _dequantize(tensor: Any, data: np.ndarray) -> np.ndarray:
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    if tensor.tensor_type == GGMLQuantizationType.F32:
-        return np.array(data, dtype=np.float32)  # a copy: the file is mapped read-only
-    fast = _TORCH_DEQUANTIZE.get(tensor.tensor_type.name)
-    if fast is not None and data.ndim == 2:
-        blocks = torch.from_numpy(np.ascontiguousarray(data)).view(-1, _BLOCK_BYTES[fast])
-        return fast(blocks).view(data.shape[0], -1).numpy()
-    return dequantize(np.asarray(data), tensor.tensor_type)
-
-
-def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
-    """The float16 at byte ``at`` of each block [B, bytes], as float32 [B, 1]."""
-    return blocks[:, at : at + 2].contiguous().view(torch.float16).float()
-
-
-def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    """``Q4_0`` blocks [B, 18] as float32 [B, 32]: ``d * (q - 8)`` (gguf-py's order of ops)."""
-    q = blocks[:, 2:]
-    codes = torch.cat((q & 15, q >> 4), dim=1).to(torch.int8) - 8
-    return codes.float().mul_(_f16(blocks, 0))  # d * q, in place (the product commutes)
-
-
-def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    """``Q8_0`` blocks [B, 34] as float32 [B, 32]: ``d * q``."""
-    return blocks[:, 2:].contiguous().view(torch.int8).float().mul_(_f16(blocks, 0))
-
-
-def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    """``Q4_K`` blocks [B, 144] as float32 [B, 256]: ``(d sc) q - dmin m`` per 32 weights
-    (``_q4_k_scales``)."""
-    n = blocks.shape[0]
-    d, dm = (x.view(n, 8, 1) for x in _q4_k_scales(blocks))
-    return _k_quant_codes(blocks, five=False).float().mul_(d).sub_(dm).view(n, 256)
-
-
-def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
-    """``Q5_K`` blocks [B, 176] as float32 [B, 256]: ``_q4_k``'s values with a fifth bit per
-    code (``_k_quant_codes``)."""
-    n = blocks.shape[0]
-    d, dm = (x.view(n, 8, 1) for x in _q4_k_scales(blocks))
-    return _k_quant_codes(blocks, five=True).float().mul_(d).sub_(dm).view(n, 256)
-
-
-def _k_quant_codes(blocks: torch.Tensor, five: bool) -> torch.Tensor:
-    """The codes [B, 8, 32] (group, weight) of ``Q4_K`` blocks [B, 144], or of ``Q5_K`` blocks
-    [B, 176] (``five``: bit ``g`` of ``qh`` byte ``l`` is group ``g``'s weight ``l``'s fifth)."""
-    q = blocks[:, 48 if five else 16 :].reshape(-1, 4, 1, 32)
-    codes = torch.cat((q & 15, q >> 4), dim=2).view(-1, 8, 32)
-    if five:
-        qh = blocks[:, None, 16:48] >> torch.arange(8, dtype=torch.uint8)[:, None]
-        codes = codes | ((qh & 1) << 4)
-    return codes
-
-
-def _q4_k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``d sc`` and ``dmin m`` [B, 8] float32 of ``Q4_K`` blocks [B, 144]: the eight 6-bit
-    scales and mins packed in 12 bytes (gguf-py's ``Q4_K.get_scale_min``)."""
-    sc, m = _q4_k_codes(blocks)
-    return _f16(blocks, 0) * sc, _f16(blocks, 2) * m
-
-
-def _q4_k_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The eight 6-bit scale and min codes [B, 8] (float32) of ``Q4_K`` blocks [B, 144]."""
-    low, high, mixed = blocks[:, 4:8], blocks[:, 8:12], blocks[:, 12:16]
-    sc = torch.cat((low & 63, (mixed & 15) | ((low >> 2) & 48)), dim=1).float()
-    m = torch.cat((high & 63, (mixed >> 4) | ((high >> 2) & 48)), dim=1).float()
-    return sc, m
-
-
-def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
-    """``Q6_K`` blocks [B, 210] as float32 [B, 256]: ``(d scale) (q - 32)`` per 16 weights, q's
-    low 4 bits in ``ql`` and high 2 in ``qh``."""
-    n = blocks.shape[0]
-    q, scales, d = q6_k_fields(blocks)  # a block per row
-    codes = (q.to(torch.int8) - 32).view(n, 16, 16).float()
-    return codes.mul_((d.float() * scales.float()).view(n, 16, 1)).view(n, 256)
-
-
-def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
-    """``Q3_K`` blocks [B, 110] as float32 [B, 256]: ``(d (sc - 32)) q`` per 16 weights, q in
-    [-4, 3] from 2 low bits in ``qs`` (bytes 32-95) and a high bit in ``hmask`` (bytes 0-31;
-    clear: 4 less), 16 6-bit scales in bytes 96-107 (low nibbles, then 2 high bits each), d at
-    108 (gguf-py's order of ops)."""
-    n = blocks.shape[0]
-    low, high = blocks[:, 96:104], blocks[:, 104:108]
-    low_bits = torch.stack((low & 15, low >> 4), dim=1).view(n, 16)
-    high_bits = torch.stack([(high >> s) & 3 for s in (0, 2, 4, 6)], dim=1).view(n, 16)
-    scales = ((low_bits | (high_bits << 4)).view(torch.int8) - 32).float()
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
-    ql = ((blocks[:, None, 32:96].reshape(n, 2, 1, 32) >> shifts) & 3).view(n, 16, 16)
-    qh = ((blocks[:, None, :32] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1) ^ 1
-    q = (ql.view(torch.int8) - (qh.view(n, 16, 16) << 2).view(torch.int8)).float()
-    return q.mul_((_f16(blocks, 108) * scales).view(n, 16, 1)).view(n, 256)
-
-
-# The types dequantized by torch (several threads; the same float32 values as gguf-py's numpy)
-_TORCH_DEQUANTIZE = {
-    "Q4_0": _q4_0,
-    "Q8_0": _q8_0,
-    "Q3_K": _q3_k,
-    "Q4_K": _q4_k,
-    "Q5_K": _q5_k,
-    "Q6_K": _q6_k,
-}
-_BLOCK_BYTES = {_q4_0: 18, _q8_0: 34, _q3_k: 110, _q4_k: 144, _q5_k: 176, _q6_k: 210}
 
 
 def _read_rows(tensor: Any, start: int, count: int, fd: int) -> np.ndarray:
@@ -372,8 +276,8 @@ def _k_quant_groups(data: torch.Tensor, five: bool = False) -> Int4Groups:
     """``Q4_K`` (or ``Q5_K``) rows [N, bytes] as ``Int4Groups`` (``int4_groups_of_tensor``)."""
     n = data.shape[0]
     blocks = data.view(-1, 176 if five else 144)
-    sc, m = _q4_k_codes(blocks)
-    codes = _k_quant_codes(blocks, five).view(n, -1)  # [N, K]
+    sc, m = q4_k_codes(blocks)
+    codes = k_quant_codes(blocks, five).view(n, -1)  # [N, K]
     d, d_min = _f16(blocks, 0).expand_as(sc), _f16(blocks, 2).expand_as(m)
     scale, low = (d * sc).view(n, -1), (d_min * m).view(n, -1)
     k_quant = torch.stack((d, -d_min, sc, m), dim=-1).view(n, -1, 4)

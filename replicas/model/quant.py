@@ -431,11 +431,13 @@ def _strata_int4_weight(packed: torch.Tensor, scales: torch.Tensor, n: int) -> t
 def _strata_int8(
     weight: torch.Tensor | Sequence[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A float weight [N, K] as int8 codes ``round(w / d)`` with ``d = max|w| / 127`` (float16)
-    per row and group of ``GROUP_SIZE`` columns, in the layout of Strata's int8 kernel
-    (``replicas/model/quantized_mm.cpp``; rows padded with zeros to its tiles of 16): None
-    where its library is not built here, where ``K`` is not a multiple of ``GROUP_SIZE``, or
-    where a scale is not a normal float16."""
+    """A float weight [N, K] as int8 codes ``round(w / d)`` with ``d = max|w| / 127`` (float16),
+    at least float16's smallest normal (a group of values that small is then within half of
+    that step; a smaller ``d`` would lose precision and take the whole weight off Strata's
+    kernel), per row and group of ``GROUP_SIZE`` columns, in the layout of Strata's int8
+    kernel (``replicas/model/quantized_mm.cpp``; rows padded with zeros to its tiles of 16):
+    None where its library is not built here, where ``K`` is not a multiple of
+    ``GROUP_SIZE``, or where a scale overflows float16."""
     from replicas.model import native_stack
 
     n, k = _shape(weight)
@@ -444,7 +446,7 @@ def _strata_int8(
     parts, scales = [], []
     for rows in _chunks(weight):  # rows are quantized alone; tiles are packed at the end
         groups = rows.detach().float().cpu().reshape(-1, k // GROUP_SIZE, GROUP_SIZE)
-        d = _abs_max(groups, dim=-1) / 127
+        d = (_abs_max(groups, dim=-1) / 127).clamp(min=_FLOAT16_MIN_NORMAL)
         d16 = _float16_scales(d)
         if d16 is None:
             return None

@@ -39,6 +39,24 @@ def q6_k_fields(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return codes, scales, d
 
 
+def q6_k_rows(codes: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``q6_k_fields``'s inverse: codes [N, K] (in [0, 63]), scales [N, K / 16] (int8) and
+    ``D`` [N, K / 256] (float16) as ``Q6_K`` rows [N, K / 256 * 210] uint8."""
+    n = codes.shape[0]
+    c = codes.to(torch.uint8).reshape(n, -1, 2, 2, 64)  # [row, block, half, nibble, byte]
+    ql = (c[..., 0, :] & 15) | ((c[..., 1, :] & 15) << 4)
+    high = (c.reshape(n, -1, 2, 4, 32) >> 4).to(torch.uint8)  # [row, block, half, shift, byte]
+    qh = sum(high[..., s, :] << (2 * s) for s in range(4))
+    b = ql.shape[1]
+    parts = (
+        ql.reshape(n, b, 128),
+        qh.reshape(n, b, 64),
+        scales.contiguous().view(torch.uint8).reshape(n, b, 16),
+        d.contiguous().view(torch.uint8).reshape(n, b, 2),
+    )
+    return torch.cat(parts, dim=2).reshape(n, b * Q6_K_BLOCK_BYTES)
+
+
 def strata_six_bit(parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """``Q6_K`` rows (``SixBitRows.blocks`` of each part, fused by rows) in the 6-bit product's
     layout: codes [N / 16, K / 32 * 6, 64] uint8 and scales [N / 16, K / 256, 288] uint8

@@ -206,3 +206,62 @@ def test_probes_share_a_head_packed_from_stored_codes_and_only_that(small_file):
     assert torch.equal(
         heads["bfloat16", "strata"].dequantized(torch.float32), torch.from_numpy(head)
     )
+
+
+def test_q2_k_and_iq4_xs_take_llama_cpps_types_and_fallbacks():
+    q2 = tensor_types(SHAPES["smollm2-1.7b"], "Q2_K")  # 32 query heads, 32 KV heads
+    for i in range(24):
+        assert q2[f"blk.{i}.attn_v.weight"] == q2[f"blk.{i}.ffn_down.weight"] == "Q3_K"
+        assert q2[f"blk.{i}.attn_output.weight"] == "Q3_K"
+        assert q2[f"blk.{i}.attn_q.weight"] == q2[f"blk.{i}.ffn_up.weight"] == "Q2_K"
+    assert tensor_types(SMALL, "Q2_K")["blk.0.attn_v.weight"] == "Q3_K"  # 2 heads a KV head
+    iq4 = tensor_types(SHAPES["smollm2-360m"], "IQ4_XS")  # 960 columns: IQ4_NL
+    assert iq4.pop("token_embd.weight") == "Q8_0"
+    assert iq4.pop("blk.0.ffn_down.weight") == "IQ4_XS"  # 2,560 columns
+    assert set(iq4.values()) == {"IQ4_NL", "IQ4_XS"}
+    assert iq4["blk.0.attn_q.weight"] == "IQ4_NL"
+
+
+@pytest.mark.parametrize("kind", ["IQ4_NL", "IQ4_XS", "Q2_K", "Q8_0"])
+def test_new_block_types_hold_the_stated_spread(kind):
+    blocks = write_gguf.random_blocks(kind, 64, 1024, np.random.default_rng(0))
+    values = gguf.quants.dequantize(blocks, QType[kind])
+    assert values.std() == pytest.approx(write_gguf.WEIGHT_STD, rel=0.15)
+    assert abs(values.mean()) < 0.1 * write_gguf.WEIGHT_STD
+
+
+def test_an_int4_build_keeps_q3_k_exactly_in_6_bits_and_q2_k_and_iq4_at_8(
+    tmp_path_factory, monkeypatch
+):
+    """Under Strata's kernels an int4 build serves a ``Q3_K`` weight as the ``Q6_K`` rows of its
+    values (exactly the file's, never dequantized), and ``Q2_K`` and ``IQ4_XS`` weights, which
+    no int4 layout holds, at 8 bits in Strata's layout: within half an int8 step of the file's
+    values, where int4 from their floats is off by up to half a fifteenth of a group's range."""
+    stored = {}
+    for mix, seed in (("Q2_K", 3), ("IQ4_XS", 4)):
+        path = _small(tmp_path_factory, mix, seed=seed)
+        stored[mix] = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+        net, read = _strata_int4_build(path, monkeypatch)
+        layer = net.layers[0]
+        weights = {
+            name: gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+            for name, t in stored[mix].items()
+            if name.startswith("blk.0.ffn_")
+        }
+        gate_up = torch.from_numpy(
+            np.concatenate([weights[f"blk.0.ffn_{n}.weight"] for n in ("gate", "up")])
+        )
+        w13 = layer.feed_forward.w13
+        assert w13.scheme == "int8" and w13.scales.dtype == torch.float16
+        per_group = gate_up.view(gate_up.shape[0], -1, 32).abs().amax(-1, keepdim=True)
+        error = (w13.dequantized(torch.float32) - gate_up).view_as(per_group.expand(-1, -1, 32))
+        step = per_group.clamp(min=127 * 2**-14) / 127  # float16's smallest normal at least
+        assert (error.abs() <= step * (0.5 + 2**-9)).all(), mix
+        down = torch.from_numpy(weights["blk.0.ffn_down.weight"])
+        w2 = layer.feed_forward.w2
+        if mix == "Q2_K":  # ffn_down Q3_K
+            assert w2.scales.dtype == torch.uint8
+            assert torch.equal(w2.dequantized(torch.float32), down)
+            assert "layers.0.feed_forward.w2.weight" not in read
+        else:
+            assert w2.scheme == "int8" and w2.scales.dtype == torch.float16

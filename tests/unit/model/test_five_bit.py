@@ -1,8 +1,7 @@
 """A GGUF ``Q5_0``, ``Q5_1`` or ``Q5_K`` weight kept as stored by Strata's int4 product, with a
 fifth bit plane beside the nibbles (``replicas/model/quantized_mm.cpp``): against gguf-py's
 own dequantization and a float64 product, bitwise the same on every instruction path and in any
-batch; and which products an int4 model serves that way. Also the loader's torch
-dequantization of ``Q5_K`` and ``Q3_K`` against gguf-py's."""
+batch; and which products an int4 model serves that way."""
 
 import types
 
@@ -95,28 +94,3 @@ def test_an_int4_model_serves_5_bit_products_as_stored_under_stratas_kernels_onl
                 if kernel == "strata":  # the file's weights, fifth bits and all
                     assert product.weight.shape[1] == weight.shape[1] // 32 * 5
                     assert torch.equal(product.dequantized(torch.float32), weight)
-
-
-def test_q5_k_is_dequantized_by_torch_bit_for_bit_as_gguf_py_does():
-    """The loader's torch dequantization of ``Q5_K`` (a probe's float weights, a product that
-    mixes ``Q5_K`` with ``Q6_K``) gives gguf-py's float32 values exactly."""
-    from replicas.model.gguf_weights import _q5_k
-
-    data = q5_rows("Q5_K", 32, 512, torch.Generator().manual_seed(4))
-    expected = dequantize(data, GGMLQuantizationType.Q5_K).astype(np.float32)
-    got = _q5_k(torch.from_numpy(data).view(-1, 176)).view(32, 512)
-    assert torch.equal(got, torch.from_numpy(expected))
-
-
-def test_q3_k_is_dequantized_by_torch_bit_for_bit_as_gguf_py_does():
-    """``Q3_K`` (a ``Q3_K_M`` file's main type, served from its float values) is dequantized
-    by torch at load, with gguf-py's float32 values exactly."""
-    from replicas.model.gguf_weights import _q3_k
-
-    gen = torch.Generator().manual_seed(5)
-    blocks = torch.randint(0, 256, (64, 110), generator=gen, dtype=torch.uint8)
-    d = (torch.rand(64, generator=gen) * 0.01 + 1e-3).half()
-    blocks[:, 108:110] = d.view(torch.uint8).view(64, 2)
-    data = blocks.view(16, 4 * 110).numpy()
-    expected = dequantize(data, GGMLQuantizationType.Q3_K).astype(np.float32)
-    assert torch.equal(_q3_k(blocks).view(16, 1024), torch.from_numpy(expected))

@@ -97,13 +97,3 @@ def test_an_int4_model_serves_q6_k_products_in_six_bits_and_int8_otherwise():
             assert (product.scales.dtype == torch.uint8) == (kernel == "strata"), kernel
             if kernel == "strata":
                 assert torch.equal(product.dequantized(torch.float32), w2)
-
-
-def test_q6_k_is_dequantized_by_torch_bit_for_bit_as_gguf_py_does():
-    """The loader's torch dequantization of ``Q6_K`` reads the blocks as the 6-bit layout does
-    (``six_bit.q6_k_fields``) and gives gguf-py's float32 values exactly."""
-    from replicas.model.gguf_weights import _q6_k
-
-    rows = q6_k_rows(24, 768, torch.Generator().manual_seed(6))
-    got = _q6_k(rows.view(-1, 210)).view(24, 768)
-    assert torch.equal(got, file_weight(rows))

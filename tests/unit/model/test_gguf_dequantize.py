@@ -1,0 +1,57 @@
+"""The loader's torch dequantization of each GGUF type against gguf-py's numpy (bit for bit),
+and a ``Q3_K`` weight kept exactly as the ``Q6_K`` rows of its values."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, dequantize
+from gguf.constants import GGML_QUANT_SIZES
+
+from replicas.model.gguf_dequantize import BLOCK_BYTES, TORCH_DEQUANTIZE, q3_k_as_q6_k
+from replicas.model.six_bit import q6_k_fields, q6_k_rows
+
+SCALE_BYTES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q6_K": (208,), "IQ4_XS": (0,)}
+SCALE_BYTES |= {kind: (0, 2) for kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K")}
+
+
+def random_blocks(kind: str, count: int, seed: int) -> np.ndarray:
+    """``count`` blocks of ``kind`` [count, bytes]: random bits, small positive float16 scales
+    (``F16`` and ``BF16``: normal values)."""
+    rng = np.random.default_rng(seed)
+    size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1]
+    if kind in ("F16", "BF16"):
+        values = rng.standard_normal(count * size // 2).astype(np.float32)
+        half = values.astype(np.float16) if kind == "F16" else (values.view(np.uint32) >> 16)
+        return (
+            half.astype(np.uint16 if kind == "BF16" else np.float16)
+            .view(np.uint8)
+            .reshape(count, size)
+        )
+    blocks = rng.integers(0, 256, (count, size), dtype=np.uint8)
+    for at in SCALE_BYTES.get(kind, (0,)):
+        d = (rng.random(count) * 0.01 + 1e-3).astype(np.float16)
+        blocks[:, at : at + 2] = d.view(np.uint8).reshape(count, 2)
+    return blocks
+
+
+@pytest.mark.parametrize("kind", sorted(TORCH_DEQUANTIZE))
+def test_torch_dequantizes_each_type_bit_for_bit_as_gguf_py(kind):
+    function = TORCH_DEQUANTIZE[kind]
+    assert BLOCK_BYTES[function] == GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1]
+    blocks = random_blocks(kind, 64, seed=len(kind))
+    expected = dequantize(blocks.reshape(4, -1), GGMLQuantizationType[kind]).astype(np.float32)
+    got = function(torch.from_numpy(blocks.copy())).reshape(4, -1).numpy()
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), kind
+
+
+def test_q3_k_rows_as_q6_k_hold_the_same_values():
+    """The ``Q6_K`` rows a ``Q3_K`` weight is kept as (Strata's 6-bit product) dequantize to
+    the ``Q3_K`` values exactly, and ``q6_k_rows`` inverts ``q6_k_fields``."""
+    q3 = random_blocks("Q3_K", 32, seed=7).reshape(8, 4 * 110)
+    six = q3_k_as_q6_k(torch.from_numpy(q3))
+    assert six.shape == (8, 4 * 210)
+    expected = dequantize(q3, GGMLQuantizationType.Q3_K).astype(np.float32)
+    got = dequantize(six.numpy(), GGMLQuantizationType.Q6_K).astype(np.float32)
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
+    q6 = torch.from_numpy(random_blocks("Q6_K", 8, seed=8).reshape(4, 2 * 210))
+    assert torch.equal(q6_k_rows(*q6_k_fields(q6)), q6)
