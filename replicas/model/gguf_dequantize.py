@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from replicas.model.six_bit import q6_k_fields, q6_k_rows
+from replicas.model.six_bit import SixBitRows, q6_k_fields
 
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 """The sixteen int8 levels of ``IQ4_NL`` and ``IQ4_XS`` codes (llama.cpp's ``kvalues_iq4nl``)."""
@@ -147,16 +147,16 @@ def q3_k_fields(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return q, scales, blocks[:, 108:110].contiguous().view(torch.float16)
 
 
-def q3_k_as_q6_k(rows: torch.Tensor) -> torch.Tensor:
-    """``Q3_K`` rows [N, K / 256 * 110] as the ``Q6_K`` rows of the same values: each code ``q``
-    as ``q + 32``, the same scales and ``d`` (a ``Q6_K`` block has a signed scale per 16
-    weights too), so that Strata's 6-bit product serves the weight exactly (6.5625 bits
+def q3_k_six_bit(rows: torch.Tensor) -> SixBitRows:
+    """``Q3_K`` rows [N, K / 256 * 110] as the 6-bit layout's fields of the same values: each
+    code ``q`` as ``q + 32``, the same scales and ``D`` (a ``Q6_K`` block has a signed scale
+    per 16 weights too), so that Strata's 6-bit product serves the weight exactly (6.5625 bits
     rather than 3.4375; no int4 layout holds a ``Q3_K`` group of 32, whose two halves have
     scales of their own)."""
     n = rows.shape[0]
     q, scales, d = q3_k_fields(rows.reshape(-1, 110))
     codes = (q + 32).view(torch.uint8).reshape(n, -1)
-    return q6_k_rows(codes, scales.reshape(n, -1), d.reshape(n, -1))
+    return SixBitRows(codes, scales.reshape(n, -1), d.reshape(n, -1))
 
 
 def _q4_k(blocks: torch.Tensor) -> torch.Tensor:

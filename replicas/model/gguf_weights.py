@@ -23,7 +23,7 @@ import torch
 from replicas.model.config import ModelArgs
 from replicas.model.gguf_dequantize import dequantize as _dequantize
 from replicas.model.gguf_dequantize import f16 as _f16
-from replicas.model.gguf_dequantize import k_quant_codes, q3_k_as_q6_k, q4_k_codes
+from replicas.model.gguf_dequantize import k_quant_codes, q3_k_six_bit, q4_k_codes
 from replicas.model.quant import Int4Groups
 from replicas.model.registry import build_model, get_architecture
 from replicas.model.six_bit import SixBitRows
@@ -59,7 +59,7 @@ _ROTARY_PROJECTIONS = (".attention.wq.", ".attention.wk.")  # our q and k, weigh
 # served at 4. int4 holds none of Q2_K (a scale and a minimum per 16 weights), Q3_K (a scale
 # per 16) and IQ4's (16 levels that are not evenly spaced): quantized again from their floats
 # it lost 19-38% perplexity on the shipped model (benchmarks/README.md). Q3_K is kept in the
-# 6-bit layout, exactly (``q3_k_as_q6_k``), the others at 8 bits.
+# 6-bit layout, exactly (``q3_k_six_bit``), the others at 8 bits.
 _TYPE_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5}
 _TYPE_BITS |= {"Q5_K": 5, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q3_K": 6, "Q2_K": 8}
 _TYPE_BITS |= {"IQ4_NL": 8, "IQ4_XS": 8}
@@ -106,9 +106,9 @@ class GGUFWeights:
 
     def int4_groups(self, name: str) -> Int4Groups | SixBitRows | None:
         """Parameter ``name``'s stored codes where it is stored as ``Q4_0``, ``Q4_1``, ``Q4_K``
-        or a 5-bit type (``INT4_STORED_TYPES``), its stored rows where it is ``Q6_K`` (Strata's
-        6-bit product takes them as they are) or ``Q3_K`` (as the ``Q6_K`` rows of the same
-        values), rows in our order; else None."""
+        or a 5-bit type (``INT4_STORED_TYPES``), its fields where it is ``Q6_K`` (Strata's 6-bit
+        product takes them as stored) or ``Q3_K`` (``q3_k_six_bit``: the same values), rows in
+        our order; else None."""
         tensor = self._tensors.get(name)
         kind = None if tensor is None else tensor.tensor_type.name
         if kind not in (*INT4_STORED_TYPES, *_SIX_BIT_TYPES):
@@ -117,10 +117,10 @@ class GGUFWeights:
             data = _read_rows(tensor, 0, tensor.data.shape[0], f.fileno())
         if kind in _SIX_BIT_TYPES:
             rows = torch.from_numpy(np.require(data, requirements=("C", "W")))
-            rows = q3_k_as_q6_k(rows) if kind == "Q3_K" else rows
+            six = q3_k_six_bit(rows) if kind == "Q3_K" else SixBitRows.from_q6_k(rows)
             if name in self._rotary:
-                rows = unpermute_rotary(rows, self._head_dim)
-            return SixBitRows(rows)
+                six = six.rows(lambda x: unpermute_rotary(x, self._head_dim))
+            return six
         stored = int4_groups_of_tensor(tensor, data)
         if name in self._rotary:
             stored = Int4Groups(

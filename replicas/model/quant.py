@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from replicas.model.six_bit import six_bit_weight, strata_six_bit
+from replicas.model.six_bit import SixBitRows, six_bit_weight, strata_six_bit
 
 
 class Int4Groups(NamedTuple):
@@ -156,13 +156,13 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def six_bit(
-        cls, parts: Sequence[torch.Tensor], bias: torch.Tensor | None = None, passes: int = 2
+        cls, parts: Sequence[SixBitRows], bias: torch.Tensor | None = None, passes: int = 2
     ) -> "QuantizedLinear":
-        """GGUF ``Q6_K`` rows as stored (``six_bit.SixBitRows.blocks`` of each part, fused by
-        rows) for Strata's 6-bit product, an ``int8`` scheme whose scales are uint8
-        (``replicas.model.six_bit``); needs Strata's library."""
+        """Weights the 6-bit layout holds (``six_bit.SixBitRows``, fused by rows: a GGUF
+        ``Q6_K`` or ``Q3_K`` weight's) for Strata's 6-bit product, an ``int8`` scheme whose
+        scales are uint8 (``replicas.model.six_bit``); needs Strata's library."""
         packed, scales = strata_six_bit(parts)
-        n = sum(p.shape[0] for p in parts)
+        n = sum(p.codes.shape[0] for p in parts)
         k = packed.shape[1] // 6 * GROUP_SIZE
         return cls("int8", k, n, packed, scales, _bias(bias), kernel="strata", passes=passes)
 

@@ -1,8 +1,8 @@
 """A model's linear layers replaced by ``QuantizedLinear`` products (``replicas.model.quant``):
 q/k/v and gate/up fused into one product each, every weight under the scheme asked for, but
 kept at int8 where its file stored it at more than 4 bits or the int4 kernel does not take its
-shape, and built from a GGUF file's stored int4 codes where it has them (and from its stored
-``Q6_K`` rows, 6 bits rather than int8's 8, under Strata's kernels)."""
+shape, and built from a GGUF file's stored int4 codes where it has them (and from its
+``Q6_K`` or ``Q3_K`` weights' fields, 6 bits rather than int8's 8, under Strata's kernels)."""
 
 from collections.abc import Callable, Mapping
 
@@ -20,7 +20,7 @@ from replicas.model.quant import (
 from replicas.model.six_bit import SixBitRows
 
 StoredCodes = Int4Groups | SixBitRows
-"""A weight's codes as its file stores them: int4 groups, or ``Q6_K`` rows."""
+"""A weight's codes as its file stores them: int4 groups, or the 6-bit layout's fields."""
 
 
 def quantize_model(
@@ -121,14 +121,15 @@ def _uses_stored_codes(
 
 
 def _six_bit_rows(names: list[str], groups: Mapping[str, StoredCodes]) -> list | None:
-    """The stored ``Q6_K`` rows of every weight of the product of ``names``, where they all have
-    them and Strata's library is built here (its 6-bit product), else None."""
+    """The 6-bit fields of every weight of the product of ``names`` (a ``Q6_K`` or ``Q3_K``
+    weight's), where they all have them and Strata's library is built here (its 6-bit
+    product), else None."""
     from replicas.model import native_stack
 
     stored = [groups.get(f"{n}.weight") for n in names]
     if not all(isinstance(s, SixBitRows) for s in stored) or native_stack.load_error():
         return None
-    return [s.blocks for s in stored]
+    return stored
 
 
 def _product_scheme(
@@ -196,7 +197,7 @@ def _quantizer(
         if _product_scheme(scheme, names, weight, bits) == "int4":
             return QuantizedLinear.int4(weight, bias, kernel, passes)
         six_bit = _six_bit_rows(names, groups) if kernel is None else None
-        if six_bit is not None:  # a Q6_K weight as stored: 6.5625 bits, not int8's 8.5
+        if six_bit is not None:  # Q6_K or Q3_K values exactly: 6.5625 bits, not int8's 8.5
             return QuantizedLinear.six_bit(six_bit, bias, passes)
         return QuantizedLinear.int8(weight, bias, kernel, passes)
 

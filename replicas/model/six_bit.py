@@ -4,7 +4,7 @@ uint8): ``w = D sc (q - 32)``, ``q`` in [0, 63], an int8 ``sc`` per row and 16 c
 ``D`` per row and 256 columns. 6.5625 bits a weight, the file's own values; the int8 layout the
 same weight would otherwise take is 8.5 bits and rounds it again."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -17,9 +17,23 @@ TILE = 16
 
 
 class SixBitRows(NamedTuple):
-    """A ``Q6_K`` weight's rows as stored: uint8 [N, K / 256 * 210], rows in the model's order."""
+    """A weight the 6-bit layout holds exactly, rows in the model's order: codes [N, K] (uint8
+    in [0, 63]), scales [N, K / 16] (int8) and ``D`` [N, K / 256] (float16), ``w = D sc (q -
+    32)``: a ``Q6_K`` weight's fields as stored (``from_q6_k``), or a ``Q3_K`` one's
+    (``gguf_dequantize.q3_k_six_bit``)."""
 
-    blocks: torch.Tensor
+    codes: torch.Tensor
+    scales: torch.Tensor
+    d: torch.Tensor
+
+    @classmethod
+    def from_q6_k(cls, rows: torch.Tensor) -> "SixBitRows":
+        """``Q6_K`` rows as stored, [N, K / 256 * 210] uint8."""
+        return cls(*q6_k_fields(rows))
+
+    def rows(self, order: Callable[[torch.Tensor], torch.Tensor]) -> "SixBitRows":
+        """The same weight with its rows put in ``order`` (a function of a tensor's rows)."""
+        return SixBitRows(*(order(x) for x in self))
 
 
 def q6_k_fields(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -39,29 +53,11 @@ def q6_k_fields(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return codes, scales, d
 
 
-def q6_k_rows(codes: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """``q6_k_fields``'s inverse: codes [N, K] (in [0, 63]), scales [N, K / 16] (int8) and
-    ``D`` [N, K / 256] (float16) as ``Q6_K`` rows [N, K / 256 * 210] uint8."""
-    n = codes.shape[0]
-    c = codes.to(torch.uint8).reshape(n, -1, 2, 2, 64)  # [row, block, half, nibble, byte]
-    ql = (c[..., 0, :] & 15) | ((c[..., 1, :] & 15) << 4)
-    high = (c.reshape(n, -1, 2, 4, 32) >> 4).to(torch.uint8)  # [row, block, half, shift, byte]
-    qh = sum(high[..., s, :] << (2 * s) for s in range(4))
-    b = ql.shape[1]
-    parts = (
-        ql.reshape(n, b, 128),
-        qh.reshape(n, b, 64),
-        scales.contiguous().view(torch.uint8).reshape(n, b, 16),
-        d.contiguous().view(torch.uint8).reshape(n, b, 2),
-    )
-    return torch.cat(parts, dim=2).reshape(n, b * Q6_K_BLOCK_BYTES)
-
-
-def strata_six_bit(parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``Q6_K`` rows (``SixBitRows.blocks`` of each part, fused by rows) in the 6-bit product's
-    layout: codes [N / 16, K / 32 * 6, 64] uint8 and scales [N / 16, K / 256, 288] uint8
-    (``quantized_mm6.cpp``), rows padded with zeros to the tiles of 16."""
-    codes, sc, d = (torch.cat(x) for x in zip(*(q6_k_fields(p) for p in parts), strict=True))
+def strata_six_bit(parts: Sequence[SixBitRows]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights (fused by rows) in the 6-bit product's layout: codes [N / 16, K / 32 * 6, 64]
+    uint8 and scales [N / 16, K / 256, 288] uint8 (``quantized_mm6.cpp``), rows padded with
+    zeros to the tiles of 16."""
+    codes, sc, d = (torch.cat(x) for x in zip(*parts, strict=True))
     pad = -codes.shape[0] % TILE
     d = d.view(torch.int16).view(torch.uint8)  # its bytes, two per row and block
     codes, sc, d = (F.pad(x.view(torch.uint8), (0, 0, 0, pad)) for x in (codes, sc, d))

@@ -7,8 +7,8 @@ import torch
 from gguf import GGMLQuantizationType, dequantize
 from gguf.constants import GGML_QUANT_SIZES
 
-from replicas.model.gguf_dequantize import BLOCK_BYTES, TORCH_DEQUANTIZE, q3_k_as_q6_k
-from replicas.model.six_bit import q6_k_fields, q6_k_rows
+from replicas.model.gguf_dequantize import BLOCK_BYTES, TORCH_DEQUANTIZE, q3_k_six_bit
+from replicas.model.six_bit import six_bit_weight, strata_six_bit
 
 SCALE_BYTES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q6_K": (208,), "IQ4_XS": (0,)}
 SCALE_BYTES |= {kind: (0, 2) for kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K")}
@@ -44,14 +44,13 @@ def test_torch_dequantizes_each_type_bit_for_bit_as_gguf_py(kind):
     assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), kind
 
 
-def test_q3_k_rows_as_q6_k_hold_the_same_values():
-    """The ``Q6_K`` rows a ``Q3_K`` weight is kept as (Strata's 6-bit product) dequantize to
-    the ``Q3_K`` values exactly, and ``q6_k_rows`` inverts ``q6_k_fields``."""
+def test_q3_k_is_kept_exactly_in_the_six_bit_layout():
+    """A ``Q3_K`` weight's 6-bit fields (Strata's 6-bit product) hold its values exactly, as
+    gguf-py dequantizes them."""
     q3 = random_blocks("Q3_K", 32, seed=7).reshape(8, 4 * 110)
-    six = q3_k_as_q6_k(torch.from_numpy(q3))
-    assert six.shape == (8, 4 * 210)
+    six = q3_k_six_bit(torch.from_numpy(q3))
+    assert six.codes.shape == (8, 1024) and int(six.codes.max()) <= 35
     expected = dequantize(q3, GGMLQuantizationType.Q3_K).astype(np.float32)
-    got = dequantize(six.numpy(), GGMLQuantizationType.Q6_K).astype(np.float32)
+    packed, scales = strata_six_bit([six])
+    got = six_bit_weight(packed, scales, 8).numpy()
     assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
-    q6 = torch.from_numpy(random_blocks("Q6_K", 8, seed=8).reshape(4, 2 * 210))
-    assert torch.equal(q6_k_rows(*q6_k_fields(q6)), q6)

@@ -37,7 +37,9 @@ def test_six_bit_keeps_a_q6_k_weight_exactly_and_multiplies_bitwise_on_every_pat
     the product is the float64 sum over the kernel's quantized activations."""
     gen = torch.Generator().manual_seed(n * k)
     parts = [q6_k_rows(n - n // 3, k, gen), q6_k_rows(n // 3, k, gen)]
-    layer = QuantizedLinear.six_bit([p for p in parts if len(p)], passes=passes)
+    layer = QuantizedLinear.six_bit(
+        [SixBitRows.from_q6_k(p) for p in parts if len(p)], passes=passes
+    )
     assert layer.scheme == "int8" and layer.scales.dtype == torch.uint8
     assert layer.weight.nbytes + layer.scales.nbytes == -(-n // 16) * 16 * k * 6.5625 / 8
     weight = torch.cat([file_weight(p) for p in parts])
@@ -87,7 +89,7 @@ def test_an_int4_model_serves_q6_k_products_in_six_bits_and_int8_otherwise():
                 module = model.layers[0].get_submodule(name)
                 rows = q6_k_rows(module.weight.shape[0], module.weight.shape[1], gen)
                 module.weight.copy_(file_weight(rows))
-                stored[f"layers.0.{name}.weight"] = SixBitRows(rows)
+                stored[f"layers.0.{name}.weight"] = SixBitRows.from_q6_k(rows)
                 bits[f"layers.0.{name}.weight"] = 6
             w2 = model.layers[0].feed_forward.w2.weight.clone()
             quantize_model(model, "int4", stored, bits, int4_kernel=kernel)
