@@ -11,10 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from replicas.model.iq4 import IQ4_VALUES, iq4_nl_fields, iq4_xs_fields, nibbles
 from replicas.model.six_bit import SixBitRows, q6_k_fields
-
-IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-"""The sixteen int8 levels of ``IQ4_NL`` and ``IQ4_XS`` codes (llama.cpp's ``kvalues_iq4nl``)."""
 
 
 def dequantize(tensor: Any, data: np.ndarray) -> np.ndarray:
@@ -47,12 +45,6 @@ def _bfloat16(blocks: torch.Tensor) -> torch.Tensor:
     return blocks.view(torch.bfloat16).float()
 
 
-def _nibbles(q: torch.Tensor) -> torch.Tensor:
-    """Bytes [B, 16] of a 32-weight block as its codes [B, 32]: weight ``j < 16`` the low
-    nibble of byte ``j``, weight ``j + 16`` its high nibble."""
-    return torch.cat((q & 15, q >> 4), dim=1)
-
-
 def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
     """Four bytes [B, 4] (a little-endian uint32) as bit ``j`` of weight ``j`` [B, 32],
     shifted to bit 4."""
@@ -62,25 +54,25 @@ def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
 
 def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
     """``Q4_0`` blocks [B, 18] as float32 [B, 32]: ``d * (q - 8)`` (gguf-py's order of ops)."""
-    codes = _nibbles(blocks[:, 2:]).to(torch.int8) - 8
+    codes = nibbles(blocks[:, 2:]).to(torch.int8) - 8
     return codes.float().mul_(f16(blocks, 0))  # d * q, in place (the product commutes)
 
 
 def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
     """``Q4_1`` blocks [B, 20] as float32 [B, 32]: ``d * q + m``."""
-    return _nibbles(blocks[:, 4:]).float().mul_(f16(blocks, 0)).add_(f16(blocks, 2))
+    return nibbles(blocks[:, 4:]).float().mul_(f16(blocks, 0)).add_(f16(blocks, 2))
 
 
 def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
     """``Q5_0`` blocks [B, 22] as float32 [B, 32]: ``d * (q - 16)``, q's fifth bits in bytes
     2-5."""
-    codes = (_nibbles(blocks[:, 6:]) | _fifth_bits(blocks[:, 2:6])).to(torch.int8) - 16
+    codes = (nibbles(blocks[:, 6:]) | _fifth_bits(blocks[:, 2:6])).to(torch.int8) - 16
     return codes.float().mul_(f16(blocks, 0))
 
 
 def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
     """``Q5_1`` blocks [B, 24] as float32 [B, 32]: ``d * q + m``, q's fifth bits in bytes 4-7."""
-    codes = _nibbles(blocks[:, 8:]) | _fifth_bits(blocks[:, 4:8])
+    codes = nibbles(blocks[:, 8:]) | _fifth_bits(blocks[:, 4:8])
     return codes.float().mul_(f16(blocks, 0)).add_(f16(blocks, 2))
 
 
@@ -90,24 +82,19 @@ def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
-    """``IQ4_NL`` blocks [B, 18] as float32 [B, 32]: ``d * IQ4_VALUES[q]``."""
+    """``IQ4_NL`` blocks [B, 18] as float32 [B, 32]: ``d * IQ4_VALUES[q]`` (``iq4_nl_fields``)."""
+    indices, d = iq4_nl_fields(blocks)
     levels = torch.tensor(IQ4_VALUES, dtype=torch.float32)
-    return levels[_nibbles(blocks[:, 2:]).long()].mul_(f16(blocks, 0))
+    return levels[indices.long()].mul_(d)
 
 
 def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
     """``IQ4_XS`` blocks [B, 136] as float32 [B, 256]: ``(d (ls - 32)) IQ4_VALUES[q]`` per 32
-    weights, the 6-bit ``ls`` from a nibble of bytes 4-7 and two bits of the uint16 at 2; q's
-    nibbles in bytes 8-135, 16 bytes per 32 weights."""
+    weights (``iq4_xs_fields``)."""
     n = blocks.shape[0]
-    low = torch.stack((blocks[:, 4:8] & 15, blocks[:, 4:8] >> 4), dim=2).view(n, 8)
-    high = blocks[:, 2:4].contiguous().view(torch.int16).int()  # [B, 1]
-    high = (high >> torch.arange(0, 16, 2, dtype=torch.int32)) & 3  # [B, 8]
-    scales = ((low.int() | (high << 4)) - 32).float()
+    indices, scales = iq4_xs_fields(blocks)
     levels = torch.tensor(IQ4_VALUES, dtype=torch.float32)
-    q = blocks[:, 8:].reshape(n * 8, 16)
-    values = levels[_nibbles(q).long()].view(n, 8, 32)
-    return values.mul_((f16(blocks, 0) * scales).view(n, 8, 1)).view(n, 256)
+    return levels[indices.long()].view(n, 8, 32).mul_(scales.view(n, 8, 1)).view(n, 256)
 
 
 def _q2_k(blocks: torch.Tensor) -> torch.Tensor:

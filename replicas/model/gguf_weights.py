@@ -24,6 +24,7 @@ from replicas.model.config import ModelArgs
 from replicas.model.gguf_dequantize import dequantize as _dequantize
 from replicas.model.gguf_dequantize import f16 as _f16
 from replicas.model.gguf_dequantize import k_quant_codes, q3_k_six_bit, q4_k_codes
+from replicas.model.iq4 import iq4_groups
 from replicas.model.quant import Int4Groups
 from replicas.model.registry import build_model, get_architecture
 from replicas.model.six_bit import SixBitRows
@@ -56,14 +57,16 @@ _CHUNK_BYTES = 64 << 20  # float32 bytes dequantized at once
 _IGNORED_TENSORS = frozenset(("rope_freqs.weight",))
 _ROTARY_PROJECTIONS = (".attention.wq.", ".attention.wk.")  # our q and k, weight and bias
 # Bits per weight of the layout that holds each stored type; one at more than 4 bits is never
-# served at 4. int4 holds none of Q2_K (a scale and a minimum per 16 weights), Q3_K (a scale
-# per 16) and IQ4's (16 levels that are not evenly spaced): quantized again from their floats
-# it lost 19-38% perplexity on the shipped model (benchmarks/README.md). Q3_K is kept in the
-# 6-bit layout, exactly (``q3_k_six_bit``), the others at 8 bits.
+# served at 4 from its float values. int4 holds none of Q2_K (a scale and a minimum per 16
+# weights), Q3_K (a scale per 16) and IQ4's (16 levels that are not evenly spaced): quantized
+# again from their floats they lost 19-38% perplexity on the shipped model (benchmarks/README.md).
+# Under Strata's kernels Q3_K is kept exactly in the 6-bit layout (``q3_k_six_bit``) and IQ4's
+# as their level indices (``iq4``); otherwise, and Q2_K always, they are int8.
 _TYPE_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5}
 _TYPE_BITS |= {"Q5_K": 5, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q3_K": 6, "Q2_K": 8}
 _TYPE_BITS |= {"IQ4_NL": 8, "IQ4_XS": 8}
-_SIX_BIT_TYPES = ("Q6_K", "Q3_K")  # read as Q6_K rows (``int4_groups``)
+_SIX_BIT_TYPES = ("Q6_K", "Q3_K")  # read as the 6-bit layout's fields (``int4_groups``)
+_LEVEL_TYPES = ("IQ4_NL", "IQ4_XS")  # read as level indices (``iq4.iq4_groups``)
 
 
 class GGUFWeights:
@@ -106,25 +109,32 @@ class GGUFWeights:
 
     def int4_groups(self, name: str) -> Int4Groups | SixBitRows | None:
         """Parameter ``name``'s stored codes where it is stored as ``Q4_0``, ``Q4_1``, ``Q4_K``
-        or a 5-bit type (``INT4_STORED_TYPES``), its fields where it is ``Q6_K`` (Strata's 6-bit
+        or a 5-bit type (``INT4_STORED_TYPES``) or its level indices (``IQ4_NL``, ``IQ4_XS``:
+        ``iq4.iq4_groups``), its fields where it is ``Q6_K`` (Strata's 6-bit
         product takes them as stored) or ``Q3_K`` (``q3_k_six_bit``: the same values), rows in
         our order; else None."""
         tensor = self._tensors.get(name)
         kind = None if tensor is None else tensor.tensor_type.name
-        if kind not in (*INT4_STORED_TYPES, *_SIX_BIT_TYPES):
+        if kind not in (*INT4_STORED_TYPES, *_SIX_BIT_TYPES, *_LEVEL_TYPES):
             return None
         with open(self.path, "rb") as f:
             data = _read_rows(tensor, 0, tensor.data.shape[0], f.fileno())
+        if kind in _LEVEL_TYPES:
+            data = iq4_groups(kind, torch.from_numpy(np.require(data, requirements=("C", "W"))))
         if kind in _SIX_BIT_TYPES:
             rows = torch.from_numpy(np.require(data, requirements=("C", "W")))
             six = q3_k_six_bit(rows) if kind == "Q3_K" else SixBitRows.from_q6_k(rows)
             if name in self._rotary:
                 six = six.rows(lambda x: unpermute_rotary(x, self._head_dim))
             return six
-        stored = int4_groups_of_tensor(tensor, data)
+        stored = data if kind in _LEVEL_TYPES else int4_groups_of_tensor(tensor, data)
         if name in self._rotary:
-            stored = Int4Groups(
-                *(None if x is None else unpermute_rotary(x, self._head_dim) for x in stored)
+            stored = stored._replace(
+                **{
+                    field: unpermute_rotary(x, self._head_dim)
+                    for field, x in stored._asdict().items()
+                    if isinstance(x, torch.Tensor)
+                }
             )
         return stored
 

@@ -64,6 +64,9 @@ class Int4Groups(NamedTuple):
     # A GGUF Q4_K weight's own scales, [N, K / GROUP_SIZE, 4] float32 (D, -Dmin, sc, mn) per
     # group, D and Dmin the same for a block's 8 groups: scale = D sc, zero = 8 scale - Dmin mn.
     k_quant: torch.Tensor | None = None
+    # The codes index a GGUF IQ4 weight's 16 levels (``IQ4_VALUES``): w = level * scale, zero
+    # unused; Strata's kernel only.
+    levels: bool = False
 
 
 QUANTIZATIONS = ("none", "int8", "int4")
@@ -204,16 +207,24 @@ class QuantizedLinear(nn.Module):
         kernel: str | None = None,
         passes: int = 2,
         k_quant: torch.Tensor | None = None,
+        levels: bool = False,
     ) -> "QuantizedLinear":
         """From codes [N, K] in [0, 15] (or [0, 31], a GGUF Q5 weight's, for Strata's kernel
         only) and per-group ``scale``, ``zero`` [N, K / GROUP_SIZE]:
-        ``w = (codes - 8) * scale + zero``. ``kernel``: ``strata``, ``torch``, or ``None`` for
-        Strata's where its library is built and the scales fit its float16; ``passes``: the
-        activations' int8 passes of Strata's product (see the module docstring); ``k_quant``:
-        the scales as a GGUF Q4_K file holds them (``Int4Groups.k_quant``), which Strata's
-        kernel keeps as they are."""
+        ``w = (codes - 8) * scale + zero`` (``levels``: ``IQ4_VALUES[codes] * scale``, Strata's
+        kernel only). ``kernel``: ``strata``, ``torch``, or ``None`` for Strata's where its
+        library is built and the scales fit its float16; ``passes``: the activations' int8
+        passes of Strata's product (see the module docstring); ``k_quant``: the scales as a GGUF
+        Q4_K file holds them (``Int4Groups.k_quant``), which Strata's kernel keeps as they
+        are."""
         n, k = codes.shape
         _check_int4_shape(n, k)
+        if levels:
+            from replicas.model.iq4 import strata_levels
+
+            if kernel == "torch" or (strata := strata_levels(codes, scale)) is None:
+                raise ValueError("only Strata's int4 kernel takes an IQ4 weight's levels")
+            return cls("int4", k, n, *strata, _bias(bias), kernel="strata", passes=passes)
         if kernel in (None, "strata"):
             strata = _strata_int4_k(codes, k_quant) if k_quant is not None else None
             if strata is None:
@@ -418,7 +429,11 @@ def _strata_int4_weight(packed: torch.Tensor, scales: torch.Tensor, n: int) -> t
     tiles = packed.shape[0]
     super_scales = scales.dtype == torch.uint8
     groups = scales.shape[1] * (K_QUANT_GROUPS if super_scales else 1)
-    codes = _unpack_strata_codes(packed, groups).float()
+    codes = _unpack_strata_codes(packed.view(torch.uint8), groups).float()
+    if packed.dtype == torch.int8:  # IQ4's level indices, each its level + 128
+        from replicas.model.iq4 import IQ4_VALUES
+
+        codes = torch.tensor(IQ4_VALUES, dtype=torch.float32)[codes.long()] + 128
     if super_scales:  # K-quant scales: d = D sc, m = -Dmin mn
         pairs = scales[..., :64].contiguous().view(torch.float16).view(tiles, -1, 1, 2, 16)
         sc_mn = scales[..., 64:].reshape(tiles, -1, K_QUANT_GROUPS, 2, 16)

@@ -112,10 +112,18 @@ def _uses_stored_codes(
 ) -> bool:
     """Whether the product of linear layers ``names`` is int4 made from their stored codes:
     4-bit codes, or under Strata's kernels (``strata``) 5-bit ones too (a GGUF ``Q5_K``,
-    ``Q5_0`` or ``Q5_1`` weight's, which its int4 product takes with a fifth bit plane)."""
-    if not all(isinstance(groups.get(f"{n}.weight"), Int4Groups) for n in names):
+    ``Q5_0`` or ``Q5_1`` weight's, which its int4 product takes with a fifth bit plane) and
+    IQ4's level indices (all of the product's weights IQ4's, or none)."""
+    stored = [groups.get(f"{n}.weight") for n in names]
+    if not all(isinstance(s, Int4Groups) for s in stored):
         return False
-    if strata and scheme == "int4" and all(bits.get(f"{n}.weight", 16) <= 5 for n in names):
+    if len({s.levels for s in stored}) > 1:  # IQ4's levels beside plain codes: int8
+        return False
+    if (
+        strata
+        and scheme == "int4"
+        and (stored[0].levels or all(bits.get(f"{n}.weight", 16) <= 5 for n in names))
+    ):
         return int4_fits(*_shape(weight))
     return _product_scheme(scheme, names, weight, bits) == "int4"
 
@@ -193,6 +201,7 @@ def _quantizer(
                 kernel=kernel,
                 passes=passes,
                 k_quant=torch.cat(k_quant) if None not in k_quant else None,
+                levels=stored[0].levels,
             )
         if _product_scheme(scheme, names, weight, bits) == "int4":
             return QuantizedLinear.int4(weight, bias, kernel, passes)

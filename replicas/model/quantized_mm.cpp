@@ -28,7 +28,10 @@
 //   in float32): 4.625 bits a weight in all, against 5. 5-bit codes (q in [0, 31], a GGUF Q5_0,
 //   Q5_1 or Q5_K weight's) add a fifth 64-byte chunk per group of 32 columns with their high
 //   bits (byte 4 c + r, bit 2 o for column 8 o + r, bit 2 o + 1 for column 8 o + 4 + r):
-//   [N / 16, K / 32 * 5, 64]; int4_mm tells them apart by the codes' shape.
+//   [N / 16, K / 32 * 5, 64]; int4_mm tells them apart by the codes' shape. A GGUF IQ4_NL or
+//   IQ4_XS weight's 4-bit indices into its 16 levels take int4's layout as int8 ([N / 16, K / 8,
+//   64]: int4_mm tells it by the codes' type), each index standing for its level + 128 and
+//   m = -128 d, so that q = level + 128 in [1, 241] and w = d * level.
 // - int8: one 64-byte chunk per 4 input columns: byte 4 c + r is row c's column 4 o + r
 //   ([N / 16, K / 4, 64] int8); d per tile and group as [N / 16, K / 32, 16] float16. int8_mm
 //   also takes a GGUF Q6_K weight as stored, 6.5625 bits a weight (quantized_mm6.cpp).
@@ -181,6 +184,12 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
        {"int4_mm", at::kByte, 5, kHalves, kInt4Kernels[0][1], at::kHalf, kInt4Amx[0][1]}},
       {{"int4_mm", at::kByte, 4, kSuperSlots, kInt4Kernels[1][0], at::kByte, kInt4Amx[1][0]},
        {"int4_mm", at::kByte, 5, kSuperSlots, kInt4Kernels[1][1], at::kByte, kInt4Amx[1][1]}}};
+  // int8 codes: an IQ4 weight's indices into its 16 levels (quantized_mm4.cpp, kBits 8)
+  static const Scheme levels{"int4_mm", at::kChar, 4, kHalves, kLevelsKernels, at::kHalf,
+                             kLevelsAmx};
+  if (codes.scalar_type() == at::kChar) {
+    return quantized_mm(levels, x, codes, scales, out_features, passes, path);
+  }
   const bool super = scales.scalar_type() == at::kByte;  // K-quant scales as stored
   // 5-bit codes (a GGUF Q5 weight's): a fifth chunk per group of 32 columns
   const bool five = x.dim() == 2 && codes.dim() == 3 && codes.size(1) * kGroup == x.size(1) * 5;

@@ -1,5 +1,5 @@
-// Strata's int4 product's tile kernels, 4- and 5-bit codes, float16 or K-quant scales (the
-// layouts and the contract: quantized_mm.cpp).
+// Strata's int4 product's tile kernels, 4- and 5-bit codes, float16 or K-quant scales, and
+// 4-bit indices into IQ4's 16 levels (the layouts and the contract: quantized_mm.cpp).
 
 #include "quantized_rows.h"
 
@@ -32,6 +32,12 @@ constexpr int64_t group_chunks() {
   return kBits == 5 ? 5 : 4;
 }
 
+// kBits 8: the nibbles are indices into the 16 levels of a GGUF IQ4_NL or IQ4_XS weight, each
+// taken as its level + 128, an unsigned byte as u8 x s8 multiply-adds need (the weight is then
+// d (level + 128) + m with m = -128 d): llama.cpp's kvalues_iq4nl, plus 128.
+alignas(16) constexpr uint8_t kLevels[16] = {1,   24,  45,  63,  79,  93,  106, 118,
+                                             129, 141, 153, 166, 181, 197, 217, 241};
+
 // One tile (16 output rows) against activation rows [r0, r0 + n): plain C++.
 template <bool kSuper, int kBits>
 void tile_scalar(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q, int64_t r0,
@@ -54,6 +60,9 @@ void tile_scalar(const uint8_t* codes, const uint16_t* scales, const QuantizedRo
                 const int bits = fifth[4 * c + j] >> (2 * o);
                 low |= (bits & 1) << 4;
                 high |= (bits & 2) << 3;
+              } else if constexpr (kBits == 8) {
+                low = kLevels[low];
+                high = kLevels[high];
               }
               sums[p][c] += low * a[j] + high * a[4 + j];
             }
@@ -124,7 +133,23 @@ __attribute__((target("avx2"))) inline void codes_avx2(const uint8_t* chunk, con
         o < 2 ? _mm256_slli_epi16(bits, 3 - 2 * o) : _mm256_srli_epi16(bits, 2 * o - 3);
     lo = _mm256_or_si256(lo, _mm256_and_si256(lo_bits, fifth_bit));
     hi = _mm256_or_si256(hi, _mm256_and_si256(hi_bits, fifth_bit));
+  } else if constexpr (kBits == 8) {
+    const __m256i levels =
+        _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kLevels)));
+    lo = _mm256_shuffle_epi8(levels, lo);
+    hi = _mm256_shuffle_epi8(levels, hi);
   }
+}
+
+// kBits 8 on AVX2: sum(code a) over a chunk's pairs in int32, exactly. A code (level + 128, up
+// to 241) times an activation overflows vpmaddubsw's int16 pairs, so the signed level's
+// products (|level| <= 127, its sign moved onto the activation) and 128 sum(a) go apart.
+__attribute__((target("avx2"))) inline __m256i level_pairs_avx2(__m256i codes, __m256i a) {
+  const __m256i offset = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  const __m256i level = _mm256_xor_si256(codes, offset);  // level + 128 as a signed level
+  const __m256i products = _mm256_maddubs_epi16(_mm256_abs_epi8(level), _mm256_sign_epi8(a, level));
+  return _mm256_add_epi32(_mm256_madd_epi16(products, ones),
+                          _mm256_madd_epi16(_mm256_maddubs_epi16(offset, a), ones));
 }
 
 template <int R, int P, bool kSuper, int kBits>
@@ -168,6 +193,15 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_rows(const uint8_t* code
           std::memcpy(&a_lo, a, 4);
           std::memcpy(&a_hi, a + 4, 4);
           const __m256i b_lo = _mm256_set1_epi32(a_lo), b_hi = _mm256_set1_epi32(a_hi);
+          if constexpr (kBits == 8) {
+            sums[i][p][0] = _mm256_add_epi32(
+                sums[i][p][0],
+                _mm256_add_epi32(level_pairs_avx2(lo0, b_lo), level_pairs_avx2(hi0, b_hi)));
+            sums[i][p][1] = _mm256_add_epi32(
+                sums[i][p][1],
+                _mm256_add_epi32(level_pairs_avx2(lo1, b_lo), level_pairs_avx2(hi1, b_hi)));
+            continue;
+          }
           const __m256i pairs0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, b_lo),
                                                   _mm256_maddubs_epi16(hi0, b_hi));
           const __m256i pairs1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, b_lo),
@@ -192,7 +226,7 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_rows(const uint8_t* code
         STRATA_UNROLLED
         for (int p = 0; p < P; ++p) {
           const __m256i sum =
-              kBits == 5 ? sums[i][p][h] : _mm256_madd_epi16(sums[i][p][h], ones);
+              kBits != 4 ? sums[i][p][h] : _mm256_madd_epi16(sums[i][p][h], ones);
           const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(q.dx[p][at]));
           acc[i][h] = _mm256_add_ps(acc[i][h], _mm256_mul_ps(_mm256_cvtepi32_ps(sum), scale));
         }
@@ -250,6 +284,11 @@ STRATA_VNNI inline void codes_avx512(const uint8_t* chunk, const uint8_t* fifth,
         o < 2 ? _mm512_slli_epi16(bits, 3 - 2 * o) : _mm512_srli_epi16(bits, 2 * o - 3);
     lo = _mm512_ternarylogic_epi32(lo, lo_bits, fifth_bit, 0xF8);  // a | (b & c)
     hi = _mm512_ternarylogic_epi32(hi, hi_bits, fifth_bit, 0xF8);
+  } else if constexpr (kBits == 8) {
+    const __m512i levels =
+        _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kLevels)));
+    lo = _mm512_shuffle_epi8(levels, lo);
+    hi = _mm512_shuffle_epi8(levels, hi);
   }
 }
 
@@ -401,5 +440,7 @@ const AmxTileKernel kInt4Amx[2][2] = {{tile_amx_any<false, 4>, tile_amx_any<fals
 
 const PathKernels kInt4Kernels[2][2] = {{kInt4Paths<false, 4>, kInt4Paths<false, 5>},
                                         {kInt4Paths<true, 4>, kInt4Paths<true, 5>}};
+const AmxTileKernel kLevelsAmx = tile_amx_any<false, 8>;
+const PathKernels kLevelsKernels = kInt4Paths<false, 8>;
 
 }  // namespace strata_native

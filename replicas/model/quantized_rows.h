@@ -228,6 +228,9 @@ extern const PathKernels kInt8Kernels;
 extern const PathKernels kSixBitKernels;
 // The AMX tile kernels: int4's by [K-quant scales][5-bit codes]; int8's (not the 6-bit layout's).
 extern const AmxTileKernel kInt4Amx[2][2];
+// int4's layout with IQ4's levels in place of its codes (quantized_mm4.cpp: kBits 8).
+extern const PathKernels kLevelsKernels;
+extern const AmxTileKernel kLevelsAmx;
 extern const AmxTileKernel kInt8Amx;
 
 }  // namespace strata_native

@@ -59,8 +59,9 @@ def old_build(path, candidate: Candidate):
             param.copy_(rows(name, values).reshape(param.shape))
             bits[name] = {"F32": 32, "Q8_0": 8, "Q4_0": 4}[t.tensor_type.name]
             if t.tensor_type.name == "Q4_0":
-                groups[name] = type(int4_groups_of_tensor(t))(
-                    *(None if x is None else rows(name, x) for x in int4_groups_of_tensor(t))
+                stored = int4_groups_of_tensor(t)
+                groups[name] = stored._replace(
+                    **{f: rows(name, x) for f, x in stored._asdict().items() if torch.is_tensor(x)}
                 )
     net = net.to(getattr(torch, candidate.dtype))
     if candidate.quantization != "none":
