@@ -152,18 +152,48 @@ __attribute__((target("avx2"))) inline __m256i level_pairs_avx2(__m256i codes, _
                           _mm256_madd_epi16(_mm256_maddubs_epi16(offset, a), ones));
 }
 
+// A chunk's codes (rows 0-7: lo0, hi0; rows 8-15: lo1, hi1) against one row's 8 activations
+// `a`, added to that row's two sums: in int16 pairs for 4-bit codes, widened to int32 at once
+// for 5-bit ones (4 x 31 x 127 a chunk) and for levels (level_pairs_avx2).
+template <int kBits>
+__attribute__((target("avx2"), always_inline)) inline void add_chunk_avx2(
+    __m256i lo0, __m256i hi0, __m256i lo1, __m256i hi1, const int8_t* a, __m256i (&sums)[2]) {
+  int32_t a_lo, a_hi;
+  std::memcpy(&a_lo, a, 4);
+  std::memcpy(&a_hi, a + 4, 4);
+  const __m256i b_lo = _mm256_set1_epi32(a_lo), b_hi = _mm256_set1_epi32(a_hi);
+  if constexpr (kBits == 8) {
+    sums[0] = _mm256_add_epi32(
+        sums[0], _mm256_add_epi32(level_pairs_avx2(lo0, b_lo), level_pairs_avx2(hi0, b_hi)));
+    sums[1] = _mm256_add_epi32(
+        sums[1], _mm256_add_epi32(level_pairs_avx2(lo1, b_lo), level_pairs_avx2(hi1, b_hi)));
+    return;
+  }
+  const __m256i pairs0 =
+      _mm256_add_epi16(_mm256_maddubs_epi16(lo0, b_lo), _mm256_maddubs_epi16(hi0, b_hi));
+  const __m256i pairs1 =
+      _mm256_add_epi16(_mm256_maddubs_epi16(lo1, b_lo), _mm256_maddubs_epi16(hi1, b_hi));
+  if constexpr (kBits == 5) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    sums[0] = _mm256_add_epi32(sums[0], _mm256_madd_epi16(pairs0, ones));
+    sums[1] = _mm256_add_epi32(sums[1], _mm256_madd_epi16(pairs1, ones));
+  } else {
+    sums[0] = _mm256_add_epi16(sums[0], pairs0);
+    sums[1] = _mm256_add_epi16(sums[1], pairs1);
+  }
+}
+
 template <int R, int P, bool kSuper, int kBits>
 __attribute__((target("avx2,fma,f16c"))) void tile_avx2_rows(const uint8_t* codes,
                                                              const uint16_t* scales,
                                                              const QuantizedRows& q, int64_t r0,
                                                              float* out, int64_t out_stride) {
-  const int64_t k = q.groups * kGroup;
   const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* rows[R][P];
   STRATA_UNROLLED
   for (int i = 0; i < R; ++i) {
     STRATA_UNROLLED
-    for (int p = 0; p < P; ++p) rows[i][p] = q.codes[p].data() + (r0 + i) * k;
+    for (int p = 0; p < P; ++p) rows[i][p] = q.codes[p].data() + (r0 + i) * q.groups * kGroup;
   }
   __m256 acc[R][2];
   STRATA_UNROLLED
@@ -187,33 +217,8 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_rows(const uint8_t* code
       STRATA_UNROLLED
       for (int i = 0; i < R; ++i) {
         STRATA_UNROLLED
-        for (int p = 0; p < P; ++p) {
-          const int8_t* a = rows[i][p] + g * kGroup + o * 8;
-          int32_t a_lo, a_hi;
-          std::memcpy(&a_lo, a, 4);
-          std::memcpy(&a_hi, a + 4, 4);
-          const __m256i b_lo = _mm256_set1_epi32(a_lo), b_hi = _mm256_set1_epi32(a_hi);
-          if constexpr (kBits == 8) {
-            sums[i][p][0] = _mm256_add_epi32(
-                sums[i][p][0],
-                _mm256_add_epi32(level_pairs_avx2(lo0, b_lo), level_pairs_avx2(hi0, b_hi)));
-            sums[i][p][1] = _mm256_add_epi32(
-                sums[i][p][1],
-                _mm256_add_epi32(level_pairs_avx2(lo1, b_lo), level_pairs_avx2(hi1, b_hi)));
-            continue;
-          }
-          const __m256i pairs0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, b_lo),
-                                                  _mm256_maddubs_epi16(hi0, b_hi));
-          const __m256i pairs1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, b_lo),
-                                                  _mm256_maddubs_epi16(hi1, b_hi));
-          if constexpr (kBits == 5) {  // 4 x 31 x 127 a chunk: widened at once
-            sums[i][p][0] = _mm256_add_epi32(sums[i][p][0], _mm256_madd_epi16(pairs0, ones));
-            sums[i][p][1] = _mm256_add_epi32(sums[i][p][1], _mm256_madd_epi16(pairs1, ones));
-          } else {
-            sums[i][p][0] = _mm256_add_epi16(sums[i][p][0], pairs0);
-            sums[i][p][1] = _mm256_add_epi16(sums[i][p][1], pairs1);
-          }
-        }
+        for (int p = 0; p < P; ++p)
+          add_chunk_avx2<kBits>(lo0, hi0, lo1, hi1, rows[i][p] + g * kGroup + o * 8, sums[i][p]);
       }
     }
     STRATA_UNROLLED
