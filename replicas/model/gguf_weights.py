@@ -7,9 +7,10 @@ a tensor's bytes with ``os.pread`` rather than through the reader's memory map, 
 pages never count in the process's resident memory (a mapped page that has been read stays in
 it until the map is closed, and the reader is kept open; the whole file would then sit beside
 the model it was turned into). Llama's q and k rows are put back from llama.cpp's interleaved
-rotary layout as they are read (``unpermute_rotary``), and ``Q4_0``, ``Q4_1`` and ``Q4_K``
-tensors can be read as their stored int4 codes (``int4_groups``) for a model that computes with
-them.
+rotary layout as they are read (``unpermute_rotary``; dequantized by torch in
+``gguf_dequantize``), and a tensor that one of Strata's layouts holds as stored can be read as
+such (``int4_groups``) for a model that computes with it: the 4- and 5-bit types' codes, IQ4's
+level indices (``iq4``), ``Q6_K``'s and ``Q3_K``'s 6-bit fields (``six_bit``).
 """
 
 import os
