@@ -11,7 +11,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from replicas.model.iq4 import IQ4_VALUES, iq4_nl_fields, iq4_xs_fields, nibbles
 from replicas.model.six_bit import SixBitRows, q6_k_fields
 
 
@@ -35,6 +34,35 @@ def f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
     return blocks[:, at : at + 2].contiguous().view(torch.float16).float()
 
 
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+"""The sixteen int8 levels of ``IQ4_NL`` and ``IQ4_XS`` codes (llama.cpp's ``kvalues_iq4nl``)."""
+
+
+def nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Bytes [B, 16] of a 32-weight block as its codes [B, 32]: weight ``j < 16`` the low
+    nibble of byte ``j``, weight ``j + 16`` its high nibble."""
+    return torch.cat((q & 15, q >> 4), dim=1)
+
+
+def iq4_nl_fields(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``IQ4_NL`` blocks [B, 18] as their level indices [B, 32] (uint8) and ``d`` [B, 1]
+    (float32, from float16 at byte 0)."""
+    return nibbles(blocks[:, 2:]), f16(blocks, 0)
+
+
+def iq4_xs_fields(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``IQ4_XS`` blocks [B, 136] as their level indices [B, 256] (uint8; 16 bytes of nibbles
+    per 32 weights from byte 8) and the scale of each 32, ``d (ls - 32)`` [B, 8] (float32; the
+    6-bit ``ls`` from a nibble of bytes 4-7 and two bits of the uint16 at byte 2)."""
+    n = blocks.shape[0]
+    low = torch.stack((blocks[:, 4:8] & 15, blocks[:, 4:8] >> 4), dim=2).view(n, 8)
+    high = blocks[:, 2:4].contiguous().view(torch.int16).int()  # [B, 1]
+    high = (high >> torch.arange(0, 16, 2, dtype=torch.int32)) & 3  # [B, 8]
+    ls = ((low.int() | (high << 4)) - 32).float()
+    indices = nibbles(blocks[:, 8:].reshape(n * 8, 16)).view(n, 256)
+    return indices, f16(blocks, 0) * ls
+
+
 def _float16(blocks: torch.Tensor) -> torch.Tensor:
     """``F16`` values, two bytes each, as float32 (exact)."""
     return blocks.view(torch.float16).float()
@@ -45,7 +73,7 @@ def _bfloat16(blocks: torch.Tensor) -> torch.Tensor:
     return blocks.view(torch.bfloat16).float()
 
 
-def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+def fifth_bits(qh: torch.Tensor) -> torch.Tensor:
     """Four bytes [B, 4] (a little-endian uint32) as bit ``j`` of weight ``j`` [B, 32],
     shifted to bit 4."""
     bits = qh[:, :, None] >> torch.arange(8, dtype=torch.uint8)  # [B, byte, bit]
@@ -66,13 +94,13 @@ def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
 def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
     """``Q5_0`` blocks [B, 22] as float32 [B, 32]: ``d * (q - 16)``, q's fifth bits in bytes
     2-5."""
-    codes = (nibbles(blocks[:, 6:]) | _fifth_bits(blocks[:, 2:6])).to(torch.int8) - 16
+    codes = (nibbles(blocks[:, 6:]) | fifth_bits(blocks[:, 2:6])).to(torch.int8) - 16
     return codes.float().mul_(f16(blocks, 0))
 
 
 def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
     """``Q5_1`` blocks [B, 24] as float32 [B, 32]: ``d * q + m``, q's fifth bits in bytes 4-7."""
-    codes = nibbles(blocks[:, 8:]) | _fifth_bits(blocks[:, 4:8])
+    codes = nibbles(blocks[:, 8:]) | fifth_bits(blocks[:, 4:8])
     return codes.float().mul_(f16(blocks, 0)).add_(f16(blocks, 2))
 
 
@@ -97,6 +125,13 @@ def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
     return levels[indices.long()].view(n, 8, 32).mul_(scales.view(n, 8, 1)).view(n, 256)
 
 
+def two_bit_codes(q: torch.Tensor) -> torch.Tensor:
+    """Bytes [B, 64] of 2-bit codes (``Q2_K``'s, ``Q3_K``'s low bits) as the codes [B, 256]:
+    per 128 weights 32 bytes, weight ``32 s + l`` in bits ``2 s`` of byte ``l``."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+    return ((q[:, None].reshape(-1, 2, 1, 32) >> shifts) & 3).view(-1, 256)
+
+
 def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
     """``Q2_K`` blocks [B, 84] as float32 [B, 256]: ``(d sc) q - dmin m`` per 16 weights, the
     4-bit ``sc`` and ``m`` in bytes 0-15 (low and high nibble), q's 2 bits in bytes 16-79 (four
@@ -104,8 +139,7 @@ def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     sc, m = (blocks[:, :16] & 15).float(), (blocks[:, :16] >> 4).float()
     dl, ml = (f16(blocks, 80) * sc).view(n, 16, 1), (f16(blocks, 82) * m).view(n, 16, 1)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
-    q = ((blocks[:, None, 16:80].reshape(n, 2, 1, 32) >> shifts) & 3).view(n, 16, 16)
+    q = two_bit_codes(blocks[:, 16:80]).view(n, 16, 16)
     return q.float().mul_(dl).sub_(ml).view(n, 256)
 
 
@@ -127,8 +161,7 @@ def q3_k_fields(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     low_bits = torch.stack((low & 15, low >> 4), dim=1).view(n, 16)
     high_bits = torch.stack([(high >> s) & 3 for s in (0, 2, 4, 6)], dim=1).view(n, 16)
     scales = (low_bits | (high_bits << 4)).view(torch.int8) - 32
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
-    ql = ((blocks[:, None, 32:96].reshape(n, 2, 1, 32) >> shifts) & 3).view(n, 256)
+    ql = two_bit_codes(blocks[:, 32:96])
     qh = ((blocks[:, None, :32] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1) ^ 1
     q = ql.view(torch.int8) - (qh.view(n, 256) << 2).view(torch.int8)
     return q, scales, blocks[:, 108:110].contiguous().view(torch.float16)

@@ -24,7 +24,13 @@ import torch
 from replicas.model.config import ModelArgs
 from replicas.model.gguf_dequantize import dequantize as _dequantize
 from replicas.model.gguf_dequantize import f16 as _f16
-from replicas.model.gguf_dequantize import k_quant_codes, q3_k_six_bit, q4_k_codes
+from replicas.model.gguf_dequantize import (
+    fifth_bits,
+    k_quant_codes,
+    nibbles,
+    q3_k_six_bit,
+    q4_k_codes,
+)
 from replicas.model.iq4 import iq4_groups
 from replicas.model.quant import Int4Groups
 from replicas.model.registry import build_model, get_architecture
@@ -265,22 +271,16 @@ def int4_groups_of_tensor(tensor: Any, data: np.ndarray | None = None) -> Int4Gr
         rows = torch.from_numpy(np.require(data, requirements=("C", "W")))
         return _k_quant_groups(rows, five=kind == "Q5_K")
     has_min, five = kind in ("Q4_1", "Q5_1"), kind in ("Q5_0", "Q5_1")
-    blocks = data.reshape(data.shape[0], -1, 18 + 2 * has_min + 4 * five)
-
-    def half(offset: int) -> torch.Tensor:
-        raw = np.ascontiguousarray(blocks[..., offset : offset + 2])
-        return torch.from_numpy(raw.view(np.float16)[..., 0].astype(np.float32))
-
+    size = 18 + 2 * has_min + 4 * five
+    blocks = torch.from_numpy(np.require(data, requirements=("C", "W")).reshape(-1, size))
     at = 2 + 2 * has_min  # where the fifth bits, then the nibbles, start
-    packed = torch.from_numpy(np.ascontiguousarray(blocks[..., at + 4 * five :]))
-    codes = torch.cat((packed & 15, packed >> 4), dim=-1)  # [N, blocks, 32]
+    codes = nibbles(blocks[:, at + 4 * five :])  # [N x blocks, 32]
     if five:
-        qh = torch.from_numpy(np.ascontiguousarray(blocks[..., at : at + 4])).long()
-        qh = sum(qh[..., i] << (8 * i) for i in range(4))
-        codes = codes | (((qh[..., None] >> torch.arange(32)) & 1) << 4).to(torch.uint8)
-    scale = half(0)
-    zero = half(2) + 8 * scale if has_min else (8 - (16 if five else 8)) * scale
-    return Int4Groups(codes.flatten(1), scale, zero)
+        codes = codes | fifth_bits(blocks[:, at : at + 4])
+    rows = data.shape[0]
+    scale = _f16(blocks, 0).view(rows, -1)
+    zero = _f16(blocks, 2).view(rows, -1) + 8 * scale if has_min else (8 - 8 * (1 + five)) * scale
+    return Int4Groups(codes.view(rows, -1), scale, zero)
 
 
 def _k_quant_groups(data: torch.Tensor, five: bool = False) -> Int4Groups:

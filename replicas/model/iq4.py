@@ -6,37 +6,9 @@ an int4 model serves the file's values at 4.5 bits a weight (4 of codes, a float
 
 import torch
 
+from replicas.model.gguf_dequantize import IQ4_VALUES as IQ4_VALUES
+from replicas.model.gguf_dequantize import iq4_nl_fields, iq4_xs_fields
 from replicas.model.quant import Int4Groups, _pack_int4_codes
-
-IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-"""The sixteen int8 levels of ``IQ4_NL`` and ``IQ4_XS`` codes (llama.cpp's ``kvalues_iq4nl``)."""
-
-
-def nibbles(q: torch.Tensor) -> torch.Tensor:
-    """Bytes [B, 16] of a 32-weight block as its codes [B, 32]: weight ``j < 16`` the low
-    nibble of byte ``j``, weight ``j + 16`` its high nibble."""
-    return torch.cat((q & 15, q >> 4), dim=1)
-
-
-def iq4_nl_fields(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``IQ4_NL`` blocks [B, 18] as their level indices [B, 32] (uint8) and ``d`` [B, 1]
-    (float32, from float16 at byte 0)."""
-    d = blocks[:, :2].contiguous().view(torch.float16).float()
-    return nibbles(blocks[:, 2:]), d
-
-
-def iq4_xs_fields(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``IQ4_XS`` blocks [B, 136] as their level indices [B, 256] (uint8; 16 bytes of nibbles
-    per 32 weights from byte 8) and the scale of each 32, ``d (ls - 32)`` [B, 8] (float32; the
-    6-bit ``ls`` from a nibble of bytes 4-7 and two bits of the uint16 at byte 2)."""
-    n = blocks.shape[0]
-    low = torch.stack((blocks[:, 4:8] & 15, blocks[:, 4:8] >> 4), dim=2).view(n, 8)
-    high = blocks[:, 2:4].contiguous().view(torch.int16).int()  # [B, 1]
-    high = (high >> torch.arange(0, 16, 2, dtype=torch.int32)) & 3  # [B, 8]
-    ls = ((low.int() | (high << 4)) - 32).float()
-    d = blocks[:, :2].contiguous().view(torch.float16).float()
-    indices = nibbles(blocks[:, 8:].reshape(n * 8, 16)).view(n, 256)
-    return indices, d * ls
 
 
 def iq4_groups(kind: str, rows: torch.Tensor) -> Int4Groups:

@@ -431,7 +431,7 @@ def _strata_int4_weight(packed: torch.Tensor, scales: torch.Tensor, n: int) -> t
     groups = scales.shape[1] * (K_QUANT_GROUPS if super_scales else 1)
     codes = _unpack_strata_codes(packed.view(torch.uint8), groups).float()
     if packed.dtype == torch.int8:  # IQ4's level indices, each its level + 128
-        from replicas.model.iq4 import IQ4_VALUES
+        from replicas.model.gguf_dequantize import IQ4_VALUES
 
         codes = torch.tensor(IQ4_VALUES, dtype=torch.float32)[codes.long()] + 128
     if super_scales:  # K-quant scales: d = D sc, m = -Dmin mn
