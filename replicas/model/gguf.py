@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from replicas.model.config import ModelArgs
+from replicas.model.gguf_file import GGUFFile
 from replicas.model.gguf_weights import GGUF_TENSOR_TYPES as GGUF_TENSOR_TYPES
 from replicas.model.gguf_weights import GGUFWeights as GGUFWeights
 from replicas.model.gguf_weights import _dequantize
@@ -115,57 +116,22 @@ def is_gguf_file(path: str | Path) -> bool:
         return f.read(4) == _MAGIC
 
 
-def open_gguf(path: str | Path) -> Any:
-    """A ``gguf.GGUFReader`` of ``path`` (memory-mapped; tensors are read when used).
-
-    Parsing the metadata of a large vocabulary takes seconds, and a process reads a model's
-    info more than once (the config's capacity plan, the deployment, the engine), so the
-    readers of the last few files are kept, keyed by path, size and modification time.
-    """
+def open_gguf(path: str | Path) -> GGUFFile:
+    """The header of GGUF file ``path`` (``replicas.model.gguf_file``; memory-mapped, tensors
+    are read when used). A process reads a model's info more than once (the config's capacity
+    plan, the deployment, the engine), so the headers of the last few files are kept, keyed by
+    path, size and modification time."""
     path = Path(path).resolve()
     stat = path.stat()
     return _open_gguf(path, stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=2)
-def _open_gguf(path: Path, size: int, mtime_ns: int) -> Any:
+def _open_gguf(path: Path, size: int, mtime_ns: int) -> GGUFFile:
     try:
-        reader = _plain_reader()
-    except ImportError as error:
-        raise ValueError(
-            f"reading the GGUF file {path} needs the gguf package: pip install gguf"
-        ) from error
-    try:
-        return reader(str(path))
+        return GGUFFile(path)
     except (ValueError, OSError) as error:
         raise ValueError(f"{path} is not a readable GGUF file: {error}") from error
-
-
-@functools.cache
-def _plain_reader() -> type:
-    """``gguf.GGUFReader`` over a plain array view of its memory map, and knowing its path.
-
-    The reader slices its map once per metadata item (a string of the vocabulary is three
-    slices), and a slice of an ``np.memmap`` is a memmap made through Python-level hooks, which
-    for a large vocabulary take most of the parsing; a plain view of the same map (which keeps
-    it open) has none (figures in benchmarks/README.md)."""
-    import numpy as np
-    from gguf import GGUFReader
-
-    class PlainReader(GGUFReader):
-        def __init__(self, path: str, mode: str = "r") -> None:
-            self.path = path
-            super().__init__(path, mode)
-
-        @property
-        def data(self) -> np.ndarray:
-            return self._plain
-
-        @data.setter
-        def data(self, value: np.ndarray) -> None:
-            self._plain = value.view(np.ndarray)
-
-    return PlainReader
 
 
 def read_gguf_info(path: str | Path, name: str = "") -> tuple[ModelArgs, HFTokenizer]:
@@ -358,36 +324,13 @@ def _blend_line(x: np.ndarray, blend: np.ndarray) -> tuple[float, float]:
 
 
 class GGUFMetadata:
-    """The key-value metadata of a GGUFReader as Python values, decoded when first read."""
+    """The key-value metadata of an open GGUF file (``GGUFFile.values``)."""
 
-    def __init__(self, reader: Any) -> None:
-        self._fields = reader.fields
-        self._cache: dict[str, Any] = {}
+    def __init__(self, reader: GGUFFile) -> None:
+        self._values = reader.values
 
     def get(self, key: str, default: Any = None) -> Any:
-        if key not in self._fields:
-            return default
-        if key not in self._cache:
-            self._cache[key] = _field_value(self._fields[key])
-        return self._cache[key]
-
-
-def _field_value(field: Any) -> Any:
-    from gguf import GGUFValueType
-
-    def scalar(part: np.ndarray, kind: Any) -> Any:
-        if kind == GGUFValueType.STRING:
-            return bytes(part).decode("utf-8")
-        return part.tolist()[0]
-
-    kind = field.types[0]
-    if kind == GGUFValueType.ARRAY:
-        item_kind = field.types[-1]
-        if item_kind != GGUFValueType.STRING and len(field.types) == 2:
-            parts = [field.parts[i] for i in field.data]
-            return np.concatenate(parts).tolist() if parts else []
-        return [scalar(field.parts[i], item_kind) for i in field.data]
-    return scalar(field.parts[field.data[0]], kind)
+        return self._values.get(key, default)
 
 
 # ---- tokenizer ---------------------------------------------------------------------------------

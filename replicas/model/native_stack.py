@@ -67,6 +67,8 @@ SOURCES = tuple(
         "attention_kernel.h",
         "attention_lanes.h",
         "native_isa.h",
+        "weight_packing.cpp",
+        "weight_packing.h",
     )
 )
 """What the library is built from (the key of its folder hashes them all)."""
@@ -95,6 +97,12 @@ def load_error() -> str | None:
         logger.warning("native decoder stack unavailable (the model runs eager): %s", reason)
         return reason
     return None
+
+
+def is_loaded() -> bool:
+    """Whether this process has loaded the library (``load_error`` ran and succeeded); never
+    builds it."""
+    return load_error.cache_info().currsize > 0 and load_error() is None
 
 
 def unsupported(model: nn.Module, device: torch.device) -> str | None:

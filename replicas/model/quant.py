@@ -368,18 +368,10 @@ def _strata_int4(
 def _pack_int4_codes(codes: torch.Tensor) -> torch.Tensor:
     """Codes [N, K] in the int4 kernel's chunks: [N / 16, K / 8, 64] uint8; 5-bit codes (up to
     31, a GGUF Q5 weight's) with a fifth chunk per group of 32 columns holding their high bits
-    (bit 2 o + nibble of byte 4 c + r: ``quantized_mm.cpp``): [N / 16, K / 32 * 5, 64]."""
-    n, k = codes.shape
-    codes = codes.to(torch.uint8)
-    c = (codes & 15).view(n // 16, 16, k // 8, 2, 4)  # [tile, row, octet, nibble, r]
-    packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 1, 3).reshape(n // 16, k // 8, 64)
-    if int(codes.max()) < 16:
-        return packed.contiguous()
-    high = (codes >> 4).view(n // 16, 16, k // GROUP_SIZE, 4, 2, 4)  # [.., group, octet, nibble, r]
-    bits = sum(high[:, :, :, o, h] << (2 * o + h) for o in range(4) for h in range(2))
-    fifth = bits.permute(0, 2, 1, 3).reshape(n // 16, k // GROUP_SIZE, 1, 64)
-    packed = torch.cat((packed.view(n // 16, k // GROUP_SIZE, 4, 64), fifth), dim=2)
-    return packed.reshape(n // 16, -1, 64).contiguous()
+    (bit 2 o + nibble of byte 4 c + r: ``quantized_mm.cpp``): [N / 16, K / 32 * 5, 64]. Packed
+    by Strata's library (``weight_packing.cpp``; ``_unpack_strata_codes`` reads them back)."""
+    codes = codes.to(torch.uint8).contiguous()
+    return torch.ops.strata_native.pack_int4_codes(codes, int(codes.max()) > 15)
 
 
 def _unpack_strata_codes(packed: torch.Tensor, groups: int) -> torch.Tensor:

@@ -8,7 +8,6 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 Q6_K_BLOCK_BYTES = 210
 """A ``Q6_K`` block of 256 weights: ``ql`` (128 bytes), ``qh`` (64), 16 int8 scales, ``d``."""
@@ -28,8 +27,13 @@ class SixBitRows(NamedTuple):
 
     @classmethod
     def from_q6_k(cls, rows: torch.Tensor) -> "SixBitRows":
-        """``Q6_K`` rows as stored, [N, K / 256 * 210] uint8."""
-        return cls(*q6_k_fields(rows))
+        """``Q6_K`` rows as stored, [N, K / 256 * 210] uint8 (for Strata's 6-bit product, so
+        read by its library where it loads)."""
+        from replicas.model import native_stack
+
+        if native_stack.load_error() is None:
+            return cls(*torch.ops.strata_native.q6_k_fields(rows.contiguous()))
+        return cls(*q6_k_fields_torch(rows))
 
     def rows(self, order: Callable[[torch.Tensor], torch.Tensor]) -> "SixBitRows":
         """The same weight with its rows put in ``order`` (a function of a tensor's rows)."""
@@ -39,7 +43,17 @@ class SixBitRows(NamedTuple):
 def q6_k_fields(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``Q6_K`` rows [N, K / 256 * 210] as their codes [N, K] (uint8 in [0, 63], columns in
     order), scales [N, K / 16] (int8) and ``D`` [N, K / 256] (float16): ``q``'s low 4 bits in
-    ``ql`` and high 2 in ``qh``, as gguf-py's ``Q6_K`` reads them."""
+    ``ql`` and high 2 in ``qh``, as gguf-py's ``Q6_K`` reads them. One pass of Strata's library
+    where this process has loaded it, else torch's ops (``q6_k_fields_torch``)."""
+    from replicas.model import native_stack
+
+    if native_stack.is_loaded():
+        return torch.ops.strata_native.q6_k_fields(rows.contiguous())
+    return q6_k_fields_torch(rows)
+
+
+def q6_k_fields_torch(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q6_k_fields`` in torch's ops."""
     n = rows.shape[0]
     blocks = rows.reshape(n, -1, Q6_K_BLOCK_BYTES)
     b = blocks.shape[1]
@@ -56,25 +70,14 @@ def q6_k_fields(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 def strata_six_bit(parts: Sequence[SixBitRows]) -> tuple[torch.Tensor, torch.Tensor]:
     """Weights (fused by rows) in the 6-bit product's layout: codes [N / 16, K / 32 * 6, 64]
     uint8 and scales [N / 16, K / 256, 288] uint8 (``quantized_mm6.cpp``), rows padded with
-    zeros to the tiles of 16."""
-    codes, sc, d = (torch.cat(x) for x in zip(*parts, strict=True))
-    pad = -codes.shape[0] % TILE
-    d = d.view(torch.int16).view(torch.uint8)  # its bytes, two per row and block
-    codes, sc, d = (F.pad(x.view(torch.uint8), (0, 0, 0, pad)) for x in (codes, sc, d))
-    n, k = codes.shape
-    tiles, groups = n // TILE, k // 32
-    low = (codes & 15).view(tiles, TILE, k // 8, 2, 4)  # [tile, row, octet, nibble, r]
-    low = (low[:, :, :, 0] | (low[:, :, :, 1] << 4)).permute(0, 2, 1, 3)  # [tile, octet, row, r]
-    high = (codes >> 4).view(tiles, TILE, k // 16, 4, 4)  # [tile, row, half, which, r]
-    high = sum(high[:, :, :, w] << (2 * w) for w in range(4)).permute(0, 2, 1, 3)
-    packed = torch.cat(
-        (low.reshape(tiles, groups, 4, 64), high.reshape(tiles, groups, 2, 64)), dim=2
-    ).reshape(tiles, groups * 6, 64)
-    blocks = k // BLOCK
-    d_bytes = d.view(tiles, TILE, blocks, 2).permute(0, 2, 1, 3).reshape(tiles, blocks, 32)
-    sc_bytes = sc.view(tiles, TILE, blocks, 16).permute(0, 2, 3, 1).reshape(tiles, blocks, 256)
-    scales = torch.cat((d_bytes, sc_bytes), dim=2)
-    return packed.to(torch.uint8).contiguous(), scales.contiguous()
+    zeros to the tiles of 16; packed by Strata's library (``weight_packing.cpp``;
+    ``six_bit_weight`` reads them back)."""
+    codes, sc, d = (
+        x[0].contiguous() if len(parts) == 1 else torch.cat(x) for x in zip(*parts, strict=True)
+    )
+    return torch.ops.strata_native.pack_six_bit(
+        codes.view(torch.uint8), sc.view(torch.int8), d.view(torch.float16)
+    )
 
 
 def six_bit_weight(packed: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:

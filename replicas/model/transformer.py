@@ -158,6 +158,15 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    """``nn.Embedding(num, dim)``, not initialized where it is built on the meta device: a meta
+    tensor has no values, and drawing them loads torch's decompositions (about a second, once
+    per process), which a loader building the model's shape on meta never needs."""
+    if torch.empty(0).device.type == "meta":
+        return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+    return nn.Embedding(num, dim)
+
+
 class Transformer(nn.Module):
     """Embeddings, decoder blocks, final norm and LM head.
 
@@ -168,7 +177,7 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.tok_embeddings = _embedding(args.vocab_size, args.hidden_size)
         ranks = {group: 0 for group in args.layer_types}
         layers = []
         for group in args.layer_types:

@@ -9,6 +9,7 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from replicas.model.gguf_dequantize import BLOCK_BYTES, TORCH_DEQUANTIZE, q3_k_six_bit
 from replicas.model.six_bit import six_bit_weight, strata_six_bit
+from tests.unit.model.quant_reference import _strata_built  # noqa: F401
 
 SCALE_BYTES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q6_K": (208,), "IQ4_XS": (0,)}
 SCALE_BYTES |= {kind: (0, 2) for kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K")}
@@ -44,6 +45,7 @@ def test_torch_dequantizes_each_type_bit_for_bit_as_gguf_py(kind):
     assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), kind
 
 
+@pytest.mark.skipif("not _strata_built()", reason="no native library here")
 def test_q3_k_is_kept_exactly_in_the_six_bit_layout():
     """A ``Q3_K`` weight's 6-bit fields (Strata's 6-bit product) hold its values exactly, as
     gguf-py dequantizes them."""

@@ -1,0 +1,23 @@
+// Packing at load (weight_packing.cpp).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <tuple>
+
+namespace strata_native {
+
+// Codes [N, K] (uint8; N a multiple of 16, K of 32) in the int4 product's chunks:
+// [N / 16, K / 8, 64], or with `five` (codes up to 31) [N / 16, K / 32 * 5, 64].
+at::Tensor pack_int4_codes(const at::Tensor& codes, bool five);
+
+// GGUF Q6_K rows [N, K / 256 * 210] (uint8) as codes [N, K] (uint8 in [0, 63]), sc [N, K / 16]
+// (int8) and D [N, K / 256] (float16).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> q6_k_fields(const at::Tensor& rows);
+
+// Those fields in the 6-bit product's layout: codes [ceil(N / 16), K / 32 * 6, 64] and scales
+// [ceil(N / 16), K / 256, 288] (uint8), rows past N zeros.
+std::tuple<at::Tensor, at::Tensor> pack_six_bit(const at::Tensor& codes, const at::Tensor& sc,
+                                                const at::Tensor& d);
+
+}  // namespace strata_native
