@@ -197,7 +197,17 @@ def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
 
 def k_quant_codes(blocks: torch.Tensor, five: bool) -> torch.Tensor:
     """The codes [B, 8, 32] (group, weight) of ``Q4_K`` blocks [B, 144], or of ``Q5_K`` blocks
-    [B, 176] (``five``: bit ``g`` of ``qh`` byte ``l`` is group ``g``'s weight ``l``'s fifth)."""
+    [B, 176] (``five``: bit ``g`` of ``qh`` byte ``l`` is group ``g``'s weight ``l``'s fifth).
+    One pass of Strata's library where this process has loaded it, else torch's ops."""
+    from replicas.model import native_stack
+
+    if native_stack.is_loaded():
+        return torch.ops.strata_native.k_quant_codes(blocks.contiguous(), five)
+    return k_quant_codes_torch(blocks, five)
+
+
+def k_quant_codes_torch(blocks: torch.Tensor, five: bool) -> torch.Tensor:
+    """``k_quant_codes`` in torch's ops."""
     q = blocks[:, 48 if five else 16 :].reshape(-1, 4, 1, 32)
     codes = torch.cat((q & 15, q >> 4), dim=2).view(-1, 8, 32)
     if five:

@@ -116,7 +116,42 @@ void pack_six_bit_tiles(const uint8_t* codes, const int8_t* sc, const uint16_t* 
   }
 }
 
+// Q4_K blocks of 144 bytes (or Q5_K ones of 176) into their codes, [8 groups][32]: byte
+// 32 c + l of qs holds weight l of group 2 c in its low nibble and of group 2 c + 1 in its high
+// one; Q5_K's fifth bit of group g's weight l is bit g of qh byte l.
+void k_quant_block(const uint8_t* block, bool five, uint8_t* codes) {
+  const uint8_t* qh = block + 16;
+  const uint8_t* qs = block + (five ? 48 : 16);
+  for (int64_t c = 0; c < 4; ++c) {
+    uint8_t* low = codes + 64 * c;
+    uint8_t* high = low + 32;
+    for (int64_t l = 0; l < 32; ++l) {
+      low[l] = qs[32 * c + l] & 15;
+      high[l] = qs[32 * c + l] >> 4;
+    }
+    if (!five) continue;
+    for (int64_t l = 0; l < 32; ++l) {
+      low[l] |= ((qh[l] >> (2 * c)) & 1) << 4;
+      high[l] |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+    }
+  }
+}
+
 }  // namespace
+
+at::Tensor k_quant_codes(const at::Tensor& blocks, bool five) {
+  check_rows(blocks, "blocks", at::kByte);
+  TORCH_CHECK(blocks.size(1) == (five ? 176 : 144), "K-quant blocks must be [B, ",
+              five ? 176 : 144, "], got ", blocks.sizes());
+  const int64_t count = blocks.size(0), size = blocks.size(1);
+  at::Tensor codes = at::empty({count, 8, kGroup}, blocks.options());
+  const uint8_t* in = blocks.data_ptr<uint8_t>();
+  uint8_t* out = codes.data_ptr<uint8_t>();
+  at::parallel_for(0, count, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) k_quant_block(in + b * size, five, out + b * kBlock);
+  });
+  return codes;
+}
 
 at::Tensor pack_int4_codes(const at::Tensor& codes, bool five) {
   check_rows(codes, "codes", at::kByte);

@@ -11,6 +11,10 @@ namespace strata_native {
 // [N / 16, K / 8, 64], or with `five` (codes up to 31) [N / 16, K / 32 * 5, 64].
 at::Tensor pack_int4_codes(const at::Tensor& codes, bool five);
 
+// GGUF Q4_K blocks [B, 144] (or, with `five`, Q5_K ones [B, 176]) as their codes [B, 8, 32]
+// (uint8; group, weight), a Q5_K code's fifth bit included.
+at::Tensor k_quant_codes(const at::Tensor& blocks, bool five);
+
 // GGUF Q6_K rows [N, K / 256 * 210] (uint8) as codes [N, K] (uint8 in [0, 63]), sc [N, K / 16]
 // (int8) and D [N, K / 256] (float16).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> q6_k_fields(const at::Tensor& rows);

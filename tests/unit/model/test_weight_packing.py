@@ -1,10 +1,11 @@
 """Strata's library packing weights at load (``weight_packing.cpp``) against the layouts'
 readers written in torch ops: int4 chunks read back by ``_unpack_strata_codes``, a ``Q6_K``
-weight's fields as torch's ops take them out of its blocks."""
+weight's fields and ``Q4_K``/``Q5_K`` codes as torch's ops take them out of their blocks."""
 
 import pytest
 import torch
 
+from replicas.model.gguf_dequantize import k_quant_codes_torch
 from replicas.model.quant import _pack_int4_codes, _unpack_strata_codes
 from replicas.model.six_bit import q6_k_fields_torch
 from tests.unit.model.quant_reference import _strata_built  # noqa: F401
@@ -30,3 +31,12 @@ def test_q6_k_fields_are_torch_ops_fields():
     for mine, reference in zip(got, q6_k_fields_torch(rows), strict=True):
         assert mine.dtype == reference.dtype
         assert torch.equal(mine.view(torch.uint8), reference.contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize(("five", "size"), [(False, 144), (True, 176)])
+def test_k_quant_codes_are_torch_ops_codes(five, size):
+    """``Q4_K`` and ``Q5_K`` blocks' codes (the fifth bits included)."""
+    gen = torch.Generator().manual_seed(size)
+    blocks = torch.randint(0, 256, (300, size), generator=gen, dtype=torch.uint8)
+    got = torch.ops.strata_native.k_quant_codes(blocks, five)
+    assert torch.equal(got, k_quant_codes_torch(blocks, five))
