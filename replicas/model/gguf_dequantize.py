@@ -125,6 +125,13 @@ def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
     return levels[indices.long()].view(n, 8, 32).mul_(scales.view(n, 8, 1)).view(n, 256)
 
 
+def _native() -> bool:
+    """Whether Strata's library is loaded in this process (its passes are then used)."""
+    from replicas.model import native_stack
+
+    return native_stack.is_loaded()
+
+
 def two_bit_codes(q: torch.Tensor) -> torch.Tensor:
     """Bytes [B, 64] of 2-bit codes (``Q2_K``'s, ``Q3_K``'s low bits) as the codes [B, 256]:
     per 128 weights 32 bytes, weight ``32 s + l`` in bits ``2 s`` of byte ``l``."""
@@ -135,7 +142,15 @@ def two_bit_codes(q: torch.Tensor) -> torch.Tensor:
 def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
     """``Q2_K`` blocks [B, 84] as float32 [B, 256]: ``(d sc) q - dmin m`` per 16 weights, the
     4-bit ``sc`` and ``m`` in bytes 0-15 (low and high nibble), q's 2 bits in bytes 16-79 (four
-    per byte, 32 bytes per 128 weights), d and dmin at 80 and 82."""
+    per byte, 32 bytes per 128 weights), d and dmin at 80 and 82. One pass of Strata's library
+    where this process has loaded it, else torch's ops (``q2_k_torch``)."""
+    if _native():
+        return torch.ops.strata_native.q2_k_values(blocks.contiguous())
+    return q2_k_torch(blocks)
+
+
+def q2_k_torch(blocks: torch.Tensor) -> torch.Tensor:
+    """``_q2_k`` in torch's ops."""
     n = blocks.shape[0]
     sc, m = (blocks[:, :16] & 15).float(), (blocks[:, :16] >> 4).float()
     dl, ml = (f16(blocks, 80) * sc).view(n, 16, 1), (f16(blocks, 82) * m).view(n, 16, 1)
@@ -155,7 +170,15 @@ def q3_k_fields(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     """``Q3_K`` blocks [B, 110] as their codes [B, 256] (int8 in [-4, 3]: 2 low bits in ``qs``,
     bytes 32-95, and a high bit in ``hmask``, bytes 0-31, clear: 4 less), scales [B, 16] (int8
     ``sc - 32``, 6 bits from the low nibbles of bytes 96-103 and 2 high bits in 104-107) and
-    ``d`` [B, 1] (float16, at 108)."""
+    ``d`` [B, 1] (float16, at 108). One pass of Strata's library where this process has
+    loaded it, else torch's ops (``q3_k_fields_torch``)."""
+    if _native():
+        return torch.ops.strata_native.q3_k_fields(blocks.contiguous())
+    return q3_k_fields_torch(blocks)
+
+
+def q3_k_fields_torch(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q3_k_fields`` in torch's ops."""
     n = blocks.shape[0]
     low, high = blocks[:, 96:104], blocks[:, 104:108]
     low_bits = torch.stack((low & 15, low >> 4), dim=1).view(n, 16)
@@ -199,9 +222,7 @@ def k_quant_codes(blocks: torch.Tensor, five: bool) -> torch.Tensor:
     """The codes [B, 8, 32] (group, weight) of ``Q4_K`` blocks [B, 144], or of ``Q5_K`` blocks
     [B, 176] (``five``: bit ``g`` of ``qh`` byte ``l`` is group ``g``'s weight ``l``'s fifth).
     One pass of Strata's library where this process has loaded it, else torch's ops."""
-    from replicas.model import native_stack
-
-    if native_stack.is_loaded():
+    if _native():
         return torch.ops.strata_native.k_quant_codes(blocks.contiguous(), five)
     return k_quant_codes_torch(blocks, five)
 

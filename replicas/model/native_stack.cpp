@@ -555,6 +555,11 @@ TORCH_LIBRARY(strata_native, m) {
         "int q_len, int num_kv_heads, int path=-1, int wave_bytes=-1) -> Tensor",
         &strata_native::rows_attention);
   m.def("decode_attention_path(int requested=-1) -> int", &strata_native::decode_attention_path);
+  m.def("q2_k_values(Tensor blocks) -> Tensor", &strata_native::q2_k_values);
+  m.def("q3_k_fields(Tensor blocks) -> (Tensor, Tensor, Tensor)", &strata_native::q3_k_fields);
+  m.def("quantize_int8_into(Tensor rows, Tensor(a!) codes, Tensor(b!) scales, int first_row) "
+        "-> bool",
+        &strata_native::quantize_int8_into);
   m.def("k_quant_codes(Tensor blocks, bool five) -> Tensor", &strata_native::k_quant_codes);
   m.def("pack_int4_codes(Tensor codes, bool five) -> Tensor", &strata_native::pack_int4_codes);
   m.def("q6_k_fields(Tensor rows) -> (Tensor, Tensor, Tensor)", &strata_native::q6_k_fields);

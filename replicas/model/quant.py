@@ -48,7 +48,6 @@ from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from replicas.model.six_bit import SixBitRows, six_bit_weight, strata_six_bit
@@ -444,30 +443,23 @@ def _strata_int8(
     kernel), per row and group of ``GROUP_SIZE`` columns, in the layout of Strata's int8
     kernel (``replicas/model/quantized_mm.cpp``; rows padded with zeros to its tiles of 16):
     None where its library is not built here, where ``K`` is not a multiple of
-    ``GROUP_SIZE``, or where a scale overflows float16."""
+    ``GROUP_SIZE``, or where a scale overflows float16. Quantized and packed by Strata's library
+    (``weight_packing.cpp``; ``_strata_int8_weight`` reads the layout back)."""
     from replicas.model import native_stack
 
     n, k = _shape(weight)
     if k % GROUP_SIZE or native_stack.load_error() is not None:
         return None
-    parts, scales = [], []
-    for rows in _chunks(weight):  # rows are quantized alone; tiles are packed at the end
-        groups = rows.detach().float().cpu().reshape(-1, k // GROUP_SIZE, GROUP_SIZE)
-        d = (_abs_max(groups, dim=-1) / 127).clamp(min=_FLOAT16_MIN_NORMAL)
-        d16 = _float16_scales(d)
-        if d16 is None:
+    tiles = -(-n // 16)
+    packed = torch.zeros(tiles, k // 4, 64, dtype=torch.int8)
+    scales = torch.zeros(tiles, k // GROUP_SIZE, 16, dtype=torch.float16)  # [tile, group, row]
+    first = 0
+    for rows in _chunks(weight):  # written into their tiles as they come (padding rows: zeros)
+        rows = rows.detach().float().cpu().contiguous()
+        if not torch.ops.strata_native.quantize_int8_into(rows, packed, scales, first):
             return None
-        inverse = torch.where(d16 > 0, 1 / d16.float(), torch.zeros_like(d))
-        parts.append((groups * inverse[..., None]).round_().clamp_(-127, 127).to(torch.int8))
-        scales.append(d16)
-    codes, d16 = torch.cat(parts), torch.cat(scales)
-    padded = -n % 16
-    codes = F.pad(codes.reshape(n, k), (0, 0, 0, padded))
-    d16 = F.pad(d16, (0, 0, 0, padded))
-    tiles = (n + padded) // 16
-    packed = codes.view(tiles, 16, k // 4, 4).permute(0, 2, 1, 3).reshape(tiles, k // 4, 64)
-    scales = d16.view(tiles, 16, -1).permute(0, 2, 1)  # [tile, group, row]
-    return packed.contiguous(), scales.contiguous()
+        first += rows.shape[0]
+    return packed, scales
 
 
 def _strata_int8_weight(packed: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:

@@ -8,6 +8,9 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstring>
 
 namespace strata_native {
@@ -17,6 +20,7 @@ constexpr int64_t kTile = 16;      // rows per tile
 constexpr int64_t kGroup = 32;     // columns per group
 constexpr int64_t kBlock = 256;    // columns per Q6_K block (and per 6-bit D)
 constexpr int64_t kQ6KBytes = 210; // a Q6_K block: ql[128], qh[64], sc[16] (int8), d (float16)
+constexpr float kFloat16MinNormal = 0x1p-14f;
 
 void check_rows(const at::Tensor& t, const char* what, at::ScalarType type) {
   TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && t.device().is_cpu() && t.scalar_type() == type,
@@ -137,7 +141,131 @@ void k_quant_block(const uint8_t* block, bool five, uint8_t* codes) {
   }
 }
 
+// Two-bit codes (Q2_K's, Q3_K's low bits): per 128 weights 32 bytes, weight 32 s + l in bits
+// 2 s of byte l.
+inline uint8_t two_bit(const uint8_t* q, int64_t j) {
+  const int64_t h = j / 128, s = (j % 128) / 32, l = j % 32;
+  return (q[32 * h + l] >> (2 * s)) & 3;
+}
+
+inline float f16_at(const uint8_t* bytes) {
+  uint16_t bits;
+  std::memcpy(&bits, bytes, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// A Q2_K block of 84 bytes as float32 [256]: (d sc) q - dmin m per 16 weights, rounded as
+// gguf_dequantize._q2_k's ops round (a product, then a difference).
+void q2_k_block(const uint8_t* block, float* out) {
+  const float d = f16_at(block + 80), dmin = f16_at(block + 82);
+  for (int64_t j = 0; j < 256; ++j) {
+    const uint8_t packed = block[j / 16];
+    const float dl = d * static_cast<float>(packed & 15), ml = dmin * static_cast<float>(packed >> 4);
+    const float scaled = static_cast<float>(two_bit(block + 16, j)) * dl;
+    out[j] = scaled - ml;
+  }
+}
+
+// A Q3_K block of 110 bytes as its codes (int8 in [-4, 3]), scales (int8, sc - 32) and d.
+void q3_k_block(const uint8_t* block, int8_t* q, int8_t* sc, uint16_t* d) {
+  for (int64_t j = 0; j < 256; ++j) {
+    const int high_clear = ((block[j % 32] >> (j / 32)) & 1) ^ 1;
+    q[j] = static_cast<int8_t>(two_bit(block + 32, j) - (high_clear << 2));
+  }
+  const uint8_t *low = block + 96, *high = block + 104;
+  for (int64_t j = 0; j < 16; ++j) {
+    const uint8_t low_bits = j < 8 ? (low[j] & 15) : (low[j - 8] >> 4);
+    const uint8_t high_bits = (high[j % 4] >> (2 * (j / 4))) & 3;
+    sc[j] = static_cast<int8_t>(static_cast<uint8_t>(low_bits | (high_bits << 4))) - 32;
+  }
+  std::memcpy(d, block + 108, 2);
+}
+
+// One group of 32 float weights as int8 codes round(w / d), d = max|w| / 127 at least
+// float16's smallest normal, kept as float16 (rounding as torch's ops round: a division, a
+// product, half to even); the codes go to q[4 * (i / 4) * 16 + i % 4], the int8 layout's
+// columns of one row. False where d is not finite in float16 or loses more than its 10 bits.
+bool int8_group(const float* w, int8_t* q, c10::Half* d16) {
+  float top = 0.0f;
+  for (int64_t i = 0; i < kGroup; ++i) {
+    if (!std::isfinite(w[i])) return false;
+    top = std::max(top, std::fabs(w[i]));
+  }
+  const float d = std::max(top / 127.0f, kFloat16MinNormal);
+  *d16 = c10::Half(d);
+  const float stored = static_cast<float>(*d16);
+  if (!std::isfinite(stored) || std::fabs(stored - d) > std::fabs(d) * 0x1p-10f) return false;
+  const float inverse = 1.0f / stored;
+  for (int64_t i = 0; i < kGroup; ++i) {
+    const float code = std::nearbyint(w[i] * inverse);
+    q[(i / 4) * 64 + i % 4] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, code)));
+  }
+  return true;
+}
+
 }  // namespace
+
+bool quantize_int8_into(const at::Tensor& rows, at::Tensor& codes, at::Tensor& scales,
+                        int64_t first_row) {
+  check_rows(rows, "rows", at::kFloat);
+  const int64_t n = rows.size(0), k = rows.size(1), groups = k / kGroup;
+  TORCH_CHECK(k % kGroup == 0 && codes.is_contiguous() && scales.is_contiguous() &&
+                  codes.scalar_type() == at::kChar && scales.scalar_type() == at::kHalf &&
+                  codes.dim() == 3 && codes.size(1) == k / 4 && codes.size(2) == 64 &&
+                  scales.dim() == 3 && scales.size(1) == groups && scales.size(2) == kTile &&
+                  first_row >= 0 && first_row + n <= codes.size(0) * kTile &&
+                  scales.size(0) == codes.size(0),
+              "int8 layout [T, K / 4, 64] and scales [T, K / 32, 16] must hold rows [", first_row,
+              ", ", first_row + n, ") of K = ", k);
+  const float* w = rows.data_ptr<float>();
+  int8_t* q = codes.data_ptr<int8_t>();
+  c10::Half* d = scales.data_ptr<at::Half>();
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end && ok.load(std::memory_order_relaxed); ++i) {
+      const int64_t row = first_row + i, tile = row / kTile, c = row % kTile;
+      int8_t* tile_codes = q + tile * k * kTile + 4 * c;
+      c10::Half* tile_scales = d + tile * groups * kTile + c;
+      for (int64_t g = 0; g < groups; ++g) {
+        if (!int8_group(w + i * k + g * kGroup, tile_codes + g * 8 * 64, tile_scales + g * kTile)) {
+          ok = false;
+          break;
+        }
+      }
+    }
+  });
+  return ok.load();
+}
+
+at::Tensor q2_k_values(const at::Tensor& blocks) {
+  check_rows(blocks, "blocks", at::kByte);
+  TORCH_CHECK(blocks.size(1) == 84, "Q2_K blocks must be [B, 84], got ", blocks.sizes());
+  at::Tensor values = at::empty({blocks.size(0), kBlock}, blocks.options().dtype(at::kFloat));
+  const uint8_t* in = blocks.data_ptr<uint8_t>();
+  float* out = values.data_ptr<float>();
+  at::parallel_for(0, blocks.size(0), 256, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) q2_k_block(in + b * 84, out + b * kBlock);
+  });
+  return values;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> q3_k_fields(const at::Tensor& blocks) {
+  check_rows(blocks, "blocks", at::kByte);
+  TORCH_CHECK(blocks.size(1) == 110, "Q3_K blocks must be [B, 110], got ", blocks.sizes());
+  const int64_t count = blocks.size(0);
+  at::Tensor q = at::empty({count, kBlock}, blocks.options().dtype(at::kChar));
+  at::Tensor sc = at::empty({count, 16}, blocks.options().dtype(at::kChar));
+  at::Tensor d = at::empty({count, 1}, blocks.options().dtype(at::kHalf));
+  const uint8_t* in = blocks.data_ptr<uint8_t>();
+  auto *qs = q.data_ptr<int8_t>(), *scs = sc.data_ptr<int8_t>();
+  auto* ds = reinterpret_cast<uint16_t*>(d.data_ptr<at::Half>());
+  at::parallel_for(0, count, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      q3_k_block(in + b * 110, qs + b * kBlock, scs + b * 16, ds + b);
+    }
+  });
+  return {q, sc, d};
+}
 
 at::Tensor k_quant_codes(const at::Tensor& blocks, bool five) {
   check_rows(blocks, "blocks", at::kByte);

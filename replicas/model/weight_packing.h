@@ -24,4 +24,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q6_k_fields(const at::Tensor& row
 std::tuple<at::Tensor, at::Tensor> pack_six_bit(const at::Tensor& codes, const at::Tensor& sc,
                                                 const at::Tensor& d);
 
+// GGUF Q2_K blocks [B, 84] as float32 [B, 256], bit for bit gguf_dequantize._q2_k's values.
+at::Tensor q2_k_values(const at::Tensor& blocks);
+
+// GGUF Q3_K blocks [B, 110] as their codes [B, 256] (int8 in [-4, 3]), scales [B, 16] (int8)
+// and d [B, 1] (float16), as gguf_dequantize.q3_k_fields takes them.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> q3_k_fields(const at::Tensor& blocks);
+
+// Float32 rows [R, K] as int8 codes round(w / d) and float16 steps d = max|w| / 127 (at least
+// float16's smallest normal) per group of 32 (quant.py's _strata_int8), written as rows
+// first_row.. of the int8 layout: codes [T, K / 4, 64], scales [T, K / 32, 16]. False (the
+// layout partly written) where a step is not a float16 of its full precision.
+bool quantize_int8_into(const at::Tensor& rows, at::Tensor& codes, at::Tensor& scales,
+                        int64_t first_row);
+
 }  // namespace strata_native
