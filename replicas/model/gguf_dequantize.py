@@ -110,7 +110,10 @@ def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
-    """``IQ4_NL`` blocks [B, 18] as float32 [B, 32]: ``d * IQ4_VALUES[q]`` (``iq4_nl_fields``)."""
+    """``IQ4_NL`` blocks [B, 18] as float32 [B, 32]: ``d * IQ4_VALUES[q]`` (``iq4_nl_fields``;
+    one pass of Strata's library where this process has loaded it)."""
+    if _native():
+        return torch.ops.strata_native.iq4_values(blocks.contiguous(), False)
     indices, d = iq4_nl_fields(blocks)
     levels = torch.tensor(IQ4_VALUES, dtype=torch.float32)
     return levels[indices.long()].mul_(d)
@@ -118,7 +121,9 @@ def _iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
 
 def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
     """``IQ4_XS`` blocks [B, 136] as float32 [B, 256]: ``(d (ls - 32)) IQ4_VALUES[q]`` per 32
-    weights (``iq4_xs_fields``)."""
+    weights (``iq4_xs_fields``; one pass of Strata's library where this process has loaded it)."""
+    if _native():
+        return torch.ops.strata_native.iq4_values(blocks.contiguous(), True)
     n = blocks.shape[0]
     indices, scales = iq4_xs_fields(blocks)
     levels = torch.tensor(IQ4_VALUES, dtype=torch.float32)

@@ -555,6 +555,7 @@ TORCH_LIBRARY(strata_native, m) {
         "int q_len, int num_kv_heads, int path=-1, int wave_bytes=-1) -> Tensor",
         &strata_native::rows_attention);
   m.def("decode_attention_path(int requested=-1) -> int", &strata_native::decode_attention_path);
+  m.def("iq4_values(Tensor blocks, bool xs) -> Tensor", &strata_native::iq4_values);
   m.def("q2_k_values(Tensor blocks) -> Tensor", &strata_native::q2_k_values);
   m.def("q3_k_fields(Tensor blocks) -> (Tensor, Tensor, Tensor)", &strata_native::q3_k_fields);
   m.def("quantize_int8_into(Tensor rows, Tensor(a!) codes, Tensor(b!) scales, int first_row) "

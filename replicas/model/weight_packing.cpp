@@ -203,7 +203,51 @@ bool int8_group(const float* w, int8_t* q, c10::Half* d16) {
   return true;
 }
 
+constexpr float kIQ4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                  1,    13,   25,  38,  53,  69,  89,  113};
+
+// 32 weights of IQ4 level indices (16 bytes: weight j < 16 the low nibble of byte j, j + 16
+// its high one) times their scale.
+void iq4_run(const uint8_t* qs, float scale, float* out) {
+  for (int64_t j = 0; j < 16; ++j) {
+    out[j] = kIQ4Levels[qs[j] & 15] * scale;
+    out[j + 16] = kIQ4Levels[qs[j] >> 4] * scale;
+  }
+}
+
+// An IQ4_XS block of 136 bytes as float32 [256]: per 32 weights the scale d (ls - 32), ls's
+// low 4 bits a nibble of bytes 4-7 and its high 2 bits of the uint16 at byte 2.
+void iq4_xs_block(const uint8_t* block, float* out) {
+  const float d = f16_at(block);
+  uint16_t high;
+  std::memcpy(&high, block + 2, 2);
+  for (int64_t ib = 0; ib < 8; ++ib) {
+    const int low = (block[4 + ib / 2] >> (4 * (ib % 2))) & 15;
+    const int ls = (low | (((high >> (2 * ib)) & 3) << 4)) - 32;
+    iq4_run(block + 8 + 16 * ib, d * static_cast<float>(ls), out + 32 * ib);
+  }
+}
+
 }  // namespace
+
+at::Tensor iq4_values(const at::Tensor& blocks, bool xs) {
+  check_rows(blocks, "blocks", at::kByte);
+  const int64_t size = xs ? 136 : 18, weights = xs ? kBlock : kGroup;
+  TORCH_CHECK(blocks.size(1) == size, "IQ4 blocks must be [B, ", size, "], got ", blocks.sizes());
+  at::Tensor values = at::empty({blocks.size(0), weights}, blocks.options().dtype(at::kFloat));
+  const uint8_t* in = blocks.data_ptr<uint8_t>();
+  float* out = values.data_ptr<float>();
+  at::parallel_for(0, blocks.size(0), 256, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      if (xs) {
+        iq4_xs_block(in + b * size, out + b * weights);
+      } else {
+        iq4_run(in + b * size + 2, f16_at(in + b * size), out + b * weights);
+      }
+    }
+  });
+  return values;
+}
 
 bool quantize_int8_into(const at::Tensor& rows, at::Tensor& codes, at::Tensor& scales,
                         int64_t first_row) {

@@ -27,6 +27,10 @@ std::tuple<at::Tensor, at::Tensor> pack_six_bit(const at::Tensor& codes, const a
 // GGUF Q2_K blocks [B, 84] as float32 [B, 256], bit for bit gguf_dequantize._q2_k's values.
 at::Tensor q2_k_values(const at::Tensor& blocks);
 
+// GGUF IQ4_NL blocks [B, 18] as float32 [B, 32], or (`xs`) IQ4_XS blocks [B, 136] as float32
+// [B, 256], bit for bit gguf_dequantize's values.
+at::Tensor iq4_values(const at::Tensor& blocks, bool xs);
+
 // GGUF Q3_K blocks [B, 110] as their codes [B, 256] (int8 in [-4, 3]), scales [B, 16] (int8)
 // and d [B, 1] (float16), as gguf_dequantize.q3_k_fields takes them.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> q3_k_fields(const at::Tensor& blocks);

@@ -1,7 +1,7 @@
 """Strata's library packing weights at load (``weight_packing.cpp``) against the layouts'
 readers written in torch ops: int4 chunks read back by ``_unpack_strata_codes``, a ``Q6_K``
 weight's fields and ``Q3_K``/``Q4_K``/``Q5_K`` codes as torch's ops take them out of their
-blocks, ``Q2_K`` values as gguf-py's, int8 groups rounded as torch's ops round them."""
+blocks, ``Q2_K`` and IQ4 values as gguf-py's, int8 groups rounded as torch's ops round them."""
 
 import numpy as np
 import pytest
@@ -97,3 +97,11 @@ def test_int8_groups_round_as_torch_ops_do():
         broken[7, 40] = bad
         assert int8_groups_reference(broken) is None
         assert not torch.ops.strata_native.quantize_int8_into(broken, packed, scales, 0)
+
+
+@pytest.mark.parametrize(("kind", "xs"), [("IQ4_NL", False), ("IQ4_XS", True)])
+def test_iq4_values_are_gguf_py_values_bit_for_bit(kind, xs):
+    blocks = random_blocks(kind, 64, seed=4)
+    expected = dequantize(blocks, GGMLQuantizationType[kind]).astype(np.float32).reshape(64, -1)
+    got = torch.ops.strata_native.iq4_values(torch.from_numpy(blocks.copy()), xs).numpy()
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
