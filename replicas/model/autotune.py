@@ -23,9 +23,12 @@ candidate's runs. A round's decode steps stop early once they have taken ``DECOD
 least ``MIN_DECODE_STEPS`` of them): a small model's candidates take a
 fraction of a second each as before, and a large model's slow candidates (a dense float32 decode
 step reads every weight: 4 GB for a billion parameters) take a few of their steps, not thirty.
-The first pass times each build (dtype, quantization and int4 kernel) with the native stack
-only, where it has one. The finalists' builds are then timed again in the reverse order, each
-with every stack, each figure the faster of its timings: the first pass's choice, the twins it
+A candidate whose rounds so far price its request at more than ``OUT_OF_THE_RUNNING`` times
+the best one timed before it is timed no further (a dense float32 build of a quantized file,
+say: it can be neither the choice nor a finalist). The first pass times each build (dtype,
+quantization and int4 kernel) with the native stack only, where it has one. The finalists'
+builds are then timed again in the reverse order, each with every stack, each figure the
+faster of its timings: the first pass's choice, the twins it
 was weighed against below, and every candidate within ``FINALIST_MARGIN`` of its request: a
 shared VM's slow stretch can last longer than a candidate's rounds. The eager stack runs the
 native loop's ops with Python between them, so it matters only between builds close enough
@@ -80,6 +83,7 @@ timings it was made from beside every configuration measured.
 
 import contextlib
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -326,6 +330,10 @@ def _measure(
 
 FINALIST_MARGIN = 1.2
 """A candidate whose request costs at most this much more than the choice's is timed again."""
+OUT_OF_THE_RUNNING = 2.0
+"""A candidate whose rounds so far price its request at more than this many times the best one
+timed before it is timed no further: it can be neither the choice nor a finalist
+(``FINALIST_MARGIN``) unless its remaining rounds ran more than this much faster."""
 
 
 def _finalists(timings: Sequence[Timing]) -> list[Candidate]:
@@ -382,13 +390,32 @@ def _timed(
             if candidate[:2] + candidate[3:] != (dtype_name, quantization, kernel):
                 continue
             model.use_native_stack(candidate.stack == "native")
+            price = _Priced(candidate, rests, depth, how.layers)
+            best = min((t.request_s for t in timings.values()), default=math.inf)
+
+            def out(prefill: float, decode: float) -> bool:
+                return price(prefill, decode).request_s > OUT_OF_THE_RUNNING * best  # noqa: B023
+
             # a probe without the LM head, which its rests time once per form
-            timed = time_model(model, dtype, how.timer, how.kv_cache_dtype, rests is None)
-            if rests is not None:
-                timed = at_depth(timed, rests[0], depth, how.layers, rests[1])
-            timings[candidate] = Timing(candidate, *timed)
+            timed = time_model(model, dtype, how.timer, how.kv_cache_dtype, rests is None, out)
+            timings[candidate] = price(*timed)
         del model
     return timings
+
+
+class _Priced(NamedTuple):
+    """A candidate's timing from a model's figures: a probe's priced at the model's depth."""
+
+    candidate: Candidate
+    rests: tuple | None  # rest_and_head's figures where the model is a probe
+    depth: int
+    layers: int | None
+
+    def __call__(self, prefill: float, decode: float) -> Timing:
+        if self.rests is None:
+            return Timing(self.candidate, prefill, decode)
+        priced = at_depth((prefill, decode), self.rests[0], self.depth, self.layers, self.rests[1])
+        return Timing(self.candidate, *priced)
 
 
 def rest_and_head(

@@ -50,9 +50,10 @@ def cache_path() -> Path | None:
     return Path(base) / "strata" / "autotune.json"
 
 
-CHOICE_RULES = 7
+CHOICE_RULES = 8
 """Raised whenever ``autotune.choose`` or the timing changes, so that no cached choice outlives
-the rules it followed (7: candidates timed on a probe, priced at the model's depth)."""
+the rules it followed (7: candidates timed on a probe, priced at the model's depth; 8: a
+candidate out of the running timed no further)."""
 
 
 def cache_key(

@@ -29,11 +29,13 @@ def time_model(
     timer: Callable[[], float] = time.perf_counter,
     kv_cache_dtype: str = "auto",
     logits: bool = True,
+    out: Callable[[float, float], bool] | None = None,
 ) -> tuple[float, float]:
     """(prefill seconds per token, decode seconds per step) of ``model`` computing in
     ``dtype`` (see the module docstring), on random token ids over a block KV cache of
     ``kv_cache_dtype`` (``auto``: ``dtype``); ``logits``: each forward's last row through the
-    LM head too."""
+    LM head too; ``out``: given the figures after a round, whether the candidate is out of the
+    running (then no more rounds are timed)."""
     device = model.tok_embeddings.weight.device
     num_tokens = max(PREFILL_TOKENS, DECODE_CONTEXT_TOKENS) + 1
     num_blocks = -(-num_tokens // _BLOCK_SIZE)
@@ -82,6 +84,8 @@ def time_model(
         ):
             burst.append(timed(*decode_span))
         decodes += burst
+        if out is not None and out(min(prefills) / PREFILL_TOKENS, min(decodes)):
+            break
     return min(prefills) / PREFILL_TOKENS, min(decodes)
 
 

@@ -186,6 +186,27 @@ def test_tune_measures_each_candidate_and_picks_the_stub_clocks_fastest(tmp_path
     assert tune(options, tiny_builder(clock), "other", None, timer=clock).candidate == F32_NONE
 
 
+def test_a_candidate_out_of_the_running_is_timed_for_one_round_only():
+    """After float32's rounds, bfloat16's first round prices it at more than
+    ``OUT_OF_THE_RUNNING`` times float32's request: it gets no second round, and the choice
+    and its figure (every forward costs the same) are what all its rounds would have given."""
+    options = [F32_NONE, BF16_NONE]
+    clock = StubClock({F32_NONE: 0.002, BF16_NONE: 0.010})
+    forwards = {F32_NONE: 0, BF16_NONE: 0}
+
+    def timer() -> float:
+        forwards[clock.current] += 0.5  # two reads of the clock bracket a forward
+        return clock()
+
+    choice = tune(options, tiny_builder(clock), "k", None, timer=timer)
+    assert choice.candidate == F32_NONE
+    by_candidate = {t.candidate: t for t in choice.timings}
+    assert by_candidate[BF16_NONE].decode_s == pytest.approx(0.010)
+    one_round = 1 + autotune.DECODE_REPEATS // autotune.REPEATS  # a prefill and a burst
+    assert forwards[BF16_NONE] == one_round
+    assert forwards[F32_NONE] == autotune.REPEATS * one_round  # every round (no finalist else)
+
+
 def test_the_finalists_are_timed_again_in_reverse_order():
     """A slow stretch of the machine over the first candidate's runs (float32's, 10x) makes
     bfloat16 look faster in both phases; the finalists (bfloat16 and the float32 twin it was

@@ -53,7 +53,7 @@ def test_a_quantized_file_loads_as_measured_and_the_engine_runs_it(monkeypatch, 
     stub = stub_timings()
     built = []
 
-    def stub_time(model, dtype, timer=None, kv_cache_dtype="auto", logits=True):
+    def stub_time(model, dtype, timer=None, kv_cache_dtype="auto", logits=True, out=None):
         quantized = type(model.layers[0].attention.wqkv).__name__ == "QuantizedLinear"
         scheme = model.layers[0].attention.wqkv.scheme if quantized else "none"
         dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
