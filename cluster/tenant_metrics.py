@@ -22,7 +22,7 @@ def tenant_metric_families(replicas: list[ReplicaStats]) -> list[Metric]:
     )
     quota = GaugeMetricFamily(
         "strata_kv_tenant_quota_blocks",
-        "Blocks a tenant may hold before its blocks are evicted first, by pooled tier.",
+        "Blocks a tenant may hold before its blocks are evicted first, by tier.",
         labels=[*by_tenant, "tier"],
     )
     for replica in replicas:

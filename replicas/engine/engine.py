@@ -482,4 +482,4 @@ def _log_start(engine: Engine) -> None:
 def _tenant_stats(kv: KVCacheManager, config: EngineConfig) -> dict[str, TenantStats]:
     """Per tenant: its hits and blocks; named as the config names it, else by a digest."""
     named = config.scheduler_config.prefix_cache_config.named_tenants
-    return tenant_stats(kv.tenants, {"npu": kv.npu, "host": kv.host}, kv.stats.by_tenant, named)
+    return tenant_stats(kv.tenants, kv.views.tenant_holders(), kv.stats.by_tenant, named)

@@ -67,9 +67,17 @@ class BackingWrites:
             return
         cache_type.host.touch([host_id])
         weight = self._weight(host_id, block_hash)
-        batch = cache_type.host.blocks[host_id].batch
+        block = cache_type.host.blocks[host_id]
         copy = BackingCopy(
-            host_id, block_hash, cache_type.name, True, retained_until, weight, self.tier, batch
+            host_id,
+            block_hash,
+            cache_type.name,
+            True,
+            retained_until,
+            weight,
+            self.tier,
+            block.batch,
+            block.tenant,
         )
         self._journal.plan.backing_stores.append(copy)
 
@@ -100,7 +108,6 @@ class BackingWrites:
                 self._journal.stats.tier(self.tier).write_back_skips += 1
                 return
         weight = self._weight(host_id, block_hash)
-        batch = host.blocks[host_id].batch
         copy = BackingCopy(
             host_id,
             block_hash,
@@ -108,7 +115,8 @@ class BackingWrites:
             locked=False,
             weight=weight,
             tier=self.tier,
-            batch=batch,
+            batch=host.blocks[host_id].batch,
+            tenant=host.blocks[host_id].tenant,
         )
         self._journal.plan.backing_stores.append(copy)
 

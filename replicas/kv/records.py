@@ -138,6 +138,7 @@ class BackingCopy(NamedTuple):
     weight: float = 0.0  # a store's hit weight (``replicas.kv.hotness``), kept in its record
     tier: str = "disk"
     batch: bool = False  # a store of a batch block: the tier replaces it before the others
+    tenant: int = 0  # a store's tenant (``replicas.kv.tenants``; 0: nobody's)
 
 
 class TransferPlan(NamedTuple):

@@ -182,10 +182,12 @@ class KVTransfer:
             host = self.host_caches[cache_type]
             if self._copier is not None:
                 self._copier.land_stores_into(cache_type, {c.host_id for c in selected})
-            batch_aware = _takes_batch(type(store))
+            takes = _takes(type(store))
             for copy in selected:
                 block = host[copy.host_id].clone()
-                extra = {"batch": True} if copy.batch and batch_aware else {}
+                extra = {"batch": True} if copy.batch and "batch" in takes else {}
+                if copy.tenant and "tenant" in takes:
+                    extra["tenant"] = copy.tenant
                 store.store(copy.block_hash, block, copy.retained_until, copy.weight, **extra)
 
     def poll_backing(self, timeout: float | None = 0.0) -> list[tuple[BackingCopy, bool]]:
@@ -240,7 +242,7 @@ def _of(copies: tuple[BackingCopy, ...], tier: str, cache_type: str) -> list[Bac
 
 
 @functools.cache
-def _takes_batch(store_type: type) -> bool:
-    """Whether a backing store's ``store`` takes ``batch`` (a plugin's written before it may
-    not)."""
-    return "batch" in inspect.signature(store_type.store).parameters
+def _takes(store_type: type) -> set[str]:
+    """Which of ``batch`` and ``tenant`` a backing store's ``store`` takes (a plugin's written
+    before them may not)."""
+    return {"batch", "tenant"} & set(inspect.signature(store_type.store).parameters)

@@ -6,6 +6,8 @@ replica that reports to a router turns them on); ``CacheViews`` answers the read
 the events, the backing tiers' own changes after the others. Neither mutates a pool.
 """
 
+from typing import Any
+
 from replicas.kv.cache_type import CacheType
 from replicas.kv.events import KVEvent, KVEventKind, KVSnapshot, Tier
 from replicas.kv.hashing import BlockHash
@@ -45,6 +47,17 @@ class CacheViews:
     def usage(self) -> dict[str, CacheTypeUsage]:
         """Blocks per cache type and tier, the primary cache type first."""
         return {c.name: c.usage() for c in self._cache_types}
+
+    def tenant_holders(self) -> dict[str, Any]:
+        """What holds the primary cache type's blocks per tenant, by tier: its pools and the
+        backing stores that keep tenants (each with ``quotas``, a ``TenantQuotas``)."""
+        primary = self._cache_types[0]
+        holders: dict[str, Any] = {"npu": primary.npu, "host": primary.host}
+        for level in primary.backing:
+            tenants = getattr(level.store, "tenants", None)
+            if tenants is not None:
+                holders[str(level.tier)] = tenants
+        return holders
 
     def retention_stats(self) -> dict[str, RetentionStats]:
         """Ghost records, miss-ratio curve and adaptive decisions per cache type (empty without

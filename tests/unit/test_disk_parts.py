@@ -340,3 +340,22 @@ def test_a_retained_slot_used_again_restarts_its_decay():
     slots.touch(key("a"))  # now counts as used at 70 + 100 - t
     clock.now = 99.0
     assert slots.take(key("c"), Heat(0.0, 0.0)).evicted == key("b")
+
+
+def test_a_tenant_over_its_quota_of_own_slots_is_replaced_first():
+    """Tenant 3 holds 2 of 4 slots against a quota of 1: its least recently used block goes
+    before the slab's least recently used one (tenant 2's); within quota again, one LRU. A
+    retained block of a tenant over its quota is skipped as in the LRU."""
+    slots = OwnSlots(4, max_retained=1, clock=Clock(0.0))
+    for name, tenant in zip("abcd", (2, 3, 3, 2)):
+        slots.take(key(name), Heat(0.0, 0.0), tenant=tenant)
+    slots.tenants.set_shares({3: 0.25}, slots.num_slots)
+    assert list(slots.tenants.quotas.over) == [3]
+    slots.retain(key("b"), until=10.0)
+    assert slots.take(key("e"), Heat(0.0, 0.0), tenant=2).evicted == key("c")  # not a, nor b
+    assert slots.tenants.quotas.held == {2: 3, 3: 1} and not slots.tenants.quotas.over
+    assert slots.take(key("f"), Heat(0.0, 0.0)).evicted == key("a")  # one LRU again
+    slots.forget(key("b"))
+    assert slots.tenants.quotas.held == {2: 2, 3: 0}
+    slots.clear()
+    assert slots.tenants.quotas.held == {2: 0, 3: 0}

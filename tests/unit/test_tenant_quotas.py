@@ -101,3 +101,54 @@ def test_tenants_are_exported_by_name_when_the_config_names_them_else_by_digest(
     crawler = frozenset({"replica": "0", "tenant": "crawler", "tier": "npu"}.items())
     assert got[("strata_kv_tenant_quota_blocks", crawler)] == 6  # no host tier: on NPU
     assert got[("strata_kv_tenant_blocks", crawler)] == stats.tenants["crawler"].blocks["npu"]
+
+
+def disk_engine(path, **prefix) -> Engine:
+    """24 NPU and 24 host blocks written through to host, 24 own disk slots (write-back)."""
+    offload = KVOffloadConfig(
+        enabled=True,
+        host_memory_ratio=1.0,
+        write_through_threshold="immediate",
+        disk_path=str(path),
+        disk_bytes=24 * 4 * 2 * 16 * 2 * 64 * 4,  # tiny: 64 KiB a block
+    )
+    return Engine(
+        EngineConfig(
+            model="tiny",
+            num_npu_blocks=24,
+            scheduler_config=SchedulerConfig(
+                prefix_cache_config=PrefixCacheConfig(**prefix), kv_offload_config=offload
+            ),
+        )
+    )
+
+
+@pytest.mark.parametrize("quotas", [None, {"crawler": 0.25}])
+def test_a_flooding_tenant_over_its_disk_quota_replaces_its_own_disk_blocks(tmp_path, quotas):
+    """The session's blocks on disk alone; the crawl's pass through 24 disk slots. Under one
+    LRU they replace the session's; over its quota of 6 slots, the crawler's own."""
+    replica = disk_engine(tmp_path / str(bool(quotas)), shared_prefixes=[SYSTEM])
+    if quotas:
+        replica.kv_cache.set_tenant_quotas(quotas, 0.05)
+    first = run(replica, SESSION, "s0", "app")
+    for _ in range(2):  # host stores land, then their disk stores are handed over
+        replica.core.flush_transfers(wait=True)
+    replica.reset_prefix_cache("npu")
+    replica.reset_prefix_cache("host")
+    for i, doc in enumerate(DOCS):
+        run(replica, doc, f"doc{i}", "crawler")
+    disk = replica.backing["disk"]["full"]
+    assert disk.stats().evictions > 0
+    replica.reset_prefix_cache("npu")
+    replica.reset_prefix_cache("host")
+    turn = run(replica, SESSION, "s1", "app")
+    assert turn.token_ids == first.token_ids
+    crawler = replica.kv_cache.tenants.index("crawler")
+    if quotas:  # read back from disk: the session's own 4 blocks and the shared 2
+        assert turn.num_cached_tokens == 6 * 16
+        assert disk.tenants.quotas.quota == {crawler: 6}
+        exported = replica.stats().tenants.values()  # by digest: the config names no tenant
+        assert any(s.quota_blocks.get("disk") == 6 for s in exported)
+    else:
+        assert turn.num_cached_tokens < 6 * 16  # the case the quota fixes
+    replica.close()

@@ -18,9 +18,11 @@ from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 from replicas.kv.disk.record import NO_HEAT, Heat, Recovered
+from replicas.kv.disk.tenants import SlotTenants
 from replicas.kv.hashing import BlockHash
 from replicas.kv.keyed_heap import KeyedHeap
 from replicas.kv.records import TierUsage
+from replicas.kv.tenants import NO_TENANT
 
 
 class Placement(NamedTuple):
@@ -59,6 +61,7 @@ class OwnSlots:
         self._retained: dict[BlockHash, float] = {}  # key -> deadline on ``clock``
         self._batch: OrderedDict[BlockHash, None] = OrderedDict()  # batch keys, oldest first
         self._deadlines: list[tuple[float, BlockHash]] = []  # heap; stale entries skipped
+        self.tenants = SlotTenants()  # each block's tenant, and the tenants' quotas
 
     def restore(self, found: list[Recovered]) -> None:
         """Take back the blocks the slab held before a restart (oldest generation first): of
@@ -106,6 +109,7 @@ class OwnSlots:
         """Make an own block the most recently used; a use that is not ``batch`` makes it
         ordinary (None: a read, which keeps its class)."""
         self._own.move_to_end(key)
+        self.tenants.used(key)
         if batch is False:
             self._batch.pop(key, None)
         elif key in self._batch:
@@ -119,8 +123,11 @@ class OwnSlots:
             if key in self._retained:
                 self._by_value.add(key, now + self._retained[key])
 
-    def take(self, key: BlockHash, heat: Heat, batch: bool = False) -> Placement:
-        """Give a new key (not held) a slot: a free one, else the evictee's (``_evictee``)."""
+    def take(
+        self, key: BlockHash, heat: Heat, batch: bool = False, tenant: int = NO_TENANT
+    ) -> Placement:
+        """Give a new key (not held), ``tenant``'s block, a slot: a free one, else the
+        evictee's (``_evictee``)."""
         evicted = None
         if self._free:
             slot = self._free.pop()
@@ -132,6 +139,7 @@ class OwnSlots:
         self._own[key] = slot
         if batch:
             self._batch[key] = None
+        self.tenants.held(key, tenant)
         self._generation += 1
         self._heat[key] = heat
         self._use(key)
@@ -144,9 +152,11 @@ class OwnSlots:
         self._heat.pop(key, None)
         self._used.pop(key, None)
         self._by_value.pop(key)
+        self.tenants.dropped(key)
 
     def _evictee(self) -> BlockHash:
         """The own block a store replaces: the least recently used batch one, else the least
+        recently used one of a tenant over its quota (``SlotTenants``), else the least
         recently used ordinary one; retained ones met on the way move to the back. Only when
         every own block is retained, the least recently used of them."""
         if self._retained:
@@ -154,6 +164,9 @@ class OwnSlots:
         batch = next((k for k in self._batch if k not in self._retained), None)
         if batch is not None:
             return batch
+        over_quota = self.tenants.evictee(self._retained)
+        if over_quota is not None:
+            return over_quota
         if self.decay:
             return self._decayed_evictee()
         for _ in range(len(self._own)):
@@ -199,6 +212,7 @@ class OwnSlots:
         self._heat.clear()
         self._used.clear()
         self._by_value.clear()
+        self.tenants.clear()
         self._free = list(range(self.num_slots - 1, -1, -1))
         return keys
 

@@ -7,7 +7,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -19,9 +19,11 @@ from replicas.kv.disk.ranking import HeatRanking
 from replicas.kv.disk.record import Heat, Location, checksum_seed
 from replicas.kv.disk.slab import SlabFile
 from replicas.kv.disk.slots import OwnSlots
+from replicas.kv.disk.tenants import SlotTenants
 from replicas.kv.free_block_queue import DECAY
 from replicas.kv.hashing import BlockHash
 from replicas.kv.records import TierUsage
+from replicas.kv.tenants import NO_TENANT
 
 logger = logging.getLogger(__name__)
 
@@ -153,12 +155,14 @@ class DiskStore:
         retained_until: float = 0.0,
         weight: float = 0.0,
         batch: bool = False,
+        tenant: int = NO_TENANT,
     ) -> BlockHash | None:
         """Write ``block`` (a CPU tensor this store may keep until written) as ``key`` into an
-        own slot, when none is free the least recently used batch one, else ordinary one
-        (``OwnSlots``), with its hit ``weight``, and retain it until ``retained_until`` if
-        given; ``batch``: a block of the batch class, replaced before the others. Returns the
-        key it replaced."""
+        own slot, when none is free the least recently used batch one, else one of a tenant
+        over its quota, else an ordinary one (``OwnSlots``), with its hit ``weight``, and
+        retain it until ``retained_until`` if given; ``batch``: a block of the batch class,
+        replaced before the others; ``tenant``: whose block it is (``replicas.kv.tenants``).
+        Returns the key it replaced."""
         if not self._file.enabled:
             return None
         if key in self._slots:
@@ -166,13 +170,22 @@ class DiskStore:
             self._slots.retain(key, retained_until)
             return None
         heat = Heat(weight, self.wall_clock())
-        slot, generation, evicted = self._slots.take(key, heat, batch)
+        slot, generation, evicted = self._slots.take(key, heat, batch, tenant)
         if evicted is not None:
             self._changes.note(False, evicted)
         self._changes.note(True, key)
         self._io.submit(self._file.write, slot, key, generation, block, heat)
         self._slots.retain(key, retained_until)
         return evicted
+
+    def set_tenant_shares(self, shares: Mapping[int, float]) -> None:
+        """Each tenant's share of the own slab's slots (``replicas.kv.disk.tenants``)."""
+        self._slots.tenants.set_shares(shares, self._slots.num_slots)
+
+    @property
+    def tenants(self) -> SlotTenants:
+        """The own slab's blocks per tenant and the tenants' quotas in slots."""
+        return self._slots.tenants
 
     # ---- hotness (see the package docstring) ---------------------------------------------------
     def set_weight(self, key: BlockHash, weight: float) -> None:
