@@ -124,13 +124,13 @@ def quota_pools(cache_types: "Iterable[CacheType]") -> list["BlockPool"]:
 
 def apply_quotas(cache_types: "Iterable[CacheType]", shares: Mapping[int, float]) -> None:
     """Each tenant's share of the quota pool of every cache type, as its quota in blocks, and
-    of the own slots of every backing store that keeps tenants (the disk tier's:
+    of the own slots of every backing store that keeps tenants (the disk tier's ``tenants``:
     ``replicas.kv.disk.tenants``)."""
     cache_types = list(cache_types)
     for pool in quota_pools(cache_types):
         pool.quotas.set({t: int(share * pool.num_blocks) for t, share in shares.items()})
     for cache_type in cache_types:
         for level in cache_type.backing:
-            set_shares = getattr(level.store, "set_tenant_shares", None)
-            if set_shares is not None:
-                set_shares({t: s for t, s in shares.items() if t != NO_TENANT})
+            tenants = getattr(level.store, "tenants", None)
+            if tenants is not None:
+                tenants.set_shares(shares)

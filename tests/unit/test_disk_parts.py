@@ -349,7 +349,7 @@ def test_a_tenant_over_its_quota_of_own_slots_is_replaced_first():
     slots = OwnSlots(4, max_retained=1, clock=Clock(0.0))
     for name, tenant in zip("abcd", (2, 3, 3, 2)):
         slots.take(key(name), Heat(0.0, 0.0), tenant=tenant)
-    slots.tenants.set_shares({3: 0.25}, slots.num_slots)
+    slots.tenants.set_shares({3: 0.25})
     assert list(slots.tenants.quotas.over) == [3]
     slots.retain(key("b"), until=10.0)
     assert slots.take(key("e"), Heat(0.0, 0.0), tenant=2).evicted == key("c")  # not a, nor b

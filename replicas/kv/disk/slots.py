@@ -61,7 +61,7 @@ class OwnSlots:
         self._retained: dict[BlockHash, float] = {}  # key -> deadline on ``clock``
         self._batch: OrderedDict[BlockHash, None] = OrderedDict()  # batch keys, oldest first
         self._deadlines: list[tuple[float, BlockHash]] = []  # heap; stale entries skipped
-        self.tenants = SlotTenants()  # each block's tenant, and the tenants' quotas
+        self.tenants = SlotTenants(num_slots)  # each block's tenant, and the tenants' quotas
 
     def restore(self, found: list[Recovered]) -> None:
         """Take back the blocks the slab held before a restart (oldest generation first): of

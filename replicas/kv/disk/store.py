@@ -7,7 +7,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -102,6 +102,7 @@ class DiskStore:
         seed = checksum_seed(fingerprint, cache_type)
         self._file = SlabFile(self.directory, seed, self.block_bytes, num_slots)
         self._slots = OwnSlots(num_slots, max_retained, clock, retained_priority == DECAY)
+        self.tenants: SlotTenants = self._slots.tenants  # blocks and quotas per tenant
         self._changes = ChangeLog()
         self._io = ThreadPoolExecutor(1, thread_name_prefix=f"kv-disk-{cache_type}")
         try:
@@ -177,15 +178,6 @@ class DiskStore:
         self._io.submit(self._file.write, slot, key, generation, block, heat)
         self._slots.retain(key, retained_until)
         return evicted
-
-    def set_tenant_shares(self, shares: Mapping[int, float]) -> None:
-        """Each tenant's share of the own slab's slots (``replicas.kv.disk.tenants``)."""
-        self._slots.tenants.set_shares(shares, self._slots.num_slots)
-
-    @property
-    def tenants(self) -> SlotTenants:
-        """The own slab's blocks per tenant and the tenants' quotas in slots."""
-        return self._slots.tenants
 
     # ---- hotness (see the package docstring) ---------------------------------------------------
     def set_weight(self, key: BlockHash, weight: float) -> None:

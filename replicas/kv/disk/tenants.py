@@ -20,7 +20,8 @@ class SlotTenants:
     """Each own block's tenant, each tenant's blocks least recently used first, and the quotas
     (``TenantQuotas``) in slots."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
         self.quotas = TenantQuotas()
         self._tenant: dict[BlockHash, int] = {}
         self._lru: dict[int, OrderedDict[BlockHash, None]] = {}
@@ -50,9 +51,10 @@ class SlotTenants:
         for key in list(self._tenant):
             self.dropped(key)
 
-    def set_shares(self, shares: Mapping[int, float], num_slots: int) -> None:
-        """Each tenant's share of the slab's slots as its quota (replacing every earlier one)."""
-        self.quotas.set({t: int(share * num_slots) for t, share in shares.items()})
+    def set_shares(self, shares: Mapping[int, float]) -> None:
+        """Each tenant's share of the slab's slots as its quota (replacing every earlier one;
+        ``NO_TENANT``'s, the shared pool's, is none)."""
+        self.quotas.set({t: int(share * self.num_slots) for t, share in shares.items()})
 
     def evictee(self, retained: Collection[BlockHash]) -> BlockHash | None:
         """The least recently used block, not ``retained``, of the first tenant over its
