@@ -93,21 +93,25 @@ def test_a_batch_sweep_leaves_an_interactive_sessions_prefix_cached(tier):
     assert turn.num_cached_tokens_in(tier) == turn.num_cached_tokens == 6 * 16
 
 
-def disk_engine(path) -> Engine:
-    """24 NPU blocks, as many host blocks and 24 disk slots; every block written through to
+def disk_offload(path) -> KVOffloadConfig:
+    """As many host blocks as the 24 NPU ones and 24 disk slots; every block written through to
     host and from host to disk."""
-    offload = KVOffloadConfig(
+    return KVOffloadConfig(
         enabled=True,
         host_memory_ratio=1.0,
         write_through_threshold="immediate",
         disk_path=str(path),
         disk_bytes=24 * 4 * 2 * 16 * 2 * 64 * 4,  # tiny: 64 KiB a block
     )
+
+
+def disk_engine(path) -> Engine:
+    """24 NPU blocks, as many host blocks and 24 disk slots (``disk_offload``)."""
     return Engine(
         EngineConfig(
             model="tiny",
             num_npu_blocks=24,
-            scheduler_config=SchedulerConfig(kv_offload_config=offload),
+            scheduler_config=SchedulerConfig(kv_offload_config=disk_offload(path)),
         )
     )
 

@@ -17,6 +17,7 @@ from replicas.kv.tenants import label
 from replicas.sampling_params import SamplingParams
 from tests.unit import engine_runs
 from tests.unit.api.test_metrics import samples
+from tests.unit.test_priority_classes import disk_offload
 
 PARAMS = SamplingParams(max_tokens=2, ignore_eos=True)
 rng = random.Random(4)
@@ -41,9 +42,13 @@ def test_an_over_quota_tenants_blocks_are_evicted_first_least_recent_first():
     pool.check_integrity()
 
 
-def engine(host: bool = False, **prefix) -> Engine:
-    """24 NPU blocks; with ``host``, as many host blocks taking every block NPU evicts."""
-    offload = KVOffloadConfig(enabled=host, host_memory_ratio=1.0 if host else 0.0, write_back=host)
+def engine(host: bool = False, offload: KVOffloadConfig | None = None, **prefix) -> Engine:
+    """24 NPU blocks; with ``host``, as many host blocks taking every block NPU evicts (or the
+    tiers ``offload`` names)."""
+    if offload is None:
+        offload = KVOffloadConfig(
+            enabled=host, host_memory_ratio=1.0 if host else 0.0, write_back=host
+        )
     return Engine(
         EngineConfig(
             model="tiny",
@@ -103,31 +108,11 @@ def test_tenants_are_exported_by_name_when_the_config_names_them_else_by_digest(
     assert got[("strata_kv_tenant_blocks", crawler)] == stats.tenants["crawler"].blocks["npu"]
 
 
-def disk_engine(path, **prefix) -> Engine:
-    """24 NPU and 24 host blocks written through to host, 24 own disk slots (write-back)."""
-    offload = KVOffloadConfig(
-        enabled=True,
-        host_memory_ratio=1.0,
-        write_through_threshold="immediate",
-        disk_path=str(path),
-        disk_bytes=24 * 4 * 2 * 16 * 2 * 64 * 4,  # tiny: 64 KiB a block
-    )
-    return Engine(
-        EngineConfig(
-            model="tiny",
-            num_npu_blocks=24,
-            scheduler_config=SchedulerConfig(
-                prefix_cache_config=PrefixCacheConfig(**prefix), kv_offload_config=offload
-            ),
-        )
-    )
-
-
 @pytest.mark.parametrize("quotas", [None, {"crawler": 0.25}])
 def test_a_flooding_tenant_over_its_disk_quota_replaces_its_own_disk_blocks(tmp_path, quotas):
     """The session's blocks on disk alone; the crawl's pass through 24 disk slots. Under one
     LRU they replace the session's; over its quota of 6 slots, the crawler's own."""
-    replica = disk_engine(tmp_path / str(bool(quotas)), shared_prefixes=[SYSTEM])
+    replica = engine(offload=disk_offload(tmp_path / str(bool(quotas))), shared_prefixes=[SYSTEM])
     if quotas:
         replica.kv_cache.set_tenant_quotas(quotas, 0.05)
     first = run(replica, SESSION, "s0", "app")
