@@ -72,17 +72,25 @@ def time_model(
         synchronize(device)
         return timer() - begin
 
-    decode_span = (DECODE_CONTEXT_TOKENS, DECODE_CONTEXT_TOKENS + 1)
     forward(0, PREFILL_TOKENS)  # warm-up: first-touch of the cache and the kernels' set-up
-    forward(*decode_span)
+    forward(DECODE_CONTEXT_TOKENS, DECODE_CONTEXT_TOKENS + 1)
+    return _rounds(timed, out)
+
+
+def _rounds(
+    timed: Callable[[int, int], float], out: Callable[[float, float], bool] | None
+) -> tuple[float, float]:
+    """``time_model``'s rounds of ``timed`` forwards (start and end positions), each a prefill
+    and a burst of decode steps, until ``REPEATS`` or ``out``: the fastest of each, per token
+    and per step."""
     prefills, decodes = [], []
-    for _ in range(REPEATS):  # rounds, each a prefill and a burst of decode steps
+    for _ in range(REPEATS):
         prefills.append(timed(0, PREFILL_TOKENS))
         burst: list[float] = []
         while len(burst) < DECODE_REPEATS // REPEATS and (
             len(burst) < MIN_DECODE_STEPS or sum(burst) < DECODE_ROUND_S
         ):
-            burst.append(timed(*decode_span))
+            burst.append(timed(DECODE_CONTEXT_TOKENS, DECODE_CONTEXT_TOKENS + 1))
         decodes += burst
         if out is not None and out(min(prefills) / PREFILL_TOKENS, min(decodes)):
             break
