@@ -27,6 +27,17 @@ void check_rows(const at::Tensor& t, const char* what, at::ScalarType type) {
               what, " must be a contiguous 2-d CPU tensor of ", type);
 }
 
+// A row's 32 codes of one group as their low 4 bits in the group's four 64-byte chunks of
+// nibbles (int4's, and the 6-bit layout's first four): byte 4 c + r of chunk o (`group` points
+// at row c's bytes) holds column 8 o + r in its low nibble and 8 o + 4 + r in its high one.
+inline void nibble_chunks(const uint8_t* q, uint8_t* group) {
+  for (int64_t o = 0; o < 4; ++o) {
+    for (int64_t r = 0; r < 4; ++r) {
+      group[o * 64 + r] = (q[8 * o + r] & 15) | ((q[8 * o + 4 + r] & 15) << 4);
+    }
+  }
+}
+
 // Tiles [begin, end) of int4 chunks: per tile, K / 8 chunks of nibbles (byte 4 c + r: row c's
 // column 8 o + r in its low nibble, 8 o + 4 + r in its high one), and with `five` a fifth chunk
 // per group after its four (bit 2 o + h of byte 4 c + r: the fifth bit of row c's column
@@ -41,11 +52,7 @@ void pack_int4_tiles(const uint8_t* codes, uint8_t* out, int64_t k, bool five, i
       for (int64_t g = 0; g < groups; ++g) {
         const uint8_t* q = row + g * kGroup;
         uint8_t* group = tile + g * chunks * 64 + 4 * c;
-        for (int64_t o = 0; o < 4; ++o) {
-          for (int64_t r = 0; r < 4; ++r) {
-            group[o * 64 + r] = (q[8 * o + r] & 15) | ((q[8 * o + 4 + r] & 15) << 4);
-          }
-        }
+        nibble_chunks(q, group);
         if (!five) continue;
         for (int64_t r = 0; r < 4; ++r) {
           uint8_t bits = 0;
@@ -98,11 +105,7 @@ void pack_six_bit_tiles(const uint8_t* codes, const int8_t* sc, const uint16_t* 
       for (int64_t g = 0; g < groups; ++g) {
         uint8_t* group = tile + g * 6 * 64 + 4 * c;
         const uint8_t* x = q + g * kGroup;
-        for (int64_t o = 0; o < 4; ++o) {
-          for (int64_t r = 0; r < 4; ++r) {
-            group[o * 64 + r] = (x[8 * o + r] & 15) | ((x[8 * o + 4 + r] & 15) << 4);
-          }
-        }
+        nibble_chunks(x, group);
         for (int64_t h = 0; h < 2; ++h) {
           for (int64_t r = 0; r < 4; ++r) {
             uint8_t bits = 0;
@@ -158,11 +161,13 @@ inline float f16_at(const uint8_t* bytes) {
 // gguf_dequantize._q2_k's ops round (a product, then a difference).
 void q2_k_block(const uint8_t* block, float* out) {
   const float d = f16_at(block + 80), dmin = f16_at(block + 82);
-  for (int64_t j = 0; j < 256; ++j) {
-    const uint8_t packed = block[j / 16];
-    const float dl = d * static_cast<float>(packed & 15), ml = dmin * static_cast<float>(packed >> 4);
-    const float scaled = static_cast<float>(two_bit(block + 16, j)) * dl;
-    out[j] = scaled - ml;
+  for (int64_t s = 0; s < 16; ++s) {  // runs of 16 weights, a scale and a minimum each
+    const float dl = d * static_cast<float>(block[s] & 15);
+    const float ml = dmin * static_cast<float>(block[s] >> 4);
+    for (int64_t j = 16 * s; j < 16 * s + 16; ++j) {
+      const float scaled = static_cast<float>(two_bit(block + 16, j)) * dl;
+      out[j] = scaled - ml;
+    }
   }
 }
 
