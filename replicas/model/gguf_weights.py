@@ -10,7 +10,8 @@ the model it was turned into). Llama's q and k rows are put back from llama.cpp'
 rotary layout as they are read (``unpermute_rotary``; dequantized by torch in
 ``gguf_dequantize``), and a tensor that one of Strata's layouts holds as stored can be read as
 such (``int4_groups``) for a model that computes with it: the 4- and 5-bit types' codes, IQ4's
-level indices (``iq4``), ``Q6_K``'s and ``Q3_K``'s 6-bit fields (``six_bit``).
+level indices (``iq4``), ``Q6_K``'s and ``Q3_K``'s 6-bit fields (``six_bit``), ``Q2_K``'s
+rows (``two_bit``).
 """
 
 import os
@@ -37,6 +38,7 @@ from replicas.model.registry import build_model, get_architecture
 from replicas.model.six_bit import SixBitRows
 from replicas.model.tensor_names import check_tensor_names
 from replicas.model.transformer import Transformer
+from replicas.model.two_bit import TwoBitRows
 
 # Tensor types dequantized at load; the names are ggml's.
 GGUF_TENSOR_TYPES = (
@@ -67,8 +69,9 @@ _ROTARY_PROJECTIONS = (".attention.wq.", ".attention.wk.")  # our q and k, weigh
 # served at 4 from its float values. int4 holds none of Q2_K (a scale and a minimum per 16
 # weights), Q3_K (a scale per 16) and IQ4's (16 levels that are not evenly spaced): quantized
 # again from their floats they lost 19-38% perplexity on the shipped model (benchmarks/README.md).
-# Under Strata's kernels Q3_K is kept exactly in the 6-bit layout (``q3_k_six_bit``) and IQ4's
-# as their level indices (``iq4``); otherwise, and Q2_K always, they are int8.
+# Under Strata's kernels Q3_K is kept exactly in the 6-bit layout (``q3_k_six_bit``), Q2_K in
+# the 2-bit one (``two_bit``) and IQ4's as their level indices (``iq4``); otherwise they are
+# int8 (the bits below).
 _TYPE_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5}
 _TYPE_BITS |= {"Q5_K": 5, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q3_K": 6, "Q2_K": 8}
 _TYPE_BITS |= {"IQ4_NL": 8, "IQ4_XS": 8}
@@ -114,18 +117,24 @@ class GGUFWeights:
                     values = unpermute_rotary(values, self._head_dim)
                 target[start : start + values.shape[0]].copy_(values)
 
-    def int4_groups(self, name: str) -> Int4Groups | SixBitRows | None:
+    def int4_groups(self, name: str) -> Int4Groups | SixBitRows | TwoBitRows | None:
         """Parameter ``name``'s stored codes where it is stored as ``Q4_0``, ``Q4_1``, ``Q4_K``
         or a 5-bit type (``INT4_STORED_TYPES``) or its level indices (``IQ4_NL``, ``IQ4_XS``:
         ``iq4.iq4_groups``), its fields where it is ``Q6_K`` (Strata's 6-bit
-        product takes them as stored) or ``Q3_K`` (``q3_k_six_bit``: the same values), rows in
-        our order; else None."""
+        product takes them as stored) or ``Q3_K`` (``q3_k_six_bit``: the same values), its
+        rows as stored where it is ``Q2_K`` (for Strata's 2-bit product), rows in our order;
+        else None."""
         tensor = self._tensors.get(name)
         kind = None if tensor is None else tensor.tensor_type.name
-        if kind not in (*INT4_STORED_TYPES, *_SIX_BIT_TYPES, *_LEVEL_TYPES):
+        if kind not in (*INT4_STORED_TYPES, *_SIX_BIT_TYPES, *_LEVEL_TYPES, "Q2_K"):
             return None
         with open(self.path, "rb") as f:
             data = _read_rows(tensor, 0, tensor.data.shape[0], f.fileno())
+        if kind == "Q2_K":
+            two = TwoBitRows(torch.from_numpy(np.require(data, requirements=("C", "W"))))
+            if name in self._rotary:
+                two = two.rows(lambda x: unpermute_rotary(x, self._head_dim))
+            return two
         if kind in _LEVEL_TYPES:
             data = iq4_groups(kind, torch.from_numpy(np.require(data, requirements=("C", "W"))))
         if kind in _SIX_BIT_TYPES:

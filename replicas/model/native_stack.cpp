@@ -566,6 +566,7 @@ TORCH_LIBRARY(strata_native, m) {
   m.def("q6_k_fields(Tensor rows) -> (Tensor, Tensor, Tensor)", &strata_native::q6_k_fields);
   m.def("pack_six_bit(Tensor codes, Tensor sc, Tensor d) -> (Tensor, Tensor)",
         &strata_native::pack_six_bit);
+  m.def("pack_two_bit(Tensor rows) -> (Tensor, Tensor)", &strata_native::pack_two_bit);
   m.class_<DecoderStack>("DecoderStack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double>())
       .def("forward", &DecoderStack::forward);

@@ -60,6 +60,7 @@ SOURCES = tuple(
         "quantized_mm4.cpp",
         "quantized_mm8.cpp",
         "quantized_mm6.cpp",
+        "quantized_mm2.cpp",
         "quantized_mm.h",
         "quantized_rows.h",
         "decode_attention.cpp",

@@ -32,13 +32,14 @@ Strata's own products (``kernel="strata"``; ``replicas/model/quantized_mm.cpp``,
 the native library) keep int4 as ``w = d * q + m`` and int8 as ``w = d * q`` with float16 ``d``
 (and ``m``) per row and group of ``GROUP_SIZE`` in tiles of 16 rows (a ``Q4_K`` weight's own
 6-bit ``sc`` and ``m`` codes under its float16 ``D`` and ``Dmin`` instead; a ``Q6_K`` weight
-as stored, in 6 bits: ``replicas.model.six_bit``), and quantize the
-activations per group to int8, so that a group's product is integer multiply-adds (AVX-512
-VNNI, AVX2 or plain C++, bitwise the same); ``auto`` measures them against torch's under the
-native stack (docs/design.md, "Strata's int4 and int8 products"). The activations take two int8
-passes (the second quantizing what the first left: about 15 bits) or one (8 bits, as llama.cpp
-does, and half the integer work), per projection: ``ACTIVATION_PASSES`` (one for a layer's
-fused gate and up projection, two for the rest; ``quantize_model``).
+as stored, in 6 bits: ``replicas.model.six_bit``; a ``Q2_K`` one in 2: ``two_bit``), and
+quantize the activations per group to int8, so that a group's product is integer
+multiply-adds (AVX-512 VNNI, AVX2 or plain C++, bitwise the same); ``auto`` measures them
+against torch's under the native stack (docs/design.md, "Strata's int4 and int8 products").
+The activations take two int8 passes (the second quantizing what the first left: about 15
+bits) or one (8 bits, as llama.cpp does, and half the integer work), per projection:
+``ACTIVATION_PASSES`` (one for a layer's fused gate and up projection, two for the rest;
+``quantize_model``).
 
 Only linear layers are quantized (every projection of every block and the LM head); the token
 embedding, which is only gathered, stays dense.
@@ -51,6 +52,7 @@ import torch
 from torch import nn
 
 from replicas.model.six_bit import SixBitRows, six_bit_weight, strata_six_bit
+from replicas.model.two_bit import TwoBitRows, strata_two_bit, two_bit_weight
 
 
 class Int4Groups(NamedTuple):
@@ -169,6 +171,18 @@ class QuantizedLinear(nn.Module):
         return cls("int8", k, n, packed, scales, _bias(bias), kernel="strata", passes=passes)
 
     @classmethod
+    def two_bit(
+        cls, parts: Sequence[TwoBitRows], bias: torch.Tensor | None = None, passes: int = 2
+    ) -> "QuantizedLinear":
+        """``Q2_K`` weights as stored (``two_bit.TwoBitRows``, fused by rows) for Strata's 2-bit
+        product, an ``int4`` scheme of two chunks per group (``replicas.model.two_bit``); needs
+        Strata's library."""
+        packed, scales = strata_two_bit(parts)
+        n = sum(p.blocks.shape[0] for p in parts)
+        k = packed.shape[1] // 2 * GROUP_SIZE
+        return cls("int4", k, n, packed, scales, _bias(bias), kernel="strata", passes=passes)
+
+    @classmethod
     def int4(
         cls,
         weight: torch.Tensor | Sequence[torch.Tensor],
@@ -245,6 +259,8 @@ class QuantizedLinear(nn.Module):
             unpack = _strata_int8_weight if self.scheme == "int8" else _strata_int4_weight
             if self.scheme == "int8" and self.scales.dtype == torch.uint8:  # Q6_K as stored
                 unpack = six_bit_weight
+            if self.weight.shape[1] * GROUP_SIZE == 2 * self.in_features:  # Q2_K as stored
+                unpack = two_bit_weight
             return unpack(self.weight, self.scales, self.out_features).to(dtype)
         if self.scheme == "int8":
             return self.weight.to(dtype) * self.scales.to(dtype)[:, None]

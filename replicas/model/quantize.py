@@ -2,7 +2,8 @@
 q/k/v and gate/up fused into one product each, every weight under the scheme asked for, but
 kept at int8 where its file stored it at more than 4 bits or the int4 kernel does not take its
 shape, and built from a GGUF file's stored int4 codes where it has them (and from its
-``Q6_K`` or ``Q3_K`` weights' fields, 6 bits rather than int8's 8, under Strata's kernels)."""
+``Q6_K`` or ``Q3_K`` weights' fields, 6 bits rather than int8's 8, and its ``Q2_K`` weights as
+stored, 2.625 bits, under Strata's kernels)."""
 
 from collections.abc import Callable, Mapping
 
@@ -18,9 +19,11 @@ from replicas.model.quant import (
     int4_fits,
 )
 from replicas.model.six_bit import SixBitRows
+from replicas.model.two_bit import TwoBitRows
 
-StoredCodes = Int4Groups | SixBitRows
-"""A weight's codes as its file stores them: int4 groups, or the 6-bit layout's fields."""
+StoredCodes = Int4Groups | SixBitRows | TwoBitRows
+"""A weight's codes as its file stores them: int4 groups, the 6-bit layout's fields, or a
+``Q2_K`` weight's rows for the 2-bit layout."""
 
 
 def quantize_model(
@@ -96,7 +99,7 @@ def stored_int4_weights(
         names = [f"{prefix}.{module_name}.{part}" for part in parts]
         weight = [getattr(module, part).weight for part in parts]
         if _uses_stored_codes("int4", names, weight, int4_groups, stored_bits or {}, strata) or (
-            strata and _six_bit_rows(names, int4_groups) is not None
+            strata and _stored_fields(names, int4_groups) is not None
         ):
             kept.update(f"{name}.weight" for name in names)
     return kept
@@ -128,16 +131,17 @@ def _uses_stored_codes(
     return _product_scheme(scheme, names, weight, bits) == "int4"
 
 
-def _six_bit_rows(names: list[str], groups: Mapping[str, StoredCodes]) -> list | None:
-    """The 6-bit fields of every weight of the product of ``names`` (a ``Q6_K`` or ``Q3_K``
-    weight's), where they all have them and Strata's library is built here (its 6-bit
-    product), else None."""
+def _stored_fields(names: list[str], groups: Mapping[str, StoredCodes]) -> list | None:
+    """Every weight of the product of ``names`` as its file stores it, where they all have one
+    layout of Strata's library and it is built here: the 6-bit fields (``Q6_K``, ``Q3_K``) or
+    the 2-bit layout's rows (``Q2_K``); else None."""
     from replicas.model import native_stack
 
     stored = [groups.get(f"{n}.weight") for n in names]
-    if not all(isinstance(s, SixBitRows) for s in stored) or native_stack.load_error():
-        return None
-    return stored
+    for layout in (SixBitRows, TwoBitRows):
+        if all(isinstance(s, layout) for s in stored) and not native_stack.load_error():
+            return stored
+    return None
 
 
 def _product_scheme(
@@ -205,9 +209,11 @@ def _quantizer(
             )
         if _product_scheme(scheme, names, weight, bits) == "int4":
             return QuantizedLinear.int4(weight, bias, kernel, passes)
-        six_bit = _six_bit_rows(names, groups) if kernel is None else None
-        if six_bit is not None:  # Q6_K or Q3_K values exactly: 6.5625 bits, not int8's 8.5
-            return QuantizedLinear.six_bit(six_bit, bias, passes)
+        fields = _stored_fields(names, groups) if kernel is None else None
+        if fields is not None and isinstance(fields[0], TwoBitRows):  # Q2_K's: 2.625 bits
+            return QuantizedLinear.two_bit(fields, bias, passes)
+        if fields is not None:  # Q6_K or Q3_K values exactly: 6.5625 bits, not int8's 8.5
+            return QuantizedLinear.six_bit(fields, bias, passes)
         return QuantizedLinear.int8(weight, bias, kernel, passes)
 
     return quantized

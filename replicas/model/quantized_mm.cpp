@@ -32,6 +32,7 @@
 //   IQ4_XS weight's 4-bit indices into its 16 levels take int4's layout as int8 ([N / 16, K / 8,
 //   64]: int4_mm tells it by the codes' type), each index standing for its level + 128 and
 //   m = -128 d, so that q = level + 128 in [1, 241] and w = d * level.
+//   int4_mm also takes a GGUF Q2_K weight as stored, 2.625 bits a weight (quantized_mm2.cpp).
 // - int8: one 64-byte chunk per 4 input columns: byte 4 c + r is row c's column 4 o + r
 //   ([N / 16, K / 4, 64] int8); d per tile and group as [N / 16, K / 32, 16] float16. int8_mm
 //   also takes a GGUF Q6_K weight as stored, 6.5625 bits a weight (quantized_mm6.cpp).
@@ -191,6 +192,12 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
     return quantized_mm(levels, x, codes, scales, out_features, passes, path);
   }
   const bool super = scales.scalar_type() == at::kByte;  // K-quant scales as stored
+  // two chunks per group of 32 columns: a GGUF Q2_K weight as stored (quantized_mm2.cpp)
+  static const Scheme two_bit{"int4_mm", at::kByte, 2, kSuperSlots, kTwoBitKernels, at::kByte,
+                               kTwoBitAmx};
+  if (super && x.dim() == 2 && codes.dim() == 3 && codes.size(1) * kGroup == x.size(1) * 2) {
+    return quantized_mm(two_bit, x, codes, scales, out_features, passes, path);
+  }
   // 5-bit codes (a GGUF Q5 weight's): a fifth chunk per group of 32 columns
   const bool five = x.dim() == 2 && codes.dim() == 3 && codes.size(1) * kGroup == x.size(1) * 5;
   return quantized_mm(schemes[super][five], x, codes, scales, out_features, passes, path);

@@ -13,7 +13,8 @@ int64_t quantized_mm_path(int64_t requested);
 // float32 [M, out_features] (layouts: quantized_mm.cpp, quantized_mm6.cpp).
 // - int4: codes uint8 [N / 16, K / 8, 64], or [N / 16, K / 32 * 5, 64] for 5-bit codes; scales
 //   float16 [N / 16, K / 32, 2, 16] (d, m), or uint8 [N / 16, K / 256, 320] (a Q4_K or Q5_K
-//   weight's as stored).
+//   weight's as stored); or a GGUF Q2_K weight as stored: codes uint8 [N / 16, K / 32 * 2, 64],
+//   scales uint8 [N / 16, K / 256, 320].
 // - int8: codes int8 [N / 16, K / 4, 64], scales float16 [N / 16, K / 32, 16] (d); or a GGUF
 //   Q6_K weight as stored: codes uint8 [N / 16, K / 32 * 6, 64], scales uint8
 //   [N / 16, K / 256, 288].

@@ -226,6 +226,9 @@ constexpr int64_t kSuperHalfs = 160;
 extern const PathKernels kInt4Kernels[2][2];
 extern const PathKernels kInt8Kernels;
 extern const PathKernels kSixBitKernels;
+// The 2-bit layout's (a GGUF Q2_K weight as stored; quantized_mm2.cpp), under int4_mm.
+extern const PathKernels kTwoBitKernels;
+extern const AmxTileKernel kTwoBitAmx;
 // The AMX tile kernels: int4's by [K-quant scales][5-bit codes]; int8's (not the 6-bit layout's).
 extern const AmxTileKernel kInt4Amx[2][2];
 // int4's layout with IQ4's levels in place of its codes (quantized_mm4.cpp: kBits 8).

@@ -1,5 +1,5 @@
-// Packing at load: a weight's codes into the layouts of Strata's int4 and 6-bit products
-// (quantized_mm.cpp, quantized_mm6.cpp), and a GGUF Q6_K weight's fields out of its blocks. Each
+// Packing at load: a weight's codes into the layouts of Strata's int4, 6-bit and 2-bit products
+// (quantized_mm.cpp, quantized_mm6.cpp, quantized_mm2.cpp), and a GGUF Q6_K weight's fields out of its blocks. Each
 // is one pass over the weight, tiles of 16 rows in parallel; replicas/model/quant.py and
 // replicas/model/six_bit.py hold the same packing written in torch ops, which the tests compare
 // these with byte for byte.
@@ -20,6 +20,7 @@ constexpr int64_t kTile = 16;      // rows per tile
 constexpr int64_t kGroup = 32;     // columns per group
 constexpr int64_t kBlock = 256;    // columns per Q6_K block (and per 6-bit D)
 constexpr int64_t kQ6KBytes = 210; // a Q6_K block: ql[128], qh[64], sc[16] (int8), d (float16)
+constexpr int64_t kQ2KBytes = 84;  // a Q2_K block: sc | m [16], qs[64], d, dmin (float16)
 constexpr float kFloat16MinNormal = 0x1p-14f;
 
 void check_rows(const at::Tensor& t, const char* what, at::ScalarType type) {
@@ -167,6 +168,40 @@ void q2_k_block(const uint8_t* block, float* out) {
     for (int64_t j = 16 * s; j < 16 * s + 16; ++j) {
       const float scaled = static_cast<float>(two_bit(block + 16, j)) * dl;
       out[j] = scaled - ml;
+    }
+  }
+}
+
+// Tiles [begin, end) of the 2-bit layout (quantized_mm2.cpp) from Q2_K rows of `blocks` blocks
+// of 84 bytes (sc | m per run of 16 weights, then 64 bytes of codes, d and dmin); rows past `n`
+// are zeros.
+void pack_two_bit_tiles(const uint8_t* rows, int64_t n, int64_t blocks, uint8_t* packed,
+                        uint8_t* scales, int64_t begin, int64_t end) {
+  for (int64_t t = begin; t < end; ++t) {
+    for (int64_t c = 0; c < kTile && t * kTile + c < n; ++c) {
+      const uint8_t* row = rows + (t * kTile + c) * blocks * kQ2KBytes;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* block = row + b * kQ2KBytes;
+        uint8_t* out = scales + (t * blocks + b) * 320;
+        uint16_t dmin;
+        std::memcpy(out + 2 * c, block + 80, 2);
+        std::memcpy(&dmin, block + 82, 2);
+        dmin ^= 0x8000;  // -dmin, exactly
+        std::memcpy(out + 32 + 2 * c, &dmin, 2);
+        for (int64_t s = 0; s < 16; ++s) out[64 + s * kTile + c] = block[s];
+        for (int64_t g = 0; g < kBlock / kGroup; ++g) {
+          uint8_t* group = packed + ((t * blocks + b) * 8 + g) * 2 * 64 + 4 * c;
+          for (int64_t h = 0; h < 2; ++h) {
+            for (int64_t r = 0; r < 4; ++r) {
+              uint8_t bits = 0;
+              for (int64_t w = 0; w < 4; ++w) {
+                bits |= two_bit(block + 16, kGroup * g + 16 * h + 4 * w + r) << (2 * w);
+              }
+              group[h * 64 + r] = bits;
+            }
+          }
+        }
+      }
     }
   }
 }
@@ -380,6 +415,20 @@ std::tuple<at::Tensor, at::Tensor> pack_six_bit(const at::Tensor& codes, const a
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     pack_six_bit_tiles(codes.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), dd, n, k,
                        packed.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), begin, end);
+  });
+  return {packed, scales};
+}
+
+std::tuple<at::Tensor, at::Tensor> pack_two_bit(const at::Tensor& rows) {
+  check_rows(rows, "rows", at::kByte);
+  TORCH_CHECK(rows.size(1) % kQ2KBytes == 0, "Q2_K rows must be whole blocks of 84 bytes");
+  const int64_t n = rows.size(0), blocks = rows.size(1) / kQ2KBytes;
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  at::Tensor packed = at::zeros({tiles, blocks * 16, 64}, rows.options());
+  at::Tensor scales = at::zeros({tiles, blocks, 320}, rows.options());
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    pack_two_bit_tiles(rows.data_ptr<uint8_t>(), n, blocks, packed.data_ptr<uint8_t>(),
+                       scales.data_ptr<uint8_t>(), begin, end);
   });
   return {packed, scales};
 }

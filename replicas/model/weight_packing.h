@@ -24,6 +24,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q6_k_fields(const at::Tensor& row
 std::tuple<at::Tensor, at::Tensor> pack_six_bit(const at::Tensor& codes, const at::Tensor& sc,
                                                 const at::Tensor& d);
 
+// GGUF Q2_K rows [N, K / 256 * 84] (uint8) in the 2-bit product's layout (quantized_mm2.cpp):
+// codes [ceil(N / 16), K / 32 * 2, 64] and scales [ceil(N / 16), K / 256, 320] (uint8), rows
+// past N zeros.
+std::tuple<at::Tensor, at::Tensor> pack_two_bit(const at::Tensor& rows);
+
 // GGUF Q2_K blocks [B, 84] as float32 [B, 256], bit for bit gguf_dequantize._q2_k's values.
 at::Tensor q2_k_values(const at::Tensor& blocks);
 

@@ -230,13 +230,11 @@ def test_new_block_types_hold_the_stated_spread(kind):
     assert abs(values.mean()) < 0.1 * write_gguf.WEIGHT_STD
 
 
-def test_an_int4_build_keeps_q3_k_and_iq4_as_stored_and_q2_k_at_8_bits(
-    tmp_path_factory, monkeypatch
-):
-    """Under Strata's kernels an int4 build serves a ``Q3_K`` weight in the 6-bit layout and an
-    ``IQ4_XS`` one as its level indices (the file's values, never dequantized), and a ``Q2_K``
-    one, which no int4 layout holds, at 8 bits: within half an int8 step of the file's values,
-    where int4 from its floats is off by up to half a fifteenth of a group's range."""
+def test_an_int4_build_keeps_q2_k_q3_k_and_iq4_as_stored(tmp_path_factory, monkeypatch):
+    """Under Strata's kernels an int4 build serves a ``Q2_K`` weight in the 2-bit layout, a
+    ``Q3_K`` one in the 6-bit layout and an ``IQ4_XS`` one as its level indices: the file's
+    values, never dequantized (a ``Q2_K`` file's q/k/v, ``Q2_K`` beside a ``Q3_K`` v, is
+    int8)."""
     for mix, seed in (("Q2_K", 3), ("IQ4_XS", 4)):
         path = _small(tmp_path_factory, mix, seed=seed)
         stored = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
@@ -252,19 +250,18 @@ def test_an_int4_build_keeps_q3_k_and_iq4_as_stored_and_q2_k_at_8_bits(
         gate_up = torch.cat([weights[f"blk.0.ffn_{n}.weight"] for n in ("gate", "up")])
         down = weights["blk.0.ffn_down.weight"]
         never_read = {f"layers.0.feed_forward.{w}.weight" for w in ("w1", "w3", "w2")}
+        assert never_read & set(read) == set()
         if mix == "IQ4_XS":  # every product's indices as stored, d (ls - 32) in float16
             for product, weight in ((ffn.w13, gate_up), (ffn.w2, down)):
                 assert product.scheme == "int4" and product.weight.dtype == torch.int8
                 got = product.dequantized(torch.float32)
                 assert torch.allclose(got, weight, rtol=2**-11, atol=0)
-            assert never_read & set(read) == set()
             continue
-        assert ffn.w13.scheme == "int8" and ffn.w13.scales.dtype == torch.float16
-        per_group = gate_up.view(gate_up.shape[0], -1, 32).abs().amax(-1, keepdim=True)
-        got = ffn.w13.dequantized(torch.float32)
-        error = (got - gate_up).view_as(per_group.expand(-1, -1, 32))
-        step = per_group.clamp(min=127 * 2**-14) / 127  # float16's smallest normal at least
-        assert (error.abs() <= step * (0.5 + 2**-9)).all()
+        for values in gate_up, down:  # Q2_K and Q3_K blocks of the stated spread
+            assert 0.7 < values.std() / write_gguf.WEIGHT_STD < 1.4
+            assert abs(values.mean()) < 0.05 * write_gguf.WEIGHT_STD
+        assert ffn.w13.scheme == "int4" and ffn.w13.weight.shape[1] == SMALL.hidden // 32 * 2
+        assert torch.equal(ffn.w13.dequantized(torch.float32), gate_up)
         assert ffn.w2.scales.dtype == torch.uint8  # ffn_down Q3_K, in 6 bits
         assert torch.equal(ffn.w2.dequantized(torch.float32), down)
-        assert "layers.0.feed_forward.w2.weight" not in read
+        assert net.layers[0].attention.wqkv.scheme == "int8"
