@@ -52,7 +52,7 @@ from replicas.kv.records import (
 from replicas.kv.reservations import NO_RESERVATIONS, ReservationPolicy, Reservations
 from replicas.kv.retention import BlockCosts, PolicyFactory, WriteThrough
 from replicas.kv.tenant_curves import AutoQuotas
-from replicas.kv.tenants import TenantTable, apply_quotas, quota_pools
+from replicas.kv.tenants import TenantTable, apply_quotas, quota_pools, slot_tenants
 from replicas.kv.tiers import BackingStore
 from replicas.kv.type_manager import build_managers
 from replicas.kv.views import CacheViews
@@ -106,7 +106,8 @@ class KVCacheManager:
         for pool in (p for c in self._cache_types for p in c.pools):
             pool.interactive_lifetime_s = interactive_lifetime_s
         self.tenants = TenantTable()  # salt -> tenant, the owner of each cached block
-        self.auto_quotas: AutoQuotas | None = None  # tenant_quotas: auto
+        self.auto_quotas: AutoQuotas | None = None  # tenant_quotas: auto, the quota pool's
+        self.disk_quotas: AutoQuotas | None = None  # and the disk's own slots'
         self._clock = clock
         primary = self._cache_types[0]
         self._journal = journal = Journal()
@@ -225,10 +226,10 @@ class KVCacheManager:
             primary = self._cache_types[0].name
             counts = (self.block_size, primary, prefetched, read)
             count_admission(self.stats, request, match, *counts)
-            if self.auto_quotas is not None:
-                self.auto_quotas.observe(
-                    request.tenant, request.block_hashes[request.num_shared_blocks :]
-                )
+            own = request.block_hashes[request.num_shared_blocks :]
+            for quotas in (self.auto_quotas, self.disk_quotas):
+                if quotas is not None:
+                    quotas.observe(request.tenant, own)
             queries, hits = self.stats.by_tenant.get(request.tenant, (0, 0))
             self.stats.by_tenant[request.tenant] = (
                 queries + request.num_prompt_tokens,
@@ -250,9 +251,10 @@ class KVCacheManager:
         counts (``views.usage``) read this."""
         for cache_type in self._cache_types:
             cache_type.expire_retained()
-        shares = self.auto_quotas.resize() if self.auto_quotas is not None else None
-        if shares is not None:
-            apply_quotas(self._cache_types, shares)
+        for quotas, tier in ((self.auto_quotas, "pool"), (self.disk_quotas, "disk")):
+            shares = quotas.resize() if quotas is not None else None
+            if shares is not None:
+                apply_quotas(self._cache_types, shares, tiers=(tier,))
 
     def take_transfer_plan(self) -> TransferPlan:
         """The copies planned since the last call; the caller must run them (``block_copies``
@@ -321,11 +323,14 @@ class KVCacheManager:
         """Each named tenant (salt) may hold its share of the quota tier's blocks (host, else
         NPU: ``replicas.kv.tenants.quota_pools``) before its blocks are evicted ahead of
         others', replacing earlier quotas; ``"auto"``: shares sized from the tenants' own
-        curves, at least ``min_share`` each (``replicas.kv.tenant_curves``)."""
-        self.auto_quotas = None
+        curves, at least ``min_share`` each (``replicas.kv.tenant_curves``), sampled at the
+        quota pool's capacity for it and at the disk's own slots for the disk's shares."""
+        self.auto_quotas = self.disk_quotas = None
         if shares == "auto":
             capacity = sum(p.num_blocks for p in quota_pools(self._cache_types[:1]))
             self.auto_quotas = AutoQuotas(capacity, min_share)
+            slots = sum(t.num_slots for t in slot_tenants(self._cache_types[:1]))
+            self.disk_quotas = AutoQuotas(slots, min_share) if slots else None
             return
         apply_quotas(self._cache_types, {self.tenants.index(s): q for s, q in shares.items()})
 

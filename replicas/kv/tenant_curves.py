@@ -19,6 +19,9 @@ a time, to the tenant whose next blocks gain the most hits per block (looking as
 the capacity left, so a working set that hits only once whole is seen). A look applies the new
 quotas only when they would gain more than ``MIN_GAIN`` of the hits the current ones give
 (hysteresis), and scales the histograms by ``DECAY``, so the curves follow the recent traffic.
+The quota pool and the disk tier's own slots each have an ``AutoQuotas`` of their own
+(``KVCacheManager.auto_quotas``, ``disk_quotas``), sized and sampled at their capacity: a disk
+many times the host's holds reuse distances the host's curve never tracks.
 """
 
 from bisect import bisect_left

@@ -122,15 +122,25 @@ def quota_pools(cache_types: "Iterable[CacheType]") -> list["BlockPool"]:
     return [c.host if c.host is not None else c.npu for c in cache_types]
 
 
-def apply_quotas(cache_types: "Iterable[CacheType]", shares: Mapping[int, float]) -> None:
-    """Each tenant's share of the quota pool of every cache type, as its quota in blocks, and
-    of the own slots of every backing store that keeps tenants (the disk tier's ``tenants``:
-    ``replicas.kv.disk.tenants``)."""
+def apply_quotas(
+    cache_types: "Iterable[CacheType]",
+    shares: Mapping[int, float],
+    tiers: Collection[str] = ("pool", "disk"),
+) -> None:
+    """Each tenant's share of the quota pool of every cache type, as its quota in blocks
+    (``tiers`` has ``pool``), and of the own slots of every backing store that keeps tenants
+    (``disk``: ``slot_tenants``)."""
     cache_types = list(cache_types)
-    for pool in quota_pools(cache_types):
-        pool.quotas.set({t: int(share * pool.num_blocks) for t, share in shares.items()})
-    for cache_type in cache_types:
-        for level in cache_type.backing:
-            tenants = getattr(level.store, "tenants", None)
-            if tenants is not None:
-                tenants.set_shares(shares)
+    if "pool" in tiers:
+        for pool in quota_pools(cache_types):
+            pool.quotas.set({t: int(share * pool.num_blocks) for t, share in shares.items()})
+    if "disk" in tiers:
+        for tenants in slot_tenants(cache_types):
+            tenants.set_shares(shares)
+
+
+def slot_tenants(cache_types: "Iterable[CacheType]") -> list:
+    """The tenants of the own slots of every backing store that keeps them (the disk tier's
+    ``tenants``: ``replicas.kv.disk.tenants.SlotTenants``)."""
+    found = (getattr(level.store, "tenants", None) for c in cache_types for level in c.backing)
+    return [tenants for tenants in found if tenants is not None]

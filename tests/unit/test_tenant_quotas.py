@@ -137,3 +137,44 @@ def test_a_flooding_tenant_over_its_disk_quota_replaces_its_own_disk_blocks(tmp_
     else:
         assert turn.num_cached_tokens < 6 * 16  # the case the quota fixes
     replica.close()
+
+
+SESSIONS = [SYSTEM + [rng.randrange(256) for _ in range(16 * 4 + 5)] for _ in range(10)]
+MORE_DOCS = [SYSTEM + [rng.randrange(256) for _ in range(16 * 4 + 3)] for _ in range(30)]
+
+
+@pytest.mark.parametrize("quotas", [None, "auto"])
+def test_auto_quotas_size_the_disk_from_a_curve_of_its_own(tmp_path, quotas):
+    """Ten sessions of 4 blocks each seen twice: a reuse distance of about 40 blocks, past the
+    24 host blocks (no host quota can hold them) but within the 96 disk slots. ``auto`` samples
+    a curve at the disk's own size beside the host's, so the sessions get a disk quota that
+    holds them and the crawl (120 blocks, each seen once) replaces its own disk blocks; under
+    one LRU it replaces theirs."""
+    offload = disk_offload(tmp_path).model_copy(update={"disk_bytes": 96 * 4 * 2 * 16 * 2 * 64 * 4})
+    replica = engine(offload=offload, shared_prefixes=[SYSTEM])
+    kv = replica.kv_cache
+    if quotas:
+        kv.set_tenant_quotas(quotas, 0.05)
+        assert (kv.disk_quotas.capacity, kv.auto_quotas.capacity) == (96, 24)
+    firsts = [run(replica, p, f"s{i}", "app") for i, p in enumerate(SESSIONS)]
+    for i, prompt in enumerate(SESSIONS):
+        run(replica, prompt, f"again{i}", "app")
+        replica.core.flush_transfers(wait=True)
+    for i, doc in enumerate(MORE_DOCS):
+        run(replica, doc, f"doc{i}", "crawler")
+    replica.core.flush_transfers(wait=True)
+    disk = replica.backing["disk"]["full"]
+    assert disk.stats().evictions > 0
+    replica.reset_prefix_cache("npu")
+    replica.reset_prefix_cache("host")
+    turns = [run(replica, p, f"t{i}", "app") for i, p in enumerate(SESSIONS)]
+    assert [t.token_ids for t in turns] == [f.token_ids for f in firsts]
+    cached = sum(t.num_cached_tokens for t in turns)
+    if quotas:
+        app, crawler = (kv.tenants.index(t) for t in ("app", "crawler"))
+        assert disk.tenants.quotas.quota[app] >= 40 > kv.auto_quotas.quota.get(app, 0)
+        assert disk.tenants.quotas.quota[crawler] < 8
+        assert cached == 10 * 6 * 16  # every session's 4 blocks and the shared 2, from disk
+    else:
+        assert cached < 10 * 3 * 16  # the case the disk's own curve fixes
+    replica.close()

@@ -1,12 +1,13 @@
 """The own slab's blocks per tenant (``replicas.kv.tenants``) and their quotas there.
 
 A block stored to disk from a host block keeps the host block's tenant (its ``cache_salt``'s
-index on this replica), as it keeps its batch class; the tenants' shares of the quota tier
-(host) apply to the own slab's slots alike. Quotas are soft, as in the pooled tiers: a tenant
-holds more while slots are free, but once the slab is full and a tenant holds more than its
-quota, its least recently used block is replaced first, before any block of a tenant within its
-quota (after the batch blocks, which go before everything). Tenants live in memory only: after a
-restart every block belongs to no tenant.
+index on this replica), as it keeps its batch class; fixed shares of the quota tier (host)
+apply to the own slab's slots alike, and ``auto`` shares are sized for the slab from curves
+sampled at its own size (``KVCacheManager.disk_quotas``). Quotas are soft, as in the pooled
+tiers: a tenant holds more while slots are free, but once the slab is full and a tenant holds
+more than its quota, its least recently used block is replaced first, before any block of a
+tenant within its quota (after the batch blocks, which go before everything). Tenants live in
+memory only: after a restart every block belongs to no tenant.
 """
 
 from collections import OrderedDict
