@@ -61,17 +61,11 @@ def quantize_layer(
     ``int4_groups`` and ``stored_bits`` (a model built a layer at a time quantizes each layer
     as it is read)."""
     quantized = _quantizer(scheme, int4_groups, stored_bits, int4_kernel)
-    strata = int4_kernel == "strata"
     with torch.no_grad():
         for module_name, fused, parts in LAYER_PRODUCTS:
             module = getattr(layer, module_name)
             names = [f"{prefix}.{module_name}.{part}" for part in parts]
             linears = [getattr(module, part) for part in parts]
-            weight = [x.weight for x in linears]
-            if _apart(scheme, names, weight, int4_groups or {}, stored_bits or {}, strata):
-                for part, name, linear in zip(parts, names, linears, strict=True):
-                    setattr(module, part, quantized([name], [linear], ACTIVATION_PASSES[fused]))
-                continue  # the fused product stays None: the parts run one after the other
             setattr(module, fused, quantized(names, linears, ACTIVATION_PASSES[fused]))
             for part in parts:
                 if part != fused:
@@ -104,11 +98,8 @@ def stored_int4_weights(
         module = getattr(layer, module_name)
         names = [f"{prefix}.{module_name}.{part}" for part in parts]
         weight = [getattr(module, part).weight for part in parts]
-        bits = stored_bits or {}
-        if (
-            _uses_stored_codes("int4", names, weight, int4_groups, bits, strata)
-            or (strata and _stored_fields(names, int4_groups) is not None)
-            or _apart("int4", names, weight, int4_groups, bits, strata)
+        if _uses_stored_codes("int4", names, weight, int4_groups, stored_bits or {}, strata) or (
+            strata and _stored_fields(names, int4_groups) is not None
         ):
             kept.update(f"{name}.weight" for name in names)
     return kept
@@ -138,31 +129,6 @@ def _uses_stored_codes(
     ):
         return int4_fits(*_shape(weight))
     return _product_scheme(scheme, names, weight, bits) == "int4"
-
-
-def _apart(
-    scheme: str,
-    names: list[str],
-    weight: list[torch.Tensor],
-    groups: Mapping[str, StoredCodes],
-    bits: Mapping[str, int],
-    strata: bool,
-) -> bool:
-    """Whether the weights of a fused product are served one product each: under Strata's int4
-    kernels, where their stored layouts differ (fused, they would be int8 from their floats, 8.5
-    bits) and each alone is served as stored (a ``Q4_K_M`` layer's ``Q4_K`` q and k beside a
-    ``Q6_K`` v, a ``Q2_K`` file's ``Q2_K`` q and k beside a ``Q3_K`` v)."""
-    if len(names) == 1 or not strata or scheme != "int4":
-        return False
-    if _uses_stored_codes(scheme, names, weight, groups, bits, strata):
-        return False
-    if _stored_fields(names, groups) is not None:
-        return False
-    return all(
-        _uses_stored_codes(scheme, [n], [w], groups, bits, strata)
-        or _stored_fields([n], groups) is not None
-        for n, w in zip(names, weight, strict=True)
-    )
 
 
 def _stored_fields(names: list[str], groups: Mapping[str, StoredCodes]) -> list | None:

@@ -2,8 +2,6 @@
 (``replicas/model/two_bit.py``, ``quantized_mm2.cpp``), against gguf-py's own dequantization
 and a float64 product, bitwise the same on every instruction path and in any batch."""
 
-import copy
-
 import numpy as np
 import pytest
 import torch
@@ -12,7 +10,6 @@ from gguf import GGMLQuantizationType, dequantize
 from replicas.model.gguf_weights import unpermute_rotary
 from replicas.model.quant import QuantizedLinear
 from replicas.model.quantize import StoredCodes, quantize_model
-from replicas.model.six_bit import SixBitRows
 from replicas.model.two_bit import TwoBitRows
 from tests.unit.model.quant_reference import _strata_built, activation_passes  # noqa: F401
 from tests.unit.model.test_six_bit import one_layer_model, product_on_every_path
@@ -93,48 +90,3 @@ def test_an_int4_model_serves_q2_k_products_in_two_bits_and_int8_otherwise():
         if kernel == "strata":
             assert product.weight.shape[1] == 256 // 32 * 2  # two chunks a group
             assert torch.equal(product.dequantized(torch.float32), w13)
-
-
-def test_a_layer_of_mixed_stored_types_runs_a_product_each_natively_as_eagerly():
-    """``Q2_K`` q and k beside a ``Q6_K`` v (a ``Q2_K`` file's layout, ``Q3_K`` v read as 6-bit
-    fields) are three products, each as stored, rather than one int8 product from their
-    floats: the native stack gives the eager model's bits, within the activations' quantization
-    of the same model with float q, k and v products of the file's weights."""
-    from tests.unit.model.test_native_stack import Sequences, run_both
-    from tests.unit.model.test_six_bit import file_weight as q6_k_weight
-    from tests.unit.model.test_six_bit import q6_k_rows
-
-    gen = torch.Generator().manual_seed(9)
-    model = one_layer_model()
-    stored: dict[str, StoredCodes] = {}
-    with torch.no_grad():
-        for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1"):
-            module = model.layers[0].get_submodule(name)
-            n, k = module.weight.shape
-            if name.endswith("wv"):
-                rows = q6_k_rows(n, k, gen)
-                module.weight.copy_(q6_k_weight(rows))
-                stored[f"layers.0.{name}.weight"] = SixBitRows.from_q6_k(rows)
-            else:
-                rows = q2_k_rows(n, k, gen)
-                module.weight.copy_(file_weight(rows))
-                stored[f"layers.0.{name}.weight"] = TwoBitRows(rows)
-    quantize_model(model, "int4", stored, {}, int4_kernel="strata")
-    attention = model.layers[0].attention
-    assert attention.wqkv is None and attention.wv.scales.dtype == torch.uint8
-    assert attention.wq.weight.shape[1] == 256 // 32 * 2
-    model.eval().requires_grad_(False)
-    reference = copy.deepcopy(model)  # q, k and v as float products of the file's weights
-    for part in ("wq", "wk", "wv"):
-        product = getattr(attention, part)
-        dense = torch.nn.Linear(product.in_features, product.out_features, bias=False)
-        dense.weight.data = product.dequantized(torch.float32)
-        setattr(reference.layers[0].attention, part, dense)
-    seqs = Sequences(2, seed=2)
-    seqs.tokens %= model.args.vocab_size
-    batches = [seqs.batch([(0, 0, 40)]), seqs.batch([(0, 40, 41), (1, 0, 20)])]
-    outputs, _ = run_both(model, 2, batches)
-    floats, _ = run_both(reference, 2, batches)
-    for eager, native, dense in zip(outputs["eager"], outputs["native"], floats["eager"]):
-        assert torch.equal(eager, native)
-        torch.testing.assert_close(eager, dense, rtol=0, atol=1e-4 * dense.abs().max())
