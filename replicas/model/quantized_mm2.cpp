@@ -40,11 +40,6 @@ inline const uint16_t* block_d(const uint16_t* scales, int64_t g) {
   return scales + (g / kBlockGroups) * kBlockHalfs;
 }
 
-// The activation codes' sum over half h of group g, pass p, row r.
-inline int32_t activation_sum(const QuantizedRows& q, int p, int64_t at, int h) {
-  return h == 0 ? q.half_sums[p][at] : q.code_sums[p][at] - q.half_sums[p][at];
-}
-
 // Both halves' sums (each within int16: at most 16 * 127) as an int16 pair, for vpmaddwd.
 inline int32_t activation_pair(const QuantizedRows& q, int p, int64_t at) {
   const auto low = static_cast<uint16_t>(activation_sum(q, p, at, 0));
@@ -84,10 +79,6 @@ void two_tile_scalar(const uint8_t* codes, const uint16_t* scales, const Quantiz
     }
     std::memcpy(out + (r - r0) * out_stride, acc, sizeof(acc));
   }
-}
-
-__attribute__((target("avx2"))) inline __m256i load_avx2(const uint8_t* p) {
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 
 // AVX2: rows 8 h2 .. 8 h2 + 7 of a tile are the h2-th 32 bytes of each chunk. A half's four
@@ -159,21 +150,21 @@ __attribute__((target("avx2,fma,f16c"))) void two_tile_avx2_row(const uint8_t* c
 
 void two_tile_avx2(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q,
                    int64_t r0, int64_t n, float* out, int64_t out_stride) {
-  for (int64_t r = 0; r < n; ++r) {
-    if (q.passes == 1) {
-      two_tile_avx2_row<1>(codes, scales, q, r0 + r, out + r * out_stride);
-    } else {
-      two_tile_avx2_row<2>(codes, scales, q, r0 + r, out + r * out_stride);
-    }
-  }
+  each_row(n, q.passes, [&](int64_t r, auto passes) {
+    two_tile_avx2_row<decltype(passes)::value>(codes, scales, q, r0 + r, out + r * out_stride);
+  });
 }
 
 STRATA_VNNI inline __m512i runs_avx512(const uint8_t* p) {
   return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-STRATA_VNNI inline __m512 halves_avx512(const uint16_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+// A group's float steps for one pass, the same on every path: acc + T (d dx) + M (-dmin dx).
+STRATA_VNNI inline __m512 float_steps(__m512 acc, __m512i t, __m512i m, __m512 d, __m512 nmin,
+                                      float dx) {
+  const __m512 dxv = _mm512_set1_ps(dx);
+  acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(d, dxv)));
+  return _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_mul_ps(nmin, dxv)));
 }
 
 // Group g's (sc_0, sc_1) and (m_0, m_1) per row as int16 pairs, for vpmaddwd.
@@ -236,9 +227,7 @@ STRATA_VNNI void two_tile_vnni_rows(const uint8_t* codes, const uint16_t* scales
                                                        _mm512_slli_epi32(s[i][p][1], 16));
         const __m512i t = _mm512_madd_epi16(halves, sc);
         const __m512i m = _mm512_madd_epi16(_mm512_set1_epi32(activation_pair(q, p, at)), mn);
-        const __m512 dx = _mm512_set1_ps(q.dx[p][at]);
-        acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(d, dx)));
-        acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_mul_ps(nmin, dx)));
+        acc[i] = float_steps(acc[i], t, m, d, nmin, q.dx[p][at]);
       }
     }
   }
@@ -308,9 +297,7 @@ STRATA_AMX void two_tile_amx(const uint8_t* codes, const uint16_t* scales, const
         for (int p = 0; p < P; ++p) {
           const __m512i t = _mm512_load_si512(sums[p][i]);
           const __m512i m = _mm512_madd_epi16(_mm512_set1_epi32(activation_pair(q, p, at)), mn);
-          const __m512 dx = _mm512_set1_ps(q.dx[p][at]);
-          acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(d, dx)));
-          acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_mul_ps(nmin, dx)));
+          acc[i] = float_steps(acc[i], t, m, d, nmin, q.dx[p][at]);
         }
       }
     }

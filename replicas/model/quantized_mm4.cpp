@@ -251,10 +251,6 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_rows(const uint8_t* code
 // multiply-adds do not wait on each other.
 
 // 16 float16 values, and 16 bytes, as floats (AVX-512).
-STRATA_VNNI inline __m512 halves_avx512(const uint16_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 STRATA_VNNI inline __m512 bytes_avx512(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }

@@ -40,11 +40,6 @@ inline const uint16_t* block_d(const uint16_t* scales, int64_t g) {
   return scales + (g / kBlockGroups) * kBlockHalfs;
 }
 
-// The activation codes' sum over half h of group g, pass p, row r.
-inline int32_t activation_sum(const QuantizedRows& q, int p, int64_t at, int h) {
-  return h == 0 ? q.half_sums[p][at] : q.code_sums[p][at] - q.half_sums[p][at];
-}
-
 void six_tile_scalar(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q,
                      int64_t r0, int64_t n, float* out, int64_t out_stride) {
   const int64_t k = q.groups * kGroup;
@@ -84,10 +79,6 @@ void six_tile_scalar(const uint8_t* codes, const uint16_t* scales, const Quantiz
     }
     std::memcpy(out + (r - r0) * out_stride, acc, sizeof(acc));
   }
-}
-
-__attribute__((target("avx2"))) inline __m256i load_avx2(const uint8_t* p) {
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 
 // AVX2: rows 8 h2 .. 8 h2 + 7 of a tile are the h2-th 32 bytes of each chunk. vpmaddubsw's
@@ -172,21 +163,13 @@ __attribute__((target("avx2,fma,f16c"))) void six_tile_avx2_row(const uint8_t* c
 
 void six_tile_avx2(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& q,
                    int64_t r0, int64_t n, float* out, int64_t out_stride) {
-  for (int64_t r = 0; r < n; ++r) {
-    if (q.passes == 1) {
-      six_tile_avx2_row<1>(codes, scales, q, r0 + r, out + r * out_stride);
-    } else {
-      six_tile_avx2_row<2>(codes, scales, q, r0 + r, out + r * out_stride);
-    }
-  }
+  each_row(n, q.passes, [&](int64_t r, auto passes) {
+    six_tile_avx2_row<decltype(passes)::value>(codes, scales, q, r0 + r, out + r * out_stride);
+  });
 }
 
 STRATA_VNNI inline __m512i sc_avx512(const int8_t* p) {
   return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-STRATA_VNNI inline __m512 halves_avx512(const uint16_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // AVX-512 VNNI: one register holds the tile's 16 rows for 8 columns; per row, pass and half,

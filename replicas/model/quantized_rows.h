@@ -138,7 +138,32 @@ QuantizedRows quantize_rows(const at::Tensor& x, int passes) {
 
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
+// The activation codes' sum over half h (16 columns) of a group, pass p, at row r and group g
+// (`at` = r * groups + g): the 6-bit and 2-bit layouts' scales are per half.
+inline int32_t activation_sum(const QuantizedRows& q, int p, int64_t at, int h) {
+  return h == 0 ? q.half_sums[p][at] : q.code_sums[p][at] - q.half_sums[p][at];
+}
+
+__attribute__((target("avx2"))) inline __m256i load_avx2(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// Rows [r0, r0 + n), one at a time, through `row(r, passes)` with q's passes as a constant (the
+// AVX2 kernels of the 6-bit and 2-bit layouts take a row at a time).
+template <typename Row>
+void each_row(int64_t n, int passes, const Row& row) {
+  for (int64_t r = 0; r < n; ++r) {
+    if (passes == 1) row(r, std::integral_constant<int, 1>{});
+    else row(r, std::integral_constant<int, 2>{});
+  }
+}
+
 #define STRATA_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
+
+// 16 float16 values as float32.
+STRATA_VNNI inline __m512 halves_avx512(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 #define STRATA_AMX \
   __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 #define STRATA_UNROLLED_16 _Pragma("GCC unroll 16")

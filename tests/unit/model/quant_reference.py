@@ -24,6 +24,16 @@ def strata_reference(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
     return y if layer.bias is None else y + layer.bias.double()
 
 
+def weight_reference(weight: torch.Tensor, x: torch.Tensor, passes: int) -> torch.Tensor:
+    """What a product of a float ``weight`` [N, K] held exactly computes: the float64 sum over
+    ``x`` quantized in ``passes`` as the kernels quantize it (``activation_passes``)."""
+    w = weight.double().view(weight.shape[0], -1, GROUP_SIZE)
+    return sum(
+        torch.einsum("ngk,rgk->rng", w, qx.double()) * dx.double()[:, None, :]
+        for qx, dx in activation_passes(x, passes)
+    ).sum(-1)
+
+
 def activation_passes(x: torch.Tensor, passes: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """x [R, K] quantized per group of 32 in ``passes`` int8 passes as Strata's kernels do it
     in float32: per pass, codes [R, K / 32, 32] and ``dx`` [R, K / 32]."""

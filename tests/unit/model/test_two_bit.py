@@ -11,7 +11,7 @@ from replicas.model.gguf_weights import unpermute_rotary
 from replicas.model.quant import QuantizedLinear
 from replicas.model.quantize import StoredCodes, quantize_model
 from replicas.model.two_bit import TwoBitRows
-from tests.unit.model.quant_reference import _strata_built, activation_passes  # noqa: F401
+from tests.unit.model.quant_reference import _strata_built, weight_reference  # noqa: F401
 from tests.unit.model.test_six_bit import one_layer_model, product_on_every_path
 
 pytestmark = pytest.mark.skipif("not _strata_built()", reason="no native library here")
@@ -48,11 +48,7 @@ def test_two_bit_keeps_a_q2_k_weight_exactly_and_multiplies_bitwise_on_every_pat
     assert torch.equal(layer.dequantized(torch.float32), weight)
     x = torch.randn(20, k, generator=gen) * torch.linspace(0.01, 30, k)  # AMX takes 16
     out = product_on_every_path(torch.ops.strata_native.int4_mm, x, layer)
-    w = weight.double().view(n, -1, 32)
-    expected = sum(
-        torch.einsum("ngk,rgk->rng", w, qx.double()) * dx.double()[:, None, :]
-        for qx, dx in activation_passes(x, passes)
-    ).sum(-1)
+    expected = weight_reference(weight, x, passes)
     torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-5 * expected.abs().max())
 
 
