@@ -81,6 +81,37 @@ void two_tile_scalar(const uint8_t* codes, const uint16_t* scales, const Quantiz
   }
 }
 
+// AVX2: group g's float steps (float_steps' order) for rows 8 h2 .. 8 h2 + 7 of a tile, from the
+// halves' sums s[pass][half].
+template <int P>
+__attribute__((target("avx2,fma,f16c"))) inline __m256 float_steps_avx2(
+    __m256 acc, const __m256i (*s)[2], const uint16_t* scales, const QuantizedRows& q, int64_t g,
+    int64_t at, int h2) {
+  __m256i sc[2], mn[2];
+  STRATA_UNROLLED
+  for (int h = 0; h < 2; ++h) {
+    const __m256i runs = _mm256_cvtepu8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(half_runs(scales, g, h) + 8 * h2)));
+    sc[h] = _mm256_and_si256(runs, _mm256_set1_epi32(15));
+    mn[h] = _mm256_srli_epi32(runs, 4);
+  }
+  const uint16_t* d = block_d(scales, g) + 8 * h2;
+  const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d)));
+  const __m256 nmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + kTile)));
+  STRATA_UNROLLED
+  for (int p = 0; p < P; ++p) {
+    const __m256i t = _mm256_add_epi32(_mm256_mullo_epi32(sc[0], s[p][0]),
+                                       _mm256_mullo_epi32(sc[1], s[p][1]));
+    const __m256i m =
+        _mm256_add_epi32(_mm256_mullo_epi32(mn[0], _mm256_set1_epi32(activation_sum(q, p, at, 0))),
+                         _mm256_mullo_epi32(mn[1], _mm256_set1_epi32(activation_sum(q, p, at, 1))));
+    const __m256 dx = _mm256_set1_ps(q.dx[p][at]);
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dv, dx)));
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_mul_ps(nmin, dx)));
+  }
+  return acc;
+}
+
 // AVX2: rows 8 h2 .. 8 h2 + 7 of a tile are the h2-th 32 bytes of each chunk. A half's four
 // vpmaddubsw pairs add up in int16 (at most 4 * 2 * 3 * 127) before widening (vpmaddwd).
 template <int P>
@@ -90,7 +121,6 @@ __attribute__((target("avx2,fma,f16c"))) void two_tile_avx2_row(const uint8_t* c
                                                                int64_t r, float* out) {
   const int64_t k = q.groups * kGroup;
   const __m256i pair = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
-  const __m256i low_nibble = _mm256_set1_epi32(15);
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t g = 0; g < q.groups; ++g) {
     const uint8_t* group = codes + g * kChunks * 64;
@@ -119,29 +149,7 @@ __attribute__((target("avx2,fma,f16c"))) void two_tile_avx2_row(const uint8_t* c
         STRATA_UNROLLED
         for (int p = 0; p < P; ++p) s[p][h] = _mm256_madd_epi16(pairs[p], ones);
       }
-      __m256i sc[2], mn[2];
-      STRATA_UNROLLED
-      for (int h = 0; h < 2; ++h) {
-        const __m256i runs = _mm256_cvtepu8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(half_runs(scales, g, h) + 8 * h2)));
-        sc[h] = _mm256_and_si256(runs, low_nibble);
-        mn[h] = _mm256_srli_epi32(runs, 4);
-      }
-      const uint16_t* d = block_d(scales, g) + 8 * h2;
-      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d)));
-      const __m256 nmin =
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + kTile)));
-      STRATA_UNROLLED
-      for (int p = 0; p < P; ++p) {
-        const __m256i t = _mm256_add_epi32(_mm256_mullo_epi32(sc[0], s[p][0]),
-                                           _mm256_mullo_epi32(sc[1], s[p][1]));
-        const __m256i m =
-            _mm256_add_epi32(_mm256_mullo_epi32(mn[0], _mm256_set1_epi32(activation_sum(q, p, at, 0))),
-                             _mm256_mullo_epi32(mn[1], _mm256_set1_epi32(activation_sum(q, p, at, 1))));
-        const __m256 dx = _mm256_set1_ps(q.dx[p][at]);
-        acc[h2] = _mm256_add_ps(acc[h2], _mm256_mul_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dv, dx)));
-        acc[h2] = _mm256_add_ps(acc[h2], _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_mul_ps(nmin, dx)));
-      }
+      acc[h2] = float_steps_avx2<P>(acc[h2], s, scales, q, g, at, h2);
     }
   }
   _mm256_storeu_ps(out, acc[0]);
