@@ -10,14 +10,15 @@ tokens, the same tokens for all three. The three streams are merged in a seeded 
 that keeps each stream's own order. The NPU tier holds ``npu_sessions`` agent sessions (at their
 longest); the host tier, ``host_memory_ratio`` x that, a few more; it stores every block the NPU
 tier evicts (write-back), so the sweep, many times both tiers, floods host as well as NPU.
-Four engines serve the identical sequence, taking turns request by request (the order
+Five engines serve the identical sequence, taking turns request by request (the order
 rotates): ``one-lru`` (no tenant classes: one LRU per tier), ``batch-class``
 (``batch_tenants: [batch]``: the sweep's blocks are evicted before the others') and
 ``batch-class+shared`` (also ``shared_prefixes: [the system prompt]``: one copy of it for all
-tenants); and ``auto-quotas`` (no classes; ``tenant_quotas: auto``: each tenant's share of the
-host tier sized from its own miss-ratio curve each time a capacity's worth of blocks was looked
-up, its blocks evicted first past it).
-Greedy first tokens must be the same in all four (the correctness reference). The hit rate an
+tenants); ``fixed-quotas`` (no classes; ``tenant_quotas`` set by hand, ``FIXED_QUOTAS``: agent
+0.6 of the host tier, batch and sporadic 0.2 each) and ``auto-quotas`` (no classes;
+``tenant_quotas: auto``: each tenant's share of the host tier sized from its own miss-ratio
+curve each time a capacity's worth of blocks was looked up, its blocks evicted first past it).
+Greedy first tokens must be the same in all five (the correctness reference). The hit rate an
 unbounded cache would reach on the same sequence is each tenant's ceiling.
 """
 
@@ -43,12 +44,13 @@ from cluster import LLM, KVOffloadConfig, PrefixCacheConfig
 from replicas.model.resolve import DEFAULT_MODEL
 
 NAME = "tenants"
-VARIANTS = ("one-lru", "batch-class", "batch-class+shared", "auto-quotas")
+VARIANTS = ("one-lru", "batch-class", "batch-class+shared", "fixed-quotas", "auto-quotas")
 TENANTS = ("agent", "batch", "sporadic")
 AGENT_CEILING_SHARE_TARGET = 0.9  # batch-class agent hit rate / its unbounded ceiling
 AGENT_OVER_ONE_LRU_TARGET = 1.25  # batch-class agent hit rate / one-lru's
 TOTAL_OVER_ONE_LRU_TARGET = 1.0  # batch-class total hit rate / one-lru's
 CURVE_SHARE_TARGET = 0.9  # auto-quotas: a tenant's hit rate / what its curve predicts there
+FIXED_QUOTAS = {"agent": 0.6, "batch": 0.2, "sporadic": 0.2}  # fixed-quotas: shares by hand
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +179,7 @@ def build_engines(
             prefix_cache=PrefixCacheConfig(
                 batch_tenants=["batch"] if name.startswith("batch-class") else [],
                 shared_prefixes=[system] if name == "batch-class+shared" else [],
-                tenant_quotas="auto" if name == "auto-quotas" else {},
+                tenant_quotas={"auto-quotas": "auto", "fixed-quotas": FIXED_QUOTAS}.get(name, {}),
             ),
         )
         for name in names
@@ -401,7 +403,7 @@ def _plot(summaries: dict, ceilings: dict, served: dict, requests: list[Request]
     figure, (left, right) = new_figure(2)
     width = 0.8 / len(VARIANTS)
     for v, name in enumerate(VARIANTS):
-        xs = [t + (v - 1) * width for t in range(len(TENANTS) + 1)]
+        xs = [t + (v - (len(VARIANTS) - 1) / 2) * width for t in range(len(TENANTS) + 1)]
         rates = [summaries[name][tenant]["hit_rate"] for tenant in [*TENANTS, "total"]]
         left.bar(xs, rates, width, label=name)
     ceiling = [ceilings["salted"][tenant] for tenant in [*TENANTS, "total"]]

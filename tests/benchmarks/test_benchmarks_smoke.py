@@ -240,6 +240,7 @@ EXPECTED = {
         "variants.one-lru.agent.p50_ttft_s",
         "variants.batch-class.batch.p99_ttft_s",
         "variants.batch-class+shared.total.mean_ttft_s",
+        "variants.fixed-quotas.agent.hit_rate",
     ],
 }
 ARGS = {"tenants": ("--model", "tiny")}  # extra options of a scenario's quick run
