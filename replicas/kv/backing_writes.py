@@ -99,8 +99,9 @@ class BackingWrites:
         host = cache_type.host
         host.expire()  # as allocation will: the block it takes next
         host_id = host.next_to_allocate()
-        block_hash = host.blocks[host_id].block_hash if host_id is not None else None
-        if block_hash is None or self._store.contains(block_hash):
+        block = host.blocks[host_id] if host_id is not None else None
+        block_hash = block.block_hash if block is not None else None
+        if block is None or block_hash is None or self._store.contains(block_hash):
             return
         if not self._rules.write_back:
             read_s = self._store.read_seconds_per_block()
@@ -115,8 +116,8 @@ class BackingWrites:
             locked=False,
             weight=weight,
             tier=self.tier,
-            batch=host.blocks[host_id].batch,
-            tenant=host.blocks[host_id].tenant,
+            batch=block.batch,
+            tenant=block.tenant,
         )
         self._journal.plan.backing_stores.append(copy)
 

@@ -15,7 +15,7 @@ ordinary LRU, never to one over it.
 
 from collections.abc import Collection, Iterable, Mapping
 from hashlib import blake2b
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from replicas.kv.block_pool import BlockPool
@@ -142,5 +142,10 @@ def apply_quotas(
 def slot_tenants(cache_types: "Iterable[CacheType]") -> list:
     """The tenants of the own slots of every backing store that keeps them (the disk tier's
     ``tenants``: ``replicas.kv.disk.tenants.SlotTenants``)."""
-    found = (getattr(level.store, "tenants", None) for c in cache_types for level in c.backing)
-    return [tenants for tenants in found if tenants is not None]
+    return [tenants for c in cache_types for tenants in backing_tenants(c).values()]
+
+
+def backing_tenants(cache_type: "CacheType") -> dict[str, Any]:
+    """A cache type's backing stores that keep tenants, their ``tenants`` by tier."""
+    found = {str(level.tier): getattr(level.store, "tenants", None) for level in cache_type.backing}
+    return {tier: tenants for tier, tenants in found.items() if tenants is not None}

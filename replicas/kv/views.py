@@ -13,6 +13,7 @@ from replicas.kv.events import KVEvent, KVEventKind, KVSnapshot, Tier
 from replicas.kv.hashing import BlockHash
 from replicas.kv.records import CacheTypeUsage
 from replicas.kv.retention import RetentionStats
+from replicas.kv.tenants import backing_tenants
 
 
 class EventLog:
@@ -52,12 +53,7 @@ class CacheViews:
         """What holds the primary cache type's blocks per tenant, by tier: its pools and the
         backing stores that keep tenants (each with ``quotas``, a ``TenantQuotas``)."""
         primary = self._cache_types[0]
-        holders: dict[str, Any] = {"npu": primary.npu, "host": primary.host}
-        for level in primary.backing:
-            tenants = getattr(level.store, "tenants", None)
-            if tenants is not None:
-                holders[str(level.tier)] = tenants
-        return holders
+        return {"npu": primary.npu, "host": primary.host, **backing_tenants(primary)}
 
     def retention_stats(self) -> dict[str, RetentionStats]:
         """Ghost records, miss-ratio curve and adaptive decisions per cache type (empty without

@@ -139,8 +139,8 @@ def _stored_fields(names: list[str], groups: Mapping[str, StoredCodes]) -> list 
 
     stored = [groups.get(f"{n}.weight") for n in names]
     for layout in (SixBitRows, TwoBitRows):
-        if all(isinstance(s, layout) for s in stored) and not native_stack.load_error():
-            return stored
+        if all(isinstance(s, layout) for s in stored):
+            return None if native_stack.load_error() else stored
     return None
 
 
