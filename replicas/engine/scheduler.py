@@ -12,7 +12,9 @@ preemption.
 
 With a disk tier, a waiting request whose prefix continues on disk first has those blocks read
 into host blocks (``DiskOnboarding.onboard``); it keeps its place in the queue meanwhile and the
-requests behind it are admitted past it (at most ``RESERVE_LOOKAHEAD`` of them wait so).
+requests behind it are admitted past it (at most ``RESERVE_LOOKAHEAD`` of them wait so). A
+waiting request whose next prompt block a running request's prefill is computing (the prompts
+share it) waits the same way, for that block to be cached, instead of computing it again.
 
 With ``speculative_ngram`` K > 0, a running request in decode whose sampling parameters allow
 it (``SamplingParams.can_speculate``) is scheduled with up to K draft tokens after its last
@@ -165,6 +167,11 @@ class Scheduler:
                     break
                 continue
             match = self.kv_cache.match_prefix(request, limit)
+            if self._computing(request, match.num_blocks, limit):
+                position += 1  # its next block is being computed: it waits for it
+                if position >= RESERVE_LOOKAHEAD:
+                    break
+                continue
             num_computed = match.num_tokens(self.kv_cache.block_size)
             num_new = request.num_tokens - num_computed
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -184,6 +191,26 @@ class Scheduler:
                 break
             batch_waits = True  # the interactive requests behind it go on
             position += 1
+
+    def _computing(self, request: Request, num_matched: int, limit: int | None) -> bool:
+        """Whether the next block of a waiting request's prompt, past its ``num_matched``
+        cached ones, is one a running request's prefill computes in this step or a later one:
+        the two prompts share it (its hash), so the waiting request waits to find it cached
+        instead of computing it too (two requests of one new prefix arriving together, or
+        one arriving while another computes or pulls it)."""
+        block_size = self.kv_cache.block_size
+        index = num_matched
+        last = (request.num_tokens - 1) // block_size  # a request computes one token at least
+        if not self.kv_cache.enable_prefix_caching or index >= last:
+            return False
+        if limit is not None and index >= limit:
+            return False
+        block_hash = request.block_hashes[index]
+        return any(
+            other.num_computed_tokens // block_size <= index < other.num_prompt_tokens // block_size
+            and other.block_hashes[index] == block_hash
+            for other in self.running
+        )
 
     def _admit(
         self,

@@ -105,6 +105,20 @@ def test_eviction_order_on_a_tiny_pool():
     assert_clean(llm)
 
 
+
+@pytest.mark.parametrize("budget", [2048, 64])  # the prefix in one step, or in two
+def test_requests_of_one_new_prefix_arriving_together_compute_it_once(budget):
+    rng = random.Random(5)
+    prefix = [rng.randrange(256) for _ in range(6 * BS)]
+    prompts = [prefix + [rng.randrange(256) for _ in range(5)] for _ in range(3)]
+    reference = LLM("tiny", scheduler_config=no_cache()).generate(prompts, GREEDY)
+    llm = LLM("tiny", scheduler_config=SchedulerConfig(max_num_batched_tokens=budget))
+    outputs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    # the first computes the prefix; the others wait for its blocks instead of computing them
+    assert [o.num_cached_tokens for o in outputs] == [0, 6 * BS, 6 * BS]
+    assert_clean(llm)
+
 def test_cache_salt_isolates_prefixes():
     llm = LLM("tiny")
     prompt = list(range(100))
