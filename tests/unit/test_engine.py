@@ -105,7 +105,6 @@ def test_eviction_order_on_a_tiny_pool():
     assert_clean(llm)
 
 
-
 @pytest.mark.parametrize("budget", [2048, 64])  # the prefix in one step, or in two
 def test_requests_of_one_new_prefix_arriving_together_compute_it_once(budget):
     rng = random.Random(5)
@@ -118,6 +117,7 @@ def test_requests_of_one_new_prefix_arriving_together_compute_it_once(budget):
     # the first computes the prefix; the others wait for its blocks instead of computing them
     assert [o.num_cached_tokens for o in outputs] == [0, 6 * BS, 6 * BS]
     assert_clean(llm)
+
 
 def test_cache_salt_isolates_prefixes():
     llm = LLM("tiny")
