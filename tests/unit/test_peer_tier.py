@@ -5,7 +5,9 @@ failing source are refused or missed, and the request recomputes."""
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
+import torch
 
 from replicas.cache_hints import CacheHints, PeerSource
 from replicas.config import EngineConfig, KVOffloadConfig, PrefixCacheConfig, SchedulerConfig
@@ -132,6 +134,20 @@ def test_a_refused_or_failed_pull_recomputes_with_the_right_output(source, cold_
     assert output.num_cached_tokens == 0 or case == "corrupt"
     assert stats.cache.peer_blocks_loaded == pulled
     puller.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_a_block_travels_as_its_bytes_and_lands_whole_or_not_at_all(dtype):
+    hashes = [b"a" * 16, b"b" * 16]
+    block = (torch.arange(96) - 40).reshape(2, 3, 16).to(dtype)
+    _, (sent, missing) = peer.export("fingerprint", [block, None], hashes)
+    assert missing is None and sent.data.dtype == np.uint8  # numpy: no pickled tensor
+    out = torch.zeros(2, 3, 16, dtype=dtype)
+    assert peer.PeerStore._accept(sent, hashes[0], out) and torch.equal(out, block)
+    strided = torch.zeros(3, 2, 16, dtype=dtype).transpose(0, 1)  # not contiguous
+    assert peer.PeerStore._accept(sent, hashes[0], strided) and torch.equal(strided, block)
+    assert not peer.PeerStore._accept(sent, hashes[1], out)  # another hash than asked
+    assert not peer.PeerStore._accept(sent, hashes[0], torch.zeros(2, 3, 8, dtype=dtype))
 
 
 def test_the_peer_tier_takes_no_budget_and_needs_the_host_tier():

@@ -28,6 +28,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from pydantic import Field
 
@@ -51,11 +52,13 @@ class PeerOptions(BackingOptions):
 
 
 class PeerBlock(NamedTuple):
-    """One exported block: its hash, the crc32 of its bytes and its tensor (on the CPU)."""
+    """One exported block: its hash, the crc32 of its bytes and its bytes (uint8, on the CPU).
+    A numpy array, not a tensor: Ray's object store hands a reader a numpy array without
+    copying it (a tensor is pickled), so a pull costs one copy, into the host block."""
 
     block_hash: BlockHash
     checksum: int
-    tensor: torch.Tensor
+    data: np.ndarray
 
 
 class PeerStats(NamedTuple):
@@ -65,18 +68,23 @@ class PeerStats(NamedTuple):
     seconds: float
 
 
-def checksum(tensor: torch.Tensor) -> int:
+def block_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU block's bytes (a view where the block is contiguous), whatever its dtype."""
+    return tensor.detach().contiguous().view(-1).view(torch.uint8).numpy()
+
+
+def checksum(data: torch.Tensor | np.ndarray) -> int:
     """crc32 of a block's bytes."""
-    data = tensor.detach().contiguous().view(-1).view(torch.uint8)
-    return zlib.crc32(data.numpy())
+    return zlib.crc32(block_bytes(data) if isinstance(data, torch.Tensor) else data)
 
 
 def export(fingerprint: str, blocks: list[torch.Tensor | None], hashes: list[BlockHash]):
-    """What a source answers: each found block with its hash and checksum (``PeerBlock``),
-    None for a block it no longer holds; ``fingerprint`` travels with them."""
-    exported = [
-        PeerBlock(h, checksum(t), t) if t is not None else None for h, t in zip(hashes, blocks)
-    ]
+    """What a source answers: each found block with its hash, checksum and bytes
+    (``PeerBlock``), None for a block it no longer holds; ``fingerprint`` travels with them."""
+    exported = []
+    for block_hash, tensor in zip(hashes, blocks):
+        data = None if tensor is None else block_bytes(tensor)
+        exported.append(None if data is None else PeerBlock(block_hash, checksum(data), data))
     return fingerprint, exported
 
 
@@ -163,15 +171,19 @@ class PeerStore:
     @staticmethod
     def _accept(block: PeerBlock | None, block_hash: BlockHash, out: torch.Tensor) -> bool:
         """Copy a valid block into its host block: the hash asked for, its checksum, its
-        shape and dtype; anything else is a miss."""
+        size; anything else is a miss. (The source's fingerprint, already checked, covers
+        the KV format and block size: the same size means the same shape and dtype.)"""
         if block is None or block.block_hash != block_hash:
             return False
-        tensor = block.tensor
-        if tensor.shape != out.shape or tensor.dtype != out.dtype:
+        data = block.data
+        if not isinstance(data, np.ndarray) or data.dtype != np.uint8:
             return False
-        if checksum(tensor) != block.checksum:
+        if data.nbytes != out.numel() * out.element_size() or checksum(data) != block.checksum:
             return False
-        out.copy_(tensor)
+        if out.is_contiguous():
+            np.copyto(out.view(-1).view(torch.uint8).numpy(), data.reshape(-1))
+        else:
+            out.copy_(torch.from_numpy(data.copy()).view(out.dtype).view(out.shape))
         return True
 
     def discard(self, block_hash: BlockHash) -> None:
