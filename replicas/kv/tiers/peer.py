@@ -6,8 +6,8 @@ prompt than the replica it chose and pulling the difference costs less than comp
 (``CacheHints.peer``). The serving replica offers the source's blocks to this tier
 (``PeerStore.offer``), so that onboarding finds them past its own match as it finds disk
 blocks, and reads them into host blocks: one call per source and batch
-(``ReplicaActor.export_blocks``, the tensors carried by Ray's object store), on the store's own
-thread. The tier is only read; nothing is written to it and it announces nothing (the blocks
+(``ReplicaActor.export_blocks``, the blocks' bytes carried by Ray's object store as numpy
+arrays), on the store's own thread. The tier is only read; nothing is written to it and it announces nothing (the blocks
 are the source's, which announces them itself)::
 
     router          the chosen replica lacks blocks k..n that replica s holds -> source s
