@@ -7,8 +7,8 @@ prompt than the replica it chose and pulling the difference costs less than comp
 (``PeerStore.offer``), so that onboarding finds them past its own match as it finds disk
 blocks, and reads them into host blocks: one call per source and batch
 (``ReplicaActor.export_blocks``, the blocks' bytes carried by Ray's object store as numpy
-arrays), on the store's own thread. The tier is only read; nothing is written to it and it announces nothing (the blocks
-are the source's, which announces them itself)::
+arrays), on the store's own thread. The tier is only read; nothing is written to it and it
+announces nothing (the blocks are the source's, which announces them itself)::
 
     router          the chosen replica lacks blocks k..n that replica s holds -> source s
     serving replica offer(hashes[:n], s); onboard: blocks k..n-1 -> host, read from s
