@@ -17,7 +17,8 @@ Pricing (``PullCost``): a pull of b bytes takes ``fixed_s + b / bytes_per_s``. `
 fit by least squares to the ``cluster-cache`` benchmark (``benchmarks/results/cluster-cache``:
 two Ray replicas of SmolLM2-135M on this 2-core machine, float32 KV, 737,280 bytes per
 16-token block): pulled minus local-hit TTFT, medians, at 1k, 2k and 4k tokens (64, 128 and 256
-blocks): 693, 842 and 1,182 ms, i.e. 0.523 s + 3.47 ns per byte (288 MB/s). On a GPU profile
+blocks): 94.9, 161.4 and 338.0 ms, i.e. 6.6 ms + 1.74 ns per byte (575 MB/s; blocks sent as
+numpy bytes: as tensors, 2026-12-05, it was 0.523 s + 288 MB/s). On a GPU profile
 the per-byte part is charged for that profile's block bytes (a transport that moves KV bytes
 at the measured rate whatever produced them, an assumption: the measured path is the CPU,
 crc32 on both sides and Ray's object store), the fixed part as measured.
@@ -48,7 +49,7 @@ PEER_PULL_MIN_BLOCKS = RoutingConfig.model_fields["peer_pull_min_blocks"].defaul
 """The router's default: it names a source holding at least this many more blocks."""
 MEASURED_BLOCK_BYTES = 30 * 3 * 64 * 2 * 4 * 16
 """SmolLM2-135M's KV of one 16-token block in float32: 30 layers x 3 KV heads x 64 x K and V."""
-MEASURED_MS = {64: (754.2, 60.6), 128: (947.1, 105.1), 256: (1319.6, 138.3)}
+MEASURED_MS = {64: (154.2, 59.3), 128: (262.4, 101.0), 256: (461.0, 123.0)}
 """``cluster-cache`` medians by pulled blocks: (pulled TTFT, local-hit TTFT), ms."""
 
 
