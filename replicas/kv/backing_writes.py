@@ -101,7 +101,7 @@ class BackingWrites:
         host_id = host.next_to_allocate()
         block = host.blocks[host_id] if host_id is not None else None
         block_hash = block.block_hash if block is not None else None
-        if block is None or block_hash is None or self._store.contains(block_hash):
+        if block_hash is None or self._store.contains(block_hash):
             return
         if not self._rules.write_back:
             read_s = self._store.read_seconds_per_block()

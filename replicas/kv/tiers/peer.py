@@ -73,19 +73,18 @@ def block_bytes(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().contiguous().view(-1).view(torch.uint8).numpy()
 
 
-def checksum(data: torch.Tensor | np.ndarray) -> int:
+def checksum(data: np.ndarray) -> int:
     """crc32 of a block's bytes."""
-    return zlib.crc32(block_bytes(data) if isinstance(data, torch.Tensor) else data)
+    return zlib.crc32(data)
 
 
 def export(fingerprint: str, blocks: list[torch.Tensor | None], hashes: list[BlockHash]):
     """What a source answers: each found block with its hash, checksum and bytes
     (``PeerBlock``), None for a block it no longer holds; ``fingerprint`` travels with them."""
-    exported = []
-    for block_hash, tensor in zip(hashes, blocks):
-        data = None if tensor is None else block_bytes(tensor)
-        exported.append(None if data is None else PeerBlock(block_hash, checksum(data), data))
-    return fingerprint, exported
+    exported = [None if t is None else block_bytes(t) for t in blocks]
+    return fingerprint, [
+        None if d is None else PeerBlock(h, checksum(d), d) for h, d in zip(hashes, exported)
+    ]
 
 
 class LocalPeer:
