@@ -21,6 +21,8 @@
 #include <vector>
 
 #include "decode_attention.h"
+#include "attention_plan.h"
+#include "native_linear.h"
 #include "quantized_mm.h"
 #include "weight_packing.h"
 
@@ -189,62 +191,10 @@ void write_kv(at::Tensor& rows, const at::Tensor& write_rows, const at::Tensor& 
   });
 }
 
-enum LinearKind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2, kInt4Strata = 3, kInt8Strata = 4 };
-constexpr int64_t kInt4GroupSize = 32;  // replicas.model.quant.GROUP_SIZE
-
-// nn.Linear, or QuantizedLinear.forward on a CPU.
-struct Linear {
-  int64_t kind = kDense;
-  int64_t in_features = 0;
-  int64_t out_features = 0;
-  int64_t passes = 2;  // the activations' int8 passes of Strata's products
-  at::Tensor weight, scales, bias;
-
-  // Whether the product is torch's packed kernel, which takes bfloat16 rows.
-  bool packed() const { return kind == kInt8 || kind == kInt4; }
-
-  // The product in x's dtype; or, with out_dtype, rounded to that instead (a packed product's
-  // bfloat16 result kept for a sum in float32, which widens it exactly as .to(float32) would).
-  at::Tensor operator()(const at::Tensor& x,
-                        std::optional<at::ScalarType> out_dtype = std::nullopt) const {
-    if (kind == kDense) {
-      at::Tensor y =
-          at::linear(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
-      return out_dtype ? y.to(*out_dtype) : y;
-    }
-    auto shape = x.sizes().vec();
-    if (kind == kInt4Strata || kind == kInt8Strata) {  // read x as it is and return float32
-      const auto product = kind == kInt4Strata ? strata_native::int4_mm : strata_native::int8_mm;
-      at::Tensor y =
-          product(x.reshape({-1, in_features}), weight, scales, out_features, passes, /*path=*/-1);
-      if (bias.defined()) y = at::add(y, bias);
-      shape.back() = out_features;
-      return y.to(out_dtype.value_or(x.scalar_type())).reshape(shape);
-    }
-    at::Tensor rows = x.reshape({-1, in_features}).to(at::kBFloat16);  // no-op if bfloat16
-    at::Tensor y = kind == kInt8
-        ? at::_weight_int8pack_mm(rows, weight, scales)
-        : at::_weight_int4pack_mm_for_cpu(rows, weight, kInt4GroupSize, scales);
-    if (bias.defined()) y = at::add(y, bias);
-    shape.back() = out_features;
-    return y.to(out_dtype.value_or(x.scalar_type())).reshape(shape);
-  }
-};
-
-// The dtype a product's input is rounded to first: bfloat16 for packed products (their
-// QuantizedLinear.forward starts with .to(bfloat16)), else the model's.
-at::ScalarType input_dtype(const std::vector<Linear>& linears, at::ScalarType model) {
-  for (const Linear& l : linears) {
-    if (!l.packed()) return model;
-  }
-  return at::kBFloat16;
-}
-
-// The dtype a product's result is left in for the residual sum: a packed product's bfloat16
-// in a float32 model (the sum widens it exactly, as .to(float32) would), else the model's.
-at::ScalarType sum_dtype(const Linear& l, at::ScalarType model) {
-  return l.packed() && model == at::kFloat ? at::kBFloat16 : model;
-}
+using strata_native::Chunk;
+using strata_native::Group;
+using strata_native::Linear;
+using strata_native::unpack_groups;
 
 struct Layer {
   std::vector<Linear> qkv;  // one fused product, or q, k and v
@@ -253,67 +203,6 @@ struct Layer {
   Linear w2;
   at::Tensor attention_norm, ffn_norm, q_norm, k_norm;  // q_norm, k_norm: Qwen3's, or undefined
 };
-
-// One chunk of an attention group's keys (AttentionGroup.chunks, _GroupReads per chunk).
-struct Chunk {
-  int64_t num_seqs = 0, query_start = 0, query_end = 0;
-  at::Tensor rows;  // cache rows of its keys, then values
-  at::Tensor bias;  // additive mask, or undefined
-  at::Tensor max_score, sum_exp, acc;  // views of the group's partials (two chunks or more)
-};
-
-// An AttentionGroup with its _GroupReads.
-struct Group {
-  bool rows_are_slice = true;
-  int64_t row_start = 0, row_end = 0;
-  at::Tensor row_index;  // the group's query rows where they are not one slice
-  int64_t num_seqs = 0, q_len = 0;
-  bool is_causal = false;
-  std::optional<at::Tensor> allowed;
-  std::vector<Chunk> chunks;
-  at::Tensor m_all, l_all, o_all;  // two chunks or more
-};
-
-// Reads _attention_plan's packing (replicas/model/native_stack.py).
-std::vector<Group> unpack_groups(const std::vector<int64_t>& ints,
-                                 const std::vector<at::Tensor>& tensors) {
-  size_t i = 0, t = 0;
-  auto next_int = [&] { return ints.at(i++); };
-  auto next_tensor = [&] { return tensors.at(t++); };
-  std::vector<Group> groups(next_int());
-  for (Group& g : groups) {
-    g.row_start = next_int();
-    g.row_end = next_int();
-    g.rows_are_slice = g.row_end >= 0;
-    g.num_seqs = next_int();
-    g.q_len = next_int();
-    g.is_causal = next_int();
-    const bool has_allowed = next_int();
-    g.chunks.resize(next_int());
-    if (!g.rows_are_slice) g.row_index = next_tensor();
-    if (has_allowed) g.allowed = next_tensor();
-    for (Chunk& c : g.chunks) {
-      c.num_seqs = next_int();
-      c.query_start = next_int();
-      c.query_end = next_int();
-      const bool has_bias = next_int();
-      c.rows = next_tensor();
-      if (has_bias) c.bias = next_tensor();
-      if (g.chunks.size() > 1) {
-        c.max_score = next_tensor();
-        c.sum_exp = next_tensor();
-        c.acc = next_tensor();
-      }
-    }
-    if (g.chunks.size() > 1) {
-      g.m_all = next_tensor();
-      g.l_all = next_tensor();
-      g.o_all = next_tensor();
-    }
-  }
-  TORCH_CHECK(i == ints.size() && t == tensors.size(), "DecoderStack: unread attention plan");
-  return groups;
-}
 
 class DecoderStack : public torch::CustomClassHolder {
  public:
@@ -327,18 +216,7 @@ class DecoderStack : public torch::CustomClassHolder {
     num_heads_ = next_int();
     num_kv_heads_ = next_int();
     head_dim_ = next_int();
-    auto linear = [&] {
-      Linear l;
-      l.kind = next_int();
-      l.in_features = next_int();
-      l.out_features = next_int();
-      const bool has_bias = next_int();
-      l.passes = next_int();
-      l.weight = next_tensor();
-      if (l.kind != kDense) l.scales = next_tensor();
-      if (has_bias) l.bias = next_tensor();
-      return l;
-    };
+    auto linear = [&] { return Linear::read(next_int, next_tensor); };
     for (int64_t n = 0; n < num_layers; ++n) {
       Layer layer;
       const int64_t num_qkv = next_int(), num_gate_up = next_int(), has_qk_norm = next_int();
@@ -547,6 +425,9 @@ TORCH_LIBRARY(strata_native, m) {
   m.def("int8_mm(Tensor x, Tensor codes, Tensor scales, int out_features, int passes=2, "
         "int path=-1) -> Tensor",
         &strata_native::int8_mm);
+  m.def("mixed_mm(Tensor x, Tensor[] codes, Tensor[] scales, int[] int4, int[] out_features, "
+        "int passes=2, int path=-1) -> Tensor",
+        &strata_native::mixed_mm);
   m.def("quantized_mm_path(int requested=-1) -> int", &strata_native::quantized_mm_path);
   m.def("decode_attention(Tensor q, Tensor cache_rows, Tensor rows, Tensor? allowed, "
         "int num_kv_heads, int path=-1) -> Tensor",

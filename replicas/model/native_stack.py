@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from replicas.model.attention import AttentionMetadata
+from replicas.model.mixed import MixedLinear
 from replicas.model.quant import QuantizedLinear
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ SOURCES = tuple(
     SOURCE.with_name(name)
     for name in (
         "native_stack.cpp",
+        "native_linear.h",
+        "attention_plan.h",
         "quantized_mm.cpp",
         "quantized_mm4.cpp",
         "quantized_mm8.cpp",
@@ -78,8 +81,8 @@ ISA_ENV = "STRATA_NATIVE_ISA"
 """Caps the native kernels' instruction path (native_isa.h), to time a lesser CPU's paths here."""
 ISA_CAPS = ("amx", "avx512", "avx2", "scalar")
 DECODER_STACKS = ("auto", "native", "eager")
-# native_stack.cpp's LinearKind
-_KINDS = {"none": 0, "int8": 1, "int4": 2, "int4/strata": 3, "int8/strata": 4}
+# native_linear.h's LinearKind
+_KINDS = {"none": 0, "int8": 1, "int4": 2, "int4/strata": 3, "int8/strata": 4, "mixed/strata": 5}
 
 
 @cache
@@ -196,6 +199,15 @@ def _pack(model: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
     ints = [len(model.layers), args.num_heads, args.num_kv_heads, args.head_dim]
 
     def linear(module: nn.Module) -> None:
+        if isinstance(module, MixedLinear):
+            ints.extend([_KINDS["mixed/strata"], module.in_features, module.out_features])
+            ints.extend([module.bias is not None, module.passes, len(module.parts)])
+            for part in module.parts:
+                ints.extend([part.scheme == "int4", part.out_features])
+                tensors.extend([part.weight.detach(), part.scales])
+            if module.bias is not None:
+                tensors.append(module.bias.detach())
+            return
         if isinstance(module, QuantizedLinear):
             name = f"{module.scheme}/strata" if module.kernel == "strata" else module.scheme
             kind, extra = _KINDS[name], [module.scales]

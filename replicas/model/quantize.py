@@ -3,13 +3,15 @@ q/k/v and gate/up fused into one product each, every weight under the scheme ask
 kept at int8 where its file stored it at more than 4 bits or the int4 kernel does not take its
 shape, and built from a GGUF file's stored int4 codes where it has them (and from its
 ``Q6_K`` or ``Q3_K`` weights' fields, 6 bits rather than int8's 8, and its ``Q2_K`` weights as
-stored, 2.625 bits, under Strata's kernels)."""
+stored, 2.625 bits, under Strata's kernels, where a fused product's weights differ in layout
+each in its own: ``replicas.model.mixed``)."""
 
 from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
 
+from replicas.model.mixed import MixedLinear
 from replicas.model.quant import (
     ACTIVATION_PASSES,
     QUANTIZATIONS,
@@ -98,10 +100,13 @@ def stored_int4_weights(
         module = getattr(layer, module_name)
         names = [f"{prefix}.{module_name}.{part}" for part in parts]
         weight = [getattr(module, part).weight for part in parts]
-        if _uses_stored_codes("int4", names, weight, int4_groups, stored_bits or {}, strata) or (
+        bits = stored_bits or {}
+        if _uses_stored_codes("int4", names, weight, int4_groups, bits, strata) or (
             strata and _stored_fields(names, int4_groups) is not None
         ):
             kept.update(f"{name}.weight" for name in names)
+        elif strata and _product_scheme("int4", names, weight, bits) != "int4":
+            kept.update(f"{n}.weight" for n in _mixed_parts(names, weight, int4_groups, bits))
     return kept
 
 
@@ -129,6 +134,26 @@ def _uses_stored_codes(
     ):
         return int4_fits(*_shape(weight))
     return _product_scheme(scheme, names, weight, bits) == "int4"
+
+
+def _mixed_parts(
+    names: list[str],
+    weight: list[torch.Tensor],
+    groups: Mapping[str, StoredCodes],
+    bits: Mapping[str, int],
+) -> list[str]:
+    """The weights of a product of several (``names``, under ``int4`` with Strata's kernels)
+    that keep a stored layout each when the product as a whole has none: a ``MixedLinear`` of
+    their products then serves it (else int8 from their float values); empty where none does
+    or where a part's rows, but the last's, are no multiple of the kernels' tiles of 16."""
+    if len(names) < 2 or any(w.shape[0] % 16 for w in weight[:-1]):
+        return []
+    return [
+        n
+        for n, w in zip(names, weight)
+        if _uses_stored_codes("int4", [n], [w], groups, bits, True)
+        or _stored_fields([n], groups) is not None
+    ]
 
 
 def _stored_fields(names: list[str], groups: Mapping[str, StoredCodes]) -> list | None:
@@ -178,9 +203,9 @@ def _quantizer(
     int4_groups: Mapping[str, StoredCodes] | None,
     stored_bits: Mapping[str, int] | None,
     int4_kernel: str,
-) -> Callable[[list[str], list[nn.Linear], int], QuantizedLinear]:
-    """The function that makes one ``QuantizedLinear`` of linear layers named ``names``
-    (concatenated by rows), following ``quantize_model``'s rules."""
+) -> Callable[[list[str], list[nn.Linear], int], QuantizedLinear | MixedLinear]:
+    """The function that makes one ``QuantizedLinear`` (or ``MixedLinear``) of linear layers
+    named ``names`` (concatenated by rows), following ``quantize_model``'s rules."""
     if scheme not in QUANTIZATIONS or scheme == "none":
         raise ValueError(f"quantization scheme must be int8 or int4, got {scheme!r}")
     # Strata's products for the int4 weights and the int8 ones kept beside them; None: where
@@ -189,7 +214,9 @@ def _quantizer(
     groups = int4_groups or {}
     bits = stored_bits or {}
 
-    def quantized(names: list[str], linears: list[nn.Linear], passes: int) -> QuantizedLinear:
+    def quantized(
+        names: list[str], linears: list[nn.Linear], passes: int
+    ) -> QuantizedLinear | MixedLinear:
         biases = [linear.bias for linear in linears]
         bias = None if biases[0] is None else torch.cat(biases)
         weight = [x.weight for x in linears]  # fused by rows as they are quantized
@@ -214,6 +241,12 @@ def _quantizer(
             return QuantizedLinear.two_bit(fields, bias, passes)
         if fields is not None:  # Q6_K or Q3_K values exactly: 6.5625 bits, not int8's 8.5
             return QuantizedLinear.six_bit(fields, bias, passes)
+        if kernel is None and _mixed_parts(names, weight, groups, bits):
+            parts = [quantized([n], [x], passes) for n, x in zip(names, linears)]
+            if MixedLinear.fits(parts):  # each weight in its own layout
+                return MixedLinear(parts)
+            # Strata's kernels cannot take one of them: int8 of the parts' own values
+            weight = [p.dequantized(torch.float32) for p in parts]
         return QuantizedLinear.int8(weight, bias, kernel, passes)
 
     return quantized

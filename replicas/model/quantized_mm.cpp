@@ -111,17 +111,23 @@ struct Scheme {
   AmxTileKernel amx = nullptr;            // the AMX kernel, if the layout has one
 };
 
-at::Tensor quantized_mm(const Scheme& scheme, const at::Tensor& x, const at::Tensor& codes,
-                        const at::Tensor& scales, int64_t out_features, int64_t passes,
-                        int64_t path) {
+// One weight of a product: its layout, codes and scales, and where its rows go in the output.
+struct Part {
+  const Scheme* scheme;
+  const uint8_t* codes;
+  const uint16_t* scales;
+  int64_t tiles, first_tile;  // its tiles of 16 rows, and where they start among all the parts'
+};
+
+// Checks a weight of `scheme` against K = k columns and makes it a Part.
+Part check_part(const Scheme& scheme, int64_t k, const at::Tensor& codes,
+                const at::Tensor& scales, int64_t out_features) {
   const char* name = scheme.name;
-  TORCH_CHECK(passes == 1 || passes == 2, name, ": passes must be 1 or 2, got ", passes);
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), name, ": x must be a 2-D CPU tensor");
   TORCH_CHECK(codes.scalar_type() == scheme.code_type && codes.dim() == 3 &&
                   codes.size(2) == 64 && codes.is_contiguous(),
               name, ": codes must be contiguous ", scheme.code_type, " [N / 16, K / 32 * ",
               scheme.chunks_per_group, ", 64]");
-  const int64_t k = x.size(1), tiles = codes.size(0), groups = k / kGroup;
+  const int64_t tiles = codes.size(0), groups = k / kGroup;
   TORCH_CHECK(k % kGroup == 0 && codes.size(1) == groups * scheme.chunks_per_group, name,
               ": x has ", k, " columns, the weight ", codes.size(1) / scheme.chunks_per_group * kGroup);
   const bool super = scheme.scale_type == at::kByte;
@@ -132,42 +138,99 @@ at::Tensor quantized_mm(const Scheme& scheme, const at::Tensor& x, const at::Ten
               name, ": scales must be contiguous ", scheme.scale_type, " with ",
               scheme.scales_per_group * 2, " bytes per tile and group");
   TORCH_CHECK(out_features <= tiles * kTile, name, ": out_features beyond the packed rows");
+  return {&scheme, static_cast<const uint8_t*>(codes.const_data_ptr()),
+          static_cast<const uint16_t*>(scales.const_data_ptr()), tiles, 0};
+}
+
+// x times every part's weight, their rows one after the other: float32 [M, 16 x their tiles].
+// The activations are quantized once for all of them, and one parallel loop takes every tile.
+at::Tensor run_parts(const char* name, std::vector<Part>& parts, const at::Tensor& x,
+                     int64_t passes, int64_t path) {
+  TORCH_CHECK(passes == 1 || passes == 2, name, ": passes must be 1 or 2, got ", passes);
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), name, ": x must be a 2-D CPU tensor");
+  int64_t tiles = 0;
+  for (Part& part : parts) {
+    part.first_tile = tiles;
+    tiles += part.tiles;
+  }
   const at::Tensor input = x.contiguous();
   QuantizedRows q;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, input.scalar_type(), "quantized_mm",
                                   [&] { q = quantize_rows<scalar_t>(input, passes); });
-  const int64_t rows = q.rows;
+  const int64_t rows = q.rows, k = input.size(1), groups = k / kGroup;
   at::Tensor out = at::empty({rows, tiles * kTile}, x.options().dtype(at::kFloat));
   const int64_t chosen = std::min(path < 0 ? best_path() : path, best_path());
-  const TileKernel kernel = scheme.kernels[std::min(chosen, kPathAvx512)];
-  // AMX takes the blocks of 16 rows, the vector kernel the rest
-  const AmxTileKernel amx = chosen == kPathAmx ? scheme.amx : nullptr;
-  const int64_t amx_rows = amx != nullptr ? rows / kTile * kTile : 0;
-  if (amx_rows > 0) tile_rows(q, amx_rows);
-  const uint8_t* code_data = static_cast<const uint8_t*>(codes.const_data_ptr());
-  const uint16_t* scale_data = static_cast<const uint16_t*>(scales.const_data_ptr());
+  // AMX takes the blocks of 16 rows where a part's layout has an AMX kernel, the vector kernel
+  // the rest
+  const int64_t amx_rows = chosen == kPathAmx ? rows / kTile * kTile : 0;
+  bool any_amx = false;
+  for (const Part& part : parts) any_amx = any_amx || part.scheme->amx != nullptr;
+  if (amx_rows > 0 && any_amx) tile_rows(q, amx_rows);
   float* out_data = out.mutable_data_ptr<float>();
-  const int64_t tile_codes = groups * scheme.chunks_per_group * 64;
-  const int64_t tile_scales = groups * scheme.scales_per_group;
+  const int64_t width = tiles * kTile;
   // Tasks of at least 65,536 multiply-adds (4,096 / (K x rows) tiles): a decode row's product
   // is split between the threads too (SmolLM2 at 2 threads: its decode step 5.3-5.9 ms against
   // 6.0-6.2 with the products of a decode row kept on one thread), while the smallest products
   // stay whole.
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 12) / (k * std::max<int64_t>(rows, 1)));
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    size_t p = 0;
     for (int64_t t = begin; t < end; ++t) {
-      if (amx_rows > 0) {
-        amx(code_data + t * tile_codes, scale_data + t * tile_scales, q, amx_rows,
-            out_data + t * kTile, tiles * kTile);
-      }
-      for (int64_t r = amx_rows; r < rows; r += kRowBlock) {
-        kernel(code_data + t * tile_codes, scale_data + t * tile_scales, q, r,
-               std::min(kRowBlock, rows - r), out_data + r * tiles * kTile + t * kTile,
-               tiles * kTile);
+      while (t >= parts[p].first_tile + parts[p].tiles) ++p;
+      const Part& part = parts[p];
+      const Scheme& scheme = *part.scheme;
+      const int64_t local = t - part.first_tile;
+      const uint8_t* codes = part.codes + local * groups * scheme.chunks_per_group * 64;
+      const uint16_t* scales = part.scales + local * groups * scheme.scales_per_group;
+      const int64_t done = scheme.amx != nullptr ? amx_rows : 0;
+      if (done > 0) scheme.amx(codes, scales, q, done, out_data + t * kTile, width);
+      const TileKernel kernel = scheme.kernels[std::min(chosen, kPathAvx512)];
+      for (int64_t r = done; r < rows; r += kRowBlock) {
+        kernel(codes, scales, q, r, std::min(kRowBlock, rows - r), out_data + r * width + t * kTile,
+               width);
       }
     }
   });
-  return tiles * kTile == out_features ? out : out.narrow(1, 0, out_features);
+  return out;
+}
+
+at::Tensor quantized_mm(const Scheme& scheme, const at::Tensor& x, const at::Tensor& codes,
+                        const at::Tensor& scales, int64_t out_features, int64_t passes,
+                        int64_t path) {
+  TORCH_CHECK(x.dim() == 2, scheme.name, ": x must be a 2-D CPU tensor");
+  std::vector<Part> parts{check_part(scheme, x.size(1), codes, scales, out_features)};
+  at::Tensor out = run_parts(scheme.name, parts, x, passes, path);
+  return out.size(1) == out_features ? out : out.narrow(1, 0, out_features);
+}
+
+// The layout of an int4_mm weight, told by its codes' type and shape and its scales' type.
+const Scheme& int4_scheme(int64_t k, const at::Tensor& codes, const at::Tensor& scales) {
+  constexpr int64_t kHalves = 2 * kTile, kSuperSlots = kSuperHalfs / kSuperGroups;
+  static const Scheme schemes[2][2] = {
+      {{"int4_mm", at::kByte, 4, kHalves, kInt4Kernels[0][0], at::kHalf, kInt4Amx[0][0]},
+       {"int4_mm", at::kByte, 5, kHalves, kInt4Kernels[0][1], at::kHalf, kInt4Amx[0][1]}},
+      {{"int4_mm", at::kByte, 4, kSuperSlots, kInt4Kernels[1][0], at::kByte, kInt4Amx[1][0]},
+       {"int4_mm", at::kByte, 5, kSuperSlots, kInt4Kernels[1][1], at::kByte, kInt4Amx[1][1]}}};
+  // int8 codes: an IQ4 weight's indices into its 16 levels (quantized_mm4.cpp, kBits 8)
+  static const Scheme levels{"int4_mm", at::kChar, 4, kHalves, kLevelsKernels, at::kHalf,
+                             kLevelsAmx};
+  if (codes.scalar_type() == at::kChar) return levels;
+  const bool super = scales.scalar_type() == at::kByte;  // K-quant scales as stored
+  // two chunks per group of 32 columns: a GGUF Q2_K weight as stored (quantized_mm2.cpp)
+  static const Scheme two_bit{"int4_mm", at::kByte, 2, kSuperSlots, kTwoBitKernels, at::kByte,
+                               kTwoBitAmx};
+  if (super && codes.dim() == 3 && codes.size(1) * kGroup == k * 2) return two_bit;
+  // 5-bit codes (a GGUF Q5 weight's): a fifth chunk per group of 32 columns
+  const bool five = codes.dim() == 3 && codes.size(1) * kGroup == k * 5;
+  return schemes[super][five];
+}
+
+// The layout of an int8_mm weight, told by its scales' type.
+const Scheme& int8_scheme(const at::Tensor& scales) {
+  static const Scheme scheme{"int8_mm", at::kChar, 8, kTile, kInt8Kernels, at::kHalf, kInt8Amx};
+  // uint8 scales: a GGUF Q6_K weight's 6-bit codes and scales as stored (quantized_mm6.cpp)
+  static const Scheme six_bit{"int8_mm", at::kByte, 6, 18, kSixBitKernels, at::kByte};
+  return scales.scalar_type() == at::kByte ? six_bit : scheme;
 }
 
 }  // namespace
@@ -179,38 +242,36 @@ int64_t quantized_mm_path(int64_t requested) {
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                    int64_t out_features, int64_t passes, int64_t path) {
   RECORD_FUNCTION("strata_native::int4_mm", std::vector<c10::IValue>());  // for profiles
-  constexpr int64_t kHalves = 2 * kTile, kSuperSlots = kSuperHalfs / kSuperGroups;
-  static const Scheme schemes[2][2] = {
-      {{"int4_mm", at::kByte, 4, kHalves, kInt4Kernels[0][0], at::kHalf, kInt4Amx[0][0]},
-       {"int4_mm", at::kByte, 5, kHalves, kInt4Kernels[0][1], at::kHalf, kInt4Amx[0][1]}},
-      {{"int4_mm", at::kByte, 4, kSuperSlots, kInt4Kernels[1][0], at::kByte, kInt4Amx[1][0]},
-       {"int4_mm", at::kByte, 5, kSuperSlots, kInt4Kernels[1][1], at::kByte, kInt4Amx[1][1]}}};
-  // int8 codes: an IQ4 weight's indices into its 16 levels (quantized_mm4.cpp, kBits 8)
-  static const Scheme levels{"int4_mm", at::kChar, 4, kHalves, kLevelsKernels, at::kHalf,
-                             kLevelsAmx};
-  if (codes.scalar_type() == at::kChar) {
-    return quantized_mm(levels, x, codes, scales, out_features, passes, path);
-  }
-  const bool super = scales.scalar_type() == at::kByte;  // K-quant scales as stored
-  // two chunks per group of 32 columns: a GGUF Q2_K weight as stored (quantized_mm2.cpp)
-  static const Scheme two_bit{"int4_mm", at::kByte, 2, kSuperSlots, kTwoBitKernels, at::kByte,
-                               kTwoBitAmx};
-  if (super && x.dim() == 2 && codes.dim() == 3 && codes.size(1) * kGroup == x.size(1) * 2) {
-    return quantized_mm(two_bit, x, codes, scales, out_features, passes, path);
-  }
-  // 5-bit codes (a GGUF Q5 weight's): a fifth chunk per group of 32 columns
-  const bool five = x.dim() == 2 && codes.dim() == 3 && codes.size(1) * kGroup == x.size(1) * 5;
-  return quantized_mm(schemes[super][five], x, codes, scales, out_features, passes, path);
+  TORCH_CHECK(x.dim() == 2, "int4_mm: x must be a 2-D CPU tensor");
+  return quantized_mm(int4_scheme(x.size(1), codes, scales), x, codes, scales, out_features,
+                      passes, path);
 }
 
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                    int64_t out_features, int64_t passes, int64_t path) {
   RECORD_FUNCTION("strata_native::int8_mm", std::vector<c10::IValue>());  // for profiles
-  static const Scheme scheme{"int8_mm", at::kChar, 8, kTile, kInt8Kernels, at::kHalf, kInt8Amx};
-  // uint8 scales: a GGUF Q6_K weight's 6-bit codes and scales as stored (quantized_mm6.cpp)
-  static const Scheme six_bit{"int8_mm", at::kByte, 6, 18, kSixBitKernels, at::kByte};
-  const bool six = scales.scalar_type() == at::kByte;
-  return quantized_mm(six ? six_bit : scheme, x, codes, scales, out_features, passes, path);
+  return quantized_mm(int8_scheme(scales), x, codes, scales, out_features, passes, path);
+}
+
+at::Tensor mixed_mm(const at::Tensor& x, const std::vector<at::Tensor>& codes,
+                    const std::vector<at::Tensor>& scales, const std::vector<int64_t>& int4,
+                    const std::vector<int64_t>& out_features, int64_t passes, int64_t path) {
+  RECORD_FUNCTION("strata_native::mixed_mm", std::vector<c10::IValue>());  // for profiles
+  const size_t n = codes.size();
+  TORCH_CHECK(n > 0 && scales.size() == n && int4.size() == n && out_features.size() == n,
+              "mixed_mm: codes, scales, int4 and out_features must name the same weights");
+  TORCH_CHECK(x.dim() == 2, "mixed_mm: x must be a 2-D CPU tensor");
+  const int64_t k = x.size(1);
+  std::vector<Part> parts;
+  for (size_t i = 0; i < n; ++i) {
+    const Scheme& scheme = int4[i] ? int4_scheme(k, codes[i], scales[i]) : int8_scheme(scales[i]);
+    parts.push_back(check_part(scheme, k, codes[i], scales[i], out_features[i]));
+    TORCH_CHECK(i + 1 == n || out_features[i] == parts.back().tiles * kTile,
+                "mixed_mm: every weight but the last must have a multiple of 16 rows");
+  }
+  at::Tensor out = run_parts("mixed_mm", parts, x, passes, path);
+  const int64_t total = parts.back().first_tile * kTile + out_features.back();
+  return out.size(1) == total ? out : out.narrow(1, 0, total);
 }
 
 }  // namespace strata_native

@@ -3,6 +3,8 @@
 
 #include <ATen/ATen.h>
 
+#include <vector>
+
 namespace strata_native {
 
 // The path the products take for `requested` (-1: the best this CPU has; else at most that;
@@ -23,5 +25,14 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
                    int64_t out_features, int64_t passes, int64_t path);
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                    int64_t out_features, int64_t passes, int64_t path);
+
+// x times several weights of different layouts at once, their rows one after the other (a fused
+// q/k/v product whose weights a file stores in different types): the activations quantized once
+// and one parallel loop over every weight's tiles, each row's result bitwise that of int4_mm or
+// int8_mm on each weight (int4[i] names which takes weight i). Every weight but the last has a
+// multiple of 16 rows.
+at::Tensor mixed_mm(const at::Tensor& x, const std::vector<at::Tensor>& codes,
+                    const std::vector<at::Tensor>& scales, const std::vector<int64_t>& int4,
+                    const std::vector<int64_t>& out_features, int64_t passes, int64_t path);
 
 }  // namespace strata_native

@@ -63,8 +63,9 @@ def test_an_iq4_weight_is_kept_and_multiplied_bitwise_on_every_path(kind, passes
 
 
 def test_an_int4_model_serves_iq4_products_as_levels_under_stratas_kernels_only():
-    """Under Strata's kernels a product whose weights are all IQ4 takes their indices as stored;
-    one mixing IQ4 with other stored codes, or under torch's kernels, is int8."""
+    """Under Strata's kernels a product whose weights are all IQ4 takes their indices as stored,
+    and one mixing IQ4 with other stored codes keeps each weight as stored in one mixed product;
+    under torch's kernels both are int8."""
     from replicas.model.gguf_weights import int4_groups_of_tensor
     from tests.unit.model.test_five_bit import q5_rows
 
@@ -94,7 +95,12 @@ def test_an_int4_model_serves_iq4_products_as_levels_under_stratas_kernels_only(
             ffn, attention = model.layers[0].feed_forward, model.layers[0].attention
             gate_up = torch.cat((ffn.w1.weight, ffn.w3.weight))
             quantize_model(model, "int4", stored, bits, int4_kernel=kernel)
-            assert attention.wqkv.scheme == "int8"  # IQ4 q and k beside a Q5_0 v
+            if kernel == "strata":  # IQ4 q and k beside a Q5_0 v: each in its layout
+                parts = attention.wqkv.parts
+                assert [p.weight.dtype for p in parts] == [torch.int8] * 2 + [torch.uint8]
+                assert parts[2].weight.shape[1] == 256 // 32 * 5  # 5-bit codes
+            else:
+                assert attention.wqkv.scheme == "int8"
             assert ffn.w13.scheme == ("int4" if kernel == "strata" else "int8"), kernel
             if kernel == "strata":
                 assert ffn.w13.weight.dtype == torch.int8

@@ -19,6 +19,8 @@ from replicas.model import loader, native_stack
 from replicas.model.attention import AttentionMetadata, strata_attends
 from replicas.model.batch import ForwardBatch
 from replicas.model.builtin import BUILTIN_MODEL_ARGS, init_random_weights
+from replicas.model.mixed import MixedLinear
+from replicas.model.quant import QuantizedLinear, int4_fits
 from replicas.model.quantize import quantize_model
 from replicas.model.registry import build_model
 
@@ -33,6 +35,8 @@ def model_of(args, dtype: torch.dtype, quantization: str, seed: int = 0):
     model = build_model(args)
     init_random_weights(model, seed)
     model = model.to(dtype)
+    if quantization == "int4-mixed":  # Strata's int4, each layer's q/k/v of three layouts
+        return mixed_qkv(model_of(args, dtype, "int4-strata", seed))
     if quantization != "none":  # int4-strata: int4 through Strata's kernel
         scheme, _, kernel = quantization.partition("-")
         # as if stored at 4 bits: a float checkpoint's weights would be kept at int8; one
@@ -45,6 +49,23 @@ def model_of(args, dtype: torch.dtype, quantization: str, seed: int = 0):
             kinds = {(m.scheme, m.kernel) for m in model.modules() if hasattr(m, "scheme")}
             assert kinds == {("int4", kernel or "torch"), ("int8", kernel or "torch")}, kinds
     return model.eval().requires_grad_(False)
+
+
+def mixed_qkv(model):
+    """``model`` with each layer's q/k/v one ``MixedLinear``: q at int4, k at int8 and v at int4
+    again (int8 where int4 does not take its shape), from the values of its int4 product."""
+    for layer in model.layers:
+        wqkv = layer.attention.wqkv
+        weights = wqkv.dequantized(torch.float32).split(layer.attention.qkv_sizes)
+        biases = [None] * 3 if wqkv.bias is None else wqkv.bias.split(layer.attention.qkv_sizes)
+        make = [
+            QuantizedLinear.int4 if i != 1 and int4_fits(*w.shape) else QuantizedLinear.int8
+            for i, w in enumerate(weights)
+        ]
+        layer.attention.wqkv = MixedLinear(
+            [f(w, b, "strata", wqkv.passes) for f, w, b in zip(make, weights, biases)]
+        )
+    return model
 
 
 VARIANTS = {
@@ -115,6 +136,7 @@ def metas(batch, kv_format=None, whole_spans=False):
         (torch.bfloat16, "int4"),
         (torch.float32, "int4-strata"),
         (torch.bfloat16, "int4-strata"),
+        (torch.float32, "int4-mixed"),
     ],
 )
 def test_native_equals_eager_bitwise(variant, dtype, quantization):

@@ -73,8 +73,9 @@ def one_layer_model() -> torch.nn.Module:
 
 def test_an_int4_model_serves_q6_k_products_in_six_bits_and_int8_otherwise():
     """Under int4 with Strata's kernels, a product whose weights are all stored ``Q6_K`` takes
-    the 6-bit layout (the file's weight, 6.56 bits); one mixing ``Q6_K`` with other weights, or
-    under torch's kernels, stays int8 (8.5 bits)."""
+    the 6-bit layout (the file's weight, 6.56 bits); one mixing ``Q6_K`` with other weights
+    keeps the ``Q6_K`` one so beside the others' int8 in one mixed product; under torch's
+    kernels both are int8 (8.5 bits)."""
     gen = torch.Generator().manual_seed(3)
     stored: dict[str, StoredCodes] = {}
     bits: dict[str, int] = {}
@@ -91,7 +92,10 @@ def test_an_int4_model_serves_q6_k_products_in_six_bits_and_int8_otherwise():
             quantize_model(model, "int4", stored, bits, int4_kernel=kernel)
             product = model.layers[0].feed_forward.w2
             wqkv = model.layers[0].attention.wqkv
-            assert wqkv.scales.dtype != torch.uint8  # q and k are not Q6_K: int8
+            if kernel == "strata":  # q and k are not Q6_K: int8 beside the 6-bit v
+                assert [p.scales.dtype for p in wqkv.parts] == [torch.float16] * 2 + [torch.uint8]
+            else:
+                assert wqkv.scheme == "int8" and wqkv.kernel == "torch"
             assert (product.scales.dtype == torch.uint8) == (kernel == "strata"), kernel
             if kernel == "strata":
                 assert torch.equal(product.dequantized(torch.float32), w2)

@@ -63,8 +63,9 @@ def test_rows_put_in_another_order_are_the_weights_rows_in_that_order():
 
 def test_an_int4_model_serves_q2_k_products_in_two_bits_and_int8_otherwise():
     """Under int4 with Strata's kernels, a product whose weights are all stored ``Q2_K`` takes
-    the 2-bit layout (the file's weight); one mixing ``Q2_K`` with other weights, or under
-    torch's kernels, stays int8."""
+    the 2-bit layout (the file's weight); one mixing ``Q2_K`` with other weights keeps the
+    ``Q2_K`` one so beside the others' int8 in one mixed product; under torch's kernels both
+    are int8."""
     gen = torch.Generator().manual_seed(3)
     for kernel in ("strata", "torch"):
         stored: dict[str, StoredCodes] = {}
@@ -81,7 +82,12 @@ def test_an_int4_model_serves_q2_k_products_in_two_bits_and_int8_otherwise():
         w13 = torch.cat((ff.w1.weight, ff.w3.weight))
         quantize_model(model, "int4", stored, bits, int4_kernel=kernel)
         product = model.layers[0].feed_forward.w13
-        assert model.layers[0].attention.wqkv.scheme == "int8"  # k and v are not Q2_K
+        wqkv = model.layers[0].attention.wqkv
+        if kernel == "strata":  # k and v are not Q2_K: int8 beside the 2-bit q
+            assert [p.scheme for p in wqkv.parts] == ["int4", "int8", "int8"]
+            assert wqkv.parts[0].weight.shape[1] == 256 // 32 * 2
+        else:
+            assert wqkv.scheme == "int8"
         assert (product.scheme == "int4") == (kernel == "strata"), kernel
         if kernel == "strata":
             assert product.weight.shape[1] == 256 // 32 * 2  # two chunks a group
