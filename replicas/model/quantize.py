@@ -7,6 +7,7 @@ stored, 2.625 bits, under Strata's kernels, where a fused product's weights diff
 each in its own: ``replicas.model.mixed``)."""
 
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -211,42 +212,55 @@ def _quantizer(
     # Strata's products for the int4 weights and the int8 ones kept beside them; None: where
     # a weight fits them
     kernel = None if int4_kernel == "strata" and scheme == "int4" else "torch"
-    groups = int4_groups or {}
-    bits = stored_bits or {}
+    rule = _Rule(scheme, kernel, int4_groups or {}, stored_bits or {})
+    return lambda names, linears, passes: _quantized(rule, names, linears, passes)
 
-    def quantized(
-        names: list[str], linears: list[nn.Linear], passes: int
-    ) -> QuantizedLinear | MixedLinear:
-        biases = [linear.bias for linear in linears]
-        bias = None if biases[0] is None else torch.cat(biases)
-        weight = [x.weight for x in linears]  # fused by rows as they are quantized
-        if _uses_stored_codes(scheme, names, weight, groups, bits, kernel is None):
-            stored = [groups[f"{n}.weight"] for n in names]
-            codes, scale, zero = (torch.cat(parts) for parts in list(zip(*stored))[:3])
-            k_quant = [s.k_quant for s in stored]
-            return QuantizedLinear.int4_groups(
-                codes,
-                scale,
-                zero,
-                bias=bias,
-                kernel=kernel,
-                passes=passes,
-                k_quant=torch.cat(k_quant) if None not in k_quant else None,
-                levels=stored[0].levels,
-            )
-        if _product_scheme(scheme, names, weight, bits) == "int4":
-            return QuantizedLinear.int4(weight, bias, kernel, passes)
-        fields = _stored_fields(names, groups) if kernel is None else None
-        if fields is not None and isinstance(fields[0], TwoBitRows):  # Q2_K's: 2.625 bits
-            return QuantizedLinear.two_bit(fields, bias, passes)
-        if fields is not None:  # Q6_K or Q3_K values exactly: 6.5625 bits, not int8's 8.5
-            return QuantizedLinear.six_bit(fields, bias, passes)
-        if kernel is None and _mixed_parts(names, weight, groups, bits):
-            parts = [quantized([n], [x], passes) for n, x in zip(names, linears)]
-            if MixedLinear.fits(parts):  # each weight in its own layout
-                return MixedLinear(parts)
-            # Strata's kernels cannot take one of them: int8 of the parts' own values
-            weight = [p.dequantized(torch.float32) for p in parts]
-        return QuantizedLinear.int8(weight, bias, kernel, passes)
 
-    return quantized
+class _Rule(NamedTuple):
+    """What ``_quantized`` follows: the scheme, Strata's kernels (``kernel`` None) or torch's,
+    the stored codes and the stored bits by parameter name."""
+
+    scheme: str
+    kernel: str | None
+    groups: Mapping[str, StoredCodes]
+    bits: Mapping[str, int]
+
+
+def _quantized(
+    rule: _Rule, names: list[str], linears: list[nn.Linear], passes: int
+) -> QuantizedLinear | MixedLinear:
+    """One product of linear layers ``names`` (concatenated by rows) under ``rule``. A module
+    function, not a closure calling itself: such a closure is a reference cycle that would keep
+    a layer's stored codes alive until the garbage collector runs."""
+    scheme, kernel, groups, bits = rule
+    biases = [linear.bias for linear in linears]
+    bias = None if biases[0] is None else torch.cat(biases)
+    weight = [x.weight for x in linears]  # fused by rows as they are quantized
+    if _uses_stored_codes(scheme, names, weight, groups, bits, kernel is None):
+        stored = [groups[f"{n}.weight"] for n in names]
+        codes, scale, zero = (torch.cat(parts) for parts in list(zip(*stored))[:3])
+        k_quant = [s.k_quant for s in stored]
+        return QuantizedLinear.int4_groups(
+            codes,
+            scale,
+            zero,
+            bias=bias,
+            kernel=kernel,
+            passes=passes,
+            k_quant=torch.cat(k_quant) if None not in k_quant else None,
+            levels=stored[0].levels,
+        )
+    if _product_scheme(scheme, names, weight, bits) == "int4":
+        return QuantizedLinear.int4(weight, bias, kernel, passes)
+    fields = _stored_fields(names, groups) if kernel is None else None
+    if fields is not None and isinstance(fields[0], TwoBitRows):  # Q2_K's: 2.625 bits
+        return QuantizedLinear.two_bit(fields, bias, passes)
+    if fields is not None:  # Q6_K or Q3_K values exactly: 6.5625 bits, not int8's 8.5
+        return QuantizedLinear.six_bit(fields, bias, passes)
+    if kernel is None and _mixed_parts(names, weight, groups, bits):
+        parts = [_quantized(rule, [n], [x], passes) for n, x in zip(names, linears)]
+        if MixedLinear.fits(parts):  # each weight in its own layout
+            return MixedLinear(parts)
+        # Strata's kernels cannot take one of them: int8 of the parts' own values
+        weight = [p.dequantized(torch.float32) for p in parts]
+    return QuantizedLinear.int8(weight, bias, kernel, passes)

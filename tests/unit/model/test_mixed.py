@@ -2,6 +2,9 @@
 weight's own product on every instruction path, and what an int4 model with Strata's kernels
 makes of a fused q/k/v whose weights its file stores in different types."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -121,3 +124,28 @@ def test_an_int4_model_keeps_a_fused_products_weights_each_in_its_stored_layout(
     x = torch.randn(3, 256, generator=gen)
     apart = torch.cat([p(x) for p in wqkv.parts], dim=1)
     assert torch.equal(wqkv(x), apart)
+
+
+def test_quantizing_keeps_no_stored_codes_alive_after_it():
+    """A layer's stored codes are freed as soon as the caller drops them, without waiting for
+    the garbage collector: the quantizer holds no reference cycle (a closure calling itself
+    kept a whole 1.7B model's codes alive, 0.5 GiB of resident memory)."""
+    model = test_six_bit.one_layer_model()
+    gen = torch.Generator().manual_seed(9)
+    codes, scale, zero, k_quant = _k_quant_weight(256, 256, gen)
+    rows = q6_k_rows(256, 256, gen)
+    stored = {
+        "layers.0.attention.wq.weight": Int4Groups(codes, scale, zero, k_quant),
+        "layers.0.attention.wv.weight": SixBitRows.from_q6_k(rows),
+    }
+    bits = {"layers.0.attention.wq.weight": 4, "layers.0.attention.wv.weight": 6}
+    refs = [weakref.ref(stored["layers.0.attention.wq.weight"].codes), weakref.ref(rows)]
+    del codes, rows
+    gc.disable()
+    try:
+        quantize_model(model, "int4", stored, bits, int4_kernel="strata")
+        assert isinstance(model.layers[0].attention.wqkv, MixedLinear)
+        del stored
+        assert [ref() for ref in refs] == [None, None]
+    finally:
+        gc.enable()
