@@ -3,8 +3,10 @@
 // Each function here mirrors its Python counterpart op for op, in the same order and with the
 // same arguments, so that the outputs are bitwise those of the eager model: RMSNorm.forward,
 // apply_rope, Attention.forward with cached_attention and _attend for a KV cache of values,
-// FeedForward.forward, QuantizedLinear.forward and TransformerBlock.forward. A change to one of
-// them must be made to both (tests/unit/model/test_native_stack.py compares them bitwise).
+// FeedForward.forward, QuantizedLinear.forward and MixedLinear.forward (native_linear.h) and
+// TransformerBlock.forward. A change to one of them must be made to both
+// (tests/unit/model/test_native_stack.py compares them bitwise). The attention plan it reads is
+// attention_plan.h's.
 // RMSNorm, the rotary embedding and the KV write run as fused passes over rows that round
 // exactly where the op chains round (see fused_rms_norm); a packed product's bfloat16 input
 // and output are kept in bfloat16 where the next op widens them exactly anyway.
