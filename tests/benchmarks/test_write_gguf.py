@@ -128,7 +128,13 @@ def test_an_int4_build_takes_q4_k_weights_as_stored_and_never_dequantizes_them(
         net.layers[0].feed_forward.w2.dequantized(torch.float32), torch.from_numpy(w2)
     )
     assert "layers.0.feed_forward.w2.weight" not in read
-    assert "layers.0.attention.wv.weight" in read  # Q6_K beside Q4_K q and k: int8 from floats
+    # layer 0's v is Q6_K beside Q4_K q and k: one mixed product, each weight as stored, no
+    # float value read
+    parts = net.layers[0].attention.wqkv.parts
+    v = gguf.quants.dequantize(np.asarray(stored["blk.0.attn_v.weight"].data), QType.Q6_K)
+    assert [p.scales.dtype for p in parts] == [torch.uint8] * 3
+    assert torch.equal(parts[2].dequantized(torch.float32), torch.from_numpy(v))
+    assert not {f"layers.0.attention.{n}.weight" for n in ("wq", "wk", "wv")} & set(read)
 
 
 CPU = torch.device("cpu")
@@ -264,4 +270,7 @@ def test_an_int4_build_keeps_q2_k_q3_k_and_iq4_as_stored(tmp_path_factory, monke
         assert torch.equal(ffn.w13.dequantized(torch.float32), gate_up)
         assert ffn.w2.scales.dtype == torch.uint8  # ffn_down Q3_K, in 6 bits
         assert torch.equal(ffn.w2.dequantized(torch.float32), down)
-        assert net.layers[0].attention.wqkv.scheme == "int8"
+        # Q2_K q and k beside a Q3_K v: one mixed product, each as stored, no float value read
+        parts = net.layers[0].attention.wqkv.parts
+        assert [p.weight.shape[1] for p in parts] == [SMALL.hidden // 32 * n for n in (2, 2, 6)]
+        assert not {f"layers.0.attention.{n}.weight" for n in ("wq", "wk", "wv")} & set(read)
