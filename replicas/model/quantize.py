@@ -37,7 +37,8 @@ def quantize_model(
     int4_kernel: str = "torch",
 ) -> None:
     """Replaces every linear layer of a ``Transformer`` by a ``QuantizedLinear`` of ``scheme``,
-    in place, fusing q/k/v and gate/up into one product each (fewer kernel calls per layer).
+    in place, fusing q/k/v and gate/up into one product each (fewer kernel calls per layer; a
+    ``MixedLinear`` where the fused weights keep different stored layouts).
 
     ``int4_groups``: stored int4 codes by parameter name (a GGUF file's Q4 tensors), used as
     they are under ``int4``. ``stored_bits``: bits per weight as stored; under ``int4`` a weight
@@ -97,11 +98,11 @@ def stored_int4_weights(
     built a layer at a time need not read (dequantize) them."""
     kept = set()
     strata = int4_kernel == "strata"
+    bits = stored_bits or {}
     for module_name, _, parts in LAYER_PRODUCTS:
         module = getattr(layer, module_name)
         names = [f"{prefix}.{module_name}.{part}" for part in parts]
         weight = [getattr(module, part).weight for part in parts]
-        bits = stored_bits or {}
         if _uses_stored_codes("int4", names, weight, int4_groups, bits, strata) or (
             strata and _stored_fields(names, int4_groups) is not None
         ):
