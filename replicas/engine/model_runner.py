@@ -13,6 +13,7 @@ from replicas.engine.cuda_batch import CudaBatchBuilder, HostBatch, geometries
 from replicas.engine.cuda_graphs import DecodeGraphs
 from replicas.engine.request import Request
 from replicas.engine.scheduler import ScheduledRequest
+from replicas.kv.host_memory import hugepage_zeros
 from replicas.kv.records import BlockCopy
 from replicas.model import ForwardBatch, LoadedModel
 from replicas.model.fusion import fuse_projections
@@ -62,11 +63,7 @@ class ModelRunner:
         self.specs = self.model.kv_cache_specs(dtype, kv_cache_dtype)
         self.kv_format = next(iter(self.specs.values())).kv_format
         self.kv_caches = {
-            group: torch.zeros(
-                spec.shape(num_npu_blocks[group], block_size),
-                dtype=spec.storage_dtype,
-                device=device,
-            )
+            group: _zeros(spec.shape(num_npu_blocks[group], block_size), spec.storage_dtype, device)
             for group, spec in self.specs.items()
         }
         self._cuda_batches: CudaBatchBuilder | None = None
@@ -217,3 +214,10 @@ class ModelRunner:
             logits_indices=tensor(host.logits_indices),
             num_solo_seqs=host.num_solo_seqs,
         )
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A KV cache: on the CPU on transparent hugepages (``hugepage_zeros``)."""
+    if device.type == "cpu":
+        return hugepage_zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)

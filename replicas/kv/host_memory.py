@@ -83,6 +83,34 @@ def allocate_host_tensor(shape: tuple[int, ...], dtype: torch.dtype, *, pin: boo
     return tensor
 
 
+HUGEPAGE_BYTES = 2 << 20
+"""A transparent hugepage (x86-64, most arm64 kernels): what ``hugepage_zeros`` aligns to."""
+
+
+def hugepage_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor in an anonymous mapping of its own, aligned to ``HUGEPAGE_BYTES``,
+    with transparent hugepages advised (``MADV_HUGEPAGE``) before its pages are faulted in.
+
+    For a CPU KV cache: attention reads each head's keys and values a block at a time, a few
+    KiB here and there across the whole cache, so with 4 KiB pages nearly every block read
+    starts on a page whose translation is not cached (``benchmarks/README.md``, "KV cache on
+    hugepages"). A tensor under one hugepage, or where the platform has no ``madvise``, is an
+    ordinary ``torch.zeros``; the kernel may still back the mapping with small pages (THP off,
+    or no free hugepage), which changes nothing but speed."""
+    num_bytes = _nbytes(shape, dtype)
+    if num_bytes < HUGEPAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(shape, dtype=dtype)
+    mapped = _mmap(num_bytes + HUGEPAGE_BYTES, 0)
+    if mapped is None:
+        return torch.zeros(shape, dtype=dtype)
+    mapped.madvise(mmap.MADV_HUGEPAGE)
+    whole = torch.frombuffer(mapped, dtype=torch.uint8)  # holds the mapping while it lives
+    start = -whole.data_ptr() % HUGEPAGE_BYTES
+    tensor = whole[start : start + num_bytes].view(dtype).view(shape)
+    tensor.fill_(0)  # fault every page in now, as hugepages where the kernel grants them
+    return tensor
+
+
 MAP_HUGETLB = 0x40000
 """Linux's ``mmap`` flag for reserved hugepages (Python's ``mmap`` module does not name it)."""
 

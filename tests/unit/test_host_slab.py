@@ -1,5 +1,6 @@
 """HostSlab: one mapping of the host pools' exact bytes, on hugepages when enough are free."""
 
+import gc
 import mmap
 
 import pytest
@@ -83,3 +84,24 @@ def test_a_slab_larger_than_available_memory_fails_at_start_up(monkeypatch):
     monkeypatch.setattr(host_memory, "read_meminfo", lambda: {"MemAvailable": 4096})
     with pytest.raises(MemoryError, match="of host memory but only"):
         HostSlab(SHAPES, Pins())
+
+
+def test_hugepage_zeros_is_a_zero_tensor_aligned_to_a_hugepage_that_outlives_its_mapping():
+    shape = (10, 2, 32, 16, 64)  # 2.5 MiB of float32: past one hugepage
+    tensor = host_memory.hugepage_zeros(shape, torch.float32)
+    assert tensor.shape == shape and tensor.dtype == torch.float32 and tensor.is_contiguous()
+    assert tensor.data_ptr() % host_memory.HUGEPAGE_BYTES == 0
+    assert torch.equal(tensor, torch.zeros(shape))
+    gc.collect()  # nothing but the tensor holds the mapping now
+    tensor[3, 1] = 7.0
+    assert tensor.sum().item() == 7.0 * 32 * 16 * 64
+    small = host_memory.hugepage_zeros((3, 11), torch.bfloat16)  # under a hugepage: ordinary
+    assert torch.equal(small, torch.zeros(3, 11, dtype=torch.bfloat16))
+
+
+def test_hugepage_zeros_falls_back_to_torch_zeros_when_the_kernel_refuses_the_mapping(
+    monkeypatch,
+):
+    monkeypatch.setattr(host_memory, "_mmap", lambda num_bytes, extra_flags: None)
+    tensor = host_memory.hugepage_zeros((3, 2**20), torch.float32)
+    assert torch.equal(tensor, torch.zeros(3, 2**20))

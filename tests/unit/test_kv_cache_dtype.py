@@ -13,6 +13,7 @@ from replicas.config import EngineConfig
 from replicas.engine.engine import Engine
 from replicas.kv.capacity import kv_cache_specs, plan_cache
 from replicas.kv.events import Tier
+from replicas.kv.host_memory import HUGEPAGE_BYTES
 from replicas.model import load_model_info
 from tests.unit.engine_runs import run
 
@@ -173,3 +174,10 @@ def test_the_start_up_log_states_the_kv_dtype_and_block_bytes(caplog):
     assert engine.runner.block_bytes == block_bytes
     assert f"KV dtype int8): full: 8 NPU + 0 host blocks of {block_bytes} bytes" in caplog.text
     assert make_engine("auto", num_npu_blocks=8).config.kv_cache_dtype == "float32"
+
+
+def test_a_cpu_kv_cache_past_a_hugepage_lies_on_hugepage_aligned_memory():
+    engine = make_engine("auto")  # 64 blocks of 64 KiB of float32
+    cache = engine.runner.kv_caches["full"]
+    assert cache.nbytes >= HUGEPAGE_BYTES and cache.data_ptr() % HUGEPAGE_BYTES == 0
+    assert cache.count_nonzero() == 0
