@@ -68,16 +68,20 @@ def build_llm(
     model: str = DEFAULT_MODEL,
     speculative_ngram: int = 0,
     prefix_cache: PrefixCacheConfig | None = None,
+    max_num_seqs: int | None = None,
     **engine_options: object,
 ) -> LLM:
     """``model`` (by default the built-in ``tiny``) with an explicit NPU pool, warmed up so that
     the first measured request pays no one-off costs (lazy initialisation in torch).
     ``prefix_cache`` replaces ``PrefixCacheConfig(enabled=prefix_caching)`` (e.g. with
-    ``batch_tenants``); ``engine_options`` go to ``LLM`` (e.g. ``dtype``)."""
+    ``batch_tenants``); ``max_num_seqs``: the scheduler's (None: its default); ``engine_options``
+    go to ``LLM`` (e.g. ``dtype``)."""
+    limits = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
     scheduler_config = SchedulerConfig(
         prefix_cache_config=prefix_cache or PrefixCacheConfig(enabled=prefix_caching),
         kv_offload_config=offload or KVOffloadConfig(),
         speculative_ngram=speculative_ngram,
+        **limits,
     )
     llm = LLM(
         model,

@@ -4,8 +4,9 @@
 #   bash scripts/gpu-check.sh
 #
 # It runs the `gpu-engine` benchmark (the device's measured ceilings, then decode and prefill of
-# the 8B-shaped built-in model against them), the tests marked `cuda` (tests/gpu) and the
-# `transfer` and `reload-vs-recompute` benchmarks on the GPU, prints one `gpu-check:` line per
+# the 8B-shaped built-in model against them), the tests marked `cuda` (tests/gpu), the
+# `transfer` and `reload-vs-recompute` benchmarks and the 8B churn at concurrency 32 and 128
+# (`churn-concurrent`) on the GPU, prints one `gpu-check:` line per
 # figure, writes every figure to one JSON ($OUT_DIR/gpu-check.json) and exits non-zero if
 # anything failed. On a machine without an NVIDIA GPU it says so and exits 0.
 #
@@ -215,7 +216,7 @@ say "set-up took $(($(now) - START)) s"
 
 # ---- checks --------------------------------------------------------------------------------
 mkdir -p "$OUT_DIR"
-rm -rf "$OUT_DIR/pytest.xml" "$OUT_DIR/gpu-engine" "$OUT_DIR/transfer" "$OUT_DIR/reload-vs-recompute" "$OUT_DIR/reload-smollm2" "$OUT_DIR/reload-8b"
+rm -rf "$OUT_DIR/pytest.xml" "$OUT_DIR/gpu-engine" "$OUT_DIR/transfer" "$OUT_DIR/reload-vs-recompute" "$OUT_DIR/reload-smollm2" "$OUT_DIR/reload-8b" "$OUT_DIR/churn-8b"
 FAILURES=()
 export PYTHONUNBUFFERED=1
 
@@ -374,13 +375,33 @@ if d:
 EOF
 fi
 
+CHURN_8B=(--model llama3-8b-shape --dtype bfloat16)
+[ "$DEVICE" = cpu ] && CHURN_8B=(--quick)  # an 8B model is a GPU's work
+if run_step "benchmark churn-concurrent 8b" 180 "$PY" -m benchmarks run churn-concurrent \
+    "${CHURN_8B[@]}" --device "$DEVICE" --output "$OUT_DIR/churn-8b"; then
+    "$PY" - "$OUT_DIR/churn-8b/results.json" <<'EOF' || FAILURES+=("churn-8b results")
+import json, sys
+
+r = json.load(open(sys.argv[1]))
+for level in r["levels"]:
+    npu = level["npu-only"]
+    for name, ratio in level["over_npu_only"].items():
+        host = level[name]
+        print(f"gpu-check: churn {r['model']} at concurrency {level['concurrency']}: output "
+              f"{host['output_tokens_per_s']:.0f} tok/s with {name} against "
+              f"{npu['output_tokens_per_s']:.0f} NPU only ({ratio['output_tokens_per_s']:.2f}x), "
+              f"mean TTFT {1e3 * host['mean_ttft_s']:.0f} against {1e3 * npu['mean_ttft_s']:.0f} ms")
+EOF
+fi
+
 # One JSON of the whole run (benchmarks/results/gpu/ keeps a copy of each run on a GPU).
 "$PY" - "$OUT_DIR" "$(nvidia-smi -L 2>/dev/null | head -n 1)" <<'EOF'
 import json, pathlib, sys, xml.etree.ElementTree as ElementTree
 
 out = pathlib.Path(sys.argv[1])
 document = {"device": sys.argv[2] or "cpu (dry run)"}
-for name in ("gpu-engine", "transfer", "reload-vs-recompute", "reload-smollm2", "reload-8b"):
+for name in ("gpu-engine", "transfer", "reload-vs-recompute", "reload-smollm2", "reload-8b",
+             "churn-8b"):
     path = out / name / "results.json"
     if path.exists():
         document[name] = json.loads(path.read_text())

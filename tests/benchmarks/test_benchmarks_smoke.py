@@ -79,6 +79,13 @@ EXPECTED = {
         "median_ttft_s.256.pulled",
         "median_ttft_s.256.local",
     ],
+    "churn-concurrent": [
+        "levels.*.npu-only.output_tokens_per_s",
+        "levels.*.host.output_tokens_per_s",
+        "levels.*.host.mean_ttft_s",
+        "levels.*.host+write-back.output_tokens_per_s",
+        "levels.*.over_npu_only.host+write-back.output_tokens_per_s",
+    ],
     "churn-disk": [
         "unbounded_hit_rate",
         "configs.host.mean_ttft_s",
