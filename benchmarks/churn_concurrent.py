@@ -28,6 +28,7 @@ from benchmarks.workload import (
     build_llm,
     cache_counters,
     counters_delta,
+    engine_options,
     fit_length,
     model_context_len,
     percentile,
@@ -119,14 +120,10 @@ def run(
 ) -> dict[str, object]:
     """``device``: where the engines run (default: the engine's ``auto``); ``dtypes``: one
     weights dtype (default: the engine's)."""
-    if dtypes is not None and len(dtypes) != 1:
-        raise ValueError(f"churn-concurrent measures one dtype at a time, got {list(dtypes)}")
+    options = engine_options(NAME, device, dtypes)
     settings = QUICK if quick else Settings()
     limit = model_context_len(model) - settings.suffix_len - settings.output_len - 8
     settings = replace(settings, prefix_len=fit_length(settings.prefix_len, limit))
-    options = {} if device is None else {"device": device}
-    if dtypes is not None:
-        options["dtype"] = dtypes[0]
     churn = ChurnSettings(
         num_prefixes=settings.num_prefixes,
         prefix_len=settings.prefix_len,
@@ -135,13 +132,14 @@ def run(
         zipf_s=settings.zipf_s,
         seed=settings.seed,
     )
-    levels = []
+    levels, prompts = [], None
     for turn, concurrency in enumerate(settings.concurrencies):
         level: dict[str, object] = {"concurrency": concurrency}
         for variant in rotated(VARIANTS, turn):  # no configuration always runs first
             llm = _engine(settings, variant, concurrency, model, options)
             try:
-                _, prompts = churn_prompts(churn, prompt_vocab(llm))
+                if prompts is None:  # one sequence for every engine (one model, one vocab)
+                    _, prompts = churn_prompts(churn, prompt_vocab(llm))
                 level[variant] = _serve(llm, prompts, settings.output_len)
             finally:
                 llm.shutdown()

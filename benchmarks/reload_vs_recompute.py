@@ -38,6 +38,7 @@ from benchmarks.workload import (
     BLOCK_SIZE,
     DEFAULT_MODEL,
     build_llm,
+    engine_options,
     fit_length,
     kv_block_bytes,
     median,
@@ -144,8 +145,7 @@ def run(
     """``device``: where the engines run (default: the engine's ``auto``); ``dtypes``: one
     weights dtype (default: the engine's, float32); ``kv_cache_dtypes``: the KV dtypes measured
     side by side (default ``KV_CACHE_DTYPES``; ``auto``: the engine dtype)."""
-    if dtypes is not None and len(dtypes) != 1:
-        raise ValueError(f"reload-vs-recompute measures one dtype at a time, got {list(dtypes)}")
+    options = engine_options(NAME, device, dtypes)
     if model in REAL_SHAPE_MODELS:
         settings = REAL_SHAPE_QUICK if quick else REAL_SHAPE
     else:
@@ -156,9 +156,6 @@ def run(
     settings = replace(settings, prefix_lens=prefix_lens)
     rng = random.Random(0)
     output_dir.mkdir(parents=True, exist_ok=True)
-    options = {} if device is None else {"device": device}
-    if dtypes is not None:
-        options["dtype"] = dtypes[0]
     llms, disk_dirs = _build_engines(settings, model, kv_cache_dtypes, output_dir, options)
     kv_names = {name: llm.engine.config.kv_cache_dtype for name, llm in llms.items()}
     reference = next(iter(llms))  # the engine dtype's KV, unless not asked for

@@ -59,6 +59,19 @@ def fit_length(num_tokens: int, limit: int) -> int:
     return num_tokens if num_tokens <= limit else limit // BLOCK_SIZE * BLOCK_SIZE
 
 
+def engine_options(
+    scenario: str, device: str | None, dtypes: Sequence[str] | None
+) -> dict[str, object]:
+    """``build_llm``'s options for a scenario that runs its engines on ``device`` (None: the
+    engine's ``auto``) with one weights dtype (``dtypes``: one, or None for the engine's)."""
+    if dtypes is not None and len(dtypes) != 1:
+        raise ValueError(f"{scenario} measures one dtype at a time, got {list(dtypes)}")
+    options: dict[str, object] = {} if device is None else {"device": device}
+    if dtypes is not None:
+        options["dtype"] = dtypes[0]
+    return options
+
+
 def build_llm(
     *,
     num_npu_blocks: int,
