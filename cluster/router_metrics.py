@@ -33,6 +33,12 @@ _PER_REPLICA_COUNTERS = (
         "there because pulling it would cost more (router.peer_sources).",
         "num_peer_priced_out",
     ),
+    (
+        "strata_router_overload_diversions",
+        "Requests sent to the replica while another cached more of their prompt but carried "
+        "more than routing.overload_factor times the least loaded replica's active tokens.",
+        "num_overload_diversions",
+    ),
 )
 """(name, help, ``ReplicaRoutingStats`` field) of the counters that are one field per replica."""
 

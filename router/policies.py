@@ -9,51 +9,21 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
 
-from replicas.kv.events import Tier, tier_count, tiers
+from replicas.kv.events import Tier, tiers
 from router.config import (
     DEFAULT_DISK_HIT_WEIGHT,
     DEFAULT_KEY_OVERLOAD_FACTOR,
+    DEFAULT_OVERLOAD_FACTOR,
     DEFAULT_SCORING_PROFILE,
     SCORING_PROFILES,
     RoutingConfig,
     TTFTCosts,
     tier_hit_weight,
 )
+from router.decision import ReplicaQueues, RouteDecision
 from router.prefix_index import IndexMatch
-
-
-class ReplicaQueues(NamedTuple):
-    """What each replica has queued and running, as the router charged it."""
-
-    queued_tokens: Sequence[int]  # uncached prompt tokens not past prefill yet
-    num_requests: Sequence[int]  # requests routed there and not released
-
-
-class RouteDecision(NamedTuple):
-    """Where one request goes, and why (scores of the chosen replica)."""
-
-    replica_index: int
-    prefix_score: float
-    load_score: float
-    score: float
-    num_matched_tokens: int
-    """Prompt tokens cached on the chosen replica in any tier (unweighted), at most the prompt."""
-    num_matched_tokens_by_tier: tuple[int, ...]
-    """``num_matched_tokens`` per tier (``replicas.kv.events.tiers()`` order): the match's blocks
-    in tier order, cut at the prompt's end."""
-    is_key_affinity: bool = False
-    """Whether the chosen replica is the request's ``prompt_cache_key`` replica, credited as
-    caching the whole prompt (it was not overloaded)."""
-    peer_source: int | None = None
-    """Another replica holding a longer prefix in its NPU and host tiers, which the chosen one
-    may pull it from (``Router.route``); None when none holds enough more."""
-    num_peer_tokens: int = 0
-    """The leading prompt tokens ``peer_source`` holds (whole blocks)."""
-
-    def num_matched_tokens_in(self, tier: Tier) -> int:
-        return tier_count(self.num_matched_tokens_by_tier, tier)
 
 
 class RoutingPolicy(ABC):
@@ -89,6 +59,7 @@ class RoutingPolicy(ABC):
     """Weights by tier name past host and disk (make_policy sets the config's): a read-only
     mapping, replaced (not changed in place) to change a weight."""
     key_overload_factor: float = DEFAULT_KEY_OVERLOAD_FACTOR  # make_policy sets the config's
+    overload_factor: float = DEFAULT_OVERLOAD_FACTOR  # make_policy sets the config's
     _weights_key: tuple = ()
     _weights: tuple[float, ...] = ()
 
@@ -118,19 +89,25 @@ class RoutingPolicy(ABC):
         Does not charge anything."""
 
     def is_overloaded(
-        self, replica: int, live: Sequence[int], load_tokens: Sequence[int], num_prompt_tokens: int
+        self,
+        replica: int,
+        live: Sequence[int],
+        load_tokens: Sequence[int],
+        num_prompt_tokens: int,
+        factor: float | None = None,
     ) -> bool:
-        """The load rule that bounds ``prompt_cache_key`` affinity: whether ``replica``'s
-        active tokens, this prompt added, exceed ``key_overload_factor`` times the least
-        loaded live replica's, this prompt added::
+        """Whether ``replica``'s active tokens, this prompt added, exceed ``factor`` (by
+        default ``key_overload_factor``, the rule that bounds ``prompt_cache_key`` affinity)
+        times the least loaded live replica's, this prompt added::
 
-            load[r] + P > key_overload_factor * (min(load[j] for live j) + P)
+            load[r] + P > factor * (min(load[j] for live j) + P)
 
         The prompt added on both sides makes its size the floor: on an idle cluster a key
         keeps ``key_overload_factor`` of its concurrent prompts together."""
         least = min(load_tokens[r] for r in live)
         num = num_prompt_tokens
-        return load_tokens[replica] + num > self.key_overload_factor * (least + num)
+        factor = self.key_overload_factor if factor is None else factor
+        return load_tokens[replica] + num > factor * (least + num)
 
     def tier_weight(self, tier: Tier) -> float:
         """What a matched block of ``tier`` counts for, against 1 for an NPU block."""
@@ -248,7 +225,8 @@ class ScoringPolicy(RoutingPolicy):
         best_score = -math.inf
         tied: list[tuple[int, float, float]] = []  # (replica, prefix_score, load_score)
         weights = self.tier_weights()
-        for replica in live:
+        candidates = self.candidates(live, matches, load_tokens, num_prompt_tokens, queues)
+        for replica in candidates:
             prefix_score = self.prefix_score(matches[replica], num_prompt_tokens, weights)
             if replica == key_replica:
                 prefix_score = 1.0  # the key's earlier requests: counted as the whole prompt
@@ -273,7 +251,31 @@ class ScoringPolicy(RoutingPolicy):
             replica == key_replica,
         )
         churn[replica] += num_prompt_tokens - decision.num_matched_tokens
+        most = max(matches[r].num_blocks for r in live)
+        if len(candidates) < len(live) and matches[replica].num_blocks < most:
+            left_out = set(live).difference(candidates)
+            if any(matches[r].num_blocks == most for r in left_out):
+                return decision._replace(is_overload_diversion=True)
         return decision
+
+    def candidates(
+        self,
+        live: Sequence[int],
+        matches: Sequence[IndexMatch],
+        load_tokens: Sequence[int],
+        num_prompt_tokens: int,
+        queues: ReplicaQueues | None,
+    ) -> Sequence[int]:
+        """The live replicas this policy scores: all but those ``is_overloaded`` at
+        ``overload_factor`` (all when it is 0). The least loaded one always stays."""
+        factor = self.overload_factor
+        if not factor or len(live) < 2:
+            return live
+        return [
+            r
+            for r in live
+            if not self.is_overloaded(r, live, load_tokens, num_prompt_tokens, factor)
+        ]
 
     def score(
         self,
@@ -421,8 +423,22 @@ class TTFTPolicy(ScoringPolicy):
         queues: ReplicaQueues | None = None,
         key_replica: int | None = None,
     ) -> RouteDecision:
+        # The prediction prices what the index holds: a key does not move it.
+        return super().choose(live, matches, load_tokens, num_prompt_tokens, queues)
+
+    def candidates(
+        self,
+        live: Sequence[int],
+        matches: Sequence[IndexMatch],
+        load_tokens: Sequence[int],
+        num_prompt_tokens: int,
+        queues: ReplicaQueues | None,
+    ) -> Sequence[int]:
+        """``ScoringPolicy``'s, and with ``slack``: of those within ``1 + slack`` of the
+        lowest cost, the ones caching the most."""
         # The forfeit term's reference: the best-cached live replica, found once per request.
         self._best_blocks = max(matches[r].num_blocks for r in live)
+        live = super().candidates(live, matches, load_tokens, num_prompt_tokens, queues)
         if self.costs.slack:
             cost = {
                 r: self.cost_s(r, matches, load_tokens, num_prompt_tokens, queues) for r in live
@@ -431,8 +447,7 @@ class TTFTPolicy(ScoringPolicy):
             close = [r for r in live if cost[r] <= bound]
             longest = max(matches[r].num_blocks for r in close)
             live = [r for r in close if matches[r].num_blocks == longest]
-        # The prediction prices what the index holds: a key does not move it.
-        return super().choose(live, matches, load_tokens, num_prompt_tokens, queues)
+        return live
 
     def cost_s(
         self,
@@ -491,4 +506,5 @@ def make_policy(config: RoutingConfig, block_size: int) -> RoutingPolicy:
     policy.disk_hit_weight = config.disk_hit_weight
     policy.tier_hit_weights = MappingProxyType(dict(config.tier_hit_weights))
     policy.key_overload_factor = config.key_overload_factor
+    policy.overload_factor = config.overload_factor
     return policy

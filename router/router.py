@@ -171,6 +171,7 @@ class Router:
         counters = self._counters[decision.replica_index]
         counters.record_route(decision.num_matched_tokens_by_tier, num_prompt_tokens)
         counters.num_key_affinity_routes += int(decision.is_key_affinity)
+        counters.num_overload_diversions += int(decision.is_overload_diversion)
         if self._peers.min_blocks and self.config.enable_prefix_caching and len(self._live) > 1:
             decision, priced_out = self._peers.with_source(
                 decision, block_hashes, matches, self._live
@@ -396,6 +397,7 @@ class Router:
                     num_key_affinity_routes=counters.num_key_affinity_routes,
                     num_peer_sources=counters.num_peer_sources,
                     num_peer_priced_out=counters.num_peer_priced_out,
+                    num_overload_diversions=counters.num_overload_diversions,
                     peer_break_even_blocks=self._peers.break_even_blocks(i),
                     queued_tokens=self._load.queued_tokens[i],
                     num_requests=self._load.num_requests[i],

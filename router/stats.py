@@ -35,6 +35,7 @@ class ReplicaRoutingStats:
     num_key_affinity_routes: int = 0  # decisions that followed the request's prompt_cache_key
     num_peer_sources: int = 0  # decisions naming another replica to pull the prefix from
     num_peer_priced_out: int = 0  # decisions where a source held more but the pull cost more
+    num_overload_diversions: int = 0  # decisions while a replica caching more was overloaded
     peer_break_even_blocks: float | None = None  # router.peer_sources; None: not reported
     queued_tokens: int = 0  # uncached prompt tokens of its requests not past prefill
     num_requests: int = 0  # requests routed there and not released
@@ -73,6 +74,7 @@ class RoutingCounters:
     num_key_affinity_routes: int = 0
     num_peer_sources: int = 0
     num_peer_priced_out: int = 0
+    num_overload_diversions: int = 0
     bucket_counts: list[int] = field(default_factory=lambda: [0] * len(MATCHED_FRACTION_BUCKETS))
     """Decisions per matched-fraction bucket, not cumulative: ``bucket_counts[k]`` counts
     fractions in ``(MATCHED_FRACTION_BUCKETS[k - 1], MATCHED_FRACTION_BUCKETS[k]]``."""

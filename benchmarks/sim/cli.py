@@ -180,7 +180,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KIND[=V1,V2,...]",
         help="dp=, host-gb=, host-ratio=, threshold=, write-back, npu-blocks=, speedup=, "
-        "profile, retention, reservation=, prefetch (reservations without or with prefetch) "
+        "profile, retention, reservation=, prefetch (reservations without or with prefetch), "
+        "overload= (routing.overload_factor; default 0,16) "
         "(repeatable; one parameter at a time)",
     )
     add("--jobs", type=int, default=1, help="worker processes (default 1)")

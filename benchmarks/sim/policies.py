@@ -49,6 +49,7 @@ def make_agent(
             scoring_profile=config.scoring_profile,
             ttft_costs=costs,
             key_overload_factor=config.key_overload_factor,
+            overload_factor=config.overload_factor,
             peer_pull_min_blocks=config.peer_pull_min_blocks,
         )
         return StrataAgent(

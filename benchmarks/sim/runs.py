@@ -78,6 +78,7 @@ SWEEPS: dict[str, SweepKind] = {
     "reservation": SweepKind("reservation_share", float, ("0", "0.2")),
     "prefetch": SweepKind("reservation_prefetch", _switch, ("off", "on")),
     "retention": SweepKind("", _retention, tuple(RETENTIONS)),  # sets two fields
+    "overload": SweepKind("overload_factor", float, ("0", "16")),
 }
 
 

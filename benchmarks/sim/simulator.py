@@ -104,6 +104,7 @@ class SimConfig:
     ttft_slack: float = 0.0  # TTFTCosts.slack of the ttft scoring profile
     ttft_forfeit_weight: float = 0.0  # TTFTCosts.forfeit_weight
     key_overload_factor: float = 2.0  # RoutingConfig.key_overload_factor (keyed requests only)
+    overload_factor: float = 16.0  # RoutingConfig.overload_factor (0: no bound)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     event_delay_s: float = 0.001

@@ -104,6 +104,27 @@ def test_strata_routes_by_the_kv_events_of_the_replicas():
     assert sim.record["agent"]["num_event_gaps"] == 0
 
 
+def test_the_overload_bound_spreads_a_burst_that_shares_one_prefix():
+    # Blocks 1-7 are cached on one replica first; then 12 requests sharing them arrive
+    # together, each with its own last block. Unbounded, the holder takes them all (locality
+    # weights); at factor 2 the others share the burst.
+    shared = tuple(range(1, 8))
+    trace = [TraceRecord(0.0, 4096, 16, (*shared, 99))]
+    trace += [TraceRecord(5.0 + 0.001 * i, 4096, 16, (*shared, 100 + i)) for i in range(12)]
+    per_replica = {}
+    for factor in (0.0, 2.0):
+        sim = simulate(
+            expand(trace, BLOCK),
+            data_parallel_size=3,
+            num_npu_blocks=256,
+            scoring_profile="locality",
+            overload_factor=factor,
+        )
+        per_replica[factor] = sim.record["agent"]["requests_per_replica"]
+    assert sorted(per_replica[0.0]) == [0, 0, 13]
+    assert min(per_replica[2.0]) >= 3 and sum(per_replica[2.0]) == 13  # 5, 4, 4
+
+
 def random_trace(num_requests: int, seed: int) -> list[TraceRecord]:
     """Conversations that grow turn by turn and a few shared system prompts."""
     rng = random.Random(seed)

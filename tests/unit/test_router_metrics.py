@@ -77,3 +77,15 @@ def test_router_metrics_count_disk_matches_as_host_and_show_disk_blocks_once_hel
         ("1", "npu"): 0.0,
         ("1", "host"): 0.0,
     }
+
+
+def test_router_metrics_count_overload_diversions_on_the_chosen_replica():
+    router = Router(2, 16, RoutingConfig(overload_factor=2.0, peer_pull_min_blocks=0))
+    hashes = [bytes([i]) * 16 for i in range(4)]
+    router.on_events(KVEventBatch(0, 0, tuple(KVEvent("stored", "npu", h) for h in hashes)))
+    for request in "ab":  # replica 0: 0 + 64, then 64 + 64, not over 2 x (0 + 64)
+        assert router.route(request, 64, hashes).replica_index == 0
+    assert router.route("c", 64, hashes).replica_index == 1  # 128 + 64 > 2 x 64
+    families = scrape(router)
+    diverted = {s.labels["replica"]: s.value for s in families["strata_router_overload_diversions"]}
+    assert diverted == {"0": 0.0, "1": 1.0}

@@ -305,3 +305,17 @@ def test_a_replica_holding_a_longer_prefix_is_named_the_source_to_pull_it_from()
     assert short.peer_source is None  # 6 more blocks: fewer than 7
     best = off.route("d", 9 * BLOCK, prompt(*range(1, 10)))
     assert best.replica_index == 0 and best.peer_source is None  # the holder itself
+
+
+def test_a_request_sent_past_an_overloaded_holder_is_counted_per_chosen_replica():
+    router = make_router(2)
+    router.on_events(KVEventBatch(0, 0, stored(1, 2, 3, 4)))
+    # Replica 0 caches the prompt; past 16 x 64 tokens (1024 + 64 > 16 x (0 + 64)) it is left out.
+    for n in range(16):
+        assert router.route(f"warm{n}", 64, prompt(1, 2, 3, 4)).replica_index == 0
+    decision = router.route("next", 64, prompt(1, 2, 3, 4))
+    assert decision.replica_index == 1 and decision.is_overload_diversion
+    assert decision.peer_source == 0  # and may pull the prefix from the holder
+    counts = [r.num_overload_diversions for r in router.stats().replicas]
+    assert counts == [0, 1]
+    router.check_integrity()

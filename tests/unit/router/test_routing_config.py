@@ -75,6 +75,8 @@ def test_round_robin_with_the_default_profile_is_valid():
         ),
         ({"host_hit_weight": 1.5}, ["--data-parallel-host-hit-weight"]),
         ({"host_hit_weight": -0.5}, ["--data-parallel-host-hit-weight"]),
+        ({"overload_factor": 0.5}, ["routing.overload_factor", "0 or at least 1"]),
+        ({"overload_factor": float("inf")}, ["routing.overload_factor"]),
     ],
 )
 def test_invalid_configurations_name_the_option(kwargs, options):

@@ -69,9 +69,40 @@ def test_prefix_score_and_matched_tokens_are_capped_at_the_prompt():
 )
 def test_profiles_trade_a_cached_prefix_against_load(profile, kwargs, winner):
     # Replica 0 caches the whole prompt but carries 1000 tokens; replica 1 is idle and cold.
+    # (The overload bound is off: at 16 it would leave replica 0 out, 1064 > 16 x 64.)
     matches = [IndexMatch((4, 0, 0)), NONE]
-    decision = scoring(profile, **kwargs).choose([0, 1], matches, [1000, 0], 64)
-    assert decision.replica_index == winner
+    policy = scoring(profile, overload_factor=0.0, **kwargs)
+    assert policy.choose([0, 1], matches, [1000, 0], 64).replica_index == winner
+
+
+def test_a_replica_past_the_overload_bound_is_left_out_however_much_it_caches():
+    matches = [IndexMatch((4, 0, 0)), IndexMatch((1, 0, 0)), NONE]
+    policy = scoring("locality")  # the bound holds whatever the weights
+    # 900 + 64 <= 16 x (0 + 64) = 1024: replica 0 keeps its prefix.
+    kept = policy.choose([0, 1, 2], matches, [900, 40, 0], 64)
+    assert kept.replica_index == 0 and not kept.is_overload_diversion
+    # 1000 + 64 > 1024: left out; of the others, the one caching a block wins.
+    diverted = policy.choose([0, 1, 2], matches, [1000, 40, 0], 64)
+    assert diverted.replica_index == 1 and diverted.is_overload_diversion
+    # Measured against the least loaded live replica: with replica 2 dead, 40 + 64 counts.
+    assert policy.choose([0, 1], matches, [1000, 40, 0], 64).replica_index == 0
+    # Left out while caching no more than the chosen one: not a diversion.
+    level = [IndexMatch((1, 0, 0)), IndexMatch((1, 0, 0)), NONE]
+    assert not policy.choose([0, 1, 2], level, [1000, 40, 0], 64).is_overload_diversion
+    # Without the bound, a million active tokens do not outweigh the prefix.
+    unbounded = scoring("locality", overload_factor=0.0)
+    assert unbounded.choose([0, 1, 2], matches, [10**6, 0, 0], 64).replica_index == 0
+
+
+def test_the_ttft_profile_keeps_the_overload_bound():
+    costs = TTFTCosts(prefill_s_per_token=0.001, max_num_batched_tokens=1000)
+    matches = [IndexMatch((4, 0, 0)), NONE]
+    for factor, winner in ((16.0, 1), (0.0, 0)):
+        config = RoutingConfig(scoring_profile="ttft", ttft_costs=costs, overload_factor=factor)
+        policy = make_policy(config, BLOCK)
+        # Nothing queued: the cached replica predicts the lower TTFT, but carries 1000 tokens.
+        quiet = ReplicaQueues([0, 0], [4, 0])
+        assert policy.choose([0, 1], matches, [1000, 0], 64, quiet).replica_index == winner
 
 
 def test_custom_weights_give_exact_scores():
