@@ -89,25 +89,19 @@ class RoutingPolicy(ABC):
         Does not charge anything."""
 
     def is_overloaded(
-        self,
-        replica: int,
-        live: Sequence[int],
-        load_tokens: Sequence[int],
-        num_prompt_tokens: int,
-        factor: float | None = None,
+        self, replica: int, live: Sequence[int], load_tokens: Sequence[int], num_prompt_tokens: int
     ) -> bool:
-        """Whether ``replica``'s active tokens, this prompt added, exceed ``factor`` (by
-        default ``key_overload_factor``, the rule that bounds ``prompt_cache_key`` affinity)
-        times the least loaded live replica's, this prompt added::
+        """The load rule that bounds ``prompt_cache_key`` affinity: whether ``replica``'s
+        active tokens, this prompt added, exceed ``key_overload_factor`` times the least
+        loaded live replica's, this prompt added::
 
-            load[r] + P > factor * (min(load[j] for live j) + P)
+            load[r] + P > key_overload_factor * (min(load[j] for live j) + P)
 
         The prompt added on both sides makes its size the floor: on an idle cluster a key
         keeps ``key_overload_factor`` of its concurrent prompts together."""
         least = min(load_tokens[r] for r in live)
         num = num_prompt_tokens
-        factor = self.key_overload_factor if factor is None else factor
-        return load_tokens[replica] + num > factor * (least + num)
+        return load_tokens[replica] + num > self.key_overload_factor * (least + num)
 
     def tier_weight(self, tier: Tier) -> float:
         """What a matched block of ``tier`` counts for, against 1 for an NPU block."""
@@ -251,10 +245,9 @@ class ScoringPolicy(RoutingPolicy):
             replica == key_replica,
         )
         churn[replica] += num_prompt_tokens - decision.num_matched_tokens
-        most = max(matches[r].num_blocks for r in live)
-        if len(candidates) < len(live) and matches[replica].num_blocks < most:
-            left_out = set(live).difference(candidates)
-            if any(matches[r].num_blocks == most for r in left_out):
+        if len(candidates) < len(live):
+            held = matches[replica].num_blocks
+            if any(matches[r].num_blocks > held for r in set(live).difference(candidates)):
                 return decision._replace(is_overload_diversion=True)
         return decision
 
@@ -266,16 +259,13 @@ class ScoringPolicy(RoutingPolicy):
         num_prompt_tokens: int,
         queues: ReplicaQueues | None,
     ) -> Sequence[int]:
-        """The live replicas this policy scores: all but those ``is_overloaded`` at
-        ``overload_factor`` (all when it is 0). The least loaded one always stays."""
+        """The live replicas this policy scores: not those whose ``load + P`` exceeds
+        ``overload_factor x (least live load + P)`` (0: none left out)."""
         factor = self.overload_factor
         if not factor or len(live) < 2:
             return live
-        return [
-            r
-            for r in live
-            if not self.is_overloaded(r, live, load_tokens, num_prompt_tokens, factor)
-        ]
+        bound = factor * (min(load_tokens[r] for r in live) + num_prompt_tokens)
+        return [r for r in live if load_tokens[r] + num_prompt_tokens <= bound]
 
     def score(
         self,
