@@ -46,6 +46,7 @@ class PullCostReport:
         step = self._step_costs
         reload = self._engine.kv_cache.onboarding.reload_costs()
         read_s = reload.read_s.get(PEER, 0.0) if reload is not None else 0.0
+        fixed_s = reload.read_fixed_s.get(PEER, 0.0) if reload is not None else 0.0
         load_s = reload.host_load_s if reload is not None and reload.host_load_s else 0.0
         return PullCosts(
             prefill_s_per_token=step.prefill_s_per_token,
@@ -55,6 +56,7 @@ class PullCostReport:
             max_num_batched_tokens=step.max_num_batched_tokens,
             block_size=self._engine.block_size,
             exports_in_steps=self._engine.exports_in_steps,
+            read_s_fixed=fixed_s,
         )
 
     def maybe_send(self) -> None:
@@ -79,7 +81,8 @@ def describe(costs: PullCosts) -> str:
     """One line: from how many missing blocks a pull from an idle peer pays, and why."""
     parts = (
         f"recompute {1e3 * costs.block_size * costs.prefill_s_per_token:.3g} ms per block, "
-        f"pull {1e3 * costs.read_s_per_block:.3g} ms + load {1e3 * costs.load_s_per_block:.3g} ms"
+        f"pull {1e3 * costs.read_s_fixed:.3g} ms a call + {1e3 * costs.read_s_per_block:.3g} ms "
+        f"and load {1e3 * costs.load_s_per_block:.3g} ms a block"
     )
     blocks = costs.break_even_blocks()
     if math.isinf(blocks):

@@ -47,7 +47,8 @@ class PullCosts(NamedTuple):
     them (``replicas.kv.tiers.peer``): the router names a source only where the pull pays
     (``router.peer_sources``). Prefill costs as in ``StepCosts``; ``read_s_per_block``: a block
     from a peer into host (measured by the replica's pulls, assumed before its first),
-    ``load_s_per_block``: host -> NPU."""
+    ``load_s_per_block``: host -> NPU; ``read_s_fixed``: a pull's round trip, whatever its size
+    (``replicas.kv.tiers.pull_fit``)."""
 
     prefill_s_per_token: float
     prefill_s_per_token_context: float
@@ -56,6 +57,7 @@ class PullCosts(NamedTuple):
     max_num_batched_tokens: int
     block_size: int
     exports_in_steps: bool = False  # a source's export reads while it computes a step
+    read_s_fixed: float = 0.0
 
     def recompute_s(self, num_blocks: int, context_tokens: int) -> float:
         """Computing ``num_blocks`` blocks after ``context_tokens`` cached ones."""
@@ -66,7 +68,8 @@ class PullCosts(NamedTuple):
 
     def pull_s(self, num_blocks: int, wait_s: float) -> float:
         """Pulling ``num_blocks`` blocks and loading them, after ``wait_s`` for the source."""
-        return wait_s + num_blocks * (self.read_s_per_block + self.load_s_per_block)
+        per_block = self.read_s_per_block + self.load_s_per_block
+        return wait_s + self.read_s_fixed + num_blocks * per_block
 
     def pays(self, num_blocks: int, context_tokens: int, wait_s: float) -> bool:
         return self.pull_s(num_blocks, wait_s) < self.recompute_s(num_blocks, context_tokens)
@@ -88,4 +91,4 @@ class PullCosts(NamedTuple):
         )
         if margin <= 0:
             return math.inf
-        return float(math.floor(wait_s / margin) + 1)
+        return float(math.floor((wait_s + self.read_s_fixed) / margin) + 1)

@@ -23,11 +23,12 @@ the per-byte part is charged for that profile's block bytes (a transport that mo
 at the measured rate whatever produced them, an assumption: the measured path is the CPU,
 crc32 on both sides and Ray's object store), the fixed part as measured.
 
-The cost rule weighs ``read_seconds_per_block``: as the real store's, the mean seconds per
-block of the pulls made so far. Before the first one the real store assumes 1 GB/s, which on the
-H200 profile (64 MiB blocks: 67 ms against 11 ms to recompute one) would forbid the first pull
-and so every later one whatever the transport; the simulated replica starts instead as if it
-had measured one pull of ``prior_blocks`` blocks (the router's ``peer_pull_min_blocks``).
+The cost rule weighs ``read_seconds_fixed`` once per pull and ``read_seconds_per_block`` per
+block: as the real store's, fitted to the pulls made so far (``replicas.kv.tiers.pull_fit``).
+Before the first one the real store assumes 1 GB/s, which on the H200 profile (64 MiB blocks: 67
+ms against 11 ms to recompute one) would forbid the first pull and so every later one whatever
+the transport; the simulated replica starts instead from the two parts of its ``PullCost``, as
+if it had measured them.
 """
 
 from collections import OrderedDict
@@ -38,6 +39,7 @@ from replicas.kv.events import Tier
 from replicas.kv.hashing import BlockHash
 from replicas.kv.records import BackingCopy, CacheStats, TierUsage
 from replicas.kv.tiers.peer import OFFER_TTL_S
+from replicas.kv.tiers.pull_fit import PullFit
 from replicas.kv.tiers.registry import plugin
 from router.config import RoutingConfig
 
@@ -92,7 +94,6 @@ class SimPeerStore:
         cost: PullCost,
         block_bytes: float,
         clock: Callable[[], float],
-        prior_blocks: int,
     ) -> None:
         """``holds(source, hash)``: whether replica ``source`` holds the block in NPU or host
         now; ``clock``: simulated seconds (offers expire after ``OFFER_TTL_S``)."""
@@ -101,7 +102,7 @@ class SimPeerStore:
         self.block_bytes = block_bytes
         self._clock = clock
         self._offers: OrderedDict[BlockHash, tuple[int, float]] = OrderedDict()
-        self._prior = cost.pull_s(prior_blocks * block_bytes) / max(1, prior_blocks)
+        self._fit = PullFit(cost.fixed_s, block_bytes / cost.bytes_per_s)
         self.num_pulls = self.blocks_pulled = self.pull_failures = 0
         self.seconds = 0.0
 
@@ -132,12 +133,17 @@ class SimPeerStore:
             self.blocks_pulled += sum(ok for _, ok in found)
             self.pull_failures += sum(not ok for _, ok in found)
             self.seconds += seconds
+            self._fit.add(len(mine), seconds)
             reads.append((now + seconds, found))
         return reads
 
     def read_seconds_per_block(self) -> float:
-        """The mean pull time per block so far (before the first pull: see the module doc)."""
-        return self.seconds / self.blocks_pulled if self.blocks_pulled else self._prior
+        """A pull's time per block (see the module docstring)."""
+        return self._fit.parts()[1]
+
+    def read_seconds_fixed(self) -> float:
+        """A pull's time whatever its size."""
+        return self._fit.parts()[0]
 
     def discard(self, block_hash: BlockHash) -> None:
         self._offers.pop(block_hash, None)
@@ -196,18 +202,16 @@ def peer_stores(
 ) -> list[dict[str, SimPeerStore] | None]:
     """Every replica's peer tier, a store per cache type, priced and primed as ``config`` says
     (None each without ``peer_pull``); ``holds(replica, cache_type, hash)``: whether a replica
-    holds a block in NPU or host now; ``clock``: simulated seconds. The prior is a pull of the
-    router's ``peer_pull_min_blocks`` (see the module docstring)."""
+    holds a block in NPU or host now; ``clock``: simulated seconds."""
     if not config.peer_pull:
         return [None] * config.data_parallel_size
     cost = PullCost(config.peer_pull_fixed_s, config.peer_pull_bytes_per_s)
-    prior = config.peer_pull_min_blocks
 
     def holder(name: str) -> Callable[[int, BlockHash], bool]:
         return lambda replica, block_hash: holds(replica, name, block_hash)
 
     return [
-        {name: SimPeerStore(holder(name), cost, block_bytes, clock, prior) for name in cache_types}
+        {name: SimPeerStore(holder(name), cost, block_bytes, clock) for name in cache_types}
         for _ in range(config.data_parallel_size)
     ]
 

@@ -18,8 +18,9 @@ with what landed, and the host block stays locked until the read ends.
 """
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import NamedTuple
 
 from replicas.engine.request import Request
@@ -39,11 +40,13 @@ ONBOARD_TIMEOUT_FACTOR x their predicted time)``."""
 
 class ReloadCosts(NamedTuple):
     """The cost rule's inputs, seconds per block (``recompute_s`` 0 until measured, when the rule
-    reads every backing prefix); ``read_s``: per backing tier."""
+    reads every backing prefix); ``read_s``: per backing tier; ``read_fixed_s``: per backing
+    tier whose reads also cost something per call, whatever their size (the peer tier's)."""
 
     recompute_s: float
     host_load_s: float
     read_s: dict[str, float]
+    read_fixed_s: Mapping[str, float] = MappingProxyType({})
 
     @property
     def disk_read_s(self) -> float:
@@ -54,6 +57,13 @@ class ReloadCosts(NamedTuple):
             stacklevel=2,
         )
         return self.read_s.get("disk", 0.0)
+
+
+def read_seconds_fixed(store: object) -> float:
+    """What one read of a backing store costs whatever its size: the peer tier's round trip
+    (``read_seconds_fixed``), 0 for a store without one."""
+    fixed = getattr(store, "read_seconds_fixed", None)
+    return float(fixed()) if fixed is not None else 0.0
 
 
 def reload_pays(num_blocks: int, read_s: float, recompute_s: float, host_load_s: float) -> bool:
@@ -146,6 +156,7 @@ class Onboarding:
             primary.store_of(t).read_seconds_per_block() for r in reads.values() for _, t in r
         )
         used = {t for r in reads.values() for _, t in r}
+        read_s += sum(read_seconds_fixed(primary.store_of(t)) for t in used)
         if self._recompute_s is not None and not reload_pays(
             length - match.num_blocks, read_s, self._recompute_s, self._host_load_s
         ):
@@ -273,7 +284,9 @@ class Onboarding:
         if not primary.backing:
             return None
         read_s = {b.tier: b.store.read_seconds_per_block() for b in primary.backing}
-        return ReloadCosts(self._recompute_s or 0.0, self._host_load_s, read_s)
+        fixed = {b.tier: read_seconds_fixed(b.store) for b in primary.backing}
+        fixed = {tier: seconds for tier, seconds in fixed.items() if seconds}
+        return ReloadCosts(self._recompute_s or 0.0, self._host_load_s, read_s, fixed)
 
     def set_costs(self, recompute_s: float, host_load_s: float) -> None:
         """Measured seconds per block to recompute and to load from host."""

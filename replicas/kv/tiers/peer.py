@@ -37,12 +37,14 @@ from replicas.kv.events import TierTraits
 from replicas.kv.hashing import BlockHash
 from replicas.kv.records import TierUsage
 from replicas.kv.tiers.base import BackingStore
+from replicas.kv.tiers.pull_fit import PullFit
 from replicas.kv.tiers.registry import BackingOptions, TierContext, TierPlugin
 
 OFFER_TTL_S = 30.0
 """How long a source's offer stands: past it, the source may have evicted the blocks."""
 DEFAULT_READ_S_PER_BYTE = 1 / 1e9
-"""What a pull is assumed to cost before one was measured (1 GB/s)."""
+"""What a pull is assumed to cost per byte before one was measured (1 GB/s), with no fixed
+part."""
 
 
 class PeerOptions(BackingOptions):
@@ -124,6 +126,7 @@ class PeerStore:
         self._lock = threading.Lock()  # the counters, shared with the reading thread
         self._pulled = self._failures = self._bytes = 0
         self._seconds = 0.0
+        self._fit = PullFit(0.0, DEFAULT_READ_S_PER_BYTE * block_bytes)  # per call to a source
 
     def offer(self, hashes: list[BlockHash], source: PeerSource) -> None:
         """``source`` holds these blocks (the router's word): reads may ask it for them."""
@@ -151,6 +154,7 @@ class PeerStore:
         start = time.perf_counter()
         for index, positions in by_source.items():
             asked = [hashes[i] for i in positions]
+            began = time.perf_counter()
             try:
                 answer = _ask(sources[index].handle, self.cache_type, asked, self.timeout_s)
             except Exception:  # a dead, failed or late source: those blocks are recomputed
@@ -160,6 +164,8 @@ class PeerStore:
                 continue  # another model, KV format or block size: refused
             for i, block in zip(positions, blocks):
                 ok[i] = self._accept(block, hashes[i], outs[i])
+            with self._lock:
+                self._fit.add(len(asked), time.perf_counter() - began)
         with self._lock:
             self._pulled += sum(ok)
             self._failures += len(ok) - sum(ok)
@@ -189,11 +195,15 @@ class PeerStore:
         self._offers.pop(block_hash, None)
 
     def read_seconds_per_block(self) -> float:
-        """The measured pull time per block (1 GB/s before the first pull)."""
+        """A pull's time per block, its fixed part apart (``PullFit``; 1 GB/s before the first
+        pull)."""
         with self._lock:
-            if self._pulled:
-                return self._seconds / self._pulled
-        return DEFAULT_READ_S_PER_BYTE * self.block_bytes
+            return self._fit.parts()[1]
+
+    def read_seconds_fixed(self) -> float:
+        """A pull's time whatever its size: one call to a source (0 before the first pull)."""
+        with self._lock:
+            return self._fit.parts()[0]
 
     def retain(self, block_hash: BlockHash, until: float) -> bool:
         return False
