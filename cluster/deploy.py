@@ -33,6 +33,7 @@ from cluster.config import ClusterConfig
 from cluster.dispatch import Dispatcher, Request
 from cluster.health import ACTOR_LOST, HEALTH_TIMEOUT_S, HealthMonitor
 from cluster.membership import Membership
+from cluster.peer_handover import has_peer_tier
 from cluster.placement import can_grow, init_ray, is_embedded, place_replicas
 from cluster.resize import ReplicaStartError, Resizer
 from cluster.router_calls import RouterCalls
@@ -50,6 +51,9 @@ from router.config import RoutingConfig
 from router.router import ReplicaRole
 
 logger = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 60.0
+"""The longest the deployment waits for its replicas to time pulls from each other."""
 
 
 class RayBackend:
@@ -142,6 +146,8 @@ class RayBackend:
             logger.info("the ttft profile prices with the replicas' measured costs: %s", costs)
         # Replicas of one node read each other's disk blocks: the router credits them all.
         ray.get(self.router.set_nodes.remote([str(i["node_id"]) for i in self.replica_infos]))
+        if self._pulls_from_peers and has_peer_tier(self._start_config) and len(replicas) > 1:
+            _probe_peers(replicas)
         return ray.get([replica.ready.remote() for replica in replicas])
 
     @property
@@ -309,6 +315,23 @@ def _check_host_memory(config: ClusterConfig, engine_config: EngineConfig, args:
     total = deployment_host_bytes(args, engine_config, config.data_parallel_size)
     if total:
         check_host_capacity(total, f"host KV tier of {config.data_parallel_size} replica(s)")
+
+
+def _probe_peers(replicas: list[ray.actor.ActorHandle]) -> None:
+    """Each replica times pulls from the next one (``ReplicaActor.probe_peer``), so that the
+    router prices the first pulls with measured costs rather than the peer tier's assumed rate;
+    a probe that fails leaves that replica's assumption, with a warning."""
+    probes = [
+        r.probe_peer.remote(replicas[(i + 1) % len(replicas)]) for i, r in enumerate(replicas)
+    ]
+    try:
+        answered = ray.get(probes, timeout=PROBE_TIMEOUT_S)
+    except Exception as error:  # a replica that fails here fails its readiness check next
+        logger.warning("timing pulls between replicas failed: %s", _last_line(error))
+        return
+    if not all(answered):
+        late = [i for i, ok in enumerate(answered) if not ok]
+        logger.warning("replicas %s could not time a pull from their peer", late)
 
 
 def _last_line(error: Exception) -> str:

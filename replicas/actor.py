@@ -28,7 +28,7 @@ from replicas.cache_hints import CacheHints, PeerSource
 from replicas.kv.events import KVEventBatch, KVSnapshot, Tier
 from replicas.kv.hashing import BlockHash
 from replicas.outputs import OutputDelta, RequestOutput
-from replicas.pull_costs import PullCostReport, has_peer_tier
+from replicas.pull_costs import start_report
 from replicas.resume import ResumeState
 from replicas.sampling_params import SamplingParams
 from replicas.step_costs import StepCosts
@@ -160,7 +160,7 @@ class ReplicaActor:
             max_waiting_requests=max_waiting_requests,
         )
         self.router = router
-        self._pull_costs = self._report_pull_costs()
+        self._pull_costs = start_report(self.engine, replica_index, self._step_costs, router)
         self._subscribers: dict[str, _Subscriber] = {}
         self._latest_streams: dict[str, int] = {}  # owner -> its latest stream's number
         self._next_seq = 0
@@ -275,21 +275,6 @@ class ReplicaActor:
             )
 
     # ---- router support ----------------------------------------------------------------------
-    def _report_pull_costs(self) -> PullCostReport | None:
-        """With the peer tier and the router: what a pull costs here, sent now and when it
-        moves (``replicas.pull_costs``)."""
-        if self.router is None or self._step_costs is None or not has_peer_tier(self.engine):
-            return None
-        index = self.replica_index
-        report = PullCostReport(
-            self.engine,
-            index,
-            self._step_costs,
-            lambda costs: self.router.set_pull_costs.remote(index, costs),
-        )
-        report.maybe_send()
-        return report
-
     def _report(self, outputs: list[RequestOutput]) -> None:
         events = tuple(self.engine.kv_cache.views.drain_events())
         batch = KVEventBatch(self.replica_index, self._next_seq, events)
@@ -354,6 +339,25 @@ class ReplicaActor:
         return await self.async_engine.run_exclusive(
             lambda: self.engine.export_blocks(cache_type, hashes)
         )
+
+    async def export_probe(self, cache_type: str, num_blocks: int) -> tuple:
+        """Blocks of zeros shaped as ``cache_type``'s, for a replica timing a pull from this one
+        (``replicas.kv.tiers.peer.PeerStore.probe``)."""
+        from replicas.kv.tiers.peer import probe_answer
+
+        self._check_engine()
+        return probe_answer(self.engine, cache_type, num_blocks)
+
+    async def probe_peer(self, peer: Any) -> bool:
+        """Time pulls from the replica ``peer`` (its actor) so that this replica prices its
+        first pull with a measured round trip and rate (``PeerStore.probe``), then report its
+        pull costs; False without the peer tier or if ``peer`` did not answer."""
+        stores = self.engine.backing.get("peer", {})
+        loop = asyncio.get_running_loop()
+        answered = [await loop.run_in_executor(None, s.probe, peer) for s in stores.values()]
+        if self._pull_costs is not None:
+            self._pull_costs.send_now()
+        return bool(answered) and all(answered)
 
     async def step_costs(self) -> StepCosts | None:
         """What this replica's engine steps cost, measured when it started (None unless the

@@ -7,7 +7,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from replicas.step_costs import PullCosts, StepCosts
 
@@ -59,6 +59,11 @@ class PullCostReport:
             read_s_fixed=fixed_s,
         )
 
+    def send_now(self) -> None:
+        """Look at the costs now, whenever they were looked at last (sent if they moved)."""
+        self._next = 0.0
+        self.maybe_send()
+
     def maybe_send(self) -> None:
         """Send the costs if none were sent yet or they moved (looked at every
         ``REPORT_INTERVAL_S``)."""
@@ -96,3 +101,20 @@ def describe(costs: PullCosts) -> str:
 
 def has_peer_tier(engine: "Engine") -> bool:
     return PEER in engine.backing
+
+
+def start_report(
+    engine: "Engine", replica_index: int, step_costs: StepCosts | None, router: Any
+) -> PullCostReport | None:
+    """With the peer tier and a router: a report of what a pull costs ``replica_index``, sent
+    to ``router`` now and when it moves; None otherwise."""
+    if router is None or step_costs is None or not has_peer_tier(engine):
+        return None
+    report = PullCostReport(
+        engine,
+        replica_index,
+        step_costs,
+        lambda costs: router.set_pull_costs.remote(replica_index, costs),
+    )
+    report.maybe_send()
+    return report

@@ -118,6 +118,9 @@ class Failing(peer.LocalPeer):
     def export_blocks(self, cache_type, hashes):
         raise ConnectionError("the source died")
 
+    def export_probe(self, cache_type, num_blocks):
+        raise ConnectionError("the source died")
+
 
 @pytest.mark.parametrize("case", ["other model", "other salt", "corrupt", "dead source"])
 def test_a_refused_or_failed_pull_recomputes_with_the_right_output(source, cold_tokens, case):
@@ -229,4 +232,43 @@ def test_a_replica_reports_its_pull_costs_at_start_and_when_its_pulls_move_them(
     now[0] += REPORT_INTERVAL_S
     report.maybe_send()
     assert sent[-1] is sent[1] and len(sent) == 2  # unchanged: not sent again
+    puller.close()
+
+
+class ClockedProbes(peer.LocalPeer):
+    """Answers probes 20 ms + 1 ms a block later on a fake clock."""
+
+    def __init__(self, engine: Engine, now: list[float]) -> None:
+        super().__init__(engine)
+        self.now = now
+
+    def export_probe(self, cache_type, num_blocks):
+        self.now[0] += 0.020 + 0.001 * num_blocks
+        return super().export_probe(cache_type, num_blocks)
+
+
+def test_a_probe_prices_the_first_pull_with_a_measured_round_trip(source, monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(peer.time, "perf_counter", lambda: now[0])
+    puller = engine(tiers={"peer": {}})
+    store = puller.backing["peer"]["full"]
+    assumed = store.read_seconds_per_block()
+    assert store.probe(ClockedProbes(source, now))
+    assert store.read_seconds_fixed() == pytest.approx(0.020)
+    assert store.read_seconds_per_block() == pytest.approx(0.001) != assumed
+    assert puller.stats().backing["peer"]["full"].round_trip_s == pytest.approx(0.020)
+    assert puller.stats().backing["peer"]["full"].blocks_pulled == 0  # probes are not pulls
+    costs = puller.kv_cache.onboarding.reload_costs()
+    assert costs.read_fixed_s["peer"] == pytest.approx(0.020)
+    puller.close()
+
+
+@pytest.mark.parametrize("case", ["other model", "dead source"])
+def test_a_probe_that_fails_leaves_the_assumed_costs(source, case):
+    puller = engine(seed=1 if case == "other model" else 0, tiers={"peer": {}})
+    store = puller.backing["peer"]["full"]
+    before = (store.read_seconds_fixed(), store.read_seconds_per_block())
+    handle = Failing(source) if case == "dead source" else peer.LocalPeer(source)
+    assert not store.probe(handle)
+    assert (store.read_seconds_fixed(), store.read_seconds_per_block()) == before
     puller.close()

@@ -63,11 +63,17 @@ class PeerBlock(NamedTuple):
     data: np.ndarray
 
 
+PROBE_SIZES = (1, 1, 16, 16)
+"""Blocks per timed probe pull (``PeerStore.probe``): two sizes twice, after one pull of a block
+that is not counted (the first call between two replicas also sets up their connection)."""
+
+
 class PeerStats(NamedTuple):
     blocks_pulled: int
     pull_failures: int  # blocks asked for and not accepted (refused, missing, late, corrupt)
     bytes_pulled: int
     seconds: float
+    round_trip_s: float = 0.0  # a pull's part whatever its size (PullFit), probes included
 
 
 def block_bytes(tensor: torch.Tensor) -> np.ndarray:
@@ -89,6 +95,15 @@ def export(fingerprint: str, blocks: list[torch.Tensor | None], hashes: list[Blo
     ]
 
 
+def probe_answer(engine: Any, cache_type: str, num_blocks: int) -> tuple:
+    """What a source answers a probe (``PeerStore.probe``): ``num_blocks`` blocks of zeros of
+    its ``cache_type`` block's shape and dtype, checksummed and sent as an export's."""
+    block = engine.runner.kv_caches[cache_type][0]
+    hashes = [b"probe" + i.to_bytes(11, "little") for i in range(num_blocks)]
+    zeros = [torch.zeros(block.shape, dtype=block.dtype) for _ in hashes]
+    return export(engine.fingerprint, zeros, hashes)
+
+
 class LocalPeer:
     """An in-process source: an ``Engine`` of this process (tests, a process holding several
     engines); an actor handle is the other kind."""
@@ -99,14 +114,18 @@ class LocalPeer:
     def export_blocks(self, cache_type: str, hashes: list[BlockHash]):
         return self.engine.export_blocks(cache_type, hashes)
 
+    def export_probe(self, cache_type: str, num_blocks: int):
+        return probe_answer(self.engine, cache_type, num_blocks)
 
-def _ask(handle: Any, cache_type: str, hashes: list[BlockHash], timeout_s: float):
-    """The source's answer (``export``'s), waiting up to ``timeout_s``."""
+
+def _ask(handle: Any, method: str, args: tuple, timeout_s: float):
+    """The source's answer to ``method(*args)`` (``export_blocks`` or ``export_probe``),
+    waiting up to ``timeout_s``."""
     if isinstance(handle, LocalPeer):
-        return handle.export_blocks(cache_type, hashes)
+        return getattr(handle, method)(*args)
     import ray
 
-    return ray.get(handle.export_blocks.remote(cache_type, hashes), timeout=timeout_s)
+    return ray.get(getattr(handle, method).remote(*args), timeout=timeout_s)
 
 
 class PeerStore:
@@ -156,7 +175,9 @@ class PeerStore:
             asked = [hashes[i] for i in positions]
             began = time.perf_counter()
             try:
-                answer = _ask(sources[index].handle, self.cache_type, asked, self.timeout_s)
+                answer = _ask(
+                    sources[index].handle, "export_blocks", (self.cache_type, asked), self.timeout_s
+                )
             except Exception:  # a dead, failed or late source: those blocks are recomputed
                 continue
             fingerprint, blocks = answer
@@ -189,6 +210,28 @@ class PeerStore:
             np.copyto(out.view(-1).view(torch.uint8).numpy(), data.reshape(-1))
         else:
             out.copy_(torch.from_numpy(data.copy()).view(out.dtype).view(out.shape))
+        return True
+
+    def probe(self, handle: Any, sizes: tuple[int, ...] = PROBE_SIZES) -> bool:
+        """Time pulls of ``sizes`` blocks of zeros from the replica ``handle`` into the fit, as
+        pulls (its ``export_probe``): so that this replica prices its first real pull with a
+        measured round trip and rate. False, and nothing counted past that pull, if the source
+        failed, was late or answered for another model or KV format."""
+        for i, num_blocks in enumerate((1, *sizes)):
+            began = time.perf_counter()
+            try:
+                args = (self.cache_type, num_blocks)
+                fingerprint, blocks = _ask(handle, "export_probe", args, self.timeout_s)
+            except Exception:
+                return False
+            if fingerprint != self.fingerprint or len(blocks) != num_blocks:
+                return False
+            for block in blocks:
+                if block.data.nbytes != self.block_bytes or checksum(block.data) != block.checksum:
+                    return False
+            if i:  # the first one set up the connection
+                with self._lock:
+                    self._fit.add(num_blocks, time.perf_counter() - began)
         return True
 
     def discard(self, block_hash: BlockHash) -> None:
@@ -241,7 +284,8 @@ class PeerStore:
 
     def stats(self) -> PeerStats:
         with self._lock:
-            return PeerStats(self._pulled, self._failures, self._bytes, self._seconds)
+            fixed = self._fit.parts()[0]
+            return PeerStats(self._pulled, self._failures, self._bytes, self._seconds, fixed)
 
 
 def open_stores(context: TierContext, options: PeerOptions) -> dict[str, BackingStore]:
