@@ -33,7 +33,7 @@ from cluster.config import ClusterConfig
 from cluster.dispatch import Dispatcher, Request
 from cluster.health import ACTOR_LOST, HEALTH_TIMEOUT_S, HealthMonitor
 from cluster.membership import Membership
-from cluster.peer_handover import has_peer_tier
+from cluster.peer_handover import PROBE_TIMEOUT_S, has_peer_tier
 from cluster.placement import can_grow, init_ray, is_embedded, place_replicas
 from cluster.resize import ReplicaStartError, Resizer
 from cluster.router_calls import RouterCalls
@@ -51,9 +51,6 @@ from router.config import RoutingConfig
 from router.router import ReplicaRole
 
 logger = logging.getLogger(__name__)
-
-PROBE_TIMEOUT_S = 60.0
-"""The longest the deployment waits for its replicas to time pulls from each other."""
 
 
 class RayBackend:

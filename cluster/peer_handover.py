@@ -8,6 +8,9 @@ blocks move over Ray between replicas, not through a node's disk.
                the survivor pulls them into up to ``HANDOVER_SHARE`` of its host tier,
                evicting its own least recently used blocks first (``hand_over``)
 
+and, with pulling on, a new replica times pulls from a peer before it takes traffic, as a
+deployment's first replicas do when it starts (``time_pulls``, ``ReplicaActor.probe_peer``).
+
 Both are bounded by ``server.warm_start_budget_s`` and are on only where the replicas have the
 peer tier (``kv_offload_config.tiers: {peer: {}}``). A source or puller that fails or answers
 late costs blocks not moved, never a request.
@@ -24,6 +27,8 @@ from cluster.health import ACTOR_LOST, HEALTH_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
+PROBE_TIMEOUT_S = 60.0
+"""The longest a deployment waits for new replicas to time pulls from their peers."""
 HANDOVER_SHARE = 0.5
 """The most of a survivor's host tier a leaving replica's blocks may take, so that the
 survivor's own hot blocks stay."""
@@ -42,6 +47,17 @@ async def hot_blocks(replica: Any, index: int) -> dict[bytes, float]:
     except (*ACTOR_LOST, RayTaskError, TimeoutError) as error:
         logger.warning("hand-over: replica %d did not report its blocks: %r", index, error)
         return {}
+
+
+async def time_pulls(replica: Any, index: int, peer: Any) -> bool:
+    """New replica ``index`` times pulls from ``peer`` (``ReplicaActor.probe_peer``), so that it
+    prices its first pull with measured costs; False, with a warning, if that failed."""
+    try:
+        timed = await asyncio.wait_for(replica.probe_peer.remote(peer), PROBE_TIMEOUT_S)
+    except (*ACTOR_LOST, RayTaskError, TimeoutError) as error:
+        timed = False
+        logger.warning("replica %d could not time a pull from its peer: %r", index, error)
+    return bool(timed)
 
 
 async def warm_new_replica(

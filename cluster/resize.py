@@ -258,6 +258,8 @@ class Resizer:
             peers = {i: self.membership.replicas[i] for i in self._serving_peers(index)}
             left_s = budget_s - (time.monotonic() - start)
             await peer_handover.warm_new_replica(replica, index, peers, left_s)
+            if peers and self.config.routing.peer_pull_min_blocks:
+                await peer_handover.time_pulls(replica, index, next(iter(peers.values())))
         incarnation = await replica.ready.remote()
         self.health.add(index, replica, incarnation)
         self.membership.start_serving(index)
