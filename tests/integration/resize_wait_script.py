@@ -144,7 +144,7 @@ async def scenario(backend: RayBackend, cluster: Cluster) -> dict:
     grown = await grow(backend, cluster)
     stats = await backend.stats()
     grown["peer_blocks_loaded"] = [r.engine.cache.peer_blocks_loaded for r in stats.replicas]
-    grown["round_trips"] = [r.engine.backing["peer"]["full"].round_trip_s for r in stats.replicas]
+    grown["timed_pulls"] = [r.engine.backing["peer"]["full"].timed_pulls for r in stats.replicas]
     refusal = await refuse(backend)
     return {**grown, "refusal": refusal, "shrink": await shrink(backend)}
 

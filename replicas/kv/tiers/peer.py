@@ -74,6 +74,7 @@ class PeerStats(NamedTuple):
     bytes_pulled: int
     seconds: float
     round_trip_s: float = 0.0  # a pull's part whatever its size (PullFit), probes included
+    timed_pulls: int = 0  # the calls to sources the fit has seen, probes included
 
 
 def block_bytes(tensor: torch.Tensor) -> np.ndarray:
@@ -284,8 +285,11 @@ class PeerStore:
 
     def stats(self) -> PeerStats:
         with self._lock:
-            fixed = self._fit.parts()[0]
-            return PeerStats(self._pulled, self._failures, self._bytes, self._seconds, fixed)
+            fit = self._fit
+            fixed = fit.parts()[0]
+            return PeerStats(
+                self._pulled, self._failures, self._bytes, self._seconds, fixed, fit.num_pulls
+            )
 
 
 def open_stores(context: TierContext, options: PeerOptions) -> dict[str, BackingStore]:
