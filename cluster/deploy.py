@@ -17,6 +17,7 @@ keeps the replicas by index and their roles (joining, serving, draining, retired
 
 import asyncio
 import logging
+import time
 import warnings
 from collections.abc import AsyncIterator
 
@@ -315,20 +316,21 @@ def _check_host_memory(config: ClusterConfig, engine_config: EngineConfig, args:
 
 
 def _probe_peers(replicas: list[ray.actor.ActorHandle]) -> None:
-    """Each replica times pulls from the next one (``ReplicaActor.probe_peer``), so that the
-    router prices the first pulls with measured costs rather than the peer tier's assumed rate;
-    a probe that fails leaves that replica's assumption, with a warning."""
-    probes = [
-        r.probe_peer.remote(replicas[(i + 1) % len(replicas)]) for i, r in enumerate(replicas)
-    ]
-    try:
-        answered = ray.get(probes, timeout=PROBE_TIMEOUT_S)
-    except Exception as error:  # a replica that fails here fails its readiness check next
-        logger.warning("timing pulls between replicas failed: %s", _last_line(error))
-        return
-    if not all(answered):
-        late = [i for i, ok in enumerate(answered) if not ok]
-        logger.warning("replicas %s could not time a pull from their peer", late)
+    """Each replica in turn times pulls from the next one (``ReplicaActor.probe_peer``; one at a
+    time, so that no probe competes with another), so that the router prices the first pulls
+    with measured costs rather than the peer tier's assumed rate; a probe that fails leaves
+    that replica's assumption, with a warning."""
+    deadline = time.monotonic() + PROBE_TIMEOUT_S
+    failed = []
+    for i, replica in enumerate(replicas):
+        probe = replica.probe_peer.remote(replicas[(i + 1) % len(replicas)])
+        try:
+            if not ray.get(probe, timeout=max(0.0, deadline - time.monotonic())):
+                failed.append(i)
+        except Exception as error:  # a replica that fails here fails its readiness check next
+            logger.warning("replica %d could not time a pull: %s", i, _last_line(error))
+    if failed:
+        logger.warning("replicas %s could not time a pull from their peer", failed)
 
 
 def _last_line(error: Exception) -> str:

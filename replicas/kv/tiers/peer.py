@@ -63,9 +63,11 @@ class PeerBlock(NamedTuple):
     data: np.ndarray
 
 
-PROBE_SIZES = (1, 1, 16, 16)
-"""Blocks per timed probe pull (``PeerStore.probe``): two sizes twice, after one pull of a block
-that is not counted (the first call between two replicas also sets up their connection)."""
+PROBE_SIZES = (1, 16)
+"""Blocks per timed probe pull (``PeerStore.probe``): each size timed ``PROBE_REPEATS`` times,
+its quickest counted, after one pull of a block that is not (the first call between two
+replicas also sets up their connection)."""
+PROBE_REPEATS = 3
 
 
 class PeerStats(NamedTuple):
@@ -214,25 +216,30 @@ class PeerStore:
         return True
 
     def probe(self, handle: Any, sizes: tuple[int, ...] = PROBE_SIZES) -> bool:
-        """Time pulls of ``sizes`` blocks of zeros from the replica ``handle`` into the fit, as
-        pulls (its ``export_probe``): so that this replica prices its first real pull with a
-        measured round trip and rate. False, and nothing counted past that pull, if the source
-        failed, was late or answered for another model or KV format."""
-        for i, num_blocks in enumerate((1, *sizes)):
+        """Time pulls of ``sizes`` blocks of zeros from the replica ``handle`` (its
+        ``export_probe``), the quickest of ``PROBE_REPEATS`` per size, into the fit as pulls:
+        so that this replica prices its first real pull with a measured round trip and rate.
+        False, and nothing counted, if the source failed, was late or answered for another
+        model or KV format."""
+        times: dict[int, list[float]] = {}
+        for i, num_blocks in enumerate((1, *[n for n in sizes for _ in range(PROBE_REPEATS)])):
             began = time.perf_counter()
             try:
                 args = (self.cache_type, num_blocks)
                 fingerprint, blocks = _ask(handle, "export_probe", args, self.timeout_s)
             except Exception:
                 return False
+            seconds = time.perf_counter() - began
             if fingerprint != self.fingerprint or len(blocks) != num_blocks:
                 return False
             for block in blocks:
                 if block.data.nbytes != self.block_bytes or checksum(block.data) != block.checksum:
                     return False
             if i:  # the first one set up the connection
-                with self._lock:
-                    self._fit.add(num_blocks, time.perf_counter() - began)
+                times.setdefault(num_blocks, []).append(seconds)
+        with self._lock:
+            for num_blocks, seconds in times.items():
+                self._fit.add(num_blocks, min(seconds))
         return True
 
     def discard(self, block_hash: BlockHash) -> None:
